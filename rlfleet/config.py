@@ -1,0 +1,233 @@
+"""Run configuration: OmegaConf YAML with RLinf's groups and key names, validated against the embedded default.
+
+The embedded default (``rlfleet/configs/pandapickcube_ppo.yaml``) is the schema: a user config or a ``key=value``
+override may only set keys that exist there (free-form maps excepted), with a value of a compatible type.
+A misspelled key is an error naming it and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import pathlib
+import re
+from collections.abc import Iterable, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
+# Maps whose keys are the user's to choose.
+FREE_FORM = ("cluster.component_placement", "env.train.init_params", "env.eval.init_params")
+COMPONENTS = ("env", "rollout", "actor")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key."""
+
+
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if path in FREE_FORM:
+                out[path] = node[key]
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                out.update(_flatten(child, path))
+            else:
+                out[path] = OmegaConf.to_container(child) if isinstance(child, ListConfig) else child._value()
+    return out
+
+
+def _suggest(path: str, known: Iterable[str]) -> str:
+    known = list(known)
+    close = difflib.get_close_matches(path, known, n=1, cutoff=0.5)
+    if not close:  # compare the last component only (typo in the leaf name)
+        leaf = path.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
+        hit = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        close = [by_leaf[hit[0]]] if hit else []
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _type_ok(default, value) -> bool:
+    if default is None or value is None:
+        return True
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, (list, tuple)):
+        return isinstance(value, (list, tuple))
+    return True
+
+
+def _check_keys(schema: DictConfig, user: DictConfig, source: str) -> None:
+    known = _flatten(schema)
+    known_groups = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
+    for path, value in _flatten(user).items():
+        if path in known:
+            if not _type_ok(known[path], value):
+                raise ConfigError(f"{source}: '{path}' = {value!r} has the wrong type "
+                                  f"(expected {type(known[path]).__name__}, like the default {known[path]!r})")
+            continue
+        if any(path.startswith(f + ".") for f in FREE_FORM):
+            continue
+        if path in known_groups:
+            raise ConfigError(f"{source}: '{path}' is a config group, not a value")
+        raise ConfigError(f"{source}: unknown config key '{path}'{_suggest(path, known)}")
+
+
+def _parse_override(item: str) -> DictConfig:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value")
+    key, _, value = item.partition("=")
+    key = key.strip().lstrip("+")
+    if not re.fullmatch(r"[A-Za-z_][\w,]*(\.[A-Za-z_][\w,]*)*", key):
+        raise ConfigError(f"override '{item}': '{key}' is not a dotted config key")
+    parsed = OmegaConf.create(f"v: {value}" if value.strip() else "v: ''").v if value.strip() else ""
+    node = OmegaConf.create()
+    OmegaConf.update(node, key, parsed, force_add=True, merge=True)
+    return node
+
+
+def _merge(cfg: DictConfig, user: DictConfig) -> DictConfig:
+    merged = OmegaConf.merge(cfg, user)
+    placement = OmegaConf.select(user, "cluster.component_placement")
+    if placement is not None:  # a placement replaces the default one instead of adding to it
+        merged.cluster.component_placement = placement
+    return merged
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+    """Default <- config file <- overrides; validated and resolved. Raises ConfigError naming any bad key."""
+    schema = OmegaConf.load(DEFAULT_CONFIG)
+    cfg = schema.copy()
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.exists() and (CONFIG_DIR / path).exists():
+            path = CONFIG_DIR / path
+        if not path.exists() and (CONFIG_DIR / f"{path}.yaml").exists():
+            path = CONFIG_DIR / f"{path}.yaml"
+        if not path.exists():
+            names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            raise ConfigError(f"config file '{path}' not found (built-in configs: {names})")
+        user = OmegaConf.load(path)
+        _check_keys(schema, user, str(path))
+        cfg = _merge(cfg, user)
+    for item in overrides:
+        node = _parse_override(item)
+        _check_keys(schema, node, f"override '{item}'")
+        cfg = _merge(cfg, node)
+    OmegaConf.resolve(cfg)
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    return cfg
+
+
+def config_from_yaml(text: str) -> DictConfig:
+    """A resolved config passed between services (already validated by the coordinator)."""
+    return OmegaConf.create(text)
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"'{key}': {message}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-key checks that the schema's types cannot express."""
+    n_servers = cfg.cluster.num_env_servers
+    stages = cfg.rollout.pipeline_stage_num
+    _require(n_servers >= 1, "cluster.num_env_servers", f"must be >= 1, got {n_servers}")
+    _require(cfg.cluster.num_inference_servers >= 1, "cluster.num_inference_servers", "must be >= 1")
+    _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
+    for split in ("train", "eval"):
+        n = cfg.env[split].total_num_envs
+        _require(n >= 1 and n % n_servers == 0, f"env.{split}.total_num_envs",
+                 f"{n} must be a positive multiple of cluster.num_env_servers ({n_servers})")
+        _require(cfg.env[split].max_episode_steps >= 1, f"env.{split}.max_episode_steps", "must be >= 1")
+    per_server = cfg.env.train.total_num_envs // n_servers
+    _require(per_server % stages == 0, "rollout.pipeline_stage_num",
+             f"each env server's {per_server} envs must split evenly into {stages} stages")
+    _require(cfg.env.train.max_steps_per_rollout_epoch >= 1, "env.train.max_steps_per_rollout_epoch", "must be >= 1")
+    _require(cfg.env.eval.num_episodes >= 1, "env.eval.num_episodes", "must be >= 1")
+    batch = cfg.env.train.total_num_envs * cfg.env.train.max_steps_per_rollout_epoch
+    _require(cfg.actor.global_batch_size % cfg.actor.micro_batch_size == 0, "actor.global_batch_size",
+             f"{cfg.actor.global_batch_size} must be a multiple of actor.micro_batch_size "
+             f"({cfg.actor.micro_batch_size})")
+    _require(batch % cfg.actor.global_batch_size == 0, "actor.global_batch_size",
+             f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch = {batch}) must be a "
+             f"multiple of actor.global_batch_size ({cfg.actor.global_batch_size})")
+    alg = cfg.algorithm
+    _require(alg.adv_type == "gae", "algorithm.adv_type", f"'{alg.adv_type}' is not supported (gae)")
+    _require(alg.loss_type == "actor_critic", "algorithm.loss_type", f"'{alg.loss_type}' is not supported (actor_critic)")
+    _require(0 < alg.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {alg.gamma}")
+    _require(0 <= alg.gae_lambda <= 1, "algorithm.gae_lambda", f"must be in [0, 1], got {alg.gae_lambda}")
+    _require(alg.clip_ratio_c is None or alg.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 or null")
+    _require(alg.update_epoch >= 1, "algorithm.update_epoch", "must be >= 1")
+    _require(cfg.actor.model.model_type in ("mlp", "cnn"), "actor.model.model_type",
+             f"'{cfg.actor.model.model_type}' is not one of mlp, cnn")
+    _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",
+             f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu")
+    _require(cfg.actor.optim.lr_schedule in ("constant", "linear"), "actor.optim.lr_schedule",
+             f"'{cfg.actor.optim.lr_schedule}' is not one of constant, linear")
+    _require(cfg.cluster.launcher in ("local", "attach"), "cluster.launcher",
+             f"'{cfg.cluster.launcher}' is not one of local, attach")
+    for backend in cfg.runner.logger.logger_backends:
+        _require(backend in ("tensorboard",), "runner.logger.logger_backends",
+                 f"'{backend}' is not supported here (tensorboard); wandb and swanlab are not installed")
+    parse_placement(cfg.cluster.component_placement, cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node)
+
+
+def parse_ranks(spec, world: int, key: str = "cluster.component_placement") -> list[int]:
+    """'0-3' / '0,2-3' / 'all' / 5 -> sorted global GPU ranks within [0, world)."""
+    text = str(spec).strip()
+    if text == "all":
+        return list(range(world))
+    ranks: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ConfigError(f"'{key}': '{spec}' is not a GPU range like '0-3', '0,2-3' or 'all'")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ConfigError(f"'{key}': range '{part}' ends before it starts")
+        if hi >= world:
+            raise ConfigError(f"'{key}': rank {hi} in '{spec}' is outside the cluster's {world} GPUs "
+                              f"(cluster.num_nodes x cluster.num_gpus_per_node)")
+        ranks.update(range(lo, hi + 1))
+    return sorted(ranks)
+
+
+def parse_placement(placement, world: int) -> dict[str, list[int]]:
+    """{'env,rollout': '0-3', 'actor': 'all'} -> {'env': [0..3], 'rollout': [0..3], 'actor': [...]}."""
+    out: dict[str, list[int]] = {}
+    items = placement.items() if hasattr(placement, "items") else []
+    for names, spec in items:
+        ranks = parse_ranks(spec, world, f"cluster.component_placement.{names}")
+        for name in str(names).split(","):
+            name = name.strip()
+            if name not in COMPONENTS:
+                raise ConfigError(f"'cluster.component_placement.{names}': unknown component '{name}' "
+                                  f"(components: {', '.join(COMPONENTS)}){_suggest(name, COMPONENTS)}")
+            if name in out:
+                raise ConfigError(f"'cluster.component_placement': component '{name}' is placed twice")
+            out[name] = ranks
+    for name in COMPONENTS:
+        out.setdefault(name, [])
+    return out
+
+
+def cuda_visible_devices(ranks: list[int], gpus_per_node: int) -> str:
+    """Local device ids for a process placed on these global ranks (single node)."""
+    return ",".join(str(r % gpus_per_node) for r in ranks) if gpus_per_node else ""
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,189 @@
+"""Gaussian actor-critic policies: an MLP for state observations, a small CNN encoder for images + state.
+
+``ActorCritic.act`` (inference) and ``ActorCritic.evaluate`` (learner) share ``distribution``: the log-prob of an
+action is computed by one piece of code on both sides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
+
+
+@dataclass(frozen=True)
+class ObsSpec:
+    """Per-env shape and dtype of one observation entry."""
+
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name
+
+    @property
+    def is_image(self) -> bool:
+        return self.dtype == "uint8" and len(self.shape) == 3
+
+
+class RunningMeanStd(nn.Module):
+    """Running mean/variance (parallel Welford) kept as buffers, so it ships with the policy weights."""
+
+    def __init__(self, shape: tuple[int, ...], clip: float = 10.0, eps: float = 1e-8):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
+        self.clip, self.eps = clip, eps
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, *self.mean.shape).to(torch.float64)
+        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var.copy_((self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total)
+        self.count.copy_(total)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        std = torch.sqrt(self.var + self.eps).to(x.dtype)
+        return torch.clamp((x - self.mean.to(x.dtype)) / std, -self.clip, self.clip)
+
+
+def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        linear = nn.Linear(sizes[i], sizes[i + 1])
+        last = i == len(sizes) - 2
+        nn.init.orthogonal_(linear.weight, out_gain if last else math.sqrt(2))
+        nn.init.zeros_(linear.bias)
+        layers.append(linear)
+        if not last:
+            layers.append(_ACTIVATIONS[activation]())
+    return nn.Sequential(*layers)
+
+
+class ImageEncoder(nn.Module):
+    """Small conv net: uint8 HxWx3 -> features. One per camera."""
+
+    def __init__(self, image_shape: tuple[int, int, int], channels: list[int], out_dim: int):
+        super().__init__()
+        layers, c_in = [], image_shape[2]
+        for i, c in enumerate(channels):
+            stride = 2
+            layers += [nn.Conv2d(c_in, c, kernel_size=3 if i else 5, stride=stride, padding=1), nn.ReLU()]
+            c_in = c
+        layers += [nn.AdaptiveAvgPool2d(4), nn.Flatten()]
+        self.conv = nn.Sequential(*layers)
+        self.proj = nn.Sequential(nn.Linear(c_in * 16, out_dim), nn.ReLU())
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = image.permute(0, 3, 1, 2).to(torch.float32) / 255.0
+        return self.proj(self.conv(x))
+
+
+class ActorCritic(nn.Module):
+    """Gaussian policy with a state-independent log std, and a value head.
+
+    Observation entries: float vectors are concatenated (after running normalisation); uint8 HxWx3 images go
+    through one ``ImageEncoder`` each (model_type 'cnn').
+    """
+
+    def __init__(self, obs_specs: Mapping[str, ObsSpec], action_dim: int, *, model_type: str = "mlp",
+                 hidden_dims=(256, 256), activation: str = "tanh", init_log_std: float = -0.5,
+                 cnn_channels=(16, 32, 32), image_feature_dim: int = 128, normalize_obs: bool = True):
+        super().__init__()
+        self.obs_specs = dict(obs_specs)
+        self.action_dim = action_dim
+        self.model_type = model_type
+        self.image_keys = sorted(k for k, s in self.obs_specs.items() if s.is_image)
+        self.vector_keys = sorted(k for k, s in self.obs_specs.items() if not s.is_image)
+        if model_type == "mlp" and self.image_keys:
+            raise ValueError(f"model_type 'mlp' cannot take image observations {self.image_keys}; use 'cnn'")
+        if model_type == "cnn" and not self.image_keys:
+            raise ValueError("model_type 'cnn' needs image observations; the env provides none")
+        vec_dim = sum(int(np.prod(self.obs_specs[k].shape)) for k in self.vector_keys)
+        self.obs_rms = RunningMeanStd((vec_dim,)) if (normalize_obs and vec_dim) else None
+        self.encoders = nn.ModuleDict({
+            k: ImageEncoder(self.obs_specs[k].shape, list(cnn_channels), image_feature_dim) for k in self.image_keys})
+        in_dim = vec_dim + image_feature_dim * len(self.image_keys)
+        hidden = list(hidden_dims)
+        self.actor_mean = _mlp([in_dim, *hidden, action_dim], activation, out_gain=0.01)
+        self.critic = _mlp([in_dim, *hidden, 1], activation, out_gain=1.0)
+        self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))
+
+    # --- observation handling -------------------------------------------------------------------------------
+    def vector_obs(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        if not self.vector_keys:
+            return None
+        parts = [obs[k].reshape(obs[k].shape[0], -1).to(torch.float32) for k in self.vector_keys]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def features(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        parts = []
+        vec = self.vector_obs(obs)
+        if vec is not None:
+            parts.append(self.obs_rms(vec) if self.obs_rms is not None else vec)
+        parts += [self.encoders[k](obs[k]) for k in self.image_keys]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    @torch.no_grad()
+    def update_obs_normalizer(self, obs: Mapping[str, torch.Tensor]) -> None:
+        if self.obs_rms is not None:
+            self.obs_rms.update(self.vector_obs(obs))
+
+    # --- the one log-prob implementation ---------------------------------------------------------------------
+    def distribution(self, obs: Mapping[str, torch.Tensor]) -> tuple[torch.distributions.Normal, torch.Tensor]:
+        feats = self.features(obs)
+        mean = self.actor_mean(feats)
+        std = self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
+        return torch.distributions.Normal(mean, std), self.critic(feats).squeeze(-1)
+
+    @staticmethod
+    def log_prob(dist: torch.distributions.Normal, actions: torch.Tensor) -> torch.Tensor:
+        return dist.log_prob(actions).sum(-1)
+
+    @torch.no_grad()
+    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False):
+        """-> actions (raw, unclipped Gaussian samples or means), their log-probs, values."""
+        dist, values = self.distribution(obs)
+        actions = dist.mean if deterministic else dist.sample()
+        return actions, self.log_prob(dist, actions), values
+
+    def evaluate(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor):
+        """-> log-probs of ``actions``, entropy, values (with gradients) for the learner."""
+        dist, values = self.distribution(obs)
+        return self.log_prob(dist, actions), dist.entropy().sum(-1), values
+
+    def value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.critic(self.features(obs)).squeeze(-1)
+
+
+def build_policy(model_cfg, obs_specs: Mapping[str, ObsSpec], action_dim: int, normalize_obs: bool) -> ActorCritic:
+    """Build the configured policy (``actor.model`` group) for an env's spaces."""
+    return ActorCritic(
+        obs_specs, action_dim,
+        model_type=model_cfg.model_type, hidden_dims=list(model_cfg.hidden_dims),
+        activation=model_cfg.activation, init_log_std=model_cfg.init_log_std,
+        cnn_channels=list(model_cfg.cnn_channels), image_feature_dim=model_cfg.image_feature_dim,
+        normalize_obs=normalize_obs)
+
+
+def obs_specs_from_proto(space) -> dict[str, ObsSpec]:
+    """{name: TensorSpec} (protobuf map) -> {name: ObsSpec}."""
+    from rlfleet.codec import numpy_dtype
+
+    return {k: ObsSpec(tuple(int(d) for d in v.shape), numpy_dtype(v.dtype).name) for k, v in space.items()}
+
+
+def to_torch_obs(obs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """numpy observation batch -> torch tensors (no copy when the array is writable)."""
+    out = {}
+    for k, v in obs.items():
+        if not v.flags.writeable:
+            v = v.copy()
+        out[k] = torch.from_numpy(v)
+    return out

@@ -1,0 +1,88 @@
+"""What every service process does around its core: serve gRPC, register with the coordinator, heartbeat, and
+exit cleanly when told to or when the coordinator is gone (no orphan processes)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+
+import grpc
+
+from rlfleet import rpc
+from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("rlfleet.service")
+
+ROLES = {"env": coordinator_pb2.ENV, "inference": coordinator_pb2.INFERENCE, "learner": coordinator_pb2.LEARNER}
+
+
+def common_args(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config", required=True, help="resolved run config (YAML) written by the coordinator")
+    p.add_argument("--address", default="127.0.0.1:0", help="host:port to serve on (port 0 = any free port)")
+    p.add_argument("--index", type=int, default=0, help="index of this service among its role")
+    p.add_argument("--coordinator", default=None, help="coordinator address to register with (optional)")
+    p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "WARNING"))
+    return p
+
+
+def setup_process(args, num_threads: int) -> None:
+    import torch
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    torch.set_num_threads(max(1, int(num_threads)))
+
+
+class ServiceRuntime:
+    """Serve, register, heartbeat; ``wait()`` blocks until shutdown (signal, coordinator says so, or it is gone)."""
+
+    def __init__(self, role: str, index: int, server: grpc.Server, address: str,
+                 coordinator: str | None, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 15.0):
+        self.role, self.index, self.server, self.address = role, index, server, address
+        self.coordinator = coordinator
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        print(f"rlfleet {self.role}[{self.index}] serving on {self.address} (pid {os.getpid()})", flush=True)
+        if self.coordinator:
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        self.stop_event.wait()
+        self.server.stop(grace=1.0).wait(2.0)
+
+    def _heartbeat_loop(self) -> None:
+        ch = rpc.channel(self.coordinator)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        role = ROLES[self.role]
+        registered, last_ok = False, time.monotonic()
+        while not self.stop_event.is_set():
+            try:
+                if not registered:
+                    stub.Register(coordinator_pb2.RegisterRequest(
+                        role=role, index=self.index, address=self.address, pid=os.getpid(),
+                        incarnation=self.incarnation), timeout=5)
+                    registered = True
+                reply = stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
+                    role=role, index=self.index, incarnation=self.incarnation), timeout=5)
+                last_ok = time.monotonic()
+                if reply.shutdown:
+                    log.info("coordinator asked to shut down")
+                    self.stop_event.set()
+                    return
+            except grpc.RpcError as exc:
+                # before the first registration, wait longer: the coordinator may start after us (compose)
+                limit = self.timeout if registered else max(self.timeout, 120.0)
+                if time.monotonic() - last_ok > limit:
+                    print(f"rlfleet {self.role}[{self.index}]: coordinator {self.coordinator} unreachable for "
+                          f"{self.timeout:.0f}s ({rpc.describe_error(exc)}); shutting down", flush=True)
+                    self.stop_event.set()
+                    return
+            self.stop_event.wait(self.interval)

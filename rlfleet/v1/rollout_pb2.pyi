@@ -1,0 +1,63 @@
+from rlfleet.v1 import env_pb2 as _env_pb2
+from rlfleet.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CollectRequest(_message.Message):
+    __slots__ = ("epoch", "num_steps", "inference_addresses", "learner_address", "min_weights_version")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    num_steps: int
+    inference_addresses: _containers.RepeatedScalarFieldContainer[str]
+    learner_address: str
+    min_weights_version: int
+    def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., learner_address: _Optional[str] = ..., min_weights_version: _Optional[int] = ...) -> None: ...
+
+class CollectResponse(_message.Message):
+    __slots__ = ("epoch", "env_steps", "episodes", "rollout_time_s", "env_time_s", "inference_wait_s", "weights_version")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ENV_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    env_steps: int
+    episodes: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.EpisodeStats]
+    rollout_time_s: float
+    env_time_s: float
+    inference_wait_s: float
+    weights_version: int
+    def __init__(self, epoch: _Optional[int] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., rollout_time_s: _Optional[float] = ..., env_time_s: _Optional[float] = ..., inference_wait_s: _Optional[float] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses")
+    NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_EPISODE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    num_episodes: int
+    seed: int
+    first_episode: int
+    deterministic: bool
+    inference_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_episodes: _Optional[int] = ..., seed: _Optional[int] = ..., first_episode: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inference_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EvaluateResponse(_message.Message):
+    __slots__ = ("episodes", "eval_time_s")
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    episodes: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.EpisodeStats]
+    eval_time_s: float
+    def __init__(self, episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., eval_time_s: _Optional[float] = ...) -> None: ...

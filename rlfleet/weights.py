@@ -1,0 +1,98 @@
+"""Versioned weights sets on the wire: a state dict <-> a stream of ``WeightsChunk`` messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from rlfleet import codec
+from rlfleet.codec import CodecError, DType
+from rlfleet.models.actor_critic import ObsSpec, obs_specs_from_proto
+from rlfleet.v1 import inference_pb2, tensor_pb2
+
+CHUNK_BYTES = 1 << 20
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[int, bytes]:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return DType.BFLOAT16, t.view(torch.int16).numpy().tobytes()
+    arr = t.numpy()
+    return codec.dtype_of(arr), arr.tobytes()
+
+
+def obs_specs_to_proto(obs_specs: dict[str, ObsSpec]) -> dict[str, tensor_pb2.TensorSpec]:
+    return {k: tensor_pb2.TensorSpec(dtype=codec.dtype_of(np.zeros((), s.dtype)), shape=list(s.shape))
+            for k, s in obs_specs.items()}
+
+
+def iter_chunks(state: dict[str, torch.Tensor], version: int, *, obs_specs: dict[str, ObsSpec] | None = None,
+                action_dim: int | None = None, partial: bool = False,
+                chunk_bytes: int = CHUNK_BYTES) -> Iterator[inference_pb2.WeightsChunk]:
+    first = True
+    for name, tensor in state.items():
+        dtype, data = _tensor_bytes(tensor)
+        for offset in range(0, max(len(data), 1), chunk_bytes):
+            msg = inference_pb2.WeightsChunk(version=version, name=name, offset=offset, partial=partial)
+            msg.data.dtype = dtype
+            msg.data.shape[:] = list(tensor.shape)
+            msg.data.data = data[offset:offset + chunk_bytes]
+            if first and obs_specs is not None:
+                for k, spec in obs_specs_to_proto(obs_specs).items():
+                    msg.observation_space[k].CopyFrom(spec)
+                msg.action_space.dtype = DType.FLOAT32
+                msg.action_space.shape[:] = [int(action_dim)]
+            first = False
+            yield msg
+
+
+def assemble(chunks: Iterable[inference_pb2.WeightsChunk]):
+    """-> (version, state_dict, obs_specs | None, action_dim | None, partial). Validates every chunk."""
+    buffers: dict[str, tuple[int, list[int], bytearray]] = {}
+    filled: dict[str, int] = {}
+    version = None
+    partial = False
+    obs_specs = action_dim = None
+    for i, chunk in enumerate(chunks):
+        if version is None:
+            version, partial = chunk.version, chunk.partial
+            if chunk.observation_space:
+                obs_specs = obs_specs_from_proto(chunk.observation_space)
+                if len(chunk.action_space.shape) != 1:
+                    raise CodecError(f"action_space: shape {list(chunk.action_space.shape)} is not 1-D")
+                action_dim = int(chunk.action_space.shape[0])
+        elif chunk.version != version:
+            raise CodecError(f"chunk {i}: version {chunk.version} differs from the set's version {version}")
+        if not chunk.name:
+            raise CodecError(f"chunk {i}: empty tensor name")
+        dtype = chunk.data.dtype
+        if dtype not in (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16, DType.INT64, DType.INT32,
+                         DType.UINT8, DType.BOOL, DType.INT8):
+            raise CodecError(f"weights['{chunk.name}']: unknown dtype {dtype}")
+        shape = list(chunk.data.shape)
+        if any(d < 0 for d in shape):
+            raise CodecError(f"weights['{chunk.name}']: negative dimension in {shape}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * codec.numpy_dtype(dtype).itemsize
+        if chunk.name not in buffers:
+            buffers[chunk.name] = (dtype, shape, bytearray(nbytes))
+            filled[chunk.name] = 0
+        bdtype, bshape, buf = buffers[chunk.name]
+        if (bdtype, bshape) != (dtype, shape):
+            raise CodecError(f"weights['{chunk.name}']: chunks disagree on dtype/shape")
+        end = chunk.offset + len(chunk.data.data)
+        if chunk.offset < 0 or end > nbytes:
+            raise CodecError(f"weights['{chunk.name}']: bytes [{chunk.offset}, {end}) outside the tensor's {nbytes}")
+        buf[chunk.offset:end] = chunk.data.data
+        filled[chunk.name] += len(chunk.data.data)
+    if version is None:
+        raise CodecError("weights: empty stream")
+    state = {}
+    for name, (dtype, shape, buf) in buffers.items():
+        if filled[name] != len(buf):
+            raise CodecError(f"weights['{name}']: received {filled[name]} of {len(buf)} bytes")
+        arr = np.frombuffer(bytes(buf), dtype=codec.numpy_dtype(dtype)).reshape(shape)
+        t = torch.from_numpy(arr.copy())
+        state[name] = t.view(torch.bfloat16) if dtype == DType.BFLOAT16 else t
+    return version, state, obs_specs, action_dim, partial

@@ -1,0 +1,145 @@
+"""coordinatorctl: start, watch and stop an rlfleet run.
+
+    coordinatorctl start [CONFIG] [key=value ...]     # default: PPO on PandaPickCube-v0, all services local
+    coordinatorctl start --resume RUN_DIR [key=value ...]
+    coordinatorctl status [RUN_DIR | --address HOST:PORT]
+    coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import grpc
+
+from rlfleet import rpc
+from rlfleet.config import ConfigError, load_config
+from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+def _start(args) -> int:
+    from omegaconf import OmegaConf
+
+    from services.coordinator.coordinator import Coordinator, RunFailed, choose_run_dir, install_signal_handlers
+    from services.coordinator.server import serve
+
+    try:
+        if args.resume:
+            run_dir = pathlib.Path(args.resume)
+            if not (run_dir / "config.yaml").exists():
+                raise ConfigError(f"--resume: {run_dir}/config.yaml not found (is it a run folder?)")
+            overrides = ([args.config] if args.config else []) + list(args.overrides)
+            cfg = load_config(run_dir / "config.yaml", overrides + [f"runner.resume_dir={run_dir}"])
+        else:
+            cfg = load_config(args.config, args.overrides)
+            run_dir = choose_run_dir(cfg, None)
+        if cfg.cluster.launcher == "local":
+            from services.env.vec_env import make_env  # validates the env ids before anything starts
+
+            for split in ("train", "eval"):
+                try:
+                    make_env(cfg.env[split].env_id, dict(cfg.env[split].init_params)).close()
+                except ValueError as exc:
+                    raise ConfigError(f"'env.{split}.env_id': {exc}") from None
+    except ConfigError as exc:
+        print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
+        return 2
+    coord = Coordinator(cfg, run_dir, quiet=args.quiet)
+    server = serve(coord, cfg.cluster.coordinator_address)
+    install_signal_handlers(coord)
+    code = 0
+    try:
+        coord.run()
+        if coord.fatal:
+            raise RunFailed(coord.fatal)
+    except RunFailed as exc:
+        print(f"\ncoordinatorctl: run failed: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("\ncoordinatorctl: interrupted; shutting down", file=sys.stderr)
+        code = 130
+    finally:
+        coord.shutdown()
+        server.stop(grace=0.5)
+        OmegaConf  # noqa: B018
+    return code
+
+
+def _find_address(args) -> str:
+    if args.address:
+        return args.address
+    if args.run_dir:
+        candidates = [pathlib.Path(args.run_dir) / "coordinator.json"]
+    else:
+        candidates = sorted(pathlib.Path("runs").glob("*/coordinator.json"), key=lambda p: p.stat().st_mtime,
+                            reverse=True)
+    for path in candidates:
+        if path.exists():
+            info = json.loads(path.read_text())
+            try:
+                os.kill(info["pid"], 0)
+            except OSError:
+                continue
+            return info["address"]
+    raise SystemExit("coordinatorctl: no running coordinator found (give RUN_DIR or --address)")
+
+
+def _status(args) -> int:
+    address = _find_address(args)
+    with rpc.channel(address) as ch:
+        try:
+            st = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
+            return 1
+    print(f"{st.experiment_name}: {st.phase}, epoch {st.epoch + 1}/{st.max_epochs}, {st.env_steps} env steps, "
+          f"{st.elapsed_s:.0f}s  ({st.run_dir})")
+    for key in ("env/success_once", "env/return", "train/actor/policy_loss", "train/critic/value_loss"):
+        if key in st.last_metrics:
+            print(f"  {key} = {st.last_metrics[key]:.4f}")
+    names = {1: "env", 2: "inference", 3: "learner"}
+    for s in st.services:
+        print(f"  {names.get(s.role, s.role)}[{s.index}] {s.address} pid {s.pid} "
+              f"{'alive' if s.alive else 'DOWN'} restarts {s.restarts} heartbeat {s.last_heartbeat_age_s:.1f}s ago")
+    return 0
+
+
+def _stop(args) -> int:
+    address = _find_address(args)
+    with rpc.channel(address) as ch:
+        coordinator_pb2_grpc.CoordinatorServiceStub(ch).Stop(coordinator_pb2.StopRequest(reason="coordinatorctl stop"),
+                                                             timeout=5)
+    print(f"stop requested at {address}; the run finishes its current epoch, saves a checkpoint and shuts down")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="coordinatorctl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("start", help="start a run (default config: PPO on PandaPickCube-v0)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML config or a built-in name (pandapickcube_ppo, pandapickcube_vision_ppo)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. env.train.total_num_envs=32")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--quiet", action="store_true", help="print only the summary")
+    for name in ("status", "stop"):
+        q = sub.add_parser(name, help=f"{name} of a running coordinator")
+        q.add_argument("run_dir", nargs="?", default=None)
+        q.add_argument("--address", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "start":
+        if args.config and "=" in args.config:  # `start k=v ...` without a config file
+            args.overrides = [args.config, *args.overrides]
+            args.config = None
+        return _start(args)
+    return _status(args) if args.command == "status" else _stop(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

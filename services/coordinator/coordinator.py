@@ -1,0 +1,411 @@
+"""Coordinator: the run's step clock (rollout epoch k -> train k -> weights k+1), service registry and health,
+restarts of crashed env servers, evaluation, and the run folder (config, metrics, curve, summary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from rlfleet import codec, rpc
+from rlfleet.config import to_yaml
+from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from services.coordinator.launcher import LocalLauncher
+
+ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference", coordinator_pb2.LEARNER: "learner"}
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class Service:
+    role: str
+    index: int
+    address: str = ""
+    pid: int = 0
+    incarnation: str = ""
+    last_heartbeat: float = 0.0
+    alive: bool = False
+    restarts: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+def choose_run_dir(cfg, resume_dir: str | None) -> pathlib.Path:
+    if resume_dir:
+        return pathlib.Path(resume_dir)
+    base = pathlib.Path(cfg.runner.logger.log_path) / cfg.runner.experiment_name
+    path, n = base, 1
+    while path.exists() and any(path.iterdir()):
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+class Coordinator:
+    def __init__(self, cfg, run_dir: pathlib.Path, *, quiet: bool = False):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.quiet = quiet
+        self.counts = {"env": cfg.cluster.num_env_servers, "inference": cfg.cluster.num_inference_servers,
+                       "learner": 1}
+        self.services = {(r, i): Service(r, i) for r, n in self.counts.items() for i in range(n)}
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.stop_reason = ""
+        self.shutting_down = False
+        self.fatal: str | None = None
+        self.launcher: LocalLauncher | None = None
+        self.phase = "starting"
+        self.epoch = -1
+        self.env_steps = 0
+        self.lost_episodes = 0
+        self.last_metrics: dict[str, float] = {}
+        self.eval_history: list[dict] = []
+        self.elapsed_offset = 0.0
+        self.t_train = None
+        self.address = ""
+
+    # --- registry (called by the gRPC servicer) --------------------------------------------------------------
+    def register(self, role: int, index: int, address: str, pid: int, incarnation: str) -> bool:
+        name = ROLE_NAMES.get(role)
+        svc = self.services.get((name, index))
+        if svc is None:
+            raise rpc.InvalidRequest(f"role/index: this run has no {name or role}[{index}] "
+                                     f"(expects {self.counts})")
+        with self.lock:
+            svc.address, svc.pid, svc.incarnation = address, pid, incarnation
+            svc.last_heartbeat, svc.alive = time.monotonic(), True
+            svc.ready.set()
+        self.say(f"  {name}[{index}] up at {address} (pid {pid})", verbose=True)
+        return True
+
+    def heartbeat(self, role: int, index: int, incarnation: str) -> bool:
+        svc = self.services.get((ROLE_NAMES.get(role), index))
+        if svc is not None and svc.incarnation == incarnation:
+            svc.last_heartbeat = time.monotonic()
+        return self.shutting_down
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop_event.is_set():
+            self.stop_reason = reason
+            self.say(f"\nstopping: {reason} (finishing the current epoch; Ctrl-C again to stop at once)")
+        self.stop_event.set()
+
+    def status(self) -> coordinator_pb2.RunStatus:
+        now = time.monotonic()
+        st = coordinator_pb2.RunStatus(
+            experiment_name=self.cfg.runner.experiment_name, run_dir=str(self.run_dir), phase=self.phase,
+            epoch=self.epoch, max_epochs=self.cfg.runner.max_epochs, env_steps=self.env_steps,
+            elapsed_s=self.elapsed(), last_metrics={k: v for k, v in self.last_metrics.items() if math.isfinite(v)})
+        roles = {v: k for k, v in ROLE_NAMES.items()}
+        for svc in self.services.values():
+            st.services.add(role=roles[svc.role], index=svc.index, address=svc.address, pid=svc.pid,
+                            alive=svc.alive, restarts=svc.restarts,
+                            last_heartbeat_age_s=now - svc.last_heartbeat if svc.last_heartbeat else -1)
+        return st
+
+    # --- output ---------------------------------------------------------------------------------------------
+    def say(self, text: str, verbose: bool = False) -> None:
+        if not self.quiet and not (verbose and os.environ.get("RLFLEET_VERBOSE", "0") == "0"):
+            print(text, flush=True)
+
+    def elapsed(self) -> float:
+        return self.elapsed_offset + (time.monotonic() - self.t_train if self.t_train else 0.0)
+
+    # --- health ---------------------------------------------------------------------------------------------
+    def _monitor(self) -> None:
+        """Restart env servers that exited or went silent; fail the run if the learner or inference dies."""
+        timeout = self.cfg.cluster.heartbeat_timeout_s
+        while not self.shutting_down:
+            time.sleep(0.2)
+            dead: list[tuple[Service, str]] = []
+            if self.launcher is not None:
+                for proc, code in self.launcher.exited():
+                    svc = self.services[(proc.role, proc.index)]
+                    if svc.pid in (0, proc.popen.pid) and (svc.alive or not svc.ready.is_set()):
+                        dead.append((svc, f"exited with code {code}\n{LocalLauncher.log_tail(proc)}"))
+            now = time.monotonic()
+            for svc in self.services.values():
+                if svc.alive and now - svc.last_heartbeat > timeout and all(d[0] is not svc for d in dead):
+                    dead.append((svc, f"sent no heartbeat for {now - svc.last_heartbeat:.0f}s"))
+            for svc, why in dead:
+                if self.shutting_down:
+                    return
+                self._handle_death(svc, why)
+
+    def _handle_death(self, svc: Service, why: str) -> None:
+        with self.lock:
+            svc.alive = False
+            svc.ready.clear()
+        name = f"{svc.role}[{svc.index}]"
+        if svc.role != "env":
+            hint = (f"\n  resume with: coordinatorctl start --resume {self.run_dir}" if svc.role == "learner" else "")
+            self.fatal = f"{name} died: {why}{hint}"
+            self.stop_event.set()
+            return
+        if svc.restarts >= self.cfg.cluster.max_restarts:
+            self.fatal = f"{name} died {svc.restarts + 1} times (cluster.max_restarts={self.cfg.cluster.max_restarts}): {why}"
+            self.stop_event.set()
+            return
+        svc.restarts += 1
+        self.say(f"  ! {name} {why.splitlines()[0]}; restarting it (restart {svc.restarts})")
+        if self.launcher is not None:
+            self.launcher.kill("env", svc.index)
+            self.launcher.start("env", svc.index, self.counts["env"])
+
+    def _wait_service(self, role: str, index: int, timeout: float) -> Service:
+        svc = self.services[(role, index)]
+        end = time.monotonic() + timeout
+        while not svc.ready.wait(0.2):
+            if self.fatal or self.stop_event.is_set() and self.fatal:
+                raise RunFailed(self.fatal)
+            if time.monotonic() > end:
+                raise RunFailed(f"{role}[{index}] did not come up within {timeout:.0f}s"
+                                + (f" (see {self.run_dir / 'logs'})" if self.launcher else ""))
+        return svc
+
+    # --- run ------------------------------------------------------------------------------------------------
+    def start_services(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "config.yaml"
+        config_path.write_text(to_yaml(self.cfg))
+        (self.run_dir / "coordinator.json").write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
+        if self.cfg.cluster.launcher == "local":
+            self.launcher = LocalLauncher(self.cfg, self.run_dir, config_path, self.address)
+            for (role, index) in self.services:
+                self.launcher.start(role, index, self.counts[role])
+        else:
+            self.say(f"waiting for services to register at {self.address} (cluster.launcher=attach): "
+                     f"{self.counts}")
+        threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
+        for (role, index) in self.services:
+            self._wait_service(role, index, self.cfg.cluster.startup_timeout_s)
+
+    def addresses(self, role: str) -> list[str]:
+        return [self.services[(role, i)].address for i in range(self.counts[role])]
+
+    def learner(self):
+        svc = self._wait_service("learner", 0, 30)
+        return learner_pb2_grpc.LearnerServiceStub(rpc.channel(svc.address))
+
+    def _rollout_stub(self, index: int, timeout: float):
+        svc = self._wait_service("env", index, timeout)
+        return svc, rollout_pb2_grpc.RolloutServiceStub(rpc.channel(svc.address))
+
+    def _collect(self, index: int, epoch: int, min_version: int) -> rollout_pb2.CollectResponse:
+        per_server = self.cfg.env.train.total_num_envs // self.counts["env"]
+        while True:
+            svc, stub = self._rollout_stub(index, self.cfg.cluster.startup_timeout_s)
+            incarnation = svc.incarnation
+            try:
+                return stub.Collect(rollout_pb2.CollectRequest(
+                    epoch=epoch, num_steps=self.cfg.env.train.max_steps_per_rollout_epoch,
+                    inference_addresses=self.addresses("inference"), learner_address=self.addresses("learner")[0],
+                    min_weights_version=min_version))
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or self.fatal:
+                    raise RunFailed(f"env[{index}] Collect failed: {rpc.describe_error(exc)}"
+                                    + (f"\n  {self.fatal}" if self.fatal else "")) from exc
+                # the server died mid-rollout: its partial episodes are dropped, never sent to the learner
+                with self.lock:
+                    self.lost_episodes += per_server
+                self.say(f"  ! env[{index}] lost mid-rollout ({rpc.describe_error(exc).splitlines()[0]}); "
+                         f"{per_server} partial episodes dropped, collecting again after restart")
+                deadline = time.monotonic() + self.cfg.cluster.heartbeat_timeout_s + 5
+                while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.1)  # wait until the monitor has noticed the death
+                if svc.restarts > self.cfg.cluster.max_restarts or self.fatal:
+                    raise RunFailed(self.fatal or f"env[{index}] keeps failing") from exc
+
+    def evaluate(self, step: int, num_episodes: int | None = None) -> dict[str, float]:
+        ev = self.cfg.env.eval
+        total = num_episodes or ev.num_episodes
+        n = self.counts["env"]
+        shares = [len(a) for a in np.array_split(np.arange(total), n)]
+        firsts = np.cumsum([0] + shares[:-1])
+        t0 = time.perf_counter()
+
+        def one(i):
+            _, stub = self._rollout_stub(i, 60)
+            return stub.Evaluate(rollout_pb2.EvaluateRequest(
+                num_episodes=shares[i], first_episode=int(firsts[i]), seed=ev.seed, deterministic=ev.deterministic,
+                inference_addresses=self.addresses("inference")))
+
+        with ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(one, [i for i in range(n) if shares[i]]))
+        eps = [e for r in results for e in r.episodes]
+        metrics = {"eval/success_once": float(np.mean([e.success_once for e in eps])),
+                   "eval/success_at_end": float(np.mean([e.success_at_end for e in eps])),
+                   "eval/return": float(np.mean([codec.episode_return(e) for e in eps])),
+                   "eval/episode_len": float(np.mean([e.length for e in eps])),
+                   "eval/num_episodes": float(len(eps)), "time/eval": time.perf_counter() - t0,
+                   "eval/env_steps": float(self.env_steps), "eval/wall_time_s": self.elapsed()}
+        self.learner().LogMetrics(learner_pb2.LogMetricsRequest(step=step, metrics=metrics))
+        self.eval_history.append({"step": step, **metrics})
+        return metrics
+
+    def run(self) -> dict:
+        cfg, runner = self.cfg, self.cfg.runner
+        t_setup = time.monotonic()
+        self.say(f"rlfleet: {runner.experiment_name} -> {self.run_dir}")
+        self.say(f"  starting {self.counts['env']} env server(s), {self.counts['inference']} inference server(s), "
+                 f"1 learner ({cfg.cluster.launcher} launcher, coordinator at {self.address})")
+        self.start_services()
+        _, stub0 = self._rollout_stub(0, 30)
+        spec = stub0.Describe(env_pb2.DescribeEnvRequest(), timeout=30)
+        learner = self.learner()
+        pub = learner.PublishWeights(learner_pb2.PublishWeightsRequest(
+            env_spec=spec, inference_addresses=self.addresses("inference")), timeout=120)
+        status = learner.Status(learner_pb2.LearnerStatusRequest())
+        start_epoch = status.epoch + 1
+        self.env_steps, self.elapsed_offset = status.env_steps, status.elapsed_time_s
+        version = pub.weights_version
+        batch = cfg.env.train.total_num_envs * cfg.env.train.max_steps_per_rollout_epoch
+        self.say(f"  services up in {time.monotonic() - t_setup:.1f}s; env {spec.env_id}: "
+                 f"{cfg.env.train.total_num_envs} envs x {cfg.env.train.max_steps_per_rollout_epoch} steps = "
+                 f"{batch} samples/epoch, {cfg.rollout.pipeline_stage_num} pipeline stage(s)"
+                 + (f"; resumed at epoch {start_epoch}, {self.env_steps} env steps" if start_epoch else ""))
+        self.phase = "training"
+        self.t_train = time.monotonic()
+        epoch = start_epoch
+        stop_why = "budget reached"
+        pool = ThreadPoolExecutor(self.counts["env"])
+        try:
+            while True:
+                if epoch >= runner.max_epochs:
+                    stop_why = f"runner.max_epochs={runner.max_epochs} reached"
+                    break
+                if runner.max_env_steps is not None and self.env_steps >= runner.max_env_steps:
+                    stop_why = f"runner.max_env_steps={runner.max_env_steps} reached"
+                    break
+                if runner.max_wall_time_s is not None and self.elapsed() >= runner.max_wall_time_s:
+                    stop_why = f"runner.max_wall_time_s={runner.max_wall_time_s} reached"
+                    break
+                if self.stop_event.is_set():
+                    stop_why = self.stop_reason or "stopped"
+                    break
+                t0 = time.perf_counter()
+                lost_before = self.lost_episodes
+                results = list(pool.map(lambda i: self._collect(i, epoch, version), range(self.counts["env"])))
+                t_rollout = time.perf_counter() - t0
+                steps = sum(r.env_steps for r in results)
+                extra = {"time/rollout": t_rollout, "rollout/env_steps_per_s": steps / t_rollout,
+                         "time/env": max(r.env_time_s for r in results),
+                         "time/inference_wait": max(r.inference_wait_s for r in results),
+                         "env/lost_episodes": float(self.lost_episodes),
+                         "env/lost_episodes_epoch": float(self.lost_episodes - lost_before)}
+                t1 = time.perf_counter()
+                try:
+                    resp = learner.Train(learner_pb2.TrainRequest(
+                        epoch=epoch, worker_indices=list(range(self.counts["env"])),
+                        inference_addresses=self.addresses("inference"), extra_metrics=extra))
+                except grpc.RpcError as exc:
+                    raise RunFailed(self.fatal or f"learner Train failed: {rpc.describe_error(exc)}") from exc
+                version = resp.weights_version
+                metrics = dict(resp.metrics)
+                metrics["time/step"] = time.perf_counter() - t0
+                metrics["time/train_rpc"] = time.perf_counter() - t1
+                self.env_steps = int(metrics.get("env/env_steps", self.env_steps + steps))
+                self.last_metrics, self.epoch = metrics, epoch
+                if epoch % runner.progress_interval == 0:
+                    self.say(self.progress_line(epoch, metrics))
+                epoch += 1
+                if runner.val_check_interval and epoch % runner.val_check_interval == 0:
+                    ev = self.evaluate(epoch)
+                    self.say(f"  eval @ epoch {epoch}: success_once {ev['eval/success_once']:.1%} "
+                             f"return {ev['eval/return']:.2f} over {int(ev['eval/num_episodes'])} episodes")
+                    target = runner.early_stop_success_rate
+                    if target is not None and ev["eval/success_once"] >= target:
+                        stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"
+                        break
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        train_time = self.elapsed()
+        self.phase = "evaluating"
+        interrupted = self.stop_event.is_set() and not self.fatal
+        self.say(f"training done after {train_time:.0f}s: {stop_why}")
+        final = None
+        if not interrupted:
+            if self.eval_history and self.eval_history[-1]["step"] == epoch \
+                    and self.eval_history[-1]["eval/num_episodes"] >= cfg.env.eval.num_episodes:
+                final = self.eval_history[-1]
+            else:
+                self.say(f"final evaluation: {cfg.env.eval.num_episodes} episodes ...")
+                final = self.evaluate(epoch)
+        ckpt = learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest()).path if epoch > 0 else ""
+        return self.write_summary(epoch, train_time, stop_why, final, ckpt)
+
+    def progress_line(self, epoch: int, m: dict[str, float]) -> str:
+        def f(key, fmt):
+            v = m.get(key)
+            return format(v, fmt) if v is not None and math.isfinite(v) else "-"
+
+        budget = self.cfg.runner.max_env_steps
+        return (f"epoch {epoch + 1:4d} | steps {self.env_steps / 1000:7.1f}k"
+                + (f"/{budget / 1000:.0f}k" if budget else "")
+                + f" | {f('rollout/env_steps_per_s', '5.0f')} env steps/s | {self.elapsed():5.0f}s"
+                f" | success_once {f('env/success_once', '.2f')} | return {f('env/return', '6.2f')}"
+                f" | policy_loss {f('train/actor/policy_loss', '+.3f')} | value_loss {f('train/critic/value_loss', '.3f')}"
+                f" | kl {f('train/actor/approx_kl', '.4f')}"
+                + (f" | lost {self.lost_episodes}" if self.lost_episodes else ""))
+
+    def write_summary(self, epochs: int, train_time: float, stop_why: str, final: dict | None, ckpt: str) -> dict:
+        from services.coordinator.plots import plot_learning_curve
+
+        curve = plot_learning_curve(self.run_dir)
+        summary = {
+            "experiment_name": self.cfg.runner.experiment_name, "run_dir": str(self.run_dir),
+            "env_id": self.cfg.env.train.env_id, "epochs": epochs, "env_steps": self.env_steps,
+            "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
+            "final_eval": {k: v for k, v in (final or {}).items()},
+            "eval_history": self.eval_history, "lost_episodes": self.lost_episodes,
+            "restarts": {f"{s.role}[{s.index}]": s.restarts for s in self.services.values() if s.restarts},
+            "last_train_metrics": {k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
+            "checkpoint": ckpt, "learning_curve": str(curve) if curve else None,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.say("")
+        self.say("=" * 72)
+        if final:
+            self.say(f"final evaluation: success_once {final['eval/success_once']:.1%} "
+                     f"({int(final['eval/num_episodes'])} seeded episodes), return {final['eval/return']:.2f}")
+        else:
+            self.say("no final evaluation (run stopped early)")
+        self.say(f"{epochs} epochs, {self.env_steps} env steps, {train_time:.0f}s of training")
+        self.say(f"run files: {self.run_dir}  (summary.json, metrics.jsonl, tensorboard/, checkpoints/, "
+                 f"learning_curve.png, config.yaml, logs/)")
+        if ckpt:
+            self.say(f"last checkpoint: {ckpt}")
+        self.say("=" * 72)
+        return summary
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+        self.phase = "stopped"
+        if self.launcher is not None:
+            time.sleep(min(1.5, self.cfg.cluster.heartbeat_interval_s * 1.5))  # let heartbeats carry the word
+            self.launcher.stop_all()
+
+
+def install_signal_handlers(coord: Coordinator) -> None:
+    def on_signal(signum, frame):
+        if coord.stop_event.is_set():
+            raise KeyboardInterrupt
+        coord.request_stop(f"{signal.Signals(signum).name} received")
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)

@@ -1,0 +1,39 @@
+"""Coordinator gRPC server: translates CoordinatorService calls to the Coordinator core."""
+
+from __future__ import annotations
+
+from rlfleet import rpc
+from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    def __init__(self, coordinator):
+        self.coord = coordinator
+
+    @rpc.handler
+    def Register(self, request, context):
+        ok = self.coord.register(request.role, request.index, request.address, request.pid, request.incarnation)
+        return coordinator_pb2.RegisterResponse(accepted=ok)
+
+    @rpc.handler
+    def Heartbeat(self, request, context):
+        return coordinator_pb2.HeartbeatResponse(
+            shutdown=self.coord.heartbeat(request.role, request.index, request.incarnation))
+
+    @rpc.handler
+    def Status(self, request, context):
+        return self.coord.status()
+
+    @rpc.handler
+    def Stop(self, request, context):
+        self.coord.request_stop(request.reason or "coordinatorctl stop")
+        return coordinator_pb2.StopResponse(stopping=True)
+
+
+def serve(coordinator, address: str):
+    server = rpc.make_server(max_workers=32)
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(coordinator), server)
+    bound = rpc.bind(server, address)
+    server.start()
+    coordinator.address = bound
+    return server

@@ -1,0 +1,158 @@
+"""RolloutWorker: the obs -> act -> step loop that runs next to the envs.
+
+The worker's envs are split into ``pipeline_stage_num`` stages, each with its own request in flight to the
+inference servers: while one stage's actions are computed, another stage's envs step. Finished rollouts are
+shipped whole to the learner (the learner commits a rollout only when its stream ends cleanly, so a crash
+never leaves half a rollout in a batch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.env.vec_env import EpisodeStat
+
+
+class StaleWeightsError(RuntimeError):
+    pass
+
+
+@dataclass
+class CollectSummary:
+    epoch: int
+    env_steps: int
+    episodes: list[EpisodeStat] = field(default_factory=list)
+    rollout_time_s: float = 0.0
+    env_time_s: float = 0.0
+    inference_wait_s: float = 0.0
+    weights_version: int = -1
+
+
+@dataclass
+class Rollout:
+    """One worker's epoch: time-major arrays [T, N, ...] plus per-env arrays [N, ...]."""
+
+    time_major: dict[str, np.ndarray]
+    per_env: dict[str, np.ndarray]
+    episodes: list[EpisodeStat]
+
+
+class RolloutWorker:
+    def __init__(self, env, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
+                 eval_env_factory=None):
+        self.env = env
+        self.num_stages = num_stages
+        self.stages = np.array_split(np.arange(env.num_envs), num_stages)
+        self.auto_reset = auto_reset
+        self.bootstrap_truncated = bootstrap_truncated and auto_reset
+        self.eval_env_factory = eval_env_factory
+        self.eval_env = None
+        info = env.space_info()
+        self.obs_info = info.obs_shapes
+        self.action_dim = int(np.prod(info.action_shape))
+        self.obs = env.reset()
+
+    # --- training rollouts ------------------------------------------------------------------------------------
+    def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1) -> tuple[Rollout, CollectSummary]:
+        t_start = time.perf_counter()
+        env, T, n = self.env, num_steps, self.env.num_envs
+        if not self.auto_reset:
+            self.obs = env.reset()
+        buf = {f"obs.{k}": np.empty((T, n, *shape), dtype=dt) for k, (shape, dt, _, _) in self.obs_info.items()}
+        buf.update(actions=np.empty((T, n, self.action_dim), np.float32), log_probs=np.empty((T, n), np.float32),
+                   values=np.empty((T, n), np.float32), rewards=np.empty((T, n), np.float32),
+                   terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
+                   bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool))
+        last_values = np.zeros(n, np.float32)
+        alive = np.ones(n, bool)
+        episodes: list[EpisodeStat] = []
+        t = [0] * self.num_stages
+        extra: list[np.ndarray | None] = [None] * self.num_stages
+        env_time = wait_time = 0.0
+        version = None
+        for s, ids in enumerate(self.stages):
+            policy.submit(s, {k: v[ids] for k, v in self.obs.items()})
+        active = list(range(self.num_stages))
+        while active:
+            for s in list(active):
+                ids = self.stages[s]
+                m = len(ids)
+                t0 = time.perf_counter()
+                res = policy.result(s)
+                t1 = time.perf_counter()
+                wait_time += t1 - t0
+                if res.weights_version < min_weights_version:
+                    raise StaleWeightsError(f"inference served weights version {res.weights_version}; epoch {epoch} "
+                                            f"needs version >= {min_weights_version}")
+                version = res.weights_version if version is None else min(version, res.weights_version)
+                if extra[s] is not None:
+                    buf["bootstrap_values"][t[s] - 1, ids[extra[s]]] = res.values[m:]
+                    extra[s] = None
+                if t[s] == T:
+                    last_values[ids] = res.values[:m]
+                    active.remove(s)
+                    continue
+                step = t[s]
+                for k, v in self.obs.items():
+                    buf[f"obs.{k}"][step, ids] = v[ids]
+                buf["actions"][step, ids] = res.actions[:m]
+                buf["log_probs"][step, ids] = res.log_probs[:m]
+                buf["values"][step, ids] = res.values[:m]
+                t2 = time.perf_counter()
+                out = env.step(ids, res.actions[:m])
+                env_time += time.perf_counter() - t2
+                buf["rewards"][step, ids] = out.rewards
+                buf["terminated"][step, ids] = out.terminated
+                buf["truncated"][step, ids] = out.truncated
+                buf["loss_mask"][step, ids] = alive[ids]
+                if not self.auto_reset:
+                    alive[ids] &= ~(out.terminated | out.truncated)
+                episodes.extend(out.episodes)
+                for k, v in out.obs.items():
+                    self.obs[k][ids] = v
+                t[s] += 1
+                request = {k: v[ids] for k, v in self.obs.items()}
+                if self.bootstrap_truncated:
+                    need = np.flatnonzero(out.truncated & ~out.terminated)
+                    if need.size:  # ask for V(final_obs) in the same request
+                        request = {k: np.concatenate([request[k], out.final_obs[k][need]]) for k in request}
+                        extra[s] = need
+                policy.submit(s, request)
+        rollout = Rollout(buf, {"last_values": last_values}, episodes)
+        summary = CollectSummary(epoch, T * n, episodes, time.perf_counter() - t_start, env_time, wait_time,
+                                 -1 if version is None else version)
+        return rollout, summary
+
+    # --- evaluation ---------------------------------------------------------------------------------------------
+    def evaluate(self, episode_ids: list[int], seed: int, deterministic: bool, policy) -> list[EpisodeStat]:
+        """Run the given evaluation episodes (episode i is reset with seed + i); returns their stats."""
+        if self.eval_env is None:
+            self.eval_env = self.eval_env_factory()
+        env = self.eval_env
+        results: list[EpisodeStat] = []
+        for start in range(0, len(episode_ids), env.num_envs):
+            batch = episode_ids[start:start + env.num_envs]
+            ids = np.arange(len(batch))
+            obs = env.reset(ids, [seed + i for i in batch])
+            done = np.zeros(len(batch), bool)
+            for _ in range(env.max_episode_steps):
+                policy.submit(0, obs, deterministic)
+                res = policy.result(0)
+                out = env.step(ids, res.actions)
+                for ep in out.episodes:
+                    if not done[ep.env_id]:
+                        results.append(EpisodeStat(batch[ep.env_id], ep.episode_return, ep.length,
+                                                   ep.success_once, ep.success_at_end))
+                        done[ep.env_id] = True
+                obs = out.obs
+                if done.all():
+                    break
+        return results
+
+    def close(self) -> None:
+        self.env.close()
+        if self.eval_env is not None:
+            self.eval_env.close()

@@ -1,0 +1,135 @@
+"""Policy clients used by the rollout worker: the same interface over gRPC or in-process.
+
+``make_policy_client`` is the one factory: ``GrpcPolicyClient`` keeps one Act bidi stream per pipeline stage to
+the inference servers; ``LocalPolicyClient`` calls an ``InferenceEngine`` in this process (no gRPC), which is what
+the in-process benchmark loop uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from rlfleet import codec, rpc
+from rlfleet.v1 import inference_pb2, inference_pb2_grpc
+
+
+class PolicyError(RuntimeError):
+    """The inference side failed or returned something unusable."""
+
+
+@dataclass
+class ActResult:
+    actions: np.ndarray    # [n, action_dim] float32
+    log_probs: np.ndarray  # [n]
+    values: np.ndarray     # [n]
+    weights_version: int
+
+
+def _check_result(res: ActResult, n: int, action_dim: int | None) -> ActResult:
+    if res.actions.shape[0] != n or res.log_probs.shape != (n,) or res.values.shape != (n,):
+        raise PolicyError(f"inference returned {res.actions.shape[0]} actions for {n} observations")
+    if action_dim is not None and res.actions.shape[1:] != (action_dim,):
+        raise PolicyError(f"inference returned actions shaped {list(res.actions.shape)}, the env takes "
+                          f"[{n}, {action_dim}]")
+    for name, arr in (("actions", res.actions), ("log_probs", res.log_probs), ("values", res.values)):
+        if not np.isfinite(arr).all():
+            raise PolicyError(f"inference returned non-finite {name} (weights version {res.weights_version})")
+    return res
+
+
+class _Stream:
+    """One Act bidi stream: requests go through a queue, responses come back in order."""
+
+    _END = object()
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = rpc.channel(address)
+        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.responses = self.stub.Act(iter(self.requests.get, self._END), wait_for_ready=True)
+        self.ids = itertools.count()
+        self.inflight: list[tuple[int, int]] = []
+
+    def submit(self, obs: dict[str, np.ndarray], deterministic: bool) -> None:
+        rid = next(self.ids)
+        self.requests.put(inference_pb2.ActRequest(
+            request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic))
+        self.inflight.append((rid, next(iter(obs.values())).shape[0]))
+
+    def result(self, action_dim: int | None) -> ActResult:
+        rid, n = self.inflight.pop(0)
+        try:
+            resp = next(self.responses)
+        except grpc.RpcError as exc:
+            raise PolicyError(f"inference server {self.address}: {rpc.describe_error(exc)}") from exc
+        except StopIteration:
+            raise PolicyError(f"inference server {self.address} closed the Act stream") from None
+        if resp.request_id != rid:
+            raise PolicyError(f"inference server {self.address} answered request {resp.request_id}, expected {rid}")
+        try:
+            res = ActResult(codec.decode(resp.actions, "actions", dtype=np.float32),
+                            codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
+                            codec.decode(resp.values, "values", dtype=np.float32), resp.weights_version)
+        except codec.CodecError as exc:
+            raise PolicyError(f"inference server {self.address}: {exc}") from exc
+        return _check_result(res, n, action_dim)
+
+    def close(self) -> None:
+        self.requests.put(self._END)
+        self.responses.cancel()
+        self.channel.close()
+
+
+class GrpcPolicyClient:
+    """Stage s talks to inference server s % len(addresses) over its own stream."""
+
+    def __init__(self, addresses: list[str], num_stages: int, action_dim: int | None = None):
+        if not addresses:
+            raise PolicyError("no inference server address given")
+        self.action_dim = action_dim
+        self.streams = [_Stream(addresses[s % len(addresses)]) for s in range(num_stages)]
+
+    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False) -> None:
+        self.streams[stage].submit(obs, deterministic)
+
+    def result(self, stage: int) -> ActResult:
+        return self.streams[stage].result(self.action_dim)
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+class LocalPolicyClient:
+    """Same interface, calling an InferenceEngine in this process (no transport)."""
+
+    def __init__(self, engine, num_stages: int, action_dim: int | None = None):
+        self.engine = engine
+        self.action_dim = action_dim
+        self.pending: list[list] = [[] for _ in range(num_stages)]
+        self.lock = threading.Lock()
+
+    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False) -> None:
+        self.pending[stage].append((obs, deterministic))
+
+    def result(self, stage: int) -> ActResult:
+        obs, deterministic = self.pending[stage].pop(0)
+        n = next(iter(obs.values())).shape[0]
+        return _check_result(self.engine.act_now(obs, deterministic), n, self.action_dim)
+
+    def close(self) -> None:
+        pass
+
+
+def make_policy_client(target, num_stages: int, action_dim: int | None = None):
+    """target: a list of inference addresses (gRPC) or an InferenceEngine (in-process)."""
+    if isinstance(target, (list, tuple)):
+        return GrpcPolicyClient(list(target), num_stages, action_dim)
+    return LocalPolicyClient(target, num_stages, action_dim)

@@ -1,0 +1,212 @@
+"""InferenceEngine: the inference server's core (no gRPC). Holds the versioned policy, validates observations,
+and runs a dynamic batcher: queued requests from every stream run together as soon as ``max_batch_size`` rows are
+queued, every open stream has a request waiting, or the oldest request has waited ``max_wait_ms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlfleet.models import ActorCritic, ObsSpec, build_policy
+from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.rpc import FailedPrecondition, InvalidRequest
+from services.inference.client import ActResult
+
+log = logging.getLogger("rlfleet.inference")
+
+
+@dataclass
+class _Request:
+    obs: dict[str, np.ndarray]
+    deterministic: bool
+    rows: int
+    stream: int
+    future: Future
+    t_submit: float
+
+
+class InferenceEngine:
+    def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
+                 max_wait_ms: float = 1.0, device: str = "cpu"):
+        self.model_cfg = model_cfg
+        self.normalize_obs = normalize_obs
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.device = torch.device(device)
+        self.model: ActorCritic | None = None
+        self.obs_specs: dict[str, ObsSpec] | None = None
+        self.action_dim: int | None = None
+        self.version = -1
+        self._swap_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._open_streams = 0
+        self._streams_lock = threading.Lock()
+        self.requests_served = 0
+        self.batches_run = 0
+        self.rows_run = 0
+        self._thread: threading.Thread | None = None
+
+    # --- weights ----------------------------------------------------------------------------------------------
+    def set_weights(self, version: int, state: dict[str, torch.Tensor], *, obs_specs: dict[str, ObsSpec] | None = None,
+                    action_dim: int | None = None, partial: bool = False) -> int:
+        """Swap in a new weights set. In-flight batches finish on the old model; the next batch uses the new."""
+        if version < self.version:
+            raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
+        model = self.model
+        if obs_specs is not None and (obs_specs != self.obs_specs or action_dim != self.action_dim):
+            model = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs).to(self.device)
+            partial_ok = False
+        else:
+            partial_ok = True
+        if model is None:
+            raise InvalidRequest("observation_space: the first weights set must describe the policy's spaces")
+        current = model.state_dict()
+        unknown = sorted(set(state) - set(current))
+        if unknown:
+            raise InvalidRequest(f"weights: unknown tensor '{unknown[0]}' for this {self.model_cfg.model_type} policy")
+        if not (partial and partial_ok):
+            missing = sorted(set(current) - set(state))
+            if missing:
+                raise InvalidRequest(f"weights: full set is missing tensor '{missing[0]}'")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(current[name].shape):
+                raise InvalidRequest(f"weights['{name}']: shape {list(tensor.shape)} where "
+                                     f"{list(current[name].shape)} was expected")
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise InvalidRequest(f"weights['{name}']: non-finite values")
+        new = model if model is not self.model else _clone(model)
+        new.load_state_dict(state, strict=False)
+        new.eval()
+        with self._swap_lock:
+            self.model, self.version = new, version
+            if obs_specs is not None:
+                self.obs_specs, self.action_dim = dict(obs_specs), action_dim
+        log.info("serving weights version %d (%d tensors)", version, len(state))
+        return version
+
+    # --- acting -----------------------------------------------------------------------------------------------
+    def validate_obs(self, obs: dict[str, np.ndarray]) -> int:
+        if self.model is None:
+            raise FailedPrecondition("no policy weights loaded yet (the learner publishes them at start)")
+        specs = self.obs_specs
+        if set(obs) != set(specs):
+            raise InvalidRequest(f"observations: keys {sorted(obs)} do not match the policy's {sorted(specs)}")
+        n = None
+        for key, arr in obs.items():
+            spec = specs[key]
+            if arr.ndim != len(spec.shape) + 1 or tuple(arr.shape[1:]) != spec.shape:
+                raise InvalidRequest(f"observations['{key}']: shape {list(arr.shape)} where "
+                                     f"{['N', *spec.shape]} was expected")
+            if arr.dtype.name != spec.dtype:
+                raise InvalidRequest(f"observations['{key}']: dtype {arr.dtype.name} where {spec.dtype} was expected")
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise InvalidRequest(f"observations['{key}']: non-finite values")
+            if n is not None and arr.shape[0] != n:
+                raise InvalidRequest(f"observations['{key}']: batch {arr.shape[0]} differs from the other keys' {n}")
+            n = arr.shape[0]
+        if not n:
+            raise InvalidRequest("observations: empty batch")
+        return n
+
+    @torch.inference_mode()
+    def act_now(self, obs: dict[str, np.ndarray], deterministic: bool) -> ActResult:
+        """Run the policy on one batch right now (validated)."""
+        self.validate_obs(obs)
+        with self._swap_lock:
+            model, version = self.model, self.version
+        tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
+        actions, log_probs, values = model.act(tobs, deterministic)
+        return ActResult(actions.float().cpu().numpy(), log_probs.float().cpu().numpy(),
+                         values.float().cpu().numpy(), version)
+
+    # --- batching ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def open_stream(self) -> int:
+        with self._streams_lock:
+            self._open_streams += 1
+            return id(threading.current_thread()) ^ int(time.monotonic_ns())
+
+    def close_stream(self) -> None:
+        with self._streams_lock:
+            self._open_streams -= 1
+
+    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0) -> Future:
+        rows = self.validate_obs(obs)
+        fut: Future = Future()
+        self._queue.put(_Request(obs, deterministic, rows, stream, fut, time.monotonic()))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, rows = [first], first.rows
+            deadline = first.t_submit + self.max_wait_s
+            while rows < self.max_batch_size:
+                if len({r.stream for r in batch}) >= self._open_streams:
+                    try:  # everyone is waiting on us: take what is queued and go
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        break
+                    try:
+                        item = self._queue.get(timeout=timeout)
+                    except queue.Empty:
+                        break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+                rows += item.rows
+            self._run(batch)
+
+    def _run(self, batch: list[_Request]) -> None:
+        for deterministic in (False, True):
+            group = [r for r in batch if r.deterministic == deterministic]
+            if not group:
+                continue
+            try:
+                obs = {k: np.concatenate([r.obs[k] for r in group]) if len(group) > 1 else group[0].obs[k]
+                       for k in group[0].obs}
+                res = self.act_now(obs, deterministic)
+            except Exception as exc:  # noqa: BLE001 - delivered to each waiting stream
+                for r in group:
+                    r.future.set_exception(exc)
+                continue
+            start = 0
+            for r in group:
+                end = start + r.rows
+                r.future.set_result(ActResult(res.actions[start:end], res.log_probs[start:end],
+                                              res.values[start:end], res.weights_version))
+                start = end
+            self.batches_run += 1
+            self.rows_run += start
+            self.requests_served += len(group)
+
+
+def _clone(model: ActorCritic) -> ActorCritic:
+    import copy
+
+    return copy.deepcopy(model)

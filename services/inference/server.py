@@ -1,0 +1,86 @@
+"""Inference server: gRPC <-> InferenceEngine translation, nothing else.
+
+    python -m services.inference.server --config run/config.yaml --address 127.0.0.1:0 [--coordinator ADDR]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from rlfleet import codec, rpc, weights
+from rlfleet.config import config_from_yaml
+from rlfleet.service import ServiceRuntime, common_args, setup_process
+from rlfleet.v1 import inference_pb2, inference_pb2_grpc
+from services.inference.engine import InferenceEngine
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, engine: InferenceEngine):
+        self.engine = engine
+
+    @rpc.handler
+    def Act(self, request_iterator, context):
+        stream = self.engine.open_stream()
+        try:
+            for req in request_iterator:
+                obs = codec.decode_map(req.observations, "observations")
+                result = self.engine.submit(obs, req.deterministic, stream).result()
+                yield inference_pb2.ActResponse(
+                    request_id=req.request_id, actions=codec.encode(result.actions),
+                    log_probs=codec.encode(result.log_probs), values=codec.encode(result.values),
+                    weights_version=result.weights_version)
+        finally:
+            self.engine.close_stream()
+
+    @rpc.handler
+    def UpdateWeights(self, request_iterator, context):
+        version, state, obs_specs, action_dim, partial = weights.assemble(request_iterator)
+        self.engine.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
+        return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
+
+    @rpc.handler
+    def Describe(self, request, context):
+        e = self.engine
+        n_params = sum(p.numel() for p in e.model.parameters()) if e.model is not None else 0
+        return inference_pb2.InferenceInfo(
+            model_type=e.model_cfg.model_type, weights_version=e.version, num_parameters=n_params,
+            requests_served=e.requests_served, batches_run=e.batches_run,
+            mean_batch_rows=float(e.rows_run / e.batches_run) if e.batches_run else 0.0)
+
+
+def build_engine(cfg) -> InferenceEngine:
+    return InferenceEngine(cfg.actor.model, normalize_obs=cfg.algorithm.normalize_obs,
+                           max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms)
+
+
+def serve(cfg, address: str, index: int = 0, coordinator: str | None = None):
+    """Start serving; returns (grpc server, bound address, engine, runtime)."""
+    engine = build_engine(cfg)
+    engine.start()
+    server = rpc.make_server(max_workers=64)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
+    bound = rpc.bind(server, address)
+    server.start()
+    runtime = ServiceRuntime("inference", index, server, bound, coordinator,
+                             cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
+    return server, bound, engine, runtime
+
+
+def main(argv=None) -> int:
+    args = common_args("rlfleet batched inference server").parse_args(argv)
+    cfg = config_from_yaml(open(args.config).read())
+    setup_process(args, cfg.cluster.torch_num_threads)
+    np.random.seed(cfg.runner.seed + 1000 + args.index)
+    import torch
+
+    torch.manual_seed(cfg.runner.seed + 1000 + args.index)
+    server, bound, engine, runtime = serve(cfg, args.address, args.index, args.coordinator)
+    runtime.run()
+    engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

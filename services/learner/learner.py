@@ -1,0 +1,295 @@
+"""Learner: the learner service's core (no gRPC). Collects committed rollouts, trains PPO, publishes weights,
+checkpoints (safetensors weights + optimizer state) and logs RLinf-named metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlfleet.codec import episode_return
+from rlfleet.metrics import MetricsLogger
+from rlfleet.models import ActorCritic, ObsSpec, RunningMeanStd, build_policy
+from rlfleet.rpc import FailedPrecondition, InvalidRequest
+from services.learner import ppo
+
+log = logging.getLogger("rlfleet.learner")
+
+REQUIRED = ("actions", "log_probs", "values", "rewards", "terminated", "truncated", "bootstrap_values", "loss_mask")
+
+
+def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
+    ckpts = sorted((pathlib.Path(run_dir) / "checkpoints").glob("global_step_*"),
+                   key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    ckpts = [p for p in ckpts if (p / "learner_state.json").exists()]
+    return ckpts[-1] if ckpts else None
+
+
+class Learner:
+    def __init__(self, cfg, run_dir: str | pathlib.Path, device: str = "cpu"):
+        self.cfg = cfg
+        self.alg = cfg.algorithm
+        self.run_dir = pathlib.Path(run_dir)
+        self.device = torch.device(device)
+        self.model: ActorCritic | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.obs_specs: dict[str, ObsSpec] | None = None
+        self.action_dim: int | None = None
+        self.epoch = -1          # last trained epoch
+        self.version = 0         # weights version (number of updates applied)
+        self.env_steps = 0
+        self.elapsed_s = 0.0     # training wall time before this process (restored on resume)
+        self.t_start = time.time()
+        self.last_checkpoint = ""
+        self.reward_rms = RunningMeanStd(())
+        self._returns: dict[int, np.ndarray] = {}   # per worker: running discounted return per env
+        self.pending: dict[tuple[int, int], dict] = {}
+        self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends))
+
+    # --- model ----------------------------------------------------------------------------------------------
+    def setup(self, obs_specs: dict[str, ObsSpec], action_dim: int) -> None:
+        """Build the policy for the env's spaces (once); restore the last checkpoint when resuming."""
+        if self.model is not None:
+            if obs_specs != self.obs_specs or action_dim != self.action_dim:
+                raise InvalidRequest(f"env_spec: spaces {obs_specs}/{action_dim} differ from the policy's "
+                                     f"{self.obs_specs}/{self.action_dim}")
+            return
+        torch.manual_seed(self.cfg.runner.seed)
+        self.obs_specs, self.action_dim = dict(obs_specs), action_dim
+        self.model = build_policy(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.actor.optim.lr,
+                                          eps=self.cfg.actor.optim.adam_eps)
+        if self.cfg.runner.resume_dir:
+            ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
+            if ckpt is None:
+                raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.cfg.runner.resume_dir}/checkpoints")
+            self.load_checkpoint(ckpt)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    # --- rollouts -------------------------------------------------------------------------------------------
+    def receive(self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray],
+                episodes: list) -> tuple[int, int]:
+        """Validate and store one worker's complete rollout for ``epoch`` (replaces an earlier one)."""
+        if self.model is None:
+            raise FailedPrecondition("the learner has no policy yet (PublishWeights with the env spec first)")
+        missing = [k for k in REQUIRED if k not in time_major]
+        missing += [f"obs.{k}" for k in self.obs_specs if f"obs.{k}" not in time_major]
+        if missing or "last_values" not in per_env:
+            raise InvalidRequest(f"rollout: missing tensors {missing or ['last_values']}")
+        T, N = time_major["rewards"].shape
+        for k, v in time_major.items():
+            if v.shape[:2] != (T, N):
+                raise InvalidRequest(f"rollout['{k}']: leading shape {list(v.shape[:2])} differs from rewards' {[T, N]}")
+            if v.dtype.kind == "f" and not np.isfinite(v).all():
+                raise InvalidRequest(f"rollout['{k}']: non-finite values")
+        if time_major["actions"].shape[2:] != (self.action_dim,):
+            raise InvalidRequest(f"rollout['actions']: shape {list(time_major['actions'].shape)} where "
+                                 f"[{T}, {N}, {self.action_dim}] was expected")
+        for k, spec in self.obs_specs.items():
+            arr = time_major[f"obs.{k}"]
+            if arr.shape[2:] != spec.shape or arr.dtype.name != spec.dtype:
+                raise InvalidRequest(f"rollout['obs.{k}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
+                                     f"[{T}, {N}, *{list(spec.shape)}] was expected")
+        if per_env["last_values"].shape != (N,):
+            raise InvalidRequest(f"rollout['last_values']: shape {list(per_env['last_values'].shape)} where [{N}] was expected")
+        self.pending[(epoch, worker)] = {"time": time_major, "env": per_env, "episodes": episodes}
+        return T, N
+
+    # --- training -------------------------------------------------------------------------------------------
+    def _normalized_rewards(self, worker: int, rewards: np.ndarray, dones: np.ndarray) -> np.ndarray:
+        if not self.alg.normalize_rewards:
+            return rewards
+        ret = self._returns.setdefault(worker, np.zeros(rewards.shape[1]))
+        if ret.shape[0] != rewards.shape[1]:
+            ret = self._returns[worker] = np.zeros(rewards.shape[1])
+        history = np.empty_like(rewards, dtype=np.float64)
+        for t in range(rewards.shape[0]):
+            ret[:] = ret * self.alg.gamma + rewards[t]
+            history[t] = ret
+            ret[dones[t]] = 0.0
+        self.reward_rms.update(torch.from_numpy(history))
+        return (rewards / np.sqrt(self.reward_rms.var.item() + 1e-8)).astype(np.float32)
+
+    def train(self, epoch: int, workers: list[int], extra_metrics: dict[str, float] | None = None,
+              publish: Callable[[int], None] | None = None) -> dict[str, float]:
+        """One PPO update on the rollouts of ``epoch`` from ``workers``; then publish, checkpoint, log."""
+        if self.model is None:
+            raise FailedPrecondition("the learner has no policy yet")
+        if epoch != self.epoch + 1:
+            raise InvalidRequest(f"epoch: {epoch} is not the next epoch (last trained: {self.epoch})")
+        absent = [w for w in workers if (epoch, w) not in self.pending]
+        if absent or not workers:
+            raise FailedPrecondition(f"epoch {epoch}: no committed rollout from worker(s) {absent or workers}")
+        t0 = time.perf_counter()
+        alg, cfg = self.alg, self.cfg
+        parts = [self.pending.pop((epoch, w)) for w in sorted(workers)]
+        self.pending = {k: v for k, v in self.pending.items() if k[0] > epoch}  # drop stale leftovers
+        episodes = [e for p in parts for e in p["episodes"]]
+
+        def cat(key):
+            return np.concatenate([p["time"][key] for p in parts], axis=1)
+
+        raw_rewards = cat("rewards")
+        dones = cat("terminated") | cat("truncated")
+        rewards = np.concatenate([self._normalized_rewards(w, p["time"]["rewards"],
+                                                           p["time"]["terminated"] | p["time"]["truncated"])
+                                  for w, p in zip(sorted(workers), parts)], axis=1)
+        if alg.bootstrap_truncated:
+            rewards = rewards + alg.gamma * cat("bootstrap_values")
+        tt = lambda a: torch.as_tensor(a, device=self.device)  # noqa: E731
+        values = tt(cat("values"))
+        last_values = tt(np.concatenate([p["env"]["last_values"] for p in parts]))
+        advantages, returns = ppo.compute_gae(tt(rewards), values, tt(dones.astype(np.float32)), last_values,
+                                              alg.gamma, alg.gae_lambda)
+        T, N = raw_rewards.shape
+        flat = lambda x: x.reshape(T * N, *x.shape[2:])  # noqa: E731
+        obs = {k: flat(tt(cat(f"obs.{k}"))) for k in self.obs_specs}
+        batch = {"actions": flat(tt(cat("actions"))), "old_log_probs": flat(tt(cat("log_probs"))),
+                 "old_values": flat(values), "advantages": flat(advantages), "returns": flat(returns),
+                 "mask": flat(tt(cat("loss_mask").astype(np.float32)))}
+        use_mask = not bool(batch["mask"].all())
+        stats = self._update(obs, batch, use_mask)
+        # the observation normaliser moves only after the update, so old log-probs stay consistent within it
+        self.model.update_obs_normalizer({k: v[batch["mask"] > 0] for k, v in obs.items()} if use_mask else obs)
+        self.epoch, self.version = epoch, self.version + 1
+        self.env_steps += T * N
+        train_time = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if publish is not None:
+            publish(self.version)
+        metrics = self._metrics(episodes, raw_rewards, advantages, returns, values, stats)
+        metrics.update({"time/train": train_time, "time/weight_sync": time.perf_counter() - t1,
+                        "env/env_steps": float(self.env_steps), "train/weights_version": float(self.version),
+                        "time/elapsed": self.elapsed()})
+        metrics.update(extra_metrics or {})
+        if (epoch + 1) % cfg.runner.save_interval == 0:
+            self.save_checkpoint()
+        self.logger.log(epoch + 1, metrics)
+        return metrics
+
+    def _lr(self) -> float:
+        lr = self.cfg.actor.optim.lr
+        if self.cfg.actor.optim.lr_schedule == "linear":
+            lr *= max(0.0, 1.0 - (self.epoch + 1) / self.cfg.runner.max_epochs)
+        return lr
+
+    def _update(self, obs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], use_mask: bool) -> dict:
+        alg, actor = self.alg, self.cfg.actor
+        total = batch["actions"].shape[0]
+        micro, global_bs = actor.micro_batch_size, actor.global_batch_size
+        lr = self._lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        sums: dict[str, float] = {}
+        count = 0
+        stop = False
+        for _ in range(alg.update_epoch):
+            perm = torch.randperm(total, device=self.device)
+            for start in range(0, total, global_bs):
+                idx_global = perm[start:start + global_bs]
+                self.optimizer.zero_grad(set_to_none=True)
+                n_micro = max(1, len(idx_global) // micro)
+                step_stats: dict[str, float] = {}
+                for m in range(n_micro):
+                    idx = idx_global[m * micro:(m + 1) * micro]
+                    mask = batch["mask"][idx] if use_mask else None
+                    adv = batch["advantages"][idx]
+                    if alg.normalize_advantages:
+                        mu = ppo.masked_mean(adv, mask)
+                        sd = ppo.masked_mean((adv - mu) ** 2, mask).sqrt()
+                        adv = (adv - mu) / (sd + 1e-8)
+                    log_probs, entropy, values = self.model.evaluate({k: v[idx] for k, v in obs.items()},
+                                                                     batch["actions"][idx])
+                    pg_loss, pg_stats = ppo.policy_loss(
+                        log_probs, batch["old_log_probs"][idx], adv, clip_ratio_low=alg.clip_ratio_low,
+                        clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c, mask=mask)
+                    v_loss, v_clip_ratio = ppo.value_loss(
+                        values, batch["old_values"][idx], batch["returns"][idx], value_clip=alg.value_clip,
+                        huber_delta=alg.huber_delta, mask=mask)
+                    ent = ppo.masked_mean(entropy, mask)
+                    loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
+                    (loss / n_micro).backward()
+                    for k, v in {"train/actor/policy_loss": pg_loss, "train/critic/value_loss": v_loss,
+                                 "train/actor/entropy_loss": ent, "train/loss": loss,
+                                 "train/critic/value_clip_ratio": v_clip_ratio,
+                                 **{f"train/actor/{k2}": v2 for k2, v2 in pg_stats.items()}}.items():
+                        step_stats[k] = step_stats.get(k, 0.0) + float(v) / n_micro
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), alg.max_grad_norm)
+                self.optimizer.step()
+                step_stats["train/actor/grad_norm"] = float(grad_norm)
+                for k, v in step_stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+                if alg.target_kl is not None and step_stats["train/actor/approx_kl"] > alg.target_kl:
+                    stop = True
+                    break
+            if stop:
+                break
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out["train/actor/lr"] = lr
+        out["train/optimizer_steps"] = float(count)
+        out["train/actor/log_std"] = float(self.model.log_std.mean())
+        return out
+
+    def _metrics(self, episodes, raw_rewards, advantages, returns, values, stats) -> dict[str, float]:
+        m: dict[str, float] = dict(stats)
+        m["env/reward"] = float(raw_rewards.mean())
+        m["env/num_episodes"] = float(len(episodes))
+        if episodes:
+            m["env/success_once"] = float(np.mean([e.success_once for e in episodes]))
+            m["env/success_at_end"] = float(np.mean([e.success_at_end for e in episodes]))
+            m["env/return"] = float(np.mean([episode_return(e) for e in episodes]))
+            m["env/episode_len"] = float(np.mean([e.length for e in episodes]))
+        m["rollout/rewards"] = float(raw_rewards.mean())
+        for name, x in (("advantages", advantages), ("returns", returns)):
+            m[f"rollout/{name}_mean"] = float(x.mean())
+            m[f"rollout/{name}_max"] = float(x.max())
+            m[f"rollout/{name}_min"] = float(x.min())
+        m["train/critic/explained_variance"] = ppo.explained_variance(values.flatten(), returns.flatten())
+        return m
+
+    def elapsed(self) -> float:
+        return self.elapsed_s + (time.time() - self.t_start)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.logger.log(step, metrics)
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> pathlib.Path:
+        path = self.run_dir / "checkpoints" / f"global_step_{self.epoch + 1}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in self.reward_rms.state_dict().items()},
+                  str(path / "reward_rms.safetensors"))
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        state = {"epoch": self.epoch, "weights_version": self.version, "env_steps": self.env_steps,
+                 "elapsed_s": self.elapsed(), "action_dim": self.action_dim,
+                 "obs_specs": {k: [list(s.shape), s.dtype] for k, s in self.obs_specs.items()}}
+        # written last: its presence marks the checkpoint complete
+        (path / "learner_state.json").write_text(json.dumps(state, indent=1))
+        self.last_checkpoint = str(path)
+        log.info("checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self, path: str | pathlib.Path) -> None:
+        path = pathlib.Path(path)
+        state = json.loads((path / "learner_state.json").read_text())
+        self.model.load_state_dict(load_file(str(path / "model.safetensors")))
+        self.reward_rms.load_state_dict(load_file(str(path / "reward_rms.safetensors")))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.epoch, self.version = state["epoch"], state["weights_version"]
+        self.env_steps, self.elapsed_s = state["env_steps"], state["elapsed_s"]
+        self.last_checkpoint = str(path)
+        print(f"learner: resumed from {path} (epoch {self.epoch}, env steps {self.env_steps})", flush=True)
+
+    def close(self) -> None:
+        self.logger.close()

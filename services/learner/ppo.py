@@ -1,0 +1,80 @@
+"""PPO, top to bottom: GAE advantages, then clipped-ratio policy loss + clipped value loss + entropy bonus.
+
+Pure functions on tensors; ``Learner`` (learner.py) feeds them rollouts and owns the optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor,
+                gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over time-major [T, N] tensors.
+
+    dones[t] = 1 when the episode ended at step t (terminated or truncated); the truncation bootstrap is already
+    folded into rewards. delta_t = r_t + gamma * V_{t+1} * (1 - done_t) - V_t.
+    Returns (advantages, returns = advantages + values).
+    """
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    last_gae = torch.zeros_like(last_values)
+    for t in reversed(range(T)):
+        next_values = last_values if t == T - 1 else values[t + 1]
+        not_done = 1.0 - dones[t]
+        delta = rewards[t] + gamma * next_values * not_done - values[t]
+        last_gae = delta + gamma * gae_lambda * not_done * last_gae
+        advantages[t] = last_gae
+    return advantages, advantages + values
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
+                clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate objective (as a loss), with optional dual clip for negative advantages."""
+    log_ratio = log_probs - old_log_probs
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * clipped_ratio
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    if clip_ratio_c is not None:  # dual clip: bound the loss when the advantage is negative
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
+    with torch.no_grad():
+        stats = {
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+            "clip_fraction": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+            "clipped_ratio": masked_mean(clipped_ratio, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return masked_mean(loss, mask), stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, value_clip: float | None,
+               huber_delta: float | None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared-error (or Huber) value loss, optionally clipped around the rollout's values."""
+    def err(v):
+        if huber_delta is not None:
+            return F.huber_loss(v, returns, delta=huber_delta, reduction="none")
+        return 0.5 * (v - returns).pow(2)
+
+    loss = err(values)
+    clip_ratio = torch.zeros(())
+    if value_clip is not None:
+        v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        loss_clipped = err(v_clipped)
+        clip_ratio = masked_mean((loss_clipped > loss).float(), mask).detach()
+        loss = torch.maximum(loss, loss_clipped)
+    return masked_mean(loss, mask), clip_ratio
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    var = returns.var()
+    return float("nan") if var == 0 else float(1.0 - (returns - values).var() / var)

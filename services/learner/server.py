@@ -1,0 +1,145 @@
+"""Learner server: gRPC <-> Learner translation, plus shipping weights to the inference servers.
+
+    python -m services.learner.server --config run/config.yaml --run-dir runs/exp [--coordinator ADDR]
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from rlfleet import codec, rpc, weights
+from rlfleet.config import config_from_yaml
+from rlfleet.models.actor_critic import obs_specs_from_proto
+from rlfleet.service import ServiceRuntime, common_args, setup_process
+from rlfleet.v1 import inference_pb2_grpc, learner_pb2, learner_pb2_grpc
+from services.learner.learner import Learner
+
+
+def send_weights(addresses: list[str], learner: Learner, version: int, timeout: float = 120.0) -> None:
+    """Push the learner's weights (full set with spaces) to every inference server in parallel."""
+    state = learner.state_dict()
+
+    def one(address: str):
+        with rpc.channel(address) as ch:
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+            chunks = weights.iter_chunks(state, version, obs_specs=learner.obs_specs, action_dim=learner.action_dim)
+            return stub.UpdateWeights(chunks, timeout=timeout, wait_for_ready=True)
+
+    if not addresses:
+        raise rpc.InvalidRequest("inference_addresses: empty")
+    with ThreadPoolExecutor(len(addresses)) as pool:
+        for address, fut in [(a, pool.submit(one, a)) for a in addresses]:
+            try:
+                fut.result()
+            except Exception as exc:
+                raise rpc.FailedPrecondition(f"weight update to inference server {address} failed: {exc}") from exc
+
+
+class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
+    def __init__(self, learner: Learner):
+        self.learner = learner
+
+    @rpc.handler
+    def PushRollout(self, request_iterator, context):
+        time_major: dict[str, list[np.ndarray]] = {}
+        per_env: dict[str, np.ndarray] = {}
+        episodes = []
+        head = None
+        expect_t = 0
+        complete = False
+        for chunk in request_iterator:
+            if complete:
+                raise rpc.InvalidRequest("rollout: chunk after the one marked last")
+            if head is None:
+                head = (chunk.epoch, chunk.worker_index, chunk.num_steps)
+            elif (chunk.epoch, chunk.worker_index, chunk.num_steps) != head:
+                raise rpc.InvalidRequest("rollout: chunks disagree on epoch/worker_index/num_steps")
+            if chunk.t_start != expect_t:
+                raise rpc.InvalidRequest(f"rollout: chunk starts at t={chunk.t_start}, expected t={expect_t}")
+            data = codec.decode_map(chunk.data, "rollout")
+            steps = None
+            for k, v in data.items():
+                if chunk.last and k == "last_values":
+                    per_env[k] = v
+                    continue
+                time_major.setdefault(k, []).append(v)
+                steps = v.shape[0] if steps is None else steps
+                if v.shape[0] != steps:
+                    raise rpc.InvalidRequest(f"rollout['{k}']: {v.shape[0]} time steps in a chunk of {steps}")
+            expect_t += steps or 0
+            episodes.extend(chunk.episodes)
+            complete = chunk.last
+        if head is None or not complete:
+            raise rpc.InvalidRequest("rollout: stream ended without a chunk marked last; discarded")
+        if expect_t != head[2]:
+            raise rpc.InvalidRequest(f"rollout: received {expect_t} of {head[2]} time steps")
+        T, N = self.learner.receive(head[0], head[1], {k: np.concatenate(v) for k, v in time_major.items()},
+                                    per_env, episodes)
+        return learner_pb2.PushRolloutResponse(num_steps=T, num_envs=N)
+
+    @rpc.handler
+    def Train(self, request, context):
+        addresses = list(request.inference_addresses)
+        metrics = self.learner.train(request.epoch, list(request.worker_indices), dict(request.extra_metrics),
+                                     publish=lambda v: send_weights(addresses, self.learner, v))
+        return learner_pb2.TrainResponse(epoch=request.epoch, weights_version=self.learner.version,
+                                         metrics=metrics, checkpoint_path=self.learner.last_checkpoint)
+
+    @rpc.handler
+    def PublishWeights(self, request, context):
+        spec = request.env_spec
+        if request.HasField("env_spec"):
+            if len(spec.action_space.shape) != 1:
+                raise rpc.InvalidRequest(f"env_spec.action_space: shape {list(spec.action_space.shape)} is not 1-D")
+            self.learner.setup(obs_specs_from_proto(spec.observation_space), int(spec.action_space.shape[0]))
+        if self.learner.model is None:
+            raise rpc.FailedPrecondition("env_spec: required on the first PublishWeights")
+        send_weights(list(request.inference_addresses), self.learner, self.learner.version)
+        return learner_pb2.PublishWeightsResponse(weights_version=self.learner.version)
+
+    @rpc.handler
+    def LogMetrics(self, request, context):
+        self.learner.log_metrics(request.step, dict(request.metrics))
+        return learner_pb2.LogMetricsResponse()
+
+    @rpc.handler
+    def SaveCheckpoint(self, request, context):
+        if self.learner.model is None:
+            raise rpc.FailedPrecondition("nothing to save: the learner has no policy yet")
+        return learner_pb2.SaveCheckpointResponse(path=str(self.learner.save_checkpoint()))
+
+    @rpc.handler
+    def Status(self, request, context):
+        le = self.learner
+        return learner_pb2.LearnerStatus(epoch=le.epoch, weights_version=le.version, env_steps=le.env_steps,
+                                         last_checkpoint=le.last_checkpoint, elapsed_time_s=le.elapsed())
+
+
+def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None):
+    learner = Learner(cfg, run_dir)
+    server = rpc.make_server(max_workers=16)
+    learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(learner), server)
+    bound = rpc.bind(server, address)
+    server.start()
+    runtime = ServiceRuntime("learner", index, server, bound, coordinator, cfg.cluster.heartbeat_interval_s,
+                             cfg.cluster.heartbeat_timeout_s)
+    return server, bound, learner, runtime
+
+
+def main(argv=None) -> int:
+    parser = common_args("rlfleet learner (PPO)")
+    parser.add_argument("--run-dir", required=True, help="where metrics, TensorBoard events and checkpoints go")
+    args = parser.parse_args(argv)
+    cfg = config_from_yaml(open(args.config).read())
+    setup_process(args, cfg.cluster.torch_num_threads)
+    server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator)
+    runtime.run()
+    learner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
