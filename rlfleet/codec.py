@@ -155,5 +155,6 @@ def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
                                    success_at_end=ep.success_at_end, **{"return": ep.episode_return})
 
 
-def episode_return(msg: tensor_pb2.EpisodeStats) -> float:
-    return getattr(msg, "return")  # 'return' is a Python keyword
+def episode_return(ep) -> float:
+    """Return of an EpisodeStats message (field 'return', a Python keyword) or an EpisodeStat."""
+    return ep.episode_return if hasattr(ep, "episode_return") else getattr(ep, "return")

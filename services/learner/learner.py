@@ -222,7 +222,7 @@ class Learner:
                                  "train/actor/entropy_loss": ent, "train/loss": loss,
                                  "train/critic/value_clip_ratio": v_clip_ratio,
                                  **{f"train/actor/{k2}": v2 for k2, v2 in pg_stats.items()}}.items():
-                        step_stats[k] = step_stats.get(k, 0.0) + float(v) / n_micro
+                        step_stats[k] = step_stats.get(k, 0.0) + float(v.detach()) / n_micro
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), alg.max_grad_norm)
                 self.optimizer.step()
                 step_stats["train/actor/grad_norm"] = float(grad_norm)
@@ -268,8 +268,9 @@ class Learner:
         path = self.run_dir / "checkpoints" / f"global_step_{self.epoch + 1}"
         path.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))
-        save_file({k: v.contiguous() for k, v in self.reward_rms.state_dict().items()},
-                  str(path / "reward_rms.safetensors"))
+        reward_state = {k: v.contiguous() for k, v in self.reward_rms.state_dict().items()}
+        reward_state.update({f"returns.{w}": torch.from_numpy(r.copy()) for w, r in self._returns.items()})
+        save_file(reward_state, str(path / "reward_rms.safetensors"))
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
         state = {"epoch": self.epoch, "weights_version": self.version, "env_steps": self.env_steps,
                  "elapsed_s": self.elapsed(), "action_dim": self.action_dim,
@@ -284,7 +285,10 @@ class Learner:
         path = pathlib.Path(path)
         state = json.loads((path / "learner_state.json").read_text())
         self.model.load_state_dict(load_file(str(path / "model.safetensors")))
-        self.reward_rms.load_state_dict(load_file(str(path / "reward_rms.safetensors")))
+        reward_state = load_file(str(path / "reward_rms.safetensors"))
+        self._returns = {int(k.split(".", 1)[1]): reward_state.pop(k).numpy().copy()
+                         for k in list(reward_state) if k.startswith("returns.")}
+        self.reward_rms.load_state_dict(reward_state)
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.epoch, self.version = state["epoch"], state["weights_version"]
         self.env_steps, self.elapsed_s = state["env_steps"], state["elapsed_s"]

@@ -1,0 +1,58 @@
+"""Shared test fixtures: small configs and real gRPC servers on loopback, started in this process."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import pytest
+import torch
+
+from rlfleet.config import load_config
+
+torch.set_num_threads(1)
+
+SMALL = [
+    "env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=16", "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4", "actor.micro_batch_size=64", "actor.global_batch_size=128",
+    "algorithm.update_epoch=2", "actor.model.hidden_dims=[64,64]",
+]
+
+
+def small_config(*overrides: str):
+    return load_config(None, [*SMALL, *overrides])
+
+
+@pytest.fixture
+def cfg():
+    return small_config()
+
+
+class Fleet:
+    """One env server, one inference server and a learner, each a real gRPC server on loopback."""
+
+    def __init__(self, cfg, run_dir, external_env: str | None = None):
+        from services.env import server as env_server
+        from services.inference import server as inf_server
+        from services.learner import server as learner_server
+
+        self.cfg = cfg
+        self.inf_server, self.inf_addr, self.engine, _ = inf_server.serve(cfg, "127.0.0.1:0")
+        self.learner_server, self.learner_addr, self.learner, _ = learner_server.serve(cfg, "127.0.0.1:0", str(run_dir))
+        self.env_server, self.env_addr, self.worker, self.env_runtime = env_server.serve(
+            cfg, "127.0.0.1:0", external_env=external_env)
+
+    def close(self):
+        for s in (self.env_server, self.inf_server, self.learner_server):
+            s.stop(0)
+        self.engine.stop()
+        self.worker.close()
+        self.learner.close()
+
+
+@pytest.fixture
+def fleet(cfg, tmp_path):
+    f = Fleet(cfg, tmp_path / "run")
+    yield f
+    f.close()

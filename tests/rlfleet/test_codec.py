@@ -1,0 +1,61 @@
+import numpy as np
+import pytest
+import torch
+
+from rlfleet import codec
+from rlfleet.codec import CodecError, DType
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool"])
+def test_roundtrip(dtype):
+    a = (np.arange(24).reshape(2, 3, 4) % 2).astype(dtype)
+    b = codec.decode(codec.encode(a))
+    assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+
+
+def test_torch_and_maps():
+    t = torch.randn(3, 2)
+    m = codec.decode_map(codec.encode_map({"x": t, "img": np.zeros((3, 4, 4, 3), np.uint8)}))
+    assert np.allclose(m["x"], t.numpy()) and m["img"].shape == (3, 4, 4, 3)
+
+
+def test_malformed_bytes_named():
+    msg = codec.encode(np.zeros((2, 3), np.float32))
+    msg.data = msg.data[:-4]
+    with pytest.raises(CodecError, match=r"obs\['state'\]: 20 data bytes do not match shape \[2, 3\]"):
+        codec.decode(msg, "obs['state']")
+
+
+def test_unknown_dtype_and_negative_dim():
+    msg = codec.encode(np.zeros(3, np.float32))
+    msg.dtype = 99
+    with pytest.raises(CodecError, match="actions: unknown or unset dtype 99"):
+        codec.decode(msg, "actions")
+    msg = codec.encode(np.zeros(3, np.float32))
+    msg.shape[:] = [-3]
+    with pytest.raises(CodecError, match="negative dimension"):
+        codec.decode(msg, "actions")
+
+
+def test_expected_shape_dtype_and_finite():
+    msg = codec.encode(np.zeros((2, 4), np.float32))
+    with pytest.raises(CodecError, match=r"actions: shape \[2, 4\] where \['N', 3\] was expected"):
+        codec.decode(msg, "actions", shape=[None, 3])
+    with pytest.raises(CodecError, match="dtype FLOAT32 where INT64 was expected"):
+        codec.decode(msg, "actions", dtype=DType.INT64)
+    bad = np.zeros((2, 4), np.float32)
+    bad[1, 2] = np.nan
+    with pytest.raises(CodecError, match=r"actions: non-finite value nan at index \[1, 2\]"):
+        codec.decode(codec.encode(bad), "actions", finite=True)
+
+
+def test_map_key_mismatch():
+    specs = {"state": codec.TensorSpec(dtype=DType.FLOAT32, shape=[3])}
+    msg = codec.encode_map({"stat": np.zeros((1, 3), np.float32)})
+    with pytest.raises(CodecError, match=r"missing \['state'\].*unexpected \['stat'\]"):
+        codec.decode_map(msg, "observations", specs=specs, batch=1)
+
+
+def test_unsupported_numpy_dtype():
+    with pytest.raises(CodecError, match="unsupported dtype complex64"):
+        codec.encode(np.zeros(2, np.complex64))

@@ -1,0 +1,59 @@
+import pytest
+
+from rlfleet.config import ConfigError, load_config, parse_placement, parse_ranks
+
+
+def test_default_loads():
+    cfg = load_config()
+    assert cfg.env.train.env_id == "PandaPickCube-v0"
+    assert cfg.actor.model.model_type == "mlp"
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'env\.train\.totl_num_envs'; did you mean "
+                                          r"'env\.train\.total_num_envs'\?"):
+        load_config(None, ["env.train.totl_num_envs=8"])
+    with pytest.raises(ConfigError, match=r"'algorithm\.clip_ratio_hi'.*did you mean 'algorithm\.clip_ratio_high'"):
+        load_config(None, ["algorithm.clip_ratio_hi=0.3"])
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("runner:\n  experimnt_name: x\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: unknown config key 'runner\.experimnt_name'; did you mean "
+                                          r"'runner\.experiment_name'"):
+        load_config(path)
+
+
+def test_wrong_type_and_cross_checks():
+    with pytest.raises(ConfigError, match="'algorithm.gamma' = 'high' has the wrong type"):
+        load_config(None, ["algorithm.gamma=high"])
+    with pytest.raises(ConfigError, match="rollout.pipeline_stage_num"):
+        load_config(None, ["env.train.total_num_envs=10", "rollout.pipeline_stage_num=4"])
+    with pytest.raises(ConfigError, match="actor.global_batch_size"):
+        load_config(None, ["actor.global_batch_size=300"])
+    with pytest.raises(ConfigError, match="'actor.model.model_type': 'transformer' is not one of mlp, cnn"):
+        load_config(None, ["actor.model.model_type=transformer"])
+
+
+def test_free_form_maps_and_builtin_configs():
+    cfg = load_config("pandapickcube_vision_ppo", ["env.train.init_params.image_size=32"])
+    assert cfg.env.train.init_params.image_size == 32
+    assert cfg.actor.model.model_type == "cnn"
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_config")
+
+
+def test_placement():
+    p = parse_placement({"env": "0-3", "rollout": "4-7", "actor": "0-7"}, 8)
+    assert p == {"env": [0, 1, 2, 3], "rollout": [4, 5, 6, 7], "actor": list(range(8))}
+    assert parse_placement({"env,rollout,actor": "all"}, 4)["rollout"] == [0, 1, 2, 3]
+    assert parse_ranks("0,2-3", 4) == [0, 2, 3]
+    with pytest.raises(ConfigError, match="unknown component 'rolout'.*did you mean 'rollout'"):
+        parse_placement({"rolout": "0"}, 2)
+    with pytest.raises(ConfigError, match="rank 9 .* outside the cluster's 8 GPUs"):
+        parse_ranks("0-9", 8)
+    with pytest.raises(ConfigError, match="not a GPU range"):
+        parse_ranks("a-b", 8)
+    cfg = load_config(None, ["cluster.num_gpus_per_node=8", "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}"])
+    assert dict(cfg.cluster.component_placement) == {"env": "0-3", "rollout": "4-7", "actor": "0-7"}

@@ -1,0 +1,47 @@
+import numpy as np
+import torch
+
+from rlfleet import weights
+from rlfleet.models import ActorCritic, ObsSpec, RunningMeanStd
+
+
+def test_act_and_evaluate_share_log_prob():
+    torch.manual_seed(0)
+    m = ActorCritic({"state": ObsSpec((13,), "float32")}, 4)
+    obs = {"state": torch.randn(32, 13)}
+    a, lp, v = m.act(obs)
+    lp2, ent, v2 = m.evaluate(obs, a)
+    assert torch.allclose(lp, lp2, atol=1e-6) and torch.allclose(v, v2)
+    am, _, _ = m.act(obs, deterministic=True)
+    assert torch.allclose(am, m.distribution(obs)[0].mean)
+
+
+def test_running_mean_std_matches_numpy():
+    rms = RunningMeanStd((3,))
+    data = np.random.default_rng(0).normal(2.0, 3.0, size=(1000, 3))
+    for chunk in np.split(data, 10):
+        rms.update(torch.from_numpy(chunk))
+    assert np.allclose(rms.mean.numpy(), data.mean(0), atol=1e-3)
+    assert np.allclose(rms.var.numpy(), data.var(0), rtol=1e-3)
+
+
+def test_cnn_policy_on_images():
+    specs = {"state": ObsSpec((7,), "float32"), "wrist": ObsSpec((32, 32, 3), "uint8"),
+             "third_person": ObsSpec((32, 32, 3), "uint8")}
+    m = ActorCritic(specs, 4, model_type="cnn", image_feature_dim=32)
+    obs = {"state": torch.randn(2, 7), "wrist": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8),
+           "third_person": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8)}
+    a, lp, v = m.act(obs)
+    assert a.shape == (2, 4) and torch.isfinite(lp).all()
+
+
+def test_weights_chunk_roundtrip():
+    m = ActorCritic({"state": ObsSpec((5,), "float32")}, 2)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    state["extra_bf16"] = torch.randn(3, 3).to(torch.bfloat16)
+    chunks = list(weights.iter_chunks(state, 7, obs_specs=m.obs_specs, action_dim=2, chunk_bytes=100))
+    assert len(chunks) > len(state)
+    version, got, specs, adim, partial = weights.assemble(chunks)
+    assert version == 7 and specs == m.obs_specs and adim == 2 and not partial
+    for k in state:
+        assert got[k].dtype == state[k].dtype and torch.equal(got[k], state[k])

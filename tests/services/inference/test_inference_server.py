@@ -1,0 +1,142 @@
+"""InferenceService over real gRPC: batching across streams, hot weight swap, bad input."""
+
+import queue
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from rlfleet import codec, rpc, weights
+from rlfleet.models import ActorCritic, ObsSpec
+from rlfleet.v1 import inference_pb2, inference_pb2_grpc
+from services.inference.client import GrpcPolicyClient, PolicyError
+
+SPECS = {"state": ObsSpec((13,), "float32")}
+
+
+def publish(addr, version, seed=0, log_std=-0.5):
+    torch.manual_seed(seed)
+    m = ActorCritic(SPECS, 4, hidden_dims=[64, 64], init_log_std=log_std)
+    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    return m, stub.UpdateWeights(weights.iter_chunks(m.state_dict(), version, obs_specs=SPECS, action_dim=4))
+
+
+@pytest.fixture
+def inference(cfg):
+    from services.inference import server
+
+    srv, addr, engine, _ = server.serve(cfg, "127.0.0.1:0")
+    yield addr, engine
+    srv.stop(0)
+    engine.stop()
+
+
+def test_act_before_weights_is_failed_precondition(inference):
+    addr, _ = inference
+    client = GrpcPolicyClient([addr], 1)
+    client.submit(0, {"state": np.zeros((2, 13), np.float32)})
+    with pytest.raises(PolicyError, match="no policy weights loaded yet"):
+        client.result(0)
+    client.close()
+
+
+def test_actions_match_local_policy(inference):
+    addr, _ = inference
+    model, resp = publish(addr, 1)
+    assert resp.version == 1
+    obs = np.random.default_rng(0).normal(size=(5, 13)).astype(np.float32)
+    client = GrpcPolicyClient([addr], 1, action_dim=4)
+    client.submit(0, {"state": obs}, deterministic=True)
+    res = client.result(0)
+    a, lp, v = model.act({"state": torch.from_numpy(obs)}, deterministic=True)
+    assert res.weights_version == 1
+    assert np.allclose(res.actions, a.numpy(), atol=1e-5) and np.allclose(res.values, v.numpy(), atol=1e-5)
+    client.close()
+
+
+@pytest.fixture
+def cfg_wait(cfg):
+    cfg.rollout.max_wait_ms = 50.0
+    return cfg
+
+
+def test_dynamic_batching_across_streams(cfg_wait):
+    from services.inference import server
+
+    srv, addr, engine, _ = server.serve(cfg_wait, "127.0.0.1:0")
+    publish(addr, 1)
+    n_streams, n_requests = 6, 20
+    client = GrpcPolicyClient([addr], n_streams, action_dim=4)
+    barrier = threading.Barrier(n_streams)
+    errors = []
+
+    def run(s):
+        try:
+            for _ in range(n_requests):
+                barrier.wait()
+                client.submit(s, {"state": np.zeros((4, 13), np.float32)})
+                client.result(s)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(n_streams)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    assert engine.requests_served == n_streams * n_requests
+    # every round's 6 requests run as one batch (allowing a few rounds split by scheduling)
+    assert engine.batches_run <= 1.5 * n_requests, (engine.batches_run, engine.requests_served)
+    client.close()
+    srv.stop(0)
+    engine.stop()
+
+
+def test_hot_swap_keeps_in_flight_requests(inference):
+    addr, engine = inference
+    publish(addr, 1)
+    client = GrpcPolicyClient([addr], 1, action_dim=4)
+    versions = []
+    for i in range(30):
+        client.submit(0, {"state": np.zeros((3, 13), np.float32)})
+        if i == 10:
+            publish(addr, 2, seed=1)
+        versions.append(client.result(0).weights_version)
+    assert versions[0] == 1 and versions[-1] == 2 and versions == sorted(versions)
+    client.close()
+
+
+def _act_error(addr, obs):
+    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    q = queue.SimpleQueue()
+    q.put(inference_pb2.ActRequest(request_id=0, observations=codec.encode_map(obs)))
+    q.put(None)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Act(iter(q.get, None)))
+    return err.value
+
+
+def test_bad_observations_are_invalid_argument(inference):
+    addr, _ = inference
+    publish(addr, 1)
+    e = _act_error(addr, {"state": np.zeros((2, 12), np.float32)})
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "observations['state']: shape [2, 12]" in e.details()
+    e = _act_error(addr, {"state": np.full((2, 13), np.nan, np.float32)})
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "non-finite" in e.details()
+    e = _act_error(addr, {"pixels": np.zeros((2, 13), np.float32)})
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "keys ['pixels']" in e.details()
+    # stale weights are refused, the server keeps serving
+    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    publish(addr, 5)
+    with pytest.raises(grpc.RpcError) as err:
+        publish(addr, 3)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stale weights version 3" in err.value.details()
+    assert stub.Describe(inference_pb2.DescribeInferenceRequest()).weights_version == 5
+    # a weights set with a wrong tensor shape names the tensor
+    m = ActorCritic(SPECS, 4, hidden_dims=[64, 64])
+    state = m.state_dict()
+    state["log_std"] = torch.zeros(5)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWeights(weights.iter_chunks(state, 6))
+    assert "weights['log_std']: shape [5] where [4] was expected" in err.value.details()

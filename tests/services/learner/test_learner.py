@@ -1,0 +1,99 @@
+"""Learner core: rollout validation, a PPO update, checkpoint round trip (weights + optimizer state)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rlfleet.metrics import read_metrics
+from rlfleet.models import ObsSpec
+from rlfleet.rpc import FailedPrecondition, InvalidRequest
+from services.env.vec_env import EpisodeStat
+from services.learner.learner import Learner, latest_checkpoint
+
+SPECS = {"state": ObsSpec((13,), "float32")}
+
+
+def fake_rollout(T=16, N=8, seed=0):
+    rng = np.random.default_rng(seed)
+    tm = {"obs.state": rng.normal(size=(T, N, 13)).astype(np.float32),
+          "actions": rng.normal(size=(T, N, 4)).astype(np.float32),
+          "log_probs": np.full((T, N), -4.0, np.float32), "values": np.zeros((T, N), np.float32),
+          "rewards": rng.random((T, N)).astype(np.float32), "terminated": np.zeros((T, N), bool),
+          "truncated": np.zeros((T, N), bool), "bootstrap_values": np.zeros((T, N), np.float32),
+          "loss_mask": np.ones((T, N), bool)}
+    tm["truncated"][T // 2] = True
+    return tm, {"last_values": np.zeros(N, np.float32)}, [EpisodeStat(0, 3.0, 8, True, True)]
+
+
+@pytest.fixture
+def learner(cfg, tmp_path):
+    cfg.runner.save_interval = 1
+    le = Learner(cfg, tmp_path / "run")
+    le.setup(SPECS, 4)
+    yield le
+    le.close()
+
+
+def test_receive_validates(learner):
+    tm, pe, eps = fake_rollout()
+    bad = dict(tm, actions=tm["actions"][:, :, :3])
+    with pytest.raises(InvalidRequest, match=r"rollout\['actions'\]: shape \[16, 8, 3\]"):
+        learner.receive(0, 0, bad, pe, eps)
+    bad = dict(tm)
+    bad["rewards"] = tm["rewards"].copy()
+    bad["rewards"][2, 3] = np.inf
+    with pytest.raises(InvalidRequest, match=r"rollout\['rewards'\]: non-finite"):
+        learner.receive(0, 0, bad, pe, eps)
+    with pytest.raises(InvalidRequest, match="missing tensors"):
+        learner.receive(0, 0, {k: v for k, v in tm.items() if k != "values"}, pe, eps)
+    with pytest.raises(FailedPrecondition, match=r"no committed rollout from worker\(s\) \[0\]"):
+        learner.train(0, [0])
+
+
+def test_train_logs_rlinf_metrics_and_checkpoints(learner, tmp_path):
+    tm, pe, eps = fake_rollout()
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    learner.receive(0, 0, tm, pe, eps)
+    m = learner.train(0, [0])
+    for key in ("train/actor/policy_loss", "train/actor/approx_kl", "train/actor/clip_fraction",
+                "train/actor/clipped_ratio", "train/actor/grad_norm", "train/actor/lr", "train/actor/entropy_loss",
+                "train/critic/value_loss", "train/critic/value_clip_ratio", "train/critic/explained_variance",
+                "train/loss", "env/success_once", "env/return", "env/episode_len", "env/reward",
+                "rollout/advantages_mean", "rollout/advantages_max", "rollout/advantages_min",
+                "rollout/returns_mean", "rollout/rewards", "time/train"):
+        assert key in m, key
+    assert learner.version == 1 and learner.env_steps == 16 * 8
+    assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+    with pytest.raises(InvalidRequest, match="epoch: 5 is not the next epoch"):
+        learner.train(5, [0])
+    records = read_metrics(tmp_path / "run")
+    assert records[-1]["step"] == 1 and "train/actor/policy_loss" in records[-1]
+    assert (tmp_path / "run" / "tensorboard").exists()
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt.name == "global_step_1" and (ckpt / "model.safetensors").exists()
+    assert json.loads((ckpt / "learner_state.json").read_text())["epoch"] == 0
+
+
+def test_resume_restores_weights_optimizer_and_counters(cfg, learner, tmp_path):
+    tm, pe, eps = fake_rollout()
+    learner.receive(0, 0, tm, pe, eps)
+    learner.train(0, [0])
+    cfg.runner.resume_dir = str(tmp_path / "run")
+    other = Learner(cfg, tmp_path / "run")
+    other.setup(SPECS, 4)
+    assert (other.epoch, other.version, other.env_steps) == (0, 1, 128)
+    for k, v in learner.model.state_dict().items():
+        assert torch.equal(v, other.model.state_dict()[k]), k
+    s1, s2 = learner.optimizer.state_dict()["state"], other.optimizer.state_dict()["state"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[i]["exp_avg"], s2[i]["exp_avg"]) for i in s1)
+    # both continue identically
+    torch.manual_seed(3)
+    learner.receive(1, 0, *fake_rollout(seed=1))
+    m1 = learner.train(1, [0])
+    torch.manual_seed(3)
+    other.receive(1, 0, *fake_rollout(seed=1))
+    m2 = other.train(1, [0])
+    assert np.isclose(m1["train/loss"], m2["train/loss"])
+    other.close()

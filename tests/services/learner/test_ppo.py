@@ -1,0 +1,51 @@
+import numpy as np
+import torch
+
+from services.learner import ppo
+
+
+def test_gae_matches_hand_computation():
+    r = torch.tensor([[1.0], [0.0], [2.0]])
+    v = torch.tensor([[0.5], [0.4], [0.3]])
+    d = torch.tensor([[0.0], [1.0], [0.0]])
+    last = torch.tensor([0.2])
+    g, lam = 0.9, 0.8
+    adv, ret = ppo.compute_gae(r, v, d, last, g, lam)
+    d2 = 2.0 + g * 0.2 - 0.3
+    d1 = 0.0 - 0.4  # episode ended at t=1: no bootstrap
+    d0 = 1.0 + g * 0.4 - 0.5
+    expected = [d0 + g * lam * d1, d1, d2]
+    assert np.allclose(adv.squeeze(1).numpy(), expected, atol=1e-6)
+    assert torch.allclose(ret, adv + v)
+
+
+def test_policy_loss_clipping_and_dual_clip():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 0.5, 1.5, 3.0]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, stats = ppo.policy_loss(new, old, adv, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None)
+    # per-sample: max(-A r, -A clip(r)) -> [-1.2, -0.5, 1.5, 3.0]
+    assert np.isclose(loss.item(), np.mean([-1.2, -0.5, 1.5, 3.0]))
+    assert np.isclose(stats["clip_fraction"].item(), 0.25)
+    loss_dc, _ = ppo.policy_loss(new, old, adv, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=2.0)
+    assert np.isclose(loss_dc.item(), np.mean([-1.2, -0.5, 1.5, 2.0]))
+
+
+def test_value_loss_clip_and_huber():
+    v = torch.tensor([2.0])
+    old = torch.tensor([0.0])
+    ret = torch.tensor([1.0])
+    unclipped, _ = ppo.value_loss(v, old, ret, value_clip=None, huber_delta=None)
+    assert np.isclose(unclipped.item(), 0.5)
+    # pessimistic max of unclipped and clipped errors: here the clipped prediction (0.2) is worse
+    clipped, ratio = ppo.value_loss(v, old, torch.tensor([3.0]), value_clip=0.2, huber_delta=None)
+    assert np.isclose(clipped.item(), 0.5 * 2.8 ** 2) and ratio.item() == 1.0
+    same, ratio = ppo.value_loss(v, old, ret, value_clip=0.2, huber_delta=None)
+    assert np.isclose(same.item(), 0.5) and ratio.item() == 0.0
+    huber, _ = ppo.value_loss(torch.tensor([4.0]), old, ret, value_clip=None, huber_delta=1.0)
+    assert np.isclose(huber.item(), 3.0 - 0.5)
+
+
+def test_masked_mean():
+    x = torch.tensor([1.0, 100.0, 3.0])
+    assert ppo.masked_mean(x, torch.tensor([1.0, 0.0, 1.0])).item() == 2.0
