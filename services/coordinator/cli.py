@@ -13,8 +13,8 @@ import json
 import os
 import pathlib
 import sys
-import time
 
+import rlfleet  # noqa: F401  (sets gRPC's log verbosity before grpc is imported)
 import grpc
 
 from rlfleet import rpc
@@ -23,8 +23,6 @@ from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 def _start(args) -> int:
-    from omegaconf import OmegaConf
-
     from services.coordinator.coordinator import Coordinator, RunFailed, choose_run_dir, install_signal_handlers
     from services.coordinator.server import serve
 
@@ -66,7 +64,6 @@ def _start(args) -> int:
     finally:
         coord.shutdown()
         server.stop(grace=0.5)
-        OmegaConf  # noqa: B018
     return code
 
 

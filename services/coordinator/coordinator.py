@@ -307,7 +307,8 @@ class Coordinator:
                          "time/env": max(r.env_time_s for r in results),
                          "time/inference_wait": max(r.inference_wait_s for r in results),
                          "env/lost_episodes": float(self.lost_episodes),
-                         "env/lost_episodes_epoch": float(self.lost_episodes - lost_before)}
+                         "env/lost_episodes_epoch": float(self.lost_episodes - lost_before),
+                         "time/elapsed": self.elapsed()}
                 t1 = time.perf_counter()
                 try:
                     resp = learner.Train(learner_pb2.TrainRequest(

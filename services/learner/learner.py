@@ -45,8 +45,7 @@ class Learner:
         self.epoch = -1          # last trained epoch
         self.version = 0         # weights version (number of updates applied)
         self.env_steps = 0
-        self.elapsed_s = 0.0     # training wall time before this process (restored on resume)
-        self.t_start = time.time()
+        self.elapsed_s = 0.0     # training wall time, as measured by the coordinator (restored on resume)
         self.last_checkpoint = ""
         self.reward_rms = RunningMeanStd(())
         self._returns: dict[int, np.ndarray] = {}   # per worker: running discounted return per env
@@ -169,8 +168,9 @@ class Learner:
         metrics = self._metrics(episodes, raw_rewards, advantages, returns, values, stats)
         metrics.update({"time/train": train_time, "time/weight_sync": time.perf_counter() - t1,
                         "env/env_steps": float(self.env_steps), "train/weights_version": float(self.version),
-                        "time/elapsed": self.elapsed()})
+                        })
         metrics.update(extra_metrics or {})
+        self.elapsed_s = metrics.get("time/elapsed", self.elapsed_s)
         if (epoch + 1) % cfg.runner.save_interval == 0:
             self.save_checkpoint()
         self.logger.log(epoch + 1, metrics)
@@ -258,7 +258,7 @@ class Learner:
         return m
 
     def elapsed(self) -> float:
-        return self.elapsed_s + (time.time() - self.t_start)
+        return self.elapsed_s
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.logger.log(step, metrics)
