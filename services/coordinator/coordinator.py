@@ -231,6 +231,18 @@ class Coordinator:
                 if svc.restarts > self.cfg.cluster.max_restarts or self.fatal:
                     raise RunFailed(self.fatal or f"env[{index}] keeps failing") from exc
 
+    def _await(self, future, what: str):
+        """Wait for a future (thread pool or gRPC) while watching for a fatal service death."""
+        while True:
+            if self.fatal:
+                if hasattr(future, "cancel"):
+                    future.cancel()
+                raise RunFailed(self.fatal)
+            try:
+                return future.result(timeout=0.25)
+            except (TimeoutError, grpc.FutureTimeoutError):
+                continue
+
     def evaluate(self, step: int, num_episodes: int | None = None) -> dict[str, float]:
         ev = self.cfg.env.eval
         total = num_episodes or ev.num_episodes
@@ -300,7 +312,8 @@ class Coordinator:
                     break
                 t0 = time.perf_counter()
                 lost_before = self.lost_episodes
-                results = list(pool.map(lambda i: self._collect(i, epoch, version), range(self.counts["env"])))
+                futures = [pool.submit(self._collect, i, epoch, version) for i in range(self.counts["env"])]
+                results = [self._await(f, "rollout") for f in futures]
                 t_rollout = time.perf_counter() - t0
                 steps = sum(r.env_steps for r in results)
                 extra = {"time/rollout": t_rollout, "rollout/env_steps_per_s": steps / t_rollout,
@@ -311,9 +324,9 @@ class Coordinator:
                          "time/elapsed": self.elapsed()}
                 t1 = time.perf_counter()
                 try:
-                    resp = learner.Train(learner_pb2.TrainRequest(
+                    resp = self._await(learner.Train.future(learner_pb2.TrainRequest(
                         epoch=epoch, worker_indices=list(range(self.counts["env"])),
-                        inference_addresses=self.addresses("inference"), extra_metrics=extra))
+                        inference_addresses=self.addresses("inference"), extra_metrics=extra)), "training")
                 except grpc.RpcError as exc:
                     raise RunFailed(self.fatal or f"learner Train failed: {rpc.describe_error(exc)}") from exc
                 version = resp.weights_version

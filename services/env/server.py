@@ -8,6 +8,7 @@ This module only translates gRPC to calls on ``VecEnv`` and ``RolloutWorker``.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -161,4 +162,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # do not wait for handler threads still blocked on a dead peer

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -83,4 +84,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # do not wait for handler threads still blocked on a dead peer

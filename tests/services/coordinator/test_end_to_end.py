@@ -1,0 +1,183 @@
+"""`coordinatorctl start` end to end: real processes, real gRPC on loopback, real MuJoCo, real PPO.
+
+Covers the run folder, --resume, kill -9 of an env server mid-run (restart, lost episodes counted), kill -9 of
+the learner (run fails with a resume hint; --resume continues with the same step count and optimizer state),
+`coordinatorctl stop` and Ctrl-C with no orphan processes, and config errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlfleet import rpc
+from rlfleet.metrics import read_metrics
+from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+TINY = ["env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=25", "env.eval.total_num_envs=4",
+        "env.eval.num_episodes=4", "actor.micro_batch_size=100", "actor.global_batch_size=100",
+        "algorithm.update_epoch=2", "actor.model.hidden_dims=[32,32]", "runner.max_env_steps=null",
+        "runner.max_wall_time_s=null", "cluster.heartbeat_timeout_s=8"]
+CTL = [sys.executable, "-m", "services.coordinator.cli"]
+
+
+def start(tmp_path, *args, name="e2e"):
+    cmd = [*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", f"runner.experiment_name={name}", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout=240):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def status(run_dir):
+    info = json.loads((run_dir / "coordinator.json").read_text())
+    with rpc.channel(info["address"]) as ch:
+        return coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(), timeout=5)
+
+
+def wait_epoch(run_dir, epoch, proc, timeout=180):
+    end = time.monotonic() + timeout
+    error = None
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            pytest.fail(f"coordinator exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            st = status(run_dir)
+            if st.epoch + 1 >= epoch:
+                return st
+        except Exception as exc:  # noqa: BLE001 - not up yet
+            error = exc
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"run did not reach epoch {epoch} ({error}):\n{proc.communicate()[0]}")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_no_orphans(pids, timeout=15):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)], "service processes outlived the coordinator"
+
+
+def test_run_writes_run_folder_and_resumes(tmp_path):
+    code, out = finish(start(tmp_path, "runner.max_epochs=3", "runner.val_check_interval=2",
+                             "runner.save_interval=2"))
+    assert code == 0, out
+    run = tmp_path / "e2e"
+    for f in ("config.yaml", "metrics.jsonl", "summary.json", "learning_curve.png", "logs/env_0.log"):
+        assert (run / f).exists(), f
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "global_step_3" / "model.safetensors").exists()
+    assert (run / "checkpoints" / "global_step_3" / "optimizer.pt").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["env_steps"] == 3 * 8 * 25
+    assert summary["final_eval"]["eval/num_episodes"] == 4
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "train/actor/policy_loss" in r] == [1, 2, 3]
+    assert any("eval/success_once" in r for r in records)
+    assert "final evaluation: success_once" in out and str(run) in out
+    # --resume continues at epoch 4 with the same counters
+    proc = subprocess.run([*CTL, "start", "--resume", str(run), "runner.max_epochs=5"], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed at epoch 3, 600 env steps" in proc.stdout
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "train/actor/policy_loss" in r] == [1, 2, 3, 4, 5]
+    assert json.loads((run / "summary.json").read_text())["env_steps"] == 5 * 8 * 25
+
+
+def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path):
+    proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
+                 "actor.global_batch_size=400", "actor.micro_batch_size=200", name="envkill")
+    run = tmp_path / "envkill"
+    st = wait_epoch(run, 2, proc)
+    pids = {s.role: s.pid for s in st.services}
+    env_pid = pids[coordinator_pb2.ENV]
+    time.sleep(0.3)  # well inside the next rollout
+    os.kill(env_pid, signal.SIGKILL)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        st = status(run)
+        env_svc = [s for s in st.services if s.role == coordinator_pb2.ENV][0]
+        if env_svc.restarts == 1 and env_svc.alive and env_svc.pid != env_pid and st.epoch >= 4:
+            break
+        time.sleep(0.3)
+    else:
+        pytest.fail(f"env server was not restarted / the run did not go on: {st}")
+    all_pids = [s.pid for s in status(run).services] + [env_pid]
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    code, out = finish(proc)
+    assert code == 0, out
+    assert "restarting it (restart 1)" in out and "partial episodes dropped" in out
+    assert_no_orphans(all_pids)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["lost_episodes"] == 8 and summary["restarts"] == {"env[0]": 1}
+    lost = [r["env/lost_episodes"] for r in read_metrics(run) if "env/lost_episodes" in r]
+    assert lost[0] == 0 and lost[-1] == 8
+    # every trained epoch had the full batch: the partial rollout never reached the learner
+    steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
+    assert all(b - a == 800 for a, b in zip(steps, steps[1:]))
+
+
+def test_learner_killed_then_resume_and_stop(tmp_path):
+    proc = start(tmp_path, "runner.max_epochs=1000", "runner.save_interval=1", name="learnerkill")
+    run = tmp_path / "learnerkill"
+    st = wait_epoch(run, 3, proc)
+    pids = {s.role: s.pid for s in st.services}
+    os.kill(pids[coordinator_pb2.LEARNER], signal.SIGKILL)
+    code, out = finish(proc)
+    assert code == 1, out
+    assert "learner[0] died" in out and f"coordinatorctl start --resume {run}" in out
+    assert_no_orphans(list(pids.values()))
+    ckpts = sorted((run / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
+    last = json.loads((ckpts[-1] / "learner_state.json").read_text())
+    # resume: same step count and optimizer state, then `coordinatorctl stop`
+    proc = subprocess.Popen([*CTL, "start", "--resume", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    st = wait_epoch(run, last["epoch"] + 3, proc)
+    pids2 = [s.pid for s in st.services]
+    stop = subprocess.run([*CTL, "stop", str(run)], capture_output=True, text=True, timeout=30)
+    assert stop.returncode == 0, stop.stderr
+    code, out = finish(proc)
+    assert code == 0, out
+    assert f"resumed at epoch {last['epoch'] + 1}, {last['env_steps']} env steps" in out
+    learner_log = (run / "logs" / "learner_0.log").read_text()
+    assert f"resumed from {ckpts[-1]}" in learner_log
+    assert_no_orphans(pids2)
+    steps = [r["step"] for r in read_metrics(run) if "train/actor/policy_loss" in r]
+    assert steps == sorted(set(steps)) or steps[:last["epoch"] + 1] == list(range(1, last["epoch"] + 2))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["env.train.totl_num_envs=8"], "unknown config key 'env.train.totl_num_envs'; did you mean 'env.train.total_num_envs'"),
+    (["env.train.env_id=PandaPickCub-v0"], "unknown env id 'PandaPickCub-v0'; did you mean 'PandaPickCube-v0'"),
+    (["rollout.pipeline_stage_num=3"], "must split evenly into 3 stages"),
+])
+def test_config_errors_name_the_key(args, message, tmp_path):
+    proc = subprocess.run([*CTL, "start", f"runner.logger.log_path={tmp_path}", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir()), "a rejected config must not start anything"
