@@ -71,19 +71,34 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, worker: RolloutWorker, index: int, incarnation: str):
         self.worker, self.index, self.incarnation = worker, index, incarnation
         self.lock = threading.Lock()
+        self._policy = None  # Act streams kept open across epochs: (addresses, stages) -> client
+        self._policy_key = None
+
+    def _policy_for(self, addresses: list[str], stages: int):
+        key = (tuple(addresses), stages)
+        if self._policy_key != key:
+            self._drop_policy()
+            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim)
+            self._policy_key = key
+        return self._policy
+
+    def _drop_policy(self) -> None:
+        if self._policy is not None:
+            self._policy.close()
+        self._policy = self._policy_key = None
 
     @rpc.handler
     def Collect(self, request, context):
         if request.num_steps < 1:
             raise rpc.InvalidRequest(f"num_steps: must be >= 1, got {request.num_steps}")
         with self.lock:
-            policy = make_policy_client(list(request.inference_addresses), self.worker.num_stages,
-                                        self.worker.action_dim)
+            policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
             try:
                 rollout, summary = self.worker.collect(request.epoch, request.num_steps, policy,
                                                        request.min_weights_version)
-            finally:
-                policy.close()
+            except BaseException:
+                self._drop_policy()  # streams may hold unanswered requests: start clean next time
+                raise
             push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation)
         return rollout_pb2.CollectResponse(
             epoch=summary.epoch, env_steps=summary.env_steps,
@@ -101,13 +116,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
         t0 = time.perf_counter()
         with self.lock:
-            policy = make_policy_client(list(request.inference_addresses), 1, self.worker.action_dim)
+            policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
             try:
                 episodes = self.worker.evaluate(
                     list(range(request.first_episode, request.first_episode + request.num_episodes)),
                     request.seed, request.deterministic, policy)
-            finally:
-                policy.close()
+            except BaseException:
+                self._drop_policy()
+                raise
         return rollout_pb2.EvaluateResponse(episodes=[codec.episode_to_proto(e) for e in episodes],
                                             eval_time_s=time.perf_counter() - t0)
 

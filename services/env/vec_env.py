@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import gymnasium as gym
@@ -74,14 +75,19 @@ def _obs_dict(obs) -> dict[str, np.ndarray]:
 
 
 class VecEnv:
-    """``num_envs`` copies of one gymnasium env, stepped sequentially in this process."""
+    """``num_envs`` copies of one gymnasium env, stepped sequentially in this process.
+
+    Every call into the simulators runs on one dedicated thread: renderers (EGL/OpenGL contexts) and many
+    simulators are bound to the thread that created them, while gRPC serves each call on a pool thread.
+    """
 
     def __init__(self, env_id: str, num_envs: int, *, max_episode_steps: int, auto_reset: bool = True,
                  ignore_terminations: bool = False, init_params: dict | None = None, seed: int = 0):
         if num_envs < 1:
             raise InvalidRequest(f"num_envs must be >= 1, got {num_envs}")
         self.env_id = env_id
-        self.envs = [make_env(env_id, init_params) for _ in range(num_envs)]
+        self._sim_thread = ThreadPoolExecutor(1, thread_name_prefix="sim")
+        self.envs = self._on_sim_thread(lambda: [make_env(env_id, init_params) for _ in range(num_envs)])
         self.num_envs = num_envs
         self.max_episode_steps = max_episode_steps
         self.auto_reset = auto_reset
@@ -140,79 +146,89 @@ class VecEnv:
     def _gather(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         return {k: v[ids] for k, v in self._obs.items()}
 
+    def _on_sim_thread(self, fn, *args):
+        return self._sim_thread.submit(fn, *args).result()
+
     # --- API --------------------------------------------------------------------------------------------------
     def reset(self, env_ids: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         with self._lock:
-            ids = self._ids(env_ids)
-            if seeds is not None and len(seeds) and len(seeds) != len(ids):
-                raise InvalidRequest(f"seeds: {len(seeds)} seeds for {len(ids)} envs")
-            for j, i in enumerate(ids):
-                seed = int(seeds[j]) if seeds is not None and len(seeds) else None
-                if seed is None and not self._has_reset[i]:
-                    seed = self.base_seed + int(i)
-                obs, _ = self.envs[i].reset(seed=seed)
-                self._write_obs(i, obs)
-                self._has_reset[i] = True
-                self._ep_return[i] = 0.0
-                self._ep_len[i] = 0
-                self._ep_success[i] = False
-                self._done[i] = False
-            return self._gather(ids)
+            return self._on_sim_thread(self._reset, env_ids, seeds)
 
     def step(self, env_ids: Sequence[int] | None, actions: np.ndarray) -> StepResult:
         with self._lock:
-            ids = self._ids(env_ids)
-            actions = self._check_actions(np.asarray(actions), len(ids))
-            if not self._has_reset[ids].all():
-                raise InvalidRequest(f"env_ids: env {int(ids[~self._has_reset[ids]][0])} was never reset")
-            n = len(ids)
-            rewards = np.zeros(n, np.float32)
-            terminated = np.zeros(n, bool)
-            truncated = np.zeros(n, bool)
-            success = np.zeros(n, bool)
-            final_obs = None
-            episodes: list[EpisodeStat] = []
-            for j, i in enumerate(ids):
-                if self._done[i]:  # finished, waiting for a reset (auto_reset off): frozen, no reward
-                    terminated[j] = True
-                    continue
-                obs, reward, term, trunc, info = self.envs[i].step(actions[j])
-                self._ep_len[i] += 1
-                self._ep_return[i] += reward
-                succ = bool(info.get("success", False))
-                self._ep_success[i] |= succ
-                if self.ignore_terminations:
-                    term = False
-                trunc = bool(trunc) or self._ep_len[i] >= self.max_episode_steps
-                rewards[j], terminated[j], truncated[j], success[j] = reward, term, trunc and not term, succ
-                self._write_obs(i, obs)
-                if term or trunc:
-                    if final_obs is None:
-                        final_obs = {k: v[ids].copy() for k, v in self._obs.items()}
-                    else:
-                        for k, v in _obs_dict(obs).items():
-                            final_obs[k][j] = v
-                    episodes.append(EpisodeStat(int(i), float(self._ep_return[i]), int(self._ep_len[i]),
-                                                bool(self._ep_success[i]), succ))
-                    if self.auto_reset:
-                        new_obs, _ = self.envs[i].reset()
-                        self._write_obs(i, new_obs)
-                        self._ep_return[i] = 0.0
-                        self._ep_len[i] = 0
-                        self._ep_success[i] = False
-                    else:
-                        self._done[i] = True
-            obs = self._gather(ids)
-            if final_obs is None:
-                final_obs = obs
-            else:
-                running = ~(terminated | truncated)
-                for k, v in final_obs.items():
-                    v[running] = obs[k][running]
-            return StepResult(obs, rewards, terminated, truncated, success, final_obs, episodes)
+            return self._on_sim_thread(self._step, env_ids, actions)
 
     def close(self) -> None:
         with self._lock:
-            for env in self.envs:
-                env.close()
+            if self.envs:
+                self._on_sim_thread(lambda: [env.close() for env in self.envs])
             self.envs = []
+            self._sim_thread.shutdown(wait=False)
+
+    def _reset(self, env_ids, seeds) -> dict[str, np.ndarray]:
+        ids = self._ids(env_ids)
+        if seeds is not None and len(seeds) and len(seeds) != len(ids):
+            raise InvalidRequest(f"seeds: {len(seeds)} seeds for {len(ids)} envs")
+        for j, i in enumerate(ids):
+            seed = int(seeds[j]) if seeds is not None and len(seeds) else None
+            if seed is None and not self._has_reset[i]:
+                seed = self.base_seed + int(i)
+            obs, _ = self.envs[i].reset(seed=seed)
+            self._write_obs(i, obs)
+            self._has_reset[i] = True
+            self._ep_return[i] = 0.0
+            self._ep_len[i] = 0
+            self._ep_success[i] = False
+            self._done[i] = False
+        return self._gather(ids)
+
+    def _step(self, env_ids, actions) -> StepResult:
+        ids = self._ids(env_ids)
+        actions = self._check_actions(np.asarray(actions), len(ids))
+        if not self._has_reset[ids].all():
+            raise InvalidRequest(f"env_ids: env {int(ids[~self._has_reset[ids]][0])} was never reset")
+        n = len(ids)
+        rewards = np.zeros(n, np.float32)
+        terminated = np.zeros(n, bool)
+        truncated = np.zeros(n, bool)
+        success = np.zeros(n, bool)
+        final_obs = None
+        episodes: list[EpisodeStat] = []
+        for j, i in enumerate(ids):
+            if self._done[i]:  # finished, waiting for a reset (auto_reset off): frozen, no reward
+                terminated[j] = True
+                continue
+            obs, reward, term, trunc, info = self.envs[i].step(actions[j])
+            self._ep_len[i] += 1
+            self._ep_return[i] += reward
+            succ = bool(info.get("success", False))
+            self._ep_success[i] |= succ
+            if self.ignore_terminations:
+                term = False
+            trunc = bool(trunc) or self._ep_len[i] >= self.max_episode_steps
+            rewards[j], terminated[j], truncated[j], success[j] = reward, term, trunc and not term, succ
+            self._write_obs(i, obs)
+            if term or trunc:
+                if final_obs is None:
+                    final_obs = {k: v[ids].copy() for k, v in self._obs.items()}
+                else:
+                    for k, v in _obs_dict(obs).items():
+                        final_obs[k][j] = v
+                episodes.append(EpisodeStat(int(i), float(self._ep_return[i]), int(self._ep_len[i]),
+                                            bool(self._ep_success[i]), succ))
+                if self.auto_reset:
+                    new_obs, _ = self.envs[i].reset()
+                    self._write_obs(i, new_obs)
+                    self._ep_return[i] = 0.0
+                    self._ep_len[i] = 0
+                    self._ep_success[i] = False
+                else:
+                    self._done[i] = True
+        obs = self._gather(ids)
+        if final_obs is None:
+            final_obs = obs
+        else:
+            running = ~(terminated | truncated)
+            for k, v in final_obs.items():
+                v[running] = obs[k][running]
+        return StepResult(obs, rewards, terminated, truncated, success, final_obs, episodes)
