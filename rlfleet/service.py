@@ -31,9 +31,25 @@ def common_args(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def die_with_parent() -> None:
+    """When started by a coordinator (RLFLEET_PARENT_PID), exit as soon as it dies, even by kill -9."""
+    parent = os.environ.get("RLFLEET_PARENT_PID")
+    if not parent:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != int(parent):  # the parent died before we got here
+        os._exit(1)
+
+
 def setup_process(args, num_threads: int) -> None:
     import torch
 
+    die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     torch.set_num_threads(max(1, int(num_threads)))
 

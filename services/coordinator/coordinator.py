@@ -364,6 +364,10 @@ class Coordinator:
         return self.write_summary(epoch, train_time, stop_why, final, ckpt)
 
     def progress_line(self, epoch: int, m: dict[str, float]) -> str:
+        # env/* exist only for epochs in which episodes ended: show the latest known values
+        self._env_seen = {**getattr(self, "_env_seen", {}), **{k: v for k, v in m.items() if k.startswith("env/")}}
+        m = {**self._env_seen, **m}
+
         def f(key, fmt):
             v = m.get(key)
             return format(v, fmt) if v is not None and math.isfinite(v) else "-"

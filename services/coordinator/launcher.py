@@ -1,13 +1,14 @@
 """Local launcher: every service as a child process of the coordinator on this machine.
 
 Children run in their own session (a terminal's Ctrl-C reaches only the coordinator, which then stops them in
-order) and are bound to the coordinator's life by PR_SET_PDEATHSIG (a killed coordinator leaves no orphans).
+order) and bind themselves to the coordinator's life with PR_SET_PDEATHSIG (``RLFLEET_PARENT_PID``, see
+``rlfleet.service``), so a killed coordinator leaves no orphans. No Python runs between fork and exec (no
+preexec_fn): the coordinator has gRPC threads, and forking those is unsafe.
 Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pathlib
 import signal
@@ -20,14 +21,6 @@ from rlfleet.config import cuda_visible_devices, parse_placement
 
 MODULES = {"env": "services.env.server", "inference": "services.inference.server", "learner": "services.learner.server"}
 COMPONENT = {"env": "env", "inference": "rollout", "learner": "actor"}
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -64,13 +57,13 @@ class LocalLauncher:
                "--address", f"{self.cfg.cluster.host}:0", "--coordinator", self.coordinator_address]
         if role == "learner":
             cmd += ["--run-dir", str(self.run_dir)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.cluster.torch_num_threads),
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RLFLEET_PARENT_PID=str(os.getpid()), OMP_NUM_THREADS=str(self.cfg.cluster.torch_num_threads),
                    CUDA_VISIBLE_DEVICES=self.devices_for(role, index, count))
         env.setdefault("MUJOCO_GL", "egl")
         log_path = self.run_dir / "logs" / f"{role}_{index}.log"
         log_file = open(log_path, "ab")
         popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True, preexec_fn=_die_with_parent)
+                                 start_new_session=True)
         log_file.close()
         proc = Proc(role, index, popen, log_path, time.monotonic())
         self.procs[(role, index)] = proc

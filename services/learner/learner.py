@@ -237,7 +237,7 @@ class Learner:
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["train/actor/lr"] = lr
         out["train/optimizer_steps"] = float(count)
-        out["train/actor/log_std"] = float(self.model.log_std.mean())
+        out["train/actor/log_std"] = float(self.model.log_std.detach().mean())
         return out
 
     def _metrics(self, episodes, raw_rewards, advantages, returns, values, stats) -> dict[str, float]:

@@ -1,0 +1,71 @@
+"""LearnerService over real gRPC: a rollout is committed only when its stream ends cleanly."""
+
+import grpc
+import numpy as np
+import pytest
+
+from rlfleet import rpc
+from rlfleet.v1 import learner_pb2_grpc
+from services.env.rollout import Rollout
+from services.learner.client import push_rollout, rollout_chunks
+from tests.services.learner.test_learner import SPECS, fake_rollout
+
+
+@pytest.fixture
+def learner_stub(fleet):
+    fleet.learner.setup(SPECS, 4)
+    return learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)), fleet.learner
+
+
+def test_push_rollout_in_chunks_commits(fleet, learner_stub):
+    _, learner = learner_stub
+    tm, pe, eps = fake_rollout(T=40)
+    resp = push_rollout(fleet.learner_addr, Rollout(tm, pe, eps), 0, 0, "inc")
+    assert (resp.num_steps, resp.num_envs) == (40, 8)
+    got = learner.pending[(0, 0)]
+    assert np.array_equal(got["time"]["obs.state"], tm["obs.state"])
+    assert len(got["episodes"]) == 1
+
+
+def test_broken_stream_is_discarded(learner_stub):
+    stub, learner = learner_stub
+    tm, pe, eps = fake_rollout(T=40)
+    chunks = list(rollout_chunks(Rollout(tm, pe, eps), 0, 0, "inc", chunk_bytes=2000))
+    assert len(chunks) > 2
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushRollout(iter(chunks[:-1]))  # the sender died before its last chunk
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "without a chunk marked last; discarded" in err.value.details()
+    reordered = [chunks[1], chunks[0], *chunks[2:]]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushRollout(iter(reordered))
+    assert "chunk starts at t=" in err.value.details()
+    assert not learner.pending
+
+
+def test_vision_images_flow_through_the_pipeline(tmp_path):
+    """PandaPickCubeVision-v0 + CNN policy: images go env -> inference -> learner, one PPO update."""
+    from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
+    from tests.conftest import Fleet, small_config
+
+    cfg = small_config("env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=4",
+                       "env.train.max_steps_per_rollout_epoch=8", "env.train.init_params={image_size: 32}",
+                       "actor.model.model_type=cnn", "actor.micro_batch_size=16", "actor.global_batch_size=32",
+                       "actor.model.image_feature_dim=32")
+    fleet = Fleet(cfg, tmp_path / "run")
+    try:
+        rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+        spec = rstub.Describe(env_pb2.DescribeEnvRequest())
+        assert list(spec.observation_space["wrist"].shape) == [32, 32, 3]
+        assert spec.task_descriptions[0] == "pick up the red cube and lift it"
+        lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+        lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+        rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
+                                                 learner_address=fleet.learner_addr))
+        images = fleet.learner.pending[(0, 0)]["time"]["obs.third_person"]
+        assert images.shape == (8, 4, 32, 32, 3) and images.dtype == np.uint8 and images.std() > 1
+        resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]))
+        assert resp.weights_version == 1 and np.isfinite(resp.metrics["train/actor/policy_loss"])
+        assert fleet.engine.version == 1
+    finally:
+        fleet.close()
