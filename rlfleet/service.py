@@ -27,6 +27,8 @@ def common_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to serve on (port 0 = any free port)")
     p.add_argument("--index", type=int, default=0, help="index of this service among its role")
     p.add_argument("--coordinator", default=None, help="coordinator address to register with (optional)")
+    p.add_argument("--advertise", default=None,
+                   help="address other services use to reach this one, if not the bound one (e.g. env:50061 in compose)")
     p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "WARNING"))
     return p
 
@@ -46,6 +48,16 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def load_service_config(args):
+    """The run config a service was started with (defaults merged and validated, like the coordinator's)."""
+    from rlfleet.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        raise SystemExit(f"config error: {exc}") from None
+
+
 def setup_process(args, num_threads: int) -> None:
     import torch
 
@@ -58,14 +70,19 @@ class ServiceRuntime:
     """Serve, register, heartbeat; ``wait()`` blocks until shutdown (signal, coordinator says so, or it is gone)."""
 
     def __init__(self, role: str, index: int, server: grpc.Server, address: str,
-                 coordinator: str | None, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 15.0):
+                 coordinator: str | None, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 15.0,
+                 config_yaml: str = ""):
         self.role, self.index, self.server, self.address = role, index, server, address
         self.coordinator = coordinator
         self.incarnation = uuid.uuid4().hex[:12]
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
         self.stop_event = threading.Event()
+        self.config_yaml = config_yaml
+        self.exit_code = 0
 
-    def run(self) -> None:
+    def run(self, advertise: str | None = None) -> None:
+        if advertise:
+            self.address = advertise
         signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
         print(f"rlfleet {self.role}[{self.index}] serving on {self.address} (pid {os.getpid()})", flush=True)
@@ -82,9 +99,18 @@ class ServiceRuntime:
         while not self.stop_event.is_set():
             try:
                 if not registered:
-                    stub.Register(coordinator_pb2.RegisterRequest(
-                        role=role, index=self.index, address=self.address, pid=os.getpid(),
-                        incarnation=self.incarnation), timeout=5)
+                    try:
+                        stub.Register(coordinator_pb2.RegisterRequest(
+                            role=role, index=self.index, address=self.address, pid=os.getpid(),
+                            incarnation=self.incarnation, config_yaml=self.config_yaml), timeout=5)
+                    except grpc.RpcError as exc:
+                        if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                            print(f"rlfleet {self.role}[{self.index}]: the coordinator refused this service: "
+                                  f"{exc.details()}", flush=True)
+                            self.exit_code = 2
+                            self.stop_event.set()
+                            return
+                        raise
                     registered = True
                 reply = stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
                     role=role, index=self.index, incarnation=self.incarnation), timeout=5)

@@ -19,18 +19,20 @@ INFERENCE: Role
 LEARNER: Role
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "index", "address", "pid", "incarnation")
+    __slots__ = ("role", "index", "address", "pid", "incarnation", "config_yaml")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
     role: Role
     index: int
     address: str
     pid: int
     incarnation: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    config_yaml: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., config_yaml: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("accepted",)

@@ -44,10 +44,35 @@ class Service:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
+# keys that may differ between the coordinator and a service (where things are, not what is trained)
+LOCAL_KEYS = ("cluster.launcher", "cluster.host", "cluster.coordinator_address", "runner.resume_dir",
+              "runner.logger.log_path")
+
+
+def config_difference(cfg, other_yaml: str) -> str:
+    """'' when a service's config matches the coordinator's, else the first differing key, named."""
+    from omegaconf import OmegaConf
+
+    from rlfleet.config import _flatten
+
+    mine, theirs = _flatten(cfg), _flatten(OmegaConf.create(other_yaml))
+    for key in sorted(set(mine) | set(theirs)):
+        if key in LOCAL_KEYS:
+            continue
+        a, b = mine.get(key, "<missing>"), theirs.get(key, "<missing>")
+        a = OmegaConf.to_container(a) if OmegaConf.is_config(a) else a
+        b = OmegaConf.to_container(b) if OmegaConf.is_config(b) else b
+        if a != b:
+            return f"'{key}' is {b!r} there, {a!r} here (give every service the coordinator's config file)"
+    return ""
+
+
 def choose_run_dir(cfg, resume_dir: str | None) -> pathlib.Path:
     if resume_dir:
         return pathlib.Path(resume_dir)
     base = pathlib.Path(cfg.runner.logger.log_path) / cfg.runner.experiment_name
+    if cfg.cluster.launcher == "attach":  # the learner was started elsewhere with this run folder
+        return base
     path, n = base, 1
     while path.exists() and any(path.iterdir()):
         n += 1
@@ -80,12 +105,17 @@ class Coordinator:
         self.address = ""
 
     # --- registry (called by the gRPC servicer) --------------------------------------------------------------
-    def register(self, role: int, index: int, address: str, pid: int, incarnation: str) -> bool:
+    def register(self, role: int, index: int, address: str, pid: int, incarnation: str,
+                 config_yaml: str = "") -> bool:
         name = ROLE_NAMES.get(role)
         svc = self.services.get((name, index))
         if svc is None:
             raise rpc.InvalidRequest(f"role/index: this run has no {name or role}[{index}] "
                                      f"(expects {self.counts})")
+        if config_yaml:
+            diff = config_difference(self.cfg, config_yaml)
+            if diff:
+                raise rpc.FailedPrecondition(f"{name}[{index}] was started with a different config: {diff}")
         with self.lock:
             svc.address, svc.pid, svc.incarnation = address, pid, incarnation
             svc.last_heartbeat, svc.alive = time.monotonic(), True
@@ -414,8 +444,9 @@ class Coordinator:
     def shutdown(self) -> None:
         self.shutting_down = True
         self.phase = "stopped"
+        if any(s.alive for s in self.services.values()):
+            time.sleep(min(2.0, self.cfg.cluster.heartbeat_interval_s * 1.5))  # let heartbeats carry the word
         if self.launcher is not None:
-            time.sleep(min(1.5, self.cfg.cluster.heartbeat_interval_s * 1.5))  # let heartbeats carry the word
             self.launcher.stop_all()
 
 

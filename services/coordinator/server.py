@@ -12,7 +12,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @rpc.handler
     def Register(self, request, context):
-        ok = self.coord.register(request.role, request.index, request.address, request.pid, request.incarnation)
+        ok = self.coord.register(request.role, request.index, request.address, request.pid, request.incarnation,
+                                 request.config_yaml)
         return coordinator_pb2.RegisterResponse(accepted=ok)
 
     @rpc.handler

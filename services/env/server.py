@@ -14,9 +14,9 @@ import threading
 
 import numpy as np
 
+from rlfleet.config import to_yaml
 from rlfleet import codec, rpc
-from rlfleet.config import config_from_yaml
-from rlfleet.service import ServiceRuntime, common_args, setup_process
+from rlfleet.service import ServiceRuntime, common_args, load_service_config, setup_process
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc, tensor_pb2
 from services.env.rollout import RolloutWorker
 from services.env.vec_env import VecEnv
@@ -169,12 +169,13 @@ def main(argv=None) -> int:
     parser.add_argument("--external-env", default=None,
                         help="address of an external EnvService to run the rollout worker in front of")
     args = parser.parse_args(argv)
-    cfg = config_from_yaml(open(args.config).read())
+    cfg = load_service_config(args)
     setup_process(args, cfg.cluster.torch_num_threads)
     server, bound, worker, runtime = serve(cfg, args.address, args.index, args.coordinator, args.external_env)
-    runtime.run()
+    runtime.config_yaml = to_yaml(cfg)
+    runtime.run(args.advertise)
     worker.close()
-    return 0
+    return runtime.exit_code
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import sys
 
 import numpy as np
 
+from rlfleet.config import to_yaml
 from rlfleet import codec, rpc, weights
-from rlfleet.config import config_from_yaml
-from rlfleet.service import ServiceRuntime, common_args, setup_process
+from rlfleet.service import ServiceRuntime, common_args, load_service_config, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine import InferenceEngine
 
@@ -71,16 +71,17 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None):
 
 def main(argv=None) -> int:
     args = common_args("rlfleet batched inference server").parse_args(argv)
-    cfg = config_from_yaml(open(args.config).read())
+    cfg = load_service_config(args)
     setup_process(args, cfg.cluster.torch_num_threads)
     np.random.seed(cfg.runner.seed + 1000 + args.index)
     import torch
 
     torch.manual_seed(cfg.runner.seed + 1000 + args.index)
     server, bound, engine, runtime = serve(cfg, args.address, args.index, args.coordinator)
-    runtime.run()
+    runtime.config_yaml = to_yaml(cfg)
+    runtime.run(args.advertise)
     engine.stop()
-    return 0
+    return runtime.exit_code
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from rlfleet.config import to_yaml
 from rlfleet import codec, rpc, weights
-from rlfleet.config import config_from_yaml
 from rlfleet.models.actor_critic import obs_specs_from_proto
-from rlfleet.service import ServiceRuntime, common_args, setup_process
+from rlfleet.service import ServiceRuntime, common_args, load_service_config, setup_process
 from rlfleet.v1 import inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.learner import Learner
 
@@ -134,12 +134,13 @@ def main(argv=None) -> int:
     parser = common_args("rlfleet learner (PPO)")
     parser.add_argument("--run-dir", required=True, help="where metrics, TensorBoard events and checkpoints go")
     args = parser.parse_args(argv)
-    cfg = config_from_yaml(open(args.config).read())
+    cfg = load_service_config(args)
     setup_process(args, cfg.cluster.torch_num_threads)
     server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator)
-    runtime.run()
+    runtime.config_yaml = to_yaml(cfg)
+    runtime.run(args.advertise)
     learner.close()
-    return 0
+    return runtime.exit_code
 
 
 if __name__ == "__main__":

@@ -181,3 +181,39 @@ def test_config_errors_name_the_key(args, message, tmp_path):
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir()), "a rejected config must not start anything"
+
+
+def test_attach_to_services_started_elsewhere(tmp_path):
+    """cluster.launcher=attach (what docker-compose runs): services started on their own register with the
+    coordinator, train, and exit when the run is over."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    coordinator = f"127.0.0.1:{port}"
+    from rlfleet.config import load_config, to_yaml
+
+    config = tmp_path / "attach.yaml"
+    config.write_text(to_yaml(load_config(None, [
+        *TINY, "cluster.launcher=attach", f"cluster.coordinator_address={coordinator}", "runner.max_epochs=2",
+        "runner.experiment_name=attach", f"runner.logger.log_path={tmp_path}"])))
+    # a service started with a different config is refused, with the key named
+    odd_config = tmp_path / "odd.yaml"
+    odd_config.write_text(config.read_text().replace("gamma: 0.95", "gamma: 0.5"))
+    odd = subprocess.Popen([sys.executable, "-m", "services.inference.server", "--config", str(odd_config),
+                            "--coordinator", coordinator], stdout=subprocess.PIPE, text=True)
+    services = []
+    for module, extra in (("services.learner.server", ["--run-dir", str(tmp_path / "attach")]),
+                          ("services.inference.server", []), ("services.env.server", [])):
+        services.append(subprocess.Popen(
+            [sys.executable, "-m", module, "--config", str(config), "--coordinator", coordinator, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    proc = subprocess.run([*CTL, "start", str(config)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "final evaluation: success_once" in proc.stdout
+    for p in services:
+        assert p.wait(30) == 0  # told to shut down through their heartbeats
+    out, _ = odd.communicate(timeout=30)
+    assert odd.returncode == 2
+    assert "refused this service: inference[0] was started with a different config: 'algorithm.gamma' is 0.5" in out
