@@ -48,6 +48,13 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def pick_device() -> str:
+    """'cuda' when this process was placed on a GPU (CUDA_VISIBLE_DEVICES) and torch sees it, else 'cpu'."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_service_config(args):
     """The run config a service was started with (defaults merged and validated, like the coordinator's)."""
     from rlfleet.config import ConfigError, load_config

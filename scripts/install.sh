@@ -27,9 +27,14 @@ fi
 stamp=".venv/.rlfleet-installed-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "[install] pip: torch 2.13.0 (CPU) + rlfleet[test] (a few minutes on a fresh machine)"
-  .venv/bin/python -m pip install -q --upgrade pip
+  log=.venv/install.log
   # torch pinned in the same command, or a dependency could pull a multi-GB CUDA build
-  .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]"
+  if ! { .venv/bin/python -m pip install --upgrade pip && \
+         .venv/bin/python -m pip install "torch==2.13.0" -e ".[test]"; } >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "[install] pip failed; full log: $log" >&2
+    exit 1
+  fi
   rm -f .venv/.rlfleet-installed-*
   touch "$stamp"
 fi

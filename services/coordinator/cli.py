@@ -58,6 +58,9 @@ def _start(args) -> int:
     except RunFailed as exc:
         print(f"\ncoordinatorctl: run failed: {exc}", file=sys.stderr)
         code = 1
+    except grpc.RpcError as exc:
+        print(f"\ncoordinatorctl: run failed: {coord.fatal or rpc.describe_error(exc)}", file=sys.stderr)
+        code = 1
     except KeyboardInterrupt:
         print("\ncoordinatorctl: interrupted; shutting down", file=sys.stderr)
         code = 130

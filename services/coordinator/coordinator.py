@@ -250,16 +250,29 @@ class Coordinator:
                 if exc.code() not in RETRYABLE or self.fatal:
                     raise RunFailed(f"env[{index}] Collect failed: {rpc.describe_error(exc)}"
                                     + (f"\n  {self.fatal}" if self.fatal else "")) from exc
-                # the server died mid-rollout: its partial episodes are dropped, never sent to the learner
+                # did the server die? the monitor notices a process exit at once, a hung server by its heartbeats
+                patience = 3.0 if self.launcher is not None else self.cfg.cluster.heartbeat_timeout_s + 5
+                deadline = time.monotonic() + patience
+                while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline \
+                        and not self.fatal:
+                    time.sleep(0.1)
+                if self.fatal:
+                    raise RunFailed(self.fatal) from exc
+                if svc.incarnation == incarnation and svc.ready.is_set():
+                    raise RunFailed(f"env[{index}] Collect failed and the server is still up: "
+                                    f"{rpc.describe_error(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
+                # it died mid-rollout: its partial episodes are dropped (never sent to the learner) and counted
                 with self.lock:
                     self.lost_episodes += per_server
                 self.say(f"  ! env[{index}] lost mid-rollout ({rpc.describe_error(exc).splitlines()[0]}); "
                          f"{per_server} partial episodes dropped, collecting again after restart")
-                deadline = time.monotonic() + self.cfg.cluster.heartbeat_timeout_s + 5
-                while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline:
-                    time.sleep(0.1)  # wait until the monitor has noticed the death
-                if svc.restarts > self.cfg.cluster.max_restarts or self.fatal:
-                    raise RunFailed(self.fatal or f"env[{index}] keeps failing") from exc
+
+    def _why_failed(self, exc: grpc.RpcError, what: str) -> str:
+        """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""
+        deadline = time.monotonic() + (3.0 if self.launcher is not None else self.cfg.cluster.heartbeat_timeout_s)
+        while not self.fatal and time.monotonic() < deadline and exc.code() in RETRYABLE:
+            time.sleep(0.1)
+        return self.fatal or f"{what} failed: {rpc.describe_error(exc)}"
 
     def _await(self, future, what: str):
         """Wait for a future (thread pool or gRPC) while watching for a fatal service death."""
@@ -358,7 +371,7 @@ class Coordinator:
                         epoch=epoch, worker_indices=list(range(self.counts["env"])),
                         inference_addresses=self.addresses("inference"), extra_metrics=extra)), "training")
                 except grpc.RpcError as exc:
-                    raise RunFailed(self.fatal or f"learner Train failed: {rpc.describe_error(exc)}") from exc
+                    raise RunFailed(self._why_failed(exc, "learner Train")) from exc
                 version = resp.weights_version
                 metrics = dict(resp.metrics)
                 metrics["time/step"] = time.perf_counter() - t0
@@ -376,6 +389,8 @@ class Coordinator:
                     if target is not None and ev["eval/success_once"] >= target:
                         stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"
                         break
+        except grpc.RpcError as exc:
+            raise RunFailed(self._why_failed(exc, "a service call")) from exc
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         train_time = self.elapsed()

@@ -12,7 +12,7 @@ import numpy as np
 
 from rlfleet.config import to_yaml
 from rlfleet import codec, rpc, weights
-from rlfleet.service import ServiceRuntime, common_args, load_service_config, setup_process
+from rlfleet.service import ServiceRuntime, common_args, load_service_config, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine import InferenceEngine
 
@@ -51,14 +51,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             mean_batch_rows=float(e.rows_run / e.batches_run) if e.batches_run else 0.0)
 
 
-def build_engine(cfg) -> InferenceEngine:
+def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
     return InferenceEngine(cfg.actor.model, normalize_obs=cfg.algorithm.normalize_obs,
-                           max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms)
+                           max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms,
+                           device=device)
 
 
-def serve(cfg, address: str, index: int = 0, coordinator: str | None = None):
+def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
     """Start serving; returns (grpc server, bound address, engine, runtime)."""
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, device)
     engine.start()
     server = rpc.make_server(max_workers=64)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.manual_seed(cfg.runner.seed + 1000 + args.index)
-    server, bound, engine, runtime = serve(cfg, args.address, args.index, args.coordinator)
+    server, bound, engine, runtime = serve(cfg, args.address, args.index, args.coordinator, pick_device())
     runtime.config_yaml = to_yaml(cfg)
     runtime.run(args.advertise)
     engine.stop()

@@ -14,7 +14,7 @@ import numpy as np
 from rlfleet.config import to_yaml
 from rlfleet import codec, rpc, weights
 from rlfleet.models.actor_critic import obs_specs_from_proto
-from rlfleet.service import ServiceRuntime, common_args, load_service_config, setup_process
+from rlfleet.service import ServiceRuntime, common_args, load_service_config, pick_device, setup_process
 from rlfleet.v1 import inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.learner import Learner
 
@@ -119,8 +119,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                                          last_checkpoint=le.last_checkpoint, elapsed_time_s=le.elapsed())
 
 
-def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None):
-    learner = Learner(cfg, run_dir)
+def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
+    learner = Learner(cfg, run_dir, device)
     server = rpc.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(learner), server)
     bound = rpc.bind(server, address)
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cfg = load_service_config(args)
     setup_process(args, cfg.cluster.torch_num_threads)
-    server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator)
+    server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator,
+                                            pick_device())
     runtime.config_yaml = to_yaml(cfg)
     runtime.run(args.advertise)
     learner.close()
