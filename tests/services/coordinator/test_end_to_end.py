@@ -82,9 +82,12 @@ def assert_no_orphans(pids, timeout=15):
 
 
 def test_run_writes_run_folder_and_resumes(tmp_path):
+    # two env servers and two inference servers: envs split over servers, stages over inference servers
     code, out = finish(start(tmp_path, "runner.max_epochs=3", "runner.val_check_interval=2",
-                             "runner.save_interval=2"))
+                             "runner.save_interval=2", "cluster.num_env_servers=2",
+                             "cluster.num_inference_servers=2"))
     assert code == 0, out
+    assert "starting 2 env server(s), 2 inference server(s)" in out
     run = tmp_path / "e2e"
     for f in ("config.yaml", "metrics.jsonl", "summary.json", "learning_curve.png", "logs/env_0.log"):
         assert (run / f).exists(), f
@@ -94,6 +97,8 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["env_steps"] == 3 * 8 * 25
     assert summary["final_eval"]["eval/num_episodes"] == 4
+    assert {p.name for p in (run / "logs").iterdir()} == {"env_0.log", "env_1.log", "inference_0.log",
+                                                           "inference_1.log", "learner_0.log"}
     records = read_metrics(run)
     assert [r["step"] for r in records if "train/actor/policy_loss" in r] == [1, 2, 3]
     assert any("eval/success_once" in r for r in records)
@@ -151,8 +156,10 @@ def test_learner_killed_then_resume_and_stop(tmp_path):
     assert code == 1, out
     assert "learner[0] died" in out and f"coordinatorctl start --resume {run}" in out
     assert_no_orphans(list(pids.values()))
-    ckpts = sorted((run / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
-    last = json.loads((ckpts[-1] / "learner_state.json").read_text())
+    from services.learner.learner import latest_checkpoint
+
+    ckpt = latest_checkpoint(run)  # the kill may have hit a checkpoint being written: that one is skipped
+    last = json.loads((ckpt / "learner_state.json").read_text())
     # resume: same step count and optimizer state, then `coordinatorctl stop`
     proc = subprocess.Popen([*CTL, "start", "--resume", str(run)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -164,7 +171,7 @@ def test_learner_killed_then_resume_and_stop(tmp_path):
     assert code == 0, out
     assert f"resumed at epoch {last['epoch'] + 1}, {last['env_steps']} env steps" in out
     learner_log = (run / "logs" / "learner_0.log").read_text()
-    assert f"resumed from {ckpts[-1]}" in learner_log
+    assert f"resumed from {ckpt}" in learner_log
     assert_no_orphans(pids2)
     steps = [r["step"] for r in read_metrics(run) if "train/actor/policy_loss" in r]
     assert steps == sorted(set(steps)) or steps[:last["epoch"] + 1] == list(range(1, last["epoch"] + 2))
