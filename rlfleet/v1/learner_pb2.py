@@ -26,7 +26,7 @@ from rlfleet.v1 import env_pb2 as rlfleet_dot_v1_dot_env__pb2
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/learner.proto\x12\nrlfleet.v1\x1a\x14rlfleet/v1/env.proto\x1a\x17rlfleet/v1/tensor.proto\"\x17\n\x15SaveCheckpointRequest\"&\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xd2\x01\n\x0cRolloutChunk\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x14\n\x0cworker_index\x18\x02 \x01(\x05\x12\x1a\n\x12worker_incarnation\x18\x03 \x01(\t\x12\x0f\n\x07t_start\x18\x04 \x01(\x05\x12#\n\x04\x64\x61ta\x18\x05 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12*\n\x08\x65pisodes\x18\x06 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x11\n\tnum_steps\x18\x08 \x01(\x05\":\n\x13PushRolloutResponse\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x10\n\x08num_envs\x18\x02 \x01(\x03\"\xca\x01\n\x0cTrainRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x16\n\x0eworker_indices\x18\x02 \x03(\x05\x12\x1b\n\x13inference_addresses\x18\x03 \x03(\t\x12\x41\n\rextra_metrics\x18\x04 \x03(\x0b\x32*.rlfleet.v1.TrainRequest.ExtraMetricsEntry\x1a\x33\n\x11\x45xtraMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb9\x01\n\rTrainResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x37\n\x07metrics\x18\x03 \x03(\x0b\x32&.rlfleet.v1.TrainResponse.MetricsEntry\x12\x17\n\x0f\x63heckpoint_path\x18\x04 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"[\n\x15PublishWeightsRequest\x12\x1b\n\x13inference_addresses\x18\x01 \x03(\t\x12%\n\x08\x65nv_spec\x18\x02 \x01(\x0b\x32\x13.rlfleet.v1.EnvSpec\"1\n\x16PublishWeightsResponse\x12\x17\n\x0fweights_version\x18\x01 \x01(\x03\"\x8e\x01\n\x11LogMetricsRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.rlfleet.v1.LogMetricsRequest.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12LogMetricsResponse\"\x16\n\x14LearnerStatusRequest\"{\n\rLearnerStatus\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x17\n\x0flast_checkpoint\x18\x04 \x01(\t\x12\x16\n\x0e\x65lapsed_time_s\x18\x05 \x01(\x01\x32\xe0\x03\n\x0eLearnerService\x12J\n\x0bPushRollout\x12\x18.rlfleet.v1.RolloutChunk\x1a\x1f.rlfleet.v1.PushRolloutResponse(\x01\x12<\n\x05Train\x12\x18.rlfleet.v1.TrainRequest\x1a\x19.rlfleet.v1.TrainResponse\x12W\n\x0ePublishWeights\x12!.rlfleet.v1.PublishWeightsRequest\x1a\".rlfleet.v1.PublishWeightsResponse\x12K\n\nLogMetrics\x12\x1d.rlfleet.v1.LogMetricsRequest\x1a\x1e.rlfleet.v1.LogMetricsResponse\x12\x45\n\x06Status\x12 .rlfleet.v1.LearnerStatusRequest\x1a\x19.rlfleet.v1.LearnerStatus\x12W\n\x0eSaveCheckpoint\x12!.rlfleet.v1.SaveCheckpointRequest\x1a\".rlfleet.v1.SaveCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/learner.proto\x12\nrlfleet.v1\x1a\x14rlfleet/v1/env.proto\x1a\x17rlfleet/v1/tensor.proto\"\x17\n\x15SaveCheckpointRequest\"&\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xd2\x01\n\x0cRolloutChunk\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x14\n\x0cworker_index\x18\x02 \x01(\x05\x12\x1a\n\x12worker_incarnation\x18\x03 \x01(\t\x12\x0f\n\x07t_start\x18\x04 \x01(\x05\x12#\n\x04\x64\x61ta\x18\x05 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12*\n\x08\x65pisodes\x18\x06 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x11\n\tnum_steps\x18\x08 \x01(\x05\":\n\x13PushRolloutResponse\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x10\n\x08num_envs\x18\x02 \x01(\x03\"\xca\x01\n\x0cTrainRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x16\n\x0eworker_indices\x18\x02 \x03(\x05\x12\x1b\n\x13inference_addresses\x18\x03 \x03(\t\x12\x41\n\rextra_metrics\x18\x04 \x03(\x0b\x32*.rlfleet.v1.TrainRequest.ExtraMetricsEntry\x1a\x33\n\x11\x45xtraMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd0\x01\n\rTrainResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x37\n\x07metrics\x18\x03 \x03(\x0b\x32&.rlfleet.v1.TrainResponse.MetricsEntry\x12\x17\n\x0f\x63heckpoint_path\x18\x04 \x01(\t\x12\x15\n\rpublish_error\x18\x05 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"[\n\x15PublishWeightsRequest\x12\x1b\n\x13inference_addresses\x18\x01 \x03(\t\x12%\n\x08\x65nv_spec\x18\x02 \x01(\x0b\x32\x13.rlfleet.v1.EnvSpec\"1\n\x16PublishWeightsResponse\x12\x17\n\x0fweights_version\x18\x01 \x01(\x03\"\x8e\x01\n\x11LogMetricsRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.rlfleet.v1.LogMetricsRequest.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12LogMetricsResponse\"\x16\n\x14LearnerStatusRequest\"{\n\rLearnerStatus\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x17\n\x0flast_checkpoint\x18\x04 \x01(\t\x12\x16\n\x0e\x65lapsed_time_s\x18\x05 \x01(\x01\x32\xe0\x03\n\x0eLearnerService\x12J\n\x0bPushRollout\x12\x18.rlfleet.v1.RolloutChunk\x1a\x1f.rlfleet.v1.PushRolloutResponse(\x01\x12<\n\x05Train\x12\x18.rlfleet.v1.TrainRequest\x1a\x19.rlfleet.v1.TrainResponse\x12W\n\x0ePublishWeights\x12!.rlfleet.v1.PublishWeightsRequest\x1a\".rlfleet.v1.PublishWeightsResponse\x12K\n\nLogMetrics\x12\x1d.rlfleet.v1.LogMetricsRequest\x1a\x1e.rlfleet.v1.LogMetricsResponse\x12\x45\n\x06Status\x12 .rlfleet.v1.LearnerStatusRequest\x1a\x19.rlfleet.v1.LearnerStatus\x12W\n\x0eSaveCheckpoint\x12!.rlfleet.v1.SaveCheckpointRequest\x1a\".rlfleet.v1.SaveCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,23 +52,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINREQUEST_EXTRAMETRICSENTRY']._serialized_start=577
   _globals['_TRAINREQUEST_EXTRAMETRICSENTRY']._serialized_end=628
   _globals['_TRAINRESPONSE']._serialized_start=631
-  _globals['_TRAINRESPONSE']._serialized_end=816
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=770
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=816
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=818
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=909
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=911
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=960
-  _globals['_LOGMETRICSREQUEST']._serialized_start=963
-  _globals['_LOGMETRICSREQUEST']._serialized_end=1105
-  _globals['_LOGMETRICSREQUEST_METRICSENTRY']._serialized_start=770
-  _globals['_LOGMETRICSREQUEST_METRICSENTRY']._serialized_end=816
-  _globals['_LOGMETRICSRESPONSE']._serialized_start=1107
-  _globals['_LOGMETRICSRESPONSE']._serialized_end=1127
-  _globals['_LEARNERSTATUSREQUEST']._serialized_start=1129
-  _globals['_LEARNERSTATUSREQUEST']._serialized_end=1151
-  _globals['_LEARNERSTATUS']._serialized_start=1153
-  _globals['_LEARNERSTATUS']._serialized_end=1276
-  _globals['_LEARNERSERVICE']._serialized_start=1279
-  _globals['_LEARNERSERVICE']._serialized_end=1759
+  _globals['_TRAINRESPONSE']._serialized_end=839
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=793
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=839
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=841
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=932
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=934
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=983
+  _globals['_LOGMETRICSREQUEST']._serialized_start=986
+  _globals['_LOGMETRICSREQUEST']._serialized_end=1128
+  _globals['_LOGMETRICSREQUEST_METRICSENTRY']._serialized_start=793
+  _globals['_LOGMETRICSREQUEST_METRICSENTRY']._serialized_end=839
+  _globals['_LOGMETRICSRESPONSE']._serialized_start=1130
+  _globals['_LOGMETRICSRESPONSE']._serialized_end=1150
+  _globals['_LEARNERSTATUSREQUEST']._serialized_start=1152
+  _globals['_LEARNERSTATUSREQUEST']._serialized_end=1174
+  _globals['_LEARNERSTATUS']._serialized_start=1176
+  _globals['_LEARNERSTATUS']._serialized_end=1299
+  _globals['_LEARNERSERVICE']._serialized_start=1302
+  _globals['_LEARNERSERVICE']._serialized_end=1782
 # @@protoc_insertion_point(module_scope)

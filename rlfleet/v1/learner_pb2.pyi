@@ -66,7 +66,7 @@ class TrainRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., worker_indices: _Optional[_Iterable[int]] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., extra_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
-    __slots__ = ("epoch", "weights_version", "metrics", "checkpoint_path")
+    __slots__ = ("epoch", "weights_version", "metrics", "checkpoint_path", "publish_error")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,11 +78,13 @@ class TrainResponse(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_ERROR_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     weights_version: int
     metrics: _containers.ScalarMap[str, float]
     checkpoint_path: str
-    def __init__(self, epoch: _Optional[int] = ..., weights_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., checkpoint_path: _Optional[str] = ...) -> None: ...
+    publish_error: str
+    def __init__(self, epoch: _Optional[int] = ..., weights_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., checkpoint_path: _Optional[str] = ..., publish_error: _Optional[str] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("inference_addresses", "env_spec")

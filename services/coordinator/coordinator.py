@@ -103,6 +103,8 @@ class Coordinator:
         self.elapsed_offset = 0.0
         self.t_train = None
         self.address = ""
+        self.weights_lock = threading.Lock()
+        self.weights_generation: tuple = ()
 
     # --- registry (called by the gRPC servicer) --------------------------------------------------------------
     def register(self, role: int, index: int, address: str, pid: int, incarnation: str,
@@ -182,9 +184,8 @@ class Coordinator:
             svc.alive = False
             svc.ready.clear()
         name = f"{svc.role}[{svc.index}]"
-        if svc.role != "env":
-            hint = (f"\n  resume with: coordinatorctl start --resume {self.run_dir}" if svc.role == "learner" else "")
-            self.fatal = f"{name} died: {why}{hint}"
+        if svc.role == "learner":  # it holds the training state: the run stops, --resume continues it
+            self.fatal = f"{name} died: {why}\n  resume with: coordinatorctl start --resume {self.run_dir}"
             self.stop_event.set()
             return
         if svc.restarts >= self.cfg.cluster.max_restarts:
@@ -193,9 +194,9 @@ class Coordinator:
             return
         svc.restarts += 1
         self.say(f"  ! {name} {why.splitlines()[0]}; restarting it (restart {svc.restarts})")
-        if self.launcher is not None:
-            self.launcher.kill("env", svc.index)
-            self.launcher.start("env", svc.index, self.counts["env"])
+        if self.launcher is not None:  # env servers and (stateless) inference servers are restarted
+            self.launcher.kill(svc.role, svc.index)
+            self.launcher.start(svc.role, svc.index, self.counts[svc.role])
 
     def _wait_service(self, role: str, index: int, timeout: float) -> Service:
         svc = self.services[(role, index)]
@@ -241,6 +242,7 @@ class Coordinator:
         while True:
             svc, stub = self._rollout_stub(index, self.cfg.cluster.startup_timeout_s)
             incarnation = svc.incarnation
+            policy_generation = self._inference_generation()
             try:
                 return stub.Collect(rollout_pb2.CollectRequest(
                     epoch=epoch, num_steps=self.cfg.env.train.max_steps_per_rollout_epoch,
@@ -258,6 +260,13 @@ class Coordinator:
                     time.sleep(0.1)
                 if self.fatal:
                     raise RunFailed(self.fatal) from exc
+                if svc.incarnation == incarnation and svc.ready.is_set() \
+                        and self._inference_generation() != policy_generation:
+                    # an inference server died under this rollout: the env server is fine and its episodes go
+                    # on; the partial rollout is dropped and collected again once the restarted server has weights
+                    self.say(f"  ! env[{index}] rollout interrupted by an inference server restart; collecting again")
+                    self._ensure_inference_weights()
+                    continue
                 if svc.incarnation == incarnation and svc.ready.is_set():
                     raise RunFailed(f"env[{index}] Collect failed and the server is still up: "
                                     f"{rpc.describe_error(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
@@ -266,6 +275,22 @@ class Coordinator:
                     self.lost_episodes += per_server
                 self.say(f"  ! env[{index}] lost mid-rollout ({rpc.describe_error(exc).splitlines()[0]}); "
                          f"{per_server} partial episodes dropped, collecting again after restart")
+
+    def _inference_generation(self) -> tuple:
+        """Changes whenever an inference server dies or comes back."""
+        return tuple((s.incarnation, s.ready.is_set()) for (r, _), s in sorted(self.services.items()) if r == "inference")
+
+    def _ensure_inference_weights(self) -> None:
+        """After inference restarts: wait for every server, then have the learner republish the current weights."""
+        with self.weights_lock:
+            for i in range(self.counts["inference"]):
+                self._wait_service("inference", i, self.cfg.cluster.startup_timeout_s)
+            generation = self._inference_generation()
+            if generation == self.weights_generation:
+                return
+            self.learner().PublishWeights(learner_pb2.PublishWeightsRequest(
+                inference_addresses=self.addresses("inference")), timeout=120)
+            self.weights_generation = generation
 
     def _why_failed(self, exc: grpc.RpcError, what: str) -> str:
         """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""
@@ -295,10 +320,18 @@ class Coordinator:
         t0 = time.perf_counter()
 
         def one(i):
-            _, stub = self._rollout_stub(i, 60)
-            return stub.Evaluate(rollout_pb2.EvaluateRequest(
-                num_episodes=shares[i], first_episode=int(firsts[i]), seed=ev.seed, deterministic=ev.deterministic,
-                inference_addresses=self.addresses("inference")))
+            for attempt in range(2):
+                _, stub = self._rollout_stub(i, 60)
+                generation = self._inference_generation()
+                try:
+                    return stub.Evaluate(rollout_pb2.EvaluateRequest(
+                        num_episodes=shares[i], first_episode=int(firsts[i]), seed=ev.seed,
+                        deterministic=ev.deterministic, inference_addresses=self.addresses("inference")))
+                except grpc.RpcError:
+                    time.sleep(1.0)  # let the monitor notice a death
+                    if attempt or self._inference_generation() == generation:
+                        raise
+                    self._ensure_inference_weights()  # an inference server restarted: evaluate again
 
         with ThreadPoolExecutor(n) as pool:
             results = list(pool.map(one, [i for i in range(n) if shares[i]]))
@@ -325,6 +358,7 @@ class Coordinator:
         learner = self.learner()
         pub = learner.PublishWeights(learner_pb2.PublishWeightsRequest(
             env_spec=spec, inference_addresses=self.addresses("inference")), timeout=120)
+        self.weights_generation = self._inference_generation()
         status = learner.Status(learner_pb2.LearnerStatusRequest())
         start_epoch = status.epoch + 1
         self.env_steps, self.elapsed_offset = status.env_steps, status.elapsed_time_s
@@ -373,6 +407,12 @@ class Coordinator:
                 except grpc.RpcError as exc:
                     raise RunFailed(self._why_failed(exc, "learner Train")) from exc
                 version = resp.weights_version
+                if resp.publish_error:
+                    self.say(f"  ! weights {version} did not reach every inference server "
+                             f"({resp.publish_error.splitlines()[0]}); republishing")
+                    with self.weights_lock:
+                        self.weights_generation = ()
+                    self._ensure_inference_weights()
                 metrics = dict(resp.metrics)
                 metrics["time/step"] = time.perf_counter() - t0
                 metrics["time/train_rpc"] = time.perf_counter() - t1

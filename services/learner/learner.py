@@ -47,6 +47,7 @@ class Learner:
         self.env_steps = 0
         self.elapsed_s = 0.0     # training wall time, as measured by the coordinator (restored on resume)
         self.last_checkpoint = ""
+        self.publish_error = ""
         self.reward_rms = RunningMeanStd(())
         self._returns: dict[int, np.ndarray] = {}   # per worker: running discounted return per env
         self.pending: dict[tuple[int, int], dict] = {}
@@ -163,8 +164,13 @@ class Learner:
         self.env_steps += T * N
         train_time = time.perf_counter() - t0
         t1 = time.perf_counter()
+        self.publish_error = ""
         if publish is not None:
-            publish(self.version)
+            try:
+                publish(self.version)
+            except Exception as exc:  # noqa: BLE001 - the update stands; the coordinator republishes
+                self.publish_error = str(exc)
+                log.warning("publishing weights version %d failed: %s", self.version, exc)
         metrics = self._metrics(episodes, raw_rewards, advantages, returns, values, stats)
         metrics.update({"time/train": train_time, "time/weight_sync": time.perf_counter() - t1,
                         "env/env_steps": float(self.env_steps), "train/weights_version": float(self.version),

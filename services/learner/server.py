@@ -87,7 +87,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         metrics = self.learner.train(request.epoch, list(request.worker_indices), dict(request.extra_metrics),
                                      publish=lambda v: send_weights(addresses, self.learner, v))
         return learner_pb2.TrainResponse(epoch=request.epoch, weights_version=self.learner.version,
-                                         metrics=metrics, checkpoint_path=self.learner.last_checkpoint)
+                                         metrics=metrics, checkpoint_path=self.learner.last_checkpoint,
+                                         publish_error=self.learner.publish_error)
 
     @rpc.handler
     def PublishWeights(self, request, context):

@@ -224,3 +224,32 @@ def test_attach_to_services_started_elsewhere(tmp_path):
     out, _ = odd.communicate(timeout=30)
     assert odd.returncode == 2
     assert "refused this service: inference[0] was started with a different config: 'algorithm.gamma' is 0.5" in out
+
+
+def test_inference_server_killed_is_restarted_and_reloaded(tmp_path):
+    proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
+                 "actor.global_batch_size=400", "actor.micro_batch_size=200", name="infkill")
+    run = tmp_path / "infkill"
+    st = wait_epoch(run, 2, proc)
+    inf_pid = {s.role: s.pid for s in st.services}[coordinator_pb2.INFERENCE]
+    time.sleep(0.3)
+    os.kill(inf_pid, signal.SIGKILL)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        st = status(run)
+        inf = [s for s in st.services if s.role == coordinator_pb2.INFERENCE][0]
+        if inf.restarts == 1 and inf.alive and inf.pid != inf_pid and st.epoch >= 5:
+            break
+        if proc.poll() is not None:
+            pytest.fail(proc.stdout.read())
+        time.sleep(0.3)
+    else:
+        pytest.fail(f"inference server was not restarted / the run did not go on: {st}")
+    pids = [s.pid for s in st.services]
+    proc.send_signal(signal.SIGINT)
+    code, out = finish(proc)
+    assert code == 0, out
+    assert "inference[0]" in out and "restarting it (restart 1)" in out
+    assert_no_orphans(pids)
+    steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
+    assert all(b - a == 800 for a, b in zip(steps, steps[1:]))
