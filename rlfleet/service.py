@@ -87,6 +87,14 @@ class ServiceRuntime:
         self.config_yaml = config_yaml
         self.exit_code = 0
 
+    def serve_until_stopped(self, cfg, args) -> int:
+        """Register (with the config, for the coordinator to compare), heartbeat, block; -> exit code."""
+        from rlfleet.config import to_yaml
+
+        self.config_yaml = to_yaml(cfg)
+        self.run(args.advertise)
+        return self.exit_code
+
     def run(self, advertise: str | None = None) -> None:
         if advertise:
             self.address = advertise

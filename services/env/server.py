@@ -14,7 +14,6 @@ import threading
 
 import numpy as np
 
-from rlfleet.config import to_yaml
 from rlfleet import codec, rpc
 from rlfleet.service import ServiceRuntime, common_args, load_service_config, setup_process
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc, tensor_pb2
@@ -172,10 +171,9 @@ def main(argv=None) -> int:
     cfg = load_service_config(args)
     setup_process(args, cfg.cluster.torch_num_threads)
     server, bound, worker, runtime = serve(cfg, args.address, args.index, args.coordinator, args.external_env)
-    runtime.config_yaml = to_yaml(cfg)
-    runtime.run(args.advertise)
+    code = runtime.serve_until_stopped(cfg, args)
     worker.close()
-    return runtime.exit_code
+    return code
 
 
 if __name__ == "__main__":

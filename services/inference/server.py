@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 
-from rlfleet.config import to_yaml
 from rlfleet import codec, rpc, weights
 from rlfleet.service import ServiceRuntime, common_args, load_service_config, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -79,10 +78,9 @@ def main(argv=None) -> int:
 
     torch.manual_seed(cfg.runner.seed + 1000 + args.index)
     server, bound, engine, runtime = serve(cfg, args.address, args.index, args.coordinator, pick_device())
-    runtime.config_yaml = to_yaml(cfg)
-    runtime.run(args.advertise)
+    code = runtime.serve_until_stopped(cfg, args)
     engine.stop()
-    return runtime.exit_code
+    return code
 
 
 if __name__ == "__main__":

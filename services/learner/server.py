@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from rlfleet.config import to_yaml
 from rlfleet import codec, rpc, weights
 from rlfleet.models.actor_critic import obs_specs_from_proto
 from rlfleet.service import ServiceRuntime, common_args, load_service_config, pick_device, setup_process
@@ -139,10 +138,9 @@ def main(argv=None) -> int:
     setup_process(args, cfg.cluster.torch_num_threads)
     server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator,
                                             pick_device())
-    runtime.config_yaml = to_yaml(cfg)
-    runtime.run(args.advertise)
+    code = runtime.serve_until_stopped(cfg, args)
     learner.close()
-    return runtime.exit_code
+    return code
 
 
 if __name__ == "__main__":

@@ -62,6 +62,24 @@ def wait_epoch(run_dir, epoch, proc, timeout=180):
     pytest.fail(f"run did not reach epoch {epoch} ({error}):\n{proc.communicate()[0]}")
 
 
+def kill_and_wait_restart(run, proc, role, min_epoch):
+    """kill -9 the service of `role` inside a rollout; wait until it is back and the run has gone on."""
+    st = wait_epoch(run, 2, proc)
+    old = {s.role: s.pid for s in st.services}[role]
+    time.sleep(0.3)  # well inside the next rollout
+    os.kill(old, signal.SIGKILL)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            pytest.fail(f"coordinator exited with {proc.returncode}:\n{proc.stdout.read()}")
+        st = status(run)
+        svc = [s for s in st.services if s.role == role][0]
+        if svc.restarts == 1 and svc.alive and svc.pid != old and st.epoch >= min_epoch:
+            return [s.pid for s in st.services] + [old]
+        time.sleep(0.3)
+    pytest.fail(f"{coordinator_pb2.Role.Name(role)} was not restarted / the run did not go on: {st}")
+
+
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -117,21 +135,7 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path):
     proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
                  "actor.global_batch_size=400", "actor.micro_batch_size=200", name="envkill")
     run = tmp_path / "envkill"
-    st = wait_epoch(run, 2, proc)
-    pids = {s.role: s.pid for s in st.services}
-    env_pid = pids[coordinator_pb2.ENV]
-    time.sleep(0.3)  # well inside the next rollout
-    os.kill(env_pid, signal.SIGKILL)
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        st = status(run)
-        env_svc = [s for s in st.services if s.role == coordinator_pb2.ENV][0]
-        if env_svc.restarts == 1 and env_svc.alive and env_svc.pid != env_pid and st.epoch >= 4:
-            break
-        time.sleep(0.3)
-    else:
-        pytest.fail(f"env server was not restarted / the run did not go on: {st}")
-    all_pids = [s.pid for s in status(run).services] + [env_pid]
+    all_pids = kill_and_wait_restart(run, proc, coordinator_pb2.ENV, min_epoch=4)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     code, out = finish(proc)
     assert code == 0, out
@@ -230,22 +234,7 @@ def test_inference_server_killed_is_restarted_and_reloaded(tmp_path):
     proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
                  "actor.global_batch_size=400", "actor.micro_batch_size=200", name="infkill")
     run = tmp_path / "infkill"
-    st = wait_epoch(run, 2, proc)
-    inf_pid = {s.role: s.pid for s in st.services}[coordinator_pb2.INFERENCE]
-    time.sleep(0.3)
-    os.kill(inf_pid, signal.SIGKILL)
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        st = status(run)
-        inf = [s for s in st.services if s.role == coordinator_pb2.INFERENCE][0]
-        if inf.restarts == 1 and inf.alive and inf.pid != inf_pid and st.epoch >= 5:
-            break
-        if proc.poll() is not None:
-            pytest.fail(proc.stdout.read())
-        time.sleep(0.3)
-    else:
-        pytest.fail(f"inference server was not restarted / the run did not go on: {st}")
-    pids = [s.pid for s in st.services]
+    pids = kill_and_wait_restart(run, proc, coordinator_pb2.INFERENCE, min_epoch=5)
     proc.send_signal(signal.SIGINT)
     code, out = finish(proc)
     assert code == 0, out
