@@ -145,7 +145,7 @@ def main() -> None:
         s2 = pipeline(load_config(None, overrides), 2, args.epochs)
         rows.append((name, cfg.env.train.env_id, n, raw, local, s1, s2))
     print()
-    print(f"| env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 | S=1 / in-process | S=2 / in-process |")
+    print("| env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 | S=1 / in-process | S=2 / in-process |")
     print("|---|---|---|---|---|---|---|---|")
     for name, env_id, n, raw, local, s1, s2 in rows:
         print(f"| {env_id} | {n} | {raw:,.0f} | {local:,.0f} | {s1:,.0f} | {s2:,.0f} | {s1 / local:.2f} | {s2 / local:.2f} |")

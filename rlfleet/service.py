@@ -48,6 +48,17 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def exit_after(main) -> None:
+    """Run a service's main and leave at once: handler threads still blocked on a dead peer must not hold the
+    process (ThreadPoolExecutor joins its workers at interpreter exit)."""
+    import sys
+
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def pick_device() -> str:
     """'cuda' when this process was placed on a GPU (CUDA_VISIBLE_DEVICES) and torch sees it, else 'cpu'."""
     import torch

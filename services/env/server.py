@@ -8,14 +8,12 @@ This module only translates gRPC to calls on ``VecEnv`` and ``RolloutWorker``.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
 import numpy as np
 
 from rlfleet import codec, rpc
-from rlfleet.service import ServiceRuntime, common_args, load_service_config, setup_process
+from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc, tensor_pb2
 from services.env.rollout import RolloutWorker
 from services.env.vec_env import VecEnv
@@ -177,6 +175,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # do not wait for handler threads still blocked on a dead peer
+    exit_after(main)

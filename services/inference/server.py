@@ -5,13 +5,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 
 from rlfleet import codec, rpc, weights
-from rlfleet.service import ServiceRuntime, common_args, load_service_config, pick_device, setup_process
+from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine import InferenceEngine
 
@@ -84,6 +82,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # do not wait for handler threads still blocked on a dead peer
+    exit_after(main)

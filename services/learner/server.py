@@ -5,15 +5,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from rlfleet import codec, rpc, weights
 from rlfleet.models.actor_critic import obs_specs_from_proto
-from rlfleet.service import ServiceRuntime, common_args, load_service_config, pick_device, setup_process
+from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
 from rlfleet.v1 import inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.learner import Learner
 
@@ -144,6 +142,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # do not wait for handler threads still blocked on a dead peer
+    exit_after(main)

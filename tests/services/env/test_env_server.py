@@ -71,7 +71,6 @@ def test_rollout_worker_in_front_of_external_env(cfg, tmp_path, fleet):
 
     bridge = Fleet(cfg, tmp_path / "bridge_run", external_env=fleet.env_addr)
     try:
-        from services.learner.server import LearnerServicer  # noqa: F401
         from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
         rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(bridge.env_addr))
