@@ -144,6 +144,9 @@ def validate(cfg: DictConfig) -> None:
     n_servers = cfg.cluster.num_env_servers
     stages = cfg.rollout.pipeline_stage_num
     _require(n_servers >= 1, "cluster.num_env_servers", f"must be >= 1, got {n_servers}")
+    ext = list(cfg.cluster.external_env_addresses)
+    _require(not ext or len(ext) == n_servers, "cluster.external_env_addresses",
+             f"{len(ext)} addresses for {n_servers} env servers (cluster.num_env_servers): give one per server")
     _require(cfg.cluster.num_inference_servers >= 1, "cluster.num_inference_servers", "must be >= 1")
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
     for split in ("train", "eval"):

@@ -36,7 +36,7 @@ def _start(args) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
             run_dir = choose_run_dir(cfg, None)
-        if cfg.cluster.launcher == "local":
+        if cfg.cluster.launcher == "local" and not cfg.cluster.external_env_addresses:
             from services.env.vec_env import make_env  # validates the env ids before anything starts
 
             for split in ("train", "eval"):

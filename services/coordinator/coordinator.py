@@ -355,6 +355,7 @@ class Coordinator:
         self.start_services()
         _, stub0 = self._rollout_stub(0, 30)
         spec = stub0.Describe(env_pb2.DescribeEnvRequest(), timeout=30)
+        self.env_id = spec.env_id
         learner = self.learner()
         pub = learner.PublishWeights(learner_pb2.PublishWeightsRequest(
             env_spec=spec, inference_addresses=self.addresses("inference")), timeout=120)
@@ -472,7 +473,7 @@ class Coordinator:
         curve = plot_learning_curve(self.run_dir)
         summary = {
             "experiment_name": self.cfg.runner.experiment_name, "run_dir": str(self.run_dir),
-            "env_id": self.cfg.env.train.env_id, "epochs": epochs, "env_steps": self.env_steps,
+            "env_id": getattr(self, "env_id", self.cfg.env.train.env_id), "epochs": epochs, "env_steps": self.env_steps,
             "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
             "final_eval": {k: v for k, v in (final or {}).items()},
             "eval_history": self.eval_history, "lost_episodes": self.lost_episodes,

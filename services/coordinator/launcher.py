@@ -57,6 +57,8 @@ class LocalLauncher:
                "--address", f"{self.cfg.cluster.host}:0", "--coordinator", self.coordinator_address]
         if role == "learner":
             cmd += ["--run-dir", str(self.run_dir)]
+        if role == "env" and self.cfg.cluster.external_env_addresses:
+            cmd += ["--external-env", str(self.cfg.cluster.external_env_addresses[index])]
         env = dict(os.environ, PYTHONUNBUFFERED="1", RLFLEET_PARENT_PID=str(os.getpid()), OMP_NUM_THREADS=str(self.cfg.cluster.torch_num_threads),
                    CUDA_VISIBLE_DEVICES=self.devices_for(role, index, count))
         env.setdefault("MUJOCO_GL", "egl")

@@ -132,6 +132,13 @@ class RolloutWorker:
         if self.eval_env is None:
             self.eval_env = self.eval_env_factory()
         env = self.eval_env
+        try:
+            return self._evaluate(env, episode_ids, seed, deterministic, policy)
+        finally:
+            if env is self.env:  # an external sim serving both: training continues from fresh episodes
+                self.obs = env.reset()
+
+    def _evaluate(self, env, episode_ids, seed, deterministic, policy) -> list[EpisodeStat]:
         results: list[EpisodeStat] = []
         for start in range(0, len(episode_ids), env.num_envs):
             batch = episode_ids[start:start + env.num_envs]
@@ -154,5 +161,5 @@ class RolloutWorker:
 
     def close(self) -> None:
         self.env.close()
-        if self.eval_env is not None:
+        if self.eval_env is not None and self.eval_env is not self.env:
             self.eval_env.close()

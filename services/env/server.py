@@ -135,6 +135,9 @@ def build_worker(cfg, index: int, external_env: str | None = None) -> tuple[obje
         from services.env.remote import RemoteVecEnv
 
         env = RemoteVecEnv(external_env)
+        if env.num_envs != per_server:
+            raise SystemExit(f"config error: the external env at {external_env} hosts {env.num_envs} envs; "
+                             f"env.train.total_num_envs / cluster.num_env_servers = {per_server}")
         eval_factory = lambda: env  # noqa: E731 - the external sim serves both
     else:
         env = VecEnv(train.env_id, per_server, max_episode_steps=train.max_episode_steps,

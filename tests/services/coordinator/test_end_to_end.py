@@ -242,3 +242,20 @@ def test_inference_server_killed_is_restarted_and_reloaded(tmp_path):
     assert_no_orphans(pids)
     steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
     assert all(b - a == 800 for a, b in zip(steps, steps[1:]))
+
+
+def test_external_simulator_plugs_in(tmp_path):
+    """examples/point_reach_env_server.py implements EnvService from scratch; the fleet trains on it."""
+    sim = subprocess.Popen([sys.executable, "examples/point_reach_env_server.py", "--address", "127.0.0.1:0",
+                            "--num-envs", "8"], stdout=subprocess.PIPE, text=True)
+    try:
+        address = sim.stdout.readline().split()[-1]
+        proc = subprocess.run([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
+                               "runner.experiment_name=external", f"cluster.external_env_addresses=[{address}]"],
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "env PointReach-v0: 8 envs" in proc.stdout
+        summary = json.loads((tmp_path / "external" / "summary.json").read_text())
+        assert summary["env_steps"] == 3 * 8 * 25 and summary["final_eval"]["eval/num_episodes"] == 4
+    finally:
+        sim.kill()
