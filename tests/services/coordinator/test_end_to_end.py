@@ -259,3 +259,12 @@ def test_external_simulator_plugs_in(tmp_path):
         assert summary["env_steps"] == 3 * 8 * 25 and summary["final_eval"]["eval/num_episodes"] == 4
     finally:
         sim.kill()
+
+
+def test_coordinator_kill9_leaves_no_orphans(tmp_path):
+    proc = start(tmp_path, "runner.max_epochs=1000", name="coordkill")
+    st = wait_epoch(tmp_path / "coordkill", 1, proc)
+    pids = [s.pid for s in st.services]
+    proc.kill()  # SIGKILL: no cleanup code runs in the coordinator
+    proc.wait(10)
+    assert_no_orphans(pids)
