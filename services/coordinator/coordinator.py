@@ -103,6 +103,8 @@ class Coordinator:
         self.elapsed_offset = 0.0
         self.t_train = None
         self.address = ""
+        self.env_id = cfg.env.train.env_id  # replaced by what the env servers describe
+        self._env_seen: dict[str, float] = {}  # latest env/* metrics, for progress lines
         self.weights_lock = threading.Lock()
         self.weights_generation: tuple = ()
 
@@ -202,7 +204,7 @@ class Coordinator:
         svc = self.services[(role, index)]
         end = time.monotonic() + timeout
         while not svc.ready.wait(0.2):
-            if self.fatal or self.stop_event.is_set() and self.fatal:
+            if self.fatal:
                 raise RunFailed(self.fatal)
             if time.monotonic() > end:
                 raise RunFailed(f"{role}[{index}] did not come up within {timeout:.0f}s"
@@ -451,7 +453,7 @@ class Coordinator:
 
     def progress_line(self, epoch: int, m: dict[str, float]) -> str:
         # env/* exist only for epochs in which episodes ended: show the latest known values
-        self._env_seen = {**getattr(self, "_env_seen", {}), **{k: v for k, v in m.items() if k.startswith("env/")}}
+        self._env_seen = {**self._env_seen, **{k: v for k, v in m.items() if k.startswith("env/")}}
         m = {**self._env_seen, **m}
 
         def f(key, fmt):
@@ -473,7 +475,7 @@ class Coordinator:
         curve = plot_learning_curve(self.run_dir)
         summary = {
             "experiment_name": self.cfg.runner.experiment_name, "run_dir": str(self.run_dir),
-            "env_id": getattr(self, "env_id", self.cfg.env.train.env_id), "epochs": epochs, "env_steps": self.env_steps,
+            "env_id": self.env_id, "epochs": epochs, "env_steps": self.env_steps,
             "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
             "final_eval": {k: v for k, v in (final or {}).items()},
             "eval_history": self.eval_history, "lost_episodes": self.lost_episodes,
