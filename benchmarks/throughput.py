@@ -63,7 +63,7 @@ def raw_sim(cfg, steps_per_env: int) -> float:
 def in_process(cfg, epochs: int) -> float:
     from rlfleet.models.actor_critic import ObsSpec
     from services.env.server import build_worker
-    from services.inference.client import LocalPolicyClient
+    from rlfleet.clients.policy import LocalPolicyClient
     from services.inference.server import build_engine
 
     cfg.rollout.pipeline_stage_num = 1

@@ -173,6 +173,18 @@ def validate(cfg: DictConfig) -> None:
     _require(0 <= alg.gae_lambda <= 1, "algorithm.gae_lambda", f"must be in [0, 1], got {alg.gae_lambda}")
     _require(alg.clip_ratio_c is None or alg.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 or null")
     _require(alg.update_epoch >= 1, "algorithm.update_epoch", "must be >= 1")
+    from rlfleet.simulators import get_simulator
+
+    for split in ("train", "eval"):
+        try:
+            get_simulator(cfg.env[split].simulator_type)
+        except KeyError as exc:
+            raise ConfigError(f"'env.{split}.simulator_type': {exc.args[0]}") from None
+    ext_eval = list(cfg.cluster.external_eval_env_addresses)
+    _require(not ext_eval or (ext and len(ext_eval) == n_servers), "cluster.external_eval_env_addresses",
+             f"{len(ext_eval)} addresses: give one per env server, alongside cluster.external_env_addresses")
+    for key in ("act_timeout_s", "rpc_timeout_s", "collect_timeout_s", "external_env_reconnect_timeout_s"):
+        _require(cfg.cluster[key] > 0, f"cluster.{key}", f"must be > 0, got {cfg.cluster[key]}")
     _require(cfg.actor.model.model_type in ("mlp", "cnn"), "actor.model.model_type",
              f"'{cfg.actor.model.model_type}' is not one of mlp, cnn")
     _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",

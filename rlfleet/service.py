@@ -77,10 +77,12 @@ def load_service_config(args):
 
 
 def setup_process(args, num_threads: int) -> None:
-    import torch
-
     die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    try:  # env servers run in simulator environments that may have no torch
+        import torch
+    except ImportError:
+        return
     torch.set_num_threads(max(1, int(num_threads)))
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rlfleet/v1/env.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"\x14\n\x12\x44\x65scribeEnvRequest\"\xcf\x02\n\x07\x45nvSpec\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\x05\x12\x44\n\x11observation_space\x18\x03 \x03(\x0b\x32).rlfleet.v1.EnvSpec.ObservationSpaceEntry\x12,\n\x0c\x61\x63tion_space\x18\x04 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec\x12\x19\n\x11max_episode_steps\x18\x05 \x01(\x05\x12\x19\n\x11task_descriptions\x18\x06 \x03(\t\x12\x12\n\nauto_reset\x18\x07 \x01(\x08\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x1aO\n\x15ObservationSpaceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec:\x02\x38\x01\".\n\x0cResetRequest\x12\x0f\n\x07\x65nv_ids\x18\x01 \x03(\x05\x12\r\n\x05seeds\x18\x02 \x03(\x03\"<\n\rResetResponse\x12+\n\x0cobservations\x18\x01 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\"C\n\x0bStepRequest\x12\x0f\n\x07\x65nv_ids\x18\x01 \x03(\x05\x12#\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\"\xb3\x02\n\x0cStepResponse\x12+\n\x0cobservations\x18\x01 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12#\n\x07rewards\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12&\n\nterminated\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12%\n\ttruncated\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07success\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x31\n\x12\x66inal_observations\x18\x06 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12*\n\x08\x65pisodes\x18\x07 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\"\x0e\n\x0c\x43loseRequest\"\x0f\n\rCloseResponse2\x88\x02\n\nEnvService\x12?\n\x08\x44\x65scribe\x12\x1e.rlfleet.v1.DescribeEnvRequest\x1a\x13.rlfleet.v1.EnvSpec\x12<\n\x05Reset\x12\x18.rlfleet.v1.ResetRequest\x1a\x19.rlfleet.v1.ResetResponse\x12=\n\x04Step\x12\x17.rlfleet.v1.StepRequest\x1a\x18.rlfleet.v1.StepResponse(\x01\x30\x01\x12<\n\x05\x43lose\x12\x18.rlfleet.v1.CloseRequest\x1a\x19.rlfleet.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rlfleet/v1/env.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"\x14\n\x12\x44\x65scribeEnvRequest\"\xca\x03\n\x07\x45nvSpec\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\x05\x12\x44\n\x11observation_space\x18\x03 \x03(\x0b\x32).rlfleet.v1.EnvSpec.ObservationSpaceEntry\x12,\n\x0c\x61\x63tion_space\x18\x04 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec\x12\x19\n\x11max_episode_steps\x18\x05 \x01(\x05\x12\x19\n\x11task_descriptions\x18\x06 \x03(\t\x12\x12\n\nauto_reset\x18\x07 \x01(\x08\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x12\x18\n\x10\x63ontract_version\x18\t \x01(\t\x12\x18\n\x10num_reset_states\x18\n \x01(\x03\x12\x18\n\x10max_action_chunk\x18\x0b \x01(\x05\x12\x18\n\x10max_step_streams\x18\x0c \x01(\x05\x12\x11\n\tsimulator\x18\r \x01(\t\x1aO\n\x15ObservationSpaceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec:\x02\x38\x01\"G\n\x0cResetRequest\x12\x0f\n\x07\x65nv_ids\x18\x01 \x03(\x05\x12\r\n\x05seeds\x18\x02 \x03(\x03\x12\x17\n\x0freset_state_ids\x18\x03 \x03(\x03\"R\n\rResetResponse\x12+\n\x0cobservations\x18\x01 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12\x14\n\x0cinstructions\x18\x02 \x03(\t\"C\n\x0bStepRequest\x12\x0f\n\x07\x65nv_ids\x18\x01 \x03(\x05\x12#\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\"\xdd\x02\n\x0cStepResponse\x12+\n\x0cobservations\x18\x01 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12#\n\x07rewards\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12&\n\nterminated\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12%\n\ttruncated\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07success\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x31\n\x12\x66inal_observations\x18\x06 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12*\n\x08\x65pisodes\x18\x07 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\x12\x12\n\nfinal_rows\x18\x08 \x03(\x05\x12\x14\n\x0cinstructions\x18\t \x03(\t\"\x0e\n\x0c\x43loseRequest\"\x0f\n\rCloseResponse2\x88\x02\n\nEnvService\x12?\n\x08\x44\x65scribe\x12\x1e.rlfleet.v1.DescribeEnvRequest\x1a\x13.rlfleet.v1.EnvSpec\x12<\n\x05Reset\x12\x18.rlfleet.v1.ResetRequest\x1a\x19.rlfleet.v1.ResetResponse\x12=\n\x04Step\x12\x17.rlfleet.v1.StepRequest\x1a\x18.rlfleet.v1.StepResponse(\x01\x30\x01\x12<\n\x05\x43lose\x12\x18.rlfleet.v1.CloseRequest\x1a\x19.rlfleet.v1.CloseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEENVREQUEST']._serialized_start=61
   _globals['_DESCRIBEENVREQUEST']._serialized_end=81
   _globals['_ENVSPEC']._serialized_start=84
-  _globals['_ENVSPEC']._serialized_end=419
-  _globals['_ENVSPEC_OBSERVATIONSPACEENTRY']._serialized_start=340
-  _globals['_ENVSPEC_OBSERVATIONSPACEENTRY']._serialized_end=419
-  _globals['_RESETREQUEST']._serialized_start=421
-  _globals['_RESETREQUEST']._serialized_end=467
-  _globals['_RESETRESPONSE']._serialized_start=469
-  _globals['_RESETRESPONSE']._serialized_end=529
-  _globals['_STEPREQUEST']._serialized_start=531
-  _globals['_STEPREQUEST']._serialized_end=598
-  _globals['_STEPRESPONSE']._serialized_start=601
-  _globals['_STEPRESPONSE']._serialized_end=908
-  _globals['_CLOSEREQUEST']._serialized_start=910
-  _globals['_CLOSEREQUEST']._serialized_end=924
-  _globals['_CLOSERESPONSE']._serialized_start=926
-  _globals['_CLOSERESPONSE']._serialized_end=941
-  _globals['_ENVSERVICE']._serialized_start=944
-  _globals['_ENVSERVICE']._serialized_end=1208
+  _globals['_ENVSPEC']._serialized_end=542
+  _globals['_ENVSPEC_OBSERVATIONSPACEENTRY']._serialized_start=463
+  _globals['_ENVSPEC_OBSERVATIONSPACEENTRY']._serialized_end=542
+  _globals['_RESETREQUEST']._serialized_start=544
+  _globals['_RESETREQUEST']._serialized_end=615
+  _globals['_RESETRESPONSE']._serialized_start=617
+  _globals['_RESETRESPONSE']._serialized_end=699
+  _globals['_STEPREQUEST']._serialized_start=701
+  _globals['_STEPREQUEST']._serialized_end=768
+  _globals['_STEPRESPONSE']._serialized_start=771
+  _globals['_STEPRESPONSE']._serialized_end=1120
+  _globals['_CLOSEREQUEST']._serialized_start=1122
+  _globals['_CLOSEREQUEST']._serialized_end=1136
+  _globals['_CLOSERESPONSE']._serialized_start=1138
+  _globals['_CLOSERESPONSE']._serialized_end=1153
+  _globals['_ENVSERVICE']._serialized_start=1156
+  _globals['_ENVSERVICE']._serialized_end=1420
 # @@protoc_insertion_point(module_scope)

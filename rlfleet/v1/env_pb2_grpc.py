@@ -60,14 +60,14 @@ class EnvServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Describe(self, request, context):
-        """What this server hosts: env id, number of envs, observation and action spaces.
+        """What this server hosts: env id, number of envs, observation and action spaces, limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Reset some (or all) envs, optionally with one seed per env.
+        """Reset some (or all) envs, each optionally with a seed and/or a fixed initial-state id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,7 +81,7 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Close(self, request, context):
-        """Release the simulator.
+        """The caller is done with the envs (see docs/env-contract.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

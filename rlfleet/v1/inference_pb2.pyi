@@ -2,20 +2,22 @@ from rlfleet.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ActRequest(_message.Message):
-    __slots__ = ("request_id", "observations", "deterministic")
+    __slots__ = ("request_id", "observations", "deterministic", "instructions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     observations: _tensor_pb2.TensorMap
     deterministic: bool
-    def __init__(self, request_id: _Optional[int] = ..., observations: _Optional[_Union[_tensor_pb2.TensorMap, _Mapping]] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    instructions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[int] = ..., observations: _Optional[_Union[_tensor_pb2.TensorMap, _Mapping]] = ..., deterministic: _Optional[bool] = ..., instructions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ActResponse(_message.Message):
     __slots__ = ("request_id", "actions", "log_probs", "values", "weights_version")

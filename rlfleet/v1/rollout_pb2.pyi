@@ -23,7 +23,7 @@ class CollectRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., learner_address: _Optional[str] = ..., min_weights_version: _Optional[int] = ...) -> None: ...
 
 class CollectResponse(_message.Message):
-    __slots__ = ("epoch", "env_steps", "episodes", "rollout_time_s", "env_time_s", "inference_wait_s", "weights_version")
+    __slots__ = ("epoch", "env_steps", "episodes", "rollout_time_s", "env_time_s", "inference_wait_s", "weights_version", "lost_episodes")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class CollectResponse(_message.Message):
     ENV_TIME_S_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOST_EPISODES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     env_steps: int
     episodes: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.EpisodeStats]
@@ -38,26 +39,31 @@ class CollectResponse(_message.Message):
     env_time_s: float
     inference_wait_s: float
     weights_version: int
-    def __init__(self, epoch: _Optional[int] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., rollout_time_s: _Optional[float] = ..., env_time_s: _Optional[float] = ..., inference_wait_s: _Optional[float] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    lost_episodes: int
+    def __init__(self, epoch: _Optional[int] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., rollout_time_s: _Optional[float] = ..., env_time_s: _Optional[float] = ..., inference_wait_s: _Optional[float] = ..., weights_version: _Optional[int] = ..., lost_episodes: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses")
+    __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses", "use_reset_state_ids")
     NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FIRST_EPISODE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    USE_RESET_STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     num_episodes: int
     seed: int
     first_episode: int
     deterministic: bool
     inference_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_episodes: _Optional[int] = ..., seed: _Optional[int] = ..., first_episode: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inference_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    use_reset_state_ids: bool
+    def __init__(self, num_episodes: _Optional[int] = ..., seed: _Optional[int] = ..., first_episode: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., use_reset_state_ids: _Optional[bool] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
-    __slots__ = ("episodes", "eval_time_s")
+    __slots__ = ("episodes", "eval_time_s", "lost_episodes")
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     EVAL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    LOST_EPISODES_FIELD_NUMBER: _ClassVar[int]
     episodes: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.EpisodeStats]
     eval_time_s: float
-    def __init__(self, episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., eval_time_s: _Optional[float] = ...) -> None: ...
+    lost_episodes: int
+    def __init__(self, episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., eval_time_s: _Optional[float] = ..., lost_episodes: _Optional[int] = ...) -> None: ...

@@ -54,26 +54,34 @@ class TensorMap(_message.Message):
     def __init__(self, tensors: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("dtype", "shape", "low", "high")
+    __slots__ = ("dtype", "shape", "low", "high", "low_per_element", "high_per_element")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     LOW_FIELD_NUMBER: _ClassVar[int]
     HIGH_FIELD_NUMBER: _ClassVar[int]
+    LOW_PER_ELEMENT_FIELD_NUMBER: _ClassVar[int]
+    HIGH_PER_ELEMENT_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     low: float
     high: float
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., low: _Optional[float] = ..., high: _Optional[float] = ...) -> None: ...
+    low_per_element: _containers.RepeatedScalarFieldContainer[float]
+    high_per_element: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., low: _Optional[float] = ..., high: _Optional[float] = ..., low_per_element: _Optional[_Iterable[float]] = ..., high_per_element: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EpisodeStats(_message.Message):
-    __slots__ = ("env_id", "length", "success_once", "success_at_end")
+    __slots__ = ("env_id", "length", "success_once", "success_at_end", "reset_state_id", "instruction")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_ONCE_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_AT_END_FIELD_NUMBER: _ClassVar[int]
+    RESET_STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     env_id: int
     length: int
     success_once: bool
     success_at_end: bool
-    def __init__(self, env_id: _Optional[int] = ..., length: _Optional[int] = ..., success_once: _Optional[bool] = ..., success_at_end: _Optional[bool] = ..., **kwargs) -> None: ...
+    reset_state_id: int
+    instruction: str
+    def __init__(self, env_id: _Optional[int] = ..., length: _Optional[int] = ..., success_once: _Optional[bool] = ..., success_at_end: _Optional[bool] = ..., reset_state_id: _Optional[int] = ..., instruction: _Optional[str] = ..., **kwargs) -> None: ...

@@ -20,6 +20,14 @@ class StaleWeightsError(RuntimeError):
     pass
 
 
+class Cancelled(RuntimeError):
+    """The caller went away or the deadline passed; the worker stopped between steps."""
+
+
+def _never() -> bool:
+    return False
+
+
 @dataclass
 class CollectSummary:
     epoch: int
@@ -51,17 +59,33 @@ class RolloutWorker:
         self.eval_env_factory = eval_env_factory
         self.eval_env = None
         info = env.space_info()
-        self.obs_info = info.obs_shapes
-        self.action_dim = int(np.prod(info.action_shape))
+        self.observation_space = info.observation_space
+        self.action_shape = info.action_space.shape
+        self.action_dim = info.action_space.size
         self.obs = env.reset()
+        self.instructions = np.array(info.task_descriptions or [""] * env.num_envs, dtype=object)
 
     # --- training rollouts ------------------------------------------------------------------------------------
-    def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1) -> tuple[Rollout, CollectSummary]:
+    def reset_all(self) -> None:
+        """Start fresh episodes on every env (after the env was replaced or lost its episodes)."""
+        self.obs = self.env.reset()
+        self.instructions[:] = self.env.space_info().task_descriptions or [""] * self.env.num_envs
+
+    def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, deterministic: bool = False) -> None:
+        policy.submit(stage, request, deterministic, list(self.instructions[ids]))
+
+    def _step_env(self, env, ids, actions):
+        return env.step(ids, actions.reshape(len(actions), *self.action_shape))
+
+    def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1,
+                should_stop=_never) -> tuple[Rollout, CollectSummary]:
+        """One rollout epoch of ``num_steps`` steps per env. ``should_stop()`` is polled between steps; when it
+        says so the collection ends with ``Cancelled`` (the caller went away, or its deadline passed)."""
         t_start = time.perf_counter()
         env, T, n = self.env, num_steps, self.env.num_envs
         if not self.auto_reset:
-            self.obs = env.reset()
-        buf = {f"obs.{k}": np.empty((T, n, *shape), dtype=dt) for k, (shape, dt, _, _) in self.obs_info.items()}
+            self.reset_all()
+        buf = {f"obs.{k}": np.empty((T, n, *sp.shape), dtype=sp.dtype) for k, sp in self.observation_space.items()}
         buf.update(actions=np.empty((T, n, self.action_dim), np.float32), log_probs=np.empty((T, n), np.float32),
                    values=np.empty((T, n), np.float32), rewards=np.empty((T, n), np.float32),
                    terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
@@ -74,9 +98,11 @@ class RolloutWorker:
         env_time = wait_time = 0.0
         version = None
         for s, ids in enumerate(self.stages):
-            policy.submit(s, {k: v[ids] for k, v in self.obs.items()})
+            self._submit(policy, s, ids, {k: v[ids] for k, v in self.obs.items()})
         active = list(range(self.num_stages))
         while active:
+            if should_stop():
+                raise Cancelled(f"epoch {epoch} collection cancelled after {min(t)} of {T} steps")
             for s in list(active):
                 ids = self.stages[s]
                 m = len(ids)
@@ -102,7 +128,7 @@ class RolloutWorker:
                 buf["log_probs"][step, ids] = res.log_probs[:m]
                 buf["values"][step, ids] = res.values[:m]
                 t2 = time.perf_counter()
-                out = env.step(ids, res.actions[:m])
+                out = self._step_env(env, ids, res.actions[:m])
                 env_time += time.perf_counter() - t2
                 buf["rewards"][step, ids] = out.rewards
                 buf["terminated"][step, ids] = out.terminated
@@ -113,50 +139,78 @@ class RolloutWorker:
                 episodes.extend(out.episodes)
                 for k, v in out.obs.items():
                     self.obs[k][ids] = v
+                self.instructions[ids] = out.instructions or self.instructions[ids]
                 t[s] += 1
                 request = {k: v[ids] for k, v in self.obs.items()}
                 if self.bootstrap_truncated:
                     need = np.flatnonzero(out.truncated & ~out.terminated)
                     if need.size:  # ask for V(final_obs) in the same request
-                        request = {k: np.concatenate([request[k], out.final_obs[k][need]]) for k in request}
+                        pos = {int(r): j for j, r in enumerate(out.final_rows)}
+                        final = [pos[int(r)] for r in need]
+                        request = {k: np.concatenate([request[k], out.final_obs[k][final]]) for k in request}
                         extra[s] = need
-                policy.submit(s, request)
+                self._submit(policy, s, np.concatenate([ids, ids[extra[s]]]) if extra[s] is not None else ids,
+                             request)
         rollout = Rollout(buf, {"last_values": last_values}, episodes)
         summary = CollectSummary(epoch, T * n, episodes, time.perf_counter() - t_start, env_time, wait_time,
                                  -1 if version is None else version)
         return rollout, summary
 
     # --- evaluation ---------------------------------------------------------------------------------------------
-    def evaluate(self, episode_ids: list[int], seed: int, deterministic: bool, policy) -> list[EpisodeStat]:
-        """Run the given evaluation episodes (episode i is reset with seed + i); returns their stats."""
+    def evaluate(self, episode_ids: list[int], seed: int, deterministic: bool, policy, *,
+                 use_reset_state_ids: bool = False, max_episode_steps: int | None = None,
+                 should_stop=_never) -> list[EpisodeStat]:
+        """Run the given evaluation episodes: episode i is reset with seed + i and, with ``use_reset_state_ids``
+        on an env with fixed initial states, from state i % num_reset_states. Returns their stats; an episode
+        still running after ``max_episode_steps`` (default: the env's) is ended there, unsuccessful so far."""
         if self.eval_env is None:
             self.eval_env = self.eval_env_factory()
         env = self.eval_env
         try:
-            return self._evaluate(env, episode_ids, seed, deterministic, policy)
+            return self._evaluate(env, episode_ids, seed, deterministic, policy, use_reset_state_ids,
+                                  max_episode_steps or env.max_episode_steps, should_stop)
         finally:
             if env is self.env:  # an external sim serving both: training continues from fresh episodes
-                self.obs = env.reset()
+                self.reset_all()
 
-    def _evaluate(self, env, episode_ids, seed, deterministic, policy) -> list[EpisodeStat]:
+    def _evaluate(self, env, episode_ids, seed, deterministic, policy, use_states, max_steps,
+                  should_stop) -> list[EpisodeStat]:
         results: list[EpisodeStat] = []
+        num_states = env.space_info().num_reset_states if use_states else 0
         for start in range(0, len(episode_ids), env.num_envs):
             batch = episode_ids[start:start + env.num_envs]
             ids = np.arange(len(batch))
-            obs = env.reset(ids, [seed + i for i in batch])
+            states = [i % num_states for i in batch] if num_states else None
+            obs = env.reset(ids, [seed + i for i in batch], states)
+            instructions = env.space_info().task_descriptions
+            instructions = [instructions[i] if i < len(instructions) else "" for i in ids]
             done = np.zeros(len(batch), bool)
-            for _ in range(env.max_episode_steps):
-                policy.submit(0, obs, deterministic)
+            ret, length, succ = np.zeros(len(batch)), np.zeros(len(batch), int), np.zeros(len(batch), bool)
+            for _ in range(max_steps):
+                if should_stop():
+                    raise Cancelled(f"evaluation cancelled after {len(results)} of {len(episode_ids)} episodes")
+                live = np.flatnonzero(~done)
+                policy.submit(0, {k: v[live] for k, v in obs.items()}, deterministic,
+                              [instructions[i] for i in live])
                 res = policy.result(0)
-                out = env.step(ids, res.actions)
+                out = self._step_env(env, ids[live], res.actions)
+                ret[live] += out.rewards
+                length[live] += 1
+                succ[live] |= out.success
                 for ep in out.episodes:
                     if not done[ep.env_id]:
                         results.append(EpisodeStat(batch[ep.env_id], ep.episode_return, ep.length,
-                                                   ep.success_once, ep.success_at_end))
+                                                   ep.success_once, ep.success_at_end, ep.reset_state_id,
+                                                   ep.instruction))
                         done[ep.env_id] = True
-                obs = out.obs
+                for j, i in enumerate(live):
+                    for k in obs:
+                        obs[k][i] = out.obs[k][j]
                 if done.all():
                     break
+            for i in np.flatnonzero(~done):  # cut at max_steps
+                results.append(EpisodeStat(batch[i], float(ret[i]), int(length[i]), bool(succ[i]), False,
+                                           -1 if states is None else states[i], instructions[i]))
         return results
 
     def close(self) -> None:

@@ -2,71 +2,111 @@
 
     python -m services.env.server --config run/config.yaml --index 0 [--coordinator ADDR]
     python -m services.env.server --config run/config.yaml --external-env HOST:PORT   # bridge to an external sim
+    python -m services.env.server --config run/config.yaml --env-only                 # EnvService only
 
-This module only translates gRPC to calls on ``VecEnv`` and ``RolloutWorker``.
+This module only translates gRPC to calls on ``VecEnv`` and ``RolloutWorker``. It runs in the simulator's own
+Python environment (rlfleet.environments), so it imports nothing but the env side of rlfleet.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
+import grpc
 import numpy as np
 
 from rlfleet import codec, rpc
+from rlfleet.clients.learner import push_rollout
+from rlfleet.clients.policy import make_policy_client
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
-from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc, tensor_pb2
-from services.env.rollout import RolloutWorker
+from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from services.env.remote import EnvConnectionLost
+from services.env.rollout import Cancelled, RolloutWorker
 from services.env.vec_env import VecEnv
-from services.inference.client import make_policy_client
-from services.learner.client import push_rollout
+
+MAX_STEP_STREAMS = 4         # concurrent EnvService.Step streams per server (more: RESOURCE_EXHAUSTED)
+MAX_EVAL_EPISODES = 100_000  # per Evaluate call
 
 
-def _spec(shape, dtype, low, high) -> tensor_pb2.TensorSpec:
-    return tensor_pb2.TensorSpec(dtype=codec.dtype_of(np.zeros((), dtype)), shape=list(shape), low=low, high=high)
-
-
-def env_spec_proto(info, incarnation: str = "") -> env_pb2.EnvSpec:
+def env_spec_proto(info, incarnation: str = "", max_step_streams: int = MAX_STEP_STREAMS) -> env_pb2.EnvSpec:
     spec = env_pb2.EnvSpec(env_id=info.env_id, num_envs=info.num_envs, max_episode_steps=info.max_episode_steps,
                            task_descriptions=info.task_descriptions, auto_reset=info.auto_reset,
-                           incarnation=incarnation)
-    for k, (shape, dt, lo, hi) in info.obs_shapes.items():
-        spec.observation_space[k].CopyFrom(_spec(shape, dt, lo, hi))
-    spec.action_space.CopyFrom(_spec(info.action_shape, np.float32, info.action_low, info.action_high))
+                           incarnation=incarnation, contract_version=info.contract_version,
+                           num_reset_states=info.num_reset_states, max_action_chunk=info.max_action_chunk,
+                           max_step_streams=max_step_streams, simulator=info.simulator)
+    for k, space in info.observation_space.items():
+        spec.observation_space[k].CopyFrom(space.to_proto())
+    spec.action_space.CopyFrom(info.action_space.to_proto())
     return spec
 
 
+def step_response(out) -> env_pb2.StepResponse:
+    return env_pb2.StepResponse(
+        observations=codec.encode_map(out.obs), rewards=codec.encode(out.rewards),
+        terminated=codec.encode(out.terminated), truncated=codec.encode(out.truncated),
+        success=codec.encode(out.success), final_observations=codec.encode_map(out.final_obs),
+        final_rows=[int(r) for r in out.final_rows], instructions=out.instructions,
+        episodes=[codec.episode_to_proto(e) for e in out.episodes])
+
+
 class EnvServicer(env_pb2_grpc.EnvServiceServicer):
-    def __init__(self, env: VecEnv, incarnation: str = ""):
-        self.env, self.incarnation = env, incarnation
+    """EnvService over a VecEnv. ``owns_env``: Close releases the envs (a standalone simulator server); when a
+    rollout worker shares them, Close is refused (the envs belong to the run)."""
+
+    def __init__(self, env: VecEnv, incarnation: str = "", *, owns_env: bool = False,
+                 max_step_streams: int = MAX_STEP_STREAMS):
+        self.env, self.incarnation, self.owns_env = env, incarnation, owns_env
+        self.max_step_streams = max_step_streams
+        self._streams = threading.BoundedSemaphore(max_step_streams)
 
     @rpc.handler
     def Describe(self, request, context):
-        return env_spec_proto(self.env.space_info(), self.incarnation)
+        return env_spec_proto(self.env.space_info(), self.incarnation, self.max_step_streams)
 
     @rpc.handler
     def Reset(self, request, context):
-        obs = self.env.reset(list(request.env_ids), list(request.seeds))
-        return env_pb2.ResetResponse(observations=codec.encode_map(obs))
+        ids = list(request.env_ids)
+        obs = self.env.reset(ids, list(request.seeds), list(request.reset_state_ids))
+        rows = ids or range(self.env.num_envs)
+        return env_pb2.ResetResponse(observations=codec.encode_map(obs),
+                                     instructions=[self.env.instructions[i] for i in rows])
 
     @rpc.handler
     def Step(self, request_iterator, context):
-        for req in request_iterator:
-            actions = codec.decode(req.actions, "actions", dtype=np.float32)
-            out = self.env.step(list(req.env_ids), actions)
-            yield env_pb2.StepResponse(
-                observations=codec.encode_map(out.obs), rewards=codec.encode(out.rewards),
-                terminated=codec.encode(out.terminated), truncated=codec.encode(out.truncated),
-                success=codec.encode(out.success), final_observations=codec.encode_map(out.final_obs),
-                episodes=[codec.episode_to_proto(e) for e in out.episodes])
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this env server accepts {self.max_step_streams} concurrent Step streams; close one first")
+        try:
+            for req in request_iterator:
+                actions = codec.decode(req.actions, "actions", dtype=np.float32)
+                yield step_response(self.env.step(list(req.env_ids), actions))
+        finally:
+            self._streams.release()
 
     @rpc.handler
     def Close(self, request, context):
-        return env_pb2.CloseResponse()  # the server owns the envs' lifetime; closing happens at shutdown
+        if not self.owns_env:
+            raise rpc.FailedPrecondition("these envs belong to a running rollout worker; they close when the "
+                                         "env server shuts down")
+        self.env.close()
+        return env_pb2.CloseResponse()
+
+
+def _should_stop(context, margin: float = 2.0):
+    """Stop between steps when the caller has gone or its deadline is about to pass."""
+    def check() -> bool:
+        left = context.time_remaining()
+        return not context.is_active() or (left is not None and left < margin)
+    return check
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, worker: RolloutWorker, index: int, incarnation: str):
+    def __init__(self, worker: RolloutWorker, index: int, incarnation: str, *, act_timeout_s: float = 120.0,
+                 reconnect_timeout_s: float = 120.0):
         self.worker, self.index, self.incarnation = worker, index, incarnation
+        self.act_timeout_s, self.reconnect_timeout_s = act_timeout_s, reconnect_timeout_s
         self.lock = threading.Lock()
         self._policy = None  # Act streams kept open across epochs: (addresses, stages) -> client
         self._policy_key = None
@@ -75,7 +115,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         key = (tuple(addresses), stages)
         if self._policy_key != key:
             self._drop_policy()
-            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim)
+            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim, self.act_timeout_s)
             self._policy_key = key
         return self._policy
 
@@ -84,24 +124,53 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._policy.close()
         self._policy = self._policy_key = None
 
+    def _acquire(self, context) -> None:
+        """One Collect/Evaluate at a time; a caller that waits past its deadline gets DEADLINE_EXCEEDED."""
+        left = context.time_remaining()
+        no_deadline = left is None or left > 1e6  # gRPC reports "no deadline" as a huge number
+        if not self.lock.acquire(timeout=-1 if no_deadline else max(0.0, left)):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "another Collect/Evaluate is still running")
+
+    def _recover(self, env, exc: EnvConnectionLost) -> int:
+        """The external simulator died: wait for it, start fresh episodes; -> episodes lost."""
+        print(f"env[{self.index}]: {exc}; its {env.num_envs} episodes in flight are lost", flush=True)
+        env.reconnect(self.reconnect_timeout_s)
+        return env.num_envs
+
     @rpc.handler
     def Collect(self, request, context):
         if request.num_steps < 1:
             raise rpc.InvalidRequest(f"num_steps: must be >= 1, got {request.num_steps}")
-        with self.lock:
-            policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
-            try:
-                rollout, summary = self.worker.collect(request.epoch, request.num_steps, policy,
-                                                       request.min_weights_version)
-            except BaseException:
-                self._drop_policy()  # streams may hold unanswered requests: start clean next time
-                raise
+        if not request.inference_addresses:
+            raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
+        self._acquire(context)
+        try:
+            lost = 0
+            while True:
+                policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
+                try:
+                    rollout, summary = self.worker.collect(request.epoch, request.num_steps, policy,
+                                                           request.min_weights_version, _should_stop(context))
+                    break
+                except EnvConnectionLost as exc:
+                    self._drop_policy()
+                    lost += self._recover(self.worker.env, exc)
+                    self.worker.reset_all()
+                except Cancelled as exc:
+                    self._drop_policy()
+                    context.abort(grpc.StatusCode.CANCELLED if context.is_active() else grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  str(exc))
+                except BaseException:
+                    self._drop_policy()  # streams may hold unanswered requests: start clean next time
+                    raise
             push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation)
+        finally:
+            self.lock.release()
         return rollout_pb2.CollectResponse(
             epoch=summary.epoch, env_steps=summary.env_steps,
             episodes=[codec.episode_to_proto(e) for e in summary.episodes], rollout_time_s=summary.rollout_time_s,
             env_time_s=summary.env_time_s, inference_wait_s=summary.inference_wait_s,
-            weights_version=summary.weights_version)
+            weights_version=summary.weights_version, lost_episodes=lost)
 
     @rpc.handler
     def Describe(self, request, context):
@@ -109,23 +178,53 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @rpc.handler
     def Evaluate(self, request, context):
-        import time
-
+        if not 0 < request.num_episodes <= MAX_EVAL_EPISODES:
+            raise rpc.InvalidRequest(f"num_episodes: {request.num_episodes} is not in 1..{MAX_EVAL_EPISODES}")
+        if request.first_episode < 0:
+            raise rpc.InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
+        if not request.inference_addresses:
+            raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
         t0 = time.perf_counter()
-        with self.lock:
-            policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
-            try:
-                episodes = self.worker.evaluate(
-                    list(range(request.first_episode, request.first_episode + request.num_episodes)),
-                    request.seed, request.deterministic, policy)
-            except BaseException:
-                self._drop_policy()
-                raise
+        self._acquire(context)
+        try:
+            lost = 0
+            while True:
+                policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
+                try:
+                    episodes = self.worker.evaluate(
+                        list(range(request.first_episode, request.first_episode + request.num_episodes)),
+                        request.seed, request.deterministic, policy,
+                        use_reset_state_ids=request.use_reset_state_ids, should_stop=_should_stop(context))
+                    break
+                except EnvConnectionLost as exc:
+                    self._drop_policy()
+                    env = self.worker.eval_env or self.worker.env
+                    lost += self._recover(env, exc)
+                    if env is not self.worker.env:
+                        self.worker.env.reconnect(self.reconnect_timeout_s)
+                except Cancelled as exc:
+                    self._drop_policy()
+                    context.abort(grpc.StatusCode.CANCELLED if context.is_active() else grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  str(exc))
+                except BaseException:
+                    self._drop_policy()
+                    raise
+        finally:
+            self.lock.release()
         return rollout_pb2.EvaluateResponse(episodes=[codec.episode_to_proto(e) for e in episodes],
-                                            eval_time_s=time.perf_counter() - t0)
+                                            eval_time_s=time.perf_counter() - t0, lost_episodes=lost)
 
 
-def build_worker(cfg, index: int, external_env: str | None = None) -> tuple[object, RolloutWorker]:
+def env_kwargs(cfg, split: str, num_envs: int, seed: int, auto_reset: bool) -> dict:
+    """VecEnv arguments for env.{split} of the config."""
+    e = cfg.env[split]
+    return dict(env_id=e.env_id, num_envs=num_envs, max_episode_steps=e.max_episode_steps, auto_reset=auto_reset,
+                ignore_terminations=e.ignore_terminations if split == "train" else False,
+                init_params=dict(e.init_params), seed=seed, simulator=e.simulator_type)
+
+
+def build_worker(cfg, index: int, external_env: str | None = None,
+                 external_eval_env: str | None = None) -> tuple[object, RolloutWorker]:
     """The env (built-in VecEnv, or an external EnvService) and the rollout worker in front of it."""
     n_servers = cfg.cluster.num_env_servers
     train, ev = cfg.env.train, cfg.env.eval
@@ -134,44 +233,79 @@ def build_worker(cfg, index: int, external_env: str | None = None) -> tuple[obje
     if external_env:
         from services.env.remote import RemoteVecEnv
 
-        env = RemoteVecEnv(external_env)
+        env = RemoteVecEnv(external_env, call_timeout=cfg.cluster.act_timeout_s)
         if env.num_envs != per_server:
             raise SystemExit(f"config error: the external env at {external_env} hosts {env.num_envs} envs; "
                              f"env.train.total_num_envs / cluster.num_env_servers = {per_server}")
-        eval_factory = lambda: env  # noqa: E731 - the external sim serves both
+        if external_eval_env:
+            eval_factory = lambda: RemoteVecEnv(external_eval_env, call_timeout=cfg.cluster.act_timeout_s)  # noqa: E731
+        else:
+            eval_factory = lambda: env  # noqa: E731 - the external sim serves both (the coordinator said so)
     else:
-        env = VecEnv(train.env_id, per_server, max_episode_steps=train.max_episode_steps,
-                     auto_reset=train.auto_reset, ignore_terminations=train.ignore_terminations,
-                     init_params=dict(train.init_params), seed=seed)
-        eval_factory = lambda: VecEnv(  # noqa: E731
-            ev.env_id, ev.total_num_envs // n_servers, max_episode_steps=ev.max_episode_steps, auto_reset=False,
-            init_params=dict(ev.init_params), seed=ev.seed)
+        env = VecEnv(**env_kwargs(cfg, "train", per_server, seed, train.auto_reset))
+        eval_factory = lambda: VecEnv(**env_kwargs(cfg, "eval", ev.total_num_envs // n_servers, ev.seed, False))  # noqa: E731
     worker = RolloutWorker(env, cfg.rollout.pipeline_stage_num, auto_reset=train.auto_reset,
                            bootstrap_truncated=cfg.algorithm.bootstrap_truncated, eval_env_factory=eval_factory)
     return env, worker
 
 
 def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, external_env: str | None = None):
-    env, worker = build_worker(cfg, index, external_env)
+    external_eval = None
+    if external_env and len(cfg.cluster.external_eval_env_addresses) > index:
+        external_eval = str(cfg.cluster.external_eval_env_addresses[index])
+    env, worker = build_worker(cfg, index, external_env, external_eval)
     server = rpc.make_server(max_workers=16)
     runtime = ServiceRuntime("env", index, server, "", coordinator, cfg.cluster.heartbeat_interval_s,
                              cfg.cluster.heartbeat_timeout_s)
     if not external_env:
         env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, runtime.incarnation), server)
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(worker, index, runtime.incarnation), server)
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(
+        worker, index, runtime.incarnation, act_timeout_s=cfg.cluster.act_timeout_s,
+        reconnect_timeout_s=cfg.cluster.external_env_reconnect_timeout_s), server)
     runtime.address = rpc.bind(server, address)
     server.start()
     return server, runtime.address, worker, runtime
+
+
+def serve_env_only(cfg, address: str, split: str = "train"):
+    """A standalone EnvService (no rollout worker): what an external simulator looks like, for tests and
+    `coordinatorctl check-env`."""
+    e = cfg.env[split]
+    env = VecEnv(**env_kwargs(cfg, split, e.total_num_envs, e.seed, e.auto_reset if split == "train" else True))
+    server = rpc.make_server(max_workers=16)
+    env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, owns_env=True), server)
+    bound = rpc.bind(server, address)
+    server.start()
+    return server, bound, env
 
 
 def main(argv=None) -> int:
     parser = common_args("rlfleet env server (envs + rollout worker)")
     parser.add_argument("--external-env", default=None,
                         help="address of an external EnvService to run the rollout worker in front of")
+    parser.add_argument("--env-only", action="store_true",
+                        help="serve only EnvService over env.train (a standalone simulator server)")
     args = parser.parse_args(argv)
     cfg = load_service_config(args)
     setup_process(args, cfg.cluster.torch_num_threads)
-    server, bound, worker, runtime = serve(cfg, args.address, args.index, args.coordinator, args.external_env)
+    if args.env_only:
+        server, bound, env = serve_env_only(cfg, args.address)
+        print(f"rlfleet EnvService ({env.simulator}:{env.env_id}, {env.num_envs} envs) on {bound}", flush=True)
+        try:
+            server.wait_for_termination()
+        except KeyboardInterrupt:
+            pass
+        env.close()
+        return 0
+    try:
+        server, bound, worker, runtime = serve(cfg, args.address, args.index, args.coordinator, args.external_env)
+    except Exception as exc:  # noqa: BLE001 - a simulator that cannot start: say why in one line, exit 3
+        from services.env.backends.base import BackendUnavailable
+
+        if isinstance(exc, (BackendUnavailable, rpc.InvalidRequest)):
+            print(f"rlfleet env[{args.index}]: cannot start the simulator: {exc}", file=sys.stderr, flush=True)
+            return 3
+        raise
     code = runtime.serve_until_stopped(cfg, args)
     worker.close()
     return code

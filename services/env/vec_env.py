@@ -1,22 +1,25 @@
-"""VecEnv: the env server's core. N gymnasium envs stepped in one process, with auto-reset, seeding,
-episode bookkeeping (return, length, success_once) and validation of every action it is given.
+"""VecEnv: the env server's core. ``num_envs`` slots of one simulator backend (services.env.backends), with
+what every simulator shares done once here: validation and clipping of actions, action chunks executed as
+sub-steps, seeded and fixed-initial-state resets, the time limit, auto-reset, final observations of ended rows,
+instructions, and episode bookkeeping (return, length, success_once).
 
 The same interface is offered for an external simulator by ``services.env.remote.RemoteVecEnv`` so the rollout
-worker runs unchanged in front of either.
+worker runs unchanged in front of either. docs/env-contract.md states these semantics for implementers.
 """
 
 from __future__ import annotations
 
-import difflib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import gymnasium as gym
 import numpy as np
 
-from rlfleet.rpc import InvalidRequest
+from rlfleet.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.spaces import TensorSpace
+
+CONTRACT_VERSION = "1"
 
 
 @dataclass
@@ -26,11 +29,14 @@ class EpisodeStat:
     length: int
     success_once: bool
     success_at_end: bool
+    reset_state_id: int = -1
+    instruction: str = ""
 
 
 @dataclass
 class StepResult:
-    """Batch result for the stepped envs (rows follow the requested env_ids)."""
+    """Batch result for the stepped envs (rows follow the requested env_ids). Per-step arrays are [n], or
+    [n, chunk] when the actions carried a chunk; ``final_obs`` holds only the rows in ``final_rows``."""
 
     obs: dict[str, np.ndarray]
     rewards: np.ndarray
@@ -38,85 +44,81 @@ class StepResult:
     truncated: np.ndarray
     success: np.ndarray
     final_obs: dict[str, np.ndarray]
+    final_rows: np.ndarray  # int, positions in the request whose episode ended
     episodes: list[EpisodeStat] = field(default_factory=list)
+    instructions: list[str] = field(default_factory=list)
 
 
 @dataclass
 class SpaceInfo:
     env_id: str
     num_envs: int
-    obs_shapes: dict[str, tuple[tuple[int, ...], np.dtype, float, float]]  # key -> (shape, dtype, low, high)
-    action_shape: tuple[int, ...]
-    action_low: float
-    action_high: float
+    observation_space: dict[str, TensorSpace]
+    action_space: TensorSpace
     max_episode_steps: int
     auto_reset: bool
     task_descriptions: list[str]
+    num_reset_states: int = 0
+    max_action_chunk: int = 1
+    simulator: str = ""
+    contract_version: str = CONTRACT_VERSION
 
 
-def make_env(env_id: str, init_params: dict | None = None) -> gym.Env:
-    """gym.make for a registered id, without gymnasium's wrappers (the VecEnv enforces the time limit)."""
-    import services.env.envs  # noqa: F401  (registers the built-in envs)
+def make_backend(simulator: str, env_id: str, num_envs: int, params: dict | None = None):
+    """The registered backend (rlfleet.simulators) for ``simulator``, with ``num_envs`` slots."""
+    from rlfleet.simulators import backend_class
 
-    if env_id not in gym.registry:
-        known = sorted(k for k in gym.registry if not k.startswith(("ALE/", "phys2d/", "tabular/")))
-        close = difflib.get_close_matches(env_id, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise InvalidRequest(f"unknown env id '{env_id}'{hint} (import services.env.envs registers "
-                             f"PandaPickCube-v0 and PandaPickCubeVision-v0)")
     try:
-        return gym.make(env_id, disable_env_checker=True, **(init_params or {})).unwrapped
-    except TypeError as exc:
-        raise InvalidRequest(f"env '{env_id}' rejected init_params {dict(init_params or {})}: {exc}") from exc
-
-
-def _obs_dict(obs) -> dict[str, np.ndarray]:
-    return dict(obs) if isinstance(obs, dict) else {"state": obs}
+        cls = backend_class(simulator)
+    except KeyError as exc:
+        raise InvalidRequest(str(exc.args[0])) from None
+    return cls(env_id, num_envs, **dict(params or {}))
 
 
 class VecEnv:
-    """``num_envs`` copies of one gymnasium env, stepped sequentially in this process.
+    """``num_envs`` slots of one backend, stepped in this process.
 
-    Every call into the simulators runs on one dedicated thread: renderers (EGL/OpenGL contexts) and many
+    Every call into the simulator runs on one dedicated thread: renderers (EGL/OpenGL contexts) and many
     simulators are bound to the thread that created them, while gRPC serves each call on a pool thread.
     """
 
     def __init__(self, env_id: str, num_envs: int, *, max_episode_steps: int, auto_reset: bool = True,
-                 ignore_terminations: bool = False, init_params: dict | None = None, seed: int = 0):
+                 ignore_terminations: bool = False, init_params: dict | None = None, seed: int = 0,
+                 simulator: str = "gym", max_action_chunk: int = 64):
         if num_envs < 1:
             raise InvalidRequest(f"num_envs must be >= 1, got {num_envs}")
         self.env_id = env_id
+        self.simulator = simulator
         self._sim_thread = ThreadPoolExecutor(1, thread_name_prefix="sim")
-        self.envs = self._on_sim_thread(lambda: [make_env(env_id, init_params) for _ in range(num_envs)])
+        self.backend = self._on_sim_thread(make_backend, simulator, env_id, num_envs, init_params)
+        spec = self.backend.spec
+        self.observation_space = spec.observation_space
+        self.action_space = spec.action_space
+        self.num_reset_states = int(spec.num_reset_states)
         self.num_envs = num_envs
         self.max_episode_steps = max_episode_steps
         self.auto_reset = auto_reset
         self.ignore_terminations = ignore_terminations
+        self.max_action_chunk = max_action_chunk
         self.base_seed = seed
+        self.closed = False
         self._lock = threading.Lock()
-        env0 = self.envs[0]
-        act_space = env0.action_space
-        if not isinstance(act_space, gym.spaces.Box):
-            raise InvalidRequest(f"env '{env_id}': only Box action spaces are supported, got {act_space}")
-        self.action_low = act_space.low.astype(np.float32)
-        self.action_high = act_space.high.astype(np.float32)
-        obs_space = env0.observation_space
-        subspaces = obs_space.spaces if isinstance(obs_space, gym.spaces.Dict) else {"state": obs_space}
-        self.obs_info = {k: (tuple(s.shape), np.dtype(s.dtype), float(np.min(s.low)), float(np.max(s.high)))
-                         for k, s in subspaces.items()}
-        self._obs = {k: np.zeros((num_envs, *shape), dtype=dt) for k, (shape, dt, _, _) in self.obs_info.items()}
+        self._act_low = self.action_space.low.astype(np.float32)
+        self._act_high = self.action_space.high.astype(np.float32)
+        self._obs = {k: np.zeros((num_envs, *s.shape), dtype=s.dtype) for k, s in self.observation_space.items()}
         self._ep_return = np.zeros(num_envs, np.float64)
         self._ep_len = np.zeros(num_envs, np.int64)
         self._ep_success = np.zeros(num_envs, bool)
+        self._ep_state = np.full(num_envs, -1, np.int64)
         self._done = np.zeros(num_envs, bool)  # finished and not reset (auto_reset off)
         self._has_reset = np.zeros(num_envs, bool)
-        self.task_descriptions = [str(getattr(e, "task_description", "")) for e in self.envs]
+        self.instructions = [""] * num_envs
 
     # --- description ------------------------------------------------------------------------------------------
     def space_info(self) -> SpaceInfo:
-        return SpaceInfo(self.env_id, self.num_envs, dict(self.obs_info), tuple(self.action_low.shape),
-                         float(self.action_low.min()), float(self.action_high.max()), self.max_episode_steps,
-                         self.auto_reset, list(self.task_descriptions))
+        return SpaceInfo(self.env_id, self.num_envs, dict(self.observation_space), self.action_space,
+                         self.max_episode_steps, self.auto_reset, list(self.instructions), self.num_reset_states,
+                         self.max_action_chunk, self.simulator)
 
     # --- validation -------------------------------------------------------------------------------------------
     def _ids(self, env_ids: Sequence[int] | None) -> np.ndarray:
@@ -130,18 +132,28 @@ class VecEnv:
             raise InvalidRequest(f"env_ids: duplicate ids in {ids.tolist()}")
         return ids
 
-    def _check_actions(self, actions: np.ndarray, n: int) -> np.ndarray:
-        want = (n, *self.action_low.shape)
-        if actions.shape != want:
-            raise InvalidRequest(f"actions: shape {list(actions.shape)} where {list(want)} was expected")
+    def _check_actions(self, actions: np.ndarray, n: int) -> tuple[np.ndarray, bool]:
+        """-> (actions [n, chunk, *A] clipped to the bounds, whether the request carried a chunk)."""
+        shape = self.action_space.shape
+        chunked = actions.ndim == len(shape) + 2
+        if actions.ndim not in (len(shape) + 1, len(shape) + 2) or actions.shape[0] != n \
+                or tuple(actions.shape[(2 if chunked else 1):]) != shape:
+            raise InvalidRequest(f"actions: shape {list(actions.shape)} where [{n}, {', '.join(map(str, shape))}] "
+                                 f"or [{n}, chunk, {', '.join(map(str, shape))}] was expected")
+        if chunked and not 1 <= actions.shape[1] <= self.max_action_chunk:
+            raise InvalidRequest(f"actions: chunk of {actions.shape[1]} sub-steps; this server accepts 1.."
+                                 f"{self.max_action_chunk}")
         if not np.isfinite(actions).all():
-            row, col = np.argwhere(~np.isfinite(actions))[0]
-            raise InvalidRequest(f"actions: non-finite value {actions[row, col]} for env row {row}, dim {col}")
-        return np.clip(actions.astype(np.float32, copy=False), self.action_low, self.action_high)
+            bad = np.argwhere(~np.isfinite(actions))[0]
+            where = f"env row {bad[0]}" + (f", sub-step {bad[1]}" if chunked else "") + f", dim {bad[-1]}"
+            raise InvalidRequest(f"actions: non-finite value {actions[tuple(bad)]} for {where}")
+        a = actions.astype(np.float32, copy=False)
+        a = a if chunked else a[:, None]
+        return np.clip(a, self._act_low, self._act_high), chunked
 
-    def _write_obs(self, i: int, obs) -> None:
-        for k, v in _obs_dict(obs).items():
-            self._obs[k][i] = v
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FailedPrecondition("the envs were closed (Close); this server serves no more steps")
 
     def _gather(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         return {k: v[ids] for k, v in self._obs.items()}
@@ -150,85 +162,114 @@ class VecEnv:
         return self._sim_thread.submit(fn, *args).result()
 
     # --- API --------------------------------------------------------------------------------------------------
-    def reset(self, env_ids: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    def reset(self, env_ids: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
+              reset_state_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         with self._lock:
-            return self._on_sim_thread(self._reset, env_ids, seeds)
+            self._check_open()
+            return self._on_sim_thread(self._reset, env_ids, seeds, reset_state_ids)
 
     def step(self, env_ids: Sequence[int] | None, actions: np.ndarray) -> StepResult:
         with self._lock:
+            self._check_open()
             return self._on_sim_thread(self._step, env_ids, actions)
 
     def close(self) -> None:
         with self._lock:
-            if self.envs:
-                self._on_sim_thread(lambda: [env.close() for env in self.envs])
-            self.envs = []
-            self._sim_thread.shutdown(wait=False)
+            if not self.closed:
+                self.closed = True
+                self._on_sim_thread(self.backend.close)
+                self._sim_thread.shutdown(wait=False)
 
-    def _reset(self, env_ids, seeds) -> dict[str, np.ndarray]:
-        ids = self._ids(env_ids)
-        if seeds is not None and len(seeds) and len(seeds) != len(ids):
-            raise InvalidRequest(f"seeds: {len(seeds)} seeds for {len(ids)} envs")
+    def _reset_rows(self, ids: np.ndarray, seeds: list, states: list) -> dict[str, np.ndarray]:
+        obs, instructions = self.backend.reset(ids, seeds, states)
         for j, i in enumerate(ids):
-            seed = int(seeds[j]) if seeds is not None and len(seeds) else None
+            for k, v in obs.items():
+                self._obs[k][i] = v[j]
+            self.instructions[i] = instructions[j]
+            self._ep_state[i] = -1 if states[j] is None else states[j]
+        self._has_reset[ids] = True
+        self._ep_return[ids] = 0.0
+        self._ep_len[ids] = 0
+        self._ep_success[ids] = False
+        self._done[ids] = False
+        return obs
+
+    def _reset(self, env_ids, seeds, reset_state_ids) -> dict[str, np.ndarray]:
+        ids = self._ids(env_ids)
+        seeds = list(seeds) if seeds is not None else []
+        states = list(reset_state_ids) if reset_state_ids is not None else []
+        if seeds and len(seeds) != len(ids):
+            raise InvalidRequest(f"seeds: {len(seeds)} seeds for {len(ids)} envs")
+        if states and len(states) != len(ids):
+            raise InvalidRequest(f"reset_state_ids: {len(states)} ids for {len(ids)} envs")
+        seed_list: list[int | None] = []
+        for j, i in enumerate(ids):
+            seed = int(seeds[j]) if seeds else None
             if seed is None and not self._has_reset[i]:
                 seed = self.base_seed + int(i)
-            obs, _ = self.envs[i].reset(seed=seed)
-            self._write_obs(i, obs)
-            self._has_reset[i] = True
-            self._ep_return[i] = 0.0
-            self._ep_len[i] = 0
-            self._ep_success[i] = False
-            self._done[i] = False
+            seed_list.append(seed)
+        state_list: list[int | None] = []
+        for s in states or [-1] * len(ids):
+            s = int(s)
+            if s != -1 and not 0 <= s < self.num_reset_states:
+                raise InvalidRequest(f"reset_state_ids: state id {s} is not in [0, {self.num_reset_states}) "
+                                     f"({self.env_id} has {self.num_reset_states} fixed initial states)")
+            state_list.append(None if s == -1 else s)
+        self._reset_rows(ids, seed_list, state_list)
         return self._gather(ids)
 
     def _step(self, env_ids, actions) -> StepResult:
         ids = self._ids(env_ids)
-        actions = self._check_actions(np.asarray(actions), len(ids))
         if not self._has_reset[ids].all():
             raise InvalidRequest(f"env_ids: env {int(ids[~self._has_reset[ids]][0])} was never reset")
-        n = len(ids)
-        rewards = np.zeros(n, np.float32)
-        terminated = np.zeros(n, bool)
-        truncated = np.zeros(n, bool)
-        success = np.zeros(n, bool)
-        final_obs = None
+        chunk_actions, chunked = self._check_actions(np.asarray(actions), len(ids))
+        n, chunk = chunk_actions.shape[:2]
+        rewards = np.zeros((n, chunk), np.float32)
+        terminated = np.zeros((n, chunk), bool)
+        truncated = np.zeros((n, chunk), bool)
+        success = np.zeros((n, chunk), bool)
+        ended = np.zeros(n, bool)
+        final_rows: list[int] = []
+        final_obs: dict[str, list] = {k: [] for k in self._obs}
         episodes: list[EpisodeStat] = []
-        for j, i in enumerate(ids):
-            if self._done[i]:  # finished, waiting for a reset (auto_reset off): frozen, no reward
-                terminated[j] = True
-                continue
-            obs, reward, term, trunc, info = self.envs[i].step(actions[j])
-            self._ep_len[i] += 1
-            self._ep_return[i] += reward
-            succ = bool(info.get("success", False))
-            self._ep_success[i] |= succ
-            if self.ignore_terminations:
-                term = False
-            trunc = bool(trunc) or self._ep_len[i] >= self.max_episode_steps
-            rewards[j], terminated[j], truncated[j], success[j] = reward, term, trunc and not term, succ
-            self._write_obs(i, obs)
-            if term or trunc:
-                if final_obs is None:
-                    final_obs = {k: v[ids].copy() for k, v in self._obs.items()}
-                else:
-                    for k, v in _obs_dict(obs).items():
-                        final_obs[k][j] = v
-                episodes.append(EpisodeStat(int(i), float(self._ep_return[i]), int(self._ep_len[i]),
-                                            bool(self._ep_success[i]), succ))
-                if self.auto_reset:
-                    new_obs, _ = self.envs[i].reset()
-                    self._write_obs(i, new_obs)
-                    self._ep_return[i] = 0.0
-                    self._ep_len[i] = 0
-                    self._ep_success[i] = False
-                else:
-                    self._done[i] = True
-        obs = self._gather(ids)
-        if final_obs is None:
-            final_obs = obs
+        terminated[self._done[ids], 0] = True  # finished, waiting for a reset (auto_reset off): frozen, no reward
+        for c in range(chunk):
+            live = np.flatnonzero(~ended & ~self._done[ids])
+            if live.size == 0:
+                break
+            rows = ids[live]
+            out = self.backend.step(rows, chunk_actions[live, c])
+            for k, v in out.obs.items():
+                self._obs[k][rows] = v
+            self._ep_len[rows] += 1
+            self._ep_return[rows] += out.rewards
+            self._ep_success[rows] |= out.success
+            term = np.zeros(len(rows), bool) if self.ignore_terminations else np.asarray(out.terminated, bool)
+            trunc = (np.asarray(out.truncated, bool) | (self._ep_len[rows] >= self.max_episode_steps)) & ~term
+            rewards[live, c], terminated[live, c], truncated[live, c], success[live, c] = \
+                out.rewards, term, trunc, out.success
+            for j in np.flatnonzero(term | trunc):
+                row, i = int(live[j]), int(rows[j])
+                ended[row] = True
+                final_rows.append(row)
+                for k in final_obs:
+                    final_obs[k].append(self._obs[k][i].copy())
+                episodes.append(EpisodeStat(i, float(self._ep_return[i]), int(self._ep_len[i]),
+                                            bool(self._ep_success[i]), bool(out.success[j]), int(self._ep_state[i]),
+                                            self.instructions[i]))
+        if final_rows:
+            order = np.argsort(final_rows, kind="stable")
+            final_rows_arr = np.asarray(final_rows, np.int64)[order]
+            final = {k: np.stack(v)[order] for k, v in final_obs.items()}
+            ended_ids = ids[final_rows_arr]
+            if self.auto_reset:
+                self._reset_rows(ended_ids, [None] * len(ended_ids), [None] * len(ended_ids))
+            else:
+                self._done[ended_ids] = True
         else:
-            running = ~(terminated | truncated)
-            for k, v in final_obs.items():
-                v[running] = obs[k][running]
-        return StepResult(obs, rewards, terminated, truncated, success, final_obs, episodes)
+            final_rows_arr = np.zeros(0, np.int64)
+            final = {k: np.zeros((0, *v.shape[1:]), v.dtype) for k, v in self._obs.items()}
+        if not chunked:
+            rewards, terminated, truncated, success = rewards[:, 0], terminated[:, 0], truncated[:, 0], success[:, 0]
+        return StepResult(self._gather(ids), rewards, terminated, truncated, success, final, final_rows_arr,
+                          episodes, [self.instructions[i] for i in ids])

@@ -18,7 +18,7 @@ import torch
 from rlfleet.models import ActorCritic, ObsSpec, build_policy
 from rlfleet.models.actor_critic import to_torch_obs
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
-from services.inference.client import ActResult
+from rlfleet.clients.policy import ActResult
 
 log = logging.getLogger("rlfleet.inference")
 

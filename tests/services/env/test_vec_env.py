@@ -18,11 +18,21 @@ def test_auto_reset_final_obs_and_episode_stats():
         out = env.step(None, np.zeros((3, 4), np.float32))
     assert out.truncated.all() and not out.terminated.any()
     assert len(out.episodes) == 3 and all(e.length == 5 for e in out.episodes)
-    assert np.allclose([e.episode_return for e in out.episodes], [e.episode_return for e in out.episodes])
+    assert list(out.final_rows) == [0, 1, 2]
+    # episode returns are the sums of the rewards the steps reported
+    env2 = make()
+    env2.reset()
+    total = np.zeros(3)
+    for t in range(5):
+        o = env2.step(None, np.full((3, 4), 0.3, np.float32))
+        total += o.rewards
+    assert np.allclose(sorted(e.episode_return for e in o.episodes), sorted(total), atol=1e-5)
     # after auto-reset the returned obs is a fresh episode, the final obs is the last of the old one
     assert not np.allclose(out.obs["state"], out.final_obs["state"])
     out2 = env.step([1], np.zeros((1, 4), np.float32))
     assert out2.obs["state"].shape == (1, 13) and not out2.episodes
+    # only ended rows carry a final observation
+    assert out2.final_obs["state"].shape == (0, 13) and out2.final_rows.size == 0
     env.close()
 
 
@@ -50,7 +60,7 @@ def test_bad_input_is_named():
     nan[1, 3] = np.nan
     with pytest.raises(InvalidRequest, match="actions: non-finite value nan for env row 1, dim 3"):
         env.step(None, nan)
-    with pytest.raises(InvalidRequest, match=r"actions: shape \[2, 3\] where \[2, 4\] was expected"):
+    with pytest.raises(InvalidRequest, match=r"actions: shape \[2, 3\] where \[2, 4\] or \[2, chunk, 4\] was expected"):
         env.step(None, np.zeros((2, 3), np.float32))
     with pytest.raises(InvalidRequest, match=r"env_ids: unknown env id 7 \(this server hosts 0..1\)"):
         env.step([7], np.zeros((1, 4), np.float32))
@@ -58,3 +68,46 @@ def test_bad_input_is_named():
         VecEnv("PandaPickCub-v0", 1, max_episode_steps=5)
     # nothing was lost: the envs still step
     assert env.step(None, np.zeros((2, 4), np.float32)).obs["state"].shape == (2, 13)
+
+
+def test_action_chunks_run_as_sub_steps_and_stop_at_episode_end():
+    a, b = make(2, max_episode_steps=6), make(2, max_episode_steps=6)
+    a.reset(seeds=[3, 4])
+    b.reset(seeds=[3, 4])
+    rng = np.random.default_rng(0)
+    acts = rng.uniform(-1, 1, (2, 4, 4)).astype(np.float32)
+    chunk = a.step(None, acts)  # one request with a 4-step chunk == four single steps
+    singles = [b.step(None, acts[:, c]) for c in range(4)]
+    assert chunk.rewards.shape == (2, 4) and chunk.terminated.shape == (2, 4)
+    assert np.allclose(chunk.rewards, np.stack([s.rewards for s in singles], 1))
+    assert np.allclose(chunk.obs["state"], singles[-1].obs["state"])
+    # the episode ends at sub-step 2 of the next chunk (6 steps): the rest of the chunk is not executed
+    out = a.step(None, acts)
+    assert out.truncated[:, 1].all() and not out.truncated[:, 2:].any() and (out.rewards[:, 2:] == 0).all()
+    assert len(out.episodes) == 2 and all(e.length == 6 for e in out.episodes)
+    assert list(out.final_rows) == [0, 1] and out.final_obs["state"].shape == (2, 13)
+    with pytest.raises(InvalidRequest, match="chunk of 100 sub-steps"):
+        a.step(None, np.zeros((2, 100, 4), np.float32))
+    nan = acts.copy()
+    nan[1, 2, 0] = np.inf
+    with pytest.raises(InvalidRequest, match="env row 1, sub-step 2, dim 0"):
+        a.step(None, nan)
+
+
+def test_actions_are_clipped_to_bounds():
+    a, b = make(1), make(1)
+    a.reset(seeds=[1])
+    b.reset(seeds=[1])
+    big = a.step(None, np.full((1, 4), 4.75, np.float32))
+    one = b.step(None, np.ones((1, 4), np.float32))
+    assert np.allclose(big.obs["state"], one.obs["state"])
+
+
+def test_reset_state_ids_are_checked_and_instructions_reported():
+    env = make(2)
+    env.reset()
+    assert env.space_info().task_descriptions == ["pick up the red cube and lift it"] * 2
+    with pytest.raises(InvalidRequest, match=r"reset_state_ids: state id 3 is not in \[0, 0\)"):
+        env.reset([0], [1], [3])
+    with pytest.raises(InvalidRequest, match="unknown simulator_type 'metawrld'; did you mean 'metaworld'"):
+        VecEnv("reach-v3", 1, max_episode_steps=5, simulator="metawrld")

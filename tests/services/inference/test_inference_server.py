@@ -11,7 +11,7 @@ import torch
 from rlfleet import codec, rpc, weights
 from rlfleet.models import ActorCritic, ObsSpec
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
-from services.inference.client import GrpcPolicyClient, PolicyError
+from rlfleet.clients.policy import GrpcPolicyClient, PolicyError
 
 SPECS = {"state": ObsSpec((13,), "float32")}
 

@@ -44,33 +44,52 @@ def _check_result(res: ActResult, n: int, action_dim: int | None) -> ActResult:
 
 
 class _Stream:
-    """One Act bidi stream: requests go through a queue, responses come back in order."""
+    """One Act bidi stream: requests go through a queue, responses come back in order.
+
+    A reader thread moves responses into a queue so that ``result`` can wait with a deadline: an inference
+    server that is unreachable or stops answering costs ``timeout`` seconds and a PolicyError naming it, never a
+    wedged env server.
+    """
 
     _END = object()
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, timeout: float):
         self.address = address
+        self.timeout = timeout
         self.channel = rpc.channel(address)
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.responses = self.stub.Act(iter(self.requests.get, self._END), wait_for_ready=True)
+        self.received: queue.SimpleQueue = queue.SimpleQueue()
         self.ids = itertools.count()
         self.inflight: list[tuple[int, int]] = []
+        threading.Thread(target=self._read, name=f"act-{address}", daemon=True).start()
 
-    def submit(self, obs: dict[str, np.ndarray], deterministic: bool) -> None:
+    def _read(self) -> None:
+        try:
+            for resp in self.responses:
+                self.received.put(resp)
+            self.received.put(PolicyError(f"inference server {self.address} closed the Act stream"))
+        except grpc.RpcError as exc:
+            self.received.put(PolicyError(f"inference server {self.address}: {rpc.describe_error(exc)}"))
+
+    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None) -> None:
         rid = next(self.ids)
         self.requests.put(inference_pb2.ActRequest(
-            request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic))
+            request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic,
+            instructions=list(instructions or [])))
         self.inflight.append((rid, next(iter(obs.values())).shape[0]))
 
     def result(self, action_dim: int | None) -> ActResult:
         rid, n = self.inflight.pop(0)
         try:
-            resp = next(self.responses)
-        except grpc.RpcError as exc:
-            raise PolicyError(f"inference server {self.address}: {rpc.describe_error(exc)}") from exc
-        except StopIteration:
-            raise PolicyError(f"inference server {self.address} closed the Act stream") from None
+            resp = self.received.get(timeout=self.timeout)
+        except queue.Empty:
+            self.responses.cancel()
+            raise PolicyError(f"inference server {self.address} did not answer within {self.timeout:.0f}s "
+                              f"(unreachable or stuck; cluster.act_timeout_s)") from None
+        if isinstance(resp, PolicyError):
+            raise resp
         if resp.request_id != rid:
             raise PolicyError(f"inference server {self.address} answered request {resp.request_id}, expected {rid}")
         try:
@@ -90,14 +109,15 @@ class _Stream:
 class GrpcPolicyClient:
     """Stage s talks to inference server s % len(addresses) over its own stream."""
 
-    def __init__(self, addresses: list[str], num_stages: int, action_dim: int | None = None):
+    def __init__(self, addresses: list[str], num_stages: int, action_dim: int | None = None,
+                 timeout: float = 120.0):
         if not addresses:
             raise PolicyError("no inference server address given")
         self.action_dim = action_dim
-        self.streams = [_Stream(addresses[s % len(addresses)]) for s in range(num_stages)]
+        self.streams = [_Stream(addresses[s % len(addresses)], timeout) for s in range(num_stages)]
 
-    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False) -> None:
-        self.streams[stage].submit(obs, deterministic)
+    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None) -> None:
+        self.streams[stage].submit(obs, deterministic, instructions)
 
     def result(self, stage: int) -> ActResult:
         return self.streams[stage].result(self.action_dim)
@@ -116,7 +136,7 @@ class LocalPolicyClient:
         self.pending: list[list] = [[] for _ in range(num_stages)]
         self.lock = threading.Lock()
 
-    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False) -> None:
+    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None) -> None:
         self.pending[stage].append((obs, deterministic))
 
     def result(self, stage: int) -> ActResult:
@@ -128,8 +148,8 @@ class LocalPolicyClient:
         pass
 
 
-def make_policy_client(target, num_stages: int, action_dim: int | None = None):
+def make_policy_client(target, num_stages: int, action_dim: int | None = None, timeout: float = 120.0):
     """target: a list of inference addresses (gRPC) or an InferenceEngine (in-process)."""
     if isinstance(target, (list, tuple)):
-        return GrpcPolicyClient(list(target), num_stages, action_dim)
+        return GrpcPolicyClient(list(target), num_stages, action_dim, timeout)
     return LocalPolicyClient(target, num_stages, action_dim)

@@ -1,0 +1,77 @@
+"""The simulator registry: every env backend by name, where its code lives, and the Python environment it runs
+in. This is the one place a simulator is added.
+
+A simulator whose pins conflict with the main environment (Meta-World and robosuite pin ``mujoco==3.3.0``,
+ManiSkill brings sapien, OmniGibson needs numpy<2 and Isaac Sim) declares an :class:`Environment`; its env
+servers then run from that environment (built on first use by :mod:`rlfleet.environments`), never from the main
+``.venv``. An env server process carries only the env side of rlfleet (protos, codec, backend, rollout worker),
+so an environment needs :data:`ENV_SIDE_REQUIREMENTS` plus the simulator's own packages, and no model code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+
+# What the env side of rlfleet imports (rlfleet itself is put on PYTHONPATH, not installed).
+ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "protobuf>=6.31,<8", "omegaconf>=2.3", "gymnasium>=1.0", "packaging")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A Python environment for one simulator, built by rlfleet.environments (uv, cached by its lock)."""
+
+    name: str
+    pip: tuple[str, ...]                # the simulator's requirements, pinned (plus ENV_SIDE_REQUIREMENTS)
+    apt: tuple[str, ...] = ()           # Debian packages it needs on the host (installed when root)
+    setup: str | None = None            # "module:function" run with the environment's python after pip
+    check: str = ""                     # a Python statement that must run in the finished environment
+    python: str = "3.11"
+    notes: str = ""                     # shown by `coordinatorctl envs`
+
+
+@dataclass(frozen=True)
+class Simulator:
+    name: str
+    backend: str                        # "module:Class" implementing services.env.backends.base.SimBackend
+    environment: Environment | None     # None: runs in the main environment
+    description: str
+    examples: tuple[str, ...] = ()      # env ids, shown by `coordinatorctl envs`
+    preflight: str | None = None        # "module:function" that fails fast (BackendUnavailable) on a bad host
+
+
+METAWORLD_ENV = Environment(
+    name="metaworld",
+    pip=("metaworld==3.1.1", "mujoco==3.3.0", "numpy>=1.26,<3"),
+    check="import metaworld, mujoco; assert mujoco.__version__ == '3.3.0'",
+    notes="Meta-World 3.1.1 pins mujoco==3.3.0 exactly",
+)
+
+SIMULATORS: dict[str, Simulator] = {s.name: s for s in (
+    Simulator("gym", "services.env.backends.gym:GymBackend", None,
+              "any gymnasium-registered id in the main environment (PandaPickCube-v0 and PandaPickCubeVision-v0 "
+              "are built in)", ("PandaPickCube-v0", "PandaPickCubeVision-v0", "Pendulum-v1")),
+    Simulator("metaworld", "services.env.backends.metaworld:MetaWorldBackend", METAWORLD_ENV,
+              "Meta-World 3 (MuJoCo 3.3.0): MT1 per task, MT10, MT50, ML10/ML45 train and test",
+              ("reach-v3", "MT10", "MT50", "ML10", "ML45")),
+)}
+
+
+def get_simulator(name: str) -> Simulator:
+    try:
+        return SIMULATORS[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, list(SIMULATORS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise KeyError(f"unknown simulator_type '{name}'{hint} (known: {', '.join(SIMULATORS)})") from None
+
+
+def load_object(ref: str):
+    """'package.module:Name' -> the object."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def backend_class(name: str):
+    return load_object(get_simulator(name).backend)

@@ -1,0 +1,84 @@
+"""Any gymnasium-registered env id as a backend (one Python env per slot), including rlfleet's own
+PandaPickCube-v0 / PandaPickCubeVision-v0 (registered by importing services.env.envs).
+
+Box action spaces only; Box or Dict-of-Box observations (a bare Box is named 'state'). The instruction is the
+env's ``task_description`` attribute when it has one; success is ``info['success']`` (or ``info['is_success']``).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import numpy as np
+
+from rlfleet.rpc import InvalidRequest
+from rlfleet.spaces import TensorSpace, spaces_from_gym
+from services.env.backends.base import BackendSpec, BackendStep, SimBackend, stack_obs
+
+
+def make_gym_env(env_id: str, init_params: dict | None = None):
+    """gym.make for a registered id, without gymnasium's wrappers (VecEnv enforces the time limit)."""
+    import gymnasium as gym
+
+    import services.env.envs  # noqa: F401  (registers the built-in envs)
+
+    if env_id not in gym.registry:
+        known = sorted(k for k in gym.registry if not k.startswith(("ALE/", "phys2d/", "tabular/")))
+        close = difflib.get_close_matches(env_id, known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise InvalidRequest(f"unknown env id '{env_id}'{hint} (gymnasium registry; for another simulator set "
+                             f"env.train.simulator_type, see `coordinatorctl envs`)")
+    try:
+        return gym.make(env_id, disable_env_checker=True, **(init_params or {})).unwrapped
+    except TypeError as exc:
+        raise InvalidRequest(f"env '{env_id}' rejected init_params {dict(init_params or {})}: {exc}") from exc
+
+
+def _obs_dict(obs) -> dict[str, np.ndarray]:
+    return dict(obs) if isinstance(obs, dict) else {"state": obs}
+
+
+class GymBackend(SimBackend):
+    name = "gym"
+
+    def __init__(self, env_id: str, num_envs: int, **params):
+        import gymnasium as gym
+
+        super().__init__(env_id, num_envs)
+        self.envs = [make_gym_env(env_id, params) for _ in range(num_envs)]
+        env0 = self.envs[0]
+        if not isinstance(env0.action_space, gym.spaces.Box):
+            raise InvalidRequest(f"env '{env_id}': only Box action spaces are supported, got {env0.action_space}")
+        spec = gym.spec(env_id)
+        self._spec = BackendSpec(spaces_from_gym(env0.observation_space), TensorSpace.from_gym(env0.action_space),
+                                 int(spec.max_episode_steps or 1000))
+
+    @property
+    def spec(self) -> BackendSpec:
+        return self._spec
+
+    def _instruction(self, i: int) -> str:
+        return str(getattr(self.envs[i], "task_description", "") or "")
+
+    def reset(self, env_ids, seeds, state_ids):
+        rows = []
+        for i, seed in zip(env_ids, seeds):
+            obs, _ = self.envs[i].reset(seed=seed)
+            rows.append(_obs_dict(obs))
+        return stack_obs(rows, self._spec.observation_space), [self._instruction(i) for i in env_ids]
+
+    def step(self, env_ids, actions) -> BackendStep:
+        n = len(env_ids)
+        rows, rewards = [], np.zeros(n, np.float32)
+        terminated, truncated, success = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
+        for j, i in enumerate(env_ids):
+            obs, reward, term, trunc, info = self.envs[i].step(actions[j])
+            rows.append(_obs_dict(obs))
+            rewards[j], terminated[j], truncated[j] = reward, term, trunc
+            success[j] = bool(info.get("success", info.get("is_success", False)))
+        return BackendStep(stack_obs(rows, self._spec.observation_space), rewards, terminated, truncated, success)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+        self.envs = []
