@@ -4,6 +4,7 @@
     coordinatorctl start --resume RUN_DIR [key=value ...]
     coordinatorctl status [RUN_DIR | --address HOST:PORT]
     coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
+    coordinatorctl envs [install NAME | remove NAME]    # simulators, their environments, install one ahead
 """
 
 from __future__ import annotations
@@ -37,13 +38,7 @@ def _start(args) -> int:
             cfg = load_config(args.config, args.overrides)
             run_dir = choose_run_dir(cfg, None)
         if cfg.cluster.launcher == "local" and not cfg.cluster.external_env_addresses:
-            from services.env.vec_env import make_env  # validates the env ids before anything starts
-
-            for split in ("train", "eval"):
-                try:
-                    make_env(cfg.env[split].env_id, dict(cfg.env[split].init_params)).close()
-                except ValueError as exc:
-                    raise ConfigError(f"'env.{split}.env_id': {exc}") from None
+            _preflight(cfg)
     except ConfigError as exc:
         print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
         return 2
@@ -68,6 +63,74 @@ def _start(args) -> int:
         coord.shutdown()
         server.stop(grace=0.5)
     return code
+
+
+def _preflight(cfg) -> None:
+    """Fail in seconds, before anything starts, on what can be checked here: a simulator that cannot run on this
+    host, and (for simulators of the main environment) an unknown env id."""
+    from rlfleet.simulators import get_simulator, load_object
+
+    sims = {cfg.env[split].simulator_type for split in ("train", "eval")}
+    envs = {get_simulator(name).environment for name in sims}
+    if len(envs) > 1:
+        raise ConfigError(f"'env.eval.simulator_type': {cfg.env.eval.simulator_type} and env.train's "
+                          f"{cfg.env.train.simulator_type} run in different Python environments; one env server "
+                          f"hosts both (use the same simulator, or external eval servers)")
+    for name in sims:
+        sim = get_simulator(name)
+        if sim.preflight:
+            try:
+                load_object(sim.preflight)(cfg)
+            except RuntimeError as exc:
+                raise ConfigError(f"'env.train.simulator_type': {name} cannot run on this machine: {exc}") from None
+    for split in ("train", "eval"):
+        e = cfg.env[split]
+        if get_simulator(e.simulator_type).environment is None:  # importable here: check the id now
+            from rlfleet.rpc import InvalidRequest
+            from services.env.backends.gym import make_gym_env
+
+            try:
+                make_gym_env(e.env_id, dict(e.init_params)).close()
+            except (InvalidRequest, ValueError) as exc:
+                raise ConfigError(f"'env.{split}.env_id': {exc}") from None
+
+
+def _envs(args) -> int:
+    from rlfleet import environments
+    from rlfleet.simulators import get_simulator
+
+    if args.action in ("install", "remove"):
+        if not args.name:
+            print(f"coordinatorctl envs {args.action}: name a simulator", file=sys.stderr)
+            return 2
+        try:
+            sim = get_simulator(args.name)
+        except KeyError as exc:
+            print(f"coordinatorctl: {exc.args[0]}", file=sys.stderr)
+            return 2
+        if sim.environment is None:
+            print(f"{sim.name} runs in the main environment ({sys.prefix}); nothing to {args.action}")
+            return 0
+        if args.action == "remove":
+            removed = environments.remove(sim.environment, args.envs_dir)
+            print(f"{sim.name}: {'removed' if removed else 'not installed'}")
+            return 0
+        try:
+            print(environments.ensure(sim.environment, args.envs_dir))
+        except environments.EnvironmentError_ as exc:
+            print(f"coordinatorctl: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    rows = environments.describe(args.envs_dir)
+    print(f"simulator environments in {environments.envs_dir(args.envs_dir)}\n")
+    print(f"{'simulator':<10} {'environment':<12} {'installed':<10} task ids (examples)")
+    for r in rows:
+        print(f"{r['simulator']:<10} {r['environment']:<12} {'yes' if r['installed'] else 'no':<10} "
+              f"{', '.join(r['examples'])}")
+        print(f"{'':<10} {r['description']}" + (f" ({r['notes']})" if r["notes"] else ""))
+    print("\nan environment is built on first use by `coordinatorctl start`; build one ahead with "
+          "`coordinatorctl envs install NAME`")
+    return 0
 
 
 def _find_address(args) -> str:
@@ -132,7 +195,14 @@ def main(argv=None) -> int:
         q = sub.add_parser(name, help=f"{name} of a running coordinator")
         q.add_argument("run_dir", nargs="?", default=None)
         q.add_argument("--address", default=None)
+    q = sub.add_parser("envs", help="list simulators and their environments; install or remove one")
+    q.add_argument("action", nargs="?", choices=("list", "install", "remove"), default="list")
+    q.add_argument("name", nargs="?", default=None, help="simulator name (see the list)")
+    q.add_argument("--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or "
+                                                    "~/.cache/rlfleet/envs)")
     args = parser.parse_args(argv)
+    if args.command == "envs":
+        return _envs(args)
     if args.command == "start":
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]

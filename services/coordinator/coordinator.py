@@ -22,6 +22,7 @@ from rlfleet.config import to_yaml
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.coordinator.launcher import LocalLauncher
 
+SIMULATOR_UNAVAILABLE = 3  # an env server's exit code when its simulator cannot run here (no restart)
 ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference", coordinator_pb2.LEARNER: "learner"}
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
@@ -107,6 +108,7 @@ class Coordinator:
         self._env_seen: dict[str, float] = {}  # latest env/* metrics, for progress lines
         self.weights_lock = threading.Lock()
         self.weights_generation: tuple = ()
+        self.prior_restarts: dict[str, int] = {}  # from the run's earlier parts (--resume)
 
     # --- registry (called by the gRPC servicer) --------------------------------------------------------------
     def register(self, role: int, index: int, address: str, pid: int, incarnation: str,
@@ -171,6 +173,11 @@ class Coordinator:
                 for proc, code in self.launcher.exited():
                     svc = self.services[(proc.role, proc.index)]
                     if svc.pid in (0, proc.popen.pid) and (svc.alive or not svc.ready.is_set()):
+                        if code == SIMULATOR_UNAVAILABLE:  # restarting cannot help: say why and stop
+                            self.fatal = (f"{proc.role}[{proc.index}] cannot start its simulator:\n"
+                                          f"{LocalLauncher.log_tail(proc, 6)}")
+                            self.stop_event.set()
+                            return
                         dead.append((svc, f"exited with code {code}\n{LocalLauncher.log_tail(proc)}"))
             now = time.monotonic()
             for svc in self.services.values():
@@ -219,6 +226,13 @@ class Coordinator:
         (self.run_dir / "coordinator.json").write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
         if self.cfg.cluster.launcher == "local":
             self.launcher = LocalLauncher(self.cfg, self.run_dir, config_path, self.address)
+            from rlfleet.environments import EnvironmentError_
+
+            try:
+                self.launcher.prepare(log=self.say)
+            except EnvironmentError_ as exc:
+                raise RunFailed(f"the {self.cfg.env.train.simulator_type} simulator environment could not be "
+                                f"built:\n{exc}") from None
             for (role, index) in self.services:
                 self.launcher.start(role, index, self.counts[role])
         else:
@@ -246,10 +260,15 @@ class Coordinator:
             incarnation = svc.incarnation
             policy_generation = self._inference_generation()
             try:
-                return stub.Collect(rollout_pb2.CollectRequest(
+                resp = stub.Collect(rollout_pb2.CollectRequest(
                     epoch=epoch, num_steps=self.cfg.env.train.max_steps_per_rollout_epoch,
                     inference_addresses=self.addresses("inference"), learner_address=self.addresses("learner")[0],
-                    min_weights_version=min_version))
+                    min_weights_version=min_version), timeout=self.cfg.cluster.collect_timeout_s)
+                if resp.lost_episodes:
+                    with self.lock:
+                        self.lost_episodes += resp.lost_episodes
+                    self.say(f"  ! env[{index}]: its external simulator restarted; {resp.lost_episodes} episodes lost")
+                return resp
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or self.fatal:
                     raise RunFailed(f"env[{index}] Collect failed: {rpc.describe_error(exc)}"
@@ -321,19 +340,40 @@ class Coordinator:
         firsts = np.cumsum([0] + shares[:-1])
         t0 = time.perf_counter()
 
+        per_server = self.cfg.env.eval.total_num_envs // n
+
         def one(i):
-            for attempt in range(2):
-                _, stub = self._rollout_stub(i, 60)
-                generation = self._inference_generation()
+            for attempt in range(self.cfg.cluster.max_restarts + 1):
+                svc, stub = self._rollout_stub(i, self.cfg.cluster.startup_timeout_s)
+                incarnation, generation = svc.incarnation, self._inference_generation()
                 try:
-                    return stub.Evaluate(rollout_pb2.EvaluateRequest(
+                    resp = stub.Evaluate(rollout_pb2.EvaluateRequest(
                         num_episodes=shares[i], first_episode=int(firsts[i]), seed=ev.seed,
-                        deterministic=ev.deterministic, inference_addresses=self.addresses("inference")))
-                except grpc.RpcError:
-                    time.sleep(1.0)  # let the monitor notice a death
-                    if attempt or self._inference_generation() == generation:
+                        deterministic=ev.deterministic, inference_addresses=self.addresses("inference"),
+                        use_reset_state_ids=ev.use_fixed_reset_state_ids), timeout=self.cfg.cluster.collect_timeout_s)
+                    if resp.lost_episodes:
+                        with self.lock:
+                            self.lost_episodes += resp.lost_episodes
+                    return resp
+                except grpc.RpcError as exc:
+                    if exc.code() not in RETRYABLE or self.fatal:
+                        raise
+                    deadline = time.monotonic() + (3.0 if self.launcher is not None
+                                                   else self.cfg.cluster.heartbeat_timeout_s + 5)
+                    while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline \
+                            and self._inference_generation() == generation and not self.fatal:
+                        time.sleep(0.1)  # let the monitor notice a death
+                    if svc.incarnation != incarnation or not svc.ready.is_set():
+                        lost = min(shares[i], per_server)
+                        with self.lock:
+                            self.lost_episodes += lost
+                        self.say(f"  ! env[{i}] lost mid-evaluation ({rpc.describe_error(exc).splitlines()[0]}); "
+                                 f"{lost} episodes in flight lost, evaluating its share again after restart")
+                        continue
+                    if self._inference_generation() == generation:
                         raise
                     self._ensure_inference_weights()  # an inference server restarted: evaluate again
+            raise RunFailed(f"env[{i}] evaluation failed {self.cfg.cluster.max_restarts + 1} times")
 
         with ThreadPoolExecutor(n) as pool:
             results = list(pool.map(one, [i for i in range(n) if shares[i]]))
@@ -344,7 +384,9 @@ class Coordinator:
                    "eval/episode_len": float(np.mean([e.length for e in eps])),
                    "eval/num_episodes": float(len(eps)), "time/eval": time.perf_counter() - t0,
                    "eval/env_steps": float(self.env_steps), "eval/wall_time_s": self.elapsed()}
-        self.learner().LogMetrics(learner_pb2.LogMetricsRequest(step=step, metrics=metrics))
+        metrics["env/lost_episodes"] = float(self.lost_episodes)
+        self.learner().LogMetrics(learner_pb2.LogMetricsRequest(step=step, metrics=metrics),
+                                  timeout=self.cfg.cluster.rpc_timeout_s)
         self.eval_history.append({"step": step, **metrics})
         return metrics
 
@@ -355,14 +397,20 @@ class Coordinator:
         self.say(f"  starting {self.counts['env']} env server(s), {self.counts['inference']} inference server(s), "
                  f"1 learner ({cfg.cluster.launcher} launcher, coordinator at {self.address})")
         self.start_services()
+        rpc_timeout = cfg.cluster.rpc_timeout_s
         _, stub0 = self._rollout_stub(0, 30)
-        spec = stub0.Describe(env_pb2.DescribeEnvRequest(), timeout=30)
+        spec = stub0.Describe(env_pb2.DescribeEnvRequest(), timeout=rpc_timeout)
         self.env_id = spec.env_id
+        if cfg.cluster.external_env_addresses and not cfg.cluster.external_eval_env_addresses:
+            self.say("  note: evaluation runs on the external training simulators (no "
+                     "cluster.external_eval_env_addresses): env.eval's env_id, init_params and total_num_envs do not "
+                     "apply, and training episodes restart after each evaluation")
         learner = self.learner()
         pub = learner.PublishWeights(learner_pb2.PublishWeightsRequest(
-            env_spec=spec, inference_addresses=self.addresses("inference")), timeout=120)
+            env_spec=spec, inference_addresses=self.addresses("inference")), timeout=max(120.0, rpc_timeout))
         self.weights_generation = self._inference_generation()
-        status = learner.Status(learner_pb2.LearnerStatusRequest())
+        status = learner.Status(learner_pb2.LearnerStatusRequest(), timeout=rpc_timeout)
+        self._load_counts()
         start_epoch = status.epoch + 1
         self.env_steps, self.elapsed_offset = status.env_steps, status.elapsed_time_s
         version = pub.weights_version
@@ -406,7 +454,8 @@ class Coordinator:
                 try:
                     resp = self._await(learner.Train.future(learner_pb2.TrainRequest(
                         epoch=epoch, worker_indices=list(range(self.counts["env"])),
-                        inference_addresses=self.addresses("inference"), extra_metrics=extra)), "training")
+                        inference_addresses=self.addresses("inference"), extra_metrics=extra),
+                        timeout=cfg.cluster.collect_timeout_s), "training")
                 except grpc.RpcError as exc:
                     raise RunFailed(self._why_failed(exc, "learner Train")) from exc
                 version = resp.weights_version
@@ -421,6 +470,7 @@ class Coordinator:
                 metrics["time/train_rpc"] = time.perf_counter() - t1
                 self.env_steps = int(metrics.get("env/env_steps", self.env_steps + steps))
                 self.last_metrics, self.epoch = metrics, epoch
+                self._save_counts()
                 if epoch % runner.progress_interval == 0:
                     self.say(self.progress_line(epoch, metrics))
                 epoch += 1
@@ -448,8 +498,35 @@ class Coordinator:
             else:
                 self.say(f"final evaluation: {cfg.env.eval.num_episodes} episodes ...")
                 final = self.evaluate(epoch)
-        ckpt = learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest()).path if epoch > 0 else ""
+        ckpt = learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(),
+                                      timeout=cfg.cluster.collect_timeout_s).path if epoch > 0 else ""
+        self._save_counts()
         return self.write_summary(epoch, train_time, stop_why, final, ckpt)
+
+    # --- counts that survive --resume -------------------------------------------------------------------------
+    def _save_counts(self) -> None:
+        state = {"lost_episodes": self.lost_episodes,
+                 "restarts": self.restart_counts(),
+                 "eval_history": self.eval_history}
+        tmp = self.run_dir / "coordinator_state.json.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.run_dir / "coordinator_state.json")
+
+    def _load_counts(self) -> None:
+        path = self.run_dir / "coordinator_state.json"
+        if not self.cfg.runner.resume_dir or not path.exists():
+            return
+        state = json.loads(path.read_text())
+        self.lost_episodes = int(state.get("lost_episodes", 0))
+        self.eval_history = list(state.get("eval_history", []))
+        self.prior_restarts = {k: int(v) for k, v in state.get("restarts", {}).items()}
+
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts per service over the whole run, resumed parts included (the limit applies per part)."""
+        out = dict(self.prior_restarts)
+        for s in self.services.values():
+            out[f"{s.role}[{s.index}]"] = out.get(f"{s.role}[{s.index}]", 0) + s.restarts
+        return {k: v for k, v in out.items() if v}
 
     def progress_line(self, epoch: int, m: dict[str, float]) -> str:
         # env/* exist only for epochs in which episodes ended: show the latest known values
@@ -479,7 +556,7 @@ class Coordinator:
             "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
             "final_eval": {k: v for k, v in (final or {}).items()},
             "eval_history": self.eval_history, "lost_episodes": self.lost_episodes,
-            "restarts": {f"{s.role}[{s.index}]": s.restarts for s in self.services.values() if s.restarts},
+            "restarts": self.restart_counts(),
             "last_train_metrics": {k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
             "checkpoint": ckpt, "learning_curve": str(curve) if curve else None,
         }

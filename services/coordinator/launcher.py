@@ -4,7 +4,8 @@ Children run in their own session (a terminal's Ctrl-C reaches only the coordina
 order) and bind themselves to the coordinator's life with PR_SET_PDEATHSIG (``RLFLEET_PARENT_PID``, see
 ``rlfleet.service``), so a killed coordinator leaves no orphans. No Python runs between fork and exec (no
 preexec_fn): the coordinator has gRPC threads, and forking those is unsafe.
-Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range.
+Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range. Env servers run with their simulator's own
+Python environment (rlfleet.environments), built before the run starts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from rlfleet import environments
 from rlfleet.config import cuda_visible_devices, parse_placement
 
 MODULES = {"env": "services.env.server", "inference": "services.inference.server", "learner": "services.learner.server"}
@@ -39,6 +41,7 @@ class LocalLauncher:
         self.config_path = config_path
         self.coordinator_address = coordinator_address
         self.procs: dict[tuple[str, int], Proc] = {}
+        self.pythons: dict[str, str] = {}  # role -> interpreter (env: the simulator's environment)
         gpus = cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node
         self.placement = parse_placement(cfg.cluster.component_placement, gpus)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -52,8 +55,15 @@ class LocalLauncher:
             ranks = ranks[index * per:(index + 1) * per]
         return cuda_visible_devices(ranks, self.cfg.cluster.num_gpus_per_node)
 
+    def prepare(self, log=print) -> None:
+        """Build (or find) the simulator environment env servers run in; a first build prints its progress."""
+        if not self.cfg.cluster.external_env_addresses:
+            self.pythons["env"] = environments.python_for(self.cfg.env.train.simulator_type,
+                                                          self.cfg.cluster.envs_dir, log)
+
     def start(self, role: str, index: int, count: int) -> Proc:
-        cmd = [sys.executable, "-m", MODULES[role], "--config", str(self.config_path), "--index", str(index),
+        python = self.pythons.get(role, sys.executable)
+        cmd = [python, "-m", MODULES[role], "--config", str(self.config_path), "--index", str(index),
                "--address", f"{self.cfg.cluster.host}:0", "--coordinator", self.coordinator_address]
         if role == "learner":
             cmd += ["--run-dir", str(self.run_dir)]
@@ -62,6 +72,9 @@ class LocalLauncher:
         env = dict(os.environ, PYTHONUNBUFFERED="1", RLFLEET_PARENT_PID=str(os.getpid()), OMP_NUM_THREADS=str(self.cfg.cluster.torch_num_threads),
                    CUDA_VISIBLE_DEVICES=self.devices_for(role, index, count))
         env.setdefault("MUJOCO_GL", "egl")
+        if python != sys.executable:  # a simulator environment: rlfleet's env side comes from this checkout
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(environments.REPO_ROOT), env.get("PYTHONPATH")) if p)
+            env.pop("VIRTUAL_ENV", None)
         log_path = self.run_dir / "logs" / f"{role}_{index}.log"
         log_file = open(log_path, "ab")
         popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

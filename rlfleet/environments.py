@@ -1,0 +1,218 @@
+"""Simulator environments: one Python environment per simulator (rlfleet.simulators.Environment), built on first
+use with uv and cached, keyed by a hash of what it installs, so the main environment never receives a
+simulator's pins and a fresh machine rebuilds them from the same lock.
+
+    ensure(env)        -> the environment's python (builds it first if needed, printing progress)
+    python_for(name)   -> the python an env server for simulator `name` runs with
+    describe()         -> rows for `coordinatorctl envs`
+
+Where: ``$RLFLEET_ENVS_DIR``, else ``~/.cache/rlfleet/envs`` (outside the repository, so a fresh clone on the
+same machine reuses them; uv's own cache makes a rebuild on a new machine quick once packages are cached).
+Package sources follow pip's configuration (index, extra indexes, find-links, constraints), so a machine with
+a local torch wheel or a mirror uses it for simulator environments too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+from rlfleet.simulators import ENV_SIDE_REQUIREMENTS, SIMULATORS, Environment, get_simulator
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+STAMP = "rlfleet-env.json"
+
+
+class EnvironmentError_(RuntimeError):
+    """A simulator environment could not be built; the message says what failed and how to fix it."""
+
+
+def envs_dir(configured: str | None = None) -> pathlib.Path:
+    base = configured or os.environ.get("RLFLEET_ENVS_DIR") or pathlib.Path.home() / ".cache" / "rlfleet" / "envs"
+    return pathlib.Path(base).expanduser()
+
+
+def requirements(env: Environment) -> list[str]:
+    return [*env.pip, *ENV_SIDE_REQUIREMENTS]
+
+
+def lock_key(env: Environment) -> str:
+    blob = json.dumps({"pip": requirements(env), "apt": list(env.apt), "python": env.python, "setup": env.setup,
+                       "check": env.check}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def env_path(env: Environment, configured: str | None = None) -> pathlib.Path:
+    return envs_dir(configured) / f"{env.name}-{lock_key(env)}"
+
+
+def python_of(path: pathlib.Path) -> pathlib.Path:
+    return path / "bin" / "python"
+
+
+def is_installed(env: Environment, configured: str | None = None) -> bool:
+    return (env_path(env, configured) / STAMP).exists()
+
+
+def _pip_sources() -> list[str]:
+    """pip's configured package sources as uv arguments (index, extra indexes, find-links, constraints)."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    args: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        value = value.strip().strip("'\"")
+        flag = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+                "constraint": "--constraint"}.get(name)
+        if not flag:
+            continue
+        for item in value.split():
+            if (flag, item) not in seen and (not item.startswith("/") or os.path.exists(item)):
+                seen.add((flag, item))
+                args += [flag, item]
+    extra = os.environ.get("RLFLEET_TORCH_INDEX")  # e.g. PyTorch's CPU wheel index on a normal machine
+    if extra:
+        args += ["--extra-index-url", extra]
+    return args
+
+
+def _uv() -> str | None:
+    found = shutil.which("uv", path=str(pathlib.Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    if found:
+        return found
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        return None
+
+
+def _base_python(version: str) -> str:
+    base = getattr(sys, "_base_executable", sys.executable)
+    if f"{sys.version_info.major}.{sys.version_info.minor}" == version:
+        return base
+    found = shutil.which(f"python{version}")
+    if not found:
+        raise EnvironmentError_(f"python{version} is needed for this simulator environment and was not found")
+    return found
+
+
+def missing_apt(env: Environment) -> list[str]:
+    missing = []
+    for pkg in env.apt:
+        r = subprocess.run(["dpkg", "-s", pkg], capture_output=True, text=True)
+        if r.returncode != 0 or "Status: install ok installed" not in r.stdout:
+            missing.append(pkg)
+    return missing
+
+
+def _run(cmd: list[str], log, tag: str, env: dict | None = None, cwd: str | None = None) -> None:
+    log(f"[{tag}] $ {' '.join(shlex.quote(c) for c in cmd)}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                            stdin=subprocess.DEVNULL)
+    tail: list[str] = []
+    for line in proc.stdout:
+        line = line.rstrip()
+        tail = (tail + [line])[-40:]
+        if line and not line.startswith((" ", "\t")):  # uv's summary lines, not its per-package list
+            log(f"[{tag}]   {line}")
+    if proc.wait() != 0:
+        raise EnvironmentError_(f"[{tag}] command failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                                + "\n".join(f"    {t}" for t in tail))
+
+
+def ensure(env: Environment, configured: str | None = None, log=print) -> pathlib.Path:
+    """The environment's python, building the environment first if needed (idempotent, safe to call from
+    several processes at once: a file lock serialises builds)."""
+    path = env_path(env, configured)
+    if (path / STAMP).exists():
+        return python_of(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / STAMP).exists():  # another process built it while we waited
+            return python_of(path)
+        return _build(env, path, log)
+
+
+def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
+    tag = f"env {env.name}"
+    t0 = time.monotonic()
+    log(f"[{tag}] building the {env.name} simulator environment at {path} (first use; cached afterwards)")
+    apt = missing_apt(env)
+    if apt:
+        if os.geteuid() == 0 and shutil.which("apt-get"):
+            _run(["apt-get", "update", "-qq"], log, tag)
+            _run(["apt-get", "install", "-y", "-qq", *apt], log, tag, env={**os.environ,
+                                                                          "DEBIAN_FRONTEND": "noninteractive"})
+        else:
+            raise EnvironmentError_(f"[{tag}] Debian packages missing: {' '.join(apt)}; run as root: "
+                                    f"apt-get install {' '.join(apt)}")
+    shutil.rmtree(path, ignore_errors=True)  # built in place; the stamp file, written last, marks it complete
+    uv = _uv()
+    sub_env = dict(os.environ)
+    sub_env.pop("VIRTUAL_ENV", None)
+    sub_env.setdefault("UV_HTTP_TIMEOUT", "180")
+    if uv:
+        _run([uv, "venv", "--quiet", "--python", _base_python(env.python), str(path)], log, tag, sub_env)
+        _run([uv, "pip", "install", "--python", str(python_of(path)), "--index-strategy", "unsafe-best-match",
+              *_pip_sources(), *requirements(env)], log, tag, sub_env)
+    else:  # no uv: the standard library's venv and pip (slower, same result)
+        _run([_base_python(env.python), "-m", "venv", str(path)], log, tag, sub_env)
+        _run([str(python_of(path)), "-m", "pip", "install", "-q", *requirements(env)], log, tag, sub_env)
+    run_env = {**sub_env, "PYTHONPATH": str(REPO_ROOT)}
+    if env.setup:
+        module, _, fn = env.setup.partition(":")
+        _run([str(python_of(path)), "-c", f"import {module} as m; m.{fn}()"], log, tag, run_env)
+    if env.check:
+        _run([str(python_of(path)), "-c", env.check], log, tag, run_env)
+    took = time.monotonic() - t0
+    (path / STAMP).write_text(json.dumps({"name": env.name, "requirements": requirements(env), "apt": list(env.apt),
+                                          "built_s": round(took, 1), "built_at": time.strftime("%Y-%m-%d %H:%M:%S")},
+                                         indent=1))
+    log(f"[{tag}] ready in {took:.0f}s: {python_of(path)}")
+    return python_of(path)
+
+
+def environment_of(simulator: str) -> Environment | None:
+    return get_simulator(simulator).environment
+
+
+def python_for(simulator: str, configured: str | None = None, log=print) -> str:
+    """The python an env server for ``simulator`` runs with: the main one, or its own environment's."""
+    env = environment_of(simulator)
+    return sys.executable if env is None else str(ensure(env, configured, log))
+
+
+def remove(env: Environment, configured: str | None = None) -> bool:
+    path = env_path(env, configured)
+    if path.exists():
+        shutil.rmtree(path)
+        return True
+    return False
+
+
+def describe(configured: str | None = None) -> list[dict]:
+    rows = []
+    for sim in SIMULATORS.values():
+        env = sim.environment
+        rows.append({"simulator": sim.name, "environment": env.name if env else "main",
+                     "installed": True if env is None else is_installed(env, configured),
+                     "path": str(env_path(env, configured)) if env else sys.prefix,
+                     "description": sim.description, "examples": list(sim.examples),
+                     "notes": env.notes if env else ""})
+    return rows
