@@ -48,6 +48,13 @@ METAWORLD_ENV = Environment(
     notes="Meta-World 3.1.1 pins mujoco==3.3.0 exactly",
 )
 
+BEHAVIOR_ENV = Environment(
+    name="behavior",
+    pip=("omnigibson==1.1.1", "numpy>=1.26,<2"),
+    check="import omnigibson",
+    notes="needs NVIDIA Isaac Sim (NVIDIA's pip index) and an RTX-class GPU; checked before anything is built",
+)
+
 SIMULATORS: dict[str, Simulator] = {s.name: s for s in (
     Simulator("gym", "services.env.backends.gym:GymBackend", None,
               "any gymnasium-registered id in the main environment (PandaPickCube-v0 and PandaPickCubeVision-v0 "
@@ -55,6 +62,10 @@ SIMULATORS: dict[str, Simulator] = {s.name: s for s in (
     Simulator("metaworld", "services.env.backends.metaworld:MetaWorldBackend", METAWORLD_ENV,
               "Meta-World 3 (MuJoCo 3.3.0): MT1 per task, MT10, MT50, ML10/ML45 train and test",
               ("reach-v3", "MT10", "MT50", "ML10", "ML45")),
+    Simulator("behavior", "services.env.backends.behavior:BehaviorBackend", BEHAVIOR_ENV,
+              "BEHAVIOR-1K activities on OmniGibson 1.1 (Isaac Sim; RTX GPU required)",
+              ("putting_away_Halloween_decorations", "picking_up_trash"),
+              preflight="services.env.backends.behavior:preflight"),
 )}
 
 

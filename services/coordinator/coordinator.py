@@ -341,6 +341,7 @@ class Coordinator:
         t0 = time.perf_counter()
 
         per_server = self.cfg.env.eval.total_num_envs // n
+        phase, self.phase = self.phase, "evaluating"
 
         def one(i):
             for attempt in range(self.cfg.cluster.max_restarts + 1):
@@ -375,8 +376,11 @@ class Coordinator:
                     self._ensure_inference_weights()  # an inference server restarted: evaluate again
             raise RunFailed(f"env[{i}] evaluation failed {self.cfg.cluster.max_restarts + 1} times")
 
-        with ThreadPoolExecutor(n) as pool:
-            results = list(pool.map(one, [i for i in range(n) if shares[i]]))
+        try:
+            with ThreadPoolExecutor(n) as pool:
+                results = list(pool.map(one, [i for i in range(n) if shares[i]]))
+        finally:
+            self.phase = phase
         eps = [e for r in results for e in r.episodes]
         metrics = {"eval/success_once": float(np.mean([e.success_once for e in eps])),
                    "eval/success_at_end": float(np.mean([e.success_at_end for e in eps])),

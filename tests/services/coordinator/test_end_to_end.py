@@ -268,3 +268,66 @@ def test_coordinator_kill9_leaves_no_orphans(tmp_path):
     proc.kill()  # SIGKILL: no cleanup code runs in the coordinator
     proc.wait(10)
     assert_no_orphans(pids)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _point_reach(port: int) -> subprocess.Popen:
+    sim = subprocess.Popen([sys.executable, "examples/point_reach_env_server.py", "--address", f"127.0.0.1:{port}",
+                            "--num-envs", "8"], stdout=subprocess.PIPE, text=True)
+    sim.stdout.readline()  # serving
+    return sim
+
+
+def test_external_simulator_killed_mid_rollout_costs_episodes_not_the_run(tmp_path):
+    port = _free_port()
+    sim = _point_reach(port)
+    proc = subprocess.Popen([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=8",
+                             "runner.experiment_name=extkill", f"cluster.external_env_addresses=[127.0.0.1:{port}]",
+                             "runner.val_check_interval=0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_epoch(tmp_path / "extkill", 2, proc)
+        sim.kill()  # kill -9 of the simulator, mid-rollout
+        sim.wait(5)
+        time.sleep(2.0)  # down for a while: the bridge says so and retries
+        sim = _point_reach(port)
+        code, out = finish(proc)
+        assert code == 0, out
+        summary = json.loads((tmp_path / "extkill" / "summary.json").read_text())
+        assert summary["epochs"] == 8 and summary["lost_episodes"] >= 8, summary
+        assert "external simulator restarted; 8 episodes lost" in out
+        log = (tmp_path / "extkill" / "logs" / "env_0.log").read_text()
+        assert f"external env 127.0.0.1:{port} is down" in log and "is back after" in log
+    finally:
+        sim.kill()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_env_server_killed_mid_evaluation_is_retried(tmp_path):
+    proc = start(tmp_path, "runner.max_epochs=4", "runner.val_check_interval=2", "env.eval.num_episodes=40",
+                 name="evalkill")
+    run = tmp_path / "evalkill"
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        st = wait_epoch(run, 1, proc)
+        if st.phase == "evaluating":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("no evaluation seen")
+    env_pid = [s.pid for s in st.services if s.role == coordinator_pb2.ENV][0]
+    os.kill(env_pid, signal.SIGKILL)
+    code, out = finish(proc)
+    assert code == 0, out
+    assert "lost mid-evaluation" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["lost_episodes"] >= 1 and summary["restarts"] == {"env[0]": 1}
+    assert [h["eval/num_episodes"] for h in summary["eval_history"]] == [40.0, 40.0]

@@ -1,0 +1,132 @@
+"""BEHAVIOR-1K tasks on OmniGibson as a backend (``simulator_type: behavior``).
+
+OmniGibson runs on NVIDIA Isaac Sim, which needs an RTX-class NVIDIA GPU (ray-tracing cores) and its own
+packages; ``preflight`` checks the host in about a second so that ``coordinatorctl start behavior_...`` fails at
+once, naming what is missing, instead of building a large environment that cannot run. Written against
+OmniGibson 1.1's ``og.Environment`` (gymnasium-style 5-tuple ``step``, ``info['done']['success']`` from the
+task's ``PredicateGoal``); it has not been run on this project's CPU machines.
+
+- env_id: a BEHAVIOR activity name (e.g. ``putting_away_Halloween_decorations``), run as a ``BehaviorTask``
+  in ``scene_model`` with the robot ``robot``.
+- One OmniGibson environment per server (Isaac Sim allows one simulation per process): ``num_envs`` must be 1;
+  scale with ``cluster.num_env_servers`` (one GPU each through ``cluster.component_placement``).
+- Observations: the robot's RGB cameras (uint8, resized to ``image_size``) and its proprioception (float32).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+
+from rlfleet.rpc import InvalidRequest
+from rlfleet.spaces import TensorSpace
+from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
+
+RTX_MARKERS = ("RTX", "L40", "L4", "A10", "A40", "A6000", "A5000", "A4000", "T4", "Quadro")
+
+
+def gpu_names() -> list[str]:
+    """NVIDIA GPUs on this host (empty when there is no driver)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(":", 1)[1].split("(")[0].strip() for line in out.splitlines() if line.startswith("GPU")]
+
+
+def preflight(cfg=None) -> None:
+    """Raise BackendUnavailable, naming what is missing, when OmniGibson cannot run on this host."""
+    gpus = gpu_names()
+    if not gpus:
+        raise BackendUnavailable(
+            "Behavior/OmniGibson needs NVIDIA Isaac Sim, which needs an NVIDIA RTX-class GPU with its driver; "
+            "this machine has none (nvidia-smi not found or lists no GPU). Run the behavior env servers on a GPU "
+            "node (cluster.component_placement / Kubernetes) or point cluster.external_env_addresses at an "
+            "OmniGibson EnvService running there")
+    if not any(m in name for name in gpus for m in RTX_MARKERS):
+        raise BackendUnavailable(
+            f"Behavior/OmniGibson needs an RTX-class GPU (ray-tracing cores) for Isaac Sim's renderer; this "
+            f"machine has {', '.join(gpus)}, which Isaac Sim does not support for rendering")
+
+
+def _flatten(prefix: str, node, out: dict) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = node.cpu().numpy() if hasattr(node, "cpu") else np.asarray(node)
+
+
+class BehaviorBackend(SimBackend):
+    name = "behavior"
+
+    def __init__(self, env_id: str, num_envs: int, *, scene_model: str = "Rs_int", robot: str = "R1",
+                 image_size: int = 128, action_frequency: int = 30, **unknown):
+        super().__init__(env_id, num_envs)
+        if unknown:
+            raise InvalidRequest(f"behavior: unknown init_params {sorted(unknown)} (known: scene_model, robot, "
+                                 f"image_size, action_frequency)")
+        if num_envs != 1:
+            raise InvalidRequest(f"behavior: one OmniGibson simulation per env server (num_envs 1, got {num_envs}); "
+                                 f"scale with cluster.num_env_servers")
+        preflight()
+        try:
+            import omnigibson as og
+        except Exception as exc:  # noqa: BLE001 - Isaac Sim raises many kinds of import errors
+            raise BackendUnavailable(f"omnigibson does not import here ({type(exc).__name__}: {exc}); it needs "
+                                     f"Isaac Sim (NVIDIA's pip index) and numpy<2 in the behavior environment") from None
+        self.image_size = int(image_size)
+        config = {
+            "env": {"action_frequency": action_frequency, "physics_frequency": 120},
+            "scene": {"type": "InteractiveTraversableScene", "scene_model": scene_model},
+            "robots": [{"type": robot, "obs_modalities": ["rgb", "proprio"], "action_normalize": True,
+                        "sensor_config": {"VisionSensor": {"sensor_kwargs": {"image_height": self.image_size,
+                                                                             "image_width": self.image_size}}}}],
+            "task": {"type": "BehaviorTask", "activity_name": env_id, "online_object_sampling": False},
+        }
+        self.env = og.Environment(configs=config)
+        obs, _ = self.env.reset()
+        flat = self._obs(obs)
+        space = {k: TensorSpace(v.shape, v.dtype, 0 if v.dtype == np.uint8 else -np.inf,
+                                255 if v.dtype == np.uint8 else np.inf) for k, v in flat.items()}
+        act = self.env.action_space
+        if hasattr(act, "spaces"):  # one robot: its Box
+            act = next(iter(act.spaces.values()))
+        self._spec = BackendSpec(space, TensorSpace.from_gym(act), int(getattr(self.env, "_max_steps", 0) or 2000))
+        self.instruction = env_id.replace("_", " ")
+
+    @property
+    def spec(self) -> BackendSpec:
+        return self._spec
+
+    def _obs(self, obs) -> dict[str, np.ndarray]:
+        flat: dict[str, np.ndarray] = {}
+        _flatten("", obs, flat)
+        out = {}
+        for k, v in flat.items():
+            if k.endswith("rgb"):
+                out[k.replace(":", "_")] = np.ascontiguousarray(v[..., :3]).astype(np.uint8)
+            elif k.endswith("proprio"):
+                out[k.replace(":", "_")] = v.astype(np.float32)
+        return out
+
+    def reset(self, env_ids, seeds, state_ids):
+        if seeds[0] is not None:
+            np.random.seed(int(seeds[0]) % (2 ** 32))
+        obs, _ = self.env.reset()
+        return {k: v[None] for k, v in self._obs(obs).items()}, [self.instruction]
+
+    def step(self, env_ids, actions) -> BackendStep:
+        obs, reward, terminated, truncated, info = self.env.step(actions[0])
+        success = bool(info.get("done", {}).get("success", False))
+        return BackendStep({k: v[None] for k, v in self._obs(obs).items()}, np.array([reward], np.float32),
+                           np.array([terminated], bool), np.array([truncated], bool), np.array([success]))
+
+    def close(self) -> None:
+        import omnigibson as og
+
+        og.shutdown()

@@ -1,0 +1,64 @@
+"""Meta-World backend, run inside the metaworld environment (mujoco==3.3.0) as a subprocess."""
+
+import pytest
+
+from tests.simenv import run_in_env
+
+pytestmark = pytest.mark.sim
+
+CODE = r"""
+import json, numpy as np
+from services.env.vec_env import VecEnv
+from rlfleet.rpc import InvalidRequest
+import mujoco
+out = {"mujoco": mujoco.__version__}
+a = VecEnv("MT10", 4, max_episode_steps=8, simulator="metaworld")
+b = VecEnv("MT10", 4, max_episode_steps=8, simulator="metaworld")
+info = a.space_info()
+out["state_shape"] = list(info.observation_space["state"].shape)
+out["num_reset_states"] = info.num_reset_states
+out["action"] = [list(info.action_space.shape), float(info.action_space.low.min()), float(info.action_space.high.max())]
+oa, ob = a.reset(seeds=[1, 2, 3, 4]), b.reset(seeds=[1, 2, 3, 4])
+out["seeded_same"] = bool(np.array_equal(oa["state"], ob["state"]))
+# state ids 0..9 cover the ten classes; the one-hot says which
+o = a.reset(reset_state_ids=[0, 1, 2, 3])
+out["one_hot"] = o["state"][:, 39:].argmax(1).tolist()
+out["instructions"] = list(a.instructions)
+# the same state id on two envs starts them identically (a GRPO group)
+g = a.reset(reset_state_ids=[7, 7, 7, 7])
+out["group_same"] = bool((g["state"] == g["state"][0]).all())
+rng = np.random.default_rng(0)
+ends = 0
+for t in range(8):
+    r = a.step(None, rng.uniform(-1, 1, (4, 4)).astype(np.float32))
+    ends += len(r.episodes)
+out["episodes_after_8"] = ends
+out["rewards_finite"] = bool(np.isfinite(r.rewards).all())
+try:
+    VecEnv("reech-v3", 1, max_episode_steps=8, simulator="metaworld")
+except InvalidRequest as exc:
+    out["unknown"] = str(exc)
+c = VecEnv("reach-v3", 2, max_episode_steps=8, simulator="metaworld", init_params={"camera": "corner", "image_size": 32})
+img = c.reset(seeds=[0, 1])
+out["pixels"] = [list(img["pixels"].shape), str(img["pixels"].dtype), float(img["pixels"].std())]
+out["mt1_states"] = c.num_reset_states
+for e in (a, b, c):
+    e.close()
+print(json.dumps(out))
+"""
+
+
+def test_metaworld_backend_in_its_own_environment():
+    import mujoco
+
+    out = run_in_env("metaworld", CODE)
+    assert out["mujoco"] == "3.3.0" and mujoco.__version__ != "3.3.0"  # the two environments coexist
+    assert out["state_shape"] == [49] and out["num_reset_states"] == 500  # 39 + one-hot over 10 classes
+    assert out["action"] == [[4], -1.0, 1.0]
+    assert out["seeded_same"] and out["group_same"]
+    assert out["one_hot"] == [0, 1, 2, 3]
+    assert out["instructions"][0] == "reach the goal position" and out["instructions"][1] == "push the puck to the goal"
+    assert out["episodes_after_8"] == 4 and out["rewards_finite"]
+    assert "unknown task 'reech-v3'; did you mean 'reach-v3'" in out["unknown"]
+    assert out["pixels"][:2] == [[2, 32, 32, 3], "uint8"] and out["pixels"][2] > 5
+    assert out["mt1_states"] == 50

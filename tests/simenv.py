@@ -1,0 +1,38 @@
+"""Test helper: run code inside a simulator's own Python environment (built on first use, like a run does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from rlfleet import environments
+from rlfleet.simulators import get_simulator
+
+
+def sim_python(simulator: str) -> str:
+    """The environment's python; skips the test (saying why) when the environment cannot be built here."""
+    env = get_simulator(simulator).environment
+    if env is None:
+        import sys
+
+        return sys.executable
+    try:
+        return str(environments.ensure(env, log=lambda *a, **k: None))
+    except environments.EnvironmentError_ as exc:
+        pytest.skip(f"the {simulator} environment could not be built here: {str(exc).splitlines()[0]}")
+
+
+def run_in_env(simulator: str, code: str, timeout: float = 300.0) -> dict:
+    """Run ``code`` (which must print one JSON line last) with the simulator environment's python and the
+    checkout on PYTHONPATH; returns the parsed JSON."""
+    python = sim_python(simulator)
+    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise AssertionError(f"{simulator} subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
