@@ -1,12 +1,14 @@
-"""Env steps/s of rollout collection, four ways, for the state and the vision env:
+"""Env steps/s of rollout collection, four ways, for each simulator:
 
-  raw simulator   N gymnasium envs stepped with random actions (no policy, no bookkeeping)
-  in-process      RolloutWorker + InferenceEngine in one process (same envs, same policy, no gRPC)
-  pipeline S=1    env server, inference server and learner as separate processes over gRPC on loopback,
-  pipeline S=2    with rollout.pipeline_stage_num = 1 and 2; timed = Collect RPCs, including the
-                  trajectories' trip to the learner
+  raw simulator   the simulator backend's N slots stepped with random actions (no policy, no bookkeeping), in the
+                  simulator's own environment
+  in-process      RolloutWorker + InferenceEngine in one process (same envs, same policy, no gRPC); only for
+                  simulators of the main environment (the others' environments carry no model code)
+  pipeline S=1    env server (from the simulator's environment), inference server and learner as separate processes
+  pipeline S=2    over gRPC on loopback, with rollout.pipeline_stage_num = 1 and 2; timed = Collect RPCs, including
+                  the trajectories' trip to the learner
 
-    python benchmarks/throughput.py [--epochs 5] [--only state|vision]
+    python benchmarks/throughput.py [--epochs 5] [--only panda-state,metaworld-reach,...]
 """
 
 from __future__ import annotations
@@ -22,45 +24,66 @@ import time
 os.environ.setdefault("MUJOCO_GL", "egl")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import json  # noqa: E402
 
-from rlfleet import rpc  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rlfleet import environments, rpc  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
+from rlfleet.simulators import get_simulator  # noqa: E402
 from rlfleet.v1 import env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
 
 CASES = {
-    "state": ["env.train.env_id=PandaPickCube-v0", "env.train.total_num_envs=64",
-              "env.train.max_steps_per_rollout_epoch=32"],
-    "vision": ["env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=16",
-               "env.train.max_steps_per_rollout_epoch=16", "actor.model.model_type=cnn",
-               "env.train.init_params={image_size: 64}", "actor.global_batch_size=256",
-               "actor.micro_batch_size=128"],
+    "panda-state": ["env.train.env_id=PandaPickCube-v0", "env.train.total_num_envs=64",
+                    "env.train.max_steps_per_rollout_epoch=32"],
+    "panda-vision": ["env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=16",
+                     "env.train.max_steps_per_rollout_epoch=16", "actor.model.model_type=cnn",
+                     "env.train.init_params={image_size: 64}", "actor.global_batch_size=256",
+                     "actor.micro_batch_size=128"],
+    "metaworld-reach": ["env.train.simulator_type=metaworld", "env.train.env_id=reach-v3",
+                        "env.eval.simulator_type=metaworld", "env.eval.env_id=reach-v3",
+                        "env.train.total_num_envs=32", "env.train.max_steps_per_rollout_epoch=64",
+                        "env.train.max_episode_steps=100"],
 }
 
 
 def raw_sim(cfg, steps_per_env: int) -> float:
-    from services.env.vec_env import make_env
+    """Backend slots stepped with random actions, in the simulator's environment (a subprocess if needed)."""
+    python = environments.python_for(cfg.env.train.simulator_type)
+    if python != sys.executable:
+        env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT)}
+        out = subprocess.run([python, __file__, "--raw", to_yaml(cfg), "--steps", str(steps_per_env)],
+                             capture_output=True, text=True, env=env, check=True)
+        return float(json.loads(out.stdout.strip().splitlines()[-1])["rate"])
+    return _raw_here(cfg, steps_per_env)
 
-    n = cfg.env.train.total_num_envs
-    envs = [make_env(cfg.env.train.env_id, dict(cfg.env.train.init_params)) for _ in range(n)]
-    for i, e in enumerate(envs):
-        e.reset(seed=i)
+
+def _raw_here(cfg, steps_per_env: int) -> float:
+    from services.env.vec_env import make_backend
+
+    tr = cfg.env.train
+    n = tr.total_num_envs
+    backend = make_backend(tr.simulator_type, tr.env_id, n, dict(tr.init_params))
+    ids = np.arange(n)
+    backend.reset(ids, list(range(n)), [None] * n)
+    space = backend.spec.action_space
     rng = np.random.default_rng(0)
-    acts = rng.uniform(-1, 1, (steps_per_env, n, 4)).astype(np.float32)
+    acts = rng.uniform(space.low, space.high, (steps_per_env, n, *space.shape)).astype(np.float32)
     t0 = time.perf_counter()
     for t in range(steps_per_env):
-        for i, e in enumerate(envs):
-            e.step(acts[t, i])
-            if (t + 1) % cfg.env.train.max_episode_steps == 0:
-                e.reset()
+        backend.step(ids, acts[t])
+        if (t + 1) % tr.max_episode_steps == 0:
+            backend.reset(ids, [None] * n, [None] * n)
     rate = steps_per_env * n / (time.perf_counter() - t0)
-    for e in envs:
-        e.close()
+    backend.close()
     return rate
 
 
-def in_process(cfg, epochs: int) -> float:
+def in_process(cfg, epochs: int) -> float | None:
+    if get_simulator(cfg.env.train.simulator_type).environment is not None:
+        return None
+    import torch
+
     from rlfleet.models.actor_critic import ObsSpec
     from services.env.server import build_worker
     from rlfleet.clients.policy import LocalPolicyClient
@@ -72,10 +95,12 @@ def in_process(cfg, epochs: int) -> float:
     engine = build_engine(cfg)
     from rlfleet.models import build_policy
 
-    specs = {k: ObsSpec(shape, dt.name) for k, (shape, dt, _, _) in info.obs_shapes.items()}
-    model = build_policy(cfg.actor.model, specs, 4, True)
-    engine.set_weights(0, model.state_dict(), obs_specs=specs, action_dim=4)
-    policy = LocalPolicyClient(engine, 1, 4)
+    torch.set_num_threads(1)
+    specs = {k: ObsSpec(sp.shape, sp.dtype.name) for k, sp in info.observation_space.items()}
+    adim = info.action_space.size
+    model = build_policy(cfg.actor.model, specs, adim, True)
+    engine.set_weights(0, model.state_dict(), obs_specs=specs, action_dim=adim)
+    policy = LocalPolicyClient(engine, 1, adim)
     T = cfg.env.train.max_steps_per_rollout_epoch
     worker.collect(0, T, policy)  # warm-up
     t0 = time.perf_counter()
@@ -86,9 +111,10 @@ def in_process(cfg, epochs: int) -> float:
     return rate
 
 
-def _spawn(module: str, config: str, extra=()) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", module, "--config", config, "--address", "127.0.0.1:0", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _spawn(module: str, config: str, extra=(), python: str = sys.executable) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT)}
+    proc = subprocess.Popen([python, "-m", module, "--config", config, "--address", "127.0.0.1:0", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     for line in proc.stdout:
         m = re.search(r"serving on (\S+)", line)
         if m:
@@ -108,7 +134,7 @@ def pipeline(cfg, stages: int, epochs: int) -> float:
             procs.append(p)
             p, learner = _spawn("services.learner.server", path, ["--run-dir", os.path.join(tmp, "run")])
             procs.append(p)
-            p, env = _spawn("services.env.server", path)
+            p, env = _spawn("services.env.server", path, python=environments.python_for(cfg.env.train.simulator_type))
             procs.append(p)
             rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(env))
             spec = rstub.Describe(env_pb2.DescribeEnvRequest())
@@ -129,27 +155,37 @@ def pipeline(cfg, stages: int, epochs: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=5, help="timed rollout epochs per measurement")
-    ap.add_argument("--only", choices=sorted(CASES), default=None)
+    ap.add_argument("--only", default=None, help=f"comma-separated cases of {', '.join(CASES)}")
+    ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)  # internal: raw_sim in a simulator environment
+    ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    if args.raw:
+        from rlfleet.config import config_from_yaml
+
+        print(json.dumps({"rate": _raw_here(config_from_yaml(args.raw), args.steps)}))
+        return
     rows = []
     for name, overrides in CASES.items():
-        if args.only and name != args.only:
+        if args.only and name not in args.only.split(","):
             continue
         cfg = load_config(None, overrides)
         n, T = cfg.env.train.total_num_envs, cfg.env.train.max_steps_per_rollout_epoch
-        print(f"[{name}] {cfg.env.train.env_id}: {n} envs x {T} steps per epoch, {args.epochs} epochs ...", flush=True)
+        print(f"[{name}] {cfg.env.train.simulator_type}:{cfg.env.train.env_id}: {n} envs x {T} steps per epoch, "
+              f"{args.epochs} epochs ...", flush=True)
         raw = raw_sim(cfg, T * args.epochs)
         local = in_process(load_config(None, overrides), args.epochs)
         s1 = pipeline(load_config(None, overrides), 1, args.epochs)
         s2 = pipeline(load_config(None, overrides), 2, args.epochs)
-        rows.append((name, cfg.env.train.env_id, n, raw, local, s1, s2))
+        rows.append((cfg.env.train.simulator_type, cfg.env.train.env_id, n, raw, local, s1, s2))
     print()
-    print("| env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 | S=1 / in-process | S=2 / in-process |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, env_id, n, raw, local, s1, s2 in rows:
-        print(f"| {env_id} | {n} | {raw:,.0f} | {local:,.0f} | {s1:,.0f} | {s2:,.0f} | {s1 / local:.2f} | {s2 / local:.2f} |")
-    print("\n(env steps/s; 2-core machine; pipeline = 3 processes over gRPC on loopback)")
+    print("| simulator | env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 | S=2 / in-process | S=2 / raw |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for sim, env_id, n, raw, local, s1, s2 in rows:
+        loc = f"{local:,.0f}" if local else "-"
+        ratio = f"{s2 / local:.2f}" if local else "-"
+        print(f"| {sim} | {env_id} | {n} | {raw:,.0f} | {loc} | {s1:,.0f} | {s2:,.0f} | {ratio} | {s2 / raw:.2f} |")
+    print("\n(env steps/s; pipeline = 3 processes over gRPC on loopback; in-process needs torch, so only for "
+          "simulators of the main environment)")
 
 
 if __name__ == "__main__":
