@@ -30,11 +30,23 @@ class FailedPrecondition(RuntimeError):
     """A request that cannot be served in the service's current state."""
 
 
+class ResourceExhausted(RuntimeError):
+    """The service is at a limit it declares (e.g. concurrent streams); retry later or close something first."""
+
+
+class Cancelled(RuntimeError):
+    """The work stopped early because the caller went away or its deadline was about to pass."""
+
+
 def _abort_for(context: grpc.ServicerContext, exc: BaseException, method: str):
     if isinstance(exc, (CodecError, InvalidRequest)):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, FailedPrecondition):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, ResourceExhausted):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, Cancelled):
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
     log.exception("%s failed", method)
     context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rlfleet import rpc
 from services.env.vec_env import EpisodeStat
 
 
@@ -20,7 +21,7 @@ class StaleWeightsError(RuntimeError):
     pass
 
 
-class Cancelled(RuntimeError):
+class Cancelled(rpc.Cancelled):
     """The caller went away or the deadline passed; the worker stopped between steps."""
 
 

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 
-import grpc
 import numpy as np
 
 from rlfleet import codec, rpc
@@ -23,7 +22,7 @@ from rlfleet.clients.policy import make_policy_client
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.env.remote import EnvConnectionLost
-from services.env.rollout import Cancelled, RolloutWorker
+from services.env.rollout import RolloutWorker
 from services.env.vec_env import VecEnv
 
 MAX_STEP_STREAMS = 4         # concurrent EnvService.Step streams per server (more: RESOURCE_EXHAUSTED)
@@ -76,8 +75,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     @rpc.handler
     def Step(self, request_iterator, context):
         if not self._streams.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"this env server accepts {self.max_step_streams} concurrent Step streams; close one first")
+            raise rpc.ResourceExhausted(f"this env server accepts {self.max_step_streams} concurrent Step streams; "
+                                        f"close one first")
         try:
             for req in request_iterator:
                 actions = codec.decode(req.actions, "actions", dtype=np.float32)
@@ -129,7 +128,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         left = context.time_remaining()
         no_deadline = left is None or left > 1e6  # gRPC reports "no deadline" as a huge number
         if not self.lock.acquire(timeout=-1 if no_deadline else max(0.0, left)):
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "another Collect/Evaluate is still running")
+            raise rpc.Cancelled("another Collect/Evaluate was still running when the deadline passed")
 
     def _recover(self, env, exc: EnvConnectionLost) -> int:
         """The external simulator died: wait for it, start fresh episodes; -> episodes lost."""
@@ -156,10 +155,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     self._drop_policy()
                     lost += self._recover(self.worker.env, exc)
                     self.worker.reset_all()
-                except Cancelled as exc:
-                    self._drop_policy()
-                    context.abort(grpc.StatusCode.CANCELLED if context.is_active() else grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  str(exc))
                 except BaseException:
                     self._drop_policy()  # streams may hold unanswered requests: start clean next time
                     raise
@@ -202,10 +197,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     lost += self._recover(env, exc)
                     if env is not self.worker.env:
                         self.worker.env.reconnect(self.reconnect_timeout_s)
-                except Cancelled as exc:
-                    self._drop_policy()
-                    context.abort(grpc.StatusCode.CANCELLED if context.is_active() else grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  str(exc))
                 except BaseException:
                     self._drop_policy()
                     raise

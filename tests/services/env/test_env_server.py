@@ -83,3 +83,91 @@ def test_rollout_worker_in_front_of_external_env(cfg, tmp_path, fleet):
         assert (0, 0) in bridge.learner.pending
     finally:
         bridge.close()
+
+
+def test_idle_step_streams_cannot_lock_out_the_server(env_stub, fleet):
+    """Streams beyond max_step_streams are refused at once; the server keeps answering (17 used to lock it)."""
+    spec = env_stub.Describe(env_pb2.DescribeEnvRequest())
+    assert spec.max_step_streams >= 1 and spec.contract_version == "1"
+    queues, streams = [], []
+    for _ in range(spec.max_step_streams):
+        q = queue.SimpleQueue()
+        queues.append(q)
+        streams.append(env_stub.Step(iter(q.get, None)))
+    step = env_pb2.StepRequest(env_ids=[0], actions=codec.encode(np.zeros((1, 4), np.float32)))
+    queues[0].put(step)
+    assert next(streams[0]).rewards.shape == [1]  # the open streams are live
+    with pytest.raises(grpc.RpcError) as err:
+        list(step_stream(env_stub, [step]))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent Step streams" in err.value.details()
+    for _ in range(17):  # more callers than the server has threads: each refused, none wedges it
+        with pytest.raises(grpc.RpcError):
+            list(step_stream(env_stub, [step]))
+    assert env_stub.Describe(env_pb2.DescribeEnvRequest(), timeout=5).num_envs > 0
+    for q, s in zip(queues, streams):
+        q.put(None)
+        s.cancel()
+    import time
+
+    time.sleep(0.3)
+    assert len(list(step_stream(env_stub, [step]))) == 1  # slots are given back
+
+
+def test_close_is_refused_while_a_rollout_worker_owns_the_envs(env_stub):
+    with pytest.raises(grpc.RpcError) as err:
+        env_stub.Close(env_pb2.CloseRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _rollout_stub(addr):
+    from rlfleet.v1 import rollout_pb2_grpc
+
+    return rollout_pb2_grpc.RolloutServiceStub(rpc.channel(addr))
+
+
+def test_unreachable_inference_fails_collect_in_time_and_the_server_recovers(tmp_path):
+    """A Collect pointed at a dead inference address used to wedge the env server for good."""
+    import time
+
+    from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2
+    from tests.conftest import Fleet, small_config
+
+    cfg = small_config("cluster.act_timeout_s=2.0")
+    fleet = Fleet(cfg, tmp_path / "run")
+    try:
+        rstub = _rollout_stub(fleet.env_addr)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=["127.0.0.1:1"],
+                                                     learner_address=fleet.learner_addr), timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert "127.0.0.1:1" in err.value.details() and "did not answer within 2s" in err.value.details()
+        spec = rstub.Describe(env_pb2.DescribeEnvRequest())
+        learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+        ok = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
+                                                      learner_address=fleet.learner_addr), timeout=30)
+        assert ok.env_steps == 4 * cfg.env.train.total_num_envs
+    finally:
+        fleet.close()
+
+
+def test_evaluate_is_bounded_and_cancellable(fleet):
+    import time
+
+    from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2
+
+    rstub = _rollout_stub(fleet.env_addr)
+    _expect_invalid(lambda: rstub.Evaluate(rollout_pb2.EvaluateRequest(
+        num_episodes=10**9, seed=0, inference_addresses=[fleet.inf_addr])), "num_episodes: 1000000000 is not in")
+    spec = rstub.Describe(env_pb2.DescribeEnvRequest())
+    learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:  # 100k episodes would take hours: the deadline stops it
+        rstub.Evaluate(rollout_pb2.EvaluateRequest(num_episodes=100_000, seed=0, deterministic=True,
+                                                   inference_addresses=[fleet.inf_addr]), timeout=4)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 8
+    res = rstub.Evaluate(rollout_pb2.EvaluateRequest(num_episodes=2, seed=0, deterministic=True,
+                                                     inference_addresses=[fleet.inf_addr]), timeout=60)
+    assert len(res.episodes) == 2  # the worker is free again
