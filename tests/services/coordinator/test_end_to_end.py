@@ -331,3 +331,15 @@ def test_env_server_killed_mid_evaluation_is_retried(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["lost_episodes"] >= 1 and summary["restarts"] == {"env[0]": 1}
     assert [h["eval/num_episodes"] for h in summary["eval_history"]] == [40.0, 40.0]
+
+
+def test_any_gymnasium_id_trains(tmp_path):
+    """A gymnasium id that is not ours (Pendulum-v1: 1-d action in [-2, 2], no success signal) runs end to end."""
+    proc = subprocess.run([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
+                           "runner.experiment_name=pendulum", "env.train.env_id=Pendulum-v1",
+                           "env.eval.env_id=Pendulum-v1", "env.train.max_episode_steps=40",
+                           "env.eval.max_episode_steps=40"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "pendulum" / "summary.json").read_text())
+    assert summary["env_id"] == "Pendulum-v1" and summary["env_steps"] == 3 * 8 * 25
+    assert summary["final_eval"]["eval/success_once"] == 0.0 and summary["final_eval"]["eval/return"] < 0
