@@ -297,9 +297,28 @@ def main(argv=None) -> int:
             print(f"rlfleet env[{args.index}]: cannot start the simulator: {exc}", file=sys.stderr, flush=True)
             return 3
         raise
+    print(f"rlfleet env[{args.index}]: {cfg.env.train.simulator_type}:{cfg.env.train.env_id} in {sys.prefix} "
+          f"({_versions(cfg.env.train.simulator_type)})", flush=True)
     code = runtime.serve_until_stopped(cfg, args)
     worker.close()
     return code
+
+
+def _versions(simulator: str) -> str:
+    """The simulator environment's key package versions, for the log."""
+    from importlib import metadata
+
+    from rlfleet.simulators import get_simulator
+
+    env = get_simulator(simulator).environment
+    names = ["mujoco", "numpy"] + ([r.split("=")[0].split(">")[0].split("<")[0] for r in env.pip] if env else [])
+    out = []
+    for name in dict.fromkeys(names):
+        try:
+            out.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(out)
 
 
 if __name__ == "__main__":

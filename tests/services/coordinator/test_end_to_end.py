@@ -343,3 +343,22 @@ def test_any_gymnasium_id_trains(tmp_path):
     summary = json.loads((tmp_path / "pendulum" / "summary.json").read_text())
     assert summary["env_id"] == "Pendulum-v1" and summary["env_steps"] == 3 * 8 * 25
     assert summary["final_eval"]["eval/success_once"] == 0.0 and summary["final_eval"]["eval/return"] < 0
+
+
+@pytest.mark.sim
+def test_metaworld_run_uses_its_own_environment(tmp_path):
+    """coordinatorctl start metaworld_mt1_ppo_mlp: env servers run from the metaworld environment (mujoco 3.3.0)
+    while this process keeps the main environment's mujoco."""
+    import mujoco
+
+    proc = subprocess.run([*CTL, "start", "metaworld_mt1_ppo_mlp", f"runner.logger.log_path={tmp_path}",
+                           "runner.max_epochs=2", "runner.experiment_name=mw", "env.train.total_num_envs=8",
+                           "env.train.max_steps_per_rollout_epoch=32", "env.eval.total_num_envs=5",
+                           "env.eval.num_episodes=10", "actor.micro_batch_size=128", "actor.global_batch_size=256"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (tmp_path / "mw" / "logs" / "env_0.log").read_text()
+    assert "metaworld:reach-v3" in log and "mujoco 3.3.0" in log and "metaworld 3.1.1" in log
+    assert mujoco.__version__ != "3.3.0"
+    summary = json.loads((tmp_path / "mw" / "summary.json").read_text())
+    assert summary["env_id"] == "reach-v3" and summary["final_eval"]["eval/num_episodes"] == 10
