@@ -148,6 +148,13 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path):
     # every trained epoch had the full batch: the partial rollout never reached the learner
     steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
     assert all(b - a == 800 for a, b in zip(steps, steps[1:]))
+    # the counts survive --resume
+    resumed = subprocess.run([*CTL, "start", "--resume", str(run), f"runner.max_epochs={summary['epochs'] + 1}"],
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    again = json.loads((run / "summary.json").read_text())
+    assert again["lost_episodes"] == 8 and again["restarts"] == {"env[0]": 1}
+    assert len(again["eval_history"]) >= len(summary["eval_history"])
 
 
 def test_learner_killed_then_resume_and_stop(tmp_path):
