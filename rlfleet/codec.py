@@ -128,27 +128,6 @@ def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, Ten
     return out
 
 
-def spec_of(low, high, shape: Sequence[int], dtype) -> TensorSpec:
-    return TensorSpec(dtype=dtype_of(np.zeros((), dtype=dtype)), shape=list(shape),
-                      low=float(np.min(low)), high=float(np.max(high)))
-
-
-def space_to_specs(space) -> dict[str, TensorSpec]:
-    """gymnasium Box or Dict(Box, ...) -> {name: TensorSpec}; a bare Box is named 'state'."""
-    from gymnasium import spaces
-
-    if isinstance(space, spaces.Dict):
-        out = {}
-        for key, sub in space.spaces.items():
-            if not isinstance(sub, spaces.Box):
-                raise TypeError(f"observation space {key!r}: only Box sub-spaces are supported, got {sub}")
-            out[key] = spec_of(sub.low, sub.high, sub.shape, sub.dtype)
-        return out
-    if isinstance(space, spaces.Box):
-        return {"state": spec_of(space.low, space.high, space.shape, space.dtype)}
-    raise TypeError(f"unsupported observation space {space}")
-
-
 def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
     """services.env.vec_env.EpisodeStat -> EpisodeStats message."""
     return tensor_pb2.EpisodeStats(env_id=ep.env_id, length=ep.length, success_once=ep.success_once,

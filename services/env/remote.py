@@ -25,7 +25,12 @@ LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Statu
 
 
 class EnvConnectionLost(RuntimeError):
-    """The external simulator stopped answering (crashed, restarted, network); its episodes in flight are lost."""
+    """The external simulator stopped answering (crashed, restarted, network); its episodes in flight are lost.
+    ``env`` is the RemoteVecEnv that lost it (to reconnect)."""
+
+    def __init__(self, message: str, env=None):
+        super().__init__(message)
+        self.env = env
 
 
 class RemoteVecEnv:
@@ -96,7 +101,7 @@ class RemoteVecEnv:
                 delay = min(5.0, delay * 2)
 
     def _lost(self, exc: grpc.RpcError) -> EnvConnectionLost:
-        return EnvConnectionLost(f"external env {self.address}: {rpc.describe_error(exc)}")
+        return EnvConnectionLost(f"external env {self.address}: {rpc.describe_error(exc)}", self)
 
     # --- VecEnv interface -------------------------------------------------------------------------------------
     def space_info(self) -> SpaceInfo:
@@ -135,7 +140,7 @@ class RemoteVecEnv:
         except grpc.RpcError as exc:
             raise self._lost(exc) from exc
         except StopIteration:
-            raise EnvConnectionLost(f"external env {self.address} closed the Step stream") from None
+            raise EnvConnectionLost(f"external env {self.address} closed the Step stream", self) from None
         n = len(ids) or self.num_envs
         per = [n] if actions.ndim == len(self.action_space.shape) + 1 else [n, actions.shape[1]]
         try:

@@ -130,11 +130,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if not self.lock.acquire(timeout=-1 if no_deadline else max(0.0, left)):
             raise rpc.Cancelled("another Collect/Evaluate was still running when the deadline passed")
 
-    def _recover(self, env, exc: EnvConnectionLost) -> int:
-        """The external simulator died: wait for it, start fresh episodes; -> episodes lost."""
-        print(f"env[{self.index}]: {exc}; its {env.num_envs} episodes in flight are lost", flush=True)
-        env.reconnect(self.reconnect_timeout_s)
-        return env.num_envs
+    def _with_recovery(self, context, addresses, run, after_loss=None):
+        """``run(policy)`` with this request's policy client; when an external simulator dies under it, wait
+        for the simulator to come back (the episodes in flight are lost), then run again. -> (result, lost)."""
+        lost = 0
+        while True:
+            policy = self._policy_for(list(addresses), self.worker.num_stages)
+            try:
+                return run(policy), lost
+            except EnvConnectionLost as exc:
+                self._drop_policy()
+                print(f"env[{self.index}]: {exc}; its {exc.env.num_envs} episodes in flight are lost", flush=True)
+                exc.env.reconnect(self.reconnect_timeout_s)
+                lost += exc.env.num_envs
+                if after_loss is not None:
+                    after_loss()
+            except BaseException:
+                self._drop_policy()  # streams may hold unanswered requests: start clean next time
+                raise
 
     @rpc.handler
     def Collect(self, request, context):
@@ -144,20 +157,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
         self._acquire(context)
         try:
-            lost = 0
-            while True:
-                policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
-                try:
-                    rollout, summary = self.worker.collect(request.epoch, request.num_steps, policy,
-                                                           request.min_weights_version, _should_stop(context))
-                    break
-                except EnvConnectionLost as exc:
-                    self._drop_policy()
-                    lost += self._recover(self.worker.env, exc)
-                    self.worker.reset_all()
-                except BaseException:
-                    self._drop_policy()  # streams may hold unanswered requests: start clean next time
-                    raise
+            (rollout, summary), lost = self._with_recovery(
+                context, request.inference_addresses,
+                lambda policy: self.worker.collect(request.epoch, request.num_steps, policy,
+                                                   request.min_weights_version, _should_stop(context)),
+                after_loss=self.worker.reset_all)
             push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation)
         finally:
             self.lock.release()
@@ -181,25 +185,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
         t0 = time.perf_counter()
         self._acquire(context)
+        episode_ids = list(range(request.first_episode, request.first_episode + request.num_episodes))
         try:
-            lost = 0
-            while True:
-                policy = self._policy_for(list(request.inference_addresses), self.worker.num_stages)
-                try:
-                    episodes = self.worker.evaluate(
-                        list(range(request.first_episode, request.first_episode + request.num_episodes)),
-                        request.seed, request.deterministic, policy,
-                        use_reset_state_ids=request.use_reset_state_ids, should_stop=_should_stop(context))
-                    break
-                except EnvConnectionLost as exc:
-                    self._drop_policy()
-                    env = self.worker.eval_env or self.worker.env
-                    lost += self._recover(env, exc)
-                    if env is not self.worker.env:
-                        self.worker.env.reconnect(self.reconnect_timeout_s)
-                except BaseException:
-                    self._drop_policy()
-                    raise
+            episodes, lost = self._with_recovery(
+                context, request.inference_addresses,
+                lambda policy: self.worker.evaluate(episode_ids, request.seed, request.deterministic, policy,
+                                                    use_reset_state_ids=request.use_reset_state_ids,
+                                                    should_stop=_should_stop(context)))
         finally:
             self.lock.release()
         return rollout_pb2.EvaluateResponse(episodes=[codec.episode_to_proto(e) for e in episodes],
