@@ -19,6 +19,12 @@ DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
 # Maps whose keys are the user's to choose.
 FREE_FORM = ("cluster.component_placement", "env.train.init_params", "env.eval.init_params")
 COMPONENTS = ("env", "rollout", "actor")
+# Types of keys whose default is null (the default cannot say), and of keys that may also be null.
+NULLABLE_TYPES = {
+    "cluster.envs_dir": str, "runner.early_stop_success_rate": float, "runner.resume_dir": str,
+    "algorithm.clip_ratio_c": float, "algorithm.huber_delta": float, "algorithm.target_kl": float,
+    "algorithm.value_clip": float, "runner.max_env_steps": int, "runner.max_wall_time_s": float,
+}
 
 
 class ConfigError(ValueError):
@@ -52,9 +58,14 @@ def _suggest(path: str, known: Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _type_ok(default, value) -> bool:
-    if default is None or value is None:
-        return True
+def _type_ok(default, value, key: str = "") -> bool:
+    if value is None:
+        return default is None or key in NULLABLE_TYPES
+    if default is None:
+        want = NULLABLE_TYPES.get(key)
+        if want is None:
+            return True
+        default = want() if want is not str else ""
     if isinstance(default, bool):
         return isinstance(value, bool)
     if isinstance(default, (int, float)):
@@ -71,9 +82,11 @@ def _check_keys(schema: DictConfig, user: DictConfig, source: str) -> None:
     known_groups = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
     for path, value in _flatten(user).items():
         if path in known:
-            if not _type_ok(known[path], value):
-                raise ConfigError(f"{source}: '{path}' = {value!r} has the wrong type "
-                                  f"(expected {type(known[path]).__name__}, like the default {known[path]!r})")
+            if not _type_ok(known[path], value, path):
+                want = NULLABLE_TYPES.get(path, type(known[path]))
+                raise ConfigError(f"{source}: '{path}' = {value!r} has the wrong type (expected "
+                                  f"{want.__name__}{' or null' if path in NULLABLE_TYPES else ''}"
+                                  + (f", like the default {known[path]!r})" if known[path] is not None else ")"))
             continue
         if any(path.startswith(f + ".") for f in FREE_FORM):
             continue

@@ -48,10 +48,23 @@ def iter_chunks(state: dict[str, torch.Tensor], version: int, *, obs_specs: dict
             yield msg
 
 
+def _check_coverage(name: str, spans: list[tuple[int, int]], nbytes: int) -> None:
+    """The chunks of one tensor must cover [0, nbytes) exactly once."""
+    pos = 0
+    for start, end in sorted(spans):
+        if start < pos:
+            raise CodecError(f"weights['{name}']: bytes [{start}, {min(end, pos)}) were sent twice")
+        if start > pos:
+            raise CodecError(f"weights['{name}']: bytes [{pos}, {start}) were never sent")
+        pos = end
+    if pos != nbytes:
+        raise CodecError(f"weights['{name}']: bytes [{pos}, {nbytes}) were never sent")
+
+
 def assemble(chunks: Iterable[inference_pb2.WeightsChunk]):
     """-> (version, state_dict, obs_specs | None, action_dim | None, partial). Validates every chunk."""
     buffers: dict[str, tuple[int, list[int], bytearray]] = {}
-    filled: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}  # byte ranges received per tensor: coverage, not a byte count
     version = None
     partial = False
     obs_specs = action_dim = None
@@ -77,7 +90,7 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk]):
         nbytes = int(np.prod(shape, dtype=np.int64)) * codec.numpy_dtype(dtype).itemsize
         if chunk.name not in buffers:
             buffers[chunk.name] = (dtype, shape, bytearray(nbytes))
-            filled[chunk.name] = 0
+            spans[chunk.name] = []
         bdtype, bshape, buf = buffers[chunk.name]
         if (bdtype, bshape) != (dtype, shape):
             raise CodecError(f"weights['{chunk.name}']: chunks disagree on dtype/shape")
@@ -85,13 +98,12 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk]):
         if chunk.offset < 0 or end > nbytes:
             raise CodecError(f"weights['{chunk.name}']: bytes [{chunk.offset}, {end}) outside the tensor's {nbytes}")
         buf[chunk.offset:end] = chunk.data.data
-        filled[chunk.name] += len(chunk.data.data)
+        spans[chunk.name].append((chunk.offset, end))
     if version is None:
         raise CodecError("weights: empty stream")
     state = {}
     for name, (dtype, shape, buf) in buffers.items():
-        if filled[name] != len(buf):
-            raise CodecError(f"weights['{name}']: received {filled[name]} of {len(buf)} bytes")
+        _check_coverage(name, spans[name], len(buf))
         arr = np.frombuffer(bytes(buf), dtype=codec.numpy_dtype(dtype)).reshape(shape)
         t = torch.from_numpy(arr.copy())
         state[name] = t.view(torch.bfloat16) if dtype == DType.BFLOAT16 else t

@@ -57,3 +57,24 @@ def test_placement():
         parse_ranks("a-b", 8)
     cfg = load_config(None, ["cluster.num_gpus_per_node=8", "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}"])
     assert dict(cfg.cluster.component_placement) == {"env": "0-3", "rollout": "4-7", "actor": "0-7"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.target_kl=abc", "'algorithm.target_kl' = 'abc' has the wrong type (expected float or null)"),
+    ("algorithm.clip_ratio_c=abc", "'algorithm.clip_ratio_c' = 'abc' has the wrong type (expected float or null)"),
+    ("algorithm.gamma=null", "'algorithm.gamma' = None has the wrong type (expected float"),
+    ("env.train.simulator_type=mujocoo", "unknown simulator_type 'mujocoo'"),
+    ("cluster.act_timeout_s=0", "'cluster.act_timeout_s': must be > 0"),
+])
+def test_null_defaults_are_typed_and_new_keys_checked(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_built_in_configs_load():
+    from rlfleet.config import CONFIG_DIR
+
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):
+        assert load_config(path.stem).runner.experiment_name
+    assert load_config(None, ["algorithm.target_kl=0.02", "runner.max_env_steps=null"]).algorithm.target_kl == 0.02

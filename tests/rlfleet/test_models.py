@@ -45,3 +45,22 @@ def test_weights_chunk_roundtrip():
     assert version == 7 and specs == m.obs_specs and adim == 2 and not partial
     for k in state:
         assert got[k].dtype == state[k].dtype and torch.equal(got[k], state[k])
+
+
+def test_weights_assemble_checks_coverage_not_byte_counts():
+    import pytest
+
+    from rlfleet.codec import CodecError
+
+    state = {"w": torch.arange(60, dtype=torch.float32)}  # 240 bytes -> chunks at 0, 100, 200
+    chunks = list(weights.iter_chunks(state, 1, chunk_bytes=100))
+    assert [c.offset for c in chunks] == [0, 100, 200]
+    dup = [chunks[0], chunks[0], chunks[2]]  # chunk 0 twice, chunk 1 never: same byte count as a full set
+    with pytest.raises(CodecError, match=r"weights\['w'\]: bytes \[0, 100\) were sent twice"):
+        weights.assemble(dup)
+    with pytest.raises(CodecError, match=r"weights\['w'\]: bytes \[100, 200\) were never sent"):
+        weights.assemble([chunks[0], chunks[2]])
+    with pytest.raises(CodecError, match=r"bytes \[200, 240\) were never sent"):
+        weights.assemble(chunks[:2])
+    _, got, *_ = weights.assemble([chunks[2], chunks[0], chunks[1]])  # any order is fine
+    assert torch.equal(got["w"], state["w"])
