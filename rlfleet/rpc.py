@@ -80,9 +80,11 @@ def handler(fn):
     return wrapper
 
 
-def make_server(max_workers: int = 32) -> grpc.Server:
+def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None) -> grpc.Server:
+    """A gRPC server whose pool has ``max_workers`` threads (a streaming RPC holds one for its whole life); with
+    ``max_concurrent_rpcs``, calls beyond it are refused with RESOURCE_EXHAUSTED instead of queueing unserved."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                       options=OPTIONS)
+                       options=OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def bind(server: grpc.Server, address: str) -> str:

@@ -10,25 +10,17 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from rlfleet import codec, rpc
+from rlfleet.acting import ActResult
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
 
 class PolicyError(RuntimeError):
     """The inference side failed or returned something unusable."""
-
-
-@dataclass
-class ActResult:
-    actions: np.ndarray    # [n, action_dim] float32
-    log_probs: np.ndarray  # [n]
-    values: np.ndarray     # [n]
-    weights_version: int
 
 
 def _check_result(res: ActResult, n: int, action_dim: int | None) -> ActResult:

@@ -18,7 +18,7 @@ import torch
 from rlfleet.models import ActorCritic, ObsSpec, build_policy
 from rlfleet.models.actor_critic import to_torch_obs
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
-from rlfleet.clients.policy import ActResult
+from rlfleet.acting import ActResult
 
 log = logging.getLogger("rlfleet.inference")
 

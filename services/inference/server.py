@@ -15,14 +15,23 @@ from services.inference.engine import InferenceEngine
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, engine: InferenceEngine):
+    def __init__(self, engine: InferenceEngine, max_rows_per_request: int = 4096):
         self.engine = engine
+        self.max_rows = max_rows_per_request
+
+    def _check_rows(self, req) -> None:
+        """Refuse an oversized request before decoding it (a million rows would block every other stream)."""
+        for key, t in req.observations.tensors.items():
+            if t.shape and t.shape[0] > self.max_rows:
+                raise rpc.InvalidRequest(f"observations['{key}']: {t.shape[0]} rows in one request; at most "
+                                         f"{self.max_rows} (rollout.max_rows_per_request)")
 
     @rpc.handler
     def Act(self, request_iterator, context):
         stream = self.engine.open_stream()
         try:
             for req in request_iterator:
+                self._check_rows(req)
                 obs = codec.decode_map(req.observations, "observations")
                 result = self.engine.submit(obs, req.deterministic, stream).result()
                 yield inference_pb2.ActResponse(
@@ -58,8 +67,10 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, dev
     """Start serving; returns (grpc server, bound address, engine, runtime)."""
     engine = build_engine(cfg, device)
     engine.start()
-    server = rpc.make_server(max_workers=64)
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
+    streams = cfg.rollout.max_act_streams
+    server = rpc.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+        InferenceServicer(engine, cfg.rollout.max_rows_per_request), server)
     bound = rpc.bind(server, address)
     server.start()
     runtime = ServiceRuntime("inference", index, server, bound, coordinator,

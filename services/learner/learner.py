@@ -23,6 +23,8 @@ from services.learner import ppo
 log = logging.getLogger("rlfleet.learner")
 
 REQUIRED = ("actions", "log_probs", "values", "rewards", "terminated", "truncated", "bootstrap_values", "loss_mask")
+ROLLOUT_DTYPES = {"actions": np.float32, "log_probs": np.float32, "values": np.float32, "rewards": np.float32,
+                  "bootstrap_values": np.float32, "terminated": np.bool_, "truncated": np.bool_, "loss_mask": np.bool_}
 
 
 def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
@@ -85,7 +87,15 @@ class Learner:
         missing += [f"obs.{k}" for k in self.obs_specs if f"obs.{k}" not in time_major]
         if missing or "last_values" not in per_env:
             raise InvalidRequest(f"rollout: missing tensors {missing or ['last_values']}")
+        if time_major["rewards"].ndim != 2:
+            raise InvalidRequest(f"rollout['rewards']: shape {list(time_major['rewards'].shape)} where [T, N] was expected")
         T, N = time_major["rewards"].shape
+        if T < 1 or N < 1:
+            raise InvalidRequest(f"rollout: {T} time steps x {N} envs; a rollout needs at least one of each")
+        for k, want in ROLLOUT_DTYPES.items():
+            if k in time_major and time_major[k].dtype != want:
+                raise InvalidRequest(f"rollout['{k}']: dtype {time_major[k].dtype.name} where {np.dtype(want).name} "
+                                     f"was expected")
         for k, v in time_major.items():
             if v.shape[:2] != (T, N):
                 raise InvalidRequest(f"rollout['{k}']: leading shape {list(v.shape[:2])} differs from rewards' {[T, N]}")
@@ -99,6 +109,8 @@ class Learner:
             if arr.shape[2:] != spec.shape or arr.dtype.name != spec.dtype:
                 raise InvalidRequest(f"rollout['obs.{k}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
                                      f"[{T}, {N}, *{list(spec.shape)}] was expected")
+        if per_env["last_values"].dtype != np.float32 or not np.isfinite(per_env["last_values"]).all():
+            raise InvalidRequest("rollout['last_values']: must be finite float32")
         if per_env["last_values"].shape != (N,):
             raise InvalidRequest(f"rollout['last_values']: shape {list(per_env['last_values'].shape)} where [{N}] was expected")
         self.pending[(epoch, worker)] = {"time": time_major, "env": per_env, "episodes": episodes}
@@ -270,7 +282,18 @@ class Learner:
         self.logger.log(step, metrics)
 
     # --- checkpoints ------------------------------------------------------------------------------------------
+    def _non_finite_state(self) -> str | None:
+        """The first non-finite tensor of what a checkpoint would hold, or None."""
+        for name, t in {**self.state_dict(), **{f"reward_rms.{k}": v for k, v in self.reward_rms.state_dict().items()}}.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                return name
+        return None
+
     def save_checkpoint(self) -> pathlib.Path:
+        bad = self._non_finite_state()
+        if bad is not None:  # never overwrite a good checkpoint with a broken state
+            raise FailedPrecondition(f"not saving a checkpoint: '{bad}' holds non-finite values (last good "
+                                     f"checkpoint: {self.last_checkpoint or 'none'})")
         path = self.run_dir / "checkpoints" / f"global_step_{self.epoch + 1}"
         path.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))

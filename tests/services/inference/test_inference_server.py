@@ -140,3 +140,38 @@ def test_bad_observations_are_invalid_argument(inference):
     with pytest.raises(grpc.RpcError) as err:
         stub.UpdateWeights(weights.iter_chunks(state, 6))
     assert "weights['log_std']: shape [5] where [4] was expected" in err.value.details()
+
+
+def test_oversized_request_refused_before_it_blocks_others(inference):
+    addr, _ = inference
+    publish(addr, 1)
+    e = _act_error(addr, {"state": np.zeros((5000, 13), np.float32)})
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "5000 rows in one request; at most 4096 (rollout.max_rows_per_request)" in e.details()
+
+
+def test_many_concurrent_streams_are_all_served(cfg):
+    """256 Act streams open at once: every one gets its answers (a 64-thread pool used to starve 192 of them)."""
+    import time
+
+    from services.inference import server
+
+    srv, addr, engine, _ = server.serve(cfg, "127.0.0.1:0")
+    try:
+        publish(addr, 1)
+        n = 256
+        clients = [GrpcPolicyClient([addr], 1, 4, timeout=60) for _ in range(n)]
+        latencies = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            for c in clients:
+                c.submit(0, {"state": np.zeros((1, 13), np.float32)})
+            for c in clients:
+                assert c.result(0).actions.shape == (1, 4)
+                latencies.append(time.perf_counter() - t0)
+        assert max(latencies) < 30, max(latencies)
+        for c in clients:
+            c.close()
+    finally:
+        srv.stop(0)
+        engine.stop()

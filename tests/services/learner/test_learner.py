@@ -23,7 +23,8 @@ def fake_rollout(T=16, N=8, seed=0):
           "rewards": rng.random((T, N)).astype(np.float32), "terminated": np.zeros((T, N), bool),
           "truncated": np.zeros((T, N), bool), "bootstrap_values": np.zeros((T, N), np.float32),
           "loss_mask": np.ones((T, N), bool)}
-    tm["truncated"][T // 2] = True
+    if T:
+        tm["truncated"][T // 2] = True
     return tm, {"last_values": np.zeros(N, np.float32)}, [EpisodeStat(0, 3.0, 8, True, True)]
 
 
@@ -50,6 +51,28 @@ def test_receive_validates(learner):
         learner.receive(0, 0, {k: v for k, v in tm.items() if k != "values"}, pe, eps)
     with pytest.raises(FailedPrecondition, match=r"no committed rollout from worker\(s\) \[0\]"):
         learner.train(0, [0])
+    empty, pe0, _ = fake_rollout(T=0)
+    with pytest.raises(InvalidRequest, match="0 time steps x 8 envs"):
+        learner.receive(0, 0, empty, pe0, eps)
+    with pytest.raises(InvalidRequest, match=r"rollout\['terminated'\]: dtype float32 where bool"):
+        learner.receive(0, 0, dict(tm, terminated=tm["terminated"].astype(np.float32)), pe, eps)
+    with pytest.raises(InvalidRequest, match=r"rollout\['actions'\]: dtype uint8 where float32"):
+        learner.receive(0, 0, dict(tm, actions=tm["actions"].astype(np.uint8)), pe, eps)
+    # nothing was lost: a good rollout still trains
+    learner.receive(0, 0, tm, pe, eps)
+    assert np.isfinite(learner.train(0, [0])["train/loss"])
+
+
+def test_no_checkpoint_from_non_finite_state(learner):
+    tm, pe, eps = fake_rollout()
+    learner.receive(0, 0, tm, pe, eps)
+    learner.train(0, [0])
+    good = learner.save_checkpoint()
+    with torch.no_grad():
+        next(learner.model.parameters()).fill_(float("nan"))
+    with pytest.raises(FailedPrecondition, match=r"non-finite values \(last good checkpoint: .*global_step_1"):
+        learner.save_checkpoint()
+    assert latest_checkpoint(learner.run_dir) == good
 
 
 def test_train_logs_rlinf_metrics_and_checkpoints(learner, tmp_path):
