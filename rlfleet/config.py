@@ -198,6 +198,10 @@ def validate(cfg: DictConfig) -> None:
              f"{len(ext_eval)} addresses: give one per env server, alongside cluster.external_env_addresses")
     for key in ("act_timeout_s", "rpc_timeout_s", "collect_timeout_s", "external_env_reconnect_timeout_s"):
         _require(cfg.cluster[key] > 0, f"cluster.{key}", f"must be > 0, got {cfg.cluster[key]}")
+    from rlfleet.policies import LOGPROB_TYPES
+
+    _require(alg.logprob_type in LOGPROB_TYPES, "algorithm.logprob_type",
+             f"'{alg.logprob_type}' is not one of {', '.join(LOGPROB_TYPES)}")
     _require(cfg.actor.model.model_type in ("mlp", "cnn"), "actor.model.model_type",
              f"'{cfg.actor.model.model_type}' is not one of mlp, cnn")
     _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",

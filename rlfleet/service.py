@@ -48,12 +48,28 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+CANNOT_START = 3  # exit code of a service that failed before serving (config, simulator, import): no restart
+
+
 def exit_after(main) -> None:
     """Run a service's main and leave at once: handler threads still blocked on a dead peer must not hold the
-    process (ThreadPoolExecutor joins its workers at interpreter exit)."""
+    process (ThreadPoolExecutor joins its workers at interpreter exit). A failure that escapes ``main`` happened
+    before the service served anything (config, missing package, simulator): exit CANNOT_START, which the
+    coordinator does not restart."""
     import sys
+    import traceback
 
-    code = main()
+    try:
+        code = main()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = CANNOT_START
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        code = CANNOT_START
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -24,14 +24,22 @@ class PolicyError(RuntimeError):
 
 
 def _check_result(res: ActResult, n: int, action_dim: int | None) -> ActResult:
-    if res.actions.shape[0] != n or res.log_probs.shape != (n,) or res.values.shape != (n,):
-        raise PolicyError(f"inference returned {res.actions.shape[0]} actions for {n} observations")
-    if action_dim is not None and res.actions.shape[1:] != (action_dim,):
+    if res.actions.ndim != 3 or res.actions.shape[0] != n:
+        raise PolicyError(f"inference returned actions shaped {list(res.actions.shape)} for {n} observations "
+                          f"([n, chunk, action_dim] expected)")
+    if action_dim is not None and res.actions.shape[2] != action_dim:
         raise PolicyError(f"inference returned actions shaped {list(res.actions.shape)}, the env takes "
-                          f"[{n}, {action_dim}]")
+                          f"[{n}, chunk, {action_dim}]")
+    if res.log_probs.ndim != 2 or res.log_probs.shape[0] != n:
+        raise PolicyError(f"inference returned log_probs shaped {list(res.log_probs.shape)} for {n} rows")
+    if res.values is not None and res.values.shape != (n,):
+        raise PolicyError(f"inference returned values shaped {list(res.values.shape)} for {n} rows")
     for name, arr in (("actions", res.actions), ("log_probs", res.log_probs), ("values", res.values)):
-        if not np.isfinite(arr).all():
+        if arr is not None and not np.isfinite(arr).all():
             raise PolicyError(f"inference returned non-finite {name} (weights version {res.weights_version})")
+    for name, arr in res.forward_inputs.items():
+        if arr.shape[:1] != (n,):
+            raise PolicyError(f"inference returned forward_inputs['{name}'] shaped {list(arr.shape)} for {n} rows")
     return res
 
 
@@ -87,7 +95,8 @@ class _Stream:
         try:
             res = ActResult(codec.decode(resp.actions, "actions", dtype=np.float32),
                             codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
-                            codec.decode(resp.values, "values", dtype=np.float32), resp.weights_version)
+                            codec.decode(resp.values, "values", dtype=np.float32) if resp.HasField("values") else None,
+                            resp.weights_version, codec.decode_map(resp.forward_inputs, "forward_inputs"))
         except codec.CodecError as exc:
             raise PolicyError(f"inference server {self.address}: {exc}") from exc
         return _check_result(res, n, action_dim)
@@ -129,12 +138,12 @@ class LocalPolicyClient:
         self.lock = threading.Lock()
 
     def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None) -> None:
-        self.pending[stage].append((obs, deterministic))
+        self.pending[stage].append((obs, deterministic, instructions))
 
     def result(self, stage: int) -> ActResult:
-        obs, deterministic = self.pending[stage].pop(0)
+        obs, deterministic, instructions = self.pending[stage].pop(0)
         n = next(iter(obs.values())).shape[0]
-        return _check_result(self.engine.act_now(obs, deterministic), n, self.action_dim)
+        return _check_result(self.engine.act_now(obs, deterministic, instructions), n, self.action_dim)
 
     def close(self) -> None:
         pass

@@ -1,5 +1,6 @@
-"""Policies. One implementation of each: the inference server acts with it, the learner trains it."""
+"""Model implementations. Policies are built through rlfleet.policies (the registry by model_type)."""
 
-from rlfleet.models.actor_critic import ActorCritic, ObsSpec, RunningMeanStd, build_policy
+from rlfleet.models.actor_critic import ActorCritic, ObsSpec, RunningMeanStd
+from rlfleet.policies import build_policy
 
 __all__ = ["ActorCritic", "ObsSpec", "RunningMeanStd", "build_policy"]

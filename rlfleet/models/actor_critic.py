@@ -1,7 +1,7 @@
-"""Gaussian actor-critic policies: an MLP for state observations, a small CNN encoder for images + state.
-
-``ActorCritic.act`` (inference) and ``ActorCritic.evaluate`` (learner) share ``distribution``: the log-prob of an
-action is computed by one piece of code on both sides.
+"""Gaussian actor-critic policies (model types ``mlp`` and ``cnn``): an MLP for state observations, a small CNN
+encoder for images + state. They implement the policy interface (rlfleet.policies.base): ``act`` (inference) and
+``evaluate`` (learner) share ``distribution``, so the log-prob of an action is computed by one piece of code on
+both sides. The forward input is the sampled (unclipped) action.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+
+from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 
@@ -85,7 +87,7 @@ class ImageEncoder(nn.Module):
         return self.proj(self.conv(x))
 
 
-class ActorCritic(nn.Module):
+class ActorCritic(PolicyMixin, nn.Module):
     """Gaussian policy with a state-independent log std, and a value head.
 
     Observation entries: float vectors are concatenated (after running normalisation); uint8 HxWx3 images go
@@ -94,8 +96,10 @@ class ActorCritic(nn.Module):
 
     def __init__(self, obs_specs: Mapping[str, ObsSpec], action_dim: int, *, model_type: str = "mlp",
                  hidden_dims=(256, 256), activation: str = "tanh", init_log_std: float = -0.5,
-                 cnn_channels=(16, 32, 32), image_feature_dim: int = 128, normalize_obs: bool = True):
+                 cnn_channels=(16, 32, 32), image_feature_dim: int = 128, normalize_obs: bool = True,
+                 logprob_type: str = "action_level"):
         super().__init__()
+        self.logprob_type = logprob_type
         self.obs_specs = dict(obs_specs)
         self.action_dim = action_dim
         self.model_type = model_type
@@ -142,34 +146,34 @@ class ActorCritic(nn.Module):
         std = self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
         return torch.distributions.Normal(mean, std), self.critic(feats).squeeze(-1)
 
-    @staticmethod
-    def log_prob(dist: torch.distributions.Normal, actions: torch.Tensor) -> torch.Tensor:
-        return dist.log_prob(actions).sum(-1)
+    def _log_probs(self, dist: torch.distributions.Normal, actions: torch.Tensor) -> torch.Tensor:
+        """[n, action_dim] actions -> [n, L] log-probs at this policy's granularity (a chunk of one action)."""
+        return reduce_log_probs(dist.log_prob(actions)[:, None, :], self.logprob_type)
 
     @torch.no_grad()
-    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False):
-        """-> actions (raw, unclipped Gaussian samples or means), their log-probs, values."""
+    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False, instructions=None) -> PolicyOutput:
+        """Raw (unclipped) Gaussian samples, or the means; the env clips to its bounds."""
         dist, values = self.distribution(obs)
         actions = dist.mean if deterministic else dist.sample()
-        return actions, self.log_prob(dist, actions), values
+        return PolicyOutput(actions[:, None, :], self._log_probs(dist, actions), values, {"actions": actions})
 
-    def evaluate(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor):
-        """-> log-probs of ``actions``, entropy, values (with gradients) for the learner."""
+    def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
+                 instructions=None) -> PolicyEval:
         dist, values = self.distribution(obs)
-        return self.log_prob(dist, actions), dist.entropy().sum(-1), values
+        return PolicyEval(self._log_probs(dist, forward_inputs["actions"]), dist.entropy().sum(-1), values)
 
     def value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.critic(self.features(obs)).squeeze(-1)
 
 
-def build_policy(model_cfg, obs_specs: Mapping[str, ObsSpec], action_dim: int, normalize_obs: bool) -> ActorCritic:
-    """Build the configured policy (``actor.model`` group) for an env's spaces."""
-    return ActorCritic(
-        obs_specs, action_dim,
-        model_type=model_cfg.model_type, hidden_dims=list(model_cfg.hidden_dims),
-        activation=model_cfg.activation, init_log_std=model_cfg.init_log_std,
-        cnn_channels=list(model_cfg.cnn_channels), image_feature_dim=model_cfg.image_feature_dim,
-        normalize_obs=normalize_obs)
+    @classmethod
+    def from_config(cls, model_cfg, obs_specs: Mapping[str, ObsSpec], action_dim: int, normalize_obs: bool,
+                    logprob_type: str = "action_level") -> ActorCritic:
+        """The ``actor.model`` group -> a policy for an env's spaces (rlfleet.policies.build_policy)."""
+        return cls(obs_specs, action_dim, model_type=model_cfg.model_type, hidden_dims=list(model_cfg.hidden_dims),
+                   activation=model_cfg.activation, init_log_std=model_cfg.init_log_std,
+                   cnn_channels=list(model_cfg.cnn_channels), image_feature_dim=model_cfg.image_feature_dim,
+                   normalize_obs=normalize_obs, logprob_type=logprob_type)
 
 
 def obs_specs_from_proto(space) -> dict[str, ObsSpec]:

@@ -20,18 +20,20 @@ class ActRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., observations: _Optional[_Union[_tensor_pb2.TensorMap, _Mapping]] = ..., deterministic: _Optional[bool] = ..., instructions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ActResponse(_message.Message):
-    __slots__ = ("request_id", "actions", "log_probs", "values", "weights_version")
+    __slots__ = ("request_id", "actions", "log_probs", "values", "weights_version", "forward_inputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     actions: _tensor_pb2.Tensor
     log_probs: _tensor_pb2.Tensor
     values: _tensor_pb2.Tensor
     weights_version: int
-    def __init__(self, request_id: _Optional[int] = ..., actions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    forward_inputs: _tensor_pb2.TensorMap
+    def __init__(self, request_id: _Optional[int] = ..., actions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ..., forward_inputs: _Optional[_Union[_tensor_pb2.TensorMap, _Mapping]] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("version", "name", "data", "offset", "partial", "observation_space", "action_space")

@@ -19,10 +19,10 @@ import numpy as np
 
 from rlfleet import codec, rpc
 from rlfleet.config import to_yaml
+from rlfleet.service import CANNOT_START  # a service that failed before serving: not restarted
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.coordinator.launcher import LocalLauncher
 
-SIMULATOR_UNAVAILABLE = 3  # an env server's exit code when its simulator cannot run here (no restart)
 ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference", coordinator_pb2.LEARNER: "learner"}
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
@@ -173,9 +173,9 @@ class Coordinator:
                 for proc, code in self.launcher.exited():
                     svc = self.services[(proc.role, proc.index)]
                     if svc.pid in (0, proc.popen.pid) and (svc.alive or not svc.ready.is_set()):
-                        if code == SIMULATOR_UNAVAILABLE:  # restarting cannot help: say why and stop
-                            self.fatal = (f"{proc.role}[{proc.index}] cannot start its simulator:\n"
-                                          f"{LocalLauncher.log_tail(proc, 6)}")
+                        if code == CANNOT_START:  # restarting cannot help: say why and stop
+                            self.fatal = (f"{proc.role}[{proc.index}] could not start:\n"
+                                          f"{LocalLauncher.log_tail(proc, 8)}")
                             self.stop_event.set()
                             return
                         dead.append((svc, f"exited with code {code}\n{LocalLauncher.log_tail(proc)}"))

@@ -76,7 +76,16 @@ class RolloutWorker:
         policy.submit(stage, request, deterministic, list(self.instructions[ids]))
 
     def _step_env(self, env, ids, actions):
-        return env.step(ids, actions.reshape(len(actions), *self.action_shape))
+        """Step with actions [m, chunk, action_dim]: one control step per row, or a chunk of sub-steps. The
+        per-sub-step results are reduced to one per row (chunk_level: rewards summed, ended if any sub-step
+        ended; the env stops a row's chunk at its episode's end)."""
+        m, chunk = actions.shape[:2]
+        if chunk == 1:
+            return env.step(ids, actions[:, 0].reshape(m, *self.action_shape))
+        out = env.step(ids, actions.reshape(m, chunk, *self.action_shape))
+        out.rewards, out.success = out.rewards.sum(1), out.success.any(1)
+        out.terminated, out.truncated = out.terminated.any(1), out.truncated.any(1)
+        return out
 
     def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1,
                 should_stop=_never) -> tuple[Rollout, CollectSummary]:
@@ -87,8 +96,7 @@ class RolloutWorker:
         if not self.auto_reset:
             self.reset_all()
         buf = {f"obs.{k}": np.empty((T, n, *sp.shape), dtype=sp.dtype) for k, sp in self.observation_space.items()}
-        buf.update(actions=np.empty((T, n, self.action_dim), np.float32), log_probs=np.empty((T, n), np.float32),
-                   values=np.empty((T, n), np.float32), rewards=np.empty((T, n), np.float32),
+        buf.update(values=np.zeros((T, n), np.float32), rewards=np.empty((T, n), np.float32),
                    terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
                    bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool))
         last_values = np.zeros(n, np.float32)
@@ -119,15 +127,21 @@ class RolloutWorker:
                     buf["bootstrap_values"][t[s] - 1, ids[extra[s]]] = res.values[m:]
                     extra[s] = None
                 if t[s] == T:
-                    last_values[ids] = res.values[:m]
+                    if res.values is not None:
+                        last_values[ids] = res.values[:m]
                     active.remove(s)
                     continue
+                if "log_probs" not in buf:  # shapes come from the policy (chunk, log-prob width, forward inputs)
+                    self._allocate(buf, T, n, res)
                 step = t[s]
                 for k, v in self.obs.items():
                     buf[f"obs.{k}"][step, ids] = v[ids]
                 buf["actions"][step, ids] = res.actions[:m]
                 buf["log_probs"][step, ids] = res.log_probs[:m]
-                buf["values"][step, ids] = res.values[:m]
+                if res.values is not None:
+                    buf["values"][step, ids] = res.values[:m]
+                for k, v in res.forward_inputs.items():
+                    buf[f"fi.{k}"][step, ids] = v[:m]
                 t2 = time.perf_counter()
                 out = self._step_env(env, ids, res.actions[:m])
                 env_time += time.perf_counter() - t2
@@ -143,7 +157,7 @@ class RolloutWorker:
                 self.instructions[ids] = out.instructions or self.instructions[ids]
                 t[s] += 1
                 request = {k: v[ids] for k, v in self.obs.items()}
-                if self.bootstrap_truncated:
+                if self.bootstrap_truncated and res.values is not None:
                     need = np.flatnonzero(out.truncated & ~out.terminated)
                     if need.size:  # ask for V(final_obs) in the same request
                         pos = {int(r): j for j, r in enumerate(out.final_rows)}
@@ -156,6 +170,13 @@ class RolloutWorker:
         summary = CollectSummary(epoch, T * n, episodes, time.perf_counter() - t_start, env_time, wait_time,
                                  -1 if version is None else version)
         return rollout, summary
+
+    @staticmethod
+    def _allocate(buf: dict, T: int, n: int, res) -> None:
+        buf["actions"] = np.zeros((T, n, *res.actions.shape[1:]), np.float32)
+        buf["log_probs"] = np.zeros((T, n, res.log_probs.shape[1]), np.float32)
+        for k, v in res.forward_inputs.items():
+            buf[f"fi.{k}"] = np.zeros((T, n, *v.shape[1:]), v.dtype)
 
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, episode_ids: list[int], seed: int, deterministic: bool, policy, *,

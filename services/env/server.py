@@ -282,12 +282,11 @@ def main(argv=None) -> int:
         return 0
     try:
         server, bound, worker, runtime = serve(cfg, args.address, args.index, args.coordinator, args.external_env)
-    except Exception as exc:  # noqa: BLE001 - a simulator that cannot start: say why in one line, exit 3
+    except Exception as exc:  # noqa: BLE001 - a simulator that cannot start: say why in one line
         from services.env.backends.base import BackendUnavailable
 
         if isinstance(exc, (BackendUnavailable, rpc.InvalidRequest)):
-            print(f"rlfleet env[{args.index}]: cannot start the simulator: {exc}", file=sys.stderr, flush=True)
-            return 3
+            raise SystemExit(f"rlfleet env[{args.index}]: cannot start the simulator: {exc}") from None
         raise
     print(f"rlfleet env[{args.index}]: {cfg.env.train.simulator_type}:{cfg.env.train.env_id} in {sys.prefix} "
           f"({_versions(cfg.env.train.simulator_type)})", flush=True)

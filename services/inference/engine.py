@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlfleet.models import ActorCritic, ObsSpec, build_policy
+from rlfleet.models import ObsSpec
 from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.policies import build_policy
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
 from rlfleet.acting import ActResult
 
@@ -26,6 +27,7 @@ log = logging.getLogger("rlfleet.inference")
 @dataclass
 class _Request:
     obs: dict[str, np.ndarray]
+    instructions: list[str] | None
     deterministic: bool
     rows: int
     stream: int
@@ -35,13 +37,14 @@ class _Request:
 
 class InferenceEngine:
     def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
-                 max_wait_ms: float = 1.0, device: str = "cpu"):
+                 max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level"):
         self.model_cfg = model_cfg
         self.normalize_obs = normalize_obs
+        self.logprob_type = logprob_type
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.device = torch.device(device)
-        self.model: ActorCritic | None = None
+        self.model = None  # a policy (rlfleet.policies)
         self.obs_specs: dict[str, ObsSpec] | None = None
         self.action_dim: int | None = None
         self.version = -1
@@ -62,7 +65,8 @@ class InferenceEngine:
             raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
         model = self.model
         if obs_specs is not None and (obs_specs != self.obs_specs or action_dim != self.action_dim):
-            model = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs).to(self.device)
+            model = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
+                                 self.logprob_type).to(self.device)
             partial_ok = False
         else:
             partial_ok = True
@@ -117,15 +121,17 @@ class InferenceEngine:
         return n
 
     @torch.inference_mode()
-    def act_now(self, obs: dict[str, np.ndarray], deterministic: bool) -> ActResult:
+    def act_now(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None) -> ActResult:
         """Run the policy on one batch right now (validated)."""
         self.validate_obs(obs)
         with self._swap_lock:
             model, version = self.model, self.version
         tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
-        actions, log_probs, values = model.act(tobs, deterministic)
-        return ActResult(actions.float().cpu().numpy(), log_probs.float().cpu().numpy(),
-                         values.float().cpu().numpy(), version)
+        out = model.act(tobs, deterministic, instructions)
+        numpy = lambda t: t.detach().cpu().numpy()  # noqa: E731
+        return ActResult(numpy(out.actions.float()), numpy(out.log_probs.float()),
+                         None if out.values is None else numpy(out.values.float()), version,
+                         {k: numpy(v) for k, v in out.forward_inputs.items()})
 
     # --- batching ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,10 +154,13 @@ class InferenceEngine:
         with self._streams_lock:
             self._open_streams -= 1
 
-    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0) -> Future:
+    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0, instructions=None) -> Future:
         rows = self.validate_obs(obs)
+        if instructions and len(instructions) != rows:
+            raise InvalidRequest(f"instructions: {len(instructions)} texts for {rows} observation rows")
         fut: Future = Future()
-        self._queue.put(_Request(obs, deterministic, rows, stream, fut, time.monotonic()))
+        self._queue.put(_Request(obs, list(instructions) if instructions else None, deterministic, rows, stream, fut,
+                                 time.monotonic()))
         return fut
 
     def _loop(self) -> None:
@@ -190,7 +199,8 @@ class InferenceEngine:
             try:
                 obs = {k: np.concatenate([r.obs[k] for r in group]) if len(group) > 1 else group[0].obs[k]
                        for k in group[0].obs}
-                res = self.act_now(obs, deterministic)
+                texts = [t for r in group for t in (r.instructions or [""] * r.rows)]
+                res = self.act_now(obs, deterministic, texts)
             except Exception as exc:  # noqa: BLE001 - delivered to each waiting stream
                 for r in group:
                     r.future.set_exception(exc)
@@ -198,15 +208,14 @@ class InferenceEngine:
             start = 0
             for r in group:
                 end = start + r.rows
-                r.future.set_result(ActResult(res.actions[start:end], res.log_probs[start:end],
-                                              res.values[start:end], res.weights_version))
+                r.future.set_result(res.rows(start, end))
                 start = end
             self.batches_run += 1
             self.rows_run += start
             self.requests_served += len(group)
 
 
-def _clone(model: ActorCritic) -> ActorCritic:
+def _clone(model):
     import copy
 
     return copy.deepcopy(model)

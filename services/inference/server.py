@@ -33,11 +33,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             for req in request_iterator:
                 self._check_rows(req)
                 obs = codec.decode_map(req.observations, "observations")
-                result = self.engine.submit(obs, req.deterministic, stream).result()
-                yield inference_pb2.ActResponse(
+                result = self.engine.submit(obs, req.deterministic, stream, list(req.instructions)).result()
+                resp = inference_pb2.ActResponse(
                     request_id=req.request_id, actions=codec.encode(result.actions),
-                    log_probs=codec.encode(result.log_probs), values=codec.encode(result.values),
-                    weights_version=result.weights_version)
+                    log_probs=codec.encode(result.log_probs), weights_version=result.weights_version,
+                    forward_inputs=codec.encode_map(result.forward_inputs))
+                if result.values is not None:
+                    resp.values.CopyFrom(codec.encode(result.values))
+                yield resp
         finally:
             self.engine.close_stream()
 
@@ -60,7 +63,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
     return InferenceEngine(cfg.actor.model, normalize_obs=cfg.algorithm.normalize_obs,
                            max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms,
-                           device=device)
+                           device=device, logprob_type=cfg.algorithm.logprob_type)
 
 
 def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):

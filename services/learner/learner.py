@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from rlfleet.codec import episode_return
 from rlfleet.metrics import MetricsLogger
-from rlfleet.models import ActorCritic, ObsSpec, RunningMeanStd, build_policy
+from rlfleet.models import ObsSpec, RunningMeanStd, build_policy
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
 from services.learner import ppo
 
@@ -65,7 +65,8 @@ class Learner:
             return
         torch.manual_seed(self.cfg.runner.seed)
         self.obs_specs, self.action_dim = dict(obs_specs), action_dim
-        self.model = build_policy(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs).to(self.device)
+        self.model = build_policy(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
+                                  self.alg.logprob_type).to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.actor.optim.lr,
                                           eps=self.cfg.actor.optim.adam_eps)
         if self.cfg.runner.resume_dir:
@@ -101,9 +102,16 @@ class Learner:
                 raise InvalidRequest(f"rollout['{k}']: leading shape {list(v.shape[:2])} differs from rewards' {[T, N]}")
             if v.dtype.kind == "f" and not np.isfinite(v).all():
                 raise InvalidRequest(f"rollout['{k}']: non-finite values")
-        if time_major["actions"].shape[2:] != (self.action_dim,):
+        chunk = self.model.num_action_chunks
+        if time_major["actions"].shape[2:] != (chunk, self.action_dim):
             raise InvalidRequest(f"rollout['actions']: shape {list(time_major['actions'].shape)} where "
-                                 f"[{T}, {N}, {self.action_dim}] was expected")
+                                 f"[{T}, {N}, {chunk}, {self.action_dim}] was expected")
+        L = self.model.log_prob_width
+        if time_major["log_probs"].shape[2:] != (L,):
+            raise InvalidRequest(f"rollout['log_probs']: shape {list(time_major['log_probs'].shape)} where "
+                                 f"[{T}, {N}, {L}] was expected ({self.alg.logprob_type})")
+        if not any(k.startswith("fi.") for k in time_major):
+            raise InvalidRequest("rollout: no forward inputs (fi.*): the learner cannot recompute log-probs")
         for k, spec in self.obs_specs.items():
             arr = time_major[f"obs.{k}"]
             if arr.shape[2:] != spec.shape or arr.dtype.name != spec.dtype:
@@ -165,11 +173,12 @@ class Learner:
         T, N = raw_rewards.shape
         flat = lambda x: x.reshape(T * N, *x.shape[2:])  # noqa: E731
         obs = {k: flat(tt(cat(f"obs.{k}"))) for k in self.obs_specs}
-        batch = {"actions": flat(tt(cat("actions"))), "old_log_probs": flat(tt(cat("log_probs"))),
+        forward_inputs = {k[3:]: flat(tt(cat(k))) for k in parts[0]["time"] if k.startswith("fi.")}
+        batch = {"old_log_probs": flat(tt(cat("log_probs"))),
                  "old_values": flat(values), "advantages": flat(advantages), "returns": flat(returns),
                  "mask": flat(tt(cat("loss_mask").astype(np.float32)))}
         use_mask = not bool(batch["mask"].all())
-        stats = self._update(obs, batch, use_mask)
+        stats = self._update(obs, forward_inputs, batch, use_mask)
         # the observation normaliser moves only after the update, so old log-probs stay consistent within it
         self.model.update_obs_normalizer({k: v[batch["mask"] > 0] for k, v in obs.items()} if use_mask else obs)
         self.epoch, self.version = epoch, self.version + 1
@@ -200,9 +209,10 @@ class Learner:
             lr *= max(0.0, 1.0 - (self.epoch + 1) / self.cfg.runner.max_epochs)
         return lr
 
-    def _update(self, obs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], use_mask: bool) -> dict:
+    def _update(self, obs: dict[str, torch.Tensor], forward_inputs: dict[str, torch.Tensor],
+                batch: dict[str, torch.Tensor], use_mask: bool) -> dict:
         alg, actor = self.alg, self.cfg.actor
-        total = batch["actions"].shape[0]
+        total = batch["old_log_probs"].shape[0]
         micro, global_bs = actor.micro_batch_size, actor.global_batch_size
         lr = self._lr()
         for group in self.optimizer.param_groups:
@@ -225,14 +235,21 @@ class Learner:
                         mu = ppo.masked_mean(adv, mask)
                         sd = ppo.masked_mean((adv - mu) ** 2, mask).sqrt()
                         adv = (adv - mu) / (sd + 1e-8)
-                    log_probs, entropy, values = self.model.evaluate({k: v[idx] for k, v in obs.items()},
-                                                                     batch["actions"][idx])
+                    ev = self.model.evaluate({k: v[idx] for k, v in obs.items()},
+                                             {k: v[idx] for k, v in forward_inputs.items()})
+                    log_probs, entropy, values = ev.log_probs, ev.entropy, ev.values
+                    # one ratio per log-prob (token/action/chunk level); the row's advantage and mask apply to each
+                    width = log_probs.shape[1]
                     pg_loss, pg_stats = ppo.policy_loss(
-                        log_probs, batch["old_log_probs"][idx], adv, clip_ratio_low=alg.clip_ratio_low,
-                        clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c, mask=mask)
-                    v_loss, v_clip_ratio = ppo.value_loss(
-                        values, batch["old_values"][idx], batch["returns"][idx], value_clip=alg.value_clip,
-                        huber_delta=alg.huber_delta, mask=mask)
+                        log_probs, batch["old_log_probs"][idx], adv[:, None].expand(-1, width),
+                        clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
+                        clip_ratio_c=alg.clip_ratio_c, mask=None if mask is None else mask[:, None].expand(-1, width))
+                    if values is not None:
+                        v_loss, v_clip_ratio = ppo.value_loss(
+                            values, batch["old_values"][idx], batch["returns"][idx], value_clip=alg.value_clip,
+                            huber_delta=alg.huber_delta, mask=mask)
+                    else:  # no critic (GRPO)
+                        v_loss = v_clip_ratio = torch.zeros((), device=log_probs.device)
                     ent = ppo.masked_mean(entropy, mask)
                     loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
                     (loss / n_micro).backward()
@@ -255,7 +272,8 @@ class Learner:
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["train/actor/lr"] = lr
         out["train/optimizer_steps"] = float(count)
-        out["train/actor/log_std"] = float(self.model.log_std.detach().mean())
+        if hasattr(self.model, "log_std"):
+            out["train/actor/log_std"] = float(self.model.log_std.detach().mean())
         return out
 
     def _metrics(self, episodes, raw_rewards, advantages, returns, values, stats) -> dict[str, float]:

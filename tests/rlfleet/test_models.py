@@ -5,15 +5,21 @@ from rlfleet import weights
 from rlfleet.models import ActorCritic, ObsSpec, RunningMeanStd
 
 
-def test_act_and_evaluate_share_log_prob():
+import pytest
+
+
+@pytest.mark.parametrize("logprob_type, width", [("chunk_level", 1), ("action_level", 1), ("token_level", 4)])
+def test_act_and_evaluate_share_log_prob(logprob_type, width):
     torch.manual_seed(0)
-    m = ActorCritic({"state": ObsSpec((13,), "float32")}, 4)
+    m = ActorCritic({"state": ObsSpec((13,), "float32")}, 4, logprob_type=logprob_type)
     obs = {"state": torch.randn(32, 13)}
-    a, lp, v = m.act(obs)
-    lp2, ent, v2 = m.evaluate(obs, a)
-    assert torch.allclose(lp, lp2, atol=1e-6) and torch.allclose(v, v2)
-    am, _, _ = m.act(obs, deterministic=True)
-    assert torch.allclose(am, m.distribution(obs)[0].mean)
+    out = m.act(obs)
+    assert out.actions.shape == (32, 1, 4) and out.log_probs.shape == (32, width) == (32, m.log_prob_width)
+    ev = m.evaluate(obs, out.forward_inputs)
+    assert torch.allclose(out.log_probs, ev.log_probs, atol=1e-6) and torch.allclose(out.values, ev.values)
+    assert torch.allclose(ev.log_probs.sum(1), m.distribution(obs)[0].log_prob(out.actions[:, 0]).sum(-1), atol=1e-5)
+    det = m.act(obs, deterministic=True)
+    assert torch.allclose(det.actions[:, 0], m.distribution(obs)[0].mean)
 
 
 def test_running_mean_std_matches_numpy():
@@ -31,8 +37,8 @@ def test_cnn_policy_on_images():
     m = ActorCritic(specs, 4, model_type="cnn", image_feature_dim=32)
     obs = {"state": torch.randn(2, 7), "wrist": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8),
            "third_person": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8)}
-    a, lp, v = m.act(obs)
-    assert a.shape == (2, 4) and torch.isfinite(lp).all()
+    out = m.act(obs)
+    assert out.actions.shape == (2, 1, 4) and torch.isfinite(out.log_probs).all()
 
 
 def test_weights_chunk_roundtrip():

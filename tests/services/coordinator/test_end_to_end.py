@@ -369,3 +369,14 @@ def test_metaworld_run_uses_its_own_environment(tmp_path):
     assert mujoco.__version__ != "3.3.0"
     summary = json.loads((tmp_path / "mw" / "summary.json").read_text())
     assert summary["env_id"] == "reach-v3" and summary["final_eval"]["eval/num_episodes"] == 10
+
+
+@pytest.mark.sim
+def test_unknown_task_in_a_simulator_environment_fails_fast_without_restarts(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run([*CTL, "start", "metaworld_mt1_ppo_mlp", f"runner.logger.log_path={tmp_path}",
+                           "env.train.env_id=reech-v3", "runner.experiment_name=badtask"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "env[0] could not start" in proc.stderr and "unknown task 'reech-v3'; did you mean 'reach-v3'" in proc.stderr
+    assert "restarting" not in proc.stdout and time.monotonic() - t0 < 60

@@ -50,7 +50,8 @@ def test_actions_match_local_policy(inference):
     client = GrpcPolicyClient([addr], 1, action_dim=4)
     client.submit(0, {"state": obs}, deterministic=True)
     res = client.result(0)
-    a, lp, v = model.act({"state": torch.from_numpy(obs)}, deterministic=True)
+    out = model.act({"state": torch.from_numpy(obs)}, deterministic=True)
+    a, v = out.actions, out.values
     assert res.weights_version == 1
     assert np.allclose(res.actions, a.numpy(), atol=1e-5) and np.allclose(res.values, v.numpy(), atol=1e-5)
     client.close()
@@ -167,7 +168,7 @@ def test_many_concurrent_streams_are_all_served(cfg):
             for c in clients:
                 c.submit(0, {"state": np.zeros((1, 13), np.float32)})
             for c in clients:
-                assert c.result(0).actions.shape == (1, 4)
+                assert c.result(0).actions.shape == (1, 1, 4)
                 latencies.append(time.perf_counter() - t0)
         assert max(latencies) < 30, max(latencies)
         for c in clients:

@@ -17,9 +17,10 @@ SPECS = {"state": ObsSpec((13,), "float32")}
 
 def fake_rollout(T=16, N=8, seed=0):
     rng = np.random.default_rng(seed)
+    actions = rng.normal(size=(T, N, 4)).astype(np.float32)
     tm = {"obs.state": rng.normal(size=(T, N, 13)).astype(np.float32),
-          "actions": rng.normal(size=(T, N, 4)).astype(np.float32),
-          "log_probs": np.full((T, N), -4.0, np.float32), "values": np.zeros((T, N), np.float32),
+          "actions": actions[:, :, None], "fi.actions": actions,
+          "log_probs": np.full((T, N, 1), -4.0, np.float32), "values": np.zeros((T, N), np.float32),
           "rewards": rng.random((T, N)).astype(np.float32), "terminated": np.zeros((T, N), bool),
           "truncated": np.zeros((T, N), bool), "bootstrap_values": np.zeros((T, N), np.float32),
           "loss_mask": np.ones((T, N), bool)}
@@ -39,8 +40,8 @@ def learner(cfg, tmp_path):
 
 def test_receive_validates(learner):
     tm, pe, eps = fake_rollout()
-    bad = dict(tm, actions=tm["actions"][:, :, :3])
-    with pytest.raises(InvalidRequest, match=r"rollout\['actions'\]: shape \[16, 8, 3\]"):
+    bad = dict(tm, actions=tm["actions"][:, :, :, :3])
+    with pytest.raises(InvalidRequest, match=r"rollout\['actions'\]: shape \[16, 8, 1, 3\]"):
         learner.receive(0, 0, bad, pe, eps)
     bad = dict(tm)
     bad["rewards"] = tm["rewards"].copy()

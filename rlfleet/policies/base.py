@@ -1,0 +1,81 @@
+"""The policy interface: what every model (Gaussian MLP/CNN, OpenVLA, OpenVLA-OFT, π0) implements, used by both
+the inference engine (``act``) and the learner (``evaluate``), so the log-prob of an action is computed by one
+piece of code on both sides.
+
+- ``act(obs, deterministic, instructions)`` -> PolicyOutput: an action chunk ``[n, chunk, action_dim]``, its
+  log-probs at the configured granularity ``[n, L]``, values ``[n]`` when the model has a critic, and the
+  ``forward_inputs`` (per-row tensors) that ``evaluate`` needs to recompute exactly those log-probs later (sampled
+  actions, tokens, noise, denoising chains).
+- ``evaluate(obs, forward_inputs, instructions)`` -> PolicyEval with gradients: log-probs ``[n, L]``, entropy
+  ``[n]``, values ``[n]`` or None.
+
+Log-prob granularity (``algorithm.logprob_type``, RLinf's names): ``chunk_level`` one per chunk (L = 1),
+``action_level`` one per action of the chunk (L = chunk), ``token_level`` one per action dimension or token
+(L = chunk x action_dim).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: config validation runs in simulator environments too
+    import torch
+
+LOGPROB_TYPES = ("chunk_level", "action_level", "token_level")
+
+
+@dataclass
+class PolicyOutput:
+    actions: torch.Tensor                 # [n, chunk, action_dim]
+    log_probs: torch.Tensor               # [n, L]
+    values: torch.Tensor | None           # [n] (None: no critic)
+    forward_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # each [n, ...]
+
+
+@dataclass
+class PolicyEval:
+    log_probs: torch.Tensor               # [n, L]
+    entropy: torch.Tensor                 # [n]
+    values: torch.Tensor | None           # [n]
+
+
+def log_prob_width(logprob_type: str, chunk: int, action_dim: int) -> int:
+    """L, the number of log-probs per row, for a granularity."""
+    return {"chunk_level": 1, "action_level": chunk, "token_level": chunk * action_dim}[logprob_type]
+
+
+def reduce_log_probs(per_dim: torch.Tensor, logprob_type: str) -> torch.Tensor:
+    """Per-dimension log-probs [n, chunk, action_dim] -> [n, L] at the granularity."""
+    n = per_dim.shape[0]
+    if logprob_type == "token_level":
+        return per_dim.reshape(n, -1)
+    if logprob_type == "action_level":
+        return per_dim.sum(-1)
+    if logprob_type == "chunk_level":
+        return per_dim.reshape(n, -1).sum(-1, keepdim=True)
+    raise ValueError(f"logprob_type '{logprob_type}' is not one of {', '.join(LOGPROB_TYPES)}")
+
+
+class PolicyMixin:
+    """Defaults shared by policies (they are torch modules that also define act/evaluate)."""
+
+    has_critic: bool = True
+    num_action_chunks: int = 1
+    logprob_type: str = "action_level"
+
+    @property
+    def log_prob_width(self) -> int:
+        return log_prob_width(self.logprob_type, self.num_action_chunks, self.action_dim)
+
+    def update_obs_normalizer(self, obs: Mapping[str, torch.Tensor]) -> None:
+        """Move running observation statistics (learner side, after an update); default: none."""
+
+    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
+            instructions: Sequence[str] | None = None) -> PolicyOutput:
+        raise NotImplementedError
+
+    def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
+                 instructions: Sequence[str] | None = None) -> PolicyEval:
+        raise NotImplementedError
