@@ -238,6 +238,9 @@ class Learner:
                     ev = self.model.evaluate({k: v[idx] for k, v in obs.items()},
                                              {k: v[idx] for k, v in forward_inputs.items()})
                     log_probs, entropy, values = ev.log_probs, ev.entropy, ev.values
+                    if count == 0 and m == 0:  # before any step: recomputed vs the behaviour policy's log-probs
+                        sums["train/actor/first_logprob_abs_diff"] = float(
+                            (log_probs.detach() - batch["old_log_probs"][idx]).abs().max())
                     # one ratio per log-prob (token/action/chunk level); the row's advantage and mask apply to each
                     width = log_probs.shape[1]
                     pg_loss, pg_stats = ppo.policy_loss(
@@ -269,7 +272,9 @@ class Learner:
                     break
             if stop:
                 break
+        first_diff = sums.pop("train/actor/first_logprob_abs_diff", float("nan"))
         out = {k: v / max(count, 1) for k, v in sums.items()}
+        out["train/actor/first_logprob_abs_diff"] = first_diff
         out["train/actor/lr"] = lr
         out["train/optimizer_steps"] = float(count)
         if hasattr(self.model, "log_std"):

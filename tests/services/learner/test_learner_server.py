@@ -69,3 +69,32 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
         assert fleet.engine.version == 1
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize("model, logprob_type", [("mlp", "action_level"), ("mlp", "token_level"),
+                                                  ("mlp", "chunk_level"), ("cnn", "token_level")])
+def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, logprob_type):
+    """First PPO epoch: the learner's recomputed log-probs equal the inference server's (ratio starts at 1)."""
+    from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
+    from tests.conftest import Fleet, small_config
+
+    extra = ["env.train.env_id=PandaPickCubeVision-v0", "env.train.init_params={image_size: 32}",
+             "actor.model.image_feature_dim=32"] if model == "cnn" else []
+    cfg = small_config(f"actor.model.model_type={model}", f"algorithm.logprob_type={logprob_type}",
+                       "env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=8",
+                       "actor.micro_batch_size=16", "actor.global_batch_size=32", *extra)
+    fleet = Fleet(cfg, tmp_path / "run")
+    try:
+        rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+        spec = rstub.Describe(env_pb2.DescribeEnvRequest())
+        lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+        lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+        rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
+                                                 learner_address=fleet.learner_addr))
+        pending = fleet.learner.pending[(0, 0)]["time"]
+        width = {"action_level": 1, "chunk_level": 1, "token_level": 4}[logprob_type]
+        assert pending["log_probs"].shape == (8, 4, width) and pending["fi.actions"].shape == (8, 4, 4)
+        resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]))
+        assert resp.metrics["train/actor/first_logprob_abs_diff"] < 1e-5
+    finally:
+        fleet.close()
