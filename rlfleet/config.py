@@ -24,6 +24,7 @@ NULLABLE_TYPES = {
     "cluster.envs_dir": str, "runner.early_stop_success_rate": float, "runner.resume_dir": str,
     "algorithm.clip_ratio_c": float, "algorithm.huber_delta": float, "algorithm.target_kl": float,
     "algorithm.value_clip": float, "runner.max_env_steps": int, "runner.max_wall_time_s": float,
+    "algorithm.filter_rewards": list,
 }
 
 
@@ -180,8 +181,24 @@ def validate(cfg: DictConfig) -> None:
              f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch = {batch}) must be a "
              f"multiple of actor.global_batch_size ({cfg.actor.global_batch_size})")
     alg = cfg.algorithm
-    _require(alg.adv_type == "gae", "algorithm.adv_type", f"'{alg.adv_type}' is not supported (gae)")
-    _require(alg.loss_type == "actor_critic", "algorithm.loss_type", f"'{alg.loss_type}' is not supported (actor_critic)")
+    _require(alg.adv_type in ("gae", "grpo"), "algorithm.adv_type", f"'{alg.adv_type}' is not one of gae, grpo")
+    _require(alg.loss_type in ("actor_critic", "actor"), "algorithm.loss_type",
+             f"'{alg.loss_type}' is not one of actor_critic, actor")
+    _require((alg.adv_type == "grpo") == (alg.loss_type == "actor"), "algorithm.loss_type",
+             f"'{alg.loss_type}' does not go with adv_type '{alg.adv_type}' (gae: actor_critic, grpo: actor)")
+    if alg.adv_type == "grpo":
+        _require(alg.group_size >= 2, "algorithm.group_size", f"grpo needs groups of >= 2 envs, got {alg.group_size}")
+        _require(per_server % alg.group_size == 0, "algorithm.group_size",
+                 f"each env server's {per_server} envs must split into groups of {alg.group_size}")
+        _require(not cfg.env.train.auto_reset, "env.train.auto_reset",
+                 "grpo scores whole episodes that start together: set env.train.auto_reset=false")
+        _require(cfg.env.train.max_steps_per_rollout_epoch >= cfg.env.train.max_episode_steps,
+                 "env.train.max_steps_per_rollout_epoch",
+                 f"grpo needs whole episodes per epoch: >= env.train.max_episode_steps "
+                 f"({cfg.env.train.max_episode_steps})")
+    fr = alg.filter_rewards
+    _require(fr is None or (len(fr) == 2 and fr[0] <= fr[1]), "algorithm.filter_rewards",
+             f"must be [low, high] or null, got {fr}")
     _require(0 < alg.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {alg.gamma}")
     _require(0 <= alg.gae_lambda <= 1, "algorithm.gae_lambda", f"must be in [0, 1], got {alg.gae_lambda}")
     _require(alg.clip_ratio_c is None or alg.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 or null")

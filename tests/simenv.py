@@ -25,14 +25,15 @@ def sim_python(simulator: str) -> str:
         pytest.skip(f"the {simulator} environment could not be built here: {str(exc).splitlines()[0]}")
 
 
-def run_in_env(simulator: str, code: str, timeout: float = 300.0) -> dict:
+def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: str) -> dict:
     """Run ``code`` (which must print one JSON line last) with the simulator environment's python and the
     checkout on PYTHONPATH; returns the parsed JSON."""
     python = sim_python(simulator)
-    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+           **env_vars}
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, cwd=str(environments.REPO_ROOT))
     if proc.returncode != 0:
         raise AssertionError(f"{simulator} subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -51,8 +51,12 @@ class Rollout:
 
 class RolloutWorker:
     def __init__(self, env, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
-                 eval_env_factory=None):
+                 eval_env_factory=None, group_size: int = 1, use_fixed_reset_state_ids: bool = False,
+                 seed: int = 0):
         self.env = env
+        self.group_size = group_size
+        self.use_fixed_reset_state_ids = use_fixed_reset_state_ids
+        self.seed = seed
         self.num_stages = num_stages
         self.stages = np.array_split(np.arange(env.num_envs), num_stages)
         self.auto_reset = auto_reset
@@ -67,10 +71,23 @@ class RolloutWorker:
         self.instructions = np.array(info.task_descriptions or [""] * env.num_envs, dtype=object)
 
     # --- training rollouts ------------------------------------------------------------------------------------
-    def reset_all(self) -> None:
-        """Start fresh episodes on every env (after the env was replaced or lost its episodes)."""
-        self.obs = self.env.reset()
-        self.instructions[:] = self.env.space_info().task_descriptions or [""] * self.env.num_envs
+    def reset_all(self, epoch: int | None = None) -> None:
+        """Start fresh episodes on every env. With groups (GRPO), consecutive envs of ``group_size`` start from
+        one shared initial state: one seed per group (drawn from the worker's seed and the epoch) and, with
+        ``use_fixed_reset_state_ids`` on an env that has fixed initial states, one state id per group."""
+        n = self.env.num_envs
+        if self.group_size > 1 and epoch is not None:
+            groups = np.arange(n) // self.group_size
+            rng = np.random.default_rng([self.seed, epoch])
+            seeds = rng.integers(0, 2 ** 31 - 1, size=groups[-1] + 1)[groups].tolist()
+            states = None
+            num_states = self.env.space_info().num_reset_states
+            if self.use_fixed_reset_state_ids and num_states:
+                states = rng.integers(0, num_states, size=groups[-1] + 1)[groups].tolist()
+            self.obs = self.env.reset(None, seeds, states)
+        else:
+            self.obs = self.env.reset()
+        self.instructions[:] = self.env.space_info().task_descriptions or [""] * n
 
     def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, deterministic: bool = False) -> None:
         policy.submit(stage, request, deterministic, list(self.instructions[ids]))
@@ -94,7 +111,7 @@ class RolloutWorker:
         t_start = time.perf_counter()
         env, T, n = self.env, num_steps, self.env.num_envs
         if not self.auto_reset:
-            self.reset_all()
+            self.reset_all(epoch)
         buf = {f"obs.{k}": np.empty((T, n, *sp.shape), dtype=sp.dtype) for k, sp in self.observation_space.items()}
         buf.update(values=np.zeros((T, n), np.float32), rewards=np.empty((T, n), np.float32),
                    terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),

@@ -228,7 +228,9 @@ def build_worker(cfg, index: int, external_env: str | None = None,
         env = VecEnv(**env_kwargs(cfg, "train", per_server, seed, train.auto_reset))
         eval_factory = lambda: VecEnv(**env_kwargs(cfg, "eval", ev.total_num_envs // n_servers, ev.seed, False))  # noqa: E731
     worker = RolloutWorker(env, cfg.rollout.pipeline_stage_num, auto_reset=train.auto_reset,
-                           bootstrap_truncated=cfg.algorithm.bootstrap_truncated, eval_env_factory=eval_factory)
+                           bootstrap_truncated=cfg.algorithm.bootstrap_truncated, eval_env_factory=eval_factory,
+                           group_size=cfg.algorithm.group_size,
+                           use_fixed_reset_state_ids=train.use_fixed_reset_state_ids, seed=seed)
     return env, worker
 
 

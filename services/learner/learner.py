@@ -18,7 +18,7 @@ from rlfleet.codec import episode_return
 from rlfleet.metrics import MetricsLogger
 from rlfleet.models import ObsSpec, RunningMeanStd, build_policy
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
-from services.learner import ppo
+from services.learner import grpo, ppo
 
 log = logging.getLogger("rlfleet.learner")
 
@@ -160,25 +160,34 @@ class Learner:
 
         raw_rewards = cat("rewards")
         dones = cat("terminated") | cat("truncated")
-        rewards = np.concatenate([self._normalized_rewards(w, p["time"]["rewards"],
-                                                           p["time"]["terminated"] | p["time"]["truncated"])
-                                  for w, p in zip(sorted(workers), parts)], axis=1)
-        if alg.bootstrap_truncated:
-            rewards = rewards + alg.gamma * cat("bootstrap_values")
         tt = lambda a: torch.as_tensor(a, device=self.device)  # noqa: E731
         values = tt(cat("values"))
-        last_values = tt(np.concatenate([p["env"]["last_values"] for p in parts]))
-        advantages, returns = ppo.compute_gae(tt(rewards), values, tt(dones.astype(np.float32)), last_values,
-                                              alg.gamma, alg.gae_lambda)
+        loss_mask = tt(cat("loss_mask").astype(np.float32))
+        adv_stats: dict[str, float] = {}
+        if alg.adv_type == "grpo":  # group-relative scores of whole episodes; no critic, no reward normalisation
+            fr = tuple(alg.filter_rewards) if alg.filter_rewards is not None else None
+            advantages, loss_mask, adv_stats = grpo.grpo_advantages(
+                tt(raw_rewards * alg.reward_coef), loss_mask, alg.group_size, filter_range=fr)
+            returns = advantages
+        else:
+            rewards = np.concatenate([self._normalized_rewards(w, p["time"]["rewards"],
+                                                               p["time"]["terminated"] | p["time"]["truncated"])
+                                      for w, p in zip(sorted(workers), parts)], axis=1)
+            if alg.bootstrap_truncated:
+                rewards = rewards + alg.gamma * cat("bootstrap_values")
+            last_values = tt(np.concatenate([p["env"]["last_values"] for p in parts]))
+            advantages, returns = ppo.compute_gae(tt(rewards), values, tt(dones.astype(np.float32)), last_values,
+                                                  alg.gamma, alg.gae_lambda)
         T, N = raw_rewards.shape
         flat = lambda x: x.reshape(T * N, *x.shape[2:])  # noqa: E731
         obs = {k: flat(tt(cat(f"obs.{k}"))) for k in self.obs_specs}
         forward_inputs = {k[3:]: flat(tt(cat(k))) for k in parts[0]["time"] if k.startswith("fi.")}
         batch = {"old_log_probs": flat(tt(cat("log_probs"))),
                  "old_values": flat(values), "advantages": flat(advantages), "returns": flat(returns),
-                 "mask": flat(tt(cat("loss_mask").astype(np.float32)))}
+                 "mask": flat(loss_mask)}
         use_mask = not bool(batch["mask"].all())
-        stats = self._update(obs, forward_inputs, batch, use_mask)
+        stats = self._update(obs, forward_inputs, batch, use_mask) if batch["mask"].any() else {}
+        stats.update(adv_stats)
         # the observation normaliser moves only after the update, so old log-probs stay consistent within it
         self.model.update_obs_normalizer({k: v[batch["mask"] > 0] for k, v in obs.items()} if use_mask else obs)
         self.epoch, self.version = epoch, self.version + 1
@@ -247,7 +256,7 @@ class Learner:
                         log_probs, batch["old_log_probs"][idx], adv[:, None].expand(-1, width),
                         clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
                         clip_ratio_c=alg.clip_ratio_c, mask=None if mask is None else mask[:, None].expand(-1, width))
-                    if values is not None:
+                    if values is not None and alg.loss_type == "actor_critic":
                         v_loss, v_clip_ratio = ppo.value_loss(
                             values, batch["old_values"][idx], batch["returns"][idx], value_clip=alg.value_clip,
                             huber_delta=alg.huber_delta, mask=mask)
@@ -295,7 +304,8 @@ class Learner:
             m[f"rollout/{name}_mean"] = float(x.mean())
             m[f"rollout/{name}_max"] = float(x.max())
             m[f"rollout/{name}_min"] = float(x.min())
-        m["train/critic/explained_variance"] = ppo.explained_variance(values.flatten(), returns.flatten())
+        if self.alg.loss_type == "actor_critic":
+            m["train/critic/explained_variance"] = ppo.explained_variance(values.flatten(), returns.flatten())
         return m
 
     def elapsed(self) -> float:

@@ -98,3 +98,33 @@ def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, log
         assert resp.metrics["train/actor/first_logprob_abs_diff"] < 1e-5
     finally:
         fleet.close()
+
+
+def test_grpo_groups_share_a_start_and_train_without_a_critic(tmp_path):
+    from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
+    from tests.conftest import Fleet, small_config
+
+    cfg = small_config("algorithm.adv_type=grpo", "algorithm.loss_type=actor", "algorithm.group_size=4",
+                       "env.train.auto_reset=false", "env.train.max_episode_steps=10",
+                       "env.train.max_steps_per_rollout_epoch=10", "actor.micro_batch_size=40",
+                       "actor.global_batch_size=80", "algorithm.filter_rewards=[-1000.0, 1000.0]")
+    fleet = Fleet(cfg, tmp_path / "run")
+    try:
+        rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+        spec = rstub.Describe(env_pb2.DescribeEnvRequest())
+        lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+        lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+        for epoch in range(2):
+            rstub.Collect(rollout_pb2.CollectRequest(epoch=epoch, num_steps=10, inference_addresses=[fleet.inf_addr],
+                                                     learner_address=fleet.learner_addr, min_weights_version=epoch))
+            first = fleet.learner.pending[(epoch, 0)]["time"]["obs.state"][0]  # [8 envs, 13]
+            assert np.allclose(first[:4], first[0]) and np.allclose(first[4:], first[4])  # two groups
+            assert not np.allclose(first[0], first[4])
+            resp = lstub.Train(learner_pb2.TrainRequest(epoch=epoch, worker_indices=[0],
+                                                        inference_addresses=[fleet.inf_addr]))
+            m = resp.metrics
+            assert m["rollout/grpo_groups"] == 2 and np.isfinite(m["train/actor/policy_loss"])
+            assert m["train/critic/value_loss"] == 0.0 and "train/critic/explained_variance" not in m
+        assert resp.weights_version == 2
+    finally:
+        fleet.close()

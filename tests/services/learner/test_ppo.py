@@ -49,3 +49,22 @@ def test_value_loss_clip_and_huber():
 def test_masked_mean():
     x = torch.tensor([1.0, 100.0, 3.0])
     assert ppo.masked_mean(x, torch.tensor([1.0, 0.0, 1.0])).item() == 2.0
+
+
+def test_grpo_advantages_groups_and_filter():
+    from services.learner.grpo import grpo_advantages
+
+    T, N = 4, 6  # 3 groups of 2
+    rewards = torch.zeros(T, N)
+    rewards[0, 0] = 1.0          # group 0: one success, one failure
+    rewards[:, 2:4] = 1.0        # group 1: both succeed (all-success)
+    mask = torch.ones(T, N)
+    mask[2:, 1] = 0.0            # env 1 ended after 2 steps
+    adv, new_mask, stats = grpo_advantages(rewards, mask, 2)
+    assert torch.allclose(adv[:, 0], torch.full((T,), 1.0), atol=1e-4)   # (1 - 0.5) / 0.5
+    assert torch.allclose(adv[:, 1], torch.full((T,), -1.0), atol=1e-4)
+    assert torch.allclose(adv[:, 2:], torch.zeros(T, 4))                  # no spread: zero advantage
+    assert torch.equal(new_mask, mask) and stats["rollout/grpo_groups"] == 3
+    adv, new_mask, stats = grpo_advantages(rewards, mask, 2, filter_range=(0.1, 3.9))
+    assert new_mask[:, 2:4].sum() == 0 and new_mask[:, 4:].sum() == 0 and new_mask[:, :2].sum() == mask[:, :2].sum()
+    assert stats["rollout/grpo_groups_kept"] == 1
