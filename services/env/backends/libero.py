@@ -100,6 +100,10 @@ def import_libero():
     """Import LIBERO without any chance of an interactive prompt -> (benchmark module, get_libero_path,
     OffScreenRenderEnv). Raises BackendUnavailable naming the fix when LIBERO or its assets are missing."""
     os.environ.setdefault("MUJOCO_GL", "egl")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        # rlfleet hides GPUs from a process placed on none (CUDA_VISIBLE_DEVICES=""); robosuite parses the variable
+        # to pick an EGL device and fails on an empty one, while EGL itself then picks the software renderer
+        del os.environ["CUDA_VISIBLE_DEVICES"]
     flavour = _libero_flavour()
     if flavour is None:
         raise BackendUnavailable("LIBERO is not installed in this environment; env servers for simulator_type="

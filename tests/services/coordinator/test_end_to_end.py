@@ -380,3 +380,21 @@ def test_unknown_task_in_a_simulator_environment_fails_fast_without_restarts(tmp
     assert proc.returncode == 1
     assert "env[0] could not start" in proc.stderr and "unknown task 'reech-v3'; did you mean 'reach-v3'" in proc.stderr
     assert "restarting" not in proc.stdout and time.monotonic() - t0 < 60
+
+
+@pytest.mark.sim
+def test_libero_runs_end_to_end_and_evaluates_on_fixed_initial_states(tmp_path):
+    proc = subprocess.run([*CTL, "start", "libero_spatial_ppo_cnn", f"runner.logger.log_path={tmp_path}",
+                           "runner.max_epochs=1", "runner.experiment_name=libero", "env.train.total_num_envs=2",
+                           "env.train.max_episode_steps=16", "env.train.max_steps_per_rollout_epoch=16",
+                           "env.eval.total_num_envs=2", "env.eval.num_episodes=2", "env.eval.max_episode_steps=8",
+                           "rollout.pipeline_stage_num=1", "actor.micro_batch_size=32", "actor.global_batch_size=32",
+                           "env.train.init_params.fast_render=true", "env.eval.init_params.fast_render=true",
+                           "env.train.init_params.image_size=32", "env.eval.init_params.image_size=32"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (tmp_path / "libero" / "logs" / "env_0.log").read_text()
+    assert "libero:libero_spatial" in log and "robosuite 1.4.0" in log and "mujoco 3.3.0" in log
+    summary = json.loads((tmp_path / "libero" / "summary.json").read_text())
+    assert summary["env_id"] == "libero_spatial" and summary["final_eval"]["eval/num_episodes"] == 2
+    assert summary["final_eval"]["eval/success_once"] in (0.0, 0.5, 1.0)
