@@ -44,6 +44,12 @@ CASES = {
                         "env.eval.simulator_type=metaworld", "env.eval.env_id=reach-v3",
                         "env.train.total_num_envs=32", "env.train.max_steps_per_rollout_epoch=64",
                         "env.train.max_episode_steps=100"],
+    "libero-spatial": ["env.train.simulator_type=libero", "env.train.env_id=libero_spatial",
+                       "env.eval.simulator_type=libero", "env.eval.env_id=libero_spatial",
+                       "env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=16",
+                       "env.train.max_episode_steps=240", "actor.model.model_type=cnn",
+                       "env.train.init_params={image_size: 64, max_idle_envs: 2}",
+                       "actor.global_batch_size=64", "actor.micro_batch_size=64"],
 }
 
 
