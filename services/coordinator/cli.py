@@ -200,7 +200,15 @@ def main(argv=None) -> int:
     q.add_argument("name", nargs="?", default=None, help="simulator name (see the list)")
     q.add_argument("--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or "
                                                     "~/.cache/rlfleet/envs)")
+    q = sub.add_parser("check-env", add_help=False,
+                       help="check a running EnvService against the env contract (docs/env-contract.md); "
+                            "`coordinatorctl check-env --help` for options")
+    q.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "check-env":
+        from rlfleet.conformance import main as check_env_main
+
+        return check_env_main(args.rest)
     if args.command == "envs":
         return _envs(args)
     if args.command == "start":

@@ -84,8 +84,11 @@ class MetaWorldBackend(SimBackend):
         self._class_index = np.zeros(num_envs, np.int64)
         self._rngs = [np.random.default_rng(benchmark_seed + i) for i in range(num_envs)]
         probe = self._env(0, self.class_names[0])
-        base = probe.observation_space
+        probe.set_task(self.states[0][1])  # the goal is observed once a task is set: its bounds count from here
+        base = probe.sawyer_observation_space  # (env.observation_space keeps the space from before set_task)
         low, high = np.asarray(base.low, np.float64), np.asarray(base.high, np.float64)
+        if C > 1:  # each task class has its own goal region: the goal entries (last 3) are left unbounded
+            low[-3:], high[-3:] = -np.inf, np.inf
         if self.one_hot:
             low, high = np.concatenate([low, np.zeros(C)]), np.concatenate([high, np.ones(C)])
         obs_space = {"state": TensorSpace((low.size,), np.float32, low, high)}
