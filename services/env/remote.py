@@ -80,10 +80,11 @@ class RemoteVecEnv:
         seconds it was down. Raises EnvConnectionLost when it stays down."""
         self._drop_stream()
         t0 = time.monotonic()
-        delay, last_say = 0.5, -1e9
+        delay, last_say = 0.5, 0.0
+        log(f"external env {self.address} is down; reconnecting (up to {timeout:.0f}s)", flush=True)
         while True:
             try:
-                self._connect(min(5.0, max(0.5, timeout - (time.monotonic() - t0))))
+                self._connect(min(2.0, max(0.5, timeout - (time.monotonic() - t0))))
                 down = time.monotonic() - t0
                 log(f"external env {self.address} is back after {down:.1f}s", flush=True)
                 return down
