@@ -210,6 +210,13 @@ def validate(cfg: DictConfig) -> None:
             get_simulator(cfg.env[split].simulator_type)
         except KeyError as exc:
             raise ConfigError(f"'env.{split}.simulator_type': {exc.args[0]}") from None
+    train_sim, eval_sim = (get_simulator(cfg.env[s].simulator_type) for s in ("train", "eval"))
+    _require(ext or train_sim.environment == eval_sim.environment, "env.eval.simulator_type",
+             f"'{eval_sim.name}' runs in the "
+             f"{eval_sim.environment.name if eval_sim.environment else 'main'} environment but the evaluation envs "
+             f"live in the training env servers, which run in the "
+             f"{train_sim.environment.name if train_sim.environment else 'main'} environment ('{train_sim.name}'); "
+             f"evaluate on the same simulator, or serve it standalone and use cluster.external_eval_env_addresses")
     ext_eval = list(cfg.cluster.external_eval_env_addresses)
     _require(not ext_eval or (ext and len(ext_eval) == n_servers), "cluster.external_eval_env_addresses",
              f"{len(ext_eval)} addresses: give one per env server, alongside cluster.external_env_addresses")

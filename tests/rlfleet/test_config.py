@@ -34,6 +34,8 @@ def test_wrong_type_and_cross_checks():
         load_config(None, ["actor.global_batch_size=300"])
     with pytest.raises(ConfigError, match="'actor.model.model_type': 'transformer' is not one of mlp, cnn"):
         load_config(None, ["actor.model.model_type=transformer"])
+    with pytest.raises(ConfigError, match="'env.eval.simulator_type': 'metaworld' runs in the metaworld environment"):
+        load_config(None, ["env.eval.simulator_type=metaworld"])
 
 
 def test_free_form_maps_and_builtin_configs():
