@@ -173,12 +173,17 @@ def validate(cfg: DictConfig) -> None:
              f"each env server's {per_server} envs must split evenly into {stages} stages")
     _require(cfg.env.train.max_steps_per_rollout_epoch >= 1, "env.train.max_steps_per_rollout_epoch", "must be >= 1")
     _require(cfg.env.eval.num_episodes >= 1, "env.eval.num_episodes", "must be >= 1")
-    batch = cfg.env.train.total_num_envs * cfg.env.train.max_steps_per_rollout_epoch
+    chunk = cfg.actor.model.num_action_chunks
+    _require(cfg.env.train.max_steps_per_rollout_epoch % max(chunk, 1) == 0, "env.train.max_steps_per_rollout_epoch",
+             f"{cfg.env.train.max_steps_per_rollout_epoch} env steps must be a multiple of "
+             f"actor.model.num_action_chunks ({chunk}): one sample is one action chunk")
+    batch = cfg.env.train.total_num_envs * (cfg.env.train.max_steps_per_rollout_epoch // max(chunk, 1))
     _require(cfg.actor.global_batch_size % cfg.actor.micro_batch_size == 0, "actor.global_batch_size",
              f"{cfg.actor.global_batch_size} must be a multiple of actor.micro_batch_size "
              f"({cfg.actor.micro_batch_size})")
     _require(batch % cfg.actor.global_batch_size == 0, "actor.global_batch_size",
-             f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch = {batch}) must be a "
+             f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch / num_action_chunks = "
+             f"{batch} samples) must be a "
              f"multiple of actor.global_batch_size ({cfg.actor.global_batch_size})")
     alg = cfg.algorithm
     _require(alg.adv_type in ("gae", "grpo"), "algorithm.adv_type", f"'{alg.adv_type}' is not one of gae, grpo")
@@ -226,8 +231,15 @@ def validate(cfg: DictConfig) -> None:
 
     _require(alg.logprob_type in LOGPROB_TYPES, "algorithm.logprob_type",
              f"'{alg.logprob_type}' is not one of {', '.join(LOGPROB_TYPES)}")
-    _require(cfg.actor.model.model_type in ("mlp", "cnn"), "actor.model.model_type",
-             f"'{cfg.actor.model.model_type}' is not one of mlp, cnn")
+    from rlfleet.policies import POLICIES
+
+    _require(cfg.actor.model.model_type in POLICIES, "actor.model.model_type",
+             f"'{cfg.actor.model.model_type}' is not one of {', '.join(POLICIES)}")
+    _require(cfg.actor.model.num_action_chunks >= 1, "actor.model.num_action_chunks",
+             f"must be >= 1, got {cfg.actor.model.num_action_chunks}")
+    _require(cfg.actor.model.num_action_chunks == 1 or cfg.actor.model.model_type != "openvla",
+             "actor.model.num_action_chunks", "model_type openvla decodes one action per call; chunks need "
+             "openvla_oft")
     _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",
              f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu")
     _require(cfg.actor.optim.lr_schedule in ("constant", "linear"), "actor.optim.lr_schedule",

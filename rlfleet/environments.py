@@ -45,8 +45,11 @@ def requirements(env: Environment) -> list[str]:
 
 
 def lock_key(env: Environment) -> str:
-    blob = json.dumps({"pip": requirements(env), "apt": list(env.apt), "python": env.python, "setup": env.setup,
-                       "check": env.check}, sort_keys=True)
+    fields = {"pip": requirements(env), "apt": list(env.apt), "python": env.python, "setup": env.setup,
+              "check": env.check}
+    if env.apt_sources:  # only when set, so environments without extra apt sources keep their keys
+        fields["apt_sources"] = list(env.apt_sources)
+    blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -111,13 +114,59 @@ def _base_python(version: str) -> str:
     return found
 
 
+def apt_name(entry: str) -> tuple[str, str | None]:
+    """An ``Environment.apt`` entry ("pkg" or "pkg>=VERSION") -> (package, minimum version or None)."""
+    name, _, version = entry.partition(">=")
+    return name.strip(), (version.strip() or None)
+
+
+def apt_suites(env: Environment) -> list[str]:
+    """The suites of ``env.apt_sources`` ("deb URI SUITE COMPONENTS"; ``{codename}`` is this host's Debian
+    codename), in order."""
+    return [line.split()[2] for line in _apt_source_lines(env)]
+
+
+def _apt_source_lines(env: Environment) -> list[str]:
+    codename = ""
+    try:
+        for line in pathlib.Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("VERSION_CODENAME="):
+                codename = line.partition("=")[2].strip().strip('"')
+    except OSError:
+        pass
+    return [line.format(codename=codename or "stable") for line in env.apt_sources]
+
+
 def missing_apt(env: Environment) -> list[str]:
+    """The ``env.apt`` entries not satisfied on this host (not installed, or older than the minimum version)."""
     missing = []
-    for pkg in env.apt:
+    for entry in env.apt:
+        pkg, min_version = apt_name(entry)
         r = subprocess.run(["dpkg", "-s", pkg], capture_output=True, text=True)
         if r.returncode != 0 or "Status: install ok installed" not in r.stdout:
-            missing.append(pkg)
+            missing.append(entry)
+            continue
+        if min_version:
+            have = next((line.split(":", 1)[1].strip() for line in r.stdout.splitlines()
+                         if line.startswith("Version:")), "0")
+            if subprocess.run(["dpkg", "--compare-versions", have, "ge", min_version]).returncode != 0:
+                missing.append(entry)
     return missing
+
+
+def apt_install_commands(env: Environment, missing: list[str]) -> list[list[str]]:
+    """The commands (run as root) that install ``missing``: add ``env.apt_sources`` when needed, update, install
+    (from the sources' suites with -t, so that the newer versions are picked)."""
+    names = [apt_name(m)[0] for m in missing]
+    lines = _apt_source_lines(env)
+    cmds: list[list[str]] = []
+    if lines:
+        listed = pathlib.Path(f"/etc/apt/sources.list.d/rlfleet-{env.name}.list")
+        cmds.append(["sh", "-c", f"printf '%s\\n' {' '.join(shlex.quote(x) for x in lines)} > {listed}"])
+    cmds.append(["apt-get", "update", "-qq"])
+    target = [a for s in apt_suites(env)[:1] for a in ("-t", s)]
+    cmds.append(["apt-get", "install", "-y", "-qq", *target, *names])
+    return cmds
 
 
 def _run(cmd: list[str], log, tag: str, env: dict | None = None, cwd: str | None = None) -> None:
@@ -155,13 +204,18 @@ def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
     log(f"[{tag}] building the {env.name} simulator environment at {path} (first use; cached afterwards)")
     apt = missing_apt(env)
     if apt:
+        cmds = apt_install_commands(env, apt)
+        how = " && ".join(c[-1] if c[0] == "sh" else " ".join(c) for c in cmds)
         if os.geteuid() == 0 and shutil.which("apt-get"):
-            _run(["apt-get", "update", "-qq"], log, tag)
-            _run(["apt-get", "install", "-y", "-qq", *apt], log, tag, env={**os.environ,
-                                                                          "DEBIAN_FRONTEND": "noninteractive"})
+            log(f"[{tag}] installing Debian packages: {' '.join(apt)}")
+            for cmd in cmds:
+                _run(cmd, log, tag, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            still = missing_apt(env)
+            if still:
+                raise EnvironmentError_(f"[{tag}] Debian packages still missing after installing: {' '.join(still)} "
+                                        f"(ran: {how})")
         else:
-            raise EnvironmentError_(f"[{tag}] Debian packages missing: {' '.join(apt)}; run as root: "
-                                    f"apt-get install {' '.join(apt)}")
+            raise EnvironmentError_(f"[{tag}] Debian packages missing: {' '.join(apt)}; run as root: {how}")
     shutil.rmtree(path, ignore_errors=True)  # built in place; the stamp file, written last, marks it complete
     uv = _uv()
     sub_env = dict(os.environ)

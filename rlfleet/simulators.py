@@ -24,7 +24,10 @@ class Environment:
 
     name: str
     pip: tuple[str, ...]                # the simulator's requirements, pinned (plus ENV_SIDE_REQUIREMENTS)
-    apt: tuple[str, ...] = ()           # Debian packages it needs on the host (installed when root)
+    apt: tuple[str, ...] = ()           # Debian packages it needs on the host ("pkg" or "pkg>=VERSION"; installed
+                                        # when root)
+    apt_sources: tuple[str, ...] = ()   # extra apt source lines for those ("deb URI {codename}-backports main"):
+                                        # added as root, and apt installs from the first one's suite (-t)
     setup: str | None = None            # "module:function" run with the environment's python after pip
     check: str = ""                     # a Python statement that must run in the finished environment
     python: str = "3.11"
@@ -60,6 +63,19 @@ LIBERO_ENV = Environment(
           "~0.9 GB RAM per robosuite env",
 )
 
+MANISKILL_ENV = Environment(
+    name="maniskill",
+    # torch is pinned here with mani-skill: unpinned, the resolver picks PyPI's CUDA build (several GB); pinned,
+    # pip's configured sources (find-links, a CPU wheel index via RLFLEET_TORCH_INDEX) provide the CPU wheel
+    pip=("mani-skill==3.0.1", "sapien==3.0.3", "torch==2.13.0", "numpy>=1.26,<3"),
+    # SAPIEN needs a Vulkan driver; on CPU that is Mesa's lavapipe, and Debian 12's Mesa 22.3 is too old for it
+    apt=("libvulkan1", "mesa-vulkan-drivers>=25"),
+    apt_sources=("deb http://deb.debian.org/debian {codename}-backports main",),
+    check="from services.env.backends.maniskill import check_install; check_install()",
+    notes="ManiSkill 3.0.1 on SAPIEN 3.0.3 (+ CPU torch); Vulkan via Mesa 25 lavapipe (Debian backports) on CPU; "
+          "tasks that need downloaded assets are refused with the download command",
+)
+
 BEHAVIOR_ENV = Environment(
     name="behavior",
     pip=("omnigibson==1.1.1", "numpy>=1.26,<2"),
@@ -79,6 +95,11 @@ SIMULATORS: dict[str, Simulator] = {s.name: s for s in (
               "agent-view + wrist RGB + 8-D proprio, 7-D delta-EEF actions",
               ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_130"),
               preflight="services.env.backends.libero:preflight"),
+    Simulator("maniskill", "services.env.backends.maniskill:ManiSkillBackend", MANISKILL_ENV,
+              "ManiSkill3 tasks (SAPIEN/PhysX): state or RGB observations, physx_cpu (one env per slot) or "
+              "physx_cuda (one batched GPU simulation)",
+              ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1"),
+              preflight="services.env.backends.maniskill:preflight"),
     Simulator("behavior", "services.env.backends.behavior:BehaviorBackend", BEHAVIOR_ENV,
               "BEHAVIOR-1K activities on OmniGibson 1.1 (Isaac Sim; RTX GPU required)",
               ("putting_away_Halloween_decorations", "picking_up_trash"),

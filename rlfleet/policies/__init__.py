@@ -13,6 +13,8 @@ from rlfleet.policies.base import LOGPROB_TYPES, PolicyEval, PolicyOutput, log_p
 POLICIES = {
     "mlp": "rlfleet.models.actor_critic:ActorCritic",
     "cnn": "rlfleet.models.actor_critic:ActorCritic",
+    "openvla": "rlfleet.models.openvla:OpenVLAPolicy",
+    "openvla_oft": "rlfleet.models.openvla:OpenVLAPolicy",
 }
 
 

@@ -72,6 +72,14 @@ class PolicyMixin:
     def update_obs_normalizer(self, obs: Mapping[str, torch.Tensor]) -> None:
         """Move running observation statistics (learner side, after an update); default: none."""
 
+    def sync_state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors that change in training (trainable parameters and persistent buffers such as running
+        statistics): what a weight update after the first full set carries to the inference servers. With LoRA
+        these are the adapters and the value head only."""
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        buffers = {n for n, _ in self.named_buffers()}
+        return {k: v for k, v in self.state_dict().items() if k in trainable or k in buffers}
+
     def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
             instructions: Sequence[str] | None = None) -> PolicyOutput:
         raise NotImplementedError

@@ -261,7 +261,8 @@ class Coordinator:
             policy_generation = self._inference_generation()
             try:
                 resp = stub.Collect(rollout_pb2.CollectRequest(
-                    epoch=epoch, num_steps=self.cfg.env.train.max_steps_per_rollout_epoch,
+                    epoch=epoch,
+                    num_steps=self.cfg.env.train.max_steps_per_rollout_epoch // self.cfg.actor.model.num_action_chunks,
                     inference_addresses=self.addresses("inference"), learner_address=self.addresses("learner")[0],
                     min_weights_version=min_version), timeout=self.cfg.cluster.collect_timeout_s)
                 if resp.lost_episodes:
@@ -418,10 +419,12 @@ class Coordinator:
         start_epoch = status.epoch + 1
         self.env_steps, self.elapsed_offset = status.env_steps, status.elapsed_time_s
         version = pub.weights_version
-        batch = cfg.env.train.total_num_envs * cfg.env.train.max_steps_per_rollout_epoch
+        chunk = cfg.actor.model.num_action_chunks
+        batch = cfg.env.train.total_num_envs * cfg.env.train.max_steps_per_rollout_epoch // chunk
         self.say(f"  services up in {time.monotonic() - t_setup:.1f}s; env {spec.env_id}: "
-                 f"{cfg.env.train.total_num_envs} envs x {cfg.env.train.max_steps_per_rollout_epoch} steps = "
-                 f"{batch} samples/epoch, {cfg.rollout.pipeline_stage_num} pipeline stage(s)"
+                 f"{cfg.env.train.total_num_envs} envs x {cfg.env.train.max_steps_per_rollout_epoch} steps"
+                 + (f" in chunks of {chunk}" if chunk > 1 else "") + f" = {batch} samples/epoch, "
+                 f"{cfg.rollout.pipeline_stage_num} pipeline stage(s)"
                  + (f"; resumed at epoch {start_epoch}, {self.env_steps} env steps" if start_epoch else ""))
         self.phase = "training"
         self.t_train = time.monotonic()

@@ -31,14 +31,16 @@ def plot_learning_curve(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     ax1.set_ylabel("success rate")
     ax1.set_ylim(-0.02, 1.02)
     ax1.grid(alpha=0.3)
-    ax1.legend()
+    if ax1.get_legend_handles_labels()[0]:
+        ax1.legend()
     rets = [(x, r["env/return"]) for x, r in zip(xs, train) if r.get("env/return") is not None]
     if rets:
         ax2.plot(*zip(*rets), label="env/return")
     ax2.set_xlabel("env steps (k)")
     ax2.set_ylabel("episode return")
     ax2.grid(alpha=0.3)
-    ax2.legend()
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend()
     fig.suptitle(pathlib.Path(run_dir).name)
     fig.tight_layout()
     out = pathlib.Path(run_dir) / "learning_curve.png"

@@ -184,7 +184,8 @@ class RolloutWorker:
                 self._submit(policy, s, np.concatenate([ids, ids[extra[s]]]) if extra[s] is not None else ids,
                              request)
         rollout = Rollout(buf, {"last_values": last_values}, episodes)
-        summary = CollectSummary(epoch, T * n, episodes, time.perf_counter() - t_start, env_time, wait_time,
+        chunk = buf["actions"].shape[2] if "actions" in buf else 1
+        summary = CollectSummary(epoch, T * n * chunk, episodes, time.perf_counter() - t_start, env_time, wait_time,
                                  -1 if version is None else version)
         return rollout, summary
 

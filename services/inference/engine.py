@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -44,7 +45,9 @@ class InferenceEngine:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.device = torch.device(device)
-        self.model = None  # a policy (rlfleet.policies)
+        self.model = None  # a policy (rlfleet.policies), the served copy
+        self._spare = None  # the idle copy the next update loads into
+        self.bytes_loaded = 0
         self.obs_specs: dict[str, ObsSpec] | None = None
         self.action_dim: int | None = None
         self.version = -1
@@ -60,23 +63,27 @@ class InferenceEngine:
     # --- weights ----------------------------------------------------------------------------------------------
     def set_weights(self, version: int, state: dict[str, torch.Tensor], *, obs_specs: dict[str, ObsSpec] | None = None,
                     action_dim: int | None = None, partial: bool = False) -> int:
-        """Swap in a new weights set. In-flight batches finish on the old model; the next batch uses the new."""
+        """Swap in a new weights set. In-flight batches finish on the old model; the next batch uses the new.
+
+        Two copies of the policy are kept (double buffering): an update is loaded into the idle copy, in place,
+        which then becomes the served one, so an update copies only the tensors it carries, never the whole
+        model. A partial update (LoRA adapters, or whatever the policy trains) must carry every tensor that
+        changes in training (``sync_state_dict``); the rest never changes after the first full set."""
         if version < self.version:
             raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
-        model = self.model
-        if obs_specs is not None and (obs_specs != self.obs_specs or action_dim != self.action_dim):
-            model = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
-                                 self.logprob_type).to(self.device)
-            partial_ok = False
-        else:
-            partial_ok = True
-        if model is None:
+        rebuild = obs_specs is not None and (obs_specs != self.obs_specs or action_dim != self.action_dim)
+        if rebuild:
+            target = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
+                                  self.logprob_type).to(self.device)
+        elif self.model is None:
             raise InvalidRequest("observation_space: the first weights set must describe the policy's spaces")
-        current = model.state_dict()
+        else:
+            target = self._spare
+        current = target.state_dict()
         unknown = sorted(set(state) - set(current))
         if unknown:
             raise InvalidRequest(f"weights: unknown tensor '{unknown[0]}' for this {self.model_cfg.model_type} policy")
-        if not (partial and partial_ok):
+        if not partial or rebuild:
             missing = sorted(set(current) - set(state))
             if missing:
                 raise InvalidRequest(f"weights: full set is missing tensor '{missing[0]}'")
@@ -86,13 +93,21 @@ class InferenceEngine:
                                      f"{list(current[name].shape)} was expected")
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise InvalidRequest(f"weights['{name}']: non-finite values")
-        new = model if model is not self.model else _clone(model)
-        new.load_state_dict(state, strict=False)
-        new.eval()
+        with _lock_of(target):  # a batch still running on this copy finishes first
+            target.load_state_dict(state, strict=False)
+            target.eval()
+        spare = target
+        if rebuild:  # the second buffer: one copy when the policy is (re)built, none per update
+            import copy
+
+            spare = copy.deepcopy(target)
         with self._swap_lock:
-            self.model, self.version = new, version
+            old = self.model
+            self.model, self.version = target, version
             if obs_specs is not None:
                 self.obs_specs, self.action_dim = dict(obs_specs), action_dim
+        self._spare = spare if rebuild else old
+        self.bytes_loaded += sum(t.numel() * t.element_size() for t in state.values())
         log.info("serving weights version %d (%d tensors)", version, len(state))
         return version
 
@@ -126,8 +141,13 @@ class InferenceEngine:
         self.validate_obs(obs)
         with self._swap_lock:
             model, version = self.model, self.version
-        tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
-        out = model.act(tobs, deterministic, instructions)
+            lock = _lock_of(model)
+            lock.acquire()  # held while the batch runs: an update never loads into a model in use
+        try:
+            tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
+            out = model.act(tobs, deterministic, instructions)
+        finally:
+            lock.release()
         numpy = lambda t: t.detach().cpu().numpy()  # noqa: E731
         return ActResult(numpy(out.actions.float()), numpy(out.log_probs.float()),
                          None if out.values is None else numpy(out.values.float()), version,
@@ -215,7 +235,14 @@ class InferenceEngine:
             self.requests_served += len(group)
 
 
-def _clone(model):
-    import copy
+_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_IN_USE_GUARD = threading.Lock()
 
-    return copy.deepcopy(model)
+
+def _lock_of(model) -> threading.Lock:
+    """The lock that a batch holds on a policy copy while it runs on it."""
+    with _IN_USE_GUARD:
+        lock = _IN_USE.get(model)
+        if lock is None:
+            lock = _IN_USE[model] = threading.Lock()
+        return lock

@@ -50,6 +50,7 @@ class Learner:
         self.elapsed_s = 0.0     # training wall time, as measured by the coordinator (restored on resume)
         self.last_checkpoint = ""
         self.publish_error = ""
+        self.last_sync_bytes = 0  # bytes of the last weight update per inference server
         self.reward_rms = RunningMeanStd(())
         self._returns: dict[int, np.ndarray] = {}   # per worker: running discounted return per env
         self.pending: dict[tuple[int, int], dict] = {}
@@ -67,7 +68,8 @@ class Learner:
         self.obs_specs, self.action_dim = dict(obs_specs), action_dim
         self.model = build_policy(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
                                   self.alg.logprob_type).to(self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.actor.optim.lr,
+        self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad],
+                                          lr=self.cfg.actor.optim.lr,
                                           eps=self.cfg.actor.optim.adam_eps)
         if self.cfg.runner.resume_dir:
             ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
@@ -77,6 +79,10 @@ class Learner:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def sync_state_dict(self) -> dict[str, torch.Tensor]:
+        """What changed since the first full set (the policy's trainable tensors and running statistics)."""
+        return {k: v.detach().cpu() for k, v in self.model.sync_state_dict().items()}
 
     # --- rollouts -------------------------------------------------------------------------------------------
     def receive(self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray],
@@ -191,7 +197,7 @@ class Learner:
         # the observation normaliser moves only after the update, so old log-probs stay consistent within it
         self.model.update_obs_normalizer({k: v[batch["mask"] > 0] for k, v in obs.items()} if use_mask else obs)
         self.epoch, self.version = epoch, self.version + 1
-        self.env_steps += T * N
+        self.env_steps += T * N * self.model.num_action_chunks  # a sample is one action chunk
         train_time = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.publish_error = ""
@@ -203,6 +209,7 @@ class Learner:
                 log.warning("publishing weights version %d failed: %s", self.version, exc)
         metrics = self._metrics(episodes, raw_rewards, advantages, returns, values, stats)
         metrics.update({"time/train": train_time, "time/weight_sync": time.perf_counter() - t1,
+                        "train/weight_sync_bytes": float(self.last_sync_bytes),
                         "env/env_steps": float(self.env_steps), "train/weights_version": float(self.version),
                         })
         metrics.update(extra_metrics or {})

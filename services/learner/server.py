@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 
 from rlfleet import codec, rpc, weights
@@ -16,29 +17,56 @@ from rlfleet.v1 import inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.learner import Learner
 
 
-def send_weights(addresses: list[str], learner: Learner, version: int, timeout: float = 120.0) -> None:
-    """Push the learner's weights (full set with spaces) to every inference server in parallel."""
-    state = learner.state_dict()
+def send_weights(addresses: list[str], learner: Learner, version: int, timeout: float = 120.0,
+                 synced: set[str] | None = None) -> int:
+    """Push the learner's weights to every inference server in parallel; returns the bytes sent per server
+    (the largest). A server in ``synced`` (it holds a full set from this learner) gets only the tensors that
+    change in training (a partial set: with LoRA, the adapters and the value head); any other gets the full set
+    with the spaces, and joins ``synced``. A partial update a server refuses (it restarted) is resent in full."""
+    synced = set() if synced is None else synced
+    full = partial = None
 
-    def one(address: str):
-        with rpc.channel(address) as ch:
-            stub = inference_pb2_grpc.InferenceServiceStub(ch)
-            chunks = weights.iter_chunks(state, version, obs_specs=learner.obs_specs, action_dim=learner.action_dim)
-            return stub.UpdateWeights(chunks, timeout=timeout, wait_for_ready=True)
+    def one(address: str) -> int:
+        nonlocal full, partial
+        for send_full in ((False, True) if address in synced else (True,)):
+            if send_full:
+                full = full if full is not None else learner.state_dict()
+                state, kw = full, {"obs_specs": learner.obs_specs, "action_dim": learner.action_dim}
+            else:
+                partial = partial if partial is not None else learner.sync_state_dict()
+                state, kw = partial, {"partial": True}
+            try:
+                with rpc.channel(address) as ch:
+                    stub = inference_pb2_grpc.InferenceServiceStub(ch)
+                    stub.UpdateWeights(weights.iter_chunks(state, version, **kw), timeout=timeout,
+                                       wait_for_ready=True)
+            except grpc.RpcError as exc:
+                if send_full or exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                                   grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+                continue  # a restarted server without a full set: send it one
+            synced.add(address)
+            return sum(t.numel() * t.element_size() for t in state.values())
+        return 0
 
     if not addresses:
         raise rpc.InvalidRequest("inference_addresses: empty")
+    sent = 0
     with ThreadPoolExecutor(len(addresses)) as pool:
         for address, fut in [(a, pool.submit(one, a)) for a in addresses]:
             try:
-                fut.result()
+                sent = max(sent, fut.result())
             except Exception as exc:
+                synced.discard(address)
                 raise rpc.FailedPrecondition(f"weight update to inference server {address} failed: {exc}") from exc
+    learner.last_sync_bytes = sent
+    return sent
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     def __init__(self, learner: Learner):
         self.learner = learner
+        self.synced: set[str] = set()  # inference servers holding a full weights set from this learner
 
     @rpc.handler
     def PushRollout(self, request_iterator, context):
@@ -82,7 +110,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     def Train(self, request, context):
         addresses = list(request.inference_addresses)
         metrics = self.learner.train(request.epoch, list(request.worker_indices), dict(request.extra_metrics),
-                                     publish=lambda v: send_weights(addresses, self.learner, v))
+                                     publish=lambda v: send_weights(addresses, self.learner, v, synced=self.synced))
         return learner_pb2.TrainResponse(epoch=request.epoch, weights_version=self.learner.version,
                                          metrics=metrics, checkpoint_path=self.learner.last_checkpoint,
                                          publish_error=self.learner.publish_error)
@@ -96,7 +124,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             self.learner.setup(obs_specs_from_proto(spec.observation_space), int(spec.action_space.shape[0]))
         if self.learner.model is None:
             raise rpc.FailedPrecondition("env_spec: required on the first PublishWeights")
-        send_weights(list(request.inference_addresses), self.learner, self.learner.version)
+        # a full set: PublishWeights starts a run or follows an inference server's restart
+        self.synced.difference_update(request.inference_addresses)
+        send_weights(list(request.inference_addresses), self.learner, self.learner.version, synced=self.synced)
         return learner_pb2.PublishWeightsResponse(weights_version=self.learner.version)
 
     @rpc.handler

@@ -1,0 +1,405 @@
+"""OpenVLA and OpenVLA-OFT policies (model types ``openvla`` and ``openvla_oft``) on transformers' classes.
+
+The Prismatic layout of OpenVLA: a vision backbone (SigLIP, optionally fused with DINOv2: patch features
+concatenated) -> an MLP projector -> a Llama causal LM. The sequence is ``[BOS] [image patches] [prompt]
+[action tokens]`` with OpenVLA's prompt ``In: What action should the robot take to {instruction}?\\nOut:``.
+Each action dimension is one token: one of ``n_action_bins`` (256) bins over [-1, 1], whose token id is
+``vocab_size - 1 - bin`` (the last 256 ids of the vocabulary, highest id = lowest bin, as OpenVLA), decoded to
+the bin's centre (255 centres, as OpenVLA) and un-normalised with per-dataset q01/q99 statistics when
+``unnorm_key`` names them.
+
+- ``openvla``: ``action_dim`` tokens decoded one by one (KV cache); sampling restricted to the action ids with
+  ``temperature``; deterministic = greedy.
+- ``openvla_oft``: ``num_action_chunks x action_dim`` tokens decoded in ONE forward pass: placeholder embeddings
+  at the action positions, bidirectional attention among them (causal over the prefix); one inference call returns
+  a whole action chunk.
+
+Log-probs (the one implementation for inference and learner): the LM head is applied only at the positions that
+predict action tokens and only to the action ids (never full-vocabulary logits over the prefix), divided by the
+temperature and log-softmaxed; per-token log-probs are reduced to the configured granularity. ``act`` returns the
+prompt token ids, their mask and the sampled action tokens as forward inputs; ``evaluate`` re-runs one teacher-
+forced forward over them (with the images from the stored observations). A value head (MLP on the LM's last hidden
+state at the last prompt position) is the critic for PPO; GRPO runs without it.
+
+LoRA (``is_lora``, peft): adapters on the LM's projections; the vision backbone, projector and LM base weights are
+frozen, and only adapter tensors and the value head are trained (and sent to the inference servers).
+
+A model is built from ``actor.model.vla`` sizes (tiny ones run on CPU in the tests), or from ``model_path``: a
+directory in the rlfleet checkpoint layout (``config.json`` with the sizes, ``model.safetensors``, optional
+``tokenizer/`` and ``dataset_statistics.json``), loaded with safetensors, never with pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
+
+PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
+SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+# actor.model.vla defaults: a tiny model (a few million parameters) that runs on CPU
+TINY = dict(image_size=64, patch_size=16, vision_hidden_size=128, vision_layers=2, vision_heads=4,
+            vision_intermediate_size=256, use_dinov2=False, llm_hidden_size=256, llm_layers=2, llm_heads=4,
+            llm_kv_heads=4, llm_intermediate_size=512, vocab_size=1024, n_action_bins=256, value_hidden_size=256)
+
+
+class ByteTokenizer:
+    """A tokenizer that needs no files: UTF-8 bytes as ids 3..258 (pad 0, bos 1, eos 2). Tiny models use it; a
+    real checkpoint brings its own (``tokenizer/`` in ``model_path``)."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + b for b in text.encode("utf-8")]
+
+
+def _hf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+    class _Wrapped:
+        pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        bos_token_id = tok.bos_token_id
+        vocab_size = len(tok)
+
+        def encode(self, text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+
+    return _Wrapped()
+
+
+class VisionBackbone(nn.Module):
+    """SigLIP (optionally fused with DINOv2) -> patch features [n, patches, dim]."""
+
+    def __init__(self, sizes: Mapping):
+        super().__init__()
+        from transformers import SiglipVisionConfig, SiglipVisionModel
+
+        self.image_size = int(sizes["image_size"])
+        common = dict(image_size=self.image_size, patch_size=int(sizes["patch_size"]),
+                      hidden_size=int(sizes["vision_hidden_size"]), num_hidden_layers=int(sizes["vision_layers"]),
+                      num_attention_heads=int(sizes["vision_heads"]),
+                      intermediate_size=int(sizes["vision_intermediate_size"]))
+        self.siglip = SiglipVisionModel(SiglipVisionConfig(**common))
+        self.dino = None
+        if sizes.get("use_dinov2"):
+            from transformers import Dinov2Config, Dinov2Model
+
+            self.dino = Dinov2Model(Dinov2Config(**{**common, "mlp_ratio": common["intermediate_size"] /
+                                                    common["hidden_size"]}))
+            del self.dino.config.intermediate_size
+        self.out_dim = common["hidden_size"] * (2 if self.dino is not None else 1)
+        self.num_patches = (self.image_size // int(sizes["patch_size"])) ** 2
+        for name, mean, std in (("siglip", SIGLIP_MEAN, SIGLIP_STD), ("dino", IMAGENET_MEAN, IMAGENET_STD)):
+            self.register_buffer(f"{name}_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
+            self.register_buffer(f"{name}_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 [n, H, W, 3] -> [n, patches, out_dim]."""
+        x = images.permute(0, 3, 1, 2).to(self.siglip_mean.dtype) / 255.0
+        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+        feats = self.siglip(pixel_values=((x - self.siglip_mean) / self.siglip_std)).last_hidden_state
+        if self.dino is not None:
+            dino = self.dino(pixel_values=((x - self.dino_mean) / self.dino_std)).last_hidden_state[:, 1:]
+            feats = torch.cat([feats, dino], dim=-1)
+        return feats
+
+
+class Projector(nn.Module):
+    """Prismatic's MLP projector: GELU MLP from patch features to the LM width (3 layers when fused)."""
+
+    def __init__(self, vision_dim: int, llm_dim: int, fused: bool):
+        super().__init__()
+        if fused:
+            mid = 4 * vision_dim
+            self.net = nn.Sequential(nn.Linear(vision_dim, mid), nn.GELU(), nn.Linear(mid, llm_dim), nn.GELU(),
+                                     nn.Linear(llm_dim, llm_dim))
+        else:
+            self.net = nn.Sequential(nn.Linear(vision_dim, llm_dim), nn.GELU(), nn.Linear(llm_dim, llm_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class OpenVLAPolicy(PolicyMixin, nn.Module):
+    def __init__(self, obs_specs: Mapping, action_dim: int, *, model_type: str = "openvla",
+                 sizes: Mapping | None = None, num_action_chunks: int = 1, temperature: float = 1.0,
+                 image_key: str | None = None, max_prompt_tokens: int = 64, add_value_head: bool = True,
+                 is_lora: bool = False, lora_rank: int = 32, gradient_checkpointing: bool = False,
+                 unnorm_stats: Mapping | None = None, tokenizer=None, logprob_type: str = "token_level"):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.model_type, self.parallel = model_type, model_type == "openvla_oft"
+        if not self.parallel and num_action_chunks != 1:
+            raise ValueError(f"model_type 'openvla' decodes one action per call; num_action_chunks="
+                             f"{num_action_chunks} needs 'openvla_oft'")
+        self.sizes = {**TINY, **dict(sizes or {})}
+        images = sorted(k for k, s in obs_specs.items() if s.is_image)
+        if not images:
+            raise ValueError(f"model_type '{model_type}' needs an image observation; the env provides "
+                             f"{sorted(obs_specs)}")
+        if image_key is not None and image_key not in images:
+            raise ValueError(f"actor.model.image_key: '{image_key}' is not an image observation ({images})")
+        self.image_key = image_key or images[0]
+        self.obs_specs, self.action_dim = dict(obs_specs), int(action_dim)
+        self.num_action_chunks, self.logprob_type = int(num_action_chunks), logprob_type
+        self.has_critic = bool(add_value_head)
+        if temperature <= 0:
+            raise ValueError(f"actor.model.temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)
+        self.max_prompt_tokens = int(max_prompt_tokens)
+        self.tokenizer = tokenizer or ByteTokenizer()
+        s = self.sizes
+        self.vocab_size, self.n_bins = int(s["vocab_size"]), int(s["n_action_bins"])
+        if self.vocab_size < self.tokenizer.vocab_size + self.n_bins and isinstance(self.tokenizer, ByteTokenizer):
+            raise ValueError(f"actor.model.vla.vocab_size {self.vocab_size} leaves no room for {self.n_bins} action "
+                             f"ids after the {self.tokenizer.vocab_size} text ids")
+        self.vision = VisionBackbone(s)
+        llm_cfg = LlamaConfig(vocab_size=self.vocab_size, hidden_size=int(s["llm_hidden_size"]),
+                              intermediate_size=int(s["llm_intermediate_size"]),
+                              num_hidden_layers=int(s["llm_layers"]), num_attention_heads=int(s["llm_heads"]),
+                              num_key_value_heads=int(s["llm_kv_heads"]),
+                              max_position_embeddings=1 + self.vision.num_patches + self.max_prompt_tokens
+                              + self.num_action_chunks * self.action_dim + 8,
+                              pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id)
+        self.llm = LlamaForCausalLM(llm_cfg)
+        self.projector = Projector(self.vision.out_dim, llm_cfg.hidden_size, fused=bool(s["use_dinov2"]))
+        self.action_query = nn.Parameter(torch.zeros(llm_cfg.hidden_size)) if self.parallel else None
+        self.value_head = nn.Sequential(nn.Linear(llm_cfg.hidden_size, int(s["value_hidden_size"])), nn.GELU(),
+                                        nn.Linear(int(s["value_hidden_size"]), 1)) if add_value_head else None
+        centres = torch.linspace(-1.0, 1.0, self.n_bins)
+        self.register_buffer("bin_centres", (centres[:-1] + centres[1:]) / 2, persistent=False)
+        q01, q99 = (unnorm_stats or {}).get("q01"), (unnorm_stats or {}).get("q99")
+        self.register_buffer("q01", torch.tensor(q01 if q01 is not None else [-1.0] * action_dim), persistent=False)
+        self.register_buffer("q99", torch.tensor(q99 if q99 is not None else [1.0] * action_dim), persistent=False)
+        if gradient_checkpointing:
+            self.llm.gradient_checkpointing_enable()
+        self.is_lora = False
+        if is_lora:
+            self.enable_lora(lora_rank)
+
+    # --- the layout ---------------------------------------------------------------------------------------------
+    @property
+    def num_action_tokens(self) -> int:
+        return self.num_action_chunks * self.action_dim
+
+    def _lm(self):
+        """The Llama body and LM head (through the peft wrapper when LoRA is on)."""
+        base = self.llm.get_base_model() if self.is_lora else self.llm
+        return base.model, base.lm_head
+
+    def tokenize(self, instructions: Sequence[str] | None, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts -> left-padded ids [n, P] and mask [n, P] (the last P tokens of a longer prompt are kept)."""
+        P = self.max_prompt_tokens
+        ids = torch.full((n, P), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, P), dtype=torch.long)
+        texts = list(instructions) if instructions else [""] * n
+        for i, text in enumerate(texts):
+            toks = self.tokenizer.encode(PROMPT.format(instruction=(text or "").strip().lower().rstrip(".")))[-P:]
+            if toks:
+                ids[i, P - len(toks):] = torch.tensor(toks)
+                mask[i, P - len(toks):] = 1
+        return ids.to(device), mask.to(device)
+
+    def _prefix(self, images: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """-> embeddings [n, S, H] and mask [n, S] of [BOS][patches][prompt]."""
+        embed = self._lm()[0].embed_tokens
+        n = images.shape[0]
+        patches = self.projector(self.vision(images))
+        bos = embed(torch.full((n, 1), self.tokenizer.bos_token_id, dtype=torch.long, device=images.device))
+        emb = torch.cat([bos, patches.to(bos.dtype), embed(prompt_ids)], dim=1)
+        mask = torch.cat([torch.ones((n, 1 + patches.shape[1]), dtype=torch.long, device=images.device),
+                          prompt_mask.long()], dim=1)
+        return emb, mask
+
+    def _action_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., H] -> logits over the action ids only [..., n_bins], ordered by bin."""
+        head = self._lm()[1]
+        w = head.weight[self.vocab_size - self.n_bins:].flip(0)  # row b = token vocab_size - 1 - b
+        bias = None if head.bias is None else head.bias[self.vocab_size - self.n_bins:].flip(0)
+        return F.linear(hidden, w, bias) / self.temperature
+
+    def _value(self, hidden_last_prompt: torch.Tensor) -> torch.Tensor | None:
+        if self.value_head is None:
+            return None
+        return self.value_head(hidden_last_prompt.float()).squeeze(-1)
+
+    def _decode_actions(self, bins: torch.Tensor) -> torch.Tensor:
+        """Bins [n, chunk*dim] -> actions [n, chunk, dim] (bin centres, un-normalised)."""
+        centres = self.bin_centres[bins.clamp(0, self.n_bins - 2)]
+        a = centres.view(-1, self.num_action_chunks, self.action_dim)
+        return 0.5 * (a + 1.0) * (self.q99 - self.q01) + self.q01
+
+    def _bidirectional_mask(self, mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
+        """4D bool mask: causal over the prefix, action positions see the prefix and each other."""
+        n, S = mask.shape
+        m = torch.tril(torch.ones(S, S, dtype=torch.bool, device=mask.device))
+        m[prefix_len:, prefix_len:] = True
+        return (m[None] & mask.bool()[:, None, :])[:, None]
+
+    def _forward(self, emb, mask, **kw):
+        body = self._lm()[0]
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+        return body(inputs_embeds=emb, attention_mask=mask, position_ids=position_ids, **kw)
+
+    # --- the policy interface -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
+            instructions: Sequence[str] | None = None) -> PolicyOutput:
+        images = obs[self.image_key]
+        n = images.shape[0]
+        prompt_ids, prompt_mask = self.tokenize(instructions, n, images.device)
+        emb, mask = self._prefix(images, prompt_ids, prompt_mask)
+        S, D = emb.shape[1], self.num_action_tokens
+        if self.parallel:
+            queries = self.action_query.to(emb.dtype).expand(n, D, -1)
+            full_mask = torch.cat([mask, torch.ones((n, D), dtype=torch.long, device=mask.device)], 1)
+            body = self._lm()[0]
+            hidden = body(inputs_embeds=torch.cat([emb, queries], 1),
+                          attention_mask=self._bidirectional_mask(full_mask, S),
+                          position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+            logits = self._action_logits(hidden[:, S:])
+            bins = logits.argmax(-1) if deterministic else torch.distributions.Categorical(logits=logits).sample()
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, bins[..., None]).squeeze(-1)
+            value = self._value(hidden[:, S - 1])
+        else:
+            out = self._forward(emb, mask, use_cache=True)
+            cache, h = out.past_key_values, out.last_hidden_state[:, -1]
+            value = self._value(h)
+            bins_l, logp_l = [], []
+            embed = self._lm()[0].embed_tokens
+            for t in range(D):
+                logits = self._action_logits(h)
+                b = logits.argmax(-1) if deterministic else torch.distributions.Categorical(logits=logits).sample()
+                bins_l.append(b)
+                logp_l.append(torch.log_softmax(logits.float(), -1).gather(-1, b[:, None]).squeeze(-1))
+                if t == D - 1:
+                    break
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=mask.device)], 1)
+                tok = (self.vocab_size - 1 - b)[:, None]
+                pos = (mask.sum(1, keepdim=True) - 1)
+                h = self._lm()[0](inputs_embeds=embed(tok), attention_mask=mask, position_ids=pos,
+                                  past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            bins, logp = torch.stack(bins_l, 1), torch.stack(logp_l, 1)
+        per_dim = logp.view(n, self.num_action_chunks, self.action_dim)
+        return PolicyOutput(self._decode_actions(bins), reduce_log_probs(per_dim, self.logprob_type), value,
+                            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8),
+                             "action_bins": bins})
+
+    def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
+                 instructions: Sequence[str] | None = None) -> PolicyEval:
+        images = obs[self.image_key]
+        bins = forward_inputs["action_bins"].long()
+        emb, mask = self._prefix(images, forward_inputs["prompt_ids"].long(), forward_inputs["prompt_mask"].long())
+        n, S, D = emb.shape[0], emb.shape[1], self.num_action_tokens
+        if self.parallel:
+            queries = self.action_query.to(emb.dtype).expand(n, D, -1)
+            full_mask = torch.cat([mask, torch.ones((n, D), dtype=torch.long, device=mask.device)], 1)
+            hidden = self._lm()[0](inputs_embeds=torch.cat([emb, queries], 1),
+                                   attention_mask=self._bidirectional_mask(full_mask, S),
+                                   position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+            predicting = hidden[:, S:]
+        else:  # teacher forcing: the prefix and all but the last action token; keep only the predicting positions
+            embed = self._lm()[0].embed_tokens
+            toks = (self.vocab_size - 1 - bins[:, :-1])
+            full_mask = torch.cat([mask, torch.ones((n, D - 1), dtype=torch.long, device=mask.device)], 1)
+            hidden = self._forward(torch.cat([emb, embed(toks)], 1), full_mask).last_hidden_state
+            predicting = hidden[:, S - 1:]
+        logits = self._action_logits(predicting).float()
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, bins[..., None]).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1).sum(-1)
+        per_dim = logp.view(n, self.num_action_chunks, self.action_dim)
+        return PolicyEval(reduce_log_probs(per_dim, self.logprob_type), entropy, self._value(hidden[:, S - 1]))
+
+    # --- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
+                    logprob_type: str = "token_level") -> OpenVLAPolicy:
+        sizes, tokenizer, stats, state = dict(model_cfg.vla), None, None, None
+        if model_cfg.model_path:
+            sizes, tokenizer, stats, state = load_checkpoint_dir(model_cfg.model_path, model_cfg.unnorm_key)
+        policy = cls(obs_specs, action_dim, model_type=model_cfg.model_type, sizes=sizes,
+                     num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
+                     image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
+                     add_value_head=model_cfg.add_value_head, is_lora=False,
+                     gradient_checkpointing=model_cfg.gradient_checkpointing, unnorm_stats=stats,
+                     tokenizer=tokenizer, logprob_type=logprob_type)
+        if state is not None:
+            missing, unexpected = policy.load_state_dict(state, strict=False)
+            missing = [k for k in missing if not k.startswith("value_head.")]  # a fresh critic is expected
+            if missing or unexpected:
+                raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]}")
+        if model_cfg.is_lora:
+            policy.enable_lora(model_cfg.lora_rank)
+        return policy
+
+    def enable_lora(self, rank: int) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.llm = get_peft_model(self.llm, LoraConfig(
+            r=int(rank), lora_alpha=int(rank), lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        if self.value_head is not None:
+            for p in self.value_head.parameters():
+                p.requires_grad_(True)
+        self.is_lora = True
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write this model in the checkpoint layout ``model_path`` loads (LoRA merged into the base weights)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        llm = self.llm.merge_and_unload() if self.is_lora else self.llm
+        state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
+        state.update({k: v for k, v in self.state_dict().items() if not k.startswith("llm.")})
+        save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes}, indent=2))
+        if self.is_lora:  # the adapters are merged now: this object goes on as the merged model
+            self.llm = llm
+            self.is_lora = False
+
+
+def load_checkpoint_dir(path: str | Path, unnorm_key: str | None):
+    """A checkpoint directory -> (sizes, tokenizer or None, un-normalisation stats or None, state dict)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"actor.model.model_path: {path} needs config.json and model.safetensors "
+                                f"(rlfleet's VLA checkpoint layout)")
+    cfg = json.loads((path / "config.json").read_text())
+    sizes = {**TINY, **cfg.get("vla", {})}
+    tokenizer = _hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+    stats = None
+    if unnorm_key:
+        stats_file = path / "dataset_statistics.json"
+        all_stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+        if unnorm_key not in all_stats:
+            raise KeyError(f"actor.model.unnorm_key: '{unnorm_key}' is not in {stats_file} "
+                           f"(has: {sorted(all_stats) or 'no file'})")
+        stats = all_stats[unnorm_key].get("action", all_stats[unnorm_key])
+    return sizes, tokenizer, stats, load_file(str(path / "model.safetensors"))
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """-> (all parameters, trainable parameters)."""
+    total = sum(p.numel() for p in model.parameters())
+    return total, sum(p.numel() for p in model.parameters() if p.requires_grad)
+
