@@ -1,0 +1,172 @@
+"""OpenVLA / OpenVLA-OFT policies (real transformers models at tiny sizes): the log-prob path, PPO and GRPO steps
+on a fixed batch, LoRA, the checkpoint layout, and weight updates into the inference engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlfleet.config import load_config
+from rlfleet.models import ObsSpec
+from rlfleet.policies import build_policy
+from services.learner import grpo, ppo
+
+SPECS = {"third_person": ObsSpec((32, 32, 3), "uint8"), "wrist": ObsSpec((32, 32, 3), "uint8"),
+         "state": ObsSpec((7,), "float32")}
+INSTR = ["pick up the red cube and lift it"] * 4 + ["push the cube to the left"] * 4
+
+
+def _policy(model_type="openvla", logprob_type="token_level", *overrides):
+    cfg = load_config(None, [f"actor.model.model_type={model_type}", "actor.model.vla.image_size=32", *overrides])
+    torch.manual_seed(0)
+    return cfg, build_policy(cfg.actor.model, SPECS, 4, True, logprob_type)
+
+
+def _obs(n=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {"third_person": torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g),
+            "wrist": torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g),
+            "state": torch.randn(n, 7, generator=g)}
+
+
+@pytest.mark.parametrize("model_type, chunks, lora", [("openvla", 1, False), ("openvla_oft", 4, False),
+                                                      ("openvla_oft", 2, True)])
+@pytest.mark.parametrize("logprob_type", ["token_level", "action_level", "chunk_level"])
+def test_act_and_evaluate_share_one_log_prob(model_type, chunks, lora, logprob_type):
+    _, p = _policy(model_type, logprob_type, f"actor.model.num_action_chunks={chunks}",
+                   f"actor.model.is_lora={str(lora).lower()}", "actor.model.lora_rank=4")
+    obs = _obs()
+    out = p.act(obs, False, INSTR)
+    width = {"token_level": 4 * chunks, "action_level": chunks, "chunk_level": 1}[logprob_type]
+    assert out.actions.shape == (8, chunks, 4) and out.log_probs.shape == (8, width)
+    assert out.actions.abs().max() <= 1.0 and torch.isfinite(out.log_probs).all()
+    ev = p.evaluate(obs, out.forward_inputs)
+    assert (ev.log_probs - out.log_probs).abs().max() < 1e-5
+    assert (ev.values - out.values).abs().max() < 1e-5 and ev.entropy.shape == (8,)
+    greedy = p.act(obs, True, INSTR)
+    assert torch.equal(greedy.actions, p.act(obs, True, INSTR).actions)  # deterministic = greedy
+
+
+def test_instruction_changes_the_action_distribution():
+    _, p = _policy()
+    obs = _obs()
+    a = p.evaluate(obs, p.act(obs, False, INSTR).forward_inputs)
+    fi = p.act(obs, False, ["open the drawer"] * 8).forward_inputs
+    assert not torch.equal(fi["prompt_ids"][0], p.tokenize(INSTR[:1], 1, "cpu")[0][0])
+    b = p.evaluate(obs, {**fi, "action_bins": p.act(obs, False, INSTR).forward_inputs["action_bins"]})
+    assert (a.log_probs - b.log_probs).abs().max() > 1e-4
+
+
+def _steps(p, obs, fi, old_lp, adv, n=5, lr=1e-3, critic=None):
+    opt = torch.optim.Adam([q for q in p.parameters() if q.requires_grad], lr=lr)
+    losses = []
+    for _ in range(n):
+        ev = p.evaluate(obs, fi)
+        loss, _ = ppo.policy_loss(ev.log_probs, old_lp, adv[:, None].expand_as(ev.log_probs),
+                                  clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None)
+        if critic is not None:
+            v_loss, _ = ppo.value_loss(ev.values, critic[0], critic[1], value_clip=None, huber_delta=None)
+            loss = loss + 0.5 * v_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, p.evaluate(obs, fi)
+
+
+def test_ppo_steps_raise_the_log_prob_of_advantaged_actions_and_fit_the_value():
+    _, p = _policy("openvla", "token_level")
+    obs = _obs()
+    out = p.act(obs, False, INSTR)
+    adv = torch.tensor([1.0, -1.0] * 4)
+    returns = torch.full((8,), 0.5)
+    losses, ev = _steps(p, obs, out.forward_inputs, out.log_probs, adv, critic=(out.values, returns))
+    assert losses[-1] < losses[0]
+    moved = (ev.log_probs - out.log_probs).sum(1)
+    assert (moved[adv > 0] > 0).all() and (moved[adv < 0] < 0).all()
+    assert ((ev.values - returns) ** 2).mean() < ((out.values - returns) ** 2).mean()
+
+
+def test_grpo_steps_with_lora_move_only_the_adapters():
+    _, p = _policy("openvla_oft", "token_level", "actor.model.num_action_chunks=2", "actor.model.is_lora=true",
+                   "actor.model.lora_rank=4", "actor.model.add_value_head=false")
+    base = {k: v.clone() for k, v in p.state_dict().items() if "lora_" not in k}
+    obs = _obs()
+    out = p.act(obs, False, INSTR)
+    assert out.values is None and not p.has_critic
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0]])
+    adv, mask, _ = grpo.grpo_advantages(rewards, torch.ones_like(rewards), group_size=4)
+    losses, ev = _steps(p, obs, out.forward_inputs, out.log_probs, adv[0])
+    assert losses[-1] < losses[0]
+    moved = (ev.log_probs - out.log_probs).sum(1)
+    assert (moved[adv[0] > 0] > 0).all()
+    after = p.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())  # base weights frozen
+    sync = p.sync_state_dict()
+    assert sync and all("lora_" in k for k in sync)
+    full = sum(t.numel() * t.element_size() for t in p.state_dict().values())
+    assert sum(t.numel() * t.element_size() for t in sync.values()) < full / 5
+
+
+def test_checkpoint_layout_round_trip_and_clear_errors(tmp_path):
+    cfg, p = _policy("openvla", "token_level", "actor.model.is_lora=true", "actor.model.lora_rank=4")
+    obs = _obs()
+    with torch.no_grad():
+        for name, q in p.named_parameters():
+            if "lora_B" in name:
+                q.add_(0.05)  # adapters that change the output, to check they are merged on export
+    want = p.act(obs, True, INSTR).actions
+    p.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "dataset_statistics.json").write_text(json.dumps(
+        {"bridge": {"action": {"q01": [-2.0, -2.0, -2.0, 0.0], "q99": [2.0, 2.0, 2.0, 1.0]}}}))
+    loaded_cfg = load_config(None, ["actor.model.model_type=openvla", f"actor.model.model_path={tmp_path / 'ckpt'}"])
+    q = build_policy(loaded_cfg.actor.model, SPECS, 4, True, "token_level")
+    assert torch.allclose(q.act(obs, True, INSTR).actions, want, atol=1e-6)
+    unnorm_cfg = load_config(None, ["actor.model.model_type=openvla", f"actor.model.model_path={tmp_path / 'ckpt'}",
+                                    "actor.model.unnorm_key=bridge"])
+    r = build_policy(unnorm_cfg.actor.model, SPECS, 4, True, "token_level")
+    got = r.act(obs, True, INSTR).actions
+    assert torch.allclose(got[..., :3], want[..., :3] * 2.0, atol=1e-5)
+    assert torch.allclose(got[..., 3], (want[..., 3] + 1) / 2, atol=1e-5)
+    bad = load_config(None, ["actor.model.model_type=openvla", f"actor.model.model_path={tmp_path / 'ckpt'}",
+                             "actor.model.unnorm_key=libero"])
+    with pytest.raises(KeyError, match="unnorm_key: 'libero' is not in .*has: \\['bridge'\\]"):
+        build_policy(bad.actor.model, SPECS, 4, True, "token_level")
+    missing = load_config(None, ["actor.model.model_type=openvla", f"actor.model.model_path={tmp_path / 'nothing'}"])
+    with pytest.raises(FileNotFoundError, match="needs config.json and model.safetensors"):
+        build_policy(missing.actor.model, SPECS, 4, True, "token_level")
+
+
+def test_a_vla_needs_an_image_and_openvla_no_chunks():
+    with pytest.raises(ValueError, match="needs an image observation"):
+        cfg = load_config(None, ["actor.model.model_type=openvla"])
+        build_policy(cfg.actor.model, {"state": ObsSpec((7,), "float32")}, 4, True, "token_level")
+    from rlfleet.config import ConfigError
+
+    with pytest.raises(ConfigError, match="openvla decodes one action per call"):
+        load_config(None, ["actor.model.model_type=openvla", "actor.model.num_action_chunks=4"])
+
+
+def test_engine_loads_partial_updates_into_its_idle_copy():
+    from services.inference.engine import InferenceEngine
+
+    cfg, p = _policy("openvla_oft", "token_level", "actor.model.num_action_chunks=2", "actor.model.is_lora=true",
+                     "actor.model.lora_rank=4")
+    engine = InferenceEngine(cfg.actor.model, logprob_type="token_level")
+    engine.set_weights(0, {k: v.clone() for k, v in p.state_dict().items()}, obs_specs=SPECS, action_dim=4)
+    first, spare = engine.model, engine._spare
+    assert first is not spare
+    with torch.no_grad():
+        for name, q in p.named_parameters():
+            if "lora_B" in name:
+                q.add_(0.1)
+    sync = p.sync_state_dict()
+    engine.set_weights(1, {k: v.clone() for k, v in sync.items()}, partial=True)
+    assert engine.model is spare and engine._spare is first  # swapped, no new copy
+    assert engine.bytes_loaded < 2 * sum(t.numel() * t.element_size() for t in p.state_dict().values())
+    obs = {k: v.numpy() for k, v in _obs().items()}
+    res = engine.act_now(obs, True, INSTR)
+    assert res.weights_version == 1
+    assert torch.allclose(torch.from_numpy(res.actions), p.act(_obs(), True, INSTR).actions)
