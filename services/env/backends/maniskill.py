@@ -194,6 +194,20 @@ def missing_assets(env_id: str, robot_uids=None) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _sources_for(path: str) -> list[str]:
+    """The ManiSkill data sources whose download holds ``path`` (a file ManiSkill did not find)."""
+    from mani_skill.utils import assets
+
+    found = []  # (root, uid) of every source containing the path
+    for uid, src in assets.DATA_SOURCES.items():
+        if src.target_path:
+            root = os.path.abspath(os.path.join(str(src.output_dir), str(src.target_path)))
+            if os.path.abspath(path).startswith(root + os.sep) or os.path.abspath(path) == root:
+                found.append((root, uid))
+    absent = [uid for root, uid in found if not os.path.exists(root)]
+    return absent or [uid for _, uid in sorted(found, key=lambda f: -len(f[0]))[:1]]
+
+
 def _assets_error(env_id: str, what: list[tuple[str, list[str]]] | str) -> BackendUnavailable:
     if isinstance(what, str):
         return BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({what.strip()}); "
@@ -234,8 +248,25 @@ def make_task(env_id: str, **kwargs):
         raise _assets_error(env_id, str(exc)) from None
     except (EOFError, SystemExit) as exc:
         raise _assets_error(env_id, f"{type(exc).__name__} while ManiSkill looked for them") from None
-    except NotImplementedError as exc:  # an obs/reward/control mode the task does not support
+    except FileNotFoundError as exc:  # scene datasets (ReplicaCAD, AI2-THOR, ...) are looked up without a prompt
+        missing = str(exc.filename or "")
+        from mani_skill import ASSET_DIR
+
+        if not os.path.abspath(missing).startswith(os.path.abspath(str(ASSET_DIR))):
+            raise
+        uids = _sources_for(missing)
+        how = " && ".join(_download_command(u) for u in uids) if uids else \
+            f"{_download_command(env_id)} (`-l scene` / `-l task_assets` list the downloadable sets)"
+        raise BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({missing} is "
+                                 f"missing); download them with: {how} (into $MS_ASSET_DIR, default "
+                                 f"~/.maniskill/data)") from None
+    except NotImplementedError as exc:  # an obs/reward mode the task does not support
         raise InvalidRequest(f"maniskill: {env_id}: {exc}") from None
+    except AssertionError as exc:  # ManiSkill checks the control mode (and other arguments) by assert
+        if "control_mode" in kwargs and "supported modes" in str(exc):
+            raise InvalidRequest(f"maniskill: {env_id} has no control_mode {kwargs['control_mode']!r} ({exc})") \
+                from None
+        raise
     except RuntimeError as exc:
         err = _vulkan_error(env_id, exc)
         if err:
@@ -319,11 +350,6 @@ class ManiSkillBackend(SimBackend):
             self.close()
             raise
         env = self.envs[0]
-        supported = list(getattr(env.agent, "supported_control_modes", []) or [])
-        if control_mode is not None and supported and control_mode not in supported:
-            self.close()
-            raise InvalidRequest(f"maniskill: {env_id} has no control_mode {control_mode!r} "
-                                 f"(supported: {', '.join(supported)})")
         self.control_mode = env.control_mode
         from mani_skill.utils.registration import REGISTERED_ENVS
 
