@@ -32,6 +32,7 @@ directory in the rlfleet checkpoint layout (``config.json`` with the sizes, ``mo
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -352,9 +353,11 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
 
         for p in self.parameters():
             p.requires_grad_(False)
-        self.llm = get_peft_model(self.llm, LoraConfig(
-            r=int(rank), lora_alpha=int(rank), lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for users to do
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            self.llm = get_peft_model(self.llm, LoraConfig(
+                r=int(rank), lora_alpha=int(rank), lora_dropout=0.0,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
         if self.value_head is not None:
             for p in self.value_head.parameters():
                 p.requires_grad_(True)
