@@ -11,7 +11,7 @@
   and the task's extra state (``agent`` and ``extra`` entries, flattened in ManiSkill's order).
   ``image_size``: ``S`` or ``[H, W]`` (default 64) for the sensor cameras. ``control_mode``: ManiSkill's
   controller (default: the task's own, ``pd_joint_delta_pos`` for the Panda tasks). ``reward_mode``:
-  ``normalized_dense`` (default), ``dense``, ``sparse`` or ``none``. ``sim_backend``: ``auto`` (default: ``gpu``
+  ``normalized_dense`` (default where the task has it, else the task's own), ``dense``, ``sparse`` or ``none``. ``sim_backend``: ``auto`` (default: ``gpu``
   when torch sees CUDA, else ``cpu``), ``cpu`` (PhysX CPU: one ManiSkill env per slot, as ManiSkill's CPU
   simulation holds one scene per env) or ``gpu`` (PhysX GPU: ONE ManiSkill env batching all ``num_envs`` slots).
   ``env_kwargs``: more keyword arguments for the task's constructor (e.g. ``robot_uids``, ``sim_config``).
@@ -307,7 +307,7 @@ class ManiSkillBackend(SimBackend):
     name = "maniskill"
 
     def __init__(self, env_id: str, num_envs: int, *, obs_mode: str = "state", image_size=64,
-                 camera: str | None = None, control_mode: str | None = None, reward_mode: str = "normalized_dense",
+                 camera: str | None = None, control_mode: str | None = None, reward_mode: str | None = None,
                  sim_backend: str = "auto", env_kwargs: dict | None = None, **unknown):
         super().__init__(env_id, num_envs)
         if unknown:
@@ -333,6 +333,10 @@ class ManiSkillBackend(SimBackend):
         self.obs_mode, self.camera = obs_mode, camera
         self._torch = torch
         kwargs = dict(env_kwargs or {})
+        if reward_mode is None:  # normalized_dense where the task has it (most do), else the task's own default
+            spec = import_maniskill().get(env_id)
+            modes = getattr(spec.cls, "SUPPORTED_REWARD_MODES", ()) if spec else ()
+            reward_mode = "normalized_dense" if not modes or "normalized_dense" in modes else modes[0]
         kwargs.update(obs_mode=obs_mode, reward_mode=reward_mode, sim_backend=backend, render_mode=None,
                       num_envs=num_envs if self.gpu else 1)
         if control_mode is not None:
