@@ -54,6 +54,10 @@ CASES = {
                        "env.train.max_episode_steps=240", "actor.model.model_type=cnn",
                        "env.train.init_params={image_size: 64, max_idle_envs: 2}",
                        "actor.global_batch_size=64", "actor.micro_batch_size=64"],
+    "maniskill-pushcube": ["env.train.simulator_type=maniskill", "env.train.env_id=PushCube-v1",
+                           "env.eval.simulator_type=maniskill", "env.eval.env_id=PushCube-v1",
+                           "env.train.total_num_envs=16", "env.train.max_steps_per_rollout_epoch=50",
+                           "env.train.max_episode_steps=50"],
 }
 
 
