@@ -15,6 +15,7 @@ POLICIES = {
     "cnn": "rlfleet.models.actor_critic:ActorCritic",
     "openvla": "rlfleet.models.openvla:OpenVLAPolicy",
     "openvla_oft": "rlfleet.models.openvla:OpenVLAPolicy",
+    "openpi": "rlfleet.models.openpi:Pi0Policy",
 }
 
 

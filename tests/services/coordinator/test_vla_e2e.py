@@ -16,7 +16,8 @@ CTL = [sys.executable, "-m", "services.coordinator.cli"]
 
 
 @pytest.mark.parametrize("name, lora", [("pandapickcube_vision_ppo_openvla_tiny", False),
-                                        ("pandapickcube_vision_grpo_openvla_oft_tiny", True)])
+                                        ("pandapickcube_vision_grpo_openvla_oft_tiny", True),
+                                        pytest.param("metaworld_mt10_ppo_pi0_tiny", False, marks=pytest.mark.sim)])
 def test_vla_config_runs_end_to_end(tmp_path, name, lora):
     proc = subprocess.run([*CTL, "start", name, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
                            "runner.val_check_interval=2", "env.eval.num_episodes=4", "env.eval.total_num_envs=4"],
@@ -33,5 +34,5 @@ def test_vla_config_runs_end_to_end(tmp_path, name, lora):
     sync = rows[-1]["train/weight_sync_bytes"]
     if lora:  # only the adapters travel after the first full set
         assert 0 < sync < 1_000_000, sync
-    else:
-        assert sync > 5_000_000, sync
+    else:  # every tensor is trained: the full set every time
+        assert sync > 2_000_000, sync

@@ -74,19 +74,21 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
 @pytest.mark.parametrize("model, logprob_type", [("mlp", "action_level"), ("mlp", "token_level"),
                                                   ("mlp", "chunk_level"), ("cnn", "token_level"),
                                                   ("openvla", "token_level"), ("openvla_oft", "action_level"),
-                                                  ("openvla_oft", "chunk_level")])
+                                                  ("openvla_oft", "chunk_level"), ("openpi", "chunk_level"),
+                                                  ("openpi", "token_level")])
 def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, logprob_type):
     """First PPO epoch: the learner's recomputed log-probs equal the inference server's (ratio starts at 1)."""
     from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
     from tests.conftest import Fleet, small_config
 
     vision = ["env.train.env_id=PandaPickCubeVision-v0", "env.train.init_params={image_size: 32}"]
-    chunk = 2 if model == "openvla_oft" else 1
+    chunk = 2 if model in ("openvla_oft", "openpi") else 1
     extra = {"mlp": [], "cnn": [*vision, "actor.model.image_feature_dim=32"],
              "openvla": [*vision, "actor.model.vla.image_size=32"],
              # OFT: a chunk of 2 actions per call, LoRA adapters only
              "openvla_oft": [*vision, "actor.model.vla.image_size=32", "actor.model.num_action_chunks=2",
-                             "actor.model.is_lora=true", "actor.model.lora_rank=4", "env.train.max_steps_per_rollout_epoch=16"]}[model]
+                             "actor.model.is_lora=true", "actor.model.lora_rank=4", "env.train.max_steps_per_rollout_epoch=16"],
+             "openpi": [*vision, "actor.model.num_action_chunks=2", "env.train.max_steps_per_rollout_epoch=16"]}[model]
     cfg = small_config(f"actor.model.model_type={model}", f"algorithm.logprob_type={logprob_type}",
                        "env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=8",
                        "actor.micro_batch_size=16", "actor.global_batch_size=32", *extra)
@@ -101,6 +103,8 @@ def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, log
         pending = fleet.learner.pending[(0, 0)]["time"]
         width = {"action_level": chunk, "chunk_level": 1, "token_level": 4 * chunk}[logprob_type]
         assert pending["log_probs"].shape == (8, 4, width) and pending["actions"].shape == (8, 4, chunk, 4)
+        if model == "openpi":  # the stochastic denoising step travels as forward inputs
+            assert pending["fi.x_next"].shape == (8, 4, 2, 32) and pending["fi.denoise_step"].shape == (8, 4)
         if model.startswith("openvla"):  # the prompt and the sampled action tokens travel as forward inputs
             assert pending["fi.action_bins"].shape == (8, 4, 4 * chunk) and pending["fi.prompt_ids"].dtype == np.int64
         resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]))
