@@ -44,6 +44,8 @@ MODELS = {
     "openvla_oft tiny, chunk 4": (["actor.model.model_type=openvla_oft", "actor.model.image_key=third_person",
                                    "actor.model.num_action_chunks=4", "env.train.max_steps_per_rollout_epoch=32"],
                                   VISION),
+    "openpi (pi0) tiny, chunk 4": (["actor.model.model_type=openpi", "actor.model.num_action_chunks=4",
+                                    "env.train.max_steps_per_rollout_epoch=32"], VISION),
 }
 LORA = ["actor.model.model_type=openvla_oft", "actor.model.image_key=third_person", "actor.model.num_action_chunks=4",
         "env.train.max_steps_per_rollout_epoch=32", "actor.model.is_lora=true", "actor.model.lora_rank=8"]
@@ -98,10 +100,12 @@ def _rate(fn, seconds) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_actions(seconds: float) -> None:
+def bench_actions(seconds: float, models: list[str] | None = None) -> None:
     print("\n| policy | params | batch | in-process actions/s | inference server actions/s | server / in-process |")
     print("|---|---|---|---|---|---|")
     for name, (overrides, specs) in MODELS.items():
+        if models and not any(m in name for m in models):
+            continue
         cfg, policy = _policy(overrides, specs)
         chunk = policy.num_action_chunks
         engine = InferenceEngine(cfg.actor.model, logprob_type=cfg.algorithm.logprob_type)
@@ -193,11 +197,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=2.0, help="measuring time per cell")
     ap.add_argument("--only", default="actions,weights,streams")
+    ap.add_argument("--models", default="", help="comma-separated substrings of policy names for 'actions'")
     args = ap.parse_args()
     torch.set_num_threads(1)
     parts = args.only.split(",")
     if "actions" in parts:
-        bench_actions(args.seconds)
+        bench_actions(args.seconds, [m for m in args.models.split(",") if m])
     if "weights" in parts:
         bench_weights()
     if "streams" in parts:
