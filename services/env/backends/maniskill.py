@@ -213,7 +213,8 @@ def _assets_error(env_id: str, what: list[tuple[str, list[str]]] | str) -> Backe
         return BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({what.strip()}); "
                                   f"download them with: {_download_command(env_id)} (into $MS_ASSET_DIR, default "
                                   f"~/.maniskill/data)")
-    names = "; ".join(f"{uid}: {', '.join(ids)}" for uid, ids in what)
+    names = "; ".join(f"{uid}: {', '.join(ids[:3])}" + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+                      for uid, ids in what)
     cmds = " && ".join(_download_command(uid) for uid, _ in what)
     return BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({names}); download them "
                               f"with: {cmds} (into $MS_ASSET_DIR, default ~/.maniskill/data)")
@@ -245,6 +246,9 @@ def make_task(env_id: str, **kwargs):
         with contextlib.redirect_stdout(sys.stderr):  # ManiSkill prints what it finds missing
             return registry[env_id].make(**kwargs)
     except _AssetPrompt as exc:
+        words = str(exc).split()
+        if words[:1] == ["Robot"] and len(words) > 1:  # the robot's own assets (robot uid = its download id)
+            raise _assets_error(env_id, [(words[1], [words[1]])]) from None
         raise _assets_error(env_id, str(exc)) from None
     except (EOFError, SystemExit) as exc:
         raise _assets_error(env_id, f"{type(exc).__name__} while ManiSkill looked for them") from None
@@ -260,6 +264,9 @@ def make_task(env_id: str, **kwargs):
         raise BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({missing} is "
                                  f"missing); download them with: {how} (into $MS_ASSET_DIR, default "
                                  f"~/.maniskill/data)") from None
+    except ImportError as exc:  # a task with extra requirements (DrawSVG-v1: svgpathtools)
+        raise BackendUnavailable(f"maniskill: {env_id} needs a package the maniskill environment does not "
+                                 f"install ({exc}); add it to MANISKILL_ENV.pip in rlfleet/simulators.py") from None
     except NotImplementedError as exc:  # an obs/reward mode the task does not support
         raise InvalidRequest(f"maniskill: {env_id}: {exc}") from None
     except AssertionError as exc:  # ManiSkill checks the control mode (and other arguments) by assert
@@ -271,6 +278,9 @@ def make_task(env_id: str, **kwargs):
         err = _vulkan_error(env_id, exc)
         if err:
             raise err from None
+        if "download_asset" in str(exc):  # e.g. "Partnet Mobility dataset not found. Download it by running ..."
+            raise BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded: {exc} (with this "
+                                     f"environment's python: {sys.executable}; add -y to skip the prompt)") from None
         raise
 
 
@@ -281,7 +291,7 @@ def check_install() -> None:
     problem = vulkan_problem()
     if problem:
         raise SystemExit(f"maniskill: {problem}")
-    env = make_task("PushCube-v1", obs_mode="state", sim_backend="physx_cpu", render_backend="none")
+    env = make_task("PushCube-v1", obs_mode="state", sim_backend="physx_cpu", render_backend="cpu")
     env.reset(seed=0)
     env.step(torch.zeros(env.single_action_space.shape))
     env.close()
@@ -343,9 +353,8 @@ class ManiSkillBackend(SimBackend):
             kwargs["control_mode"] = control_mode
         if obs_mode == "rgb":
             kwargs["sensor_configs"] = {**kwargs.get("sensor_configs", {}), "width": self.width, "height": self.height}
-            kwargs.setdefault("render_backend", "gpu" if self.gpu else "cpu")
-        else:
-            kwargs.setdefault("render_backend", "none")  # no cameras: no renderer (SAPIEN still needs Vulkan)
+        # a renderer even for state observations: some tasks (PushT) build render shapes; SAPIEN needs Vulkan anyway
+        kwargs.setdefault("render_backend", "gpu" if self.gpu else "cpu")
         self.envs = []
         try:
             for _ in range(1 if self.gpu else num_envs):
@@ -354,6 +363,10 @@ class ManiSkillBackend(SimBackend):
             self.close()
             raise
         env = self.envs[0]
+        if not hasattr(env.single_action_space, "shape") or env.single_action_space.shape is None:
+            self.close()
+            raise InvalidRequest(f"maniskill: {env_id} has a {type(env.single_action_space).__name__} action space "
+                                 f"(several agents); this backend drives tasks with one Box action")
         self.control_mode = env.control_mode
         from mani_skill.utils.registration import REGISTERED_ENVS
 
