@@ -170,3 +170,24 @@ def test_engine_loads_partial_updates_into_its_idle_copy():
     res = engine.act_now(obs, True, INSTR)
     assert res.weights_version == 1
     assert torch.allclose(torch.from_numpy(res.actions), p.act(_obs(), True, INSTR).actions)
+
+
+@pytest.mark.parametrize("model_type, extra", [("openvla", []), ("openvla_oft", ["actor.model.num_action_chunks=2"]),
+                                               ("openpi", ["actor.model.num_action_chunks=2"])])
+@pytest.mark.parametrize("adv_type", ["gae", "grpo"])
+def test_each_vla_learns_from_ppo_and_grpo_advantages(model_type, extra, adv_type):
+    """A few optimizer steps on a fixed batch lower the loss and move the log-probs the advantages' way."""
+    _, p = _policy(model_type, "chunk_level", *extra)
+    obs = _obs()
+    out = p.act(obs, False, INSTR)
+    if adv_type == "grpo":  # two groups of four, scored by return
+        rewards = torch.tensor([[3.0, 0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0]])
+        adv = grpo.grpo_advantages(rewards, torch.ones_like(rewards), group_size=4)[0][0]
+        critic = None
+    else:
+        adv = torch.tensor([1.0, -1.0] * 4)
+        critic = (out.values, torch.full((8,), 0.5))
+    losses, ev = _steps(p, obs, out.forward_inputs, out.log_probs, adv, lr=5e-4, critic=critic)
+    assert losses[-1] < losses[0], losses
+    moved = (ev.log_probs - out.log_probs).sum(1).detach()
+    assert moved[adv > 0].mean() > 0 > moved[adv < 0].mean()
