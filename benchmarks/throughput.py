@@ -57,7 +57,8 @@ CASES = {
     "maniskill-pushcube": ["env.train.simulator_type=maniskill", "env.train.env_id=PushCube-v1",
                            "env.eval.simulator_type=maniskill", "env.eval.env_id=PushCube-v1",
                            "env.train.total_num_envs=16", "env.train.max_steps_per_rollout_epoch=50",
-                           "env.train.max_episode_steps=50"],
+                           "env.train.max_episode_steps=50", "actor.global_batch_size=400",
+                           "actor.micro_batch_size=400"],
 }
 
 
