@@ -24,7 +24,10 @@ NULLABLE_TYPES = {
     "cluster.envs_dir": str, "runner.early_stop_success_rate": float, "runner.resume_dir": str,
     "algorithm.clip_ratio_c": float, "algorithm.huber_delta": float, "algorithm.target_kl": float,
     "algorithm.value_clip": float, "runner.max_env_steps": int, "runner.max_wall_time_s": float,
-    "algorithm.filter_rewards": list,
+    "algorithm.filter_rewards": list, "actor.model.image_key": str, "actor.model.model_path": str,
+    "actor.model.unnorm_key": str, "actor.model.vla.dino_hidden_size": int, "actor.model.vla.dino_layers": int,
+    "actor.model.vla.dino_heads": int, "actor.model.vla.dino_intermediate_size": int,
+    "actor.model.vla.action_token_end": int,
 }
 
 

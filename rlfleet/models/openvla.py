@@ -48,8 +48,10 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 # actor.model.vla defaults: a tiny model (a few million parameters) that runs on CPU
 TINY = dict(image_size=64, patch_size=16, vision_hidden_size=128, vision_layers=2, vision_heads=4,
-            vision_intermediate_size=256, use_dinov2=False, llm_hidden_size=256, llm_layers=2, llm_heads=4,
-            llm_kv_heads=4, llm_intermediate_size=512, vocab_size=1024, n_action_bins=256, value_hidden_size=256)
+            vision_intermediate_size=256, use_dinov2=False, dino_hidden_size=None, dino_layers=None, dino_heads=None,
+            dino_intermediate_size=None, dino_registers=0, llm_hidden_size=256, llm_layers=2, llm_heads=4,
+            llm_kv_heads=4, llm_intermediate_size=512, llm_rms_norm_eps=1e-6, llm_rope_theta=10000.0,
+            vocab_size=1024, action_token_end=None, prompt_suffix_ids=(), n_action_bins=256, value_hidden_size=256)
 
 
 class ByteTokenizer:
@@ -80,27 +82,38 @@ def _hf_tokenizer(path: Path):
 
 
 class VisionBackbone(nn.Module):
-    """SigLIP (optionally fused with DINOv2) -> patch features [n, patches, dim]."""
+    """SigLIP, optionally fused with DINOv2 (with register tokens, as OpenVLA's dinosiglip) -> patch features
+    [n, patches, dim]. Like Prismatic, features come from each encoder's second-to-last layer, DINOv2's first."""
 
     def __init__(self, sizes: Mapping):
         super().__init__()
         from transformers import SiglipVisionConfig, SiglipVisionModel
 
         self.image_size = int(sizes["image_size"])
-        common = dict(image_size=self.image_size, patch_size=int(sizes["patch_size"]),
-                      hidden_size=int(sizes["vision_hidden_size"]), num_hidden_layers=int(sizes["vision_layers"]),
-                      num_attention_heads=int(sizes["vision_heads"]),
-                      intermediate_size=int(sizes["vision_intermediate_size"]))
-        self.siglip = SiglipVisionModel(SiglipVisionConfig(**common))
-        self.dino = None
+        patch = int(sizes["patch_size"])
+        self.siglip = SiglipVisionModel(SiglipVisionConfig(
+            image_size=self.image_size, patch_size=patch, hidden_size=int(sizes["vision_hidden_size"]),
+            num_hidden_layers=int(sizes["vision_layers"]), num_attention_heads=int(sizes["vision_heads"]),
+            intermediate_size=int(sizes["vision_intermediate_size"]), vision_use_head=False))
+        self.dino, self.dino_skip = None, 0
+        self.out_dim = int(sizes["vision_hidden_size"])
         if sizes.get("use_dinov2"):
-            from transformers import Dinov2Config, Dinov2Model
+            from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
 
-            self.dino = Dinov2Model(Dinov2Config(**{**common, "mlp_ratio": common["intermediate_size"] /
-                                                    common["hidden_size"]}))
-            del self.dino.config.intermediate_size
-        self.out_dim = common["hidden_size"] * (2 if self.dino is not None else 1)
-        self.num_patches = (self.image_size // int(sizes["patch_size"])) ** 2
+            width = int(sizes.get("dino_hidden_size") or sizes["vision_hidden_size"])
+            inter = int(sizes.get("dino_intermediate_size") or sizes["vision_intermediate_size"])
+            registers = int(sizes.get("dino_registers") or 0)
+            if inter % width:
+                raise ValueError(f"actor.model.vla.dino_intermediate_size {inter} must be a multiple of the DINOv2 "
+                                 f"width {width}")
+            kw = dict(image_size=self.image_size, patch_size=patch, hidden_size=width, mlp_ratio=inter // width,
+                      num_hidden_layers=int(sizes.get("dino_layers") or sizes["vision_layers"]),
+                      num_attention_heads=int(sizes.get("dino_heads") or sizes["vision_heads"]), layerscale_value=1.0)
+            self.dino = Dinov2WithRegistersModel(Dinov2WithRegistersConfig(num_register_tokens=registers, **kw)) \
+                if registers else Dinov2Model(Dinov2Config(**kw))
+            self.dino_skip = 1 + registers  # CLS and register tokens are not patches
+            self.out_dim += width
+        self.num_patches = (self.image_size // patch) ** 2
         for name, mean, std in (("siglip", SIGLIP_MEAN, SIGLIP_STD), ("dino", IMAGENET_MEAN, IMAGENET_STD)):
             self.register_buffer(f"{name}_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
             self.register_buffer(f"{name}_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
@@ -110,10 +123,12 @@ class VisionBackbone(nn.Module):
         x = images.permute(0, 3, 1, 2).to(self.siglip_mean.dtype) / 255.0
         if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
             x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-        feats = self.siglip(pixel_values=((x - self.siglip_mean) / self.siglip_std)).last_hidden_state
+        feats = self.siglip(pixel_values=(x - self.siglip_mean) / self.siglip_std,
+                            output_hidden_states=True).hidden_states[-2]
         if self.dino is not None:
-            dino = self.dino(pixel_values=((x - self.dino_mean) / self.dino_std)).last_hidden_state[:, 1:]
-            feats = torch.cat([feats, dino], dim=-1)
+            dino = self.dino(pixel_values=(x - self.dino_mean) / self.dino_std,
+                             output_hidden_states=True).hidden_states[-2][:, self.dino_skip:]
+            feats = torch.cat([dino, feats], dim=-1)
         return feats
 
 
@@ -164,14 +179,19 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         self.tokenizer = tokenizer or ByteTokenizer()
         s = self.sizes
         self.vocab_size, self.n_bins = int(s["vocab_size"]), int(s["n_action_bins"])
-        if self.vocab_size < self.tokenizer.vocab_size + self.n_bins and isinstance(self.tokenizer, ByteTokenizer):
+        # action ids are the last n_bins ids of the tokenizer's vocabulary (OpenVLA: 32000, the embedding table is
+        # padded to 32064)
+        self.action_end = int(s["action_token_end"] or self.vocab_size)
+        self.prompt_suffix = [int(t) for t in (s.get("prompt_suffix_ids") or ())]
+        if self.action_end - self.n_bins < self.tokenizer.vocab_size and isinstance(self.tokenizer, ByteTokenizer):
             raise ValueError(f"actor.model.vla.vocab_size {self.vocab_size} leaves no room for {self.n_bins} action "
                              f"ids after the {self.tokenizer.vocab_size} text ids")
         self.vision = VisionBackbone(s)
         llm_cfg = LlamaConfig(vocab_size=self.vocab_size, hidden_size=int(s["llm_hidden_size"]),
                               intermediate_size=int(s["llm_intermediate_size"]),
                               num_hidden_layers=int(s["llm_layers"]), num_attention_heads=int(s["llm_heads"]),
-                              num_key_value_heads=int(s["llm_kv_heads"]),
+                              num_key_value_heads=int(s["llm_kv_heads"]), rms_norm_eps=float(s["llm_rms_norm_eps"]),
+                              rope_theta=float(s["llm_rope_theta"]),
                               max_position_embeddings=1 + self.vision.num_patches + self.max_prompt_tokens
                               + self.num_action_chunks * self.action_dim + 8,
                               pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id)
@@ -185,6 +205,9 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         q01, q99 = (unnorm_stats or {}).get("q01"), (unnorm_stats or {}).get("q99")
         self.register_buffer("q01", torch.tensor(q01 if q01 is not None else [-1.0] * action_dim), persistent=False)
         self.register_buffer("q99", torch.tensor(q99 if q99 is not None else [1.0] * action_dim), persistent=False)
+        mask = (unnorm_stats or {}).get("mask")  # OpenVLA keeps masked-out dimensions (the gripper) normalised
+        self.register_buffer("unnorm_mask", torch.tensor(mask if mask is not None else [True] * action_dim,
+                                                         dtype=torch.bool), persistent=False)
         if gradient_checkpointing:
             self.llm.gradient_checkpointing_enable()
         self.is_lora = False
@@ -208,7 +231,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         mask = torch.zeros((n, P), dtype=torch.long)
         texts = list(instructions) if instructions else [""] * n
         for i, text in enumerate(texts):
-            toks = self.tokenizer.encode(PROMPT.format(instruction=(text or "").strip().lower().rstrip(".")))[-P:]
+            toks = self.tokenizer.encode(PROMPT.format(instruction=(text or "").strip().lower().rstrip(".")))
+            toks = (toks + self.prompt_suffix)[-P:]
             if toks:
                 ids[i, P - len(toks):] = torch.tensor(toks)
                 mask[i, P - len(toks):] = 1
@@ -228,8 +252,9 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
     def _action_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., H] -> logits over the action ids only [..., n_bins], ordered by bin."""
         head = self._lm()[1]
-        w = head.weight[self.vocab_size - self.n_bins:].flip(0)  # row b = token vocab_size - 1 - b
-        bias = None if head.bias is None else head.bias[self.vocab_size - self.n_bins:].flip(0)
+        lo, hi = self.action_end - self.n_bins, self.action_end
+        w = head.weight[lo:hi].flip(0)  # row b = token action_end - 1 - b
+        bias = None if head.bias is None else head.bias[lo:hi].flip(0)
         return F.linear(hidden, w, bias) / self.temperature
 
     def _value(self, hidden_last_prompt: torch.Tensor) -> torch.Tensor | None:
@@ -241,7 +266,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         """Bins [n, chunk*dim] -> actions [n, chunk, dim] (bin centres, un-normalised)."""
         centres = self.bin_centres[bins.clamp(0, self.n_bins - 2)]
         a = centres.view(-1, self.num_action_chunks, self.action_dim)
-        return 0.5 * (a + 1.0) * (self.q99 - self.q01) + self.q01
+        return torch.where(self.unnorm_mask, 0.5 * (a + 1.0) * (self.q99 - self.q01) + self.q01, a)
 
     def _bidirectional_mask(self, mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
         """4D bool mask: causal over the prefix, action positions see the prefix and each other."""
@@ -289,7 +314,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                 if t == D - 1:
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=mask.device)], 1)
-                tok = (self.vocab_size - 1 - b)[:, None]
+                tok = (self.action_end - 1 - b)[:, None]
                 pos = (mask.sum(1, keepdim=True) - 1)
                 h = self._lm()[0](inputs_embeds=embed(tok), attention_mask=mask, position_ids=pos,
                                   past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
@@ -314,7 +339,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             predicting = hidden[:, S:]
         else:  # teacher forcing: the prefix and all but the last action token; keep only the predicting positions
             embed = self._lm()[0].embed_tokens
-            toks = (self.vocab_size - 1 - bins[:, :-1])
+            toks = (self.action_end - 1 - bins[:, :-1])
             full_mask = torch.cat([mask, torch.ones((n, D - 1), dtype=torch.long, device=mask.device)], 1)
             hidden = self._forward(torch.cat([emb, embed(toks)], 1), full_mask).last_hidden_state
             predicting = hidden[:, S - 1:]
@@ -329,9 +354,10 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
     @classmethod
     def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
                     logprob_type: str = "token_level") -> OpenVLAPolicy:
-        sizes, tokenizer, stats, state = dict(model_cfg.vla), None, None, None
+        sizes = {k: (list(v) if k == "prompt_suffix_ids" else v) for k, v in model_cfg.vla.items()}
+        tokenizer, stats, state = None, None, None
         if model_cfg.model_path:
-            sizes, tokenizer, stats, state = load_checkpoint_dir(model_cfg.model_path, model_cfg.unnorm_key)
+            sizes, tokenizer, stats, state = load_checkpoint_dir(model_cfg.model_path, model_cfg.unnorm_key, sizes)
         policy = cls(obs_specs, action_dim, model_type=model_cfg.model_type, sizes=sizes,
                      num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
                      image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
@@ -340,7 +366,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                      tokenizer=tokenizer, logprob_type=logprob_type)
         if state is not None:
             missing, unexpected = policy.load_state_dict(state, strict=False)
-            missing = [k for k in missing if not k.startswith("value_head.")]  # a fresh critic is expected
+            # a fresh critic is expected; DINOv2's mask token is never used for inference
+            missing = [k for k in missing if not k.startswith("value_head.") and not k.endswith("mask_token")]
             if missing or unexpected:
                 raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
                                  f"unexpected {unexpected[:3]}")
@@ -379,25 +406,23 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             self.is_lora = False
 
 
-def load_checkpoint_dir(path: str | Path, unnorm_key: str | None):
-    """A checkpoint directory -> (sizes, tokenizer or None, un-normalisation stats or None, state dict)."""
+def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapping | None = None):
+    """A checkpoint directory -> (sizes, tokenizer or None, un-normalisation stats or None, state dict). Two
+    layouts: rlfleet's (``save_pretrained``) and OpenVLA's own hub layout (``openvla/openvla-7b``: Prismatic's
+    timm key names, sharded safetensors, ``norm_stats`` in config.json), mapped key by key without remote code."""
     from safetensors.torch import load_file
 
     path = Path(path)
+    if (path / "config.json").is_file() and "vision_backbone_id" in json.loads((path / "config.json").read_text()):
+        return load_openvla_hub_dir(path, unnorm_key, fallback)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"actor.model.model_path: {path} needs config.json and model.safetensors "
                                 f"(rlfleet's VLA checkpoint layout)")
     cfg = json.loads((path / "config.json").read_text())
     sizes = {**TINY, **cfg.get("vla", {})}
     tokenizer = _hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
-    stats = None
-    if unnorm_key:
-        stats_file = path / "dataset_statistics.json"
-        all_stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
-        if unnorm_key not in all_stats:
-            raise KeyError(f"actor.model.unnorm_key: '{unnorm_key}' is not in {stats_file} "
-                           f"(has: {sorted(all_stats) or 'no file'})")
-        stats = all_stats[unnorm_key].get("action", all_stats[unnorm_key])
+    stats_file = path / "dataset_statistics.json"
+    stats = _pick_stats(json.loads(stats_file.read_text()) if stats_file.is_file() else {}, unnorm_key, stats_file)
     return sizes, tokenizer, stats, load_file(str(path / "model.safetensors"))
 
 
@@ -406,3 +431,125 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     return total, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
+
+def _pick_stats(all_stats: Mapping, unnorm_key: str | None, where: Path):
+    if not unnorm_key:
+        return None
+    if unnorm_key not in all_stats:
+        raise KeyError(f"actor.model.unnorm_key: '{unnorm_key}' is not in {where} (has: {sorted(all_stats) or 'none'})")
+    return all_stats[unnorm_key].get("action", all_stats[unnorm_key])
+
+
+def _read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a directory's safetensors (sharded with model.safetensors.index.json, or one file)."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"actor.model.model_path: no *.safetensors in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    return state
+
+
+def _vit_blocks(state: Mapping, prefix: str) -> int:
+    return len({k[len(prefix):].split(".")[0] for k in state if k.startswith(prefix)})
+
+
+def _heads_for(timm_id: str | None, fallback: int) -> int:
+    """Attention heads are not in the weights: from the timm model id (Prismatic's backbones), else the config."""
+    known = {"so400m": 16, "large": 16, "vit_l": 16, "base": 12, "vit_b": 12, "small": 6, "vit_s": 6}
+    for key, heads in known.items():
+        if timm_id and key in timm_id:
+            return heads
+    return int(fallback)
+
+
+def _map_timm_vit(state: Mapping, src: str, dst: str, n_blocks: int, dino: bool) -> dict[str, torch.Tensor]:
+    """Prismatic's timm ViT keys (``src``) -> transformers' SigLIP / DINOv2 keys (``dst``)."""
+    out: dict[str, torch.Tensor] = {}
+    emb = f"{dst}embeddings."
+    if dino:
+        out[f"{emb}patch_embeddings.projection.weight"] = state[f"{src}patch_embed.proj.weight"]
+        out[f"{emb}patch_embeddings.projection.bias"] = state[f"{src}patch_embed.proj.bias"]
+        out[f"{emb}cls_token"] = state[f"{src}cls_token"]
+        pos = state[f"{src}pos_embed"]  # patches only (timm no_embed_class): the CLS position adds nothing
+        out[f"{emb}position_embeddings"] = torch.cat([torch.zeros_like(pos[:, :1]), pos], 1)
+        if f"{src}reg_token" in state:
+            out[f"{emb}register_tokens"] = state[f"{src}reg_token"]
+        out[f"{dst}layernorm.weight"], out[f"{dst}layernorm.bias"] = state[f"{src}norm.weight"], state[f"{src}norm.bias"]
+    else:
+        out[f"{emb}patch_embedding.weight"] = state[f"{src}patch_embed.proj.weight"]
+        out[f"{emb}patch_embedding.bias"] = state[f"{src}patch_embed.proj.bias"]
+        out[f"{emb}position_embedding.weight"] = state[f"{src}pos_embed"][0]
+        out[f"{dst}post_layernorm.weight"] = state[f"{src}norm.weight"]
+        out[f"{dst}post_layernorm.bias"] = state[f"{src}norm.bias"]
+    for i in range(n_blocks):
+        b = f"{src}blocks.{i}."
+        d = f"{dst}encoder.layer.{i}." if dino else f"{dst}encoder.layers.{i}."
+        att = f"{d}attention." if dino else f"{d}self_attn."
+        names = ("q_proj", "k_proj", "v_proj")
+        for kind in ("weight", "bias"):
+            for name, part in zip(names, state[f"{b}attn.qkv.{kind}"].chunk(3, dim=0)):
+                out[f"{att}{name}.{kind}"] = part
+            out[f"{att}{'o_proj' if dino else 'out_proj'}.{kind}"] = state[f"{b}attn.proj.{kind}"]
+            out[f"{d}{'norm1' if dino else 'layer_norm1'}.{kind}"] = state[f"{b}norm1.{kind}"]
+            out[f"{d}{'norm2' if dino else 'layer_norm2'}.{kind}"] = state[f"{b}norm2.{kind}"]
+            out[f"{d}mlp.fc1.{kind}"] = state[f"{b}mlp.fc1.{kind}"]
+            out[f"{d}mlp.fc2.{kind}"] = state[f"{b}mlp.fc2.{kind}"]
+        if dino:
+            out[f"{d}layer_scale1.lambda1"] = state[f"{b}ls1.scale_factor"]
+            out[f"{d}layer_scale2.lambda1"] = state[f"{b}ls2.scale_factor"]
+    return out
+
+
+def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping | None = None):
+    """OpenVLA's released layout -> (sizes, tokenizer, stats, state dict in this policy's names). Sizes come from
+    the weights' shapes and config.json; what neither holds (attention heads of an unknown ViT) from ``fallback``
+    (``actor.model.vla``)."""
+    cfg = json.loads((path / "config.json").read_text())
+    fallback = {**TINY, **dict(fallback or {})}
+    timm_ids = list(cfg.get("timm_model_ids") or [])
+    state = _read_safetensors_dir(path)
+    fused = any(k.startswith("vision_backbone.fused_featurizer.") for k in state)
+    sig_src = "vision_backbone.fused_featurizer." if fused else "vision_backbone.featurizer."
+    sig_w = state[f"{sig_src}patch_embed.proj.weight"]
+    text = cfg.get("text_config", {})
+    vocab = int(state["language_model.lm_head.weight"].shape[0])
+    sizes = {**TINY, "patch_size": int(sig_w.shape[-1]), "vision_hidden_size": int(sig_w.shape[0]),
+             "vision_layers": _vit_blocks(state, f"{sig_src}blocks."), "vision_heads": _heads_for(timm_ids[-1] if timm_ids else None, fallback["vision_heads"]),
+             "vision_intermediate_size": int(state[f"{sig_src}blocks.0.mlp.fc1.weight"].shape[0]),
+             "image_size": int((cfg.get("image_sizes") or [224])[0]), "use_dinov2": fused,
+             "llm_hidden_size": int(state["language_model.model.embed_tokens.weight"].shape[1]),
+             "llm_layers": _vit_blocks(state, "language_model.model.layers."),
+             "llm_heads": int(text.get("num_attention_heads", 32)),
+             "llm_kv_heads": int(text.get("num_key_value_heads") or text.get("num_attention_heads", 32)),
+             "llm_intermediate_size": int(state["language_model.model.layers.0.mlp.gate_proj.weight"].shape[0]),
+             "llm_rms_norm_eps": float(text.get("rms_norm_eps", 1e-5)),
+             "llm_rope_theta": float(text.get("rope_theta", 10000.0)), "vocab_size": vocab,
+             "action_token_end": vocab - int(cfg.get("pad_to_multiple_of", 0)),
+             "n_action_bins": int(cfg.get("n_action_bins", 256)),
+             "prompt_suffix_ids": [29871] if vocab - int(cfg.get("pad_to_multiple_of", 0)) == 32000 else []}
+    mapped = _map_timm_vit(state, sig_src, "vision.siglip.", sizes["vision_layers"], dino=False)
+    if fused:
+        src = "vision_backbone.featurizer."
+        dw = state[f"{src}patch_embed.proj.weight"]
+        sizes.update(dino_hidden_size=int(dw.shape[0]), dino_layers=_vit_blocks(state, f"{src}blocks."),
+                     dino_heads=_heads_for(timm_ids[0] if timm_ids else None,
+                                           fallback["dino_heads"] or fallback["vision_heads"]),
+                     dino_intermediate_size=int(state[f"{src}blocks.0.mlp.fc1.weight"].shape[0]),
+                     dino_registers=int(state[f"{src}reg_token"].shape[1]) if f"{src}reg_token" in state else 0)
+        mapped.update(_map_timm_vit(state, src, "vision.dino.", sizes["dino_layers"], dino=True))
+    for i, fc in enumerate(("fc1", "fc2", "fc3") if fused else ("fc1", "fc2")):
+        for kind in ("weight", "bias"):
+            mapped[f"projector.net.{2 * i}.{kind}"] = state[f"projector.{fc}.{kind}"]
+    for k, v in state.items():
+        if k.startswith("language_model."):
+            mapped["llm." + k[len("language_model."):]] = v
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    tokenizer = _hf_tokenizer(path) if has_tokenizer else None
+    stats = _pick_stats(cfg.get("norm_stats", {}), unnorm_key, path / "config.json")
+    return sizes, tokenizer, stats, mapped

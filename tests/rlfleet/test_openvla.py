@@ -191,3 +191,84 @@ def test_each_vla_learns_from_ppo_and_grpo_advantages(model_type, extra, adv_typ
     assert losses[-1] < losses[0], losses
     moved = (ev.log_probs - out.log_probs).sum(1).detach()
     assert moved[adv > 0].mean() > 0 > moved[adv < 0].mean()
+
+
+def _to_openvla_hub(policy) -> dict[str, torch.Tensor]:
+    """This policy's weights under OpenVLA's released key names (Prismatic: timm ViTs, fc1..fc3, language_model)."""
+    out = {}
+
+    def vit(sd, dst, dino):
+        emb = "embeddings."
+        if dino:
+            out[f"{dst}patch_embed.proj.weight"] = sd[f"{emb}patch_embeddings.projection.weight"]
+            out[f"{dst}patch_embed.proj.bias"] = sd[f"{emb}patch_embeddings.projection.bias"]
+            out[f"{dst}cls_token"] = sd[f"{emb}cls_token"]
+            out[f"{dst}reg_token"] = sd[f"{emb}register_tokens"]
+            out[f"{dst}pos_embed"] = sd[f"{emb}position_embeddings"][:, 1:]
+            out[f"{dst}norm.weight"], out[f"{dst}norm.bias"] = sd["layernorm.weight"], sd["layernorm.bias"]
+            layers, att, o, n1, n2 = "encoder.layer.", "attention.", "o_proj", "norm1", "norm2"
+        else:
+            out[f"{dst}patch_embed.proj.weight"] = sd[f"{emb}patch_embedding.weight"]
+            out[f"{dst}patch_embed.proj.bias"] = sd[f"{emb}patch_embedding.bias"]
+            out[f"{dst}pos_embed"] = sd[f"{emb}position_embedding.weight"][None]
+            out[f"{dst}norm.weight"], out[f"{dst}norm.bias"] = sd["post_layernorm.weight"], sd["post_layernorm.bias"]
+            layers, att, o, n1, n2 = "encoder.layers.", "self_attn.", "out_proj", "layer_norm1", "layer_norm2"
+        n = len({k.split(".")[2] for k in sd if k.startswith(layers)})
+        for i in range(n):
+            src, b = f"{layers}{i}.", f"{dst}blocks.{i}."
+            for kind in ("weight", "bias"):
+                out[f"{b}attn.qkv.{kind}"] = torch.cat([sd[f"{src}{att}{q}.{kind}"] for q in ("q_proj", "k_proj", "v_proj")])
+                out[f"{b}attn.proj.{kind}"] = sd[f"{src}{att}{o}.{kind}"]
+                out[f"{b}norm1.{kind}"], out[f"{b}norm2.{kind}"] = sd[f"{src}{n1}.{kind}"], sd[f"{src}{n2}.{kind}"]
+                out[f"{b}mlp.fc1.{kind}"], out[f"{b}mlp.fc2.{kind}"] = sd[f"{src}mlp.fc1.{kind}"], sd[f"{src}mlp.fc2.{kind}"]
+            if dino:
+                out[f"{b}ls1.scale_factor"] = sd[f"{src}layer_scale1.lambda1"]
+                out[f"{b}ls2.scale_factor"] = sd[f"{src}layer_scale2.lambda1"]
+
+    vit(policy.vision.dino.state_dict(), "vision_backbone.featurizer.", dino=True)
+    vit(policy.vision.siglip.state_dict(), "vision_backbone.fused_featurizer.", dino=False)
+    for i, fc in enumerate(("fc1", "fc2", "fc3")):
+        for kind in ("weight", "bias"):
+            out[f"projector.{fc}.{kind}"] = policy.projector.net[2 * i].state_dict()[kind]
+    out.update({f"language_model.{k}": v for k, v in policy.llm.state_dict().items()})
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def test_openvla_hub_layout_loads_by_key_mapping(tmp_path):
+    """A checkpoint in openvla/openvla-7b's layout (fused DINOv2-with-registers + SigLIP, sharded safetensors,
+    padded vocabulary, norm_stats with a gripper mask in config.json) loads without remote code and acts the same."""
+    from safetensors.torch import save_file
+
+    sizes = ["actor.model.vla.use_dinov2=true", "actor.model.vla.dino_registers=4", "actor.model.vla.dino_hidden_size=96",
+             "actor.model.vla.dino_heads=4", "actor.model.vla.dino_intermediate_size=192",
+             "actor.model.vla.vocab_size=1088", "actor.model.vla.action_token_end=1024", "actor.model.vla.llm_heads=4",
+             "actor.model.vla.llm_kv_heads=4", "actor.model.vla.llm_rms_norm_eps=1e-5", "actor.model.vla.image_size=32"]
+    _, p = _policy("openvla", "token_level", *sizes)
+    with torch.no_grad():  # timm's DINOv2 (no_embed_class) gives the CLS token no position embedding
+        p.vision.dino.embeddings.position_embeddings[:, 0] = 0.0
+    hub = _to_openvla_hub(p)
+    names = sorted(hub)
+    half = len(names) // 2
+    ckpt = tmp_path / "openvla-7b"
+    ckpt.mkdir()
+    save_file({k: hub[k] for k in names[:half]}, str(ckpt / "model-00001-of-00002.safetensors"))
+    save_file({k: hub[k] for k in names[half:]}, str(ckpt / "model-00002-of-00002.safetensors"))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
+    (ckpt / "config.json").write_text(json.dumps({
+        "architectures": ["OpenVLAForActionPrediction"], "vision_backbone_id": "dinosiglip-vit-so-224px",
+        "image_sizes": [32, 32], "n_action_bins": 256, "pad_to_multiple_of": 64,
+        "text_config": {"num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5},
+        "norm_stats": {"bridge_orig": {"action": {"q01": [-2.0, -2.0, -2.0, 0.0], "q99": [2.0, 2.0, 2.0, 1.0],
+                                                  "mask": [True, True, True, False]}}}}))
+    # heads are not in the weights: a tiny ViT has no known timm id, so they come from actor.model.vla
+    cfg = load_config(None, ["actor.model.model_type=openvla", f"actor.model.model_path={ckpt}",
+                             "actor.model.unnorm_key=bridge_orig", "actor.model.vla.dino_heads=4"])
+    q = build_policy(cfg.actor.model, SPECS, 4, True, "token_level")
+    assert q.vision.dino.config.num_register_tokens == 4 and q.action_end == 1024 and q.vocab_size == 1088
+    obs = _obs()
+    want, got = p.act(obs, True, INSTR), q.act(obs, True, INSTR)
+    assert torch.equal(want.forward_inputs["action_bins"], got.forward_inputs["action_bins"])
+    assert torch.allclose(got.actions[..., :3], want.actions[..., :3] * 2.0, atol=1e-5)
+    assert torch.allclose(got.actions[..., 3], want.actions[..., 3], atol=1e-6)  # masked: stays normalised
+    assert (q.evaluate(obs, want.forward_inputs).log_probs - want.log_probs).abs().max() < 1e-4
