@@ -177,7 +177,8 @@ def _run(cmd: list[str], log, tag: str, env: dict | None = None, cwd: str | None
     for line in proc.stdout:
         line = line.rstrip()
         tail = (tail + [line])[-40:]
-        if line and not line.startswith((" ", "\t")):  # uv's summary lines, not its per-package list
+        # uv's summary lines, not its per-package list (nor dpkg's progress counter)
+        if line and not line.startswith((" ", "\t", "(Reading database")):
             log(f"[{tag}]   {line}")
     if proc.wait() != 0:
         raise EnvironmentError_(f"[{tag}] command failed (exit {proc.returncode}): {' '.join(cmd)}\n"

@@ -195,3 +195,18 @@ def test_apt_entries_with_minimum_versions_and_backports_sources():
     assert environments.lock_key(plain) == hashlib.sha256(blob.encode()).hexdigest()[:12]
     assert environments.lock_key(MANISKILL_ENV) != environments.lock_key(
         Environment(**{**MANISKILL_ENV.__dict__, "apt_sources": ()}))
+
+
+def test_missing_apt_packages_without_root_name_the_commands(tmp_path, monkeypatch):
+    env = Environment(name="vk", pip=("six",), apt=("libvulkan1", "mesa-vulkan-drivers>=25"),
+                      apt_sources=("deb http://deb.debian.org/debian {codename}-backports main",))
+    monkeypatch.setattr(environments, "missing_apt", lambda e: ["mesa-vulkan-drivers>=25"])
+    monkeypatch.setattr(environments.os, "geteuid", lambda: 1000)
+    with pytest.raises(environments.EnvironmentError_) as info:
+        environments.ensure(env, str(tmp_path), lambda *a: None)
+    msg = str(info.value)
+    suite = environments.apt_suites(env)[0]
+    assert "Debian packages missing: mesa-vulkan-drivers>=25; run as root:" in msg
+    assert f"'deb http://deb.debian.org/debian {suite} main' > /etc/apt/sources.list.d/rlfleet-vk.list" in msg
+    assert f"apt-get update -qq && apt-get install -y -qq -t {suite} mesa-vulkan-drivers" in msg
+    assert not environments.is_installed(env, str(tmp_path))
