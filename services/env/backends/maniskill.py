@@ -11,9 +11,10 @@
   and the task's extra state (``agent`` and ``extra`` entries, flattened in ManiSkill's order).
   ``image_size``: ``S`` or ``[H, W]`` (default 64) for the sensor cameras. ``control_mode``: ManiSkill's
   controller (default: the task's own, ``pd_joint_delta_pos`` for the Panda tasks). ``reward_mode``:
-  ``normalized_dense`` (default where the task has it, else the task's own), ``dense``, ``sparse`` or ``none``. ``sim_backend``: ``auto`` (default: ``gpu``
-  when torch sees CUDA, else ``cpu``), ``cpu`` (PhysX CPU: one ManiSkill env per slot, as ManiSkill's CPU
-  simulation holds one scene per env) or ``gpu`` (PhysX GPU: ONE ManiSkill env batching all ``num_envs`` slots).
+  ``normalized_dense`` (default where the task has it, else the task's own), ``dense``, ``sparse`` or ``none``.
+  ``sim_backend``: ``auto`` (default: ``gpu`` when torch sees CUDA, else ``cpu``), ``cpu`` (PhysX CPU: one
+  ManiSkill env per slot, as ManiSkill's CPU simulation holds one scene per env) or ``gpu`` (PhysX GPU: ONE
+  ManiSkill env batching all ``num_envs`` slots).
   ``env_kwargs``: more keyword arguments for the task's constructor (e.g. ``robot_uids``, ``sim_config``).
 - Resets: a seeded reset is ManiSkill's ``reset(seed=s)`` (same seed, same start, on any slot); an unseeded reset
   draws its seed from the slot's generator, itself seeded by the slot's last seed, so runs repeat. No fixed
@@ -415,7 +416,8 @@ class ManiSkillBackend(SimBackend):
         for i, seed in zip(env_ids, seeds):
             s = self._seed(int(i), seed)
             if self.gpu:  # one slot at a time: a batched reset seeds one RNG for all the slots it resets
-                obs, _ = self.envs[0].reset(seed=[s], options={"env_idx": self._torch.tensor([int(i)])})
+                idx = self._torch.tensor([int(i)], device=self.envs[0].device)
+                obs, _ = self.envs[0].reset(seed=[s], options={"env_idx": idx})
                 row = {k: v[int(i):int(i) + 1] for k, v in self._rows(obs).items()}
             else:
                 obs, _ = self.envs[int(i)].reset(seed=s)

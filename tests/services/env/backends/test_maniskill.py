@@ -77,7 +77,8 @@ def test_maniskill_backend_in_its_own_environment():
     assert out["success"] == [False, True, False] and out["terminated"] == [False, True, False]
     assert out["episode"] == [[1, True, 11]]
     assert out["ended"] == [50, 50] and out["backend_limit"] == 50  # slot 1 restarted at step 11
-    assert out["rgb"] == {"pixels": [[2, 64, 64, 3], "uint8"], "state": [[2, 29], "float32"]}  # qpos, qvel, tcp pose, is_grasped
+    # state = qpos, qvel, tcp pose, is_grasped
+    assert out["rgb"] == {"pixels": [[2, 64, 64, 3], "uint8"], "state": [[2, 29], "float32"]}
     assert out["rgb_std"] > 5 and out["rgb_same"] and out["rgb_action"] == [7] and out["rgb_step"] == [2, 64, 64, 3]
 
 
