@@ -27,7 +27,7 @@ NULLABLE_TYPES = {
     "algorithm.filter_rewards": list, "actor.model.image_key": str, "actor.model.model_path": str,
     "actor.model.unnorm_key": str, "actor.model.vla.dino_hidden_size": int, "actor.model.vla.dino_layers": int,
     "actor.model.vla.dino_heads": int, "actor.model.vla.dino_intermediate_size": int,
-    "actor.model.vla.action_token_end": int,
+    "actor.model.vla.action_token_end": int, "sft.dataset_path": str, "sft.output_path": str,
 }
 
 
@@ -176,6 +176,10 @@ def validate(cfg: DictConfig) -> None:
              f"each env server's {per_server} envs must split evenly into {stages} stages")
     _require(cfg.env.train.max_steps_per_rollout_epoch >= 1, "env.train.max_steps_per_rollout_epoch", "must be >= 1")
     _require(cfg.env.eval.num_episodes >= 1, "env.eval.num_episodes", "must be >= 1")
+    _require(cfg.env.eval.video_episodes >= 0, "env.eval.video_episodes", "must be >= 0")
+    for key in ("num_demos", "max_steps", "batch_size"):
+        _require(cfg.sft[key] >= 1, f"sft.{key}", f"must be >= 1, got {cfg.sft[key]}")
+    _require(cfg.sft.lr > 0, "sft.lr", f"must be > 0, got {cfg.sft.lr}")
     chunk = cfg.actor.model.num_action_chunks
     _require(cfg.env.train.max_steps_per_rollout_epoch % max(chunk, 1) == 0, "env.train.max_steps_per_rollout_epoch",
              f"{cfg.env.train.max_steps_per_rollout_epoch} env steps must be a multiple of "

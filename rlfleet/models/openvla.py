@@ -205,6 +205,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         q01, q99 = (unnorm_stats or {}).get("q01"), (unnorm_stats or {}).get("q99")
         self.register_buffer("q01", torch.tensor(q01 if q01 is not None else [-1.0] * action_dim), persistent=False)
         self.register_buffer("q99", torch.tensor(q99 if q99 is not None else [1.0] * action_dim), persistent=False)
+        self.unnorm_stats = dict(unnorm_stats) if unnorm_stats else None  # written back by save_pretrained
+        self.unnorm_name = "dataset"  # the dataset_statistics.json key save_pretrained writes them under
         mask = (unnorm_stats or {}).get("mask")  # OpenVLA keeps masked-out dimensions (the gripper) normalised
         self.register_buffer("unnorm_mask", torch.tensor(mask if mask is not None else [True] * action_dim,
                                                          dtype=torch.bool), persistent=False)
@@ -350,6 +352,34 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         per_dim = logp.view(n, self.num_action_chunks, self.action_dim)
         return PolicyEval(reduce_log_probs(per_dim, self.logprob_type), entropy, self._value(hidden[:, S - 1]))
 
+    def action_bins(self, actions: torch.Tensor) -> torch.Tensor:
+        """Actions [n, chunk, dim] -> the bins [n, chunk*dim] whose centres decode nearest to them (OpenVLA's
+        tokenizer: normalise with q01/q99 where the mask says so, clip to [-1, 1], discretise)."""
+        a = actions.to(self.q01.dtype).view(-1, self.num_action_chunks, self.action_dim)
+        span = (self.q99 - self.q01).clamp(min=1e-8)
+        a = torch.where(self.unnorm_mask, 2.0 * (a - self.q01) / span - 1.0, a).clamp(-1.0, 1.0)
+        bins = torch.bucketize(a.reshape(a.shape[0], -1), self.bin_centres)  # nearest centre below or above
+        lo = (bins - 1).clamp(min=0)
+        hi = bins.clamp(max=self.n_bins - 2)
+        flat = a.reshape(a.shape[0], -1)
+        closer_lo = (flat - self.bin_centres[lo]).abs() <= (self.bin_centres[hi] - flat).abs()
+        return torch.where(closer_lo, lo, hi)
+
+    def expert_forward_inputs(self, obs, actions, instructions=None) -> dict[str, torch.Tensor]:
+        images = obs[self.image_key]
+        prompt_ids, prompt_mask = self.tokenize(instructions, images.shape[0], images.device)
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8),
+                "action_bins": self.action_bins(actions)}
+
+    def set_action_statistics(self, stats: Mapping, name: str = "dataset") -> None:
+        """Un-normalise with these per-dimension q01/q99 (a dataset's ``action_statistics``) from now on;
+        ``save_pretrained`` writes them to dataset_statistics.json under ``name``."""
+        self.unnorm_name = name
+        self.q01.copy_(torch.tensor(stats["q01"], dtype=self.q01.dtype))
+        self.q99.copy_(torch.tensor(stats["q99"], dtype=self.q99.dtype))
+        self.unnorm_stats = {"q01": list(stats["q01"]), "q99": list(stats["q99"]),
+                             "mask": self.unnorm_mask.tolist()}
+
     # --- construction -------------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
@@ -401,6 +431,9 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         state.update({k: v for k, v in self.state_dict().items() if not k.startswith("llm.")})
         save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes}, indent=2))
+        if self.unnorm_stats:
+            (path / "dataset_statistics.json").write_text(json.dumps({self.unnorm_name: {"action": self.unnorm_stats}},
+                                                                     indent=1))
         if self.is_lora:  # the adapters are merged now: this object goes on as the merged model
             self.llm = llm
             self.is_lora = False

@@ -9,6 +9,10 @@ piece of code on both sides.
 - ``evaluate(obs, forward_inputs, instructions)`` -> PolicyEval with gradients: log-probs ``[n, L]``, entropy
   ``[n]``, values ``[n]`` or None.
 
+- ``bc_loss(obs, actions, instructions)`` -> the behaviour-cloning loss of demonstrated action chunks (supervised
+  fine-tuning): by default the negative log-likelihood that ``evaluate`` gives the forward inputs
+  ``expert_forward_inputs`` builds for those actions, so SFT and RL score actions with the same code.
+
 Log-prob granularity (``algorithm.logprob_type``, RLinf's names): ``chunk_level`` one per chunk (L = 1),
 ``action_level`` one per action of the chunk (L = chunk), ``token_level`` one per action dimension or token
 (L = chunk x action_dim).
@@ -87,3 +91,14 @@ class PolicyMixin:
     def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
                  instructions: Sequence[str] | None = None) -> PolicyEval:
         raise NotImplementedError
+
+    def expert_forward_inputs(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor,
+                              instructions: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Forward inputs under which ``evaluate`` scores the given action chunks ``[n, chunk, action_dim]``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be trained on demonstrations")
+
+    def bc_loss(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor,
+                instructions: Sequence[str] | None = None) -> torch.Tensor:
+        """Mean negative log-likelihood of demonstrated action chunks ``[n, chunk, action_dim]``."""
+        inputs = self.expert_forward_inputs(obs, actions, instructions)
+        return -self.evaluate(obs, inputs, instructions).log_probs.sum(-1).mean()

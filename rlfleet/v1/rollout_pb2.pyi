@@ -43,20 +43,24 @@ class CollectResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., rollout_time_s: _Optional[float] = ..., env_time_s: _Optional[float] = ..., inference_wait_s: _Optional[float] = ..., weights_version: _Optional[int] = ..., lost_episodes: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses", "use_reset_state_ids")
+    __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses", "use_reset_state_ids", "video_episodes", "video_dir")
     NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FIRST_EPISODE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     USE_RESET_STATE_IDS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_DIR_FIELD_NUMBER: _ClassVar[int]
     num_episodes: int
     seed: int
     first_episode: int
     deterministic: bool
     inference_addresses: _containers.RepeatedScalarFieldContainer[str]
     use_reset_state_ids: bool
-    def __init__(self, num_episodes: _Optional[int] = ..., seed: _Optional[int] = ..., first_episode: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., use_reset_state_ids: _Optional[bool] = ...) -> None: ...
+    video_episodes: int
+    video_dir: str
+    def __init__(self, num_episodes: _Optional[int] = ..., seed: _Optional[int] = ..., first_episode: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., use_reset_state_ids: _Optional[bool] = ..., video_episodes: _Optional[int] = ..., video_dir: _Optional[str] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
     __slots__ = ("episodes", "eval_time_s", "lost_episodes")

@@ -5,6 +5,9 @@
     coordinatorctl status [RUN_DIR | --address HOST:PORT]
     coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
     coordinatorctl envs [install NAME | remove NAME]    # simulators, their environments, install one ahead
+    coordinatorctl check-env HOST:PORT                  # an EnvService against the env contract
+    coordinatorctl collect-demos CONFIG [key=value ...] # scripted-expert demonstrations of env.train -> sft.dataset_path
+    coordinatorctl sft CONFIG [key=value ...]           # behaviour cloning of actor.model on them -> sft.output_path
 """
 
 from __future__ import annotations
@@ -133,6 +136,39 @@ def _envs(args) -> int:
     return 0
 
 
+def _sft_step(args) -> int:
+    """collect-demos (from the simulator's environment, as env servers run) or sft (the learner's code), each as
+    a child process with its output on this console."""
+    import subprocess
+
+    from rlfleet import environments
+    from services.coordinator.launcher import child_environ
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
+        return 2
+    base = pathlib.Path(cfg.runner.logger.log_path) / cfg.runner.experiment_name
+    dataset = pathlib.Path(cfg.sft.dataset_path or base / "demos")
+    python = sys.executable
+    if args.command == "collect-demos":
+        try:
+            python = environments.python_for(cfg.env.train.simulator_type, cfg.cluster.envs_dir, print)
+        except environments.EnvironmentError_ as exc:
+            print(f"coordinatorctl: {exc}", file=sys.stderr)
+            return 1
+        cmd = [python, "-m", "services.env.demos", "--config", str(args.config or "pandapickcube_ppo"),
+               "--out", str(dataset)]
+        if args.episodes:
+            cmd += ["--episodes", str(args.episodes)]
+    else:
+        cmd = [python, "-m", "services.learner.sft", "--config", str(args.config or "pandapickcube_ppo")]
+    cmd += list(args.overrides)
+    return subprocess.call(cmd, env=child_environ(python, cfg.cluster.torch_num_threads),
+                           cwd=os.getcwd())
+
+
 def _find_address(args) -> str:
     if args.address:
         return args.address
@@ -200,6 +236,13 @@ def main(argv=None) -> int:
     q.add_argument("name", nargs="?", default=None, help="simulator name (see the list)")
     q.add_argument("--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or "
                                                     "~/.cache/rlfleet/envs)")
+    q = sub.add_parser("collect-demos", help="record scripted-expert demonstrations of env.train (sft.* keys)")
+    q.add_argument("config", help="YAML config or a built-in name")
+    q.add_argument("overrides", nargs="*", help="key=value overrides")
+    q.add_argument("--episodes", type=int, default=None, help="episodes to record (default: sft.num_demos)")
+    q = sub.add_parser("sft", help="supervised fine-tuning of actor.model on the demonstrations (sft.* keys)")
+    q.add_argument("config", help="YAML config or a built-in name")
+    q.add_argument("overrides", nargs="*", help="key=value overrides")
     q = sub.add_parser("check-env", add_help=False,
                        help="check a running EnvService against the env contract (docs/env-contract.md); "
                             "`coordinatorctl check-env --help` for options")
@@ -211,6 +254,8 @@ def main(argv=None) -> int:
         return check_env_main(args.rest)
     if args.command == "envs":
         return _envs(args)
+    if args.command in ("collect-demos", "sft"):
+        return _sft_step(args)
     if args.command == "start":
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]

@@ -352,7 +352,9 @@ class Coordinator:
                     resp = stub.Evaluate(rollout_pb2.EvaluateRequest(
                         num_episodes=shares[i], first_episode=int(firsts[i]), seed=ev.seed,
                         deterministic=ev.deterministic, inference_addresses=self.addresses("inference"),
-                        use_reset_state_ids=ev.use_fixed_reset_state_ids), timeout=self.cfg.cluster.collect_timeout_s)
+                        use_reset_state_ids=ev.use_fixed_reset_state_ids, video_episodes=ev.video_episodes,
+                        video_dir=str(self.run_dir / "videos" / f"eval_epoch{step:04d}") if ev.video_episodes else ""),
+                        timeout=self.cfg.cluster.collect_timeout_s)
                     if resp.lost_episodes:
                         with self.lock:
                             self.lost_episodes += resp.lost_episodes
@@ -426,6 +428,13 @@ class Coordinator:
                  + (f" in chunks of {chunk}" if chunk > 1 else "") + f" = {batch} samples/epoch, "
                  f"{cfg.rollout.pipeline_stage_num} pipeline stage(s)"
                  + (f"; resumed at epoch {start_epoch}, {self.env_steps} env steps" if start_epoch else ""))
+        if runner.eval_before_train and start_epoch == 0 and not any(e["step"] == 0 for e in self.eval_history):
+            self.phase = "evaluating"
+            self.say(f"  evaluating the initial policy ({cfg.env.eval.num_episodes} episodes) ...")
+            ev = self.evaluate(0)
+            self.say(f"  eval @ start: success_once {ev['eval/success_once']:.1%} return {ev['eval/return']:.2f} "
+                     f"over {int(ev['eval/num_episodes'])} episodes")
+            self._save_counts()
         self.phase = "training"
         self.t_train = time.monotonic()
         epoch = start_epoch
@@ -562,6 +571,7 @@ class Coordinator:
             "env_id": self.env_id, "epochs": epochs, "env_steps": self.env_steps,
             "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
             "final_eval": {k: v for k, v in (final or {}).items()},
+            "initial_eval": next((e for e in self.eval_history if e["step"] == 0), None),
             "eval_history": self.eval_history, "lost_episodes": self.lost_episodes,
             "restarts": self.restart_counts(),
             "last_train_metrics": {k: v for k, v in self.last_metrics.items() if math.isfinite(v)},

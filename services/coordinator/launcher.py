@@ -25,6 +25,17 @@ MODULES = {"env": "services.env.server", "inference": "services.inference.server
 COMPONENT = {"env": "env", "inference": "rollout", "learner": "actor"}
 
 
+def child_environ(python: str, num_threads: int, **extra: str) -> dict[str, str]:
+    """Environment variables of a child process run by ``python`` (a simulator environment's interpreter gets
+    rlfleet's env side from this checkout through PYTHONPATH)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(num_threads), **extra)
+    env.setdefault("MUJOCO_GL", "egl")
+    if python != sys.executable:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(environments.REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.pop("VIRTUAL_ENV", None)
+    return env
+
+
 @dataclass
 class Proc:
     role: str
@@ -69,12 +80,8 @@ class LocalLauncher:
             cmd += ["--run-dir", str(self.run_dir)]
         if role == "env" and self.cfg.cluster.external_env_addresses:
             cmd += ["--external-env", str(self.cfg.cluster.external_env_addresses[index])]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", RLFLEET_PARENT_PID=str(os.getpid()), OMP_NUM_THREADS=str(self.cfg.cluster.torch_num_threads),
-                   CUDA_VISIBLE_DEVICES=self.devices_for(role, index, count))
-        env.setdefault("MUJOCO_GL", "egl")
-        if python != sys.executable:  # a simulator environment: rlfleet's env side comes from this checkout
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(environments.REPO_ROOT), env.get("PYTHONPATH")) if p)
-            env.pop("VIRTUAL_ENV", None)
+        env = child_environ(python, self.cfg.cluster.torch_num_threads, RLFLEET_PARENT_PID=str(os.getpid()),
+                            CUDA_VISIBLE_DEVICES=self.devices_for(role, index, count))
         log_path = self.run_dir / "logs" / f"{role}_{index}.log"
         log_file = open(log_path, "ab")
         popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

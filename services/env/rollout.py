@@ -8,13 +8,17 @@ never leaves half a rollout in a batch).
 
 from __future__ import annotations
 
+import logging
+import pathlib
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlfleet import rpc
+from rlfleet import rpc, videos
 from services.env.vec_env import EpisodeStat
+
+log = logging.getLogger(__name__)
 
 
 class StaleWeightsError(RuntimeError):
@@ -199,23 +203,26 @@ class RolloutWorker:
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, episode_ids: list[int], seed: int, deterministic: bool, policy, *,
                  use_reset_state_ids: bool = False, max_episode_steps: int | None = None,
-                 should_stop=_never) -> list[EpisodeStat]:
+                 should_stop=_never, video_episodes: int = 0, video_dir: str = "") -> list[EpisodeStat]:
         """Run the given evaluation episodes: episode i is reset with seed + i and, with ``use_reset_state_ids``
         on an env with fixed initial states, from state i % num_reset_states. Returns their stats; an episode
-        still running after ``max_episode_steps`` (default: the env's) is ended there, unsuccessful so far."""
+        still running after ``max_episode_steps`` (default: the env's) is ended there, unsuccessful so far.
+        Episodes with index < ``video_episodes`` are recorded into ``video_dir`` (rlfleet.videos)."""
         if self.eval_env is None:
             self.eval_env = self.eval_env_factory()
         env = self.eval_env
         try:
             return self._evaluate(env, episode_ids, seed, deterministic, policy, use_reset_state_ids,
-                                  max_episode_steps or env.max_episode_steps, should_stop)
+                                  max_episode_steps or env.max_episode_steps, should_stop,
+                                  video_episodes if video_dir else 0, video_dir)
         finally:
             if env is self.env:  # an external sim serving both: training continues from fresh episodes
                 self.reset_all()
 
     def _evaluate(self, env, episode_ids, seed, deterministic, policy, use_states, max_steps,
-                  should_stop) -> list[EpisodeStat]:
+                  should_stop, video_episodes: int = 0, video_dir: str = "") -> list[EpisodeStat]:
         results: list[EpisodeStat] = []
+        cams = videos.image_keys(env.space_info().observation_space) if video_episodes else []
         num_states = env.space_info().num_reset_states if use_states else 0
         for start in range(0, len(episode_ids), env.num_envs):
             batch = episode_ids[start:start + env.num_envs]
@@ -226,6 +233,14 @@ class RolloutWorker:
             instructions = [instructions[i] if i < len(instructions) else "" for i in ids]
             done = np.zeros(len(batch), bool)
             ret, length, succ = np.zeros(len(batch)), np.zeros(len(batch), int), np.zeros(len(batch), bool)
+            filmed = {int(i): [] for i in ids if batch[i] < video_episodes} if cams else {}
+
+            def film(rows):
+                for i in rows:
+                    if int(i) in filmed:
+                        filmed[int(i)].append(videos.tile({k: obs[k][i] for k in cams}, cams))
+
+            film(ids)
             for _ in range(max_steps):
                 if should_stop():
                     raise Cancelled(f"evaluation cancelled after {len(results)} of {len(episode_ids)} episodes")
@@ -246,12 +261,27 @@ class RolloutWorker:
                 for j, i in enumerate(live):
                     for k in obs:
                         obs[k][i] = out.obs[k][j]
+                film(live)
                 if done.all():
                     break
             for i in np.flatnonzero(~done):  # cut at max_steps
                 results.append(EpisodeStat(batch[i], float(ret[i]), int(length[i]), bool(succ[i]), False,
                                            -1 if states is None else states[i], instructions[i]))
+            self._write_videos(filmed, batch, seed, results, video_dir)
         return results
+
+    @staticmethod
+    def _write_videos(filmed: dict[int, list], batch, seed: int, results: list[EpisodeStat], video_dir: str) -> None:
+        success = {r.env_id: r.success_once for r in results}  # env_id holds the episode index here
+        for i, frames in filmed.items():
+            if not frames:
+                continue
+            episode = int(batch[i])
+            try:
+                videos.write_gif(pathlib.Path(video_dir) / videos.video_name(episode, seed + episode,
+                                                                            success.get(episode, False)), frames)
+            except (ImportError, OSError) as exc:  # a video is a by-product: never fail the evaluation for it
+                log.warning("could not write the video of evaluation episode %d: %s", episode, exc)
 
     def close(self) -> None:
         self.env.close()

@@ -183,6 +183,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise rpc.InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
         if not request.inference_addresses:
             raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
+        if request.video_episodes < 0 or (request.video_episodes and not request.video_dir):
+            raise rpc.InvalidRequest(f"video_episodes: {request.video_episodes} needs a video_dir and must be >= 0")
         t0 = time.perf_counter()
         self._acquire(context)
         episode_ids = list(range(request.first_episode, request.first_episode + request.num_episodes))
@@ -191,7 +193,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 context, request.inference_addresses,
                 lambda policy: self.worker.evaluate(episode_ids, request.seed, request.deterministic, policy,
                                                     use_reset_state_ids=request.use_reset_state_ids,
-                                                    should_stop=_should_stop(context)))
+                                                    should_stop=_should_stop(context),
+                                                    video_episodes=request.video_episodes,
+                                                    video_dir=request.video_dir))
         finally:
             self.lock.release()
         return rollout_pb2.EvaluateResponse(episodes=[codec.episode_to_proto(e) for e in episodes],

@@ -173,6 +173,13 @@ class VecEnv:
             self._check_open()
             return self._on_sim_thread(self._step, env_ids, actions)
 
+    def expert_actions(self, env_ids: Sequence[int] | None = None) -> np.ndarray:
+        """The backend's scripted expert actions for the current states of ``env_ids`` (demonstrations)."""
+        with self._lock:
+            self._check_open()
+            ids = self._ids(env_ids)
+            return self._on_sim_thread(self.backend.expert_actions, ids)
+
     def close(self) -> None:
         with self._lock:
             if not self.closed:

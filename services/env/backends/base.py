@@ -75,6 +75,13 @@ class SimBackend(abc.ABC):
     def step(self, env_ids: np.ndarray, actions: np.ndarray) -> BackendStep:
         """One control step of the slots ``env_ids`` with ``actions[j]`` (validated, clipped, float32)."""
 
+    def expert_actions(self, env_ids: np.ndarray) -> np.ndarray:
+        """A scripted expert's action for each slot's current state ``[n, *action_shape]`` (privileged: it may
+        read simulator state the observations do not show). Used to collect demonstrations; a backend without
+        an expert says so."""
+        raise BackendUnavailable(f"{self.name}: '{self.env_id}' has no scripted expert to collect demonstrations "
+                                 f"from (built-in experts: PandaPickCube*, Meta-World tasks)")
+
     def close(self) -> None:
         """Release the simulators."""
 

@@ -78,6 +78,12 @@ class GymBackend(SimBackend):
             success[j] = bool(info.get("success", info.get("is_success", False)))
         return BackendStep(stack_obs(rows, self._spec.observation_space), rewards, terminated, truncated, success)
 
+    def expert_actions(self, env_ids) -> np.ndarray:
+        """The env's own ``expert_action()`` (rlfleet's PandaPickCube envs have one)."""
+        if not hasattr(self.envs[0], "expert_action"):
+            return super().expert_actions(env_ids)
+        return np.stack([np.asarray(self.envs[i].expert_action(), np.float32) for i in env_ids])
+
     def close(self) -> None:
         for env in self.envs:
             env.close()

@@ -81,6 +81,8 @@ class MetaWorldBackend(SimBackend):
         self.camera, self.image_size, self.flip = camera, int(image_size), flip_images
         self._slots: list[dict[str, object]] = [{} for _ in range(num_envs)]
         self._current: list[object] = [None] * num_envs
+        self._raw: list[np.ndarray | None] = [None] * num_envs  # last 39-d observation per slot (the experts' input)
+        self._experts: dict[str, object] = {}
         self._class_index = np.zeros(num_envs, np.int64)
         self._rngs = [np.random.default_rng(benchmark_seed + i) for i in range(num_envs)]
         probe = self._env(0, self.class_names[0])
@@ -139,6 +141,7 @@ class MetaWorldBackend(SimBackend):
                 env.seed(int(seed) % (2 ** 31))
             raw, _ = env.reset()
             self._current[i] = env
+            self._raw[i] = raw
             self._class_index[i] = self.class_names.index(class_name)
             rows.append(self._obs(i, raw))
             texts.append(instruction_for(class_name))
@@ -154,10 +157,25 @@ class MetaWorldBackend(SimBackend):
                 raw, reward, trunc, info = env._last_stable_obs, 0.0, True, {"success": 0.0}
             else:
                 raw, reward, _, trunc, info = env.step(actions[j])
+            self._raw[i] = raw
             rows.append(self._obs(i, raw))
             rewards[j], truncated[j], success[j] = reward, trunc, bool(info.get("success", 0.0))
         obs = {k: np.stack([r[k] for r in rows]) for k in self._spec.observation_space}
         return BackendStep(obs, rewards, np.zeros(n, bool), truncated, success)
+
+    def expert_actions(self, env_ids) -> np.ndarray:
+        """Meta-World's own scripted policy for each slot's task class (``metaworld.policies``)."""
+        from metaworld.policies import ENV_POLICY_MAP
+
+        out = []
+        for i in env_ids:
+            name = self.class_names[self._class_index[i]]
+            if name not in self._experts:
+                if name not in ENV_POLICY_MAP:
+                    return super().expert_actions(env_ids)
+                self._experts[name] = ENV_POLICY_MAP[name]()
+            out.append(np.asarray(self._experts[name].get_action(self._raw[i]), np.float32))
+        return np.clip(np.stack(out), -1.0, 1.0)
 
     def close(self) -> None:
         for slot in self._slots:

@@ -1,0 +1,150 @@
+"""Supervised fine-tuning (behaviour cloning) of a policy on a demonstration dataset.
+
+The base policy of an RL fine-tuning run, as the seeds' guides start from one: build the configured policy
+(``actor.model``, the same registry the learner uses), train it for ``sft.max_steps`` steps on (observation,
+instruction, action chunk) samples of the dataset with the policy's own ``bc_loss`` (for token VLAs: the
+cross-entropy of the demonstrated action tokens, computed by the same ``evaluate`` that scores RL samples), and write
+it with ``save_pretrained`` where ``actor.model.model_path`` of an RL config loads it. Progress lines go to stdout
+and every step's loss to ``<output>/metrics.jsonl``.
+
+    python -m services.learner.sft --config CONFIG [key=value ...]      (``coordinatorctl sft CONFIG``)
+
+A sample at step t of an episode carries actions t .. t+chunk-1; past the episode's end the last action repeats.
+Deliberately little data or few steps gives a weak base policy, which is the point of an RL-gain experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+import torch
+
+from rlfleet.datasets import Dataset
+from rlfleet.models.actor_critic import ObsSpec, to_torch_obs
+from rlfleet.policies import build_policy
+
+
+def default_paths(cfg) -> tuple[pathlib.Path, pathlib.Path]:
+    """(dataset folder, output folder) of a config's ``sft`` group."""
+    base = pathlib.Path(cfg.runner.logger.log_path) / cfg.runner.experiment_name
+    return (pathlib.Path(cfg.sft.dataset_path or base / "demos"), pathlib.Path(cfg.sft.output_path or base / "sft_model"))
+
+
+def chunk_samples(dataset: Dataset, chunk: int) -> tuple[dict[str, np.ndarray], np.ndarray, list[str]]:
+    """All samples of a dataset: observations {key: [N, ...]}, action chunks [N, chunk, action_dim], instructions."""
+    obs: dict[str, list] = {}
+    actions, instructions = [], []
+    for ep in dataset:
+        T = ep.length
+        idx = np.minimum(np.arange(T)[:, None] + np.arange(chunk)[None, :], T - 1)  # [T, chunk]
+        actions.append(ep.actions.reshape(T, -1)[idx])
+        for k, v in ep.observations.items():
+            obs.setdefault(k, []).append(v)
+        instructions += [ep.instruction] * T
+    if not actions:
+        raise ValueError(f"{dataset.root}: the dataset holds no episodes")
+    return {k: np.concatenate(v) for k, v in obs.items()}, np.concatenate(actions).astype(np.float32), instructions
+
+
+class SFTTrainer:
+    """Behaviour cloning of ``cfg.actor.model`` on one dataset; ``train()`` then ``save()``."""
+
+    def __init__(self, cfg, dataset: Dataset, output: pathlib.Path, device: str = "cpu", log=print):
+        self.cfg, self.dataset, self.output, self.log = cfg, dataset, pathlib.Path(output), log
+        self.device = torch.device(device)
+        feats = dataset.observation_features
+        self.obs_specs = {k: ObsSpec(tuple(v["shape"]), v["dtype"]) for k, v in feats.items()}
+        torch.manual_seed(cfg.runner.seed)
+        self.policy = build_policy(cfg.actor.model, self.obs_specs, dataset.action_dim, cfg.algorithm.normalize_obs,
+                                   cfg.algorithm.logprob_type).to(self.device)
+        if not hasattr(self.policy, "save_pretrained"):
+            raise ValueError(f"actor.model.model_type '{cfg.actor.model.model_type}' has no checkpoint layout for "
+                             f"actor.model.model_path; supervised fine-tuning supports the VLA model types")
+        stats = dataset.action_statistics()
+        if hasattr(self.policy, "set_action_statistics"):  # un-normalise with the demonstrations' own statistics
+            self.policy.set_action_statistics(stats, name=dataset.meta["env_id"])
+        self.obs, self.actions, self.instructions = chunk_samples(dataset, self.policy.num_action_chunks)
+        self.optimizer = torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad],
+                                          lr=cfg.sft.lr, eps=cfg.actor.optim.adam_eps)
+        self.rng = np.random.default_rng(cfg.runner.seed)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.actions.shape[0])
+
+    def step(self, rows: np.ndarray) -> float:
+        obs = {k: v.to(self.device) for k, v in to_torch_obs({k: v[rows] for k, v in self.obs.items()}).items()}
+        actions = torch.from_numpy(self.actions[rows]).to(self.device)
+        loss = self.policy.bc_loss(obs, actions, [self.instructions[i] for i in rows])
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"behaviour-cloning loss is {loss.item()} (rows {rows[:4].tolist()}...)")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.algorithm.max_grad_norm)
+        self.optimizer.step()
+        return float(loss.item())
+
+    def train(self) -> dict:
+        sft = self.cfg.sft
+        self.output.mkdir(parents=True, exist_ok=True)
+        self.policy.train()
+        t0 = time.perf_counter()
+        losses = []
+        every = max(1, sft.max_steps // 20)
+        with open(self.output / "metrics.jsonl", "w") as metrics:
+            for step in range(1, sft.max_steps + 1):
+                rows = self.rng.choice(self.num_samples, size=min(sft.batch_size, self.num_samples), replace=False)
+                loss = self.step(rows)
+                losses.append(loss)
+                metrics.write(json.dumps({"step": step, "sft/loss": loss}) + "\n")
+                if step % every == 0 or step == sft.max_steps:
+                    self.log(f"  sft step {step:5d}/{sft.max_steps} | loss {np.mean(losses[-every:]):.4f} | "
+                             f"{time.perf_counter() - t0:6.1f}s")
+        self.policy.eval()
+        return {"steps": sft.max_steps, "samples": self.num_samples, "episodes": len(self.dataset),
+                "first_loss": losses[0], "final_loss": float(np.mean(losses[-every:])),
+                "wall_time_s": round(time.perf_counter() - t0, 2)}
+
+    def save(self, summary: dict) -> pathlib.Path:
+        self.policy.save_pretrained(self.output)
+        (self.output / "sft_summary.json").write_text(json.dumps(
+            {**summary, "dataset": str(self.dataset.root), "model_type": self.cfg.actor.model.model_type}, indent=1))
+        return self.output
+
+
+def main(argv=None) -> int:
+    from rlfleet.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(description="supervised fine-tuning of actor.model on a demonstration dataset")
+    p.add_argument("--config", required=True, help="run config (YAML or built-in name)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, int(cfg.cluster.torch_num_threads)))
+    data_dir, out_dir = default_paths(cfg)
+    try:
+        dataset = Dataset(data_dir)
+        trainer = SFTTrainer(cfg, dataset, out_dir, log=lambda s: print(s, flush=True))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"sft: {exc}", file=sys.stderr)
+        return 1
+    print(f"sft: {cfg.actor.model.model_type} on {len(dataset)} episodes ({trainer.num_samples} samples) from "
+          f"{data_dir}, {cfg.sft.max_steps} steps of batch {cfg.sft.batch_size}", flush=True)
+    summary = trainer.train()
+    path = trainer.save(summary)
+    print(f"sft: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['wall_time_s']:.0f}s; "
+          f"model written to {path}\n  fine-tune it with RL: actor.model.model_path={path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
