@@ -206,9 +206,65 @@ class Pi0Policy(PolicyMixin, nn.Module):
         entropy = (0.5 + 0.5 * math.log(2 * math.pi) + torch.log(std)).flatten(1).sum(1)
         return PolicyEval(reduce_log_probs(per_dim, self.logprob_type), entropy, self._value(pooled))
 
+    def bc_loss(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor,
+                instructions: Sequence[str] | None = None) -> torch.Tensor:
+        """π0's flow-matching loss on demonstrated chunks [n, chunk, action_dim]: at a time t ~ Beta(1.5, 1)
+        (π0's schedule, weighted to the noisy end) the expert's velocity at x_t = t noise + (1 - t) a must be
+        noise - a."""
+        n, device = actions.shape[0], actions.device
+        prompt_ids, prompt_mask = self.tokenize(instructions, n, device)
+        ids, mask, pixels, pixel_mask, state = self._inputs(obs, prompt_ids, prompt_mask)
+        cache, _ = self._prefix(ids, mask, pixels, pixel_mask)
+        target = torch.zeros((n, self.num_action_chunks, int(self.sizes["max_action_dim"])), device=device)
+        target[..., :self.action_dim] = actions.float().view(n, self.num_action_chunks, self.action_dim)
+        noise = torch.randn_like(target)
+        t = torch.distributions.Beta(1.5, 1.0).sample((n,)).to(device) * 0.999 + 0.001
+        x_t = t[:, None, None] * noise + (1.0 - t[:, None, None]) * target
+        v = self._velocity(state, x_t, t, mask, pixel_mask, cache)
+        a = slice(0, self.action_dim)
+        return F.mse_loss(v[..., a].float(), (noise - target)[..., a])
+
+    def save_pretrained(self, path) -> None:
+        """config.json (model type and sizes) + model.safetensors, the layout actor.model.model_path loads."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().clone() for k, v in self.state_dict().items()},
+                  str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({"model_type": "openpi", "openpi": self.sizes,
+                                                      "num_action_chunks": self.num_action_chunks}, indent=2))
+
     @classmethod
     def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
                     logprob_type: str = "chunk_level") -> Pi0Policy:
-        return cls(obs_specs, action_dim, sizes=dict(model_cfg.openpi), num_action_chunks=model_cfg.num_action_chunks,
-                   max_prompt_tokens=model_cfg.max_prompt_tokens, add_value_head=model_cfg.add_value_head,
-                   logprob_type=logprob_type)
+        sizes, state = dict(model_cfg.openpi), None
+        if model_cfg.model_path:
+            import json
+            from pathlib import Path
+
+            from safetensors.torch import load_file
+
+            path = Path(model_cfg.model_path)
+            if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+                raise FileNotFoundError(f"actor.model.model_path: {path} needs config.json and model.safetensors "
+                                        f"(rlfleet's π0 checkpoint layout, written by save_pretrained)")
+            saved = json.loads((path / "config.json").read_text())
+            # the architecture comes from the checkpoint; RL-side knobs (noise level, expert-only) from the config
+            keep = ("noise_level", "train_expert_only", "num_denoise_steps", "value_hidden_size")
+            sizes = {**saved.get("openpi", {}), **{k: sizes[k] for k in keep if k in sizes}}
+            state = load_file(str(path / "model.safetensors"))
+        policy = cls(obs_specs, action_dim, sizes=sizes, num_action_chunks=model_cfg.num_action_chunks,
+                     max_prompt_tokens=model_cfg.max_prompt_tokens, add_value_head=model_cfg.add_value_head,
+                     logprob_type=logprob_type)
+        if state is not None:
+            missing, unexpected = policy.load_state_dict(state, strict=False)
+            missing = [k for k in missing if not k.startswith("value_head.")]  # a fresh critic is expected
+            unexpected = [k for k in unexpected if not k.startswith("value_head.")]
+            if missing or unexpected:
+                raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]}")
+        return policy

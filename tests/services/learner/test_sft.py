@@ -71,3 +71,21 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path):
     got = loaded.act(obs, True, ["task 1"] * 2).actions
     torch.testing.assert_close(got, want)
     assert (got[..., 0] > 0.5).all(), got  # it learned the demonstrated direction for this image
+
+
+def test_pi0_flow_matching_sft_round_trips_through_model_path(tmp_path):
+    torch.manual_seed(0)
+    d = _dataset(tmp_path / "d", episodes=2, T=4)
+    args = ["actor.model.model_type=openpi", "actor.model.num_action_chunks=2", "algorithm.logprob_type=chunk_level",
+            "env.train.max_steps_per_rollout_epoch=16", "actor.micro_batch_size=64", "actor.global_batch_size=128"]
+    cfg = load_config(None, [*args, "sft.max_steps=25", "sft.batch_size=8", "sft.lr=1e-3"])
+    trainer = SFTTrainer(cfg, d, tmp_path / "out", log=lambda s: None)
+    summary = trainer.train()
+    assert summary["final_loss"] < summary["first_loss"], summary
+    path = trainer.save(summary)
+    loaded = build_policy(load_config(None, [*args, f"actor.model.model_path={path}"]).actor.model, SPECS, 4, True,
+                          "chunk_level")
+    obs = {"third_person": torch.from_numpy(d.episode(0).observations["third_person"][:2]),
+           "state": torch.from_numpy(d.episode(0).observations["state"][:2])}
+    torch.testing.assert_close(loaded.act(obs, True, ["task 0"] * 2).actions,
+                               trainer.policy.act(obs, True, ["task 0"] * 2).actions)
