@@ -247,7 +247,12 @@ def main(argv=None) -> int:
                        help="check a running EnvService against the env contract (docs/env-contract.md); "
                             "`coordinatorctl check-env --help` for options")
     q.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides given after an option (`collect-demos CFG --episodes 2 k=v`)
+        if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "check-env":
         from rlfleet.conformance import main as check_env_main
 

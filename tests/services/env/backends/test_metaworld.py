@@ -1,5 +1,6 @@
 """Meta-World backend, run inside the metaworld environment (mujoco==3.3.0) as a subprocess."""
 
+import numpy as np
 import pytest
 
 from tests.simenv import run_in_env
@@ -62,3 +63,23 @@ def test_metaworld_backend_in_its_own_environment():
     assert "unknown task 'reech-v3'; did you mean 'reach-v3'" in out["unknown"]
     assert out["pixels"][:2] == [[2, 32, 32, 3], "uint8"] and out["pixels"][2] > 5
     assert out["mt1_states"] == 50
+
+
+def test_scripted_expert_demonstrations_from_the_metaworld_environment(tmp_path):
+    """`coordinatorctl collect-demos` runs Meta-World's own scripted policy from the simulator's environment and
+    writes a dataset the main environment reads (camera images, 39-D state, instruction)."""
+    import subprocess
+    import sys
+
+    from rlfleet.datasets import Dataset
+
+    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "collect-demos",
+                           "metaworld_mt1_sft_pi0_tiny", f"runner.logger.log_path={tmp_path}", "--episodes", "2",
+                           "env.train.max_episode_steps=60"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    d = Dataset(tmp_path / "metaworld_mt1_sft_pi0_tiny" / "demos")
+    assert len(d) == 2 and d.meta["simulator"] == "metaworld"
+    for ep in d:
+        assert ep.success.any() and ep.instruction == "reach the goal position"
+        assert ep.observations["pixels"].shape == (60, 32, 32, 3) and ep.observations["state"].shape == (60, 39)
+        assert np.abs(ep.actions).max() <= 1.0
