@@ -306,3 +306,16 @@ def cuda_visible_devices(ranks: list[int], gpus_per_node: int) -> str:
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def load_cli_config(parser, argv=None):
+    """Parse a command line whose parser has ``--config`` and ``overrides`` -> (args, config); a bad config prints
+    ``config error: ...`` and exits with code 2."""
+    import sys
+
+    args = parser.parse_args(argv)
+    try:
+        return args, load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -90,7 +90,7 @@ def _preflight(cfg) -> None:
         e = cfg.env[split]
         if get_simulator(e.simulator_type).environment is None:  # importable here: check the id now
             from rlfleet.rpc import InvalidRequest
-            from services.env.backends.gym import make_gym_env
+            from rlfleet.gym_envs import make_gym_env
 
             try:
                 make_gym_env(e.env_id, dict(e.init_params)).close()

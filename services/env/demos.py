@@ -95,7 +95,7 @@ def collect_demonstrations(env: VecEnv, writer: DatasetWriter, num_episodes: int
 
 
 def main(argv=None) -> int:
-    from rlfleet.config import ConfigError, load_config
+    from rlfleet.config import load_cli_config
     from services.env.server import env_kwargs
 
     p = argparse.ArgumentParser(description="record scripted-expert demonstrations of env.train into a dataset")
@@ -103,16 +103,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="dataset folder to write")
     p.add_argument("--episodes", type=int, default=None, help="episodes to record (default: sft.num_demos)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    args, cfg = load_cli_config(p, argv)
     n = int(args.episodes or cfg.sft.num_demos)
     tr = cfg.env.train
     kwargs = env_kwargs(cfg, "train", max(1, min(tr.total_num_envs, n)), cfg.sft.demo_seed, False)
-    env = VecEnv(**kwargs)
+    try:
+        env = VecEnv(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - an unknown id, bad init_params, a simulator that cannot start
+        print(f"collect-demos: cannot start {tr.simulator_type}:{tr.env_id}: {exc}", file=sys.stderr)
+        return 1
     info = env.space_info()
     writer = DatasetWriter(args.out, env_id=tr.env_id, simulator=tr.simulator_type, fps=0.0,
                            source=f"scripted expert of {tr.simulator_type}:{tr.env_id}", overwrite=True)

@@ -118,17 +118,12 @@ class SFTTrainer:
 
 
 def main(argv=None) -> int:
-    from rlfleet.config import ConfigError, load_config
+    from rlfleet.config import load_cli_config
 
     p = argparse.ArgumentParser(description="supervised fine-tuning of actor.model on a demonstration dataset")
     p.add_argument("--config", required=True, help="run config (YAML or built-in name)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    _, cfg = load_cli_config(p, argv)
     torch.set_num_threads(max(1, int(cfg.cluster.torch_num_threads)))
     data_dir, out_dir = default_paths(cfg)
     try:

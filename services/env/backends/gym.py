@@ -7,31 +7,12 @@ env's ``task_description`` attribute when it has one; success is ``info['success
 
 from __future__ import annotations
 
-import difflib
-
 import numpy as np
 
+from rlfleet.gym_envs import make_gym_env
 from rlfleet.rpc import InvalidRequest
 from rlfleet.spaces import TensorSpace, spaces_from_gym
 from services.env.backends.base import BackendSpec, BackendStep, SimBackend, stack_obs
-
-
-def make_gym_env(env_id: str, init_params: dict | None = None):
-    """gym.make for a registered id, without gymnasium's wrappers (VecEnv enforces the time limit)."""
-    import gymnasium as gym
-
-    import services.env.envs  # noqa: F401  (registers the built-in envs)
-
-    if env_id not in gym.registry:
-        known = sorted(k for k in gym.registry if not k.startswith(("ALE/", "phys2d/", "tabular/")))
-        close = difflib.get_close_matches(env_id, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise InvalidRequest(f"unknown env id '{env_id}'{hint} (gymnasium registry; for another simulator set "
-                             f"env.train.simulator_type, see `coordinatorctl envs`)")
-    try:
-        return gym.make(env_id, disable_env_checker=True, **(init_params or {})).unwrapped
-    except TypeError as exc:
-        raise InvalidRequest(f"env '{env_id}' rejected init_params {dict(init_params or {})}: {exc}") from exc
 
 
 def _obs_dict(obs) -> dict[str, np.ndarray]:
