@@ -303,16 +303,30 @@ class Coordinator:
         return tuple((s.incarnation, s.ready.is_set()) for (r, _), s in sorted(self.services.items()) if r == "inference")
 
     def _ensure_inference_weights(self) -> None:
-        """After inference restarts: wait for every server, then have the learner republish the current weights."""
+        """After inference restarts: wait for every server, then have the learner republish the current weights.
+        A server that dies under the republish (the monitor has not noticed yet) is waited for and tried again."""
+        deadline = time.monotonic() + self.cfg.cluster.startup_timeout_s
         with self.weights_lock:
-            for i in range(self.counts["inference"]):
-                self._wait_service("inference", i, self.cfg.cluster.startup_timeout_s)
-            generation = self._inference_generation()
-            if generation == self.weights_generation:
-                return
-            self.learner().PublishWeights(learner_pb2.PublishWeightsRequest(
-                inference_addresses=self.addresses("inference")), timeout=120)
-            self.weights_generation = generation
+            while True:
+                for i in range(self.counts["inference"]):
+                    self._wait_service("inference", i, max(1.0, deadline - time.monotonic()))
+                generation = self._inference_generation()
+                if generation == self.weights_generation:
+                    return
+                try:
+                    self.learner().PublishWeights(learner_pb2.PublishWeightsRequest(
+                        inference_addresses=self.addresses("inference")), timeout=120)
+                    self.weights_generation = generation
+                    return
+                except grpc.RpcError as exc:
+                    settle = min(deadline, time.monotonic() + 5.0)
+                    while self._inference_generation() == generation and time.monotonic() < settle \
+                            and not self.fatal:
+                        time.sleep(0.1)  # a death is noticed by the monitor within a fraction of a second
+                    if self.fatal:
+                        raise RunFailed(self.fatal) from exc
+                    if self._inference_generation() == generation or time.monotonic() >= deadline:
+                        raise RunFailed(f"republishing weights failed: {rpc.describe_error(exc)}") from exc
 
     def _why_failed(self, exc: grpc.RpcError, what: str) -> str:
         """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""

@@ -38,8 +38,9 @@ def send_weights(addresses: list[str], learner: Learner, version: int, timeout: 
             try:
                 with rpc.channel(address) as ch:
                     stub = inference_pb2_grpc.InferenceServiceStub(ch)
-                    stub.UpdateWeights(weights.iter_chunks(state, version, **kw), timeout=timeout,
-                                       wait_for_ready=True)
+                    # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until
+                    # it has registered, and has the weights republished; waiting here would hold up Train
+                    stub.UpdateWeights(weights.iter_chunks(state, version, **kw), timeout=timeout)
             except grpc.RpcError as exc:
                 if send_full or exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
                                                    grpc.StatusCode.FAILED_PRECONDITION):
@@ -58,7 +59,8 @@ def send_weights(addresses: list[str], learner: Learner, version: int, timeout: 
                 sent = max(sent, fut.result())
             except Exception as exc:
                 synced.discard(address)
-                raise rpc.FailedPrecondition(f"weight update to inference server {address} failed: {exc}") from exc
+                why = rpc.describe_error(exc) if isinstance(exc, grpc.RpcError) else str(exc)
+                raise rpc.FailedPrecondition(f"weight update to inference server {address} failed: {why}") from exc
     learner.last_sync_bytes = sent
     return sent
 

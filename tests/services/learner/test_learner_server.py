@@ -141,3 +141,22 @@ def test_grpo_groups_share_a_start_and_train_without_a_critic(tmp_path):
         assert resp.weights_version == 2
     finally:
         fleet.close()
+
+
+def test_publish_to_a_dead_inference_server_fails_fast(learner_stub):
+    """A killed inference server must not hold up Train for the publish timeout: the learner reports the
+    failed address at once and the coordinator republishes after the restart."""
+    import socket
+    import time
+
+    from services.learner.server import send_weights
+
+    _, learner = learner_stub
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:
+        send_weights([dead], learner, 1, timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert dead in str(err.value)
