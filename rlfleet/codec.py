@@ -6,6 +6,7 @@ Decoding never trusts the sender: dtype, shape, byte size, expected shape and fi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -38,6 +39,23 @@ class CodecError(ValueError):
     """A received tensor is malformed or not what was expected; the message names the field."""
 
 
+MAX_DIMS = 32
+
+
+def check_shape(dims: Sequence[int], name: str) -> int:
+    """A received shape: at most MAX_DIMS dimensions, none negative, at most MAX_ELEMENTS elements (counted
+    without overflow); -> the element count."""
+    dims = list(dims)
+    if len(dims) > MAX_DIMS:
+        raise CodecError(f"{name}: {len(dims)} dimensions; at most {MAX_DIMS}")
+    if any(d < 0 for d in dims):
+        raise CodecError(f"{name}: negative dimension in shape {dims}")
+    count = math.prod(dims)
+    if count > MAX_ELEMENTS:
+        raise CodecError(f"{name}: shape {dims} has {count} elements, more than the limit {MAX_ELEMENTS}")
+    return count
+
+
 def dtype_of(array: np.ndarray) -> int:
     try:
         return _DTYPE_BY_NP[array.dtype.newbyteorder("=")]
@@ -46,8 +64,12 @@ def dtype_of(array: np.ndarray) -> int:
                          f"{sorted(str(d) for d in _DTYPE_BY_NP)}") from None
 
 
-def numpy_dtype(dtype: int) -> np.dtype:
-    return _NP_BY_DTYPE[dtype]
+def numpy_dtype(dtype: int, name: str = "dtype") -> np.dtype:
+    try:
+        return _NP_BY_DTYPE[dtype]
+    except (KeyError, TypeError):
+        raise CodecError(f"{name}: unknown or unset dtype {dtype} "
+                         f"(expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})") from None
 
 
 def encode(array, out: Tensor | None = None) -> Tensor:
@@ -76,9 +98,8 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
         raise CodecError(f"{name}: unknown or unset dtype {msg.dtype} "
                          f"(expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})")
     dims = list(msg.shape)
-    if any(d < 0 for d in dims):
-        raise CodecError(f"{name}: negative dimension in shape {dims}")
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    check_shape(dims, name)
+    count = math.prod(dims)  # Python ints: [2**32, 2**32] must not wrap to 0
     if count > MAX_ELEMENTS:
         raise CodecError(f"{name}: {count} elements is more than the limit {MAX_ELEMENTS}")
     np_dtype = _NP_BY_DTYPE[msg.dtype]

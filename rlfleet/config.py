@@ -28,6 +28,7 @@ NULLABLE_TYPES = {
     "actor.model.unnorm_key": str, "actor.model.vla.dino_hidden_size": int, "actor.model.vla.dino_layers": int,
     "actor.model.vla.dino_heads": int, "actor.model.vla.dino_intermediate_size": int,
     "actor.model.vla.action_token_end": int, "sft.dataset_path": str, "sft.output_path": str,
+    "telemetry.otlp_endpoint": str,
 }
 
 
@@ -253,6 +254,10 @@ def validate(cfg: DictConfig) -> None:
              f"'{cfg.actor.optim.lr_schedule}' is not one of constant, linear")
     _require(cfg.cluster.launcher in ("local", "attach"), "cluster.launcher",
              f"'{cfg.cluster.launcher}' is not one of local, attach")
+    _require(cfg.telemetry.traces in ("file", "otlp", "none"), "telemetry.traces",
+             f"'{cfg.telemetry.traces}' is not one of file, otlp, none")
+    _require(cfg.telemetry.metrics_interval_s > 0, "telemetry.metrics_interval_s",
+             f"must be > 0, got {cfg.telemetry.metrics_interval_s}")
     for backend in cfg.runner.logger.logger_backends:
         _require(backend in ("tensorboard",), "runner.logger.logger_backends",
                  f"'{backend}' is not supported here (tensorboard); wandb and swanlab are not installed")

@@ -85,7 +85,7 @@ class Checker:
     def __init__(self, address: str, timeout: float = 60.0, max_steps: int = 2000, seed: int = 1234):
         self.address, self.timeout, self.max_steps = address, timeout, max_steps
         self.rng = np.random.default_rng(seed)
-        self.channel = rpc.wait_ready(address, timeout)
+        self.channel = rpc.wait_ready(address, timeout, credential=False)
         self.stub = env_pb2_grpc.EnvServiceStub(self.channel)
         self.spec = self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
         self.n = int(self.spec.num_envs)

@@ -247,6 +247,17 @@ def environment_of(simulator: str) -> Environment | None:
     return get_simulator(simulator).environment
 
 
+def child_environ(python: str, num_threads: int, **extra: str) -> dict[str, str]:
+    """Environment variables of a child process run by ``python`` (a simulator environment's interpreter gets
+    rlfleet's env side from this checkout through PYTHONPATH)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(num_threads), **extra)
+    env.setdefault("MUJOCO_GL", "egl")
+    if python != sys.executable:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.pop("VIRTUAL_ENV", None)
+    return env
+
+
 def python_for(simulator: str, configured: str | None = None, log=print) -> str:
     """The python an env server for ``simulator`` runs with: the main one, or its own environment's."""
     env = environment_of(simulator)
@@ -271,3 +282,27 @@ def describe(configured: str | None = None) -> list[dict]:
                      "description": sim.description, "examples": list(sim.examples),
                      "notes": env.notes if env else ""})
     return rows
+
+
+def main(argv=None) -> int:
+    """``python -m rlfleet.environments exec SIMULATOR ARGS...``: run ARGS with the simulator's Python (its own
+    environment, built when missing) and rlfleet's env side on PYTHONPATH; what a container runs an env server with.
+    ``python -m rlfleet.environments install SIMULATOR``: build the environment (image builds)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m rlfleet.environments")
+    p.add_argument("action", choices=("exec", "install"))
+    p.add_argument("simulator")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    python = python_for(args.simulator, None, lambda *a, **k: print(*a, file=sys.stderr, flush=True))
+    if args.action == "install":
+        print(python)
+        return 0
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    os.execve(python, [python, *args.args], child_environ(python, int(threads)))
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

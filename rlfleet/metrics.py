@@ -42,4 +42,12 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
         path = path / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(record, dict):
+            out.append(record)
+    return out

@@ -1,4 +1,6 @@
-"""gRPC helpers shared by every service: server/channel construction, error mapping, readiness waits."""
+"""gRPC helpers shared by every service: server/channel construction, error mapping, readiness waits, and the
+interceptors every server and channel carries (the run credential of :mod:`rlfleet.auth`, trace context of
+:mod:`rlfleet.tracing`), plus gRPC health checking and reflection on every server."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from concurrent import futures
 
 import grpc
 
+from rlfleet import auth
 from rlfleet.codec import CodecError
 
 log = logging.getLogger("rlfleet.rpc")
@@ -80,11 +83,75 @@ def handler(fn):
     return wrapper
 
 
+class _Refuse:
+    """Method handlers that abort at once with the auth error (same streaming shape as the real method)."""
+
+    @staticmethod
+    def handler(real, code: str, message: str):
+        status = getattr(grpc.StatusCode, code)
+
+        def abort_unary(request, context):
+            context.abort(status, message)
+
+        def abort_stream(request_or_iterator, context):
+            context.abort(status, message)
+            yield  # pragma: no cover - abort raises
+
+        if real is None:
+            return None
+        if real.request_streaming and real.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(abort_stream, real.request_deserializer,
+                                                         real.response_serializer)
+        if real.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(abort_unary, real.request_deserializer,
+                                                        real.response_serializer)
+        if real.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(abort_stream, real.request_deserializer,
+                                                        real.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(abort_unary, real.request_deserializer, real.response_serializer)
+
+
+class _ServerAuth(grpc.ServerInterceptor):
+    """Every call must carry the run's token (and an owning role for state-changing methods)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        try:
+            auth.check(handler_call_details.method, handler_call_details.invocation_metadata)
+        except auth.AuthError as exc:
+            code, message = exc.args
+            log.warning("refused %s: %s", handler_call_details.method, message)
+            return _Refuse.handler(continuation(handler_call_details), code, message)
+        return continuation(handler_call_details)
+
+
 def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None) -> grpc.Server:
     """A gRPC server whose pool has ``max_workers`` threads (a streaming RPC holds one for its whole life); with
-    ``max_concurrent_rpcs``, calls beyond it are refused with RESOURCE_EXHAUSTED instead of queueing unserved."""
+    ``max_concurrent_rpcs``, calls beyond it are refused with RESOURCE_EXHAUSTED instead of queueing unserved.
+    Calls are checked against the run credential (rlfleet.auth) and carry trace context (rlfleet.tracing)."""
+    from rlfleet import tracing
+
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                       options=OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+                       options=OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs,
+                       interceptors=[_ServerAuth(), tracing.ServerInterceptor()])
+
+
+def add_health_and_reflection(server: grpc.Server, *service_names: str):
+    """grpc.health.v1 (every name SERVING, and "" for the whole server) and server reflection listing
+    ``service_names``; returns the health servicer (``set(name, NOT_SERVING)`` when shutting down)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", *service_names):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return servicer
+
+
+def service_name(pb2_module, service: str) -> str:
+    """The full gRPC name of ``service`` in a generated module (e.g. 'rlfleet.v1.EnvService')."""
+    return pb2_module.DESCRIPTOR.services_by_name[service].full_name
 
 
 def bind(server: grpc.Server, address: str) -> str:
@@ -96,12 +163,50 @@ def bind(server: grpc.Server, address: str) -> str:
     return f"{host}:{bound}" if int(port or 0) == 0 else address
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=OPTIONS)
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, details, metadata):
+        self.method, self.timeout, self.credentials = details.method, details.timeout, details.credentials
+        self.wait_for_ready, self.compression = details.wait_for_ready, details.compression
+        self.metadata = metadata
 
 
-def wait_ready(address: str, timeout: float = 30.0) -> grpc.Channel:
-    ch = channel(address)
+class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the run credential and the caller's trace context to every call."""
+
+    def __init__(self, credential: bool):
+        self.credential = credential
+
+    def _details(self, details):
+        from rlfleet import tracing
+
+        md = list(details.metadata or ())
+        if self.credential:
+            md += auth.call_metadata()
+        md += tracing.inject()
+        return _CallDetails(details, md)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def channel(address: str, *, credential: bool = True) -> grpc.Channel:
+    """A channel whose calls carry this process's run credential (``credential=False`` for peers outside the
+    run, such as an external simulator) and trace context."""
+    return grpc.intercept_channel(grpc.insecure_channel(address, options=OPTIONS), _ClientMetadata(credential))
+
+
+def wait_ready(address: str, timeout: float = 30.0, *, credential: bool = True) -> grpc.Channel:
+    ch = channel(address, credential=credential)
     try:
         grpc.channel_ready_future(ch).result(timeout=timeout)
     except grpc.FutureTimeoutError:

@@ -70,6 +70,9 @@ def exit_after(main) -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         code = CANNOT_START
+    from rlfleet import tracing
+
+    tracing.shutdown()  # flush spans and metrics: os._exit skips atexit
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -92,14 +95,23 @@ def load_service_config(args):
         raise SystemExit(f"config error: {exc}") from None
 
 
-def setup_process(args, num_threads: int) -> None:
+def setup_process(args, cfg, role: str) -> None:
+    """Logging, threads, the run credential and telemetry of a service process (before it serves)."""
+    from rlfleet import auth, tracing
+
     die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    token = auth.token_from_env()
+    if args.coordinator and not token:
+        raise SystemExit(f"rlfleet {role}[{args.index}]: no run credential: set {auth.TOKEN_ENV} to the run's token "
+                         f"(coordinatorctl start prints where it is; it hands it to the services it starts)")
+    auth.set_identity(role, token)
+    tracing.setup(role, args.index, cfg, os.path.dirname(os.path.abspath(args.config)))
     try:  # env servers run in simulator environments that may have no torch
         import torch
     except ImportError:
         return
-    torch.set_num_threads(max(1, int(num_threads)))
+    torch.set_num_threads(max(1, int(cfg.cluster.torch_num_threads)))
 
 
 class ServiceRuntime:

@@ -15,7 +15,9 @@ import importlib
 from dataclasses import dataclass
 
 # What the env side of rlfleet imports (rlfleet itself is put on PYTHONPATH, not installed).
-ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "protobuf>=6.31,<8", "omegaconf>=2.3", "gymnasium>=1.0", "packaging",
+ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "grpcio-health-checking==1.85.1", "grpcio-reflection==1.85.1",
+                         "opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
+                         "protobuf>=6.31,<8", "omegaconf>=2.3", "gymnasium>=1.0", "packaging",
                          "pillow")  # pillow: evaluation videos
 
 

@@ -85,25 +85,28 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk]):
                          DType.UINT8, DType.BOOL, DType.INT8):
             raise CodecError(f"weights['{chunk.name}']: unknown dtype {dtype}")
         shape = list(chunk.data.shape)
-        if any(d < 0 for d in shape):
-            raise CodecError(f"weights['{chunk.name}']: negative dimension in {shape}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * codec.numpy_dtype(dtype).itemsize
+        nbytes = codec.check_shape(shape, f"weights['{chunk.name}']") * codec.numpy_dtype(dtype).itemsize
         if chunk.name not in buffers:
-            buffers[chunk.name] = (dtype, shape, bytearray(nbytes))
+            # the bytes are kept as received and joined only once they cover the tensor: a 4-byte chunk that
+            # declares a huge shape costs 4 bytes, not the declared size
+            buffers[chunk.name] = (dtype, shape, nbytes, [])
             spans[chunk.name] = []
-        bdtype, bshape, buf = buffers[chunk.name]
+        bdtype, bshape, _, pieces = buffers[chunk.name]
         if (bdtype, bshape) != (dtype, shape):
             raise CodecError(f"weights['{chunk.name}']: chunks disagree on dtype/shape")
         end = chunk.offset + len(chunk.data.data)
         if chunk.offset < 0 or end > nbytes:
             raise CodecError(f"weights['{chunk.name}']: bytes [{chunk.offset}, {end}) outside the tensor's {nbytes}")
-        buf[chunk.offset:end] = chunk.data.data
+        pieces.append((chunk.offset, chunk.data.data))
         spans[chunk.name].append((chunk.offset, end))
     if version is None:
         raise CodecError("weights: empty stream")
     state = {}
-    for name, (dtype, shape, buf) in buffers.items():
-        _check_coverage(name, spans[name], len(buf))
+    for name, (dtype, shape, nbytes, pieces) in buffers.items():
+        _check_coverage(name, spans[name], nbytes)
+        buf = bytearray(nbytes)
+        for offset, data in pieces:
+            buf[offset:offset + len(data)] = data
         arr = np.frombuffer(bytes(buf), dtype=codec.numpy_dtype(dtype)).reshape(shape)
         t = torch.from_numpy(arr.copy())
         state[name] = t.view(torch.bfloat16) if dtype == DType.BFLOAT16 else t

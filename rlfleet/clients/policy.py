@@ -14,7 +14,7 @@ import threading
 import grpc
 import numpy as np
 
-from rlfleet import codec, rpc
+from rlfleet import codec, rpc, tracing
 from rlfleet.acting import ActResult
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
@@ -77,7 +77,7 @@ class _Stream:
         rid = next(self.ids)
         self.requests.put(inference_pb2.ActRequest(
             request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic,
-            instructions=list(instructions or [])))
+            instructions=list(instructions or []), trace_context=dict(tracing.inject())))
         self.inflight.append((rid, next(iter(obs.values())).shape[0]))
 
     def result(self, action_dim: int | None) -> ActResult:

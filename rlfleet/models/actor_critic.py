@@ -178,9 +178,13 @@ class ActorCritic(PolicyMixin, nn.Module):
 
 def obs_specs_from_proto(space) -> dict[str, ObsSpec]:
     """{name: TensorSpec} (protobuf map) -> {name: ObsSpec}."""
-    from rlfleet.codec import numpy_dtype
+    from rlfleet.codec import check_shape, numpy_dtype
 
-    return {k: ObsSpec(tuple(int(d) for d in v.shape), numpy_dtype(v.dtype).name) for k, v in space.items()}
+    out = {}
+    for k, v in space.items():
+        check_shape(v.shape, f"observation_space['{k}']")
+        out[k] = ObsSpec(tuple(int(d) for d in v.shape), numpy_dtype(v.dtype, f"observation_space['{k}']").name)
+    return out
 
 
 def to_torch_obs(obs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -8,6 +8,8 @@
     coordinatorctl check-env HOST:PORT                  # an EnvService against the env contract
     coordinatorctl collect-demos CONFIG [key=value ...] # scripted-expert demonstrations of env.train -> sft.dataset_path
     coordinatorctl sft CONFIG [key=value ...]           # behaviour cloning of actor.model on them -> sft.output_path
+    coordinatorctl deploy compose|k8s [CONFIG] [key=value ...] [--out DIR]  # container manifests for a run
+    coordinatorctl traces RUN_DIR [--epoch N]           # one epoch's trace across the services, as a tree
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import rlfleet  # noqa: F401  (sets gRPC's log verbosity before grpc is imported)
 import grpc
 
-from rlfleet import rpc
+from rlfleet import auth, rpc, tracing
 from rlfleet.config import ConfigError, load_config
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -45,8 +47,17 @@ def _start(args) -> int:
     except ConfigError as exc:
         print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
         return 2
-    coord = Coordinator(cfg, run_dir, quiet=args.quiet)
+    token = auth.token_from_env() or auth.new_token()  # a deployment may hand one in; else a fresh one per run
+    auth.set_identity("coordinator", token)
+    try:
+        where = tracing.setup("coordinator", 0, cfg, run_dir)
+    except SystemExit as exc:
+        print(f"coordinatorctl: {exc}", file=sys.stderr)
+        return 2
+    coord = Coordinator(cfg, run_dir, quiet=args.quiet, token=token)
     server = serve(coord, cfg.cluster.coordinator_address)
+    if where:
+        coord.say(f"  traces and metrics: {where}", verbose=True)
     install_signal_handlers(coord)
     code = 0
     try:
@@ -65,6 +76,7 @@ def _start(args) -> int:
     finally:
         coord.shutdown()
         server.stop(grace=0.5)
+        tracing.shutdown()
     return code
 
 
@@ -142,7 +154,7 @@ def _sft_step(args) -> int:
     import subprocess
 
     from rlfleet import environments
-    from services.coordinator.launcher import child_environ
+    from rlfleet.environments import child_environ
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -169,9 +181,10 @@ def _sft_step(args) -> int:
                            cwd=os.getcwd())
 
 
-def _find_address(args) -> str:
+def _find_run(args) -> tuple[str, str | None]:
+    """(coordinator address, run folder or None) of the run that status/stop talk to."""
     if args.address:
-        return args.address
+        return args.address, args.run_dir
     if args.run_dir:
         candidates = [pathlib.Path(args.run_dir) / "coordinator.json"]
     else:
@@ -184,18 +197,28 @@ def _find_address(args) -> str:
                 os.kill(info["pid"], 0)
             except OSError:
                 continue
-            return info["address"]
+            return info["address"], str(path.parent)
     raise SystemExit("coordinatorctl: no running coordinator found (give RUN_DIR or --address)")
 
 
+def _coordinator_stub(args):
+    """A stub carrying the run credential: $RLFLEET_RUN_TOKEN, else the run folder's run_token file."""
+    address, run_dir = _find_run(args)
+    token = auth.read_token(run_dir)
+    if token is None:
+        raise SystemExit(f"coordinatorctl: no run credential for {address}: set {auth.TOKEN_ENV} or give the run "
+                         f"folder (its {auth.TOKEN_FILE} file)")
+    auth.set_identity("ctl", token)
+    return address, coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(address))
+
+
 def _status(args) -> int:
-    address = _find_address(args)
-    with rpc.channel(address) as ch:
-        try:
-            st = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(), timeout=5)
-        except grpc.RpcError as exc:
-            print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
-            return 1
+    address, stub = _coordinator_stub(args)
+    try:
+        st = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+    except grpc.RpcError as exc:
+        print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
+        return 1
     print(f"{st.experiment_name}: {st.phase}, epoch {st.epoch + 1}/{st.max_epochs}, {st.env_steps} env steps, "
           f"{st.elapsed_s:.0f}s  ({st.run_dir})")
     for key in ("env/success_once", "env/return", "train/actor/policy_loss", "train/critic/value_loss"):
@@ -209,11 +232,50 @@ def _status(args) -> int:
 
 
 def _stop(args) -> int:
-    address = _find_address(args)
-    with rpc.channel(address) as ch:
-        coordinator_pb2_grpc.CoordinatorServiceStub(ch).Stop(coordinator_pb2.StopRequest(reason="coordinatorctl stop"),
-                                                             timeout=5)
+    address, stub = _coordinator_stub(args)
+    try:
+        stub.Stop(coordinator_pb2.StopRequest(reason="coordinatorctl stop"), timeout=5)
+    except grpc.RpcError as exc:
+        print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
+        return 1
     print(f"stop requested at {address}; the run finishes its current epoch, saves a checkpoint and shuts down")
+    return 0
+
+
+def _deploy(args) -> int:
+    from services.coordinator import deploy
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out or f"deploy/generated/{cfg.runner.experiment_name}-{args.kind}")
+    for path in deploy.write(args.kind, cfg, out, args.tag):
+        print(f"wrote {path}")
+    if args.kind == "compose":
+        print(f"run it: cd {out} && docker-compose up --build   (status: RLFLEET_RUN_TOKEN=... coordinatorctl status "
+              f"--address 127.0.0.1:50051, the token is in {out / 'rlfleet.env'})")
+    else:
+        print(f"apply it: kubectl apply -f {out / 'rlfleet-k8s.yaml'}   (images: {', '.join(deploy.images(cfg, args.tag))})")
+    return 0
+
+
+def _traces(args) -> int:
+    from rlfleet import tracing
+
+    spans = tracing.load_spans(args.run_dir)
+    if not spans:
+        print(f"coordinatorctl: no spans in {args.run_dir}/traces (telemetry.traces=file writes them)", file=sys.stderr)
+        return 1
+    epochs = sorted({s["attributes"].get("rlfleet.epoch") for s in spans if s["name"] == "epoch"})
+    epoch = args.epoch if args.epoch is not None else (epochs[-1] if epochs else 0)
+    tree = tracing.format_tree(tracing.epoch_trace(spans, epoch))
+    if not tree:
+        print(f"coordinatorctl: no trace for epoch {epoch} (traced epochs: {epochs[0]}..{epochs[-1]})"
+              if epochs else "coordinatorctl: no epoch traces yet", file=sys.stderr)
+        return 1
+    print(f"epoch {epoch} ({len(spans)} spans in {args.run_dir}/traces)\n{tree}")
     return 0
 
 
@@ -243,6 +305,15 @@ def main(argv=None) -> int:
     q = sub.add_parser("sft", help="supervised fine-tuning of actor.model on the demonstrations (sft.* keys)")
     q.add_argument("config", help="YAML config or a built-in name")
     q.add_argument("overrides", nargs="*", help="key=value overrides")
+    q = sub.add_parser("deploy", help="write docker-compose or Kubernetes manifests for a run")
+    q.add_argument("kind", choices=("compose", "k8s"))
+    q.add_argument("config", nargs="?", default=None, help="YAML config or a built-in name (default: the embedded one)")
+    q.add_argument("overrides", nargs="*", help="key=value overrides")
+    q.add_argument("--out", default=None, help="output folder (default deploy/generated/<experiment>-<kind>)")
+    q.add_argument("--tag", default=None, help="image tag (default cpu, or gpu when the placement uses GPUs)")
+    q = sub.add_parser("traces", help="print one epoch's trace (spans from every service) as a tree")
+    q.add_argument("run_dir")
+    q.add_argument("--epoch", type=int, default=None, help="epoch (default: the last traced)")
     q = sub.add_parser("check-env", add_help=False,
                        help="check a running EnvService against the env contract (docs/env-contract.md); "
                             "`coordinatorctl check-env --help` for options")
@@ -261,6 +332,12 @@ def main(argv=None) -> int:
         return _envs(args)
     if args.command in ("collect-demos", "sft"):
         return _sft_step(args)
+    if args.command == "deploy":
+        if args.config and "=" in args.config:
+            args.overrides, args.config = [args.config, *args.overrides], None
+        return _deploy(args)
+    if args.command == "traces":
+        return _traces(args)
     if args.command == "start":
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]

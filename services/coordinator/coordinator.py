@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+from omegaconf import DictConfig
 
 from rlfleet import codec, rpc
 from rlfleet.config import to_yaml
 from rlfleet.service import CANNOT_START  # a service that failed before serving: not restarted
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.coordinator.launcher import LocalLauncher
+from rlfleet import auth, tracing
+from services.coordinator.launcher import LocalLauncher, make_launcher
 
 ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference", coordinator_pb2.LEARNER: "learner"}
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
@@ -56,7 +58,14 @@ def config_difference(cfg, other_yaml: str) -> str:
 
     from rlfleet.config import _flatten
 
-    mine, theirs = _flatten(cfg), _flatten(OmegaConf.create(other_yaml))
+    try:
+        other = OmegaConf.create(other_yaml)
+    except Exception as exc:  # noqa: BLE001 - YAML that does not parse is bad input, not a coordinator bug
+        raise rpc.InvalidRequest(f"config_yaml: does not parse as YAML ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0]})") from None
+    if not isinstance(other, DictConfig):
+        raise rpc.InvalidRequest("config_yaml: is not a mapping of config groups")
+    mine, theirs = _flatten(cfg), _flatten(other)
     for key in sorted(set(mine) | set(theirs)):
         if key in LOCAL_KEYS:
             continue
@@ -82,8 +91,9 @@ def choose_run_dir(cfg, resume_dir: str | None) -> pathlib.Path:
 
 
 class Coordinator:
-    def __init__(self, cfg, run_dir: pathlib.Path, *, quiet: bool = False):
+    def __init__(self, cfg, run_dir: pathlib.Path, *, quiet: bool = False, token: str | None = None):
         self.cfg = cfg
+        self.token = token  # the run credential, handed to the services this coordinator starts
         self.run_dir = run_dir
         self.quiet = quiet
         self.counts = {"env": cfg.cluster.num_env_servers, "inference": cfg.cluster.num_inference_servers,
@@ -94,7 +104,8 @@ class Coordinator:
         self.stop_reason = ""
         self.shutting_down = False
         self.fatal: str | None = None
-        self.launcher: LocalLauncher | None = None
+        self.launcher = None  # set in start_services (make_launcher)
+        self.local = cfg.cluster.launcher == "local"  # local: process exits are seen at once
         self.phase = "starting"
         self.epoch = -1
         self.env_steps = 0
@@ -169,7 +180,7 @@ class Coordinator:
         while not self.shutting_down:
             time.sleep(0.2)
             dead: list[tuple[Service, str]] = []
-            if self.launcher is not None:
+            if self.launcher is not None:  # a local launcher sees exits at once; attach relies on heartbeats
                 for proc, code in self.launcher.exited():
                     svc = self.services[(proc.role, proc.index)]
                     if svc.pid in (0, proc.popen.pid) and (svc.alive or not svc.ready.is_set()):
@@ -205,7 +216,7 @@ class Coordinator:
         self.say(f"  ! {name} {why.splitlines()[0]}; restarting it (restart {svc.restarts})")
         if self.launcher is not None:  # env servers and (stateless) inference servers are restarted
             self.launcher.kill(svc.role, svc.index)
-            self.launcher.start(svc.role, svc.index, self.counts[svc.role])
+            self.launcher.start(svc.role, svc.index)
 
     def _wait_service(self, role: str, index: int, timeout: float) -> Service:
         svc = self.services[(role, index)]
@@ -215,7 +226,7 @@ class Coordinator:
                 raise RunFailed(self.fatal)
             if time.monotonic() > end:
                 raise RunFailed(f"{role}[{index}] did not come up within {timeout:.0f}s"
-                                + (f" (see {self.run_dir / 'logs'})" if self.launcher else ""))
+                                + (f" (see {self.run_dir / 'logs'})" if self.local else ""))
         return svc
 
     # --- run ------------------------------------------------------------------------------------------------
@@ -223,19 +234,21 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "config.yaml"
         config_path.write_text(to_yaml(self.cfg))
+        if self.token:
+            path = auth.write_token(self.run_dir, self.token)
+            if not self.local:
+                self.say(f"  run credential: {path} (services started elsewhere need it as {auth.TOKEN_ENV})")
         (self.run_dir / "coordinator.json").write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
-        if self.cfg.cluster.launcher == "local":
-            self.launcher = LocalLauncher(self.cfg, self.run_dir, config_path, self.address)
-            from rlfleet.environments import EnvironmentError_
+        self.launcher = make_launcher(self.cfg, self.run_dir, config_path, self.address, self.token)
+        from rlfleet.environments import EnvironmentError_
 
-            try:
-                self.launcher.prepare(log=self.say)
-            except EnvironmentError_ as exc:
-                raise RunFailed(f"the {self.cfg.env.train.simulator_type} simulator environment could not be "
-                                f"built:\n{exc}") from None
-            for (role, index) in self.services:
-                self.launcher.start(role, index, self.counts[role])
-        else:
+        try:
+            self.launcher.prepare(log=self.say)
+        except EnvironmentError_ as exc:
+            raise RunFailed(f"the {self.cfg.env.train.simulator_type} simulator environment could not be "
+                            f"built:\n{exc}") from None
+        self.launcher.start_all()
+        if not self.local:
             self.say(f"waiting for services to register at {self.address} (cluster.launcher=attach): "
                      f"{self.counts}")
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
@@ -260,11 +273,12 @@ class Coordinator:
             incarnation = svc.incarnation
             policy_generation = self._inference_generation()
             try:
-                resp = stub.Collect(rollout_pb2.CollectRequest(
-                    epoch=epoch,
-                    num_steps=self.cfg.env.train.max_steps_per_rollout_epoch // self.cfg.actor.model.num_action_chunks,
-                    inference_addresses=self.addresses("inference"), learner_address=self.addresses("learner")[0],
-                    min_weights_version=min_version), timeout=self.cfg.cluster.collect_timeout_s)
+                with tracing.span("collect", **{"rlfleet.epoch": epoch, "rlfleet.env_server": index}):
+                    resp = stub.Collect(rollout_pb2.CollectRequest(
+                        epoch=epoch,
+                        num_steps=self.cfg.env.train.max_steps_per_rollout_epoch // self.cfg.actor.model.num_action_chunks,
+                        inference_addresses=self.addresses("inference"), learner_address=self.addresses("learner")[0],
+                        min_weights_version=min_version), timeout=self.cfg.cluster.collect_timeout_s)
                 if resp.lost_episodes:
                     with self.lock:
                         self.lost_episodes += resp.lost_episodes
@@ -275,7 +289,7 @@ class Coordinator:
                     raise RunFailed(f"env[{index}] Collect failed: {rpc.describe_error(exc)}"
                                     + (f"\n  {self.fatal}" if self.fatal else "")) from exc
                 # did the server die? the monitor notices a process exit at once, a hung server by its heartbeats
-                patience = 3.0 if self.launcher is not None else self.cfg.cluster.heartbeat_timeout_s + 5
+                patience = 3.0 if self.local else self.cfg.cluster.heartbeat_timeout_s + 5
                 deadline = time.monotonic() + patience
                 while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline \
                         and not self.fatal:
@@ -330,7 +344,7 @@ class Coordinator:
 
     def _why_failed(self, exc: grpc.RpcError, what: str) -> str:
         """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""
-        deadline = time.monotonic() + (3.0 if self.launcher is not None else self.cfg.cluster.heartbeat_timeout_s)
+        deadline = time.monotonic() + (3.0 if self.local else self.cfg.cluster.heartbeat_timeout_s)
         while not self.fatal and time.monotonic() < deadline and exc.code() in RETRYABLE:
             time.sleep(0.1)
         return self.fatal or f"{what} failed: {rpc.describe_error(exc)}"
@@ -376,7 +390,7 @@ class Coordinator:
                 except grpc.RpcError as exc:
                     if exc.code() not in RETRYABLE or self.fatal:
                         raise
-                    deadline = time.monotonic() + (3.0 if self.launcher is not None
+                    deadline = time.monotonic() + (3.0 if self.local
                                                    else self.cfg.cluster.heartbeat_timeout_s + 5)
                     while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline \
                             and self._inference_generation() == generation and not self.fatal:
@@ -394,8 +408,9 @@ class Coordinator:
             raise RunFailed(f"env[{i}] evaluation failed {self.cfg.cluster.max_restarts + 1} times")
 
         try:
-            with ThreadPoolExecutor(n) as pool:
-                results = list(pool.map(one, [i for i in range(n) if shares[i]]))
+            with ThreadPoolExecutor(n) as pool, tracing.span("evaluate", **{"rlfleet.step": step}):
+                futures = [tracing.submit(pool, one, i) for i in range(n) if shares[i]]
+                results = [f.result() for f in futures]
         finally:
             self.phase = phase
         eps = [e for r in results for e in r.episodes]
@@ -468,39 +483,41 @@ class Coordinator:
                 if self.stop_event.is_set():
                     stop_why = self.stop_reason or "stopped"
                     break
-                t0 = time.perf_counter()
-                lost_before = self.lost_episodes
-                futures = [pool.submit(self._collect, i, epoch, version) for i in range(self.counts["env"])]
-                results = [self._await(f, "rollout") for f in futures]
-                t_rollout = time.perf_counter() - t0
-                steps = sum(r.env_steps for r in results)
-                extra = {"time/rollout": t_rollout, "rollout/env_steps_per_s": steps / t_rollout,
-                         "time/env": max(r.env_time_s for r in results),
-                         "time/inference_wait": max(r.inference_wait_s for r in results),
-                         "env/lost_episodes": float(self.lost_episodes),
-                         "env/lost_episodes_epoch": float(self.lost_episodes - lost_before),
-                         "time/elapsed": self.elapsed()}
-                t1 = time.perf_counter()
-                try:
-                    resp = self._await(learner.Train.future(learner_pb2.TrainRequest(
-                        epoch=epoch, worker_indices=list(range(self.counts["env"])),
-                        inference_addresses=self.addresses("inference"), extra_metrics=extra),
-                        timeout=cfg.cluster.collect_timeout_s), "training")
-                except grpc.RpcError as exc:
-                    raise RunFailed(self._why_failed(exc, "learner Train")) from exc
-                version = resp.weights_version
-                if resp.publish_error:
-                    self.say(f"  ! weights {version} did not reach every inference server "
-                             f"({resp.publish_error.splitlines()[0]}); republishing")
-                    with self.weights_lock:
-                        self.weights_generation = ()
-                    self._ensure_inference_weights()
-                metrics = dict(resp.metrics)
-                metrics["time/step"] = time.perf_counter() - t0
-                metrics["time/train_rpc"] = time.perf_counter() - t1
-                self.env_steps = int(metrics.get("env/env_steps", self.env_steps + steps))
-                self.last_metrics, self.epoch = metrics, epoch
-                self._save_counts()
+                with tracing.span("epoch", **{"rlfleet.epoch": epoch}):
+                    t0 = time.perf_counter()
+                    lost_before = self.lost_episodes
+                    futures = [tracing.submit(pool, self._collect, i, epoch, version) for i in range(self.counts["env"])]
+                    results = [self._await(f, "rollout") for f in futures]
+                    t_rollout = time.perf_counter() - t0
+                    steps = sum(r.env_steps for r in results)
+                    extra = {"time/rollout": t_rollout, "rollout/env_steps_per_s": steps / t_rollout,
+                             "time/env": max(r.env_time_s for r in results),
+                             "time/inference_wait": max(r.inference_wait_s for r in results),
+                             "env/lost_episodes": float(self.lost_episodes),
+                             "env/lost_episodes_epoch": float(self.lost_episodes - lost_before),
+                             "time/elapsed": self.elapsed()}
+                    t1 = time.perf_counter()
+                    try:
+                        with tracing.span("train", **{"rlfleet.epoch": epoch}):
+                            resp = self._await(learner.Train.future(learner_pb2.TrainRequest(
+                                epoch=epoch, worker_indices=list(range(self.counts["env"])),
+                                inference_addresses=self.addresses("inference"), extra_metrics=extra),
+                                timeout=cfg.cluster.collect_timeout_s), "training")
+                    except grpc.RpcError as exc:
+                        raise RunFailed(self._why_failed(exc, "learner Train")) from exc
+                    version = resp.weights_version
+                    if resp.publish_error:
+                        self.say(f"  ! weights {version} did not reach every inference server "
+                                 f"({resp.publish_error.splitlines()[0]}); republishing")
+                        with self.weights_lock:
+                            self.weights_generation = ()
+                        self._ensure_inference_weights()
+                    metrics = dict(resp.metrics)
+                    metrics["time/step"] = time.perf_counter() - t0
+                    metrics["time/train_rpc"] = time.perf_counter() - t1
+                    self.env_steps = int(metrics.get("env/env_steps", self.env_steps + steps))
+                    self.last_metrics, self.epoch = metrics, epoch
+                    self._save_counts()
                 if epoch % runner.progress_interval == 0:
                     self.say(self.progress_line(epoch, metrics))
                 epoch += 1
@@ -579,7 +596,11 @@ class Coordinator:
     def write_summary(self, epochs: int, train_time: float, stop_why: str, final: dict | None, ckpt: str) -> dict:
         from services.coordinator.plots import plot_learning_curve
 
-        curve = plot_learning_curve(self.run_dir)
+        try:
+            curve = plot_learning_curve(self.run_dir)
+        except Exception as exc:  # noqa: BLE001 - a plot never costs the run its summary
+            self.say(f"  ! learning curve not drawn: {type(exc).__name__}: {exc}")
+            curve = None
         summary = {
             "experiment_name": self.cfg.runner.experiment_name, "run_dir": str(self.run_dir),
             "env_id": self.env_id, "epochs": epochs, "env_steps": self.env_steps,

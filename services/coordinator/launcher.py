@@ -1,11 +1,19 @@
-"""Local launcher: every service as a child process of the coordinator on this machine.
+"""Launchers: how the processes of :func:`services.coordinator.plan.process_plan` come to exist.
+
+``LocalLauncher`` starts every service as a child process of the coordinator on this machine; ``AttachLauncher``
+starts nothing and waits for services started elsewhere (compose, Kubernetes, other hosts) to register;
+``make_launcher`` picks one from ``cluster.launcher``. `coordinatorctl deploy` writes the compose and Kubernetes
+manifests from the same plan (services/coordinator/deploy.py).
+
+Local children run in their own session (a terminal's Ctrl-C reaches only the coordinator, which then stops them in
 
 Children run in their own session (a terminal's Ctrl-C reaches only the coordinator, which then stops them in
 order) and bind themselves to the coordinator's life with PR_SET_PDEATHSIG (``RLFLEET_PARENT_PID``, see
 ``rlfleet.service``), so a killed coordinator leaves no orphans. No Python runs between fork and exec (no
 preexec_fn): the coordinator has gRPC threads, and forking those is unsafe.
-Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range. Env servers run with their simulator's own
-Python environment (rlfleet.environments), built before the run starts.
+Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range, the run credential (RLFLEET_RUN_TOKEN) and
+where its traces go (RLFLEET_TRACE_DIR). Env servers run with their simulator's own Python environment
+(rlfleet.environments), built before the run starts.
 """
 
 from __future__ import annotations
@@ -18,22 +26,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rlfleet import environments
-from rlfleet.config import cuda_visible_devices, parse_placement
-
-MODULES = {"env": "services.env.server", "inference": "services.inference.server", "learner": "services.learner.server"}
-COMPONENT = {"env": "env", "inference": "rollout", "learner": "actor"}
-
-
-def child_environ(python: str, num_threads: int, **extra: str) -> dict[str, str]:
-    """Environment variables of a child process run by ``python`` (a simulator environment's interpreter gets
-    rlfleet's env side from this checkout through PYTHONPATH)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(num_threads), **extra)
-    env.setdefault("MUJOCO_GL", "egl")
-    if python != sys.executable:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(environments.REPO_ROOT), env.get("PYTHONPATH")) if p)
-        env.pop("VIRTUAL_ENV", None)
-    return env
+from rlfleet import auth, environments, tracing
+from rlfleet.environments import child_environ
+from services.coordinator.plan import ProcessSpec, process_plan
 
 
 @dataclass
@@ -45,26 +40,43 @@ class Proc:
     started: float
 
 
+class AttachLauncher:
+    """cluster.launcher=attach: the services are started elsewhere and register by address."""
+
+    def prepare(self, log=print) -> None:
+        pass
+
+    def start_all(self) -> None:
+        pass
+
+    def start(self, role: str, index: int) -> None:
+        pass  # a container platform restarts what it runs
+
+    def exited(self) -> list:
+        return []
+
+    def kill(self, role: str, index: int) -> None:
+        pass
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        pass  # the services leave when their heartbeats say the run is over
+
+
 class LocalLauncher:
-    def __init__(self, cfg, run_dir: pathlib.Path, config_path: pathlib.Path, coordinator_address: str):
+    def __init__(self, cfg, run_dir: pathlib.Path, config_path: pathlib.Path, coordinator_address: str,
+                 token: str | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.config_path = config_path
         self.coordinator_address = coordinator_address
+        self.token = token
+        self.specs = {(s.role, s.index): s for s in process_plan(cfg)}
         self.procs: dict[tuple[str, int], Proc] = {}
         self.pythons: dict[str, str] = {}  # role -> interpreter (env: the simulator's environment)
-        gpus = cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node
-        self.placement = parse_placement(cfg.cluster.component_placement, gpus)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def devices_for(self, role: str, index: int, count: int) -> str:
-        ranks = self.placement[COMPONENT[role]]
-        if not ranks:
-            return ""
-        if len(ranks) >= count:  # one process per GPU slice of the range
-            per = len(ranks) // count
-            ranks = ranks[index * per:(index + 1) * per]
-        return cuda_visible_devices(ranks, self.cfg.cluster.num_gpus_per_node)
+    def devices_for(self, role: str, index: int) -> str:
+        return self.specs[(role, index)].cuda_visible_devices
 
     def prepare(self, log=print) -> None:
         """Build (or find) the simulator environment env servers run in; a first build prints its progress."""
@@ -72,16 +84,19 @@ class LocalLauncher:
             self.pythons["env"] = environments.python_for(self.cfg.env.train.simulator_type,
                                                           self.cfg.cluster.envs_dir, log)
 
-    def start(self, role: str, index: int, count: int) -> Proc:
+    def start_all(self) -> None:
+        for role, index in self.specs:
+            self.start(role, index)
+
+    def start(self, role: str, index: int) -> Proc:
+        spec: ProcessSpec = self.specs[(role, index)]
         python = self.pythons.get(role, sys.executable)
-        cmd = [python, "-m", MODULES[role], "--config", str(self.config_path), "--index", str(index),
-               "--address", f"{self.cfg.cluster.host}:0", "--coordinator", self.coordinator_address]
-        if role == "learner":
-            cmd += ["--run-dir", str(self.run_dir)]
-        if role == "env" and self.cfg.cluster.external_env_addresses:
-            cmd += ["--external-env", str(self.cfg.cluster.external_env_addresses[index])]
+        cmd = [python, "-m", spec.module, *spec.args(str(self.config_path), f"{self.cfg.cluster.host}:0",
+                                                     self.coordinator_address, str(self.run_dir))]
+        extra = {auth.TOKEN_ENV: self.token} if self.token else {}
         env = child_environ(python, self.cfg.cluster.torch_num_threads, RLFLEET_PARENT_PID=str(os.getpid()),
-                            CUDA_VISIBLE_DEVICES=self.devices_for(role, index, count))
+                            CUDA_VISIBLE_DEVICES=spec.cuda_visible_devices,
+                            **{tracing.TRACE_DIR_ENV: str(self.run_dir / "traces")}, **extra)
         log_path = self.run_dir / "logs" / f"{role}_{index}.log"
         log_file = open(log_path, "ab")
         popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -119,3 +134,11 @@ class LocalLauncher:
         except OSError:
             return ""
         return "\n".join("    " + line for line in text[-lines:])
+
+
+def make_launcher(cfg, run_dir: pathlib.Path, config_path: pathlib.Path, coordinator_address: str,
+                  token: str | None):
+    """The one place that turns ``cluster.launcher`` into a launcher."""
+    if cfg.cluster.launcher == "local":
+        return LocalLauncher(cfg, run_dir, config_path, coordinator_address, token)
+    return AttachLauncher()

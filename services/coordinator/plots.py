@@ -9,8 +9,12 @@ from rlfleet.metrics import read_metrics
 
 def plot_learning_curve(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     records = read_metrics(run_dir)
-    train = [r for r in records if r.get("env/env_steps") is not None]
-    evals = [r for r in records if r.get("eval/success_once") is not None]
+
+    def has(r, *keys):  # partial or odd records (a crash mid-write, a hand-edited file) are skipped
+        return all(isinstance(r.get(k), (int, float)) for k in keys)
+
+    train = [r for r in records if has(r, "env/env_steps")]
+    evals = [r for r in records if has(r, "eval/success_once", "eval/env_steps")]
     if not train:
         return None
     import matplotlib
@@ -20,9 +24,9 @@ def plot_learning_curve(run_dir: str | pathlib.Path) -> pathlib.Path | None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     xs = [r["env/env_steps"] / 1000 for r in train]
-    if any(r.get("env/success_once") is not None for r in train):
-        ax1.plot([x for x, r in zip(xs, train) if r.get("env/success_once") is not None],
-                 [r["env/success_once"] for r in train if r.get("env/success_once") is not None],
+    if any(has(r, "env/success_once") for r in train):
+        ax1.plot([x for x, r in zip(xs, train) if has(r, "env/success_once")],
+                 [r["env/success_once"] for r in train if has(r, "env/success_once")],
                  label="train env/success_once", alpha=0.7)
     if evals:
         ax1.plot([r["eval/env_steps"] / 1000 for r in evals], [r["eval/success_once"] for r in evals], "o-",
@@ -33,7 +37,7 @@ def plot_learning_curve(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     ax1.grid(alpha=0.3)
     if ax1.get_legend_handles_labels()[0]:
         ax1.legend()
-    rets = [(x, r["env/return"]) for x, r in zip(xs, train) if r.get("env/return") is not None]
+    rets = [(x, r["env/return"]) for x, r in zip(xs, train) if has(r, "env/return")]
     if rets:
         ax2.plot(*zip(*rets), label="env/return")
     ax2.set_xlabel("env steps (k)")

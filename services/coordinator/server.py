@@ -34,6 +34,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 def serve(coordinator, address: str):
     server = rpc.make_server(max_workers=32)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(coordinator), server)
+    rpc.add_health_and_reflection(server, rpc.service_name(coordinator_pb2, "CoordinatorService"))
     bound = rpc.bind(server, address)
     server.start()
     coordinator.address = bound

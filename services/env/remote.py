@@ -45,7 +45,7 @@ class RemoteVecEnv:
 
     # --- connection -------------------------------------------------------------------------------------------
     def _connect(self, timeout: float) -> None:
-        self.channel = rpc.wait_ready(self.address, timeout)
+        self.channel = rpc.wait_ready(self.address, timeout, credential=False)  # a simulator outside the run
         self.stub = env_pb2_grpc.EnvServiceStub(self.channel)
         spec = self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
         if self.spec is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlfleet import rpc, videos
+from rlfleet import rpc, tracing, videos
 from services.env.vec_env import EpisodeStat
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,11 @@ class RolloutWorker:
                 ids = self.stages[s]
                 m = len(ids)
                 t0 = time.perf_counter()
-                res = policy.result(s)
+                with tracing.step_span("act", **{"rlfleet.stage": s, "rlfleet.rows": m}):
+                    res = policy.result(s)
                 t1 = time.perf_counter()
                 wait_time += t1 - t0
+                tracing.record("rlfleet.env.act_wait", t1 - t0, "s", "wait for an inference answer", stage=s)
                 if res.weights_version < min_weights_version:
                     raise StaleWeightsError(f"inference served weights version {res.weights_version}; epoch {epoch} "
                                             f"needs version >= {min_weights_version}")
@@ -164,8 +166,12 @@ class RolloutWorker:
                 for k, v in res.forward_inputs.items():
                     buf[f"fi.{k}"][step, ids] = v[:m]
                 t2 = time.perf_counter()
-                out = self._step_env(env, ids, res.actions[:m])
-                env_time += time.perf_counter() - t2
+                with tracing.step_span("env.step", **{"rlfleet.stage": s, "rlfleet.rows": m}):
+                    out = self._step_env(env, ids, res.actions[:m])
+                dt = time.perf_counter() - t2
+                env_time += dt
+                tracing.record("rlfleet.env.step_latency", dt, "s", "one env step of a pipeline stage", stage=s)
+                tracing.count("rlfleet.env.steps", m * res.actions.shape[1], "1", "env steps taken in rollouts")
                 buf["rewards"][step, ids] = out.rewards
                 buf["terminated"][step, ids] = out.terminated
                 buf["truncated"][step, ids] = out.truncated

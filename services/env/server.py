@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from rlfleet import codec, rpc
+from rlfleet import codec, rpc, tracing
 from rlfleet.clients.learner import push_rollout
 from rlfleet.clients.policy import make_policy_client
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
@@ -27,6 +27,8 @@ from services.env.vec_env import VecEnv
 
 MAX_STEP_STREAMS = 4         # concurrent EnvService.Step streams per server (more: RESOURCE_EXHAUSTED)
 MAX_EVAL_EPISODES = 100_000  # per Evaluate call
+
+ROLE = "env"
 
 
 def env_spec_proto(info, incarnation: str = "", max_step_streams: int = MAX_STEP_STREAMS) -> env_pb2.EnvSpec:
@@ -162,7 +164,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 lambda policy: self.worker.collect(request.epoch, request.num_steps, policy,
                                                    request.min_weights_version, _should_stop(context)),
                 after_loss=self.worker.reset_all)
-            push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation)
+            with tracing.span("push_rollout", **{"rlfleet.epoch": request.epoch}):
+                push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation)
         finally:
             self.lock.release()
         return rollout_pb2.CollectResponse(
@@ -179,6 +182,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def Evaluate(self, request, context):
         if not 0 < request.num_episodes <= MAX_EVAL_EPISODES:
             raise rpc.InvalidRequest(f"num_episodes: {request.num_episodes} is not in 1..{MAX_EVAL_EPISODES}")
+        if not 0 <= request.seed < 2 ** 31:  # episode i is seeded seed + i
+            raise rpc.InvalidRequest(f"seed: {request.seed} is not in [0, 2**31)")
         if request.first_episode < 0:
             raise rpc.InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
         if not request.inference_addresses:
@@ -246,11 +251,14 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, ext
     server = rpc.make_server(max_workers=16)
     runtime = ServiceRuntime("env", index, server, "", coordinator, cfg.cluster.heartbeat_interval_s,
                              cfg.cluster.heartbeat_timeout_s)
+    names = [rpc.service_name(rollout_pb2, "RolloutService")]
     if not external_env:
         env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, runtime.incarnation), server)
+        names.append(rpc.service_name(env_pb2, "EnvService"))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(
         worker, index, runtime.incarnation, act_timeout_s=cfg.cluster.act_timeout_s,
         reconnect_timeout_s=cfg.cluster.external_env_reconnect_timeout_s), server)
+    rpc.add_health_and_reflection(server, *names)
     runtime.address = rpc.bind(server, address)
     server.start()
     return server, runtime.address, worker, runtime
@@ -263,6 +271,7 @@ def serve_env_only(cfg, address: str, split: str = "train"):
     env = VecEnv(**env_kwargs(cfg, split, e.total_num_envs, e.seed, e.auto_reset if split == "train" else True))
     server = rpc.make_server(max_workers=16)
     env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, owns_env=True), server)
+    rpc.add_health_and_reflection(server, rpc.service_name(env_pb2, "EnvService"))
     bound = rpc.bind(server, address)
     server.start()
     return server, bound, env
@@ -276,7 +285,7 @@ def main(argv=None) -> int:
                         help="serve only EnvService over env.train (a standalone simulator server)")
     args = parser.parse_args(argv)
     cfg = load_service_config(args)
-    setup_process(args, cfg.cluster.torch_num_threads)
+    setup_process(args, cfg, ROLE)
     if args.env_only:
         server, bound, env = serve_env_only(cfg, args.address)
         print(f"rlfleet EnvService ({env.simulator}:{env.env_id}, {env.num_envs} envs) on {bound}", flush=True)

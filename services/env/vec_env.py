@@ -207,6 +207,9 @@ class VecEnv:
         states = list(reset_state_ids) if reset_state_ids is not None else []
         if seeds and len(seeds) != len(ids):
             raise InvalidRequest(f"seeds: {len(seeds)} seeds for {len(ids)} envs")
+        bad = [int(s) for s in seeds if not 0 <= int(s) < 2 ** 32 - 1]
+        if bad:  # simulators seed numpy generators, which take [0, 2**32)
+            raise InvalidRequest(f"seeds: {bad[0]} is not in [0, 2**32 - 1)")
         if states and len(states) != len(ids):
             raise InvalidRequest(f"reset_state_ids: {len(states)} ids for {len(ids)} envs")
         seed_list: list[int | None] = []

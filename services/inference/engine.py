@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from rlfleet.models import ObsSpec
 from rlfleet.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
+from rlfleet import tracing
 from rlfleet.acting import ActResult
 
 log = logging.getLogger("rlfleet.inference")
@@ -34,6 +35,7 @@ class _Request:
     stream: int
     future: Future
     t_submit: float
+    trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (rlfleet.tracing)
 
 
 class InferenceEngine:
@@ -174,13 +176,14 @@ class InferenceEngine:
         with self._streams_lock:
             self._open_streams -= 1
 
-    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0, instructions=None) -> Future:
+    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0, instructions=None,
+               trace_context: dict[str, str] | None = None) -> Future:
         rows = self.validate_obs(obs)
         if instructions and len(instructions) != rows:
             raise InvalidRequest(f"instructions: {len(instructions)} texts for {rows} observation rows")
         fut: Future = Future()
         self._queue.put(_Request(obs, list(instructions) if instructions else None, deterministic, rows, stream, fut,
-                                 time.monotonic()))
+                                 time.monotonic(), trace_context or {}))
         return fut
 
     def _loop(self) -> None:
@@ -220,7 +223,15 @@ class InferenceEngine:
                 obs = {k: np.concatenate([r.obs[k] for r in group]) if len(group) > 1 else group[0].obs[k]
                        for k in group[0].obs}
                 texts = [t for r in group for t in (r.instructions or [""] * r.rows)]
-                res = self.act_now(obs, deterministic, texts)
+                t0 = time.monotonic()
+                rows = sum(r.rows for r in group)
+                with tracing.step_span("act_batch", parents=[r.trace_context for r in group],
+                                       **{"rlfleet.rows": rows, "rlfleet.requests": len(group)}):
+                    res = self.act_now(obs, deterministic, texts)
+                tracing.record("rlfleet.inference.batch_rows", rows, "1", "rows per act batch")
+                tracing.record("rlfleet.inference.queue_wait", t0 - group[0].t_submit, "s",
+                               "time the oldest request of a batch waited")
+                tracing.record("rlfleet.inference.forward_latency", time.monotonic() - t0, "s", "one act batch")
             except Exception as exc:  # noqa: BLE001 - delivered to each waiting stream
                 for r in group:
                     r.future.set_exception(exc)

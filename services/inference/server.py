@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+ROLE = "inference"
+
 
 import numpy as np
 
@@ -33,7 +35,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             for req in request_iterator:
                 self._check_rows(req)
                 obs = codec.decode_map(req.observations, "observations")
-                result = self.engine.submit(obs, req.deterministic, stream, list(req.instructions)).result()
+                result = self.engine.submit(obs, req.deterministic, stream, list(req.instructions),
+                                            dict(req.trace_context)).result()
                 resp = inference_pb2.ActResponse(
                     request_id=req.request_id, actions=codec.encode(result.actions),
                     log_probs=codec.encode(result.log_probs), weights_version=result.weights_version,
@@ -74,6 +77,7 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, dev
     server = rpc.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
         InferenceServicer(engine, cfg.rollout.max_rows_per_request), server)
+    rpc.add_health_and_reflection(server, rpc.service_name(inference_pb2, "InferenceService"))
     bound = rpc.bind(server, address)
     server.start()
     runtime = ServiceRuntime("inference", index, server, bound, coordinator,
@@ -84,7 +88,7 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, dev
 def main(argv=None) -> int:
     args = common_args("rlfleet batched inference server").parse_args(argv)
     cfg = load_service_config(args)
-    setup_process(args, cfg.cluster.torch_num_threads)
+    setup_process(args, cfg, ROLE)
     np.random.seed(cfg.runner.seed + 1000 + args.index)
     import torch
 

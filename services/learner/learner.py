@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlfleet import tracing
 from rlfleet.codec import episode_return
 from rlfleet.metrics import MetricsLogger
 from rlfleet.models import ObsSpec, RunningMeanStd, build_policy
@@ -85,11 +86,19 @@ class Learner:
         return {k: v.detach().cpu() for k, v in self.model.sync_state_dict().items()}
 
     # --- rollouts -------------------------------------------------------------------------------------------
+    MAX_EPOCHS_AHEAD = 2  # rollouts are accepted for the next epochs only: nothing piles up for far-off ones
+
+    def check_rollout_epoch(self, epoch: int) -> None:
+        if not self.epoch < epoch <= self.epoch + self.MAX_EPOCHS_AHEAD:
+            raise InvalidRequest(f"epoch: a rollout for epoch {epoch}; this learner trained epoch {self.epoch} and "
+                                 f"accepts epochs {self.epoch + 1}..{self.epoch + self.MAX_EPOCHS_AHEAD}")
+
     def receive(self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray],
                 episodes: list) -> tuple[int, int]:
         """Validate and store one worker's complete rollout for ``epoch`` (replaces an earlier one)."""
         if self.model is None:
             raise FailedPrecondition("the learner has no policy yet (PublishWeights with the env spec first)")
+        self.check_rollout_epoch(epoch)
         missing = [k for k in REQUIRED if k not in time_major]
         missing += [f"obs.{k}" for k in self.obs_specs if f"obs.{k}" not in time_major]
         if missing or "last_values" not in per_env:
@@ -192,18 +201,21 @@ class Learner:
                  "old_values": flat(values), "advantages": flat(advantages), "returns": flat(returns),
                  "mask": flat(loss_mask)}
         use_mask = not bool(batch["mask"].all())
-        stats = self._update(obs, forward_inputs, batch, use_mask) if batch["mask"].any() else {}
+        with tracing.span("ppo_update", **{"rlfleet.epoch": epoch, "rlfleet.samples": int(T * N)}):
+            stats = self._update(obs, forward_inputs, batch, use_mask) if batch["mask"].any() else {}
         stats.update(adv_stats)
         # the observation normaliser moves only after the update, so old log-probs stay consistent within it
         self.model.update_obs_normalizer({k: v[batch["mask"] > 0] for k, v in obs.items()} if use_mask else obs)
         self.epoch, self.version = epoch, self.version + 1
         self.env_steps += T * N * self.model.num_action_chunks  # a sample is one action chunk
         train_time = time.perf_counter() - t0
+        tracing.record("rlfleet.learner.train_time", train_time, "s", "one PPO/GRPO update")
         t1 = time.perf_counter()
         self.publish_error = ""
         if publish is not None:
             try:
-                publish(self.version)
+                with tracing.span("publish_weights", **{"rlfleet.weights_version": self.version}):
+                    publish(self.version)
             except Exception as exc:  # noqa: BLE001 - the update stands; the coordinator republishes
                 self.publish_error = str(exc)
                 log.warning("publishing weights version %d failed: %s", self.version, exc)

@@ -10,11 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from rlfleet import codec, rpc, weights
+from rlfleet import codec, rpc, tracing, weights
 from rlfleet.models.actor_critic import obs_specs_from_proto
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
 from rlfleet.v1 import inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.learner import Learner
+
+ROLE = "learner"
 
 
 def send_weights(addresses: list[str], learner: Learner, version: int, timeout: float = 120.0,
@@ -54,7 +56,7 @@ def send_weights(addresses: list[str], learner: Learner, version: int, timeout: 
         raise rpc.InvalidRequest("inference_addresses: empty")
     sent = 0
     with ThreadPoolExecutor(len(addresses)) as pool:
-        for address, fut in [(a, pool.submit(one, a)) for a in addresses]:
+        for address, fut in [(a, tracing.submit(pool, one, a)) for a in addresses]:
             try:
                 sent = max(sent, fut.result())
             except Exception as exc:
@@ -83,6 +85,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 raise rpc.InvalidRequest("rollout: chunk after the one marked last")
             if head is None:
                 head = (chunk.epoch, chunk.worker_index, chunk.num_steps)
+                self.learner.check_rollout_epoch(chunk.epoch)  # before anything is buffered
             elif (chunk.epoch, chunk.worker_index, chunk.num_steps) != head:
                 raise rpc.InvalidRequest("rollout: chunks disagree on epoch/worker_index/num_steps")
             if chunk.t_start != expect_t:
@@ -90,6 +93,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             data = codec.decode_map(chunk.data, "rollout")
             steps = None
             for k, v in data.items():
+                if v.ndim == 0:
+                    raise rpc.InvalidRequest(f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] "
+                                             f"(last_values: [N])")
                 if chunk.last and k == "last_values":
                     per_env[k] = v
                     continue
@@ -153,6 +159,7 @@ def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | No
     learner = Learner(cfg, run_dir, device)
     server = rpc.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(learner), server)
+    rpc.add_health_and_reflection(server, rpc.service_name(learner_pb2, "LearnerService"))
     bound = rpc.bind(server, address)
     server.start()
     runtime = ServiceRuntime("learner", index, server, bound, coordinator, cfg.cluster.heartbeat_interval_s,
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--run-dir", required=True, help="where metrics, TensorBoard events and checkpoints go")
     args = parser.parse_args(argv)
     cfg = load_service_config(args)
-    setup_process(args, cfg.cluster.torch_num_threads)
+    setup_process(args, cfg, ROLE)
     server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator,
                                             pick_device())
     code = runtime.serve_until_stopped(cfg, args)

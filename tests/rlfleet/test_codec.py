@@ -59,3 +59,34 @@ def test_map_key_mismatch():
 def test_unsupported_numpy_dtype():
     with pytest.raises(CodecError, match="unsupported dtype complex64"):
         codec.encode(np.zeros(2, np.complex64))
+
+
+def test_element_count_cannot_overflow_past_the_size_check():
+    """[2**32, 2**32] with 0 bytes used to pass (the int64 product wraps to 0) and fail later as INTERNAL."""
+    from rlfleet import codec
+
+    msg = codec.Tensor(dtype=codec.DType.FLOAT32, shape=[2 ** 32, 2 ** 32], data=b"")
+    with pytest.raises(codec.CodecError, match=r"has 18446744073709551616 elements, more than the limit"):
+        codec.decode(msg, "obs")
+    with pytest.raises(codec.CodecError, match="40 dimensions; at most 32"):
+        codec.decode(codec.Tensor(dtype=codec.DType.FLOAT32, shape=[1] * 40, data=b"\0" * 4), "obs")
+    with pytest.raises(codec.CodecError, match="spec: unknown or unset dtype 77"):
+        codec.numpy_dtype(77, "spec")
+
+
+def test_a_tiny_weights_chunk_declaring_a_huge_tensor_allocates_nothing_big():
+    import tracemalloc
+
+    from rlfleet import codec, weights
+    from rlfleet.v1 import inference_pb2
+
+    chunk = inference_pb2.WeightsChunk(version=1, name="w", offset=0)
+    chunk.data.dtype = codec.DType.FLOAT32
+    chunk.data.shape[:] = [1 << 28]  # 1 GiB declared, 4 bytes sent
+    chunk.data.data = b"\0\0\0\0"
+    tracemalloc.start()
+    with pytest.raises(codec.CodecError, match=r"bytes \[4, 1073741824\) were never sent"):
+        weights.assemble([chunk])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 << 20, peak

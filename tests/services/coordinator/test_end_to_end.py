@@ -39,10 +39,16 @@ def finish(proc, timeout=240):
     return proc.returncode, out
 
 
+def credential(run_dir, role="ctl"):
+    """Call metadata with the run's token (what coordinatorctl status sends)."""
+    return [("authorization", f"Bearer {(run_dir / 'run_token').read_text()}"), ("x-rlfleet-role", role)]
+
+
 def status(run_dir):
     info = json.loads((run_dir / "coordinator.json").read_text())
     with rpc.channel(info["address"]) as ch:
-        return coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(), timeout=5)
+        return coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(), timeout=5,
+                                                                      metadata=credential(run_dir))
 
 
 def wait_epoch(run_dir, epoch, proc, timeout=180):
@@ -219,15 +225,21 @@ def test_attach_to_services_started_elsewhere(tmp_path):
     # a service started with a different config is refused, with the key named
     odd_config = tmp_path / "odd.yaml"
     odd_config.write_text(config.read_text().replace("gamma: 0.95", "gamma: 0.5"))
+    env = dict(os.environ, RLFLEET_RUN_TOKEN="attach-test-token")  # the deployment hands every part the credential
+    # a service without the credential does not start
+    bare = subprocess.run([sys.executable, "-m", "services.inference.server", "--config", str(config),
+                           "--coordinator", coordinator], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "RLFLEET_RUN_TOKEN"})
+    assert bare.returncode == 3 and "no run credential: set RLFLEET_RUN_TOKEN" in bare.stderr, bare.stderr
     odd = subprocess.Popen([sys.executable, "-m", "services.inference.server", "--config", str(odd_config),
-                            "--coordinator", coordinator], stdout=subprocess.PIPE, text=True)
+                            "--coordinator", coordinator], stdout=subprocess.PIPE, text=True, env=env)
     services = []
     for module, extra in (("services.learner.server", ["--run-dir", str(tmp_path / "attach")]),
                           ("services.inference.server", []), ("services.env.server", [])):
         services.append(subprocess.Popen(
             [sys.executable, "-m", module, "--config", str(config), "--coordinator", coordinator, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    proc = subprocess.run([*CTL, "start", str(config)], capture_output=True, text=True, timeout=240)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+    proc = subprocess.run([*CTL, "start", str(config)], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "final evaluation: success_once" in proc.stdout
     for p in services:

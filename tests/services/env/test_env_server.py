@@ -59,6 +59,10 @@ def test_bad_requests_get_invalid_argument_and_server_survives(env_stub):
         env_ids=[0], actions=codec.encode(np.zeros((1, 4), np.int64)))])), "dtype INT64 where FLOAT32")
     _expect_invalid(lambda: env_stub.Reset(env_pb2.ResetRequest(env_ids=[99])), "env_ids: unknown env id 99")
     _expect_invalid(lambda: env_stub.Reset(env_pb2.ResetRequest(env_ids=[0, 1], seeds=[1])), "seeds: 1 seeds for 2 envs")
+    _expect_invalid(lambda: env_stub.Reset(env_pb2.ResetRequest(env_ids=[0], seeds=[-5])), "seeds: -5 is not in")
+    huge = codec.Tensor(dtype=codec.DType.FLOAT32, shape=[2 ** 32, 2 ** 32], data=b"")
+    _expect_invalid(lambda: list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=huge)])),
+                    "more than the limit")
     # still serving
     assert env_stub.Describe(env_pb2.DescribeEnvRequest()).num_envs > 0
     out = list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=codec.encode(np.zeros((1, 4), np.float32)))]))
@@ -160,6 +164,8 @@ def test_evaluate_is_bounded_and_cancellable(fleet):
     rstub = _rollout_stub(fleet.env_addr)
     _expect_invalid(lambda: rstub.Evaluate(rollout_pb2.EvaluateRequest(
         num_episodes=10**9, seed=0, inference_addresses=[fleet.inf_addr])), "num_episodes: 1000000000 is not in")
+    _expect_invalid(lambda: rstub.Evaluate(rollout_pb2.EvaluateRequest(
+        num_episodes=2, seed=-1, inference_addresses=[fleet.inf_addr])), "seed: -1 is not in [0, 2**31)")
     spec = rstub.Describe(env_pb2.DescribeEnvRequest())
     learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
         learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))

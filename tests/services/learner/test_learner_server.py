@@ -160,3 +160,22 @@ def test_publish_to_a_dead_inference_server_fails_fast(learner_stub):
         send_weights([dead], learner, 1, timeout=60)
     assert time.monotonic() - t0 < 10
     assert dead in str(err.value)
+
+
+def test_rollouts_for_far_epochs_and_0d_tensors_are_refused_before_buffering(learner_stub):
+    from rlfleet import codec
+    from rlfleet.v1 import learner_pb2
+
+    stub, learner = learner_stub
+    tm, pe, eps = fake_rollout(T=8)
+    chunks = list(rollout_chunks(Rollout(tm, pe, eps), 10 ** 9, 0, "inc"))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushRollout(iter(chunks))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "a rollout for epoch 1000000000; this learner trained epoch -1 and accepts epochs 0..1" in err.value.details()
+    bad = learner_pb2.RolloutChunk(epoch=0, num_steps=1, last=True)
+    codec.encode(np.float32(1.0), bad.data.tensors["rewards"])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushRollout(iter([bad]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "a 0-d tensor" in err.value.details()
+    assert not learner.pending

@@ -1,0 +1,251 @@
+"""`coordinatorctl deploy compose|k8s CONFIG`: container manifests for a run, from the same process plan.
+
+Both generators take :func:`services.coordinator.plan.process_plan` (the function the local launcher uses), so a
+server count or a GPU placement means the same thing in every launcher:
+
+- one container per service process; env servers run from their simulator's image (a target of
+  ``deploy/Dockerfile`` that builds the simulator's environment), every other role from the main image;
+- the coordinator runs with ``cluster.launcher=attach``; every service gets the same resolved ``run.yaml``, the
+  run credential (``RLFLEET_RUN_TOKEN``, from a generated secret) and registers by its service name;
+- ``cluster.component_placement`` becomes GPU requests: compose reserves the placed device ids, Kubernetes asks for
+  as many ``nvidia.com/gpu`` as the process's range holds (a Kubernetes scheduler picks which);
+- the run folder is a shared volume; the only published port is the coordinator's, on 127.0.0.1 (compose);
+- restart policies: env and inference servers restart on failure (the coordinator republishes weights and
+  re-collects); the learner is not restarted (``coordinatorctl start --resume`` continues a run);
+- health: every container is probed with grpc.health.v1 (``python -m rlfleet.healthcheck``, Kubernetes' native
+  gRPC probes).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import yaml
+from omegaconf import OmegaConf
+
+from rlfleet import auth
+from rlfleet.config import to_yaml
+from rlfleet.environments import REPO_ROOT
+from services.coordinator.plan import PORTS, ProcessSpec, process_plan
+
+CONFIG_IN_CONTAINER = "/etc/rlfleet/run.yaml"
+RUNS_IN_CONTAINER = "/runs"
+GPU_BASE = "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"
+GPU_TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def attach_config(cfg):
+    """The run config every container gets: attach launcher, coordinator on all interfaces, runs on the volume."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    out.cluster.launcher = "attach"
+    out.cluster.host = "0.0.0.0"
+    out.cluster.coordinator_address = f"0.0.0.0:{PORTS['coordinator']}"
+    out.runner.logger.log_path = RUNS_IN_CONTAINER
+    return out
+
+
+def uses_gpus(cfg) -> bool:
+    return any(s.gpus for s in process_plan(cfg))
+
+
+def images(cfg, tag: str | None = None) -> dict[str, dict]:
+    """Image name -> Dockerfile build target and arguments (the main image, and one per simulator)."""
+    gpu = uses_gpus(cfg)
+    tag = tag or ("gpu" if gpu else "cpu")
+    args = {"BASE_IMAGE": GPU_BASE if gpu else "python:3.11-slim-bookworm",
+            "TORCH_INDEX_URL": GPU_TORCH_INDEX if gpu else CPU_TORCH_INDEX}
+    out = {f"rlfleet:{tag}": {"target": "rlfleet", "args": dict(args)}}
+    for sim in sorted({s.simulator for s in process_plan(cfg) if s.simulator}):
+        if _needs_own_environment(sim):
+            out[f"rlfleet-{sim}:{tag}"] = {"target": "simulator", "args": {**args, "SIMULATOR": sim}}
+    return out
+
+
+def _needs_own_environment(simulator: str) -> bool:
+    from rlfleet.simulators import get_simulator
+
+    return get_simulator(simulator).environment is not None
+
+
+def image_for(cfg, spec: ProcessSpec | None, tag: str | None = None) -> str:
+    tag = tag or ("gpu" if uses_gpus(cfg) else "cpu")
+    if spec is not None and spec.simulator and _needs_own_environment(spec.simulator):
+        return f"rlfleet-{spec.simulator}:{tag}"
+    return f"rlfleet:{tag}"
+
+
+def service_command(cfg, spec: ProcessSpec, host: str) -> list[str]:
+    """The container command of one service process; ``host`` is the name others reach it by."""
+    port = PORTS[spec.role]
+    run_dir = f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}"
+    args = spec.args(CONFIG_IN_CONTAINER, f"0.0.0.0:{port}", f"coordinator:{PORTS['coordinator']}", run_dir,
+                     advertise=f"{host}:{port}")
+    if spec.simulator and _needs_own_environment(spec.simulator):
+        # the simulator's own Python environment, built into its image (rlfleet.environments)
+        return ["python", "-m", "rlfleet.environments", "exec", spec.simulator, "-m", spec.module, *args]
+    return ["python", "-m", spec.module, *args]
+
+
+def _healthcheck(port: int) -> list[str]:
+    return ["CMD", "python", "-m", "rlfleet.healthcheck", f"127.0.0.1:{port}"]
+
+
+# --- docker compose ----------------------------------------------------------------------------------------------
+def compose(cfg, out_dir: pathlib.Path, tag: str | None = None) -> dict:
+    """The compose document for ``cfg``; image builds are relative to the repository."""
+    context = os.path.relpath(REPO_ROOT, out_dir.resolve())
+    common_env = {"MUJOCO_GL": "egl", "OMP_NUM_THREADS": str(cfg.cluster.torch_num_threads),
+                  "RLFLEET_TRACE_DIR": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"}
+    volumes = ["./run.yaml:/etc/rlfleet/run.yaml:ro", f"./runs:{RUNS_IN_CONTAINER}"]
+    builds = images(cfg, tag)
+    services: dict[str, dict] = {}
+
+    def base(image: str) -> dict:
+        return {"image": image,
+                "build": {"context": context, "dockerfile": "deploy/Dockerfile", "target": builds[image]["target"],
+                          "args": builds[image]["args"]},
+                "env_file": ["rlfleet.env"], "environment": dict(common_env), "volumes": list(volumes)}
+
+    coordinator = base(image_for(cfg, None, tag))
+    coordinator.update({
+        "command": ["coordinatorctl", "start", CONFIG_IN_CONTAINER],
+        "ports": [f"127.0.0.1:{PORTS['coordinator']}:{PORTS['coordinator']}"],
+        "restart": "no",
+        "healthcheck": {"test": _healthcheck(PORTS["coordinator"]), "interval": "10s", "timeout": "5s",
+                        "retries": 3}})
+    services["coordinator"] = coordinator
+    for spec in process_plan(cfg):
+        svc = base(image_for(cfg, spec, tag))
+        svc.update({"command": service_command(cfg, spec, spec.name),
+                    "restart": "no" if spec.role == "learner" else "on-failure",
+                    "depends_on": ["coordinator"],
+                    "healthcheck": {"test": _healthcheck(PORTS[spec.role]), "interval": "10s", "timeout": "5s",
+                                    "retries": 3, "start_period": "60s"}})
+        if spec.gpus:
+            svc["deploy"] = {"resources": {"reservations": {"devices": [{
+                "driver": "nvidia", "device_ids": [str(g % cfg.cluster.num_gpus_per_node) for g in spec.gpus],
+                "capabilities": ["gpu"]}]}}}
+        services[spec.name] = svc
+    return {"version": "3.8", "services": services}
+
+
+# --- Kubernetes --------------------------------------------------------------------------------------------------
+def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = "20Gi") -> list[dict]:
+    """Kubernetes objects: Secret (token), ConfigMap (run.yaml), PVC (runs), the coordinator Job + Service,
+    and per role (per simulator for env servers) a StatefulSet with a headless Service (stable names
+    ``<role>-<i>.<role>``; the pod index is the service index)."""
+    name = str(cfg.runner.experiment_name).replace("_", "-").lower()
+    labels = {"app.kubernetes.io/part-of": "rlfleet", "rlfleet/run": name}
+    objs: list[dict] = [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token", "namespace": namespace,
+                                                             "labels": labels},
+         "type": "Opaque", "stringData": {auth.TOKEN_ENV: auth.new_token()}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "namespace": namespace,
+                                                                "labels": labels},
+         "data": {"run.yaml": to_yaml(attach_config(cfg))}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+         "metadata": {"name": f"{name}-runs", "namespace": namespace, "labels": labels},
+         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": storage}}}},
+    ]
+    env = [{"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": auth.TOKEN_ENV}}},
+           {"name": "RLFLEET_TRACE_DIR", "value": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"},
+           {"name": "MUJOCO_GL", "value": "egl"},
+           {"name": "OMP_NUM_THREADS", "value": str(cfg.cluster.torch_num_threads)}]
+    mounts = [{"name": "config", "mountPath": "/etc/rlfleet", "readOnly": True},
+              {"name": "runs", "mountPath": RUNS_IN_CONTAINER}]
+    volumes = [{"name": "config", "configMap": {"name": f"{name}-config"}},
+               {"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}]
+
+    def probes(port: int) -> dict:
+        return {"readinessProbe": {"grpc": {"port": port}, "periodSeconds": 10},
+                "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3,
+                                  "initialDelaySeconds": 60}}
+
+    def pod(container: dict) -> dict:
+        return {"containers": [container], "volumes": volumes, "enableServiceLinks": False}
+
+    cport = PORTS["coordinator"]
+    coord_labels = {**labels, "rlfleet/role": "coordinator"}
+    # the coordinator is the run: a Job (a finished run is not started again), reachable as service "coordinator"
+    objs.append({"apiVersion": "batch/v1", "kind": "Job",
+                 "metadata": {"name": "coordinator", "namespace": namespace, "labels": coord_labels},
+                 "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": coord_labels}, "spec": {**pod({
+                     "name": "coordinator", "image": image_for(cfg, None, tag),
+                     "command": ["coordinatorctl", "start", CONFIG_IN_CONTAINER],
+                     "ports": [{"containerPort": cport, "name": "grpc"}], "env": env,
+                     "volumeMounts": mounts, **probes(cport)}), "restartPolicy": "Never"}}}})
+    objs.append({"apiVersion": "v1", "kind": "Service",
+                 "metadata": {"name": "coordinator", "namespace": namespace, "labels": coord_labels},
+                 "spec": {"selector": coord_labels, "ports": [{"name": "grpc", "port": cport, "targetPort": cport}]}})
+    groups: dict[tuple[str, str | None], list[ProcessSpec]] = {}
+    for spec in process_plan(cfg):
+        groups.setdefault((spec.role, spec.simulator), []).append(spec)
+    for (role, _sim), specs in groups.items():
+        port = PORTS[role]
+        first = specs[0]
+        set_name = role  # pods <role>-0..n-1 match the service indices
+        set_labels = {**labels, "rlfleet/role": role}
+        cmd = service_command(cfg, first, f"$(POD_NAME).{set_name}")
+        cmd = [("$(POD_INDEX)" if a == str(first.index) and cmd[i - 1] == "--index" else a)
+               for i, a in enumerate(cmd)]
+        container = {"name": role, "image": image_for(cfg, first, tag), "command": cmd,
+                     "ports": [{"containerPort": port, "name": "grpc"}],
+                     "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                             {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+                                 "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}, *env],
+                     "volumeMounts": mounts, **probes(port)}
+        gpus = max(len(s.gpus) for s in specs)
+        if gpus:
+            container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        objs.append({"apiVersion": "apps/v1", "kind": "StatefulSet",
+                     "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
+                     "spec": {"serviceName": set_name, "replicas": len(specs), "podManagementPolicy": "Parallel",
+                              "selector": {"matchLabels": set_labels},
+                              "template": {"metadata": {"labels": set_labels}, "spec": pod(container)}}})
+        objs.append({"apiVersion": "v1", "kind": "Service",
+                     "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
+                     "spec": {"clusterIP": "None", "selector": set_labels,
+                              "ports": [{"name": "grpc", "port": port, "targetPort": port}]}})
+    return objs
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML for people: no anchors/aliases, multi-line strings (run.yaml) as literal blocks."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
+                                                             style="|" if "\n" in s else None))
+
+
+def write(kind: str, cfg, out_dir: pathlib.Path, tag: str | None = None) -> list[pathlib.Path]:
+    """Write the manifests of ``kind`` (compose | k8s) into ``out_dir``; -> the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if kind == "compose":
+        (out_dir / "run.yaml").write_text(to_yaml(attach_config(cfg)))
+        env_file = out_dir / "rlfleet.env"
+        token = auth.token_from_env() or auth.new_token()
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{auth.TOKEN_ENV}={token}\n")
+        (out_dir / "runs").mkdir(exist_ok=True)
+        doc = compose(cfg, out_dir, tag)
+        path = out_dir / "docker-compose.yml"
+        path.write_text(f"# generated by `coordinatorctl deploy compose` for {cfg.runner.experiment_name}\n"
+                        f"# docker-compose up --build   (the run credential is in rlfleet.env)\n"
+                        + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120))
+        written = [path, out_dir / "run.yaml", env_file]
+    elif kind == "k8s":
+        path = out_dir / "rlfleet-k8s.yaml"
+        path.write_text(f"# generated by `coordinatorctl deploy k8s` for {cfg.runner.experiment_name}\n"
+                        f"# kubectl apply -f {path.name}\n"
+                        + yaml.dump_all(k8s(cfg, tag), Dumper=_Dumper, sort_keys=False, width=120))
+        written = [path]
+    else:
+        raise ValueError(f"deploy: '{kind}' is not one of compose, k8s")
+    return written

@@ -1,0 +1,68 @@
+"""What processes a run config needs: one pure function, used by every launcher and by `coordinatorctl deploy`.
+
+``process_plan(cfg)`` lists the services (role, index, module, GPU ranks, simulator) without starting anything
+or touching the disk. The local launcher turns each entry into a child process; the compose and Kubernetes
+generators turn the same entries into containers; so a placement or a server count means the same everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlfleet.config import cuda_visible_devices, parse_placement
+
+MODULES = {"env": "services.env.server", "inference": "services.inference.server", "learner": "services.learner.server"}
+COMPONENT = {"env": "env", "inference": "rollout", "learner": "actor"}  # RLinf's component names per role
+PORTS = {"coordinator": 50051, "learner": 50052, "inference": 50053, "env": 50054}  # in containers
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    role: str                     # env | inference | learner
+    index: int                    # index among its role
+    module: str                   # python -m <module>
+    gpus: tuple[int, ...]         # global GPU ranks placed on this process (cluster.component_placement)
+    cuda_visible_devices: str     # the same ranks as device ids on their node ('' = CPU)
+    simulator: str | None         # env servers: the simulator whose environment they run in
+    external_env: str | None      # env servers bridging an external simulator: its address
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    def args(self, config: str, address: str, coordinator: str, run_dir: str | None = None,
+             advertise: str | None = None) -> list[str]:
+        """Command-line arguments after ``python -m <module>``."""
+        out = ["--config", config, "--index", str(self.index), "--address", address, "--coordinator", coordinator]
+        if advertise:
+            out += ["--advertise", advertise]
+        if self.role == "learner":
+            out += ["--run-dir", run_dir or "."]
+        if self.external_env:
+            out += ["--external-env", self.external_env]
+        return out
+
+
+def _devices(placement: dict, role: str, index: int, count: int) -> tuple[int, ...]:
+    ranks = placement[COMPONENT[role]]
+    if ranks and len(ranks) >= count:  # one process per GPU slice of the range
+        per = len(ranks) // count
+        ranks = ranks[index * per:(index + 1) * per]
+    return tuple(ranks)
+
+
+def process_plan(cfg) -> list[ProcessSpec]:
+    """Every service process the run needs, learner first (it owns the run state), then inference, then env."""
+    cl = cfg.cluster
+    placement = parse_placement(cl.component_placement, cl.num_nodes * cl.num_gpus_per_node)
+    counts = {"learner": 1, "inference": cl.num_inference_servers, "env": cl.num_env_servers}
+    ext = list(cl.external_env_addresses)
+    out = []
+    for role, n in counts.items():
+        for i in range(n):
+            gpus = _devices(placement, role, i, n)
+            out.append(ProcessSpec(
+                role, i, MODULES[role], gpus, cuda_visible_devices(list(gpus), cl.num_gpus_per_node) if gpus else "",
+                cfg.env.train.simulator_type if role == "env" and not ext else None,
+                str(ext[i]) if role == "env" and ext else None))
+    return out

@@ -1,0 +1,86 @@
+"""`coordinatorctl deploy`: compose and Kubernetes manifests from the process plan (no cluster, no Docker)."""
+
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from rlfleet.config import load_config
+from services.coordinator import deploy
+from services.coordinator.plan import process_plan
+
+GPU_RUN = ["cluster.num_env_servers=2", "cluster.num_inference_servers=1", "cluster.num_gpus_per_node=8",
+           "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}"]
+
+
+def test_the_plan_lists_every_process_with_its_gpus():
+    plan = {s.name: s for s in process_plan(load_config(None, GPU_RUN))}
+    assert list(plan) == ["learner-0", "inference-0", "env-0", "env-1"]
+    assert plan["env-1"].gpus == (2, 3) and plan["env-1"].cuda_visible_devices == "2,3"
+    assert plan["inference-0"].gpus == (4, 5, 6, 7) and plan["learner-0"].gpus == tuple(range(8))
+    assert plan["env-0"].simulator == "gym"
+
+
+def test_k8s_manifests_validate_and_map_the_placement(tmp_path):
+    cfg = load_config(None, GPU_RUN)
+    (path,) = deploy.write("k8s", cfg, tmp_path)
+    docs = list(yaml.safe_load_all(path.read_text()))
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    assert {k: v["spec"]["replicas"] for k, v in sets.items()} == {"learner": 1, "inference": 1, "env": 2}
+    gpus = {k: v["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+            for k, v in sets.items()}
+    assert gpus == {"learner": 8, "inference": 4, "env": 2}
+    env = sets["env"]["spec"]["template"]["spec"]["containers"][0]
+    assert env["readinessProbe"] == {"grpc": {"port": 50054}, "periodSeconds": 10}
+    assert env["command"][env["command"].index("--index") + 1] == "$(POD_INDEX)"
+    assert any(e["name"] == "RLFLEET_RUN_TOKEN" and "secretKeyRef" in e["valueFrom"] for e in env["env"])
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["run.yaml"]
+    (tmp_path / "run.yaml").write_text(config)
+    assert load_config(tmp_path / "run.yaml").cluster.launcher == "attach"
+    # the validator is not a rubber stamp
+    broken = dict(sets["env"], spec={**sets["env"]["spec"], "replicas": "two"})
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.33", strict=True)
+
+
+def test_compose_runs_the_same_processes_with_one_published_port(tmp_path):
+    cfg = load_config(None, GPU_RUN)
+    files = deploy.write("compose", cfg, tmp_path)
+    doc = yaml.safe_load((tmp_path / "docker-compose.yml").read_text())
+    services = doc["services"]
+    assert list(services) == ["coordinator", "learner-0", "inference-0", "env-0", "env-1"]
+    published = {k: v["ports"] for k, v in services.items() if "ports" in v}
+    assert published == {"coordinator": ["127.0.0.1:50051:50051"]}
+    assert services["env-1"]["restart"] == "on-failure" and services["learner-0"]["restart"] == "no"
+    assert services["env-1"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["2", "3"]
+    assert "--advertise" in services["env-1"]["command"] and "env-1:50054" in services["env-1"]["command"]
+    assert services["env-0"]["healthcheck"]["test"][-1] == "127.0.0.1:50054"
+    env_file = tmp_path / "rlfleet.env"
+    assert env_file in files and env_file.stat().st_mode & 0o777 == 0o600
+    assert env_file.read_text().startswith("RLFLEET_RUN_TOKEN=")
+    assert load_config(tmp_path / "run.yaml").cluster.launcher == "attach"
+
+
+def test_simulator_env_servers_use_their_own_image():
+    cfg = load_config("metaworld_mt1_ppo_mlp", ["cluster.num_env_servers=1"])
+    env = next(s for s in process_plan(cfg) if s.role == "env")
+    assert deploy.image_for(cfg, env) == "rlfleet-metaworld:cpu"
+    cmd = deploy.service_command(cfg, env, "env-0")
+    assert cmd[:5] == ["python", "-m", "rlfleet.environments", "exec", "metaworld"]
+    assert deploy.images(cfg)["rlfleet-metaworld:cpu"] == {
+        "target": "simulator", "args": {"BASE_IMAGE": "python:3.11-slim-bookworm",
+                                        "TORCH_INDEX_URL": deploy.CPU_TORCH_INDEX, "SIMULATOR": "metaworld"}}
+
+
+def test_cli_writes_and_names_bad_keys(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "deploy", "k8s",
+                          "cluster.num_env_servers=2", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0 and (tmp_path / "rlfleet-k8s.yaml").exists(), out.stderr
+    bad = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "deploy", "compose",
+                          "cluster.num_env_servrs=2", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown config key 'cluster.num_env_servrs'" in bad.stderr
+    assert not (tmp_path / "x").exists()
