@@ -35,6 +35,7 @@ METHOD_ROLES: dict[str, tuple[str, ...]] = {
     "/rlfleet.v1.CoordinatorService/Register": _SERVICES,
     "/rlfleet.v1.CoordinatorService/Heartbeat": _SERVICES,
     "/rlfleet.v1.CoordinatorService/Stop": ("ctl",),
+    "/rlfleet.v1.CoordinatorService/Scale": ("ctl",),
     "/rlfleet.v1.InferenceService/UpdateWeights": ("learner",),
     "/rlfleet.v1.InferenceService/Act": ("env", "ctl"),
     "/rlfleet.v1.LearnerService/PushRollout": ("env",),

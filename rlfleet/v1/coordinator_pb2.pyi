@@ -118,3 +118,21 @@ class StopResponse(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     stopping: bool
     def __init__(self, stopping: _Optional[bool] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("role", "count")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    count: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("previous", "count", "message")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    previous: int
+    count: int
+    message: str
+    def __init__(self, previous: _Optional[int] = ..., count: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

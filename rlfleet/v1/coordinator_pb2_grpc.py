@@ -54,6 +54,11 @@ class CoordinatorServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_coordinator__pb2.StopRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.StopResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/rlfleet.v1.CoordinatorService/Scale',
+                request_serializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -85,6 +90,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Change the number of env servers during a run; the next epoch uses the new set (`coordinatorctl scale env N`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +119,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.StopRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_coordinator__pb2.StopResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +234,33 @@ class CoordinatorService:
             '/rlfleet.v1.CoordinatorService/Stop',
             rlfleet_dot_v1_dot_coordinator__pb2.StopRequest.SerializeToString,
             rlfleet_dot_v1_dot_coordinator__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.CoordinatorService/Scale',
+            rlfleet_dot_v1_dot_coordinator__pb2.ScaleRequest.SerializeToString,
+            rlfleet_dot_v1_dot_coordinator__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@
     coordinatorctl start --resume RUN_DIR [key=value ...]
     coordinatorctl status [RUN_DIR | --address HOST:PORT]
     coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
+    coordinatorctl scale env N [RUN_DIR | --address HOST:PORT]  # env servers of a running run, from the next epoch
     coordinatorctl envs [install NAME | remove NAME]    # simulators, their environments, install one ahead
     coordinatorctl check-env HOST:PORT                  # an EnvService against the env contract
     coordinatorctl collect-demos CONFIG [key=value ...] # scripted-expert demonstrations of env.train -> sft.dataset_path
@@ -231,6 +232,20 @@ def _status(args) -> int:
     return 0
 
 
+def _scale(args) -> int:
+    if args.role != "env":
+        print("coordinatorctl scale: only env servers scale during a run (coordinatorctl scale env N)", file=sys.stderr)
+        return 2
+    address, stub = _coordinator_stub(args)
+    try:
+        reply = stub.Scale(coordinator_pb2.ScaleRequest(role=coordinator_pb2.ENV, count=args.count), timeout=10)
+    except grpc.RpcError as exc:
+        print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
+        return 1
+    print(reply.message)
+    return 0
+
+
 def _stop(args) -> int:
     address, stub = _coordinator_stub(args)
     try:
@@ -293,6 +308,11 @@ def main(argv=None) -> int:
         q = sub.add_parser(name, help=f"{name} of a running coordinator")
         q.add_argument("run_dir", nargs="?", default=None)
         q.add_argument("--address", default=None)
+    q = sub.add_parser("scale", help="change the number of env servers of a running run (next epoch)")
+    q.add_argument("role", choices=("env",))
+    q.add_argument("count", type=int)
+    q.add_argument("run_dir", nargs="?", default=None)
+    q.add_argument("--address", default=None)
     q = sub.add_parser("envs", help="list simulators and their environments; install or remove one")
     q.add_argument("action", nargs="?", choices=("list", "install", "remove"), default="list")
     q.add_argument("name", nargs="?", default=None, help="simulator name (see the list)")
@@ -338,6 +358,8 @@ def main(argv=None) -> int:
         return _deploy(args)
     if args.command == "traces":
         return _traces(args)
+    if args.command == "scale":
+        return _scale(args)
     if args.command == "start":
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]

@@ -120,6 +120,10 @@ class Coordinator:
         self.weights_lock = threading.Lock()
         self.weights_generation: tuple = ()
         self.prior_restarts: dict[str, int] = {}  # from the run's earlier parts (--resume)
+        # envs per env server are fixed by the config; `coordinatorctl scale env N` changes the server count
+        self.envs_per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
+        self.pending_scale: int | None = None
+        self.retired: set[tuple[str, int]] = set()  # scaled away: told to shut down through heartbeats
 
     # --- registry (called by the gRPC servicer) --------------------------------------------------------------
     def register(self, role: int, index: int, address: str, pid: int, incarnation: str,
@@ -141,10 +145,71 @@ class Coordinator:
         return True
 
     def heartbeat(self, role: int, index: int, incarnation: str) -> bool:
-        svc = self.services.get((ROLE_NAMES.get(role), index))
+        key = (ROLE_NAMES.get(role), index)
+        svc = self.services.get(key)
         if svc is not None and svc.incarnation == incarnation:
             svc.last_heartbeat = time.monotonic()
-        return self.shutting_down
+        return self.shutting_down or key in self.retired
+
+    MAX_ENV_SERVERS = 256
+
+    def request_scale(self, role: int, count: int) -> tuple[int, str]:
+        """`coordinatorctl scale env N`: takes effect at the next epoch boundary. -> (current count, message)."""
+        if ROLE_NAMES.get(role) != "env":
+            raise rpc.InvalidRequest(f"role: only env servers scale during a run, not {ROLE_NAMES.get(role, role)}")
+        if self.cfg.cluster.external_env_addresses:
+            raise rpc.FailedPrecondition("cluster.external_env_addresses: env servers bridging external simulators "
+                                         "are fixed by that list")
+        if not 1 <= count <= self.MAX_ENV_SERVERS:
+            raise rpc.InvalidRequest(f"count: {count} is not in 1..{self.MAX_ENV_SERVERS}")
+        with self.lock:
+            self.pending_scale = count
+        current = self.counts["env"]
+        per, steps = self.envs_per_server, self.cfg.env.train.max_steps_per_rollout_epoch
+        message = (f"env servers {current} -> {count} from the next epoch: {per} envs each, {count * per} train "
+                   f"envs, {count * per * steps} env steps per epoch (actor.global_batch_size is unchanged: more "
+                   f"or fewer minibatches per epoch)")
+        self.say(f"  scale requested: {message}")
+        return current, message
+
+    def _apply_scale(self) -> None:
+        """Between epochs: start or retire env servers so that the next epoch collects from the new set."""
+        with self.lock:
+            target, self.pending_scale = self.pending_scale, None
+        old = self.counts["env"]
+        if target is None or target == old:
+            return
+        self.launcher.resize("env", target)
+        if target > old:
+            with self.lock:
+                for i in range(old, target):
+                    self.retired.discard(("env", i))
+                    self.services[("env", i)] = Service("env", i)
+                self.counts["env"] = target
+            for i in range(old, target):
+                self.launcher.start("env", i)
+            try:
+                for i in range(old, target):
+                    self._wait_service("env", i, self.cfg.cluster.startup_timeout_s)
+            except RunFailed as exc:
+                if self.fatal:
+                    raise
+                self.say(f"  ! scaling up did not complete ({exc}); staying at {old} env servers")
+                target = old
+                for i in range(old, self.counts["env"]):
+                    self._retire(i)
+                return
+        else:
+            for i in range(target, old):
+                self._retire(i)
+        self.say(f"  env servers: {old} -> {target} ({target * self.envs_per_server} train envs)")
+
+    def _retire(self, index: int) -> None:
+        with self.lock:
+            self.retired.add(("env", index))
+            self.services.pop(("env", index), None)
+            self.counts["env"] = min(self.counts["env"], index)
+        self.launcher.retire("env", index)
 
     def request_stop(self, reason: str) -> None:
         if not self.stop_event.is_set():
@@ -159,7 +224,7 @@ class Coordinator:
             epoch=self.epoch, max_epochs=self.cfg.runner.max_epochs, env_steps=self.env_steps,
             elapsed_s=self.elapsed(), last_metrics={k: v for k, v in self.last_metrics.items() if math.isfinite(v)})
         roles = {v: k for k, v in ROLE_NAMES.items()}
-        for svc in self.services.values():
+        for svc in list(self.services.values()):
             st.services.add(role=roles[svc.role], index=svc.index, address=svc.address, pid=svc.pid,
                             alive=svc.alive, restarts=svc.restarts,
                             last_heartbeat_age_s=now - svc.last_heartbeat if svc.last_heartbeat else -1)
@@ -182,7 +247,9 @@ class Coordinator:
             dead: list[tuple[Service, str]] = []
             if self.launcher is not None:  # a local launcher sees exits at once; attach relies on heartbeats
                 for proc, code in self.launcher.exited():
-                    svc = self.services[(proc.role, proc.index)]
+                    svc = self.services.get((proc.role, proc.index))
+                    if svc is None:  # scaled away
+                        continue
                     if svc.pid in (0, proc.popen.pid) and (svc.alive or not svc.ready.is_set()):
                         if code == CANNOT_START:  # restarting cannot help: say why and stop
                             self.fatal = (f"{proc.role}[{proc.index}] could not start:\n"
@@ -191,7 +258,7 @@ class Coordinator:
                             return
                         dead.append((svc, f"exited with code {code}\n{LocalLauncher.log_tail(proc)}"))
             now = time.monotonic()
-            for svc in self.services.values():
+            for svc in list(self.services.values()):
                 if svc.alive and now - svc.last_heartbeat > timeout and all(d[0] is not svc for d in dead):
                     dead.append((svc, f"sent no heartbeat for {now - svc.last_heartbeat:.0f}s"))
             for svc, why in dead:
@@ -267,7 +334,7 @@ class Coordinator:
         return svc, rollout_pb2_grpc.RolloutServiceStub(rpc.channel(svc.address))
 
     def _collect(self, index: int, epoch: int, min_version: int) -> rollout_pb2.CollectResponse:
-        per_server = self.cfg.env.train.total_num_envs // self.counts["env"]
+        per_server = self.envs_per_server
         while True:
             svc, stub = self._rollout_stub(index, self.cfg.cluster.startup_timeout_s)
             incarnation = svc.incarnation
@@ -369,7 +436,7 @@ class Coordinator:
         firsts = np.cumsum([0] + shares[:-1])
         t0 = time.perf_counter()
 
-        per_server = self.cfg.env.eval.total_num_envs // n
+        per_server = self.cfg.env.eval.total_num_envs // self.cfg.cluster.num_env_servers  # fixed per server
         phase, self.phase = self.phase, "evaluating"
 
         def one(i):
@@ -468,7 +535,7 @@ class Coordinator:
         self.t_train = time.monotonic()
         epoch = start_epoch
         stop_why = "budget reached"
-        pool = ThreadPoolExecutor(self.counts["env"])
+        pool = ThreadPoolExecutor(self.MAX_ENV_SERVERS)  # threads start as needed: room for `scale env N`
         try:
             while True:
                 if epoch >= runner.max_epochs:
@@ -483,6 +550,7 @@ class Coordinator:
                 if self.stop_event.is_set():
                     stop_why = self.stop_reason or "stopped"
                     break
+                self._apply_scale()
                 with tracing.span("epoch", **{"rlfleet.epoch": epoch}):
                     t0 = time.perf_counter()
                     lost_before = self.lost_episodes

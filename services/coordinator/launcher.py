@@ -52,6 +52,12 @@ class AttachLauncher:
     def start(self, role: str, index: int) -> None:
         pass  # a container platform restarts what it runs
 
+    def resize(self, role: str, count: int) -> None:
+        pass  # the operator changes the replicas (kubectl scale statefulset env --replicas N)
+
+    def retire(self, role: str, index: int, timeout: float = 10.0) -> None:
+        pass  # told to leave through its heartbeats
+
     def exited(self) -> list:
         return []
 
@@ -87,6 +93,24 @@ class LocalLauncher:
     def start_all(self) -> None:
         for role, index in self.specs:
             self.start(role, index)
+
+    def resize(self, role: str, count: int) -> None:
+        """Plan ``count`` servers of ``role`` (env): new indices get their spec (GPU slice of the new count)."""
+        for spec in process_plan(self.cfg, num_env_servers=count):
+            if spec.role == role:
+                self.specs.setdefault((role, spec.index), spec)
+
+    def retire(self, role: str, index: int, timeout: float = 10.0) -> None:
+        """Stop a server that is no longer part of the run (scaled away); it is not restarted."""
+        proc = self.procs.pop((role, index), None)
+        self.specs.pop((role, index), None)
+        if proc and proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(5)
 
     def start(self, role: str, index: int) -> Proc:
         spec: ProcessSpec = self.specs[(role, index)]

@@ -51,11 +51,12 @@ def _devices(placement: dict, role: str, index: int, count: int) -> tuple[int, .
     return tuple(ranks)
 
 
-def process_plan(cfg) -> list[ProcessSpec]:
-    """Every service process the run needs, learner first (it owns the run state), then inference, then env."""
+def process_plan(cfg, num_env_servers: int | None = None) -> list[ProcessSpec]:
+    """Every service process the run needs, learner first (it owns the run state), then inference, then env.
+    ``num_env_servers``: the env server count after `coordinatorctl scale` (default: the config's)."""
     cl = cfg.cluster
     placement = parse_placement(cl.component_placement, cl.num_nodes * cl.num_gpus_per_node)
-    counts = {"learner": 1, "inference": cl.num_inference_servers, "env": cl.num_env_servers}
+    counts = {"learner": 1, "inference": cl.num_inference_servers, "env": num_env_servers or cl.num_env_servers}
     ext = list(cl.external_env_addresses)
     out = []
     for role, n in counts.items():

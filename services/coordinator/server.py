@@ -26,6 +26,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return self.coord.status()
 
     @rpc.handler
+    def Scale(self, request, context):
+        previous, message = self.coord.request_scale(request.role, request.count)
+        return coordinator_pb2.ScaleResponse(previous=previous, count=request.count, message=message)
+
+    @rpc.handler
     def Stop(self, request, context):
         self.coord.request_stop(request.reason or "coordinatorctl stop")
         return coordinator_pb2.StopResponse(stopping=True)

@@ -410,3 +410,50 @@ def test_libero_runs_end_to_end_and_evaluates_on_fixed_initial_states(tmp_path):
     summary = json.loads((tmp_path / "libero" / "summary.json").read_text())
     assert summary["env_id"] == "libero_spatial" and summary["final_eval"]["eval/num_episodes"] == 2
     assert summary["final_eval"]["eval/success_once"] in (0.0, 0.5, 1.0)
+
+
+def test_scale_env_servers_during_a_run(tmp_path):
+    """`coordinatorctl scale env 2` adds a server at the next epoch (samples per epoch double: envs per server are
+    fixed), `scale env 1` retires it again; the run goes on throughout."""
+    proc = start(tmp_path, "runner.max_epochs=1000", name="scale")
+    run = tmp_path / "scale"
+    try:
+        st = wait_epoch(run, 2, proc)
+        first_env_pid = [s.pid for s in st.services if s.role == coordinator_pb2.ENV][0]
+        out = subprocess.run([*CTL, "scale", "env", "2", str(run)], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "env servers 1 -> 2 from the next epoch: 8 envs each, 16 train envs" in out.stdout
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            st = status(run)
+            envs = [s for s in st.services if s.role == coordinator_pb2.ENV]
+            if len(envs) == 2 and all(s.alive for s in envs) and \
+                    any(r.get("env/env_steps") for r in read_metrics(run)[-1:]):
+                steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
+                if len(steps) >= 3 and steps[-1] - steps[-2] == 400:
+                    break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"the second env server did not join: {st}")
+        second_pid = [s.pid for s in envs if s.index == 1][0]
+        bad = subprocess.run([*CTL, "scale", "env", "0", str(run)], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 1 and "count: 0 is not in 1..256" in bad.stderr
+        assert subprocess.run([*CTL, "scale", "env", "1", str(run)], capture_output=True, timeout=30).returncode == 0
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
+            if len([s for s in status(run).services if s.role == coordinator_pb2.ENV]) == 1 and \
+                    steps[-1] - steps[-2] == 200:
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail("the second env server was not retired")
+        assert_no_orphans([second_pid])
+        proc.send_signal(signal.SIGINT)
+        code, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, out
+    assert "env servers: 1 -> 2 (16 train envs)" in out and "env servers: 2 -> 1 (8 train envs)" in out
+    assert_no_orphans([first_env_pid])
