@@ -28,7 +28,8 @@ NULLABLE_TYPES = {
     "actor.model.unnorm_key": str, "actor.model.vla.dino_hidden_size": int, "actor.model.vla.dino_layers": int,
     "actor.model.vla.dino_heads": int, "actor.model.vla.dino_intermediate_size": int,
     "actor.model.vla.action_token_end": int, "sft.dataset_path": str, "sft.output_path": str,
-    "telemetry.otlp_endpoint": str,
+    "telemetry.otlp_endpoint": str, "cluster.tls.cert_file": str, "cluster.tls.key_file": str,
+    "cluster.tls.ca_file": str,
 }
 
 
@@ -254,6 +255,12 @@ def validate(cfg: DictConfig) -> None:
              f"'{cfg.actor.optim.lr_schedule}' is not one of constant, linear")
     _require(cfg.cluster.launcher in ("local", "attach"), "cluster.launcher",
              f"'{cfg.cluster.launcher}' is not one of local, attach")
+    tls = cfg.cluster.tls
+    if tls.cert_file or tls.key_file or tls.client_auth:
+        _require(bool(tls.cert_file and tls.key_file and tls.ca_file), "cluster.tls",
+                 "TLS needs cert_file, key_file and ca_file together")
+        for key in ("cert_file", "key_file", "ca_file"):
+            _require(pathlib.Path(tls[key]).is_file(), f"cluster.tls.{key}", f"'{tls[key]}' is not a readable file")
     _require(cfg.telemetry.traces in ("file", "otlp", "none"), "telemetry.traces",
              f"'{cfg.telemetry.traces}' is not one of file, otlp, none")
     _require(cfg.telemetry.metrics_interval_s > 0, "telemetry.metrics_interval_s",

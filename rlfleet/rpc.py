@@ -154,10 +154,29 @@ def service_name(pb2_module, service: str) -> str:
     return pb2_module.DESCRIPTOR.services_by_name[service].full_name
 
 
+_tls: dict | None = None  # this process's TLS material (configure_tls), None = plaintext
+
+
+def configure_tls(tls_cfg) -> None:
+    """Turn on TLS for every server this process binds and every run channel it opens (``cluster.tls``)."""
+    global _tls
+    if not tls_cfg or not tls_cfg.cert_file:
+        _tls = None
+        return
+    read = lambda p: open(p, "rb").read()  # noqa: E731
+    _tls = {"cert": read(tls_cfg.cert_file), "key": read(tls_cfg.key_file), "ca": read(tls_cfg.ca_file),
+            "client_auth": bool(tls_cfg.client_auth)}
+
+
 def bind(server: grpc.Server, address: str) -> str:
-    """Bind an insecure port; returns the address actually bound (port 0 -> the chosen port)."""
+    """Bind a port (TLS when configured); returns the address actually bound (port 0 -> the chosen port)."""
     host, _, port = address.rpartition(":")
-    bound = server.add_insecure_port(address)
+    if _tls is not None:
+        creds = grpc.ssl_server_credentials([(_tls["key"], _tls["cert"])], root_certificates=_tls["ca"],
+                                            require_client_auth=_tls["client_auth"])
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     return f"{host}:{bound}" if int(port or 0) == 0 else address
@@ -200,9 +219,16 @@ class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 
 
 def channel(address: str, *, credential: bool = True) -> grpc.Channel:
-    """A channel whose calls carry this process's run credential (``credential=False`` for peers outside the
-    run, such as an external simulator) and trace context."""
-    return grpc.intercept_channel(grpc.insecure_channel(address, options=OPTIONS), _ClientMetadata(credential))
+    """A channel whose calls carry this process's run credential and trace context, over TLS when configured
+    (``credential=False``: a peer outside the run, such as an external simulator: plaintext, no token)."""
+    if _tls is not None and credential:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_tls["ca"], private_key=_tls["key"] if _tls["client_auth"] else None,
+            certificate_chain=_tls["cert"] if _tls["client_auth"] else None)
+        raw = grpc.secure_channel(address, creds, options=OPTIONS)
+    else:
+        raw = grpc.insecure_channel(address, options=OPTIONS)
+    return grpc.intercept_channel(raw, _ClientMetadata(credential))
 
 
 def wait_ready(address: str, timeout: float = 30.0, *, credential: bool = True) -> grpc.Channel:

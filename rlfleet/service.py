@@ -106,6 +106,9 @@ def setup_process(args, cfg, role: str) -> None:
         raise SystemExit(f"rlfleet {role}[{args.index}]: no run credential: set {auth.TOKEN_ENV} to the run's token "
                          f"(coordinatorctl start prints where it is; it hands it to the services it starts)")
     auth.set_identity(role, token)
+    from rlfleet import rpc as _rpc
+
+    _rpc.configure_tls(cfg.cluster.tls)
     tracing.setup(role, args.index, cfg, os.path.dirname(os.path.abspath(args.config)))
     try:  # env servers run in simulator environments that may have no torch
         import torch

@@ -50,6 +50,7 @@ def _start(args) -> int:
         return 2
     token = auth.token_from_env() or auth.new_token()  # a deployment may hand one in; else a fresh one per run
     auth.set_identity("coordinator", token)
+    rpc.configure_tls(cfg.cluster.tls)
     try:
         where = tracing.setup("coordinator", 0, cfg, run_dir)
     except SystemExit as exc:
@@ -210,6 +211,11 @@ def _coordinator_stub(args):
         raise SystemExit(f"coordinatorctl: no run credential for {address}: set {auth.TOKEN_ENV} or give the run "
                          f"folder (its {auth.TOKEN_FILE} file)")
     auth.set_identity("ctl", token)
+    config = pathlib.Path(run_dir) / "config.yaml" if run_dir else None
+    if config is not None and config.exists():  # a TLS run: dial it with the run's certificates
+        from omegaconf import OmegaConf
+
+        rpc.configure_tls(OmegaConf.select(OmegaConf.load(config), "cluster.tls"))
     return address, coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(address))
 
 

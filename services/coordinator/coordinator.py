@@ -49,7 +49,7 @@ class Service:
 
 # keys that may differ between the coordinator and a service (where things are, not what is trained)
 LOCAL_KEYS = ("cluster.launcher", "cluster.host", "cluster.coordinator_address", "runner.resume_dir",
-              "runner.logger.log_path")
+              "runner.logger.log_path", "cluster.tls.cert_file", "cluster.tls.key_file", "cluster.tls.ca_file")
 
 
 def config_difference(cfg, other_yaml: str) -> str:
