@@ -57,14 +57,15 @@ EOF
     rm -rf "$ctx"
   fi
   # the host's wheels (torch CPU) served to the build on loopback
-  find_links=$(python3 -c "import configparser,os;c=configparser.ConfigParser();c.read('/etc/pip.conf');print(c.get('global','find-links',fallback=''))")
+  find_links=${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}
   if [ -n "$find_links" ]; then
     python3 -m http.server 8765 --bind 127.0.0.1 --directory "$find_links" >/dev/null 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null || true' EXIT
     WHEELS=http://127.0.0.1:8765/
   fi
-  BUILD_ARGS=(--build-arg "BASE_IMAGE=$BASE" --build-arg "PIP_FIND_LINKS=${WHEELS:-}")
+  [ -n "${WHEELS:-}" ] || { echo "no local wheel folder (pip find-links) to serve torch's CPU wheel from" >&2; exit 1; }
+  BUILD_ARGS=(--build-arg "BASE_IMAGE=$BASE" --build-arg "PIP_FIND_LINKS=$WHEELS")
 else
   BUILD_ARGS=()
 fi

@@ -1,0 +1,112 @@
+"""The coordinator's calls into the fleet, with what a failed call means: stubs for the current incarnation of a
+service, waiting for the health monitor to notice a death, republishing weights after inference restarts, and
+the lost-episode count. Shared by the run loop (collect, train) and the evaluator."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from rlfleet import rpc
+from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from services.coordinator.registry import Registry, RunFailed, Service
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+
+
+class FleetCalls:
+    def __init__(self, cfg, registry: Registry, local: bool):
+        self.cfg = cfg
+        self.registry = registry
+        self.fate = registry.fate
+        # how long a failed call waits for the monitor to notice a death: a local launcher sees process exits at
+        # once; in attach mode only missing heartbeats tell
+        self.patience = 3.0 if local else cfg.cluster.heartbeat_timeout_s + 5
+        self.lock = threading.Lock()
+        self.lost_episodes = 0
+        self.weights_lock = threading.Lock()
+        self.weights_generation: tuple = ()
+
+    def add_lost(self, n: int) -> None:
+        with self.lock:
+            self.lost_episodes += n
+
+    def learner(self):
+        svc = self.registry.wait("learner", 0, 30)
+        return learner_pb2_grpc.LearnerServiceStub(rpc.channel(svc.address))
+
+    def rollout_stub(self, index: int) -> tuple[Service, object]:
+        svc = self.registry.wait("env", index, self.cfg.cluster.startup_timeout_s)
+        return svc, rollout_pb2_grpc.RolloutServiceStub(rpc.channel(svc.address))
+
+    def settle(self, svc: Service, incarnation: str, generation: tuple | None = None) -> None:
+        """After a failed call: wait (up to ``patience``) until the monitor has noticed whether ``svc`` died or
+        an inference server changed; raises RunFailed when the run is over."""
+        deadline = time.monotonic() + self.patience
+        while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline \
+                and not self.fate.fatal and (generation is None
+                                             or self.registry.inference_generation() == generation):
+            time.sleep(0.1)
+        self.fate.check()
+
+    @staticmethod
+    def same(svc: Service, incarnation: str) -> bool:
+        return svc.incarnation == incarnation and svc.ready.is_set()
+
+    def ensure_inference_weights(self) -> None:
+        """After inference restarts: wait for every server, then have the learner republish the current weights.
+        A server that dies under the republish (the monitor has not noticed yet) is waited for and tried again."""
+        reg = self.registry
+        deadline = time.monotonic() + self.cfg.cluster.startup_timeout_s
+        with self.weights_lock:
+            while True:
+                for i in range(reg.counts["inference"]):
+                    reg.wait("inference", i, max(1.0, deadline - time.monotonic()))
+                generation = reg.inference_generation()
+                if generation == self.weights_generation:
+                    return
+                try:
+                    self.learner().PublishWeights(learner_pb2.PublishWeightsRequest(
+                        inference_addresses=reg.addresses("inference")), timeout=120)
+                    self.weights_generation = generation
+                    return
+                except grpc.RpcError as exc:
+                    settle = min(deadline, time.monotonic() + 5.0)
+                    while reg.inference_generation() == generation and time.monotonic() < settle \
+                            and not self.fate.fatal:
+                        time.sleep(0.1)  # a death is noticed by the monitor within a fraction of a second
+                    if self.fate.fatal:
+                        raise RunFailed(self.fate.fatal) from exc
+                    if reg.inference_generation() == generation or time.monotonic() >= deadline:
+                        raise RunFailed(f"republishing weights failed: {rpc.describe_error(exc)}") from exc
+
+    def weights_published(self) -> None:
+        """The learner has just published to the current set of inference servers."""
+        self.weights_generation = self.registry.inference_generation()
+
+    def republish(self) -> None:
+        with self.weights_lock:
+            self.weights_generation = ()
+        self.ensure_inference_weights()
+
+    def why_failed(self, exc: grpc.RpcError, what: str) -> str:
+        """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""
+        deadline = time.monotonic() + min(self.patience, self.cfg.cluster.heartbeat_timeout_s)
+        while not self.fate.fatal and time.monotonic() < deadline and exc.code() in RETRYABLE:
+            time.sleep(0.1)
+        return self.fate.fatal or f"{what} failed: {rpc.describe_error(exc)}"
+
+    def await_(self, future):
+        """Wait for a future (thread pool or gRPC) while watching for a fatal service death."""
+        while True:
+            if self.fate.fatal:
+                if hasattr(future, "cancel"):
+                    future.cancel()
+                raise RunFailed(self.fate.fatal)
+            try:
+                return future.result(timeout=0.25)
+            except (TimeoutError, grpc.FutureTimeoutError):
+                continue

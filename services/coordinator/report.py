@@ -1,0 +1,94 @@
+"""What a run tells its user and leaves behind: console lines, the counts that survive --resume
+(coordinator_state.json), and the end-of-run summary (summary.json, learning curve)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+
+class RunReport:
+    def __init__(self, cfg, run_dir: pathlib.Path, quiet: bool = False):
+        self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
+        self.eval_history: list[dict] = []
+        self.prior_restarts: dict[str, int] = {}  # from the run's earlier parts (--resume)
+        self._env_seen: dict[str, float] = {}  # latest env/* metrics, for progress lines
+
+    def say(self, text: str, verbose: bool = False) -> None:
+        if not self.quiet and not (verbose and os.environ.get("RLFLEET_VERBOSE", "0") == "0"):
+            print(text, flush=True)
+
+    # --- counts that survive --resume ------------------------------------------------------------------------
+    def save_state(self, lost_episodes: int, restarts: dict[str, int]) -> None:
+        state = {"lost_episodes": lost_episodes, "restarts": restarts, "eval_history": self.eval_history}
+        tmp = self.run_dir / "coordinator_state.json.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.run_dir / "coordinator_state.json")
+
+    def load_state(self) -> int:
+        """Restore the eval history and restart counts of a resumed run; -> its lost-episode count."""
+        path = self.run_dir / "coordinator_state.json"
+        if not self.cfg.runner.resume_dir or not path.exists():
+            return 0
+        state = json.loads(path.read_text())
+        self.eval_history = list(state.get("eval_history", []))
+        self.prior_restarts = {k: int(v) for k, v in state.get("restarts", {}).items()}
+        return int(state.get("lost_episodes", 0))
+
+    # --- console ----------------------------------------------------------------------------------------------
+    def progress_line(self, epoch: int, m: dict[str, float], env_steps: int, elapsed: float, lost: int) -> str:
+        # env/* exist only for epochs in which episodes ended: show the latest known values
+        self._env_seen = {**self._env_seen, **{k: v for k, v in m.items() if k.startswith("env/")}}
+        m = {**self._env_seen, **m}
+
+        def f(key, fmt):
+            v = m.get(key)
+            return format(v, fmt) if v is not None and math.isfinite(v) else "-"
+
+        budget = self.cfg.runner.max_env_steps
+        return (f"epoch {epoch + 1:4d} | steps {env_steps / 1000:7.1f}k"
+                + (f"/{budget / 1000:.0f}k" if budget else "")
+                + f" | {f('rollout/env_steps_per_s', '5.0f')} env steps/s | {elapsed:5.0f}s"
+                f" | success_once {f('env/success_once', '.2f')} | return {f('env/return', '6.2f')}"
+                f" | policy_loss {f('train/actor/policy_loss', '+.3f')} | value_loss {f('train/critic/value_loss', '.3f')}"
+                f" | kl {f('train/actor/approx_kl', '.4f')}"
+                + (f" | lost {lost}" if lost else ""))
+
+    # --- end of run -------------------------------------------------------------------------------------------
+    def write_summary(self, *, env_id: str, epochs: int, env_steps: int, train_time: float, stop_why: str,
+                      final: dict | None, ckpt: str, lost_episodes: int, restarts: dict[str, int],
+                      last_metrics: dict[str, float]) -> dict:
+        from services.coordinator.plots import plot_learning_curve
+
+        try:
+            curve = plot_learning_curve(self.run_dir)
+        except Exception as exc:  # noqa: BLE001 - a plot never costs the run its summary
+            self.say(f"  ! learning curve not drawn: {type(exc).__name__}: {exc}")
+            curve = None
+        summary = {
+            "experiment_name": self.cfg.runner.experiment_name, "run_dir": str(self.run_dir),
+            "env_id": env_id, "epochs": epochs, "env_steps": env_steps,
+            "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
+            "final_eval": dict(final or {}),
+            "initial_eval": next((e for e in self.eval_history if e["step"] == 0), None),
+            "eval_history": self.eval_history, "lost_episodes": lost_episodes, "restarts": restarts,
+            "last_train_metrics": {k: v for k, v in last_metrics.items() if math.isfinite(v)},
+            "checkpoint": ckpt, "learning_curve": str(curve) if curve else None,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.say("")
+        self.say("=" * 72)
+        if final:
+            self.say(f"final evaluation: success_once {final['eval/success_once']:.1%} "
+                     f"({int(final['eval/num_episodes'])} seeded episodes), return {final['eval/return']:.2f}")
+        else:
+            self.say("no final evaluation (run stopped early)")
+        self.say(f"{epochs} epochs, {env_steps} env steps, {train_time:.0f}s of training")
+        self.say(f"run files: {self.run_dir}  (summary.json, metrics.jsonl, tensorboard/, checkpoints/, "
+                 f"learning_curve.png, config.yaml, logs/)")
+        if ckpt:
+            self.say(f"last checkpoint: {ckpt}")
+        self.say("=" * 72)
+        return summary
