@@ -26,6 +26,8 @@ from services.env.rollout import RolloutWorker
 from services.env.vec_env import VecEnv
 
 MAX_STEP_STREAMS = 4         # concurrent EnvService.Step streams per server (more: RESOURCE_EXHAUSTED)
+MAX_COLLECT_STEPS = 100_000  # steps per env in one Collect (the rollout buffer is allocated up front)
+MAX_ROLLOUT_BYTES = 16 << 30  # observation bytes of one Collect's buffer
 MAX_EVAL_EPISODES = 100_000  # per Evaluate call
 
 ROLE = "env"
@@ -153,8 +155,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @rpc.handler
     def Collect(self, request, context):
-        if request.num_steps < 1:
-            raise rpc.InvalidRequest(f"num_steps: must be >= 1, got {request.num_steps}")
+        if not 1 <= request.num_steps <= MAX_COLLECT_STEPS:
+            raise rpc.InvalidRequest(f"num_steps: {request.num_steps} is not in 1..{MAX_COLLECT_STEPS}")
+        row_bytes = sum(int(np.prod(sp.shape)) * np.dtype(sp.dtype).itemsize
+                        for sp in self.worker.observation_space.values()) * self.worker.env.num_envs
+        if request.num_steps * row_bytes > MAX_ROLLOUT_BYTES:
+            raise rpc.InvalidRequest(f"num_steps: {request.num_steps} steps of these observations need "
+                                     f"{request.num_steps * row_bytes / 2**30:.1f} GiB; at most "
+                                     f"{MAX_ROLLOUT_BYTES / 2**30:.0f} GiB per Collect")
         if not request.inference_addresses:
             raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
         self._acquire(context)
