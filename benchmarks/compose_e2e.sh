@@ -65,7 +65,8 @@ EOF
     WHEELS=http://127.0.0.1:8765/
   fi
   [ -n "${WHEELS:-}" ] || { echo "no local wheel folder (pip find-links) to serve torch's CPU wheel from" >&2; exit 1; }
-  BUILD_ARGS=(--build-arg "BASE_IMAGE=$BASE" --build-arg "PIP_FIND_LINKS=$WHEELS")
+  # PyTorch's wheel index is not reachable here: torch comes from the served folder
+  BUILD_ARGS=(--build-arg "BASE_IMAGE=$BASE" --build-arg "PIP_FIND_LINKS=$WHEELS" --build-arg "TORCH_INDEX_URL=")
 else
   BUILD_ARGS=()
 fi

@@ -1,18 +1,23 @@
-"""Time to 50/90/95% evaluation success_once: runs `coordinatorctl start` (the default run unless told
-otherwise) with frequent evaluations and reads the run's metrics.jsonl.
+"""Time to 50/90/95% evaluation success_once over seeds, synchronous vs asynchronous training.
 
-    python benchmarks/time_to_success.py [key=value ...]        # extra overrides for coordinatorctl start
-    python benchmarks/time_to_success.py --run-dir runs/X       # only analyse an existing run
+    python benchmarks/time_to_success.py [--seeds 1 2 3] [--modes sync async] [key=value ...]
+    python benchmarks/time_to_success.py --run-dir runs/X        # only analyse an existing run
 
-Wall time counts from the first rollout (service start-up excluded) and includes the evaluations; the column
-'w/o eval' subtracts the time spent evaluating before that point.
+Each (mode, seed) is one `coordinatorctl start` of the default run (plus the overrides) with an evaluation of
+100 seeded episodes every 5 epochs, stopped at 95% (runner.early_stop_success_rate). Times are training wall time
+from the first rollout, evaluations excluded (their time is subtracted); env steps are training env steps. The
+whole-loop rate is training env steps / training wall time (evaluations excluded), next to the raw simulator's
+steps/s on all cores (the physical limit: benchmarks/throughput.py's raw stepping, one process per core).
+Runs go to runner.logger.log_path when given, else a temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,48 +27,108 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rlfleet.metrics import read_metrics  # noqa: E402
 
 THRESHOLDS = (0.5, 0.9, 0.95)
+MODES = {"sync": "algorithm.max_staleness=0", "async": "algorithm.max_staleness=1"}
+
+
+def hits(run_dir: pathlib.Path) -> dict:
+    """Per threshold: (epoch, env steps, wall s, wall s without evaluations) of the first evaluation reaching it;
+    plus the run's whole-loop env steps/s."""
+    records = read_metrics(run_dir)
+    evals = [r for r in records if isinstance(r.get("eval/success_once"), (int, float))
+             and isinstance(r.get("eval/env_steps"), (int, float))]
+    out, eval_time = {}, 0.0
+    for r in evals:
+        for th in THRESHOLDS:
+            if th not in out and r["eval/success_once"] >= th:
+                out[th] = (r["step"], r["eval/env_steps"], r["eval/wall_time_s"], r["eval/wall_time_s"] - eval_time)
+        eval_time += r.get("time/eval", 0.0)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    train = [r for r in records if isinstance(r.get("time/elapsed"), (int, float))]
+    if train:
+        wall = train[-1]["time/elapsed"] - sum(r.get("time/eval", 0.0) for r in evals if r["step"] > 0
+                                              and r["step"] <= train[-1]["step"])
+        out["rate"] = train[-1].get("env/env_steps", 0) / max(wall, 1e-9)
+    out["final"] = summary.get("final_eval", {}).get("eval/success_once")
+    return out
 
 
 def analyse(run_dir: pathlib.Path) -> None:
-    records = read_metrics(run_dir)
-    evals = [r for r in records if r.get("eval/success_once") is not None]
-    if not evals:
-        raise SystemExit(f"no evaluations in {run_dir}/metrics.jsonl")
-    print(f"\nrun: {run_dir}  ({len(evals)} evaluations of {int(evals[-1]['eval/num_episodes'])} episodes)")
+    h = hits(run_dir)
+    print(f"\nrun: {run_dir}")
     print("| eval success_once >= | epoch | env steps | wall time (s) | w/o eval (s) |")
     print("|---|---|---|---|---|")
-    eval_time = 0.0
-    hit: dict[float, tuple] = {}
-    for r in evals:
-        for th in THRESHOLDS:
-            if th not in hit and r["eval/success_once"] >= th:
-                hit[th] = (r["step"], r["eval/env_steps"], r["eval/wall_time_s"], r["eval/wall_time_s"] - eval_time)
-        eval_time += r.get("time/eval", 0.0)
     for th in THRESHOLDS:
-        if th in hit:
-            step, steps, wall, train = hit[th]
+        if th in h:
+            step, steps, wall, train = h[th]
             print(f"| {th:.0%} | {step} | {steps:,.0f} | {wall:.0f} | {train:.0f} |")
         else:
             print(f"| {th:.0%} | not reached | | | |")
-    last = evals[-1]
-    print(f"final: success_once {last['eval/success_once']:.1%} at epoch {last['step']}, "
-          f"{last['eval/env_steps']:,.0f} env steps, {last['eval/wall_time_s']:.0f}s")
+    if "rate" in h:
+        print(f"whole loop: {h['rate']:,.0f} env steps/s (evaluations excluded)")
+
+
+def raw_all_cores(cores: int) -> float:
+    """The raw simulator's env steps/s with one stepping process per core (benchmarks/throughput.py --raw)."""
+    from rlfleet.config import load_config, to_yaml
+
+    cfg = load_config(None, [])
+    here = pathlib.Path(__file__).with_name("throughput.py")
+    procs = [subprocess.Popen([sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", "400"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(cores)]
+    return sum(json.loads(p.communicate()[0].strip().splitlines()[-1])["rate"] for p in procs)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", default=None, help="analyse this run instead of starting one")
-    ap.add_argument("overrides", nargs="*", help="extra key=value overrides")
+    ap.add_argument("--run-dir", default=None, help="analyse this run instead of starting any")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "async"])
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for coordinatorctl start")
     args = ap.parse_args()
     if args.run_dir:
         analyse(pathlib.Path(args.run_dir))
         return
-    log_path = tempfile.mkdtemp(prefix="rlfleet-tts-")
-    cmd = [sys.executable, "-m", "services.coordinator.cli", "start", "runner.val_check_interval=5",
-           f"runner.logger.log_path={log_path}", "runner.experiment_name=time_to_success", *args.overrides]
-    print("$ coordinatorctl start " + " ".join(cmd[4:]), flush=True)
-    subprocess.run(cmd, check=True)
-    analyse(pathlib.Path(log_path) / "time_to_success")
+    given = [o for o in args.overrides if o.startswith("runner.logger.log_path=")]
+    log_path = given[-1].split("=", 1)[1] if given else tempfile.mkdtemp(prefix="rlfleet-tts-")
+    rows = {}
+    for mode in args.modes:
+        for seed in args.seeds:
+            name = f"tts_{mode}_seed{seed}"
+            cmd = [sys.executable, "-m", "services.coordinator.cli", "start", "--quiet", "runner.val_check_interval=5",
+                   "runner.early_stop_success_rate=0.95", f"runner.seed={seed}", MODES[mode],
+                   f"runner.experiment_name={name}", *args.overrides]
+            if not given:
+                cmd.append(f"runner.logger.log_path={log_path}")
+            print("$ coordinatorctl start " + " ".join(cmd[5:]), flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            run = sorted(pathlib.Path(log_path).glob(f"{name}*"), key=lambda p: p.stat().st_mtime)[-1]
+            rows[(mode, seed)] = hits(run)
+            analyse(run)
+    cores = os.cpu_count() or 1
+    raw = raw_all_cores(cores)
+    print(f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s")
+    print(f"\n| mode | seeds | to 50% (s / k steps) | to 90% (s / k steps) | to 95% median (s) | to 95% worst (s) | "
+          f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        runs = [rows[(mode, s)] for s in args.seeds]
+
+        def cell(th):
+            got = [r[th] for r in runs if th in r]
+            if len(got) < len(runs):
+                return f"{len(got)}/{len(runs)} reached"
+            return (f"{statistics.median(g[3] for g in got):.0f} / "
+                    f"{statistics.median(g[1] for g in got) / 1000:.0f}k")
+
+        got95 = [r[0.95] for r in runs if 0.95 in r]
+        med95 = f"{statistics.median(g[3] for g in got95):.0f}" if len(got95) == len(runs) else "-"
+        worst95 = f"{max(g[3] for g in got95):.0f}" if len(got95) == len(runs) else \
+            f"not reached by {len(runs) - len(got95)}"
+        steps95 = (f"{statistics.median(g[1] for g in got95) / 1000:.0f}k, {max(g[1] for g in got95) / 1000:.0f}k"
+                   if got95 else "-")
+        rate = statistics.median(r.get("rate", 0.0) for r in runs)
+        print(f"| {mode} | {', '.join(map(str, args.seeds))} | {cell(0.5)} | {cell(0.9)} | {med95} | {worst95} | "
+              f"{steps95} | {rate:,.0f} | {rate / raw:.0%} |")
 
 
 if __name__ == "__main__":

@@ -261,6 +261,8 @@ def validate(cfg: DictConfig) -> None:
                  "TLS needs cert_file, key_file and ca_file together")
         for key in ("cert_file", "key_file", "ca_file"):
             _require(pathlib.Path(tls[key]).is_file(), f"cluster.tls.{key}", f"'{tls[key]}' is not a readable file")
+    _require(alg.max_staleness in (0, 1), "algorithm.max_staleness",
+             f"{alg.max_staleness} is not 0 (synchronous) or 1 (collect the next epoch while this one trains)")
     _require(cfg.telemetry.traces in ("file", "otlp", "none"), "telemetry.traces",
              f"'{cfg.telemetry.traces}' is not one of file, otlp, none")
     _require(cfg.telemetry.metrics_interval_s > 0, "telemetry.metrics_interval_s",

@@ -69,6 +69,7 @@ class Coordinator:
         # envs per env server are fixed by the config; `coordinatorctl scale env N` changes the server count
         self.envs_per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
         self.pending_scale: int | None = None
+        self.lost_by_epoch: dict[int, int] = {}  # episodes lost while collecting each epoch
 
     # --- called by the gRPC servicer ---------------------------------------------------------------------------
     def register(self, role, index, address, pid, incarnation, config_yaml="") -> bool:
@@ -165,7 +166,7 @@ class Coordinator:
                         inference_addresses=reg.addresses("inference"), learner_address=reg.addresses("learner")[0],
                         min_weights_version=min_version), timeout=self.cfg.cluster.collect_timeout_s)
                 if resp.lost_episodes:
-                    calls.add_lost(resp.lost_episodes)
+                    self._lost(epoch, resp.lost_episodes)
                     self.say(f"  ! env[{index}]: its external simulator restarted; {resp.lost_episodes} episodes lost")
                 return resp
             except grpc.RpcError as exc:
@@ -184,9 +185,14 @@ class Coordinator:
                     raise RunFailed(f"env[{index}] Collect failed and the server is still up: "
                                     f"{rpc.describe_error(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
                 # it died mid-rollout: its partial episodes are dropped (never sent to the learner) and counted
-                calls.add_lost(self.envs_per_server)
+                self._lost(epoch, self.envs_per_server)
                 self.say(f"  ! env[{index}] lost mid-rollout ({rpc.describe_error(exc).splitlines()[0]}); "
                          f"{self.envs_per_server} partial episodes dropped, collecting again after restart")
+
+    def _lost(self, epoch: int, n: int) -> None:
+        self.calls.add_lost(n)
+        with self.calls.lock:
+            self.lost_by_epoch[epoch] = self.lost_by_epoch.get(epoch, 0) + n
 
     def evaluate(self, step: int, num_episodes: int | None = None) -> dict[str, float]:
         phase, self.phase = self.phase, "evaluating"
@@ -279,6 +285,8 @@ class Coordinator:
         epoch = start_epoch
         stop_why = "budget reached"
         pool = ThreadPoolExecutor(self.MAX_ENV_SERVERS)  # threads start as needed: room for `scale env N`
+        async_mode = cfg.algorithm.max_staleness > 0
+        ahead = None  # async: the collection of the next epoch, started while this one trains
         try:
             while True:
                 if epoch >= runner.max_epochs:
@@ -293,9 +301,18 @@ class Coordinator:
                 if self.fate.stop_event.is_set():
                     stop_why = self.fate.stop_reason or "stopped"
                     break
-                self._apply_scale()
+                if ahead is None:
+                    self._apply_scale()
                 with tracing.span("epoch", **{"rlfleet.epoch": epoch}):
-                    metrics = self._epoch(pool, learner, epoch, version)
+                    t0 = time.perf_counter()
+                    rollout = ahead if ahead is not None else self._start_collect(pool, epoch, version)
+                    results = [calls.await_(f) for f in rollout]
+                    ahead = None
+                    t_rollout = time.perf_counter() - t0
+                    if async_mode and epoch + 1 < runner.max_epochs and self.pending_scale is None:
+                        # samples of epoch k+1 come from weights k (or k+1 once training k publishes them)
+                        ahead = self._start_collect(pool, epoch + 1, version)
+                    metrics = self._train(learner, epoch, version, results, t0, t_rollout)
                 version = int(metrics["train/weights_version"])
                 if epoch % runner.progress_interval == 0:
                     self.say(self.report.progress_line(epoch, metrics, self.env_steps, self.elapsed(),
@@ -312,6 +329,8 @@ class Coordinator:
         except grpc.RpcError as exc:
             raise RunFailed(calls.why_failed(exc, "a service call")) from exc
         finally:
+            for f in ahead or ():  # a collection started ahead is not trained on: let it end, do not wait
+                f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
         train_time = self.elapsed()
         self.phase = "evaluating"
@@ -333,20 +352,22 @@ class Coordinator:
             final=final, ckpt=ckpt, lost_episodes=self.lost_episodes,
             restarts=self.registry.restart_counts(self.report.prior_restarts), last_metrics=self.last_metrics)
 
-    def _epoch(self, pool, learner, epoch: int, version: int) -> dict[str, float]:
-        """Collect epoch ``epoch`` from every env server, then train on it; -> the epoch's metrics."""
+    def _start_collect(self, pool, epoch: int, version: int) -> list:
+        """Collect epoch ``epoch`` on every env server (futures); samples need weights version >= ``version``."""
+        return [tracing.submit(pool, self._collect, i, epoch, version) for i in range(self.registry.counts["env"])]
+
+    def _train(self, learner, epoch: int, version: int, results, t0: float, t_rollout: float) -> dict[str, float]:
+        """Train on epoch ``epoch`` (collected as ``results``); -> the epoch's metrics."""
         calls, reg = self.calls, self.registry
-        t0 = time.perf_counter()
-        lost_before = self.lost_episodes
-        futures = [tracing.submit(pool, self._collect, i, epoch, version) for i in range(reg.counts["env"])]
-        results = [calls.await_(f) for f in futures]
-        t_rollout = time.perf_counter() - t0
         steps = sum(r.env_steps for r in results)
+        lost_epoch = self.lost_by_epoch.pop(epoch, 0)
         extra = {"time/rollout": t_rollout, "rollout/env_steps_per_s": steps / t_rollout,
                  "time/env": max(r.env_time_s for r in results),
                  "time/inference_wait": max(r.inference_wait_s for r in results),
                  "env/lost_episodes": float(self.lost_episodes),
-                 "env/lost_episodes_epoch": float(self.lost_episodes - lost_before),
+                 "env/lost_episodes_epoch": float(lost_epoch),
+                 # weights versions the learner is ahead of the oldest sample it trains on (0 when synchronous)
+                 "rollout/staleness": float(version - min(r.weights_version for r in results)),
                  "time/elapsed": self.elapsed()}
         t1 = time.perf_counter()
         try:

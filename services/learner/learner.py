@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -55,6 +56,7 @@ class Learner:
         self.reward_rms = RunningMeanStd(())
         self._returns: dict[int, np.ndarray] = {}   # per worker: running discounted return per env
         self.pending: dict[tuple[int, int], dict] = {}
+        self.pending_lock = threading.Lock()  # async mode: rollouts of epoch k+1 arrive while epoch k trains
         self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends))
 
     # --- model ----------------------------------------------------------------------------------------------
@@ -136,7 +138,8 @@ class Learner:
             raise InvalidRequest("rollout['last_values']: must be finite float32")
         if per_env["last_values"].shape != (N,):
             raise InvalidRequest(f"rollout['last_values']: shape {list(per_env['last_values'].shape)} where [{N}] was expected")
-        self.pending[(epoch, worker)] = {"time": time_major, "env": per_env, "episodes": episodes}
+        with self.pending_lock:
+            self.pending[(epoch, worker)] = {"time": time_major, "env": per_env, "episodes": episodes}
         return T, N
 
     # --- training -------------------------------------------------------------------------------------------
@@ -161,13 +164,14 @@ class Learner:
             raise FailedPrecondition("the learner has no policy yet")
         if epoch != self.epoch + 1:
             raise InvalidRequest(f"epoch: {epoch} is not the next epoch (last trained: {self.epoch})")
-        absent = [w for w in workers if (epoch, w) not in self.pending]
-        if absent or not workers:
-            raise FailedPrecondition(f"epoch {epoch}: no committed rollout from worker(s) {absent or workers}")
+        with self.pending_lock:
+            absent = [w for w in workers if (epoch, w) not in self.pending]
+            if absent or not workers:
+                raise FailedPrecondition(f"epoch {epoch}: no committed rollout from worker(s) {absent or workers}")
+            parts = [self.pending.pop((epoch, w)) for w in sorted(workers)]
+            self.pending = {k: v for k, v in self.pending.items() if k[0] > epoch}  # drop stale leftovers
         t0 = time.perf_counter()
         alg, cfg = self.alg, self.cfg
-        parts = [self.pending.pop((epoch, w)) for w in sorted(workers)]
-        self.pending = {k: v for k, v in self.pending.items() if k[0] > epoch}  # drop stale leftovers
         episodes = [e for p in parts for e in p["episodes"]]
 
         def cat(key):

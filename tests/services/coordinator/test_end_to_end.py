@@ -137,9 +137,11 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
     assert json.loads((run / "summary.json").read_text())["env_steps"] == 5 * 8 * 25
 
 
-def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path):
+@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
+def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness):
     proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
-                 "actor.global_batch_size=400", "actor.micro_batch_size=200", name="envkill")
+                 "actor.global_batch_size=400", "actor.micro_batch_size=200", f"algorithm.max_staleness={staleness}",
+                 name="envkill")
     run = tmp_path / "envkill"
     all_pids = kill_and_wait_restart(run, proc, coordinator_pb2.ENV, min_epoch=4)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -163,8 +165,10 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path):
     assert len(again["eval_history"]) >= len(summary["eval_history"])
 
 
-def test_learner_killed_then_resume_and_stop(tmp_path):
-    proc = start(tmp_path, "runner.max_epochs=1000", "runner.save_interval=1", name="learnerkill")
+@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
+def test_learner_killed_then_resume_and_stop(tmp_path, staleness):
+    proc = start(tmp_path, "runner.max_epochs=1000", "runner.save_interval=1", f"algorithm.max_staleness={staleness}",
+                 name="learnerkill")
     run = tmp_path / "learnerkill"
     st = wait_epoch(run, 3, proc)
     pids = {s.role: s.pid for s in st.services}
@@ -249,9 +253,11 @@ def test_attach_to_services_started_elsewhere(tmp_path):
     assert "refused this service: inference[0] was started with a different config: 'algorithm.gamma' is 0.5" in out
 
 
-def test_inference_server_killed_is_restarted_and_reloaded(tmp_path):
+@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
+def test_inference_server_killed_is_restarted_and_reloaded(tmp_path, staleness):
     proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
-                 "actor.global_batch_size=400", "actor.micro_batch_size=200", name="infkill")
+                 "actor.global_batch_size=400", "actor.micro_batch_size=200", f"algorithm.max_staleness={staleness}",
+                 name="infkill")
     run = tmp_path / "infkill"
     pids = kill_and_wait_restart(run, proc, coordinator_pb2.INFERENCE, min_epoch=5)
     proc.send_signal(signal.SIGINT)
@@ -457,3 +463,19 @@ def test_scale_env_servers_during_a_run(tmp_path):
     assert code == 0, out
     assert "env servers: 1 -> 2 (16 train envs)" in out and "env servers: 2 -> 1 (8 train envs)" in out
     assert_no_orphans([first_env_pid])
+
+
+def test_async_collects_the_next_epoch_while_training(tmp_path):
+    """algorithm.max_staleness=1: epoch k+1 is collected while epoch k trains; samples are at most one weights
+    version old (rollout/staleness), every epoch is trained exactly once, and the run finishes as usual."""
+    code, out = finish(start(tmp_path, "runner.max_epochs=8", "runner.val_check_interval=4",
+                             "algorithm.max_staleness=1", name="async"))
+    assert code == 0, out
+    records = [r for r in read_metrics(tmp_path / "async") if "rollout/staleness" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    # 1 when training k published its weights while k+1 was being collected (0 if it finished before k+1 started)
+    assert records[0]["rollout/staleness"] == 0 and all(r["rollout/staleness"] in (0, 1) for r in records)
+    assert sum(r["rollout/staleness"] for r in records) >= 4
+    assert [r["env/env_steps"] for r in records] == [200 * (i + 1) for i in range(8)]
+    summary = json.loads((tmp_path / "async" / "summary.json").read_text())
+    assert summary["epochs"] == 8 and summary["final_eval"]["eval/num_episodes"] == 4
