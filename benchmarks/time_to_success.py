@@ -1,6 +1,6 @@
 """Time to 50/90/95% evaluation success_once over seeds, synchronous vs asynchronous training.
 
-    python benchmarks/time_to_success.py [--seeds 1 2 3] [--modes sync async] [key=value ...]
+    python benchmarks/time_to_success.py [--seeds 1,2,3] [--modes sync,async] [key=value ...]
     python benchmarks/time_to_success.py --run-dir runs/X        # only analyse an existing run
 
 Each (mode, seed) is one `coordinatorctl start` of the default run (plus the overrides) with an evaluation of
@@ -81,13 +81,17 @@ def raw_all_cores(cores: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default=None, help="analyse this run instead of starting any")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "async"])
+    ap.add_argument("--seeds", default="1,2,3", help="comma-separated run seeds")
+    ap.add_argument("--modes", default="sync,async", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for coordinatorctl start")
     args = ap.parse_args()
     if args.run_dir:
         analyse(pathlib.Path(args.run_dir))
         return
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.modes = args.modes.split(",")
+    if set(args.modes) - set(MODES):
+        ap.error(f"--modes: {sorted(set(args.modes) - set(MODES))} not in {list(MODES)}")
     given = [o for o in args.overrides if o.startswith("runner.logger.log_path=")]
     log_path = given[-1].split("=", 1)[1] if given else tempfile.mkdtemp(prefix="rlfleet-tts-")
     rows = {}

@@ -109,7 +109,9 @@ def setup_process(args, cfg, role: str) -> None:
     from rlfleet import rpc as _rpc
 
     _rpc.configure_tls(cfg.cluster.tls)
-    tracing.setup(role, args.index, cfg, os.path.dirname(os.path.abspath(args.config)))
+    # part of a run: traces next to its config (the run folder) unless RLFLEET_TRACE_DIR says; a standalone server
+    # (no coordinator) exports only where RLFLEET_TRACE_DIR or an OTLP endpoint says
+    tracing.setup(role, args.index, cfg, os.path.dirname(os.path.abspath(args.config)) if args.coordinator else None)
     try:  # env servers run in simulator environments that may have no torch
         import torch
     except ImportError:
