@@ -7,7 +7,8 @@ Step (bidi stream) and Close. Here: N point masses on a plane, each must reach i
     python examples/point_reach_env_server.py --address 127.0.0.1:50100 --num-envs 16
     coordinatorctl check-env 127.0.0.1:50100          # does it follow the contract?
     coordinatorctl start cluster.external_env_addresses=[127.0.0.1:50100] env.train.total_num_envs=16 \\
-        env.eval.total_num_envs=16 env.train.max_episode_steps=30 env.eval.max_episode_steps=30
+        env.eval.total_num_envs=16 env.train.max_episode_steps=30 env.eval.max_episode_steps=30 \\
+        env.train.max_steps_per_rollout_epoch=32
 
 Observation 'state' (4): position, goal - position. Action (2): velocity in [-1, 1] (x 0.1 per step); an action
 chunk [n, chunk, 2] runs as `chunk` steps. Reward: -|goal - position|; success: within 0.05 of the goal.

@@ -20,7 +20,8 @@ INSTR = ["pick up the red cube and lift it"] * 4 + ["push the cube to the left"]
 
 def _policy(model_type="openvla", logprob_type="token_level", *overrides):
     cfg = load_config(None, [f"actor.model.model_type={model_type}", "actor.model.vla.image_size=32",
-                             "actor.global_batch_size=256", "actor.micro_batch_size=256", *overrides])
+                             "env.train.max_steps_per_rollout_epoch=32", "actor.global_batch_size=256",
+                             "actor.micro_batch_size=256", *overrides])
     torch.manual_seed(0)
     return cfg, build_policy(cfg.actor.model, SPECS, 4, True, logprob_type)
 
@@ -148,7 +149,7 @@ def test_a_vla_needs_an_image_and_openvla_no_chunks():
 
     with pytest.raises(ConfigError, match="openvla decodes one action per call"):
         load_config(None, ["actor.model.model_type=openvla", "actor.model.num_action_chunks=4",
-                           "actor.global_batch_size=256", "actor.micro_batch_size=256"])
+                           "actor.global_batch_size=128", "actor.micro_batch_size=128"])
 
 
 def test_engine_loads_partial_updates_into_its_idle_copy():

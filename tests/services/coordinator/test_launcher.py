@@ -24,8 +24,8 @@ def test_cpu_only_placement_hides_gpus(tmp_path):
 def test_config_difference_names_the_key():
     cfg = load_config()
     assert config_difference(cfg, to_yaml(load_config(None, ["cluster.launcher=attach"]))) == ""
-    diff = config_difference(cfg, to_yaml(load_config(None, ["env.train.total_num_envs=32"])))
-    assert diff.startswith("'env.train.total_num_envs' is 32 there, 64 here")
+    diff = config_difference(cfg, to_yaml(load_config(None, ["env.train.total_num_envs=128"])))
+    assert diff.startswith("'env.train.total_num_envs' is 128 there, 64 here")
     import pytest
 
     from rlfleet.rpc import InvalidRequest
