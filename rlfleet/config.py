@@ -168,6 +168,9 @@ def validate(cfg: DictConfig) -> None:
              f"{len(ext)} addresses for {n_servers} env servers (cluster.num_env_servers): give one per server")
     _require(cfg.cluster.num_inference_servers >= 1, "cluster.num_inference_servers", "must be >= 1")
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
+    inv = cfg.rollout.batch_invariant_rows
+    _require(inv is None or (isinstance(inv, int) and not isinstance(inv, bool) and 0 <= inv <= 4096),
+             "rollout.batch_invariant_rows", f"must be null or an integer in [0, 4096], got {inv!r}")
     for split in ("train", "eval"):
         n = cfg.env[split].total_num_envs
         _require(n >= 1 and n % n_servers == 0, f"env.{split}.total_num_envs",

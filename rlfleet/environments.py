@@ -199,10 +199,12 @@ def ensure(env: Environment, configured: str | None = None, log=print) -> pathli
         return _build(env, path, log)
 
 
-def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
+def ensure_system_packages(env: Environment, log=print) -> None:
+    """Install the environment's missing Debian packages (as root), or raise naming the commands to run.
+
+    Best done before any simulator loads: upgrading Mesa's EGL libraries under a process that already loaded
+    them breaks its next GL context (EGL_BAD_MATCH), hence ``python -m rlfleet.environments system-packages``."""
     tag = f"env {env.name}"
-    t0 = time.monotonic()
-    log(f"[{tag}] building the {env.name} simulator environment at {path} (first use; cached afterwards)")
     apt = missing_apt(env)
     if apt:
         cmds = apt_install_commands(env, apt)
@@ -217,6 +219,13 @@ def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
                                         f"(ran: {how})")
         else:
             raise EnvironmentError_(f"[{tag}] Debian packages missing: {' '.join(apt)}; run as root: {how}")
+
+
+def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
+    tag = f"env {env.name}"
+    t0 = time.monotonic()
+    log(f"[{tag}] building the {env.name} simulator environment at {path} (first use; cached afterwards)")
+    ensure_system_packages(env, log)
     shutil.rmtree(path, ignore_errors=True)  # built in place; the stamp file, written last, marks it complete
     uv = _uv()
     sub_env = dict(os.environ)
@@ -287,15 +296,34 @@ def describe(configured: str | None = None) -> list[dict]:
 def main(argv=None) -> int:
     """``python -m rlfleet.environments exec SIMULATOR ARGS...``: run ARGS with the simulator's Python (its own
     environment, built when missing) and rlfleet's env side on PYTHONPATH; what a container runs an env server with.
-    ``python -m rlfleet.environments install SIMULATOR``: build the environment (image builds)."""
+    ``python -m rlfleet.environments install SIMULATOR``: build the environment (image builds).
+    ``python -m rlfleet.environments system-packages all|SIMULATOR``: only the Debian packages (as root; the test
+    command runs this before any test loads a simulator)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m rlfleet.environments")
-    p.add_argument("action", choices=("exec", "install"))
+    p.add_argument("action", choices=("exec", "install", "system-packages"))
     p.add_argument("simulator")
     p.add_argument("args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
-    python = python_for(args.simulator, None, lambda *a, **k: print(*a, file=sys.stderr, flush=True))
+    err = lambda *a, **k: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    if args.action == "system-packages":
+        if args.simulator != "all" and args.simulator not in SIMULATORS:
+            err(f"unknown simulator '{args.simulator}'; known: {', '.join(sorted(SIMULATORS))}")
+            return 2
+        names = sorted(SIMULATORS) if args.simulator == "all" else [args.simulator]
+        failed = 0
+        for name in names:
+            env = environment_of(name)
+            if env is None or not env.apt:
+                continue
+            try:
+                ensure_system_packages(env, err)
+            except EnvironmentError_ as exc:
+                err(str(exc))
+                failed += 1
+        return 1 if failed else 0
+    python = python_for(args.simulator, None, err)
     if args.action == "install":
         print(python)
         return 0

@@ -73,11 +73,12 @@ class _Stream:
         except grpc.RpcError as exc:
             self.received.put(PolicyError(f"inference server {self.address}: {rpc.describe_error(exc)}"))
 
-    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None) -> None:
+    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None, noise_keys=None) -> None:
         rid = next(self.ids)
         self.requests.put(inference_pb2.ActRequest(
             request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic,
-            instructions=list(instructions or []), trace_context=dict(tracing.inject())))
+            instructions=list(instructions or []), trace_context=dict(tracing.inject()),
+            noise_keys=[] if noise_keys is None else [int(k) for k in noise_keys]))
         self.inflight.append((rid, next(iter(obs.values())).shape[0]))
 
     def result(self, action_dim: int | None) -> ActResult:
@@ -117,8 +118,9 @@ class GrpcPolicyClient:
         self.action_dim = action_dim
         self.streams = [_Stream(addresses[s % len(addresses)], timeout) for s in range(num_stages)]
 
-    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None) -> None:
-        self.streams[stage].submit(obs, deterministic, instructions)
+    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None,
+               noise_keys=None) -> None:
+        self.streams[stage].submit(obs, deterministic, instructions, noise_keys)
 
     def result(self, stage: int) -> ActResult:
         return self.streams[stage].result(self.action_dim)
@@ -137,13 +139,14 @@ class LocalPolicyClient:
         self.pending: list[list] = [[] for _ in range(num_stages)]
         self.lock = threading.Lock()
 
-    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None) -> None:
-        self.pending[stage].append((obs, deterministic, instructions))
+    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None,
+               noise_keys=None) -> None:
+        self.pending[stage].append((obs, deterministic, instructions, noise_keys))
 
     def result(self, stage: int) -> ActResult:
-        obs, deterministic, instructions = self.pending[stage].pop(0)
+        obs, deterministic, instructions, noise_keys = self.pending[stage].pop(0)
         n = next(iter(obs.values())).shape[0]
-        return _check_result(self.engine.act_now(obs, deterministic, instructions), n, self.action_dim)
+        return _check_result(self.engine.act_now(obs, deterministic, instructions, noise_keys), n, self.action_dim)
 
     def close(self) -> None:
         pass

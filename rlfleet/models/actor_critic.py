@@ -151,10 +151,16 @@ class ActorCritic(PolicyMixin, nn.Module):
         return reduce_log_probs(dist.log_prob(actions)[:, None, :], self.logprob_type)
 
     @torch.no_grad()
-    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False, instructions=None) -> PolicyOutput:
+    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False, instructions=None,
+            noise=None) -> PolicyOutput:
         """Raw (unclipped) Gaussian samples, or the means; the env clips to its bounds."""
         dist, values = self.distribution(obs)
-        actions = dist.mean if deterministic else dist.sample()
+        if deterministic:
+            actions = dist.mean
+        elif noise is not None:
+            actions = dist.mean + dist.stddev * noise.torch_normal(dist.mean.shape[1:], dist.mean)
+        else:
+            actions = dist.sample()
         return PolicyOutput(actions[:, None, :], self._log_probs(dist, actions), values, {"actions": actions})
 
     def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],

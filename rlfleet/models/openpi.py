@@ -158,7 +158,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
     # --- the policy interface -------------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
-            instructions: Sequence[str] | None = None) -> PolicyOutput:
+            instructions: Sequence[str] | None = None, noise=None) -> PolicyOutput:
         any_key = self.image_keys[0]
         n, device = obs[any_key].shape[0], obs[any_key].device
         prompt_ids, prompt_mask = self.tokenize(instructions, n, device)
@@ -166,9 +166,14 @@ class Pi0Policy(PolicyMixin, nn.Module):
         cache, pooled = self._prefix(ids, mask, pixels, pixel_mask)
         shape = (n, self.num_action_chunks, int(self.sizes["max_action_dim"]))
         # deterministic (evaluation): the ODE from the noise distribution's mean, so one observation, one action
-        x = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, device=device)
-        j = torch.zeros(n, dtype=torch.long, device=device) if deterministic else \
-            torch.randint(0, self.num_steps, (n,), device=device)
+        if deterministic:
+            x, j = torch.zeros(shape, device=device), torch.zeros(n, dtype=torch.long, device=device)
+        elif noise is not None:  # per-row streams (rlfleet.noise): the chain's start, its noisy step, its noise
+            x = noise.torch_normal(shape[1:], torch.empty(0, device=device))
+            j = (noise.torch_uniform((), x) * self.num_steps).long().clamp_(max=self.num_steps - 1)
+        else:
+            x = torch.randn(shape, device=device)
+            j = torch.randint(0, self.num_steps, (n,), device=device)
         x_j, x_next = x.clone(), x.clone()
         lp_mean, lp_std = torch.zeros_like(x), torch.ones_like(x)
         for k in range(self.num_steps):
@@ -180,7 +185,8 @@ class Pi0Policy(PolicyMixin, nn.Module):
             if deterministic:
                 new = ode
             else:
-                new = torch.where(here, mean + std * torch.randn_like(mean), ode)
+                eps = torch.randn_like(mean) if noise is None else noise.torch_normal(mean.shape[1:], mean)
+                new = torch.where(here, mean + std * eps, ode)
             x_j = torch.where(here, x, x_j)
             x_next = torch.where(here, new, x_next)
             lp_mean = torch.where(here, mean, lp_mean)

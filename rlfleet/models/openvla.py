@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
+from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs, sample_categorical
 
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
 SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
@@ -285,7 +285,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
     # --- the policy interface -----------------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
-            instructions: Sequence[str] | None = None) -> PolicyOutput:
+            instructions: Sequence[str] | None = None, noise=None) -> PolicyOutput:
         images = obs[self.image_key]
         n = images.shape[0]
         prompt_ids, prompt_mask = self.tokenize(instructions, n, images.device)
@@ -299,7 +299,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                           attention_mask=self._bidirectional_mask(full_mask, S),
                           position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
             logits = self._action_logits(hidden[:, S:])
-            bins = logits.argmax(-1) if deterministic else torch.distributions.Categorical(logits=logits).sample()
+            bins = logits.argmax(-1) if deterministic else sample_categorical(logits, noise)
             logp = torch.log_softmax(logits.float(), -1).gather(-1, bins[..., None]).squeeze(-1)
             value = self._value(hidden[:, S - 1])
         else:
@@ -310,7 +310,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             embed = self._lm()[0].embed_tokens
             for t in range(D):
                 logits = self._action_logits(h)
-                b = logits.argmax(-1) if deterministic else torch.distributions.Categorical(logits=logits).sample()
+                b = logits.argmax(-1) if deterministic else sample_categorical(logits, noise)
                 bins_l.append(b)
                 logp_l.append(torch.log_softmax(logits.float(), -1).gather(-1, b[:, None]).squeeze(-1))
                 if t == D - 1:

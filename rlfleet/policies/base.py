@@ -2,10 +2,12 @@
 the inference engine (``act``) and the learner (``evaluate``), so the log-prob of an action is computed by one
 piece of code on both sides.
 
-- ``act(obs, deterministic, instructions)`` -> PolicyOutput: an action chunk ``[n, chunk, action_dim]``, its
+- ``act(obs, deterministic, instructions, noise)`` -> PolicyOutput: an action chunk ``[n, chunk, action_dim]``, its
   log-probs at the configured granularity ``[n, L]``, values ``[n]`` when the model has a critic, and the
   ``forward_inputs`` (per-row tensors) that ``evaluate`` needs to recompute exactly those log-probs later (sampled
-  actions, tokens, noise, denoising chains).
+  actions, tokens, noise, denoising chains). ``noise`` (rlfleet.noise.RowNoise, or None) holds per-row noise
+  streams: a policy draws its sampling noise from it when given, so a row's sample depends on its key, not on the
+  batch it is in (reproducible runs); None means torch's global generator.
 - ``evaluate(obs, forward_inputs, instructions)`` -> PolicyEval with gradients: log-probs ``[n, L]``, entropy
   ``[n]``, values ``[n]`` or None.
 
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch-free at import: config validation runs in simulator environments too
     import torch
+
+    from rlfleet.noise import RowNoise
 
 LOGPROB_TYPES = ("chunk_level", "action_level", "token_level")
 
@@ -62,6 +66,18 @@ def reduce_log_probs(per_dim: torch.Tensor, logprob_type: str) -> torch.Tensor:
     raise ValueError(f"logprob_type '{logprob_type}' is not one of {', '.join(LOGPROB_TYPES)}")
 
 
+def sample_categorical(logits: torch.Tensor, noise: RowNoise | None) -> torch.Tensor:
+    """Draw one index per distribution from logits [n, ..., K]: by inverse CDF on the rows' uniform draws when
+    ``noise`` is given (one number per distribution), else with torch's generator."""
+    import torch
+
+    if noise is None:
+        return torch.distributions.Categorical(logits=logits).sample()
+    cdf = torch.softmax(logits.double(), -1).cumsum(-1)
+    u = noise.torch_uniform(logits.shape[1:-1], logits)[..., None] * cdf[..., -1:]
+    return torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+
+
 class PolicyMixin:
     """Defaults shared by policies (they are torch modules that also define act/evaluate)."""
 
@@ -85,7 +101,7 @@ class PolicyMixin:
         return {k: v for k, v in self.state_dict().items() if k in trainable or k in buffers}
 
     def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
-            instructions: Sequence[str] | None = None) -> PolicyOutput:
+            instructions: Sequence[str] | None = None, noise: RowNoise | None = None) -> PolicyOutput:
         raise NotImplementedError
 
     def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ActRequest(_message.Message):
-    __slots__ = ("request_id", "observations", "deterministic", "instructions", "trace_context")
+    __slots__ = ("request_id", "observations", "deterministic", "instructions", "trace_context", "noise_keys")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -21,12 +21,14 @@ class ActRequest(_message.Message):
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    NOISE_KEYS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     observations: _tensor_pb2.TensorMap
     deterministic: bool
     instructions: _containers.RepeatedScalarFieldContainer[str]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[int] = ..., observations: _Optional[_Union[_tensor_pb2.TensorMap, _Mapping]] = ..., deterministic: _Optional[bool] = ..., instructions: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    noise_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[int] = ..., observations: _Optional[_Union[_tensor_pb2.TensorMap, _Mapping]] = ..., deterministic: _Optional[bool] = ..., instructions: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., noise_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ActResponse(_message.Message):
     __slots__ = ("request_id", "actions", "log_probs", "values", "weights_version", "forward_inputs")

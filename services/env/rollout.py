@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlfleet import rpc, tracing, videos
+from rlfleet import noise, rpc, tracing, videos
 from services.env.vec_env import EpisodeStat
+
+_EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +95,11 @@ class RolloutWorker:
             self.obs = self.env.reset()
         self.instructions[:] = self.env.space_info().task_descriptions or [""] * n
 
-    def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, deterministic: bool = False) -> None:
-        policy.submit(stage, request, deterministic, list(self.instructions[ids]))
+    def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, epoch: int, step: int) -> None:
+        """Ask for actions for env rows ``ids`` at (epoch, step); each row carries a noise key from its env's seed,
+        the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.noise)."""
+        policy.submit(stage, request, False, list(self.instructions[ids]),
+                      noise.row_keys(self.seed + ids.astype(np.int64), epoch, step))
 
     def _step_env(self, env, ids, actions):
         """Step with actions [m, chunk, action_dim]: one control step per row, or a chunk of sub-steps. The
@@ -128,7 +133,7 @@ class RolloutWorker:
         env_time = wait_time = 0.0
         version = None
         for s, ids in enumerate(self.stages):
-            self._submit(policy, s, ids, {k: v[ids] for k, v in self.obs.items()})
+            self._submit(policy, s, ids, {k: v[ids] for k, v in self.obs.items()}, epoch, 0)
         active = list(range(self.num_stages))
         while active:
             if should_stop():
@@ -192,7 +197,7 @@ class RolloutWorker:
                         request = {k: np.concatenate([request[k], out.final_obs[k][final]]) for k in request}
                         extra[s] = need
                 self._submit(policy, s, np.concatenate([ids, ids[extra[s]]]) if extra[s] is not None else ids,
-                             request)
+                             request, epoch, t[s])
         rollout = Rollout(buf, {"last_values": last_values}, episodes)
         chunk = buf["actions"].shape[2] if "actions" in buf else 1
         summary = CollectSummary(epoch, T * n * chunk, episodes, time.perf_counter() - t_start, env_time, wait_time,
@@ -247,12 +252,13 @@ class RolloutWorker:
                         filmed[int(i)].append(videos.tile({k: obs[k][i] for k in cams}, cams))
 
             film(ids)
-            for _ in range(max_steps):
+            for step in range(max_steps):
                 if should_stop():
                     raise Cancelled(f"evaluation cancelled after {len(results)} of {len(episode_ids)} episodes")
                 live = np.flatnonzero(~done)
                 policy.submit(0, {k: v[live] for k, v in obs.items()}, deterministic,
-                              [instructions[i] for i in live])
+                              [instructions[i] for i in live],
+                              noise.row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step))
                 res = policy.result(0)
                 out = self._step_env(env, ids[live], res.actions)
                 ret[live] += out.rewards

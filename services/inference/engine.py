@@ -22,6 +22,7 @@ from rlfleet.policies import build_policy
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
 from rlfleet import tracing
 from rlfleet.acting import ActResult
+from rlfleet.noise import RowNoise
 
 log = logging.getLogger("rlfleet.inference")
 
@@ -36,12 +37,15 @@ class _Request:
     future: Future
     t_submit: float
     trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (rlfleet.tracing)
+    noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.noise), or None: draw from this process's RNG
 
 
 class InferenceEngine:
     def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
-                 max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level"):
+                 max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level",
+                 batch_invariant_rows: int = 0):
         self.model_cfg = model_cfg
+        self.batch_invariant_rows = batch_invariant_rows  # pad act batches to multiples of this (0: no padding)
         self.normalize_obs = normalize_obs
         self.logprob_type = logprob_type
         self.max_batch_size = max_batch_size
@@ -137,20 +141,37 @@ class InferenceEngine:
             raise InvalidRequest("observations: empty batch")
         return n
 
+    @staticmethod
+    def check_noise_keys(noise_keys, rows: int) -> np.ndarray | None:
+        if noise_keys is None or len(noise_keys) == 0:
+            return None
+        if len(noise_keys) != rows:
+            raise InvalidRequest(f"noise_keys: {len(noise_keys)} keys for {rows} observation rows")
+        return np.asarray(noise_keys, dtype=np.uint64)
+
     @torch.inference_mode()
-    def act_now(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None) -> ActResult:
-        """Run the policy on one batch right now (validated)."""
-        self.validate_obs(obs)
+    def act_now(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None,
+                noise_keys=None) -> ActResult:
+        """Run the policy on one batch right now (validated). With ``noise_keys`` (one per row) each row's
+        sampling noise comes from its key (rlfleet.noise), so the row's action does not depend on the batch."""
+        rows = self.validate_obs(obs)
+        keys = self.check_noise_keys(noise_keys, rows)
+        block = self.batch_invariant_rows
+        if block > 0 and rows % block:  # a whole number of blocks: the kernels then treat every row alike
+            pad = block - rows % block
+            obs = {k: np.concatenate([v, np.repeat(v[:1], pad, 0)]) for k, v in obs.items()}
+            instructions = None if instructions is None else [*instructions, *[instructions[0]] * pad]
+            keys = None if keys is None else np.concatenate([keys, np.repeat(keys[:1], pad)])
         with self._swap_lock:
             model, version = self.model, self.version
             lock = _lock_of(model)
             lock.acquire()  # held while the batch runs: an update never loads into a model in use
         try:
             tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
-            out = model.act(tobs, deterministic, instructions)
+            out = model.act(tobs, deterministic, instructions, noise=None if keys is None else RowNoise(keys))
         finally:
             lock.release()
-        numpy = lambda t: t.detach().cpu().numpy()  # noqa: E731
+        numpy = lambda t: t[:rows].detach().cpu().numpy()  # noqa: E731
         return ActResult(numpy(out.actions.float()), numpy(out.log_probs.float()),
                          None if out.values is None else numpy(out.values.float()), version,
                          {k: numpy(v) for k, v in out.forward_inputs.items()})
@@ -177,13 +198,14 @@ class InferenceEngine:
             self._open_streams -= 1
 
     def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0, instructions=None,
-               trace_context: dict[str, str] | None = None) -> Future:
+               trace_context: dict[str, str] | None = None, noise_keys=None) -> Future:
         rows = self.validate_obs(obs)
         if instructions and len(instructions) != rows:
             raise InvalidRequest(f"instructions: {len(instructions)} texts for {rows} observation rows")
+        keys = self.check_noise_keys(noise_keys, rows)
         fut: Future = Future()
         self._queue.put(_Request(obs, list(instructions) if instructions else None, deterministic, rows, stream, fut,
-                                 time.monotonic(), trace_context or {}))
+                                 time.monotonic(), trace_context or {}, keys))
         return fut
 
     def _loop(self) -> None:
@@ -223,11 +245,16 @@ class InferenceEngine:
                 obs = {k: np.concatenate([r.obs[k] for r in group]) if len(group) > 1 else group[0].obs[k]
                        for k in group[0].obs}
                 texts = [t for r in group for t in (r.instructions or [""] * r.rows)]
+                keys = None
+                if any(r.noise_keys is not None for r in group):  # keyless rows get keys from this process's RNG
+                    keys = np.concatenate([r.noise_keys if r.noise_keys is not None else
+                                           np.random.randint(0, 2 ** 63, r.rows, dtype=np.int64).astype(np.uint64)
+                                           for r in group])
                 t0 = time.monotonic()
                 rows = sum(r.rows for r in group)
                 with tracing.step_span("act_batch", parents=[r.trace_context for r in group],
                                        **{"rlfleet.rows": rows, "rlfleet.requests": len(group)}):
-                    res = self.act_now(obs, deterministic, texts)
+                    res = self.act_now(obs, deterministic, texts, keys)
                 tracing.record("rlfleet.inference.batch_rows", rows, "1", "rows per act batch")
                 tracing.record("rlfleet.inference.queue_wait", t0 - group[0].t_submit, "s",
                                "time the oldest request of a batch waited")

@@ -36,7 +36,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 self._check_rows(req)
                 obs = codec.decode_map(req.observations, "observations")
                 result = self.engine.submit(obs, req.deterministic, stream, list(req.instructions),
-                                            dict(req.trace_context)).result()
+                                            dict(req.trace_context), list(req.noise_keys)).result()
                 resp = inference_pb2.ActResponse(
                     request_id=req.request_id, actions=codec.encode(result.actions),
                     log_probs=codec.encode(result.log_probs), weights_version=result.weights_version,
@@ -66,7 +66,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
     return InferenceEngine(cfg.actor.model, normalize_obs=cfg.algorithm.normalize_obs,
                            max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms,
-                           device=device, logprob_type=cfg.algorithm.logprob_type)
+                           device=device, logprob_type=cfg.algorithm.logprob_type,
+                           batch_invariant_rows=batch_invariant_rows(cfg))
+
+
+def batch_invariant_rows(cfg) -> int:
+    """rollout.batch_invariant_rows, with null resolved: 64 for the MLP policy (padding is nearly free there), 0 for
+    image and VLA policies (padding costs real compute)."""
+    rows = cfg.rollout.batch_invariant_rows
+    if rows is None:
+        return 64 if cfg.actor.model.model_type == "mlp" else 0
+    return int(rows)
 
 
 def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
