@@ -71,11 +71,11 @@ def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
 
 
 def batch_invariant_rows(cfg) -> int:
-    """rollout.batch_invariant_rows, with null resolved: 64 for the MLP policy (padding is nearly free there), 0 for
+    """rollout.batch_invariant_rows, with null resolved: 32 for the MLP policy (padding is nearly free there), 0 for
     image and VLA policies (padding costs real compute)."""
     rows = cfg.rollout.batch_invariant_rows
     if rows is None:
-        return 64 if cfg.actor.model.model_type == "mlp" else 0
+        return 32 if cfg.actor.model.model_type == "mlp" else 0
     return int(rows)
 
 

@@ -51,7 +51,7 @@ def _engine(block: int) -> InferenceEngine:
 def test_a_keyed_rows_action_is_the_same_in_any_batch():
     """Sampled actions, log-probs and values of a row are bit-identical whether it is acted on alone or among 36
     other rows, when act batches are padded to whole blocks (rollout.batch_invariant_rows)."""
-    engine = _engine(64)
+    engine = _engine(32)
     obs = np.random.default_rng(0).normal(size=(37, 13)).astype(np.float32)
     keys = row_keys(np.arange(37), 0, 3)
     batch = engine.act_now({"state": obs}, False, None, keys)
