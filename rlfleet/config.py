@@ -29,7 +29,7 @@ NULLABLE_TYPES = {
     "actor.model.vla.dino_heads": int, "actor.model.vla.dino_intermediate_size": int,
     "actor.model.vla.action_token_end": int, "sft.dataset_path": str, "sft.output_path": str,
     "telemetry.otlp_endpoint": str, "cluster.tls.cert_file": str, "cluster.tls.key_file": str,
-    "cluster.tls.ca_file": str,
+    "cluster.tls.ca_file": str, "rollout.batch_invariant_rows": int,
 }
 
 
@@ -169,8 +169,8 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.cluster.num_inference_servers >= 1, "cluster.num_inference_servers", "must be >= 1")
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
     inv = cfg.rollout.batch_invariant_rows
-    _require(inv is None or (isinstance(inv, int) and not isinstance(inv, bool) and 0 <= inv <= 4096),
-             "rollout.batch_invariant_rows", f"must be null or an integer in [0, 4096], got {inv!r}")
+    _require(inv is None or 0 <= inv <= 4096, "rollout.batch_invariant_rows",
+             f"must be null or an integer in [0, 4096], got {inv}")
     for split in ("train", "eval"):
         n = cfg.env[split].total_num_envs
         _require(n >= 1 and n % n_servers == 0, f"env.{split}.total_num_envs",

@@ -78,7 +78,7 @@ class _Stream:
         self.requests.put(inference_pb2.ActRequest(
             request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic,
             instructions=list(instructions or []), trace_context=dict(tracing.inject()),
-            noise_keys=[] if noise_keys is None else [int(k) for k in noise_keys]))
+            noise_keys=[] if noise_keys is None else np.asarray(noise_keys, np.uint64).tolist()))
         self.inflight.append((rid, next(iter(obs.values())).shape[0]))
 
     def result(self, action_dim: int | None) -> ActResult:

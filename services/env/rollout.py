@@ -258,7 +258,8 @@ class RolloutWorker:
                 live = np.flatnonzero(~done)
                 policy.submit(0, {k: v[live] for k, v in obs.items()}, deterministic,
                               [instructions[i] for i in live],
-                              noise.row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step))
+                              None if deterministic else noise.row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH,
+                                                                        step))
                 res = policy.result(0)
                 out = self._step_env(env, ids[live], res.actions)
                 ret[live] += out.rewards

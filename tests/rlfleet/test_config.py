@@ -67,6 +67,8 @@ def test_placement():
     ("algorithm.gamma=null", "'algorithm.gamma' = None has the wrong type (expected float"),
     ("env.train.simulator_type=mujocoo", "unknown simulator_type 'mujocoo'"),
     ("cluster.act_timeout_s=0", "'cluster.act_timeout_s': must be > 0"),
+    ("rollout.batch_invariant_rows=-3", "'rollout.batch_invariant_rows': must be null or an integer in [0, 4096]"),
+    ("rollout.batch_invariant_rows=abc", "'rollout.batch_invariant_rows' = 'abc' has the wrong type"),
 ])
 def test_null_defaults_are_typed_and_new_keys_checked(override, message):
     with pytest.raises(ConfigError) as err:
