@@ -29,7 +29,7 @@ NULLABLE_TYPES = {
     "actor.model.vla.dino_heads": int, "actor.model.vla.dino_intermediate_size": int,
     "actor.model.vla.action_token_end": int, "sft.dataset_path": str, "sft.output_path": str,
     "telemetry.otlp_endpoint": str, "cluster.tls.cert_file": str, "cluster.tls.key_file": str,
-    "cluster.tls.ca_file": str, "rollout.batch_invariant_rows": int,
+    "cluster.tls.ca_file": str, "rollout.batch_invariant_rows": int, "cluster.learner_num_threads": int,
 }
 
 
@@ -168,6 +168,8 @@ def validate(cfg: DictConfig) -> None:
              f"{len(ext)} addresses for {n_servers} env servers (cluster.num_env_servers): give one per server")
     _require(cfg.cluster.num_inference_servers >= 1, "cluster.num_inference_servers", "must be >= 1")
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
+    lt = cfg.cluster.learner_num_threads
+    _require(lt is None or lt >= 1, "cluster.learner_num_threads", f"must be null or >= 1, got {lt}")
     inv = cfg.rollout.batch_invariant_rows
     _require(inv is None or 0 <= inv <= 4096, "rollout.batch_invariant_rows",
              f"must be null or an integer in [0, 4096], got {inv}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
 import threading
 import time
@@ -36,6 +37,16 @@ def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def update_threads(cfg) -> int:
+    """Torch threads of the update (cluster.learner_num_threads; null: in sync mode nothing else runs while the
+    learner trains, so it takes every core this process may use; in async mode the envs are collecting beside it)."""
+    if cfg.cluster.learner_num_threads is not None:
+        return int(cfg.cluster.learner_num_threads)
+    if cfg.algorithm.max_staleness > 0:
+        return max(1, int(cfg.cluster.torch_num_threads))
+    return max(1, len(os.sched_getaffinity(0)))
+
+
 class Learner:
     def __init__(self, cfg, run_dir: str | pathlib.Path, device: str = "cpu"):
         self.cfg = cfg
@@ -58,6 +69,7 @@ class Learner:
         self.pending: dict[tuple[int, int], dict] = {}
         self.pending_lock = threading.Lock()  # async mode: rollouts of epoch k+1 arrive while epoch k trains
         self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends))
+        self.update_threads = update_threads(cfg)
 
     # --- model ----------------------------------------------------------------------------------------------
     def setup(self, obs_specs: dict[str, ObsSpec], action_dim: int) -> None:
@@ -205,8 +217,13 @@ class Learner:
                  "old_values": flat(values), "advantages": flat(advantages), "returns": flat(returns),
                  "mask": flat(loss_mask)}
         use_mask = not bool(batch["mask"].all())
-        with tracing.span("ppo_update", **{"rlfleet.epoch": epoch, "rlfleet.samples": int(T * N)}):
-            stats = self._update(obs, forward_inputs, batch, use_mask) if batch["mask"].any() else {}
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.update_threads)
+        try:
+            with tracing.span("ppo_update", **{"rlfleet.epoch": epoch, "rlfleet.samples": int(T * N)}):
+                stats = self._update(obs, forward_inputs, batch, use_mask) if batch["mask"].any() else {}
+        finally:
+            torch.set_num_threads(threads)
         stats.update(adv_stats)
         # the observation normaliser moves only after the update, so old log-probs stay consistent within it
         self.model.update_obs_normalizer({k: v[batch["mask"] > 0] for k, v in obs.items()} if use_mask else obs)

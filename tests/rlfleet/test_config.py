@@ -69,6 +69,8 @@ def test_placement():
     ("cluster.act_timeout_s=0", "'cluster.act_timeout_s': must be > 0"),
     ("rollout.batch_invariant_rows=-3", "'rollout.batch_invariant_rows': must be null or an integer in [0, 4096]"),
     ("rollout.batch_invariant_rows=abc", "'rollout.batch_invariant_rows' = 'abc' has the wrong type"),
+    ("cluster.learner_num_threads=0", "'cluster.learner_num_threads': must be null or >= 1"),
+    ("cluster.learner_num_threads=two", "'cluster.learner_num_threads' = 'two' has the wrong type"),
 ])
 def test_null_defaults_are_typed_and_new_keys_checked(override, message):
     with pytest.raises(ConfigError) as err:

@@ -1,6 +1,7 @@
 """Learner core: rollout validation, a PPO update, checkpoint round trip (weights + optimizer state)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from rlfleet.metrics import read_metrics
 from rlfleet.models import ObsSpec
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
 from services.env.vec_env import EpisodeStat
-from services.learner.learner import Learner, latest_checkpoint
+from services.learner.learner import Learner, latest_checkpoint, update_threads
 
 SPECS = {"state": ObsSpec((13,), "float32")}
 
@@ -121,3 +122,23 @@ def test_resume_restores_weights_optimizer_and_counters(cfg, learner, tmp_path):
     m2 = other.train(1, [0])
     assert np.isclose(m1["train/loss"], m2["train/loss"])
     other.close()
+
+
+def test_update_threads_follow_the_mode(cfg, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert update_threads(cfg) == 3  # sync: nothing else runs during the update
+    cfg.algorithm.max_staleness = 1
+    assert update_threads(cfg) == cfg.cluster.torch_num_threads  # async: the envs collect beside it
+    cfg.cluster.learner_num_threads = 2
+    assert update_threads(cfg) == 2
+
+
+def test_update_runs_on_its_threads_and_gives_them_back(learner):
+    before = torch.get_num_threads()
+    learner.update_threads = before + 1
+    seen, update = [], learner._update
+    learner._update = lambda *a: (seen.append(torch.get_num_threads()), update(*a))[1]
+    tm, pe, eps = fake_rollout()
+    learner.receive(0, 0, tm, pe, eps)
+    learner.train(0, [0])
+    assert seen == [before + 1] and torch.get_num_threads() == before
