@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
 # Maps whose keys are the user's to choose.
-FREE_FORM = ("cluster.component_placement", "env.train.init_params", "env.eval.init_params")
+FREE_FORM = ("cluster.component_placement", "cluster.cpu_placement", "env.train.init_params", "env.eval.init_params")
 COMPONENTS = ("env", "rollout", "actor")
 # Types of keys whose default is null (the default cannot say), and of keys that may also be null.
 NULLABLE_TYPES = {
@@ -31,6 +31,9 @@ NULLABLE_TYPES = {
     "telemetry.otlp_endpoint": str, "cluster.tls.cert_file": str, "cluster.tls.key_file": str,
     "cluster.tls.ca_file": str, "rollout.batch_invariant_rows": int, "cluster.learner_num_threads": int,
 }
+
+
+MAX_STALENESS = 8  # algorithm.max_staleness: epochs the envs may collect ahead of the learner
 
 
 class ConfigError(ValueError):
@@ -116,9 +119,10 @@ def _parse_override(item: str) -> DictConfig:
 
 def _merge(cfg: DictConfig, user: DictConfig) -> DictConfig:
     merged = OmegaConf.merge(cfg, user)
-    placement = OmegaConf.select(user, "cluster.component_placement")
-    if placement is not None:  # a placement replaces the default one instead of adding to it
-        merged.cluster.component_placement = placement
+    for key in ("component_placement", "cpu_placement"):
+        placement = OmegaConf.select(user, f"cluster.{key}")
+        if placement is not None:  # a placement replaces the default one instead of adding to it
+            merged.cluster[key] = placement
     return merged
 
 
@@ -266,8 +270,13 @@ def validate(cfg: DictConfig) -> None:
                  "TLS needs cert_file, key_file and ca_file together")
         for key in ("cert_file", "key_file", "ca_file"):
             _require(pathlib.Path(tls[key]).is_file(), f"cluster.tls.{key}", f"'{tls[key]}' is not a readable file")
-    _require(alg.max_staleness in (0, 1), "algorithm.max_staleness",
-             f"{alg.max_staleness} is not 0 (synchronous) or 1 (collect the next epoch while this one trains)")
+    _require(0 <= alg.max_staleness <= MAX_STALENESS, "algorithm.max_staleness",
+             f"{alg.max_staleness} is not in 0..{MAX_STALENESS} (0: synchronous; N: the envs collect up to N "
+             f"epochs ahead of the learner)")
+    _require(alg.decoupled_staleness >= 1, "algorithm.decoupled_staleness",
+             f"must be >= 1 (samples of the current weights need no correction), got {alg.decoupled_staleness}")
+    _require(alg.importance_weight_cap >= 1.0, "algorithm.importance_weight_cap",
+             f"must be >= 1 (an importance weight of 1 is an on-policy sample), got {alg.importance_weight_cap}")
     _require(cfg.telemetry.traces in ("file", "otlp", "none"), "telemetry.traces",
              f"'{cfg.telemetry.traces}' is not one of file, otlp, none")
     _require(cfg.telemetry.metrics_interval_s > 0, "telemetry.metrics_interval_s",
@@ -276,10 +285,14 @@ def validate(cfg: DictConfig) -> None:
         _require(backend in ("tensorboard",), "runner.logger.logger_backends",
                  f"'{backend}' is not supported here (tensorboard); wandb and swanlab are not installed")
     parse_placement(cfg.cluster.component_placement, cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node)
+    parse_placement(cfg.cluster.cpu_placement, 1 << 16, "cluster.cpu_placement", "CPU core")  # syntax; cores at launch
 
 
-def parse_ranks(spec, world: int, key: str = "cluster.component_placement") -> list[int]:
-    """'0-3' / '0,2-3' / 'all' / 5 -> sorted global GPU ranks within [0, world)."""
+def parse_ranks(spec, world: int, key: str = "cluster.component_placement", unit: str = "GPU") -> list[int]:
+    """'0-3' / '0,2-3' / 'all' / 5 -> sorted ranks within [0, world) (global GPU ranks, or CPU core ids)."""
+    if spec is None:  # YAML's flow style reads {env,rollout: 0-1} as {env: null, rollout: 0-1}
+        raise ConfigError(f"'{key}': no {unit} range given (in a {{...}} override, quote a key that names several "
+                          f"components: {{'env,rollout': 0-1}})")
     text = str(spec).strip()
     if text == "all":
         return list(range(world))
@@ -288,30 +301,32 @@ def parse_ranks(spec, world: int, key: str = "cluster.component_placement") -> l
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not m:
-            raise ConfigError(f"'{key}': '{spec}' is not a GPU range like '0-3', '0,2-3' or 'all'")
+            raise ConfigError(f"'{key}': '{spec}' is not a {unit} range like '0-3', '0,2-3' or 'all'")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ConfigError(f"'{key}': range '{part}' ends before it starts")
         if hi >= world:
-            raise ConfigError(f"'{key}': rank {hi} in '{spec}' is outside the cluster's {world} GPUs "
-                              f"(cluster.num_nodes x cluster.num_gpus_per_node)")
+            where = ("the cluster's {n} GPUs (cluster.num_nodes x cluster.num_gpus_per_node)" if unit == "GPU"
+                     else "this machine's {n} {unit}s").format(n=world, unit=unit)
+            raise ConfigError(f"'{key}': {'rank' if unit == 'GPU' else unit} {hi} in '{spec}' is outside {where}")
         ranks.update(range(lo, hi + 1))
     return sorted(ranks)
 
 
-def parse_placement(placement, world: int) -> dict[str, list[int]]:
+def parse_placement(placement, world: int, key: str = "cluster.component_placement",
+                    unit: str = "GPU") -> dict[str, list[int]]:
     """{'env,rollout': '0-3', 'actor': 'all'} -> {'env': [0..3], 'rollout': [0..3], 'actor': [...]}."""
     out: dict[str, list[int]] = {}
     items = placement.items() if hasattr(placement, "items") else []
     for names, spec in items:
-        ranks = parse_ranks(spec, world, f"cluster.component_placement.{names}")
+        ranks = parse_ranks(spec, world, f"{key}.{names}", unit)
         for name in str(names).split(","):
             name = name.strip()
             if name not in COMPONENTS:
-                raise ConfigError(f"'cluster.component_placement.{names}': unknown component '{name}' "
+                raise ConfigError(f"'{key}.{names}': unknown component '{name}' "
                                   f"(components: {', '.join(COMPONENTS)}){_suggest(name, COMPONENTS)}")
             if name in out:
-                raise ConfigError(f"'cluster.component_placement': component '{name}' is placed twice")
+                raise ConfigError(f"'{key}': component '{name}' is placed twice")
             out[name] = ranks
     for name in COMPONENTS:
         out.setdefault(name, [])

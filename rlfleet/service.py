@@ -48,6 +48,16 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+CPU_CORES_ENV = "RLFLEET_CPU_CORES"  # comma-separated CPU cores a local launcher placed this process on
+
+
+def pin_to_placed_cores() -> None:
+    """Run on the cores the launcher placed this process on (cluster.cpu_placement), if it said."""
+    cores = os.environ.get(CPU_CORES_ENV, "").strip()
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+
+
 CANNOT_START = 3  # exit code of a service that failed before serving (config, simulator, import): no restart
 
 
@@ -100,6 +110,7 @@ def setup_process(args, cfg, role: str) -> None:
     from rlfleet import auth, tracing
 
     die_with_parent()
+    pin_to_placed_cores()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     token = auth.token_from_env()
     if args.coordinator and not token:

@@ -14,6 +14,7 @@ import os
 import pathlib
 import signal
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -285,8 +286,8 @@ class Coordinator:
         epoch = start_epoch
         stop_why = "budget reached"
         pool = ThreadPoolExecutor(self.MAX_ENV_SERVERS)  # threads start as needed: room for `scale env N`
-        async_mode = cfg.algorithm.max_staleness > 0
-        ahead = None  # async: the collection of the next epoch, started while this one trains
+        depth = cfg.algorithm.max_staleness  # async: collections started ahead of the epoch being trained
+        ahead: deque = deque()  # (epoch, futures), oldest first
         try:
             while True:
                 if epoch >= runner.max_epochs:
@@ -301,17 +302,21 @@ class Coordinator:
                 if self.fate.stop_event.is_set():
                     stop_why = self.fate.stop_reason or "stopped"
                     break
-                if ahead is None:
+                if not ahead:
                     self._apply_scale()
                 with tracing.span("epoch", **{"rlfleet.epoch": epoch}):
                     t0 = time.perf_counter()
-                    rollout = ahead if ahead is not None else self._start_collect(pool, epoch, version)
+                    rollout = ahead.popleft()[1] if ahead else self._start_collect(pool, epoch, version)
                     results = [calls.await_(f) for f in rollout]
-                    ahead = None
                     t_rollout = time.perf_counter() - t0
-                    if async_mode and epoch + 1 < runner.max_epochs and self.pending_scale is None:
-                        # samples of epoch k+1 come from weights k (or k+1 once training k publishes them)
-                        ahead = self._start_collect(pool, epoch + 1, version)
+                    while len(ahead) < depth and self.pending_scale is None:
+                        # epoch k+d is collected after k+d-1 on each env server, with weights >= k+d-depth: its
+                        # samples are at most `depth` versions old when it trains
+                        nxt = epoch + 1 + len(ahead)
+                        if nxt >= runner.max_epochs:
+                            break
+                        after = ahead[-1][1] if ahead else None
+                        ahead.append((nxt, self._start_collect(pool, nxt, max(version, nxt - depth), after)))
                     metrics = self._train(learner, epoch, version, results, t0, t_rollout)
                 version = int(metrics["train/weights_version"])
                 if epoch % runner.progress_interval == 0:
@@ -329,8 +334,9 @@ class Coordinator:
         except grpc.RpcError as exc:
             raise RunFailed(calls.why_failed(exc, "a service call")) from exc
         finally:
-            for f in ahead or ():  # a collection started ahead is not trained on: let it end, do not wait
-                f.cancel()
+            for _, futures in ahead:  # a collection started ahead is not trained on: let it end, do not wait
+                for f in futures:
+                    f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
         train_time = self.elapsed()
         self.phase = "evaluating"
@@ -352,9 +358,15 @@ class Coordinator:
             final=final, ckpt=ckpt, lost_episodes=self.lost_episodes,
             restarts=self.registry.restart_counts(self.report.prior_restarts), last_metrics=self.last_metrics)
 
-    def _start_collect(self, pool, epoch: int, version: int) -> list:
-        """Collect epoch ``epoch`` on every env server (futures); samples need weights version >= ``version``."""
-        return [tracing.submit(pool, self._collect, i, epoch, version) for i in range(self.registry.counts["env"])]
+    def _start_collect(self, pool, epoch: int, version: int, after: list | None = None) -> list:
+        """Collect epoch ``epoch`` on every env server (futures); samples need weights version >= ``version``.
+        ``after``: each server's collection of the previous epoch, which must end first (one epoch at a time)."""
+        def collect(i: int):
+            if after is not None and i < len(after):
+                after[i].result()
+            return self._collect(i, epoch, version)
+
+        return [tracing.submit(pool, collect, i) for i in range(self.registry.counts["env"])]
 
     def _train(self, learner, epoch: int, version: int, results, t0: float, t_rollout: float) -> dict[str, float]:
         """Train on epoch ``epoch`` (collected as ``results``); -> the epoch's metrics."""

@@ -6,13 +6,12 @@ starts nothing and waits for services started elsewhere (compose, Kubernetes, ot
 manifests from the same plan (services/coordinator/deploy.py).
 
 Local children run in their own session (a terminal's Ctrl-C reaches only the coordinator, which then stops them in
-
-Children run in their own session (a terminal's Ctrl-C reaches only the coordinator, which then stops them in
 order) and bind themselves to the coordinator's life with PR_SET_PDEATHSIG (``RLFLEET_PARENT_PID``, see
 ``rlfleet.service``), so a killed coordinator leaves no orphans. No Python runs between fork and exec (no
 preexec_fn): the coordinator has gRPC threads, and forking those is unsafe.
-Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range, the run credential (RLFLEET_RUN_TOKEN) and
-where its traces go (RLFLEET_TRACE_DIR). Env servers run with their simulator's own Python environment
+Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range, the CPU cores it pins itself to
+(RLFLEET_CPU_CORES, from cluster.cpu_placement), the run credential (RLFLEET_RUN_TOKEN) and where its traces go
+(RLFLEET_TRACE_DIR). Env servers run with their simulator's own Python environment
 (rlfleet.environments), built before the run starts.
 """
 
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 
 from rlfleet import auth, environments, tracing
 from rlfleet.environments import child_environ
+from rlfleet.service import CPU_CORES_ENV
 from services.coordinator.plan import ProcessSpec, process_plan
 
 
@@ -76,7 +76,8 @@ class LocalLauncher:
         self.config_path = config_path
         self.coordinator_address = coordinator_address
         self.token = token
-        self.specs = {(s.role, s.index): s for s in process_plan(cfg)}
+        self.cores = sorted(os.sched_getaffinity(0))  # the cores this run may use
+        self.specs = {(s.role, s.index): s for s in process_plan(cfg, cores=self.cores)}
         self.procs: dict[tuple[str, int], Proc] = {}
         self.pythons: dict[str, str] = {}  # role -> interpreter (env: the simulator's environment)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -89,6 +90,10 @@ class LocalLauncher:
         if not self.cfg.cluster.external_env_addresses:
             self.pythons["env"] = environments.python_for(self.cfg.env.train.simulator_type,
                                                           self.cfg.cluster.envs_dir, log)
+        if any(set(s.cpus) != set(self.cores) for s in self.specs.values()):
+            log("  CPU placement (cluster.cpu_placement): " + ", ".join(
+                f"{s.name} on core{'s' if len(s.cpus) > 1 else ''} {','.join(map(str, s.cpus))}"
+                for s in self.specs.values()))
 
     def start_all(self) -> None:
         for role, index in self.specs:
@@ -96,7 +101,7 @@ class LocalLauncher:
 
     def resize(self, role: str, count: int) -> None:
         """Plan ``count`` servers of ``role`` (env): new indices get their spec (GPU slice of the new count)."""
-        for spec in process_plan(self.cfg, num_env_servers=count):
+        for spec in process_plan(self.cfg, num_env_servers=count, cores=self.cores):
             if spec.role == role:
                 self.specs.setdefault((role, spec.index), spec)
 
@@ -118,6 +123,8 @@ class LocalLauncher:
         cmd = [python, "-m", spec.module, *spec.args(str(self.config_path), f"{self.cfg.cluster.host}:0",
                                                      self.coordinator_address, str(self.run_dir))]
         extra = {auth.TOKEN_ENV: self.token} if self.token else {}
+        if spec.cpus:
+            extra[CPU_CORES_ENV] = ",".join(map(str, spec.cpus))
         env = child_environ(python, self.cfg.cluster.torch_num_threads, RLFLEET_PARENT_PID=str(os.getpid()),
                             CUDA_VISIBLE_DEVICES=spec.cuda_visible_devices,
                             **{tracing.TRACE_DIR_ENV: str(self.run_dir / "traces")}, **extra)

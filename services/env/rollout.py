@@ -124,7 +124,8 @@ class RolloutWorker:
         buf = {f"obs.{k}": np.empty((T, n, *sp.shape), dtype=sp.dtype) for k, sp in self.observation_space.items()}
         buf.update(values=np.zeros((T, n), np.float32), rewards=np.empty((T, n), np.float32),
                    terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
-                   bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool))
+                   bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool),
+                   weights_version=np.full((T, n), -1, np.int64))  # the weights each sample was acted with
         last_values = np.zeros(n, np.float32)
         alive = np.ones(n, bool)
         episodes: list[EpisodeStat] = []
@@ -166,6 +167,7 @@ class RolloutWorker:
                     buf[f"obs.{k}"][step, ids] = v[ids]
                 buf["actions"][step, ids] = res.actions[:m]
                 buf["log_probs"][step, ids] = res.log_probs[:m]
+                buf["weights_version"][step, ids] = res.weights_version
                 if res.values is not None:
                     buf["values"][step, ids] = res.values[:m]
                 for k, v in res.forward_inputs.items():

@@ -27,7 +27,8 @@ log = logging.getLogger("rlfleet.learner")
 
 REQUIRED = ("actions", "log_probs", "values", "rewards", "terminated", "truncated", "bootstrap_values", "loss_mask")
 ROLLOUT_DTYPES = {"actions": np.float32, "log_probs": np.float32, "values": np.float32, "rewards": np.float32,
-                  "bootstrap_values": np.float32, "terminated": np.bool_, "truncated": np.bool_, "loss_mask": np.bool_}
+                  "bootstrap_values": np.float32, "terminated": np.bool_, "truncated": np.bool_, "loss_mask": np.bool_,
+                  "weights_version": np.int64}  # optional: the weights version each sample was acted with
 
 
 def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
@@ -100,12 +101,13 @@ class Learner:
         return {k: v.detach().cpu() for k, v in self.model.sync_state_dict().items()}
 
     # --- rollouts -------------------------------------------------------------------------------------------
-    MAX_EPOCHS_AHEAD = 2  # rollouts are accepted for the next epochs only: nothing piles up for far-off ones
-
     def check_rollout_epoch(self, epoch: int) -> None:
-        if not self.epoch < epoch <= self.epoch + self.MAX_EPOCHS_AHEAD:
+        """Rollouts are accepted for the next epochs only (the one being trained and those the envs may collect
+        ahead of it, algorithm.max_staleness): nothing piles up for far-off ones."""
+        ahead = max(2, self.alg.max_staleness + 1)
+        if not self.epoch < epoch <= self.epoch + ahead:
             raise InvalidRequest(f"epoch: a rollout for epoch {epoch}; this learner trained epoch {self.epoch} and "
-                                 f"accepts epochs {self.epoch + 1}..{self.epoch + self.MAX_EPOCHS_AHEAD}")
+                                 f"accepts epochs {self.epoch + 1}..{self.epoch + ahead}")
 
     def receive(self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray],
                 episodes: list) -> tuple[int, int]:
@@ -217,6 +219,12 @@ class Learner:
                  "old_values": flat(values), "advantages": flat(advantages), "returns": flat(returns),
                  "mask": flat(loss_mask)}
         use_mask = not bool(batch["mask"].all())
+        if all("weights_version" in p["time"] for p in parts):
+            # samples algorithm.decoupled_staleness or more versions old: PPO's ratio against the current
+            # (proximal) policy, weighted by the truncated importance weight proximal / behaviour (decoupled PPO);
+            # fresher samples keep the ratio against their behaviour log-probs
+            stale = self.version - flat(tt(cat("weights_version")))
+            adv_stats.update(self._decouple_stale(obs, forward_inputs, batch, stale >= alg.decoupled_staleness))
         threads = torch.get_num_threads()
         torch.set_num_threads(self.update_threads)
         try:
@@ -251,6 +259,30 @@ class Learner:
             self.save_checkpoint()
         self.logger.log(epoch + 1, metrics)
         return metrics
+
+    @torch.no_grad()
+    def _decouple_stale(self, obs: dict[str, torch.Tensor], forward_inputs: dict[str, torch.Tensor],
+                        batch: dict[str, torch.Tensor], stale: torch.Tensor) -> dict[str, float]:
+        """For the ``stale`` rows, replace the behaviour log-probs by the current policy's and put the truncated
+        importance weight min(pi_current / pi_behaviour, algorithm.importance_weight_cap) in batch['is_weights']."""
+        out = {"rollout/stale_fraction": float(stale.float().mean())}  # the fraction trained decoupled
+        if not bool(stale.any()):
+            return out
+        rows = torch.nonzero(stale).squeeze(1)
+        micro = self.cfg.actor.micro_batch_size
+        prox = torch.cat([self.model.evaluate({k: v[idx] for k, v in obs.items()},
+                                              {k: v[idx] for k, v in forward_inputs.items()}).log_probs
+                          for idx in rows.split(micro)])
+        behaviour = batch["old_log_probs"][rows]
+        cap = self.alg.importance_weight_cap
+        raw = (prox - behaviour).exp()
+        weights = torch.ones_like(batch["old_log_probs"])
+        weights[rows] = raw.clamp(max=cap)
+        batch["old_log_probs"] = batch["old_log_probs"].index_put((rows,), prox)
+        batch["is_weights"] = weights
+        out.update({"train/actor/is_weight_mean": float(raw.mean()),
+                    "train/actor/is_weight_truncated": float((raw > cap).float().mean())})
+        return out
 
     def _lr(self) -> float:
         lr = self.cfg.actor.optim.lr
@@ -295,7 +327,8 @@ class Learner:
                     pg_loss, pg_stats = ppo.policy_loss(
                         log_probs, batch["old_log_probs"][idx], adv[:, None].expand(-1, width),
                         clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
-                        clip_ratio_c=alg.clip_ratio_c, mask=None if mask is None else mask[:, None].expand(-1, width))
+                        clip_ratio_c=alg.clip_ratio_c, mask=None if mask is None else mask[:, None].expand(-1, width),
+                        weights=batch["is_weights"][idx] if "is_weights" in batch else None)
                     if values is not None and alg.loss_type == "actor_critic":
                         v_loss, v_clip_ratio = ppo.value_loss(
                             values, batch["old_values"][idx], batch["returns"][idx], value_clip=alg.value_clip,

@@ -37,8 +37,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
                 clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate objective (as a loss), with optional dual clip for negative advantages."""
+                mask: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate objective (as a loss), with optional dual clip for negative advantages.
+    ``weights``: per-element importance weights (truncated, no gradient) that scale the loss of off-policy samples;
+    their ``old_log_probs`` are then the proximal policy's, not the behaviour policy's (decoupled PPO)."""
     log_ratio = log_probs - old_log_probs
     ratio = log_ratio.exp()
     clipped_ratio = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
@@ -47,6 +50,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     loss = torch.maximum(loss_unclipped, loss_clipped)
     if clip_ratio_c is not None:  # dual clip: bound the loss when the advantage is negative
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
+    if weights is not None:
+        loss = loss * weights
     with torch.no_grad():
         stats = {
             "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),

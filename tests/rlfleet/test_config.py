@@ -69,6 +69,9 @@ def test_placement():
     ("cluster.act_timeout_s=0", "'cluster.act_timeout_s': must be > 0"),
     ("rollout.batch_invariant_rows=-3", "'rollout.batch_invariant_rows': must be null or an integer in [0, 4096]"),
     ("rollout.batch_invariant_rows=abc", "'rollout.batch_invariant_rows' = 'abc' has the wrong type"),
+    ("algorithm.max_staleness=9", "'algorithm.max_staleness': 9 is not in 0..8"),
+    ("algorithm.decoupled_staleness=0", "'algorithm.decoupled_staleness': must be >= 1"),
+    ("algorithm.importance_weight_cap=0.5", "'algorithm.importance_weight_cap': must be >= 1"),
     ("cluster.learner_num_threads=0", "'cluster.learner_num_threads': must be null or >= 1"),
     ("cluster.learner_num_threads=two", "'cluster.learner_num_threads' = 'two' has the wrong type"),
 ])

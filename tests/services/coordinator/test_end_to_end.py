@@ -465,17 +465,28 @@ def test_scale_env_servers_during_a_run(tmp_path):
     assert_no_orphans([first_env_pid])
 
 
-def test_async_collects_the_next_epoch_while_training(tmp_path):
-    """algorithm.max_staleness=1: epoch k+1 is collected while epoch k trains; samples are at most one weights
-    version old (rollout/staleness), every epoch is trained exactly once, and the run finishes as usual."""
+@pytest.mark.parametrize("depth", [1, 2], ids=["staleness1", "staleness2"])
+def test_async_collects_ahead_while_training(tmp_path, depth):
+    """algorithm.max_staleness=N: the envs collect up to N epochs ahead while the learner trains; samples are at
+    most N weights versions old (rollout/staleness), those more than one version old are trained with truncated
+    importance weights, every epoch is trained exactly once, and the run finishes as usual."""
+    # a long update (many passes) so the envs do get N epochs ahead of it
     code, out = finish(start(tmp_path, "runner.max_epochs=8", "runner.val_check_interval=4",
-                             "algorithm.max_staleness=1", name="async"))
+                             f"algorithm.max_staleness={depth}",
+                             f"algorithm.update_epoch={10 if depth == 1 else 150}",
+                             name="async"))
     assert code == 0, out
     records = [r for r in read_metrics(tmp_path / "async") if "rollout/staleness" in r]
     assert [r["step"] for r in records] == list(range(1, 9))
-    # 1 when training k published its weights while k+1 was being collected (0 if it finished before k+1 started)
-    assert records[0]["rollout/staleness"] == 0 and all(r["rollout/staleness"] in (0, 1) for r in records)
+    # up to N when training k published its weights while later epochs were being collected
+    assert records[0]["rollout/staleness"] == 0 and all(0 <= r["rollout/staleness"] <= depth for r in records)
     assert sum(r["rollout/staleness"] for r in records) >= 4
+    assert all(0 <= r["rollout/stale_fraction"] <= 1 for r in records)
+    if depth == 1:
+        assert all(r["rollout/stale_fraction"] == 0 for r in records)
+    else:
+        assert any(r["rollout/staleness"] == 2 for r in records)
+        assert all("train/actor/is_weight_mean" in r for r in records if r["rollout/stale_fraction"] > 0)
     assert [r["env/env_steps"] for r in records] == [200 * (i + 1) for i in range(8)]
     summary = json.loads((tmp_path / "async" / "summary.json").read_text())
     assert summary["epochs"] == 8 and summary["final_eval"]["eval/num_episodes"] == 4

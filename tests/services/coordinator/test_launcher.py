@@ -34,3 +34,77 @@ def test_config_difference_names_the_key():
                      ("- a list", "config_yaml: is not a mapping")):
         with pytest.raises(InvalidRequest, match=why.replace("[", r"\[")):
             config_difference(cfg, bad)
+
+
+def _cpus(cfg, cores):
+    from services.coordinator.plan import process_plan
+
+    return {s.name: s.cpus for s in process_plan(cfg, cores=cores)}
+
+
+def test_no_process_is_pinned_unless_the_config_says():
+    # measured on 2 cores: the OS scheduler beats fixed layouts in both modes (README, CPU placement)
+    for mode in ("0", "1"):
+        cfg = load_config(None, [f"algorithm.max_staleness={mode}", "cluster.num_env_servers=2"])
+        assert set(_cpus(cfg, [0, 1]).values()) == {()}
+    from services.coordinator.plan import process_plan
+
+    cfg = load_config(None, ["cluster.cpu_placement={env: 0}"])  # containers and other hosts: never pinned
+    assert {s.cpus for s in process_plan(cfg)} == {()}
+
+
+def test_cpu_placement_override_splits_a_range_over_servers():
+    cfg = load_config(None, ["cluster.num_env_servers=2", "cluster.cpu_placement={env: 0-3, actor: 4, rollout: all}"])
+    got = _cpus(cfg, list(range(6)))
+    assert got == {"learner-0": (4,), "inference-0": tuple(range(6)), "env-0": (0, 1), "env-1": (2, 3)}
+    assert _cpus(load_config(None, ["cluster.cpu_placement={env: 0}"]), [0, 1])["learner-0"] == (0, 1)  # unplaced
+
+
+def test_cpu_placement_errors_name_the_key():
+    import pytest
+
+    from rlfleet.config import ConfigError
+
+    for override, cores, why in (
+            ("{env: 0-2}", [0, 1], "'cluster.cpu_placement.env': CPU core 2 in '0-2' is outside"),
+            ("{env: 1}", [0, 2], r"'cluster.cpu_placement.env': core\(s\) \[1\] of '1' are not usable here"),
+            ("{envs: 0}", [0, 1], "unknown component 'envs'.*did you mean 'env'"),
+            ("{env: x}", [0, 1], "'cluster.cpu_placement.env': 'x' is not a CPU core range"),
+            ("{env,rollout: 0}", [0, 1], "'cluster.cpu_placement.env': no CPU core range given .* quote a key")):
+        with pytest.raises(ConfigError, match=why):
+            _cpus(load_config(None, [f"cluster.cpu_placement={override}"]), cores)
+
+
+def test_launcher_hands_each_process_its_cores(tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    from rlfleet.service import CPU_CORES_ENV
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd, env, **kw):
+            seen[cmd[2]] = env.get(CPU_CORES_ENV)
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    cfg = load_config(None, ["cluster.cpu_placement={'env,rollout': 0, actor: 1}"])
+    LocalLauncher(cfg, tmp_path, tmp_path / "c.yaml", "127.0.0.1:1").start_all()
+    assert seen == {"services.learner.server": "1", "services.inference.server": "0", "services.env.server": "0"}
+    seen.clear()
+    LocalLauncher(load_config(), tmp_path, tmp_path / "c.yaml", "127.0.0.1:1").start_all()
+    assert set(seen.values()) == {None}
+
+
+def test_a_service_pins_itself_to_its_cores():
+    import os
+    import subprocess
+    import sys
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    code = "import os; from rlfleet.service import pin_to_placed_cores; pin_to_placed_cores(); " \
+           "print(sorted(os.sched_getaffinity(0)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "RLFLEET_CPU_CORES": str(core)})
+    assert out.stdout.strip() == f"[{core}]"

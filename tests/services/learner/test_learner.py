@@ -142,3 +142,42 @@ def test_update_runs_on_its_threads_and_gives_them_back(learner):
     learner.receive(0, 0, tm, pe, eps)
     learner.train(0, [0])
     assert seen == [before + 1] and torch.get_num_threads() == before
+
+
+def test_samples_more_than_one_version_old_get_truncated_importance_weights(learner):
+    learner.alg.importance_weight_cap = 1.5
+    tm, pe, eps = fake_rollout()
+    tm["weights_version"] = np.zeros((16, 8), np.int64)
+    tm["weights_version"][:, :4] = 2  # envs 0-3 acted with the current weights, envs 4-7 two versions before
+    learner.version = 2
+    learner.receive(0, 0, tm, pe, eps)
+    seen = {}
+    update = learner._update
+    learner._update = lambda obs, fi, batch, use_mask: (seen.update(batch), update(obs, fi, batch, use_mask))[1]
+    m = learner.train(0, [0])
+    assert m["rollout/stale_fraction"] == 0.5
+    stale = torch.tensor(([False] * 4 + [True] * 4) * 16)
+    w = seen["is_weights"]
+    assert torch.all(w[~stale] == 1.0) and torch.all(w[stale] <= 1.5) and torch.all(w[stale] > 0)
+    # stale rows: PPO's ratio is taken against the policy that started the update, not the behaviour log-probs
+    assert torch.all(seen["old_log_probs"][~stale] == -4.0) and torch.all(seen["old_log_probs"][stale] != -4.0)
+    assert 0.0 <= m["train/actor/is_weight_truncated"] <= 1.0 and m["train/actor/is_weight_mean"] > 0
+
+
+def test_fresh_samples_train_as_plain_ppo(learner):
+    tm, pe, eps = fake_rollout()
+    tm["weights_version"] = np.zeros((16, 8), np.int64)
+    learner.version = 1  # one version old: PPO's own ratio is the correction
+    learner.receive(0, 0, tm, pe, eps)
+    m = learner.train(0, [0])
+    assert m["rollout/stale_fraction"] == 0.0 and "train/actor/is_weight_mean" not in m
+
+
+def test_decoupled_staleness_1_corrects_every_stale_sample(learner):
+    learner.alg.decoupled_staleness = 1
+    tm, pe, eps = fake_rollout()
+    tm["weights_version"] = np.zeros((16, 8), np.int64)
+    learner.version = 1
+    learner.receive(0, 0, tm, pe, eps)
+    m = learner.train(0, [0])
+    assert m["rollout/stale_fraction"] == 1.0 and m["train/actor/is_weight_mean"] > 0

@@ -31,6 +31,17 @@ def test_policy_loss_clipping_and_dual_clip():
     assert np.isclose(loss_dc.item(), np.mean([-1.2, -0.5, 1.5, 2.0]))
 
 
+def test_policy_loss_importance_weights_scale_each_sample():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 0.5, 1.5, 3.0]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None)
+    loss, _ = ppo.policy_loss(new, old, adv, weights=torch.tensor([2.0, 1.0, 0.5, 0.0]), **kw)
+    assert np.isclose(loss.item(), np.mean([-2.4, -0.5, 0.75, 0.0]))
+    assert torch.equal(ppo.policy_loss(new, old, adv, weights=torch.ones(4), **kw)[0],
+                       ppo.policy_loss(new, old, adv, **kw)[0])
+
+
 def test_value_loss_clip_and_huber():
     v = torch.tensor([2.0])
     old = torch.tensor([0.0])
