@@ -137,7 +137,7 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
     assert json.loads((run / "summary.json").read_text())["env_steps"] == 5 * 8 * 25
 
 
-@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
+@pytest.mark.parametrize("staleness", ["0", "1", "2"], ids=["sync", "async", "async2"])
 def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness):
     proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
                  "actor.global_batch_size=400", "actor.micro_batch_size=200", f"algorithm.max_staleness={staleness}",
@@ -253,7 +253,7 @@ def test_attach_to_services_started_elsewhere(tmp_path):
     assert "refused this service: inference[0] was started with a different config: 'algorithm.gamma' is 0.5" in out
 
 
-@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
+@pytest.mark.parametrize("staleness", ["0", "1", "2"], ids=["sync", "async", "async2"])
 def test_inference_server_killed_is_restarted_and_reloaded(tmp_path, staleness):
     proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
                  "actor.global_batch_size=400", "actor.micro_batch_size=200", f"algorithm.max_staleness={staleness}",
