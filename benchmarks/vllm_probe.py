@@ -18,6 +18,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], allowed: list[int], steps: int = 7) -> list[int]:
+    """transformers' greedy decode restricted to the allowed ids (the tokens vLLM must reproduce)."""
+    cur = list(prompt)
+    for _ in range(steps):
+        cur.append(allowed[int(model(torch.tensor([cur])).logits[0, -1, allowed].argmax())])
+    return cur[len(prompt):]
+
+
 def main():
     d = pathlib.Path(tempfile.mkdtemp(prefix="vllm-probe-"))
     torch.manual_seed(0)
@@ -49,16 +58,12 @@ def main():
     lp_full = torch.log_softmax(logits, -1).gather(1, torch.tensor(out[0].outputs[0].token_ids)[:, None]).squeeze(1)
     print("hf full-vocab lp", [round(float(v), 4) for v in lp_full])
     # greedy parity
-    g = llm.generate(prompts[:1], SamplingParams(max_tokens=7, temperature=0.0, allowed_token_ids=allowed, detokenize=False))
-    with torch.no_grad():
-        cur = prompts[0]["prompt_token_ids"][:]
-        for _ in range(7):
-            lg = m(torch.tensor([cur])).logits[0, -1, allowed]
-            cur.append(allowed[int(lg.argmax())])
-    print("greedy vllm", list(g[0].outputs[0].token_ids), "hf", cur[5:])
+    greedy = SamplingParams(max_tokens=7, temperature=0.0, allowed_token_ids=allowed, detokenize=False)
+    g = llm.generate(prompts[:1], greedy)
+    print("greedy vllm", list(g[0].outputs[0].token_ids), "hf", hf_greedy(m, prompts[0]["prompt_token_ids"], allowed))
     # prompt embeds
     emb = m.get_input_embeddings()(torch.tensor(prompts[0]["prompt_token_ids"])).detach()
-    e = llm.generate([{"prompt_embeds": emb}], SamplingParams(max_tokens=7, temperature=0.0, allowed_token_ids=allowed, detokenize=False))
+    e = llm.generate([{"prompt_embeds": emb}], greedy)
     print("greedy via prompt_embeds", list(e[0].outputs[0].token_ids))
     # reload: perturb weights, save, reload
     with torch.no_grad():
@@ -67,13 +72,9 @@ def main():
     t = time.time()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(d)})
     print("reload", round(time.time() - t, 2), "s")
-    g2 = llm.generate(prompts[:1], SamplingParams(max_tokens=7, temperature=0.0, allowed_token_ids=allowed, detokenize=False))
-    with torch.no_grad():
-        cur = prompts[0]["prompt_token_ids"][:]
-        for _ in range(7):
-            lg = m(torch.tensor([cur])).logits[0, -1, allowed]
-            cur.append(allowed[int(lg.argmax())])
-    print("after reload greedy vllm", list(g2[0].outputs[0].token_ids), "hf", cur[5:])
+    g2 = llm.generate(prompts[:1], greedy)
+    print("after reload greedy vllm", list(g2[0].outputs[0].token_ids), "hf",
+          hf_greedy(m, prompts[0]["prompt_token_ids"], allowed))
     # throughput at batch sizes
     for bs in (1, 8, 32, 64):
         ps = [{"prompt_token_ids": [1, 5, 9, 33, 70 + (i % 100)]} for i in range(bs)]
