@@ -174,6 +174,14 @@ def validate(cfg: DictConfig) -> None:
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
     lt = cfg.cluster.learner_num_threads
     _require(lt is None or lt >= 1, "cluster.learner_num_threads", f"must be null or >= 1, got {lt}")
+    from rlfleet.rollout_backends import check_backend, get_backend
+
+    try:
+        get_backend(cfg.rollout.backend)
+    except KeyError as exc:
+        raise ConfigError(f"'rollout.backend': {exc.args[0].partition(': ')[2]}") from None
+    why = check_backend(cfg.rollout.backend, cfg.actor.model.model_type, bool(cfg.actor.model.is_lora))
+    _require(why is None, "rollout.backend", why or "")
     inv = cfg.rollout.batch_invariant_rows
     _require(inv is None or 0 <= inv <= 4096, "rollout.batch_invariant_rows",
              f"must be null or an integer in [0, 4096], got {inv}")

@@ -37,6 +37,10 @@ class ResourceExhausted(RuntimeError):
     """The service is at a limit it declares (e.g. concurrent streams); retry later or close something first."""
 
 
+class Unavailable(RuntimeError):
+    """The service is up but cannot serve this now (a part it needs is being rebuilt); retry shortly."""
+
+
 class Cancelled(RuntimeError):
     """The work stopped early because the caller went away or its deadline was about to pass."""
 
@@ -50,6 +54,8 @@ def _abort_for(context: grpc.ServicerContext, exc: BaseException, method: str):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, Cancelled):
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+    if isinstance(exc, Unavailable):
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     log.exception("%s failed", method)
     context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
 

@@ -321,10 +321,49 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                 h = self._lm()[0](inputs_embeds=embed(tok), attention_mask=mask, position_ids=pos,
                                   past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
             bins, logp = torch.stack(bins_l, 1), torch.stack(logp_l, 1)
-        per_dim = logp.view(n, self.num_action_chunks, self.action_dim)
+        return self._output(bins, logp, value, prompt_ids, prompt_mask)
+
+    def _output(self, bins, logp, value, prompt_ids, prompt_mask) -> PolicyOutput:
+        """Sampled bins [n, D] and their log-probs [n, D] -> the PolicyOutput (actions, log-probs at the
+        granularity, forward inputs)."""
+        per_dim = logp.view(bins.shape[0], self.num_action_chunks, self.action_dim)
         return PolicyOutput(self._decode_actions(bins), reduce_log_probs(per_dim, self.logprob_type), value,
                             {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8),
                              "action_bins": bins})
+
+    # --- decoding by another engine (the vLLM backend) ---------------------------------------------------------
+    # act() split in three, for an engine that decodes the action tokens itself from prompt embeddings:
+    # prompt_embeddings (vision + projector + token embeddings, and the value), the engine's decode restricted to
+    # action_token_ids, then output_from_tokens. The result equals act()'s up to the engine's arithmetic.
+    @property
+    def action_token_ids(self) -> list[int]:
+        """The vocabulary ids the action tokens are sampled from (ascending)."""
+        return list(range(self.action_end - self.n_bins, self.action_end))
+
+    @torch.no_grad()
+    def prompt_embeddings(self, obs: Mapping[str, torch.Tensor], instructions: Sequence[str] | None = None):
+        """-> (per-row prompt embeddings [S_i, H] without padding, values [n] or None, forward inputs so far)."""
+        if self.parallel:
+            raise ValueError("openvla_oft decodes in one bidirectional forward; it has no token-by-token prompt")
+        images = obs[self.image_key]
+        prompt_ids, prompt_mask = self.tokenize(instructions, images.shape[0], images.device)
+        emb, mask = self._prefix(images, prompt_ids, prompt_mask)
+        value = None
+        if self.value_head is not None:
+            value = self._value(self._forward(emb, mask).last_hidden_state[:, -1])
+        rows = [emb[i][mask[i].bool()] for i in range(emb.shape[0])]
+        return rows, value, {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+
+    def output_from_tokens(self, tokens: torch.Tensor, token_log_probs: torch.Tensor, values, prompt_inputs
+                           ) -> PolicyOutput:
+        """Decoded action token ids [n, D] and their log-probs (over the action ids, at this temperature) [n, D]
+        -> the PolicyOutput that act() would give for them."""
+        bins = (self.action_end - 1 - tokens.long()).to(self.bin_centres.device)
+        if bool(((bins < 0) | (bins >= self.n_bins)).any()):
+            raise ValueError(f"decoded tokens outside the action ids {self.action_end - self.n_bins}.."
+                             f"{self.action_end - 1}: {tokens.tolist()}")
+        return self._output(bins, token_log_probs.float(), values, prompt_inputs["prompt_ids"],
+                            prompt_inputs["prompt_mask"])
 
     def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
                  instructions: Sequence[str] | None = None) -> PolicyEval:
@@ -457,6 +496,17 @@ def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapp
     stats_file = path / "dataset_statistics.json"
     stats = _pick_stats(json.loads(stats_file.read_text()) if stats_file.is_file() else {}, unnorm_key, stats_file)
     return sizes, tokenizer, stats, load_file(str(path / "model.safetensors"))
+
+
+def lm_weight_name(name: str) -> str | None:
+    """A checkpoint tensor name -> its name in a Llama causal LM (transformers' and vLLM's ``model.*`` /
+    ``lm_head.*``), or None for the parts that are not the language model (vision backbone, projector, value head,
+    OFT's action query). Knows rlfleet's layout (``llm.``), OpenVLA's hub layout (``language_model.``) and bare
+    LM names; the vLLM backend loads checkpoints and weight updates through it."""
+    for prefix in ("llm.", "language_model."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name if name.startswith(("model.", "lm_head.")) else None
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

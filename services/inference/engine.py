@@ -1,6 +1,11 @@
 """InferenceEngine: the inference server's core (no gRPC). Holds the versioned policy, validates observations,
-and runs a dynamic batcher: queued requests from every stream run together as soon as ``max_batch_size`` rows are
-queued, every open stream has a request waiting, or the oldest request has waited ``max_wait_ms``.
+and acts with one of two backends (``rollout.backend``, rlfleet.rollout_backends):
+
+- ``hf``: a dynamic batcher over the policy's own ``act``: queued requests from every stream run together as soon as
+  ``max_batch_size`` rows are queued, every open stream has a request waiting, or the oldest request has waited
+  ``max_wait_ms``.
+- ``vllm``: requests go to the VLLMDecoder (services.inference.vllm_decoder), whose vLLM engine batches the rows
+  of every stream continuously; weight updates reload vLLM's language model between decodes.
 """
 
 from __future__ import annotations
@@ -43,8 +48,16 @@ class _Request:
 class InferenceEngine:
     def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
                  max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level",
-                 batch_invariant_rows: int = 0):
+                 batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0):
         self.model_cfg = model_cfg
+        self.backend = backend
+        self.decoder = None  # the vllm backend's VLLMDecoder
+        if backend == "vllm":
+            from services.inference.vllm_decoder import VLLMDecoder
+
+            self.decoder = VLLMDecoder(max_num_seqs=max_batch_size, seed=seed)
+        elif backend != "hf":
+            raise ValueError(f"rollout.backend: unknown backend '{backend}' (hf or vllm)")
         self.batch_invariant_rows = batch_invariant_rows  # pad act batches to multiples of this (0: no padding)
         self.normalize_obs = normalize_obs
         self.logprob_type = logprob_type
@@ -102,6 +115,8 @@ class InferenceEngine:
         with _lock_of(target):  # a batch still running on this copy finishes first
             target.load_state_dict(state, strict=False)
             target.eval()
+        if self.decoder is not None:  # vLLM's copy of the language model follows (rows in flight finish first)
+            self.decoder.update(target, version)
         spare = target
         if rebuild:  # the second buffer: one copy when the policy is (re)built, none per update
             import copy
@@ -156,6 +171,8 @@ class InferenceEngine:
         sampling noise comes from its key (rlfleet.noise), so the row's action does not depend on the batch."""
         rows = self.validate_obs(obs)
         keys = self.check_noise_keys(noise_keys, rows)
+        if self.decoder is not None:
+            return self.submit(obs, deterministic, 0, instructions, None, keys).result()
         block = self.batch_invariant_rows
         if block > 0 and rows % block:  # a whole number of blocks: the kernels then treat every row alike
             pad = block - rows % block
@@ -178,11 +195,15 @@ class InferenceEngine:
 
     # --- batching ---------------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
+        if self.decoder is not None:
+            self.decoder.start()
+        elif self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
+        if self.decoder is not None:
+            self.decoder.stop()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
@@ -204,6 +225,11 @@ class InferenceEngine:
             raise InvalidRequest(f"instructions: {len(instructions)} texts for {rows} observation rows")
         keys = self.check_noise_keys(noise_keys, rows)
         fut: Future = Future()
+        if self.decoder is not None:
+            self.decoder.submit(_Request(obs, list(instructions) if instructions else None, deterministic, rows, stream,
+                                         fut, time.monotonic(), trace_context or {}, keys))
+            self.requests_served += 1
+            return fut
         self._queue.put(_Request(obs, list(instructions) if instructions else None, deterministic, rows, stream, fut,
                                  time.monotonic(), trace_context or {}, keys))
         return fut

@@ -67,7 +67,8 @@ def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
     return InferenceEngine(cfg.actor.model, normalize_obs=cfg.algorithm.normalize_obs,
                            max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms,
                            device=device, logprob_type=cfg.algorithm.logprob_type,
-                           batch_invariant_rows=batch_invariant_rows(cfg))
+                           batch_invariant_rows=batch_invariant_rows(cfg), backend=cfg.rollout.backend,
+                           seed=cfg.runner.seed)
 
 
 def batch_invariant_rows(cfg) -> int:
