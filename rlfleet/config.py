@@ -180,8 +180,11 @@ def validate(cfg: DictConfig) -> None:
         get_backend(cfg.rollout.backend)
     except KeyError as exc:
         raise ConfigError(f"'rollout.backend': {exc.args[0].partition(': ')[2]}") from None
-    why = check_backend(cfg.rollout.backend, cfg.actor.model.model_type, bool(cfg.actor.model.is_lora))
-    _require(why is None, "rollout.backend", why or "")
+    from rlfleet.policies import POLICIES
+
+    if cfg.actor.model.model_type in POLICIES:  # (an unknown model type is reported by its own check)
+        why = check_backend(cfg.rollout.backend, cfg.actor.model.model_type)
+        _require(why is None, "rollout.backend", why or "")
     inv = cfg.rollout.batch_invariant_rows
     _require(inv is None or 0 <= inv <= 4096, "rollout.batch_invariant_rows",
              f"must be null or an integer in [0, 4096], got {inv}")

@@ -224,7 +224,7 @@ def ensure_system_packages(env: Environment, log=print) -> None:
 def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
     tag = f"env {env.name}"
     t0 = time.monotonic()
-    log(f"[{tag}] building the {env.name} simulator environment at {path} (first use; cached afterwards)")
+    log(f"[{tag}] building the {env.name} environment at {path} (first use; cached afterwards)")
     ensure_system_packages(env, log)
     shutil.rmtree(path, ignore_errors=True)  # built in place; the stamp file, written last, marks it complete
     uv = _uv()
@@ -290,6 +290,15 @@ def describe(configured: str | None = None) -> list[dict]:
                      "path": str(env_path(env, configured)) if env else sys.prefix,
                      "description": sim.description, "examples": list(sim.examples),
                      "notes": env.notes if env else ""})
+    from rlfleet.rollout_backends import BACKENDS
+
+    for b in BACKENDS.values():
+        if b.environment is not None:
+            rows.append({"simulator": b.name, "environment": b.environment.name,
+                         "installed": is_installed(b.environment, configured),
+                         "path": str(env_path(b.environment, configured)),
+                         "description": f"inference backend (rollout.backend={b.name}): {b.description}",
+                         "examples": list(b.model_types), "notes": b.environment.notes})
     return rows
 
 

@@ -62,16 +62,13 @@ def get_backend(name: str) -> Backend:
         raise KeyError(f"rollout.backend: unknown backend '{name}'{hint} (known: {', '.join(BACKENDS)})") from None
 
 
-def check_backend(name: str, model_type: str, is_lora: bool = False) -> str | None:
+def check_backend(name: str, model_type: str) -> str | None:
     """None when ``name`` serves ``model_type``, else the reason it does not."""
     backend = get_backend(name)
     if model_type not in backend.model_types:
         why = WHY_NOT_VLLM.get(model_type, "") if name == "vllm" else ""
         return (f"backend '{name}' does not serve model_type '{model_type}'" + (f" ({why})" if why else "")
                 + f"; it serves {', '.join(backend.model_types)}")
-    if name == "vllm" and is_lora:
-        return ("backend 'vllm' does not serve LoRA policies yet (actor.model.is_lora); use rollout.backend=hf "
-                "or merge the adapters")
     return None
 
 

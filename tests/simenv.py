@@ -25,10 +25,22 @@ def sim_python(simulator: str) -> str:
         pytest.skip(f"the {simulator} environment could not be built here: {str(exc).splitlines()[0]}")
 
 
+def backend_python(backend: str) -> str:
+    """The python of an inference backend's environment (vllm); skips the test (saying why) when it cannot be
+    built here."""
+    from rlfleet.rollout_backends import get_backend
+
+    env = get_backend(backend).environment
+    try:
+        return str(environments.ensure(env, log=lambda *a, **k: None))
+    except environments.EnvironmentError_ as exc:
+        pytest.skip(f"the {backend} environment could not be built here: {str(exc).splitlines()[0]}")
+
+
 def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: str) -> dict:
-    """Run ``code`` (which must print one JSON line last) with the simulator environment's python and the
-    checkout on PYTHONPATH; returns the parsed JSON."""
-    python = sim_python(simulator)
+    """Run ``code`` (which must print one JSON line last) with the simulator environment's python (or an
+    inference backend's: ``simulator`` "backend:vllm") and the checkout on PYTHONPATH; returns the parsed JSON."""
+    python = backend_python(simulator.partition(":")[2]) if simulator.startswith("backend:") else sim_python(simulator)
     env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
            **env_vars}
     env.pop("VIRTUAL_ENV", None)

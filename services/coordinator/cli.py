@@ -120,11 +120,17 @@ def _envs(args) -> int:
         if not args.name:
             print(f"coordinatorctl envs {args.action}: name a simulator", file=sys.stderr)
             return 2
-        try:
-            sim = get_simulator(args.name)
-        except KeyError as exc:
-            print(f"coordinatorctl: {exc.args[0]}", file=sys.stderr)
-            return 2
+        from rlfleet.rollout_backends import BACKENDS
+
+        if args.name in BACKENDS:  # an inference backend's environment (vllm)
+            sim = BACKENDS[args.name]
+        else:
+            try:
+                sim = get_simulator(args.name)
+            except KeyError as exc:
+                print(f"coordinatorctl: {exc.args[0]} (or an inference backend: {', '.join(BACKENDS)})",
+                      file=sys.stderr)
+                return 2
         if sim.environment is None:
             print(f"{sim.name} runs in the main environment ({sys.prefix}); nothing to {args.action}")
             return 0
@@ -139,8 +145,8 @@ def _envs(args) -> int:
             return 1
         return 0
     rows = environments.describe(args.envs_dir)
-    print(f"simulator environments in {environments.envs_dir(args.envs_dir)}\n")
-    print(f"{'simulator':<10} {'environment':<12} {'installed':<10} task ids (examples)")
+    print(f"simulator and inference-backend environments in {environments.envs_dir(args.envs_dir)}\n")
+    print(f"{'simulator':<10} {'environment':<12} {'installed':<10} task ids (examples) / model types")
     for r in rows:
         print(f"{r['simulator']:<10} {r['environment']:<12} {'yes' if r['installed'] else 'no':<10} "
               f"{', '.join(r['examples'])}")

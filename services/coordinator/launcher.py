@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from rlfleet import auth, environments, tracing
 from rlfleet.environments import child_environ
+from rlfleet.rollout_backends import get_backend
 from rlfleet.service import CPU_CORES_ENV
 from services.coordinator.plan import ProcessSpec, process_plan
 
@@ -90,7 +91,10 @@ class LocalLauncher:
         if not self.cfg.cluster.external_env_addresses:
             self.pythons["env"] = environments.python_for(self.cfg.env.train.simulator_type,
                                                           self.cfg.cluster.envs_dir, log)
-        if any(set(s.cpus) != set(self.cores) for s in self.specs.values()):
+        backend = get_backend(self.cfg.rollout.backend)
+        if backend.environment is not None:  # e.g. vLLM: the inference servers run from its own environment
+            self.pythons["inference"] = str(environments.ensure(backend.environment, self.cfg.cluster.envs_dir, log))
+        if any(s.cpus and set(s.cpus) != set(self.cores) for s in self.specs.values()):
             log("  CPU placement (cluster.cpu_placement): " + ", ".join(
                 f"{s.name} on core{'s' if len(s.cpus) > 1 else ''} {','.join(map(str, s.cpus))}"
                 for s in self.specs.values()))

@@ -80,13 +80,29 @@ def write_serving_dir(policy, path: pathlib.Path) -> pathlib.Path:
 
     from rlfleet.models.openvla_vllm import ARCHITECTURE
 
-    lm = policy.llm
     path.mkdir(parents=True, exist_ok=True)
-    cfg = lm.config.to_dict()
+    cfg = policy.llm.config.to_dict()
     cfg.update(architectures=[ARCHITECTURE], dtype="float32", torch_dtype="float32")
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({f"llm.{k}": v.detach().float().contiguous().clone() for k, v in lm.state_dict().items()},
+    save_file({f"llm.{k}": v.detach().float().contiguous().clone() for k, v in base_lm_state(policy).items()},
               str(path / "model.safetensors"))
+    return path
+
+
+def base_lm_state(policy) -> dict[str, torch.Tensor]:
+    """The language model's tensors in transformers' Llama names; with LoRA the frozen base weights only (peft's
+    ``base_layer`` wrappers unwrapped, the adapters left out: vLLM serves those as a LoRA adapter)."""
+    if not policy.is_lora:
+        return dict(policy.llm.state_dict())
+    state = policy.llm.get_base_model().state_dict()
+    return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+
+
+def write_adapter_dir(policy, path: pathlib.Path) -> pathlib.Path:
+    """The policy's LoRA adapters in peft's layout (adapter_config.json + adapter_model.safetensors), which vLLM's
+    LoRA support loads."""
+    path.mkdir(parents=True, exist_ok=True)
+    policy.llm.save_pretrained(str(path))
     return path
 
 
@@ -104,11 +120,14 @@ class VLLMDecoder:
         self.reloads = 0
         self.failed_reloads = 0
         self.down: str | None = None  # why Act is refused (the engine could not be rebuilt), or None
-        self.fail_next_reloads = 0  # fault injection for tests: that many reloads raise (and break the engine)
+        # fault injection (tests, drills): the next N reloads break off half-way and raise, as a transfer cut off
+        # mid-update would; RLFLEET_FAULT_VLLM_RELOAD_FAILURES=N sets it for a whole run
+        self.fail_next_reloads = int(os.environ.get("RLFLEET_FAULT_VLLM_RELOAD_FAILURES", "0") or 0)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self.lora_request = None  # the adapter of the served version (LoRA policies), passed with every row
         self.rows_run = 0
         self.steps_run = 0
 
@@ -211,17 +230,46 @@ class VLLMDecoder:
         t0 = time.monotonic()
         folder = write_serving_dir(policy, self.workdir / f"engine-{self.engine_builds}")
         max_len = int(policy.llm.config.max_position_embeddings)
+        lora = {}
+        if policy.is_lora:
+            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank(policy))
         self.llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                        max_model_len=max_len, max_num_seqs=self.max_num_seqs,
-                       max_num_batched_tokens=max(max_len * 8, 2048), logprobs_mode="processed_logprobs",
-                       max_logprobs=1, enable_prompt_embeds=True, seed=self.seed)
+                       # whole prompts only: a chunked prefill discards a sampled token, which vLLM's seeded
+                       # CPU generators cannot rewind ("CPU Generator does not use offset")
+                       enable_chunked_prefill=False, max_num_batched_tokens=max_len * min(self.max_num_seqs, 64),
+                       logprobs_mode="processed_logprobs",
+                       max_logprobs=1, enable_prompt_embeds=True, seed=self.seed, **lora)
         shutil.rmtree(folder, ignore_errors=True)  # the weights live in the engine now
         self.engine_builds += 1
+        self.lora_request = None
+        if policy.is_lora:
+            self._load_adapter(policy)
         log.info("vLLM engine built in %.1f s (%d-token context, up to %d sequences)", time.monotonic() - t0,
                  max_len, self.max_num_seqs)
 
+    def _load_adapter(self, policy) -> None:
+        """Serve the policy's current LoRA adapters: a new adapter id per version (vLLM caches adapters by id),
+        the previous one removed."""
+        from vllm.lora.request import LoRARequest
+
+        self._adapters = getattr(self, "_adapters", 0) + 1
+        folder = write_adapter_dir(policy, self.workdir / f"adapter-{self._adapters}")
+        old, self.lora_request = self.lora_request, LoRARequest(f"rlfleet-{self._adapters}", self._adapters,
+                                                                str(folder))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
     def _reload(self, policy) -> None:
-        weights = [(f"llm.{k}", v.detach()) for k, v in policy.llm.state_dict().items()]
+        if policy.is_lora:  # the base weights are frozen: only the adapters change
+            if self.fail_next_reloads > 0:
+                self.fail_next_reloads -= 1
+                raise RuntimeError("injected weight reload failure")
+            self._load_adapter(policy)
+            self.reloads += 1
+            return
+        weights = [(f"llm.{k}", v.detach()) for k, v in base_lm_state(policy).items()]
         if self.fail_next_reloads > 0:
             self.fail_next_reloads -= 1
 
@@ -274,7 +322,8 @@ class VLLMDecoder:
                     temperature=0.0 if request.deterministic else policy.temperature, allowed_token_ids=allowed,
                     logprobs=0, detokenize=False,
                     seed=None if keys is None or request.deterministic else int(keys[i]) % (2 ** 63))
-                self.llm.llm_engine.add_request(f"{rid}:{i}", {"prompt_embeds": emb.float().clone()}, params)
+                self.llm.llm_engine.add_request(f"{rid}:{i}", {"prompt_embeds": emb.float().clone()}, params,
+                                                lora_request=self.lora_request)
         except Exception as exc:  # noqa: BLE001 - delivered to the asking stream
             self._abort(rid)
             request.future.set_exception(exc)
@@ -325,3 +374,12 @@ class VLLMDecoder:
         tracing.record("rlfleet.inference.forward_latency", time.monotonic() - p.t_admit, "s",
                        "one act request, admitted to decoded (vllm)")
         p.request.future.set_result(res)
+
+
+def _lora_rank(policy) -> int:
+    """vLLM's adapter slot size for a peft-wrapped policy: the smallest rank vLLM offers that holds its rank."""
+    rank = int(policy.llm.peft_config["default"].r)
+    for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if slot >= rank:
+            return slot
+    raise ValueError(f"actor.model.lora_rank {rank}: vLLM serves LoRA ranks up to 512")

@@ -40,7 +40,7 @@ def test_build_once_cached_and_concurrent_callers_wait(tmp_path):
     for t in threads:
         t.join(300)
     assert len(results) == 2 and results[0] == results[1]
-    assert sum("building the tiny simulator environment" in line for line in lines) == 1  # built once
+    assert sum("building the tiny environment" in line for line in lines) == 1  # built once
     assert any("ready in" in line for line in lines)
     out = subprocess.run([str(results[0]), "-c", "import six, sys; print(sys.prefix)"], capture_output=True, text=True)
     assert out.returncode == 0 and str(tmp_path) in out.stdout

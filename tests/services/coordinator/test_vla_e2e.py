@@ -36,3 +36,27 @@ def test_vla_config_runs_end_to_end(tmp_path, name, lora):
         assert 0 < sync < 1_000_000, sync
     else:  # every tensor is trained: the full set every time
         assert sync > 2_000_000, sync
+
+
+def test_vllm_backend_trains_end_to_end_through_a_failed_reload(tmp_path):
+    """rollout.backend=vllm: the inference server runs from the vLLM environment, vLLM decodes the action tokens,
+    and the first weight reload is cut off half-way (fault injection): the server rebuilds its engine and the run
+    goes on, every epoch training on vLLM's log-probs with the learner's recomputation within 1e-3."""
+    import os
+
+    name = "pandapickcube_vision_ppo_openvla_tiny"
+    from tests.simenv import backend_python
+
+    backend_python("vllm")  # built (or skipped with the reason) before the run's clock starts
+    proc = subprocess.run([*CTL, "start", name, "rollout.backend=vllm", f"runner.logger.log_path={tmp_path}",
+                           "runner.max_epochs=3", "runner.val_check_interval=2", "env.eval.num_episodes=4",
+                           "env.eval.total_num_envs=4"], capture_output=True, text=True, timeout=500,
+                          env={**os.environ, "RLFLEET_FAULT_VLLM_RELOAD_FAILURES": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / name
+    rows = [r for r in read_metrics(run) if "train/loss" in r]
+    assert [r["train/weights_version"] for r in rows] == [1.0, 2.0, 3.0]
+    for r in rows:
+        assert r["train/actor/first_logprob_abs_diff"] < 1e-3, r
+    log = (run / "logs" / "inference_0.log").read_text()
+    assert "vllm" in log.lower() and "reload for version 1 failed" in log and "rebuilding the engine" in log, log[-3000:]

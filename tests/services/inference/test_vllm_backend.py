@@ -1,0 +1,210 @@
+"""rollout.backend=vllm: the parts that run in the main environment (config checks, the checkpoint key mapping),
+and the vLLM decoder itself inside the vLLM environment (built on first use and cached, as a run builds it):
+parity with the hf backend and the learner's log-probs, continuous batching across streams, weight updates, a
+reload failure and an engine that cannot be rebuilt."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.config import ConfigError, load_config
+from rlfleet.models.openvla import lm_weight_name
+from tests.simenv import run_in_env
+
+VLA = "pandapickcube_vision_ppo_openvla_tiny"
+
+
+def test_backend_config_errors_name_the_key_and_the_reason():
+    assert load_config(VLA, ["rollout.backend=vllm"]).rollout.backend == "vllm"
+    with pytest.raises(ConfigError, match=r"'rollout.backend': unknown backend 'vlm'; did you mean 'vllm'\?"):
+        load_config(VLA, ["rollout.backend=vlm"])
+    with pytest.raises(ConfigError, match=r"'rollout.backend': backend 'vllm' does not serve model_type "
+                                          r"'openvla_oft' \(OpenVLA-OFT decodes"):
+        load_config(VLA, ["rollout.backend=vllm", "actor.model.model_type=openvla_oft"])
+    with pytest.raises(ConfigError, match="does not serve model_type 'mlp'"):
+        load_config(None, ["rollout.backend=vllm"])
+    assert load_config(VLA, ["rollout.backend=vllm", "actor.model.is_lora=true"]).actor.model.is_lora
+
+
+def test_checkpoint_names_map_to_the_language_model_only():
+    assert lm_weight_name("llm.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert lm_weight_name("language_model.lm_head.weight") == "lm_head.weight"  # OpenVLA's hub layout
+    assert lm_weight_name("model.embed_tokens.weight") == "model.embed_tokens.weight"  # a weight update's names
+    for other in ("vision.siglip.embeddings.patch_embedding.weight", "projector.net.0.weight", "value_head.0.bias",
+                  "action_query", "vision_backbone.featurizer.blocks.0.attn.qkv.weight", "projector.fc1.weight"):
+        assert lm_weight_name(other) is None, other
+
+
+def test_environments_list_the_vllm_environment():
+    from rlfleet import environments
+
+    rows = {r["simulator"]: r for r in environments.describe()}
+    assert rows["vllm"]["environment"] == "vllm" and "openvla" in rows["vllm"]["examples"]
+
+
+# Runs with the vLLM environment's python (vLLM pins its own torch and transformers); prints one JSON line.
+DECODER_CHECKS = r'''
+import json, threading, time
+import numpy as np, torch
+torch.set_num_threads(1)
+from rlfleet.config import load_config
+from rlfleet.models import ObsSpec
+from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.policies import build_policy
+from rlfleet.rpc import Unavailable
+from services.inference.engine import InferenceEngine
+
+cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm"])
+SPECS = {"third_person": ObsSpec((64, 64, 3), "uint8"), "state": ObsSpec((18,), "float32")}
+torch.manual_seed(0)
+learner = build_policy(cfg.actor.model, SPECS, 4, True, "token_level").eval()   # the learner's copy
+state = {k: v.clone() for k, v in learner.state_dict().items()}
+hf = InferenceEngine(cfg.actor.model, logprob_type="token_level")
+vl = InferenceEngine(cfg.actor.model, logprob_type="token_level", backend="vllm", seed=0)
+for e in (hf, vl):
+    e.start()
+    e.set_weights(0, state, obs_specs=SPECS, action_dim=4)
+rng = np.random.default_rng(0)
+n = 8
+obs = {"third_person": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8),
+       "state": rng.standard_normal((n, 18)).astype(np.float32)}
+instr = [f"pick up the red cube {i}" for i in range(n)]
+out = {}
+
+def greedy_same():
+    a, b = hf.act_now(obs, True, instr), vl.act_now(obs, True, instr)
+    return bool((a.forward_inputs["action_bins"] == b.forward_inputs["action_bins"]).all()) and \
+        bool(np.array_equal(a.actions, b.actions))
+
+out["greedy_same"] = greedy_same()
+keys = np.arange(n, dtype=np.uint64) + 11
+s1, s2 = vl.act_now(obs, False, instr, keys), vl.act_now(obs, False, instr, keys)
+out["same_keys_same_tokens"] = bool((s1.forward_inputs["action_bins"] == s2.forward_inputs["action_bins"]).all())
+out["sampled_bins_spread"] = int(len(np.unique(s1.forward_inputs["action_bins"])))
+with torch.no_grad():
+    ev = learner.evaluate(to_torch_obs(obs), {k: torch.from_numpy(v) for k, v in s1.forward_inputs.items()}, instr)
+out["logp_max_diff"] = float((ev.log_probs - torch.from_numpy(s1.log_probs)).abs().max())
+out["value_max_diff"] = float((ev.values - torch.from_numpy(s1.values)).abs().max())
+out["weights_version"] = s1.weights_version
+
+# four requests queued at once (four streams): decoded together, each row as it would be alone
+before = vl.decoder.steps_run
+futs = [vl.submit({k: v[2 * i:2 * i + 2] for k, v in obs.items()}, True, stream=i, instructions=instr[2 * i:2 * i + 2])
+        for i in range(4)]
+parts = [f.result(60) for f in futs]
+out["streams_steps"] = vl.decoder.steps_run - before
+alone = vl.act_now(obs, True, instr)
+out["streams_match_alone"] = bool(np.array_equal(np.concatenate([p.forward_inputs["action_bins"] for p in parts]),
+                                                  alone.forward_inputs["action_bins"]))
+
+# a weights update: both backends follow it
+with torch.no_grad():
+    state = {k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() and k.startswith("llm.") else v
+             for k, v in state.items()}
+for e in (hf, vl):
+    e.set_weights(1, state)
+out["after_update_greedy_same"] = greedy_same()
+out["version_after_update"] = vl.act_now(obs, True, instr).weights_version
+
+# a reload that breaks off half-way: the engine is rebuilt from the new weights and the update succeeds
+vl.decoder.fail_next_reloads = 1
+state = {k: (v * 1.01) if v.is_floating_point() and k.startswith("llm.") else v for k, v in state.items()}
+for e in (hf, vl):
+    e.set_weights(2, state)
+out["after_failed_reload_greedy_same"] = greedy_same()
+out["engine_builds"], out["failed_reloads"] = vl.decoder.engine_builds, vl.decoder.failed_reloads
+
+# ... and when the rebuild fails too: the update fails (the learner republishes), Act says UNAVAILABLE until an
+# update succeeds
+vl.decoder.fail_next_reloads = 1
+real_build = vl.decoder._build
+def broken_build(policy):
+    raise RuntimeError("injected engine build failure")
+vl.decoder._build = broken_build
+try:
+    vl.set_weights(3, state)
+    out["update_error"] = None
+except Unavailable as exc:
+    out["update_error"] = str(exc)
+try:
+    vl.act_now(obs, True, instr)
+    out["act_error"] = None
+except Unavailable as exc:
+    out["act_error"] = str(exc)
+vl.decoder._build = real_build
+vl.set_weights(3, state)
+hf.set_weights(3, state)
+out["recovered_greedy_same"] = greedy_same()
+out["recovered_version"] = vl.act_now(obs, True, instr).weights_version
+for e in (hf, vl):
+    e.stop()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_vllm_decoder_matches_hf_and_survives_reload_failures():
+    r = run_in_env("backend:vllm", DECODER_CHECKS, timeout=600)
+    assert r["greedy_same"], r                               # same weights and observations: same greedy actions
+    assert r["same_keys_same_tokens"] and r["sampled_bins_spread"] > 8, r  # seeded per row, and really sampled
+    assert r["logp_max_diff"] < 1e-3, r                      # the learner's recomputation (acceptance: 1e-3)
+    assert r["value_max_diff"] < 1e-5, r
+    assert r["weights_version"] == 0
+    assert r["streams_match_alone"] and r["streams_steps"] <= 8, r  # 4 streams in the same engine steps
+    assert r["after_update_greedy_same"] and r["version_after_update"] == 1, r
+    assert r["after_failed_reload_greedy_same"] and r["failed_reloads"] == 1 and r["engine_builds"] == 2, r
+    assert "injected engine build failure" in r["update_error"], r
+    assert "vLLM engine is down" in r["act_error"], r
+    assert r["recovered_greedy_same"] and r["recovered_version"] == 3, r
+
+
+# LoRA: vLLM serves the frozen base weights and the adapters through its LoRA support (a new adapter per version)
+LORA_CHECKS = r'''
+import json, numpy as np, torch
+torch.set_num_threads(1)
+from rlfleet.config import load_config
+from rlfleet.models import ObsSpec
+from rlfleet.policies import build_policy
+from services.inference.engine import InferenceEngine
+cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm", "actor.model.is_lora=true", "actor.model.lora_rank=4"])
+SPECS = {"third_person": ObsSpec((64, 64, 3), "uint8"), "state": ObsSpec((18,), "float32")}
+torch.manual_seed(0)
+p = build_policy(cfg.actor.model, SPECS, 4, True, "token_level").eval()
+with torch.no_grad():
+    for n_, q in p.named_parameters():
+        if "lora_B" in n_: q.normal_(0, 0.3)
+hf = InferenceEngine(cfg.actor.model, logprob_type="token_level")
+vl = InferenceEngine(cfg.actor.model, logprob_type="token_level", backend="vllm", seed=0)
+full = {k: v.clone() for k, v in p.state_dict().items()}
+for e in (hf, vl):
+    e.start(); e.set_weights(0, full, obs_specs=SPECS, action_dim=4)
+rng = np.random.default_rng(0); n = 8
+obs = {"third_person": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8), "state": rng.standard_normal((n, 18)).astype(np.float32)}
+instr = [f"pick up the red cube {i}" for i in range(n)]
+def same():
+    a, b = hf.act_now(obs, True, instr), vl.act_now(obs, True, instr)
+    return bool((a.forward_inputs["action_bins"] == b.forward_inputs["action_bins"]).all())
+out = {"lora_greedy_same": same()}
+from rlfleet.models.actor_critic import to_torch_obs
+s1 = vl.act_now(obs, False, instr, np.arange(n, dtype=np.uint64))
+with torch.no_grad():
+    ev = p.evaluate(to_torch_obs(obs), {k: torch.from_numpy(v) for k, v in s1.forward_inputs.items()}, instr)
+out["lora_logp_diff"] = float((ev.log_probs - torch.from_numpy(s1.log_probs)).abs().max())
+with torch.no_grad():
+    for n_, q in p.named_parameters():
+        if "lora_B" in n_: q.add_(torch.randn_like(q) * 0.3)
+sync = {k: v.clone() for k, v in p.sync_state_dict().items()}
+for e in (hf, vl): e.set_weights(1, sync, partial=True)
+out["lora_after_update_same"] = same()
+out["n_sync"] = len(sync)
+for e in (hf, vl): e.stop()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_vllm_serves_lora_adapters_and_their_updates():
+    r = run_in_env("backend:vllm", LORA_CHECKS, timeout=600)
+    assert r["lora_greedy_same"] and r["lora_after_update_same"], r
+    assert r["lora_logp_diff"] < 1e-3, r
+    assert r["n_sync"] < 40, r  # a partial update: the adapters and the value head only
