@@ -253,6 +253,11 @@ def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
 
 
 def environment_of(simulator: str) -> Environment | None:
+    """The environment of a simulator, or of an inference backend (``vllm``) by its name."""
+    from rlfleet.rollout_backends import BACKENDS
+
+    if simulator in BACKENDS and simulator not in SIMULATORS:
+        return BACKENDS[simulator].environment
     return get_simulator(simulator).environment
 
 
@@ -268,7 +273,8 @@ def child_environ(python: str, num_threads: int, **extra: str) -> dict[str, str]
 
 
 def python_for(simulator: str, configured: str | None = None, log=print) -> str:
-    """The python an env server for ``simulator`` runs with: the main one, or its own environment's."""
+    """The python an env server for ``simulator`` (or an inference server of backend ``simulator``) runs with:
+    the main one, or its own environment's."""
     env = environment_of(simulator)
     return sys.executable if env is None else str(ensure(env, configured, log))
 
@@ -332,6 +338,12 @@ def main(argv=None) -> int:
                 err(str(exc))
                 failed += 1
         return 1 if failed else 0
+    from rlfleet.rollout_backends import BACKENDS
+
+    if args.simulator not in SIMULATORS and args.simulator not in BACKENDS:
+        err(f"unknown simulator or inference backend '{args.simulator}'; known: "
+            f"{', '.join(sorted(SIMULATORS) + sorted(b for b in BACKENDS if BACKENDS[b].environment))}")
+        return 2
     python = python_for(args.simulator, None, err)
     if args.action == "install":
         print(python)

@@ -57,23 +57,30 @@ def images(cfg, tag: str | None = None) -> dict[str, dict]:
     args = {"BASE_IMAGE": GPU_BASE if gpu else "python:3.11-slim-bookworm",
             "TORCH_INDEX_URL": GPU_TORCH_INDEX if gpu else CPU_TORCH_INDEX}
     out = {f"rlfleet:{tag}": {"target": "rlfleet", "args": dict(args)}}
-    for sim in sorted({s.simulator for s in process_plan(cfg) if s.simulator}):
-        if _needs_own_environment(sim):
-            out[f"rlfleet-{sim}:{tag}"] = {"target": "simulator", "args": {**args, "SIMULATOR": sim}}
+    for name in sorted({n for s in process_plan(cfg) if (n := own_environment(cfg, s))}):
+        out[f"rlfleet-{name}:{tag}"] = {"target": "simulator", "args": {**args, "SIMULATOR": name}}
     return out
 
 
-def _needs_own_environment(simulator: str) -> bool:
+def own_environment(cfg, spec: ProcessSpec | None) -> str | None:
+    """The name of the Python environment a service process runs from when it is not the main one: an env
+    server's simulator (metaworld, ...) or an inference server's backend (vllm); None for the main one."""
+    from rlfleet.rollout_backends import get_backend
     from rlfleet.simulators import get_simulator
 
-    return get_simulator(simulator).environment is not None
+    if spec is None:
+        return None
+    if spec.simulator and get_simulator(spec.simulator).environment is not None:
+        return spec.simulator
+    if spec.role == "inference" and get_backend(cfg.rollout.backend).environment is not None:
+        return cfg.rollout.backend
+    return None
 
 
 def image_for(cfg, spec: ProcessSpec | None, tag: str | None = None) -> str:
     tag = tag or ("gpu" if uses_gpus(cfg) else "cpu")
-    if spec is not None and spec.simulator and _needs_own_environment(spec.simulator):
-        return f"rlfleet-{spec.simulator}:{tag}"
-    return f"rlfleet:{tag}"
+    name = own_environment(cfg, spec)
+    return f"rlfleet-{name}:{tag}" if name else f"rlfleet:{tag}"
 
 
 def service_command(cfg, spec: ProcessSpec, host: str) -> list[str]:
@@ -82,9 +89,9 @@ def service_command(cfg, spec: ProcessSpec, host: str) -> list[str]:
     run_dir = f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}"
     args = spec.args(CONFIG_IN_CONTAINER, f"0.0.0.0:{port}", f"coordinator:{PORTS['coordinator']}", run_dir,
                      advertise=f"{host}:{port}")
-    if spec.simulator and _needs_own_environment(spec.simulator):
-        # the simulator's own Python environment, built into its image (rlfleet.environments)
-        return ["python", "-m", "rlfleet.environments", "exec", spec.simulator, "-m", spec.module, *args]
+    name = own_environment(cfg, spec)
+    if name:  # the simulator's (or inference backend's) own Python environment, built into its image
+        return ["python", "-m", "rlfleet.environments", "exec", name, "-m", spec.module, *args]
     return ["python", "-m", spec.module, *args]
 
 

@@ -76,6 +76,18 @@ def test_simulator_env_servers_use_their_own_image():
                                         "TORCH_INDEX_URL": deploy.CPU_TORCH_INDEX, "SIMULATOR": "metaworld"}}
 
 
+def test_vllm_inference_servers_use_the_vllm_image():
+    cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm"])
+    plan = {s.role: s for s in process_plan(cfg)}
+    assert deploy.image_for(cfg, plan["inference"]) == "rlfleet-vllm:cpu"
+    assert deploy.image_for(cfg, plan["env"]) == deploy.image_for(cfg, plan["learner"]) == "rlfleet:cpu"
+    cmd = deploy.service_command(cfg, plan["inference"], "inference-0")
+    assert cmd[:7] == ["python", "-m", "rlfleet.environments", "exec", "vllm", "-m", "services.inference.server"]
+    assert deploy.images(cfg)["rlfleet-vllm:cpu"]["args"]["SIMULATOR"] == "vllm"
+    hf = load_config("pandapickcube_vision_ppo_openvla_tiny")
+    assert set(deploy.images(hf)) == {"rlfleet:cpu"}
+
+
 def test_cli_writes_and_names_bad_keys(tmp_path):
     out = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "deploy", "k8s",
                           "cluster.num_env_servers=2", "--out", str(tmp_path)], capture_output=True, text=True)
