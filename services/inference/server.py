@@ -57,10 +57,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def Describe(self, request, context):
         e = self.engine
         n_params = sum(p.numel() for p in e.model.parameters()) if e.model is not None else 0
+        batches, rows = e.batches_run, e.rows_run
+        if e.decoder is not None:  # vllm: engine steps, and rows decoded per step (each row takes several steps)
+            batches, rows = e.decoder.steps_run, e.decoder.rows_run * e.model.num_action_tokens if e.model else 0
         return inference_pb2.InferenceInfo(
             model_type=e.model_cfg.model_type, weights_version=e.version, num_parameters=n_params,
-            requests_served=e.requests_served, batches_run=e.batches_run,
-            mean_batch_rows=float(e.rows_run / e.batches_run) if e.batches_run else 0.0)
+            requests_served=e.requests_served, batches_run=batches,
+            mean_batch_rows=float(rows / batches) if batches else 0.0)
 
 
 def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
