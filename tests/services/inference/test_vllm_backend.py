@@ -208,3 +208,48 @@ def test_vllm_serves_lora_adapters_and_their_updates():
     assert r["lora_greedy_same"] and r["lora_after_update_same"], r
     assert r["lora_logp_diff"] < 1e-3, r
     assert r["n_sync"] < 40, r  # a partial update: the adapters and the value head only
+
+
+# OpenVLA-7B's layout in miniature: DINOv2 (with registers) fused with SigLIP, and a vocabulary padded past the
+# tokenizer's (action ids end at 1024, the embedding table has 1088 rows, as 32000 of 32064 in the 7B model)
+LAYOUT_CHECKS = r'''
+import json, numpy as np, torch
+torch.set_num_threads(1)
+from rlfleet.config import load_config
+from rlfleet.models import ObsSpec
+from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.policies import build_policy
+from services.inference.engine import InferenceEngine
+sizes = ["actor.model.vla.use_dinov2=true", "actor.model.vla.dino_registers=4", "actor.model.vla.dino_hidden_size=96",
+         "actor.model.vla.dino_heads=4", "actor.model.vla.dino_intermediate_size=192",
+         "actor.model.vla.vocab_size=1088", "actor.model.vla.action_token_end=1024", "actor.model.vla.llm_kv_heads=2"]
+cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm", *sizes])
+SPECS = {"third_person": ObsSpec((64, 64, 3), "uint8")}
+torch.manual_seed(0)
+p = build_policy(cfg.actor.model, SPECS, 7, True, "token_level").eval()
+state = {k: v.clone() for k, v in p.state_dict().items()}
+hf = InferenceEngine(cfg.actor.model, logprob_type="token_level")
+vl = InferenceEngine(cfg.actor.model, logprob_type="token_level", backend="vllm", seed=0)
+for e in (hf, vl):
+    e.start(); e.set_weights(0, state, obs_specs=SPECS, action_dim=7)
+rng = np.random.default_rng(1)
+n = 6
+obs = {"third_person": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8)}
+instr = ["put the bowl on the plate"] * n
+a, b = hf.act_now(obs, True, instr), vl.act_now(obs, True, instr)
+s = vl.act_now(obs, False, instr, np.arange(n, dtype=np.uint64))
+with torch.no_grad():
+    ev = p.evaluate(to_torch_obs(obs), {k: torch.from_numpy(v) for k, v in s.forward_inputs.items()}, instr)
+print(json.dumps({"greedy_same": bool(np.array_equal(a.forward_inputs["action_bins"], b.forward_inputs["action_bins"])),
+                  "logp_diff": float((ev.log_probs - torch.from_numpy(s.log_probs)).abs().max()),
+                  "max_bin": int(s.forward_inputs["action_bins"].max()), "shape": list(s.actions.shape)}))
+for e in (hf, vl):
+    e.stop()
+'''
+
+
+@pytest.mark.slow
+def test_vllm_decodes_the_openvla_7b_layout_with_a_padded_vocabulary():
+    r = run_in_env("backend:vllm", LAYOUT_CHECKS, timeout=600)
+    assert r["greedy_same"] and r["logp_diff"] < 1e-3, r
+    assert r["shape"] == [6, 1, 7] and 0 <= r["max_bin"] < 256, r
