@@ -64,6 +64,14 @@ def main() -> int:
                 vals = [r[key] for r in block if key in r]
                 cells.append(fmt.format(sum(vals) / len(vals)) if vals else "-")
             print(f"| {backend} | {seed} | {start + 1}-{start + len(block)} | " + " | ".join(cells) + " |")
+    evals = {key: [r for r in read_metrics(run) if "eval/success_once" in r] for key, run in runs.items()}
+    steps = sorted({int(r["step"]) for rows in evals.values() for r in rows})
+    print("\nevaluation success_once by epoch (0 = the model before training)\n")
+    print("| backend | seed | " + " | ".join(f"epoch {s}" for s in steps) + " |")
+    print("|---|---|" + "---|" * len(steps))
+    for (backend, seed), rows in evals.items():
+        by = {int(r["step"]): r["eval/success_once"] for r in rows}
+        print(f"| {backend} | {seed} | " + " | ".join(f"{by[s]:.2f}" if s in by else "-" for s in steps) + " |")
     print("\n| backend | seed | final eval success_once | final eval return | training time (s) |")
     print("|---|---|---|---|---|")
     for (backend, seed), run in runs.items():
