@@ -83,9 +83,23 @@ def batch_invariant_rows(cfg) -> int:
     return int(rows)
 
 
+def _exit_for_restart(why: str) -> None:
+    """The vLLM engine is lost for good in this process: exit, so that the server is restarted (local launcher,
+    compose restart policy, Kubernetes) and the coordinator has the learner publish the weights to it again."""
+    import logging
+    import os
+    import sys
+
+    logging.getLogger("rlfleet.inference").critical("exiting to be restarted: %s", why)
+    sys.stderr.flush()
+    os._exit(3)
+
+
 def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
     """Start serving; returns (grpc server, bound address, engine, runtime)."""
     engine = build_engine(cfg, device)
+    if engine.decoder is not None:
+        engine.decoder.on_fatal = _exit_for_restart
     engine.start()
     streams = cfg.rollout.max_act_streams
     server = rpc.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)

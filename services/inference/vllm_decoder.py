@@ -12,8 +12,12 @@ One thread owns vLLM's engine (vLLM is not thread-safe) and runs a loop:
   first token to its last), then reloads vLLM's language model in place from the policy copy that now holds the
   new version (tensors in memory, no files), then admits the requests that arrived meanwhile.
 - a reload that fails leaves vLLM's model in an unknown state (vLLM reloads layer by layer): the engine is
-  discarded and rebuilt from the new weights. If that also fails the update fails (the learner reports it, the
-  coordinator republishes) and Act requests get UNAVAILABLE until an update succeeds.
+  discarded and rebuilt from the new weights. An engine step that fails is survived the same way: a new engine from
+  the weights being served, and the rows in flight decoded again from their first token.
+- when a rebuild fails too, the engine is lost: the inference server exits (``on_fatal``), the launcher or the
+  container platform restarts it and the coordinator has the learner publish the weights to it again, the run
+  going on (the path a kill -9 of an inference server takes). Without ``on_fatal`` (tests), the update fails and
+  Act requests get UNAVAILABLE until an update succeeds.
 
 Sampling noise: a row with a noise key (rlfleet.noise) is sampled with vLLM's per-request seed derived from it, so
 its tokens do not depend on what it was batched with; vLLM's sampler is not rlfleet's, so the numbers differ from
@@ -107,7 +111,7 @@ def write_adapter_dir(policy, path: pathlib.Path) -> pathlib.Path:
 
 
 class VLLMDecoder:
-    def __init__(self, *, max_num_seqs: int = 256, seed: int = 0, workdir: str | None = None):
+    def __init__(self, *, max_num_seqs: int = 256, seed: int = 0, workdir: str | None = None, on_fatal=None):
         for key, value in VLLM_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         self.max_num_seqs = max_num_seqs
@@ -119,7 +123,11 @@ class VLLMDecoder:
         self.engine_builds = 0
         self.reloads = 0
         self.failed_reloads = 0
+        self.engine_builds_after_failure = 0  # engines rebuilt after a step failed
         self.down: str | None = None  # why Act is refused (the engine could not be rebuilt), or None
+        # called with the reason when the engine is lost and cannot be rebuilt; the inference server exits then, so
+        # that it is restarted and gets the weights again (None: stay up, refuse Act, rebuild at the next update)
+        self.on_fatal = on_fatal
         # fault injection (tests, drills): the next N reloads break off half-way and raise, as a transfer cut off
         # mid-update would; RLFLEET_FAULT_VLLM_RELOAD_FAILURES=N sets it for a whole run
         self.fail_next_reloads = int(os.environ.get("RLFLEET_FAULT_VLLM_RELOAD_FAILURES", "0") or 0)
@@ -213,10 +221,10 @@ class VLLMDecoder:
             try:
                 self._build(update.policy)
             except Exception as exc:  # noqa: BLE001 - reported to the learner; Act refused until an update works
-                self.down = f"engine build failed: {type(exc).__name__}: {exc}"
                 log.error("vLLM engine could not be built for weights version %d: %s", update.version, exc)
                 update.done.set_exception(Unavailable(f"vLLM engine could not be built: {exc}"))
                 self._discard()
+                self._lost(f"engine build failed: {type(exc).__name__}: {exc}")
                 return
         self.policy, self.version, self.down = update.policy, update.version, None
         update.done.set_result(None)
@@ -333,14 +341,20 @@ class VLLMDecoder:
         if pending is not None and self.llm is not None:
             self.llm.llm_engine.abort_request([f"{rid}:{i}" for i in range(pending.rows)])
 
+    def _lost(self, why: str) -> None:
+        self.down = why
+        if self.on_fatal is not None:
+            self.on_fatal(why)
+
     def _step(self) -> None:
         try:
             outputs = self.llm.llm_engine.step()
-        except Exception as exc:  # noqa: BLE001 - the engine died mid-step: fail these rows, rebuild at next update
-            log.error("vLLM engine step failed: %s", exc)
-            self.down = f"engine step failed: {exc}"
-            self._fail_all([], Unavailable(f"vLLM engine failed: {exc}"))
-            self._discard()
+        except Exception as exc:  # noqa: BLE001 - the engine died mid-step
+            failed = f"{type(exc).__name__}: {exc}"
+        else:
+            failed = None
+        if failed is not None:  # (outside the except block: its traceback would keep the old engine alive)
+            self._recover(failed)
             return
         self.steps_run += 1
         for out in outputs:
@@ -356,6 +370,26 @@ class VLLMDecoder:
             if len(pending.tokens) == pending.rows:
                 del self._pending[rid]
                 self._finish(pending)
+
+    def _recover(self, why: str) -> None:
+        """The engine died mid-step: build a new one from the weights being served and decode the rows in flight
+        again from their first token (same weights version); if it cannot be built, fail them and give up."""
+        log.error("vLLM engine step failed (%s); rebuilding the engine and decoding the rows in flight again", why)
+        pending = list(self._pending.values())
+        self._pending.clear()
+        self._discard()
+        try:
+            self._build(self.policy)
+        except Exception as exc:  # noqa: BLE001
+            log.error("vLLM engine could not be rebuilt: %s", exc)
+            for p in pending:
+                p.request.future.set_exception(Unavailable(f"vLLM engine failed ({why}) and could not be rebuilt"))
+            self._discard()
+            self._lost(f"engine step failed ({why}) and the rebuild failed: {exc}")
+            return
+        self.engine_builds_after_failure += 1
+        for p in pending:
+            self._admit(p.request)
 
     def _finish(self, p: _Pending) -> None:
         try:

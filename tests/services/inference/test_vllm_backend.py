@@ -1,7 +1,7 @@
 """rollout.backend=vllm: the parts that run in the main environment (config checks, the checkpoint key mapping),
 and the vLLM decoder itself inside the vLLM environment (built on first use and cached, as a run builds it):
 parity with the hf backend and the learner's log-probs, continuous batching across streams, weight updates, a
-reload failure and an engine that cannot be rebuilt."""
+reload failure, an engine that cannot be rebuilt, an engine step that fails mid-decode, LoRA, the 7B layout."""
 
 from __future__ import annotations
 
@@ -121,6 +121,8 @@ real_build = vl.decoder._build
 def broken_build(policy):
     raise RuntimeError("injected engine build failure")
 vl.decoder._build = broken_build
+fatal = []
+vl.decoder.on_fatal = fatal.append  # the server exits here (to be restarted); this test stays up instead
 try:
     vl.set_weights(3, state)
     out["update_error"] = None
@@ -132,10 +134,24 @@ try:
 except Unavailable as exc:
     out["act_error"] = str(exc)
 vl.decoder._build = real_build
+vl.decoder.on_fatal = None
+out["fatal"] = fatal
 vl.set_weights(3, state)
 hf.set_weights(3, state)
 out["recovered_greedy_same"] = greedy_same()
 out["recovered_version"] = vl.act_now(obs, True, instr).weights_version
+
+# an engine step that fails mid-decode: a new engine, the rows in flight decoded again, the caller sees nothing
+engine_now = vl.decoder.llm.llm_engine
+real_step, steps = engine_now.step, []
+def flaky_step():
+    steps.append(1)
+    if len(steps) == 2:
+        raise RuntimeError("injected engine step failure")
+    return real_step()
+engine_now.step = flaky_step
+out["step_failure_greedy_same"] = greedy_same()
+out["rebuilt_after_step_failure"] = vl.decoder.engine_builds_after_failure
 for e in (hf, vl):
     e.stop()
 print(json.dumps(out))
@@ -155,7 +171,9 @@ def test_vllm_decoder_matches_hf_and_survives_reload_failures():
     assert r["after_failed_reload_greedy_same"] and r["failed_reloads"] == 1 and r["engine_builds"] == 2, r
     assert "injected engine build failure" in r["update_error"], r
     assert "vLLM engine is down" in r["act_error"], r
+    assert len(r["fatal"]) == 1 and "injected engine build failure" in r["fatal"][0], r
     assert r["recovered_greedy_same"] and r["recovered_version"] == 3, r
+    assert r["step_failure_greedy_same"] and r["rebuilt_after_step_failure"] == 1, r
 
 
 # LoRA: vLLM serves the frozen base weights and the adapters through its LoRA support (a new adapter per version)
