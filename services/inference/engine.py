@@ -169,10 +169,10 @@ class InferenceEngine:
                 noise_keys=None) -> ActResult:
         """Run the policy on one batch right now (validated). With ``noise_keys`` (one per row) each row's
         sampling noise comes from its key (rlfleet.noise), so the row's action does not depend on the batch."""
+        if self.decoder is not None:  # (submit validates)
+            return self.submit(obs, deterministic, 0, instructions, None, noise_keys).result()
         rows = self.validate_obs(obs)
         keys = self.check_noise_keys(noise_keys, rows)
-        if self.decoder is not None:
-            return self.submit(obs, deterministic, 0, instructions, None, keys).result()
         block = self.batch_invariant_rows
         if block > 0 and rows % block:  # a whole number of blocks: the kernels then treat every row alike
             pad = block - rows % block

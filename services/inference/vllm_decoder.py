@@ -136,6 +136,7 @@ class VLLMDecoder:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self.lora_request = None  # the adapter of the served version (LoRA policies), passed with every row
+        self._adapters = 0  # adapters loaded so far: each gets the next id
         self.rows_run = 0
         self.steps_run = 0
 
@@ -261,7 +262,7 @@ class VLLMDecoder:
         the previous one removed."""
         from vllm.lora.request import LoRARequest
 
-        self._adapters = getattr(self, "_adapters", 0) + 1
+        self._adapters += 1
         folder = write_adapter_dir(policy, self.workdir / f"adapter-{self._adapters}")
         old, self.lora_request = self.lora_request, LoRARequest(f"rlfleet-{self._adapters}", self._adapters,
                                                                 str(folder))
