@@ -39,6 +39,8 @@ ROWS = {
                          "pandapickcube_vision_sft_openvla_oft_tiny", "pandapickcube_vision_ppo_openvla_oft_sft"),
     "panda_oft_grpo": Row("PandaPickCubeVision-v0", "OpenVLA-OFT tiny", "GRPO",
                           "pandapickcube_vision_sft_openvla_oft_tiny", "pandapickcube_vision_grpo_openvla_oft_sft"),
+    "metaworld_pi0_ppo": Row("Meta-World MT1 reach-v3", "π0 tiny", "PPO (Flow-SDE)",
+                             "metaworld_mt1_sft_pi0_tiny", "metaworld_mt1_ppo_pi0_sft"),
 }
 
 
