@@ -185,6 +185,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.actor.model.model_type in POLICIES:  # (an unknown model type is reported by its own check)
         why = check_backend(cfg.rollout.backend, cfg.actor.model.model_type)
         _require(why is None, "rollout.backend", why or "")
+    pi = cfg.actor.model.openpi
+    _require(pi.noise_method in ("flow_sde", "flow_noise"), "actor.model.openpi.noise_method",
+             f"'{pi.noise_method}' is not one of flow_sde, flow_noise")
+    _require(0 < pi.noise_std_min <= pi.noise_std_max, "actor.model.openpi.noise_std_min",
+             f"need 0 < noise_std_min <= noise_std_max, got {pi.noise_std_min}, {pi.noise_std_max}")
     inv = cfg.rollout.batch_invariant_rows
     _require(inv is None or 0 <= inv <= 4096, "rollout.batch_invariant_rows",
              f"must be null or an integer in [0, 4096], got {inv}")

@@ -15,6 +15,19 @@ RLinf's π0 recipes use ``chunk_level``). Forward inputs: the prompt, x and x' o
 ``evaluate`` recomputes exactly that density with one expert pass. Deterministic acting (evaluation) runs the plain
 ODE. A value head on the VLM's prefix (mean over its valid tokens) is the critic; ``train_expert_only`` freezes the
 VLM.
+
+Flow-Noise (``noise_method: flow_noise``, πRL after ReinFlow): every denoising step is stochastic,
+``x' ~ N(x + v dt, s^2)`` with ``s`` per action element from a learned noise head on the expert's output features,
+bounded to ``[noise_std_min, noise_std_max]``; the log-prob is the joint density of the whole chain (the sum over the
+steps; the chain's start is the fixed N(0, I)). Forward inputs: the chain ``x_0 .. x_K``; ``evaluate`` runs the K
+expert passes again. The noise head is trained with the policy by the RL loss and plays no part in evaluation.
+
+π0.5 (``pi05: true``) on the same transformers classes, with π0.5's differences: the robot state is discretised into
+256 bins over [-1, 1] and written into the prompt as text (``Task: ..., State: 12 200 ...;\nAction: ``) for the VLM
+to read, instead of a state token for the expert; the denoising time conditions the expert through adaptive RMSNorm
+(a time MLP gives each of the expert's norms a scale and shift, and each residual branch a gate; zero-initialised,
+so a new model starts as a plain Gemma expert), instead of being mixed into the action tokens; the expert sees only
+the action tokens.
 """
 
 from __future__ import annotations
@@ -34,7 +47,52 @@ TINY = dict(image_size=32, patch_size=16, vision_hidden_size=64, vision_layers=1
             vision_intermediate_size=128, vlm_hidden_size=128, vlm_layers=2, vlm_heads=2, vlm_intermediate_size=256,
             expert_hidden_size=64, expert_layers=2, expert_intermediate_size=128, head_dim=32, vocab_size=512,
             max_state_dim=32, max_action_dim=32, num_denoise_steps=4, noise_level=0.5, train_expert_only=False,
-            value_hidden_size=128)
+            value_hidden_size=128, pi05=False, noise_method="flow_sde", noise_std_min=0.05, noise_std_max=0.2)
+NOISE_METHODS = ("flow_sde", "flow_noise")
+STATE_BINS = 256  # π0.5's discretised state
+
+
+class AdaRMSNorm(nn.Module):
+    """π0.5's adaptive RMSNorm around one of the expert's Gemma norms: ``norm(x) * (1 + scale) + shift``, and a gate
+    ``1 + g`` for the residual branch that follows the norm; scale, shift and g come from the time conditioning
+    (set on ``cond.value`` for the duration of one expert pass) through a zero-initialised linear layer."""
+
+    def __init__(self, base: nn.Module, dim: int, cond: _Conditioning):
+        super().__init__()
+        self.base, self.cond = base, cond
+        self.modulation = nn.Linear(dim, 3 * dim)
+        nn.init.zeros_(self.modulation.weight)
+        nn.init.zeros_(self.modulation.bias)
+        self.gate: torch.Tensor | None = None
+
+    def forward(self, x):
+        y = self.base(x)
+        c = self.cond.value
+        if c is None:
+            raise RuntimeError("π0.5's expert ran without its time conditioning")
+        scale, shift, gate = self.modulation(c).to(y.dtype)[:, None, :].chunk(3, dim=-1)
+        self.gate = 1.0 + gate
+        return y * (1.0 + scale) + shift
+
+
+class _Conditioning:
+    """The time conditioning of the current expert pass, shared by every AdaRMSNorm of one policy."""
+
+    value: torch.Tensor | None = None
+
+
+def _gate_output(module, _inputs, output):
+    """Forward hook on an expert layer's attention / MLP: the residual branch times its norm's gate. (Hooks are plain
+    functions that find their norm on the module, so a deep copy of the policy gates with its own norms.)"""
+    gate = module.gate_norm.gate
+    if isinstance(output, tuple):
+        return (output[0] * gate, *output[1:])
+    return output * gate
+
+
+def _keep_input(module, inputs, _output):
+    """Forward hook on the action projection: keeps the expert's output features for the noise head."""
+    module.last_input = inputs[0]
 
 
 class Pi0Policy(PolicyMixin, nn.Module):
@@ -59,8 +117,21 @@ class Pi0Policy(PolicyMixin, nn.Module):
         self.noise_level = float(s["noise_level"])
         if self.num_steps < 1 or self.noise_level <= 0:
             raise ValueError("actor.model.openpi: num_denoise_steps must be >= 1 and noise_level > 0")
+        self.noise_method, self.pi05 = str(s["noise_method"]), bool(s["pi05"])
+        if self.noise_method not in NOISE_METHODS:
+            raise ValueError(f"actor.model.openpi.noise_method: '{self.noise_method}' is not one of "
+                             f"{', '.join(NOISE_METHODS)}")
+        self.std_min, self.std_max = float(s["noise_std_min"]), float(s["noise_std_max"])
+        if not 0 < self.std_min <= self.std_max:
+            raise ValueError(f"actor.model.openpi: need 0 < noise_std_min <= noise_std_max, got "
+                             f"{self.std_min}, {self.std_max}")
+        self.state_dim = state_dim
         self.tokenizer = ByteTokenizer()
         self.max_prompt_tokens = int(max_prompt_tokens)
+        if self.pi05 and self.max_prompt_tokens < self._state_text_tokens() + 8:
+            raise ValueError(f"actor.model.max_prompt_tokens: {self.max_prompt_tokens} cannot hold π0.5's prompt with "
+                             f"a {state_dim}-D state as text ({self._state_text_tokens()} tokens before the "
+                             f"instruction): raise it to at least {self._state_text_tokens() + 32}")
         self.image_token_id = int(s["vocab_size"]) - 1
         self.tokens_per_image = (int(s["image_size"]) // int(s["patch_size"])) ** 2
         vision = dict(image_size=s["image_size"], patch_size=s["patch_size"], hidden_size=s["vision_hidden_size"],
@@ -81,6 +152,25 @@ class Pi0Policy(PolicyMixin, nn.Module):
                         dit_config=expert, chunk_size=self.num_action_chunks, max_state_dim=s["max_state_dim"],
                         max_action_dim=s["max_action_dim"], num_inference_steps=self.num_steps)
         self.pi0 = PI0ForConditionalGeneration(cfg)
+        h = int(s["expert_hidden_size"])
+        if self.pi05:
+            embed = self.pi0.embed_action_time
+            del embed.state_proj, embed.action_time_mlp_in, embed.action_time_mlp_out  # π0's state token and mixing
+            self.time_mlp = nn.Sequential(nn.Linear(h, h), nn.SiLU(), nn.Linear(h, h), nn.SiLU())
+            self._cond = _Conditioning()
+            expert = self.pi0.model.dit
+            for layer in expert.layers:
+                layer.input_layernorm = AdaRMSNorm(layer.input_layernorm, h, self._cond)
+                layer.post_attention_layernorm = AdaRMSNorm(layer.post_attention_layernorm, h, self._cond)
+                for branch, norm in ((layer.self_attn, layer.input_layernorm),
+                                     (layer.mlp, layer.post_attention_layernorm)):
+                    object.__setattr__(branch, "gate_norm", norm)  # a reference, not a submodule
+                    branch.register_forward_hook(_gate_output)
+            expert.norm = AdaRMSNorm(expert.norm, h, self._cond)
+        self.pi0.action_out_proj.last_input = None  # the expert's output features of the last pass (noise head)
+        self.pi0.action_out_proj.register_forward_hook(_keep_input)
+        self.noise_head = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, int(s["max_action_dim"]))) \
+            if self.noise_method == "flow_noise" else None
         self.has_critic = bool(add_value_head)
         self.value_head = nn.Sequential(nn.Linear(s["vlm_hidden_size"], s["value_hidden_size"]), nn.GELU(),
                                         nn.Linear(s["value_hidden_size"], 1)) if add_value_head else None
@@ -89,13 +179,36 @@ class Pi0Policy(PolicyMixin, nn.Module):
                 p.requires_grad_(False)
 
     # --- inputs ---------------------------------------------------------------------------------------------
-    def tokenize(self, instructions: Sequence[str] | None, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Instructions -> right-padded ids [n, P] and mask [n, P] (image tokens are added in _prefix)."""
+    def _state_text_tokens(self) -> int:
+        """Prompt tokens π0.5's prompt needs besides the instruction (BOS, the framing and up to 4 per state dim)."""
+        return 1 + len(self.tokenizer.encode("Task: , State: ;\nAction: ")) + 4 * self.state_dim
+
+    def _flat_state(self, obs: Mapping[str, torch.Tensor], n: int) -> torch.Tensor | None:
+        if not self.state_keys:
+            return None
+        return torch.cat([obs[k].reshape(n, -1).float() for k in self.state_keys], 1)
+
+    def tokenize(self, instructions: Sequence[str] | None, n: int, device,
+                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Instructions (π0.5: and the state as text) -> right-padded ids [n, P] and mask [n, P] (image tokens are
+        added in _prefix)."""
         P = self.max_prompt_tokens
         ids = torch.zeros((n, P), dtype=torch.long)
         mask = torch.zeros((n, P), dtype=torch.long)
-        for i, text in enumerate(list(instructions) if instructions else [""] * n):
-            toks = [self.tokenizer.bos_token_id, *self.tokenizer.encode((text or "").strip().lower() + "\n")][:P]
+        texts = list(instructions) if instructions else [""] * n
+        if self.pi05 and state is not None:
+            bins = ((state.clamp(-1.0, 1.0) + 1.0) * (STATE_BINS / 2)).long().clamp_(max=STATE_BINS - 1).cpu()
+        for i, text in enumerate(texts):
+            text = (text or "").strip().lower()
+            if self.pi05:  # the instruction is cut, never the state
+                state_text = " ".join(str(int(b)) for b in bins[i]) if state is not None else ""
+                frame = self.tokenizer.encode(f"Task: , State: {state_text};\nAction: ")
+                room = P - 1 - len(frame)
+                task = self.tokenizer.encode(text)[:room]
+                toks = [self.tokenizer.bos_token_id, *self.tokenizer.encode("Task: "), *task,
+                        *self.tokenizer.encode(f", State: {state_text};\nAction: ")]
+            else:
+                toks = [self.tokenizer.bos_token_id, *self.tokenizer.encode(text + "\n")][:P]
             ids[i, :len(toks)] = torch.tensor(toks)
             mask[i, :len(toks)] = 1
         return ids.to(device), mask.to(device)
@@ -115,8 +228,8 @@ class Pi0Policy(PolicyMixin, nn.Module):
                          prompt_ids], 1)
         mask = torch.cat([torch.ones((n, n_img), dtype=torch.long, device=prompt_ids.device), prompt_mask], 1)
         state = torch.zeros((n, int(self.sizes["max_state_dim"])), device=prompt_ids.device)
-        if self.state_keys:
-            flat = torch.cat([obs[k].reshape(n, -1).float() for k in self.state_keys], 1)
+        flat = self._flat_state(obs, n)
+        if flat is not None:
             state[:, :flat.shape[1]] = flat
         return ids, mask, pixel_values, torch.ones((n, len(cams)), dtype=torch.bool, device=ids.device), state
 
@@ -130,11 +243,46 @@ class Pi0Policy(PolicyMixin, nn.Module):
         return out.past_key_values, pooled
 
     def _velocity(self, state, x, t, mask, pixel_mask, cache):
+        """The expert's velocity [n, chunk, max_action_dim] at (x, t) over the prefix cache. Its output features
+        (the action projection's input) are left in ``self._features`` for the noise head."""
         prefix_len = cache.get_seq_length()
-        v = self.pi0(state=state, noise=x, timestep=t, attention_mask=mask, pixel_attention_mask=pixel_mask,
-                     past_key_values=cache).logits
+        if self.pi05:
+            v = self._velocity_pi05(x, t, mask, cache, prefix_len)
+        else:
+            v = self.pi0(state=state, noise=x, timestep=t, attention_mask=mask, pixel_attention_mask=pixel_mask,
+                         past_key_values=cache).logits
         cache.crop(prefix_len - cache.get_seq_length())  # the expert's tokens never stay in the prefix cache
         return v
+
+    def _velocity_pi05(self, x, t, mask, cache, prefix_len):
+        """π0.5's expert pass: the action tokens alone (no state token), attending to the whole prefix and to each
+        other, with the time in every norm (AdaRMSNorm)."""
+        from transformers.masking_utils import create_causal_mask
+
+        embed = self.pi0.embed_action_time
+        tokens = embed.action_in_proj(x)
+        n, chunk = tokens.shape[:2]
+        full = torch.cat([mask, mask.new_ones((n, chunk))], 1)
+        blocks = torch.cat([torch.zeros(prefix_len, dtype=torch.long, device=x.device),
+                            torch.ones(chunk, dtype=torch.long, device=x.device)])[None].expand(n, -1)
+        attn = create_causal_mask(config=self.pi0.config.dit_config, inputs_embeds=tokens, attention_mask=full,
+                                  past_key_values=cache, block_sequence_ids=blocks)
+        self._cond.value = self.time_mlp(embed.sinusoid_embeds(t).to(tokens.dtype))
+        try:
+            out = self.pi0.model.dit(inputs_embeds=tokens, attention_mask=attn,
+                                     position_ids=(full.cumsum(1) - 1)[:, -chunk:], past_key_values=cache)
+        finally:
+            self._cond.value = None
+        return self.pi0.action_out_proj(out.last_hidden_state[:, -chunk:])
+
+    @property
+    def _features(self) -> torch.Tensor:
+        return self.pi0.action_out_proj.last_input
+
+    def _noise_std(self) -> torch.Tensor:
+        """Flow-Noise: the std of each action element's step, from the last expert pass's features."""
+        raw = self.noise_head(self._features.float())
+        return self.std_min + (self.std_max - self.std_min) * torch.sigmoid(raw)
 
     def _step_gaussian(self, x, v, t):
         """Flow-SDE step from time t (per row) by dt = -1/K: mean and std of x'."""
@@ -161,10 +309,13 @@ class Pi0Policy(PolicyMixin, nn.Module):
             instructions: Sequence[str] | None = None, noise=None) -> PolicyOutput:
         any_key = self.image_keys[0]
         n, device = obs[any_key].shape[0], obs[any_key].device
-        prompt_ids, prompt_mask = self.tokenize(instructions, n, device)
+        prompt_ids, prompt_mask = self.tokenize(instructions, n, device, self._flat_state(obs, n))
         ids, mask, pixels, pixel_mask, state = self._inputs(obs, prompt_ids, prompt_mask)
         cache, pooled = self._prefix(ids, mask, pixels, pixel_mask)
         shape = (n, self.num_action_chunks, int(self.sizes["max_action_dim"]))
+        prompt = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8)}
+        if self.noise_method == "flow_noise":
+            return self._act_flow_noise(shape, state, mask, pixel_mask, cache, pooled, deterministic, noise, prompt)
         # deterministic (evaluation): the ODE from the noise distribution's mean, so one observation, one action
         if deterministic:
             x, j = torch.zeros(shape, device=device), torch.zeros(n, dtype=torch.long, device=device)
@@ -195,14 +346,55 @@ class Pi0Policy(PolicyMixin, nn.Module):
         per_dim = self._log_prob(x_next, lp_mean, lp_std)
         actions = x[..., :self.action_dim]
         return PolicyOutput(actions, reduce_log_probs(per_dim, self.logprob_type), self._value(pooled),
-                            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8),
-                             "x_t": x_j, "x_next": x_next, "denoise_step": j})
+                            {**prompt, "x_t": x_j, "x_next": x_next, "denoise_step": j})
+
+    def _act_flow_noise(self, shape, state, mask, pixel_mask, cache, pooled, deterministic, noise, prompt):
+        """Flow-Noise acting: K Gaussian steps around the Euler steps, std from the noise head; deterministic: the
+        ODE from the noise distribution's mean."""
+        n, device = shape[0], mask.device
+        if deterministic:
+            x = torch.zeros(shape, device=device)
+        elif noise is not None:
+            x = noise.torch_normal(shape[1:], torch.empty(0, device=device))
+        else:
+            x = torch.randn(shape, device=device)
+        chain, per_dim = [x], torch.zeros((n, shape[1], self.action_dim), device=device)
+        for k in range(self.num_steps):
+            t = torch.full((n,), 1.0 - k / self.num_steps, device=device)
+            mean = x - self._velocity(state, x, t, mask, pixel_mask, cache) / self.num_steps
+            if deterministic:
+                x = mean
+            else:
+                std = self._noise_std()
+                eps = torch.randn_like(mean) if noise is None else noise.torch_normal(mean.shape[1:], mean)
+                x = mean + std * eps
+                per_dim = per_dim + self._log_prob(x, mean, std)
+            chain.append(x)
+        return PolicyOutput(x[..., :self.action_dim], reduce_log_probs(per_dim, self.logprob_type),
+                            self._value(pooled), {**prompt, "chain": torch.stack(chain, 1)})
+
+    def _evaluate_flow_noise(self, state, mask, pixel_mask, cache, chain):
+        """The chain's joint log density per action element and the entropy of its K Gaussian steps."""
+        n = chain.shape[0]
+        per_dim, entropy = 0.0, torch.zeros(n, device=chain.device)
+        for k in range(self.num_steps):
+            t = torch.full((n,), 1.0 - k / self.num_steps, device=chain.device)
+            x = chain[:, k]
+            mean = x - self._velocity(state, x, t, mask, pixel_mask, cache) / self.num_steps
+            std = self._noise_std()
+            per_dim = per_dim + self._log_prob(chain[:, k + 1], mean, std)
+            entropy = entropy + (0.5 + 0.5 * math.log(2 * math.pi)
+                                 + torch.log(std[..., :self.action_dim])).flatten(1).sum(1)
+        return per_dim, entropy
 
     def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
                  instructions: Sequence[str] | None = None) -> PolicyEval:
         ids, mask, pixels, pixel_mask, state = self._inputs(obs, forward_inputs["prompt_ids"].long(),
                                                             forward_inputs["prompt_mask"].long())
         cache, pooled = self._prefix(ids, mask, pixels, pixel_mask)
+        if self.noise_method == "flow_noise":
+            per_dim, entropy = self._evaluate_flow_noise(state, mask, pixel_mask, cache, forward_inputs["chain"].float())
+            return PolicyEval(reduce_log_probs(per_dim, self.logprob_type), entropy, self._value(pooled))
         x_j, x_next = forward_inputs["x_t"].float(), forward_inputs["x_next"].float()
         t = 1.0 - forward_inputs["denoise_step"].float() / self.num_steps
         v = self._velocity(state, x_j, t, mask, pixel_mask, cache)
@@ -218,7 +410,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         (π0's schedule, weighted to the noisy end) the expert's velocity at x_t = t noise + (1 - t) a must be
         noise - a."""
         n, device = actions.shape[0], actions.device
-        prompt_ids, prompt_mask = self.tokenize(instructions, n, device)
+        prompt_ids, prompt_mask = self.tokenize(instructions, n, device, self._flat_state(obs, n))
         ids, mask, pixels, pixel_mask, state = self._inputs(obs, prompt_ids, prompt_mask)
         cache, _ = self._prefix(ids, mask, pixels, pixel_mask)
         target = torch.zeros((n, self.num_action_chunks, int(self.sizes["max_action_dim"])), device=device)
@@ -260,7 +452,8 @@ class Pi0Policy(PolicyMixin, nn.Module):
                                         f"(rlfleet's π0 checkpoint layout, written by save_pretrained)")
             saved = json.loads((path / "config.json").read_text())
             # the architecture comes from the checkpoint; RL-side knobs (noise level, expert-only) from the config
-            keep = ("noise_level", "train_expert_only", "num_denoise_steps", "value_hidden_size")
+            keep = ("noise_level", "train_expert_only", "num_denoise_steps", "value_hidden_size", "noise_method",
+                    "noise_std_min", "noise_std_max")
             sizes = {**saved.get("openpi", {}), **{k: sizes[k] for k in keep if k in sizes}}
             state = load_file(str(path / "model.safetensors"))
         policy = cls(obs_specs, action_dim, sizes=sizes, num_action_chunks=model_cfg.num_action_chunks,
@@ -268,8 +461,9 @@ class Pi0Policy(PolicyMixin, nn.Module):
                      logprob_type=logprob_type)
         if state is not None:
             missing, unexpected = policy.load_state_dict(state, strict=False)
-            missing = [k for k in missing if not k.startswith("value_head.")]  # a fresh critic is expected
-            unexpected = [k for k in unexpected if not k.startswith("value_head.")]
+            fresh = ("value_head.", "noise_head.")  # a fresh critic and noise head are expected on an SFT model
+            missing = [k for k in missing if not k.startswith(fresh)]
+            unexpected = [k for k in unexpected if not k.startswith(fresh)]
             if missing or unexpected:
                 raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
                                  f"unexpected {unexpected[:3]}")

@@ -1,5 +1,6 @@
-"""π0 (transformers' PI0ForConditionalGeneration at a tiny size) as an RL policy: Flow-SDE log-probs recomputed
-exactly, PPO steps that move them, deterministic evaluation, expert-only training."""
+"""π0 and π0.5 (transformers' PI0ForConditionalGeneration at a tiny size) as RL policies: Flow-SDE and Flow-Noise
+log-probs recomputed exactly, PPO steps that move them, deterministic evaluation, expert-only training, π0.5's
+state-as-text prompt and time-conditioned norms."""
 
 from __future__ import annotations
 
@@ -30,15 +31,25 @@ def _obs(n=8):
             "state": torch.randn(n, 7, generator=g)}
 
 
+PI05 = ("actor.model.openpi.pi05=true", "actor.model.max_prompt_tokens=80")
+FLOW_NOISE = ("actor.model.openpi.noise_method=flow_noise",)
+VARIANTS = {"pi0": (), "pi05": PI05, "pi0_flow_noise": FLOW_NOISE, "pi05_flow_noise": PI05 + FLOW_NOISE}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("logprob_type", ["chunk_level", "action_level", "token_level"])
-def test_flow_sde_log_prob_is_recomputed_exactly(logprob_type):
-    p = _policy(logprob_type)
+def test_log_prob_is_recomputed_exactly(logprob_type, variant):
+    p = _policy(logprob_type, *VARIANTS[variant])
     obs = _obs()
     out = p.act(obs, False, INSTR)
     width = {"chunk_level": 1, "action_level": 4, "token_level": 16}[logprob_type]
     assert out.actions.shape == (8, 4, 4) and out.log_probs.shape == (8, width)
-    steps = out.forward_inputs["denoise_step"]
-    assert steps.min() >= 0 and steps.max() < 4
+    if "flow_noise" in variant:  # the whole chain x_0 .. x_K is the forward input
+        assert out.forward_inputs["chain"].shape == (8, 5, 4, 32)
+        assert torch.equal(out.forward_inputs["chain"][:, -1, :, :4], out.actions)
+    else:
+        steps = out.forward_inputs["denoise_step"]
+        assert steps.min() >= 0 and steps.max() < 4
     ev = p.evaluate(obs, out.forward_inputs)
     assert (ev.log_probs - out.log_probs).abs().max() < 1e-5 and (ev.values - out.values).abs().max() < 1e-5
     a, b = p.act(obs, True, INSTR), p.act(obs, True, INSTR)
@@ -46,12 +57,15 @@ def test_flow_sde_log_prob_is_recomputed_exactly(logprob_type):
     assert not torch.equal(p.act(obs, False, INSTR).actions, out.actions)
 
 
-def test_ppo_steps_raise_the_log_prob_of_advantaged_chunks():
-    p = _policy("chunk_level")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ppo_steps_raise_the_log_prob_of_advantaged_chunks(variant):
+    p = _policy("chunk_level", *VARIANTS[variant])
     obs = _obs()
     out = p.act(obs, False, INSTR)
     adv = torch.tensor([1.0, -1.0] * 4)
-    opt = torch.optim.Adam([q for q in p.parameters() if q.requires_grad], lr=1e-3)
+    # Flow-Noise's joint log-prob sums K steps of a small std: it is sharper, so a smaller step
+    lr = 1e-4 if "flow_noise" in variant else 1e-3
+    opt = torch.optim.Adam([q for q in p.parameters() if q.requires_grad], lr=lr)
     losses = []
     for _ in range(5):
         ev = p.evaluate(obs, out.forward_inputs)
@@ -75,3 +89,78 @@ def test_train_expert_only_freezes_the_vlm_and_bad_sizes_are_named():
         _policy("chunk_level", "actor.model.openpi.max_state_dim=4")
     with pytest.raises(ValueError, match="expert_layers must equal vlm_layers"):
         _policy("chunk_level", "actor.model.openpi.expert_layers=3")
+
+
+def test_flow_noise_learns_its_std_within_bounds_and_evaluates_the_ode():
+    p = _policy("chunk_level", *FLOW_NOISE, "actor.model.openpi.noise_std_min=0.1",
+                "actor.model.openpi.noise_std_max=0.3")
+    obs = _obs()
+    out = p.act(obs, False, INSTR)
+    chain = out.forward_inputs["chain"]
+    ev = p.evaluate(obs, out.forward_inputs)
+    # every step is stochastic: each of the 4 steps moves x away from the ODE's step by a bounded std
+    std = p._noise_std()
+    assert 0.1 <= float(std.min()) and float(std.max()) <= 0.3
+    ev.log_probs.sum().backward()
+    assert p.noise_head[0].weight.grad is not None and p.noise_head[0].weight.grad.abs().sum() > 0
+    greedy = p.act(obs, True, INSTR)
+    assert torch.equal(greedy.actions, p.act(obs, True, INSTR).actions)
+    assert not torch.allclose(chain[:, 1], chain[:, 0])
+    with pytest.raises(ValueError, match="openpi.noise_method'?: 'flow_ode' is not one of flow_sde, flow_noise"):
+        _policy("chunk_level", "actor.model.openpi.noise_method=flow_ode")
+
+
+def test_pi05_reads_the_state_as_text_and_the_time_through_its_norms():
+    p = _policy("chunk_level", *PI05)
+    assert not hasattr(p.pi0.embed_action_time, "state_proj")  # no state token for the expert
+    obs = _obs()
+    ids, mask = p.tokenize(INSTR, 8, "cpu", p._flat_state(obs, 8))
+    text = bytes(int(i) - 3 for i in ids[0][mask[0].bool()][1:]).decode()
+    bins = ((obs["state"][0].clamp(-1, 1) + 1) * 128).long().clamp(max=255)
+    assert text == f"Task: pick up the red cube, State: {' '.join(str(int(b)) for b in bins)};\nAction: "
+    long_instr = ["pick up the red cube " * 20] * 8  # the instruction is cut, never the state
+    ids, mask = p.tokenize(long_instr, 8, "cpu", p._flat_state(obs, 8))
+    assert bytes(int(i) - 3 for i in ids[0][mask[0].bool()][1:]).decode().endswith(";\nAction: ")
+    # a different state is a different prompt, hence (through the VLM) different actions
+    other = {**obs, "state": obs["state"] + 0.5}
+    assert not torch.equal(p.act(obs, True, INSTR).actions, p.act(other, True, INSTR).actions)
+    # the time conditions the expert once the norms' modulation has learned anything (zero at init)
+    for m in p.modules():
+        if m.__class__.__name__ == "AdaRMSNorm":
+            torch.nn.init.normal_(m.modulation.weight, std=0.5)
+    x = torch.randn(8, 4, 32)
+    ids, mask, pixels, pixel_mask, state = p._inputs(obs, *p.tokenize(INSTR, 8, "cpu", p._flat_state(obs, 8)))
+    cache, _ = p._prefix(ids, mask, pixels, pixel_mask)
+    v1 = p._velocity(state, x, torch.full((8,), 1.0), mask, pixel_mask, cache)
+    v2 = p._velocity(state, x, torch.full((8,), 0.5), mask, pixel_mask, cache)
+    assert p._features.shape == (8, 4, 64) and not torch.allclose(v1, v2)
+    with pytest.raises(ValueError, match="max_prompt_tokens: 40 cannot hold π0.5's prompt with a 7-D state"):
+        _policy("chunk_level", "actor.model.openpi.pi05=true", "actor.model.max_prompt_tokens=40")
+
+
+@pytest.mark.parametrize("variant", ["pi05", "pi05_flow_noise"])
+def test_pi05_saved_and_loaded_acts_the_same(tmp_path, variant):
+    p = _policy("chunk_level", *VARIANTS[variant])
+    obs = _obs()
+    p.save_pretrained(tmp_path / "m")
+    # an SFT model has no noise head: Flow-Noise RL from it starts a fresh one
+    q = _policy("chunk_level", "actor.model.max_prompt_tokens=80", *FLOW_NOISE,
+                f"actor.model.model_path={tmp_path / 'm'}")
+    assert q.pi05 and q.noise_method == "flow_noise"
+    assert torch.equal(p.act(obs, True, INSTR).actions, q.act(obs, True, INSTR).actions)
+
+
+def test_a_deep_copy_runs_on_its_own_norms_and_features():
+    """The inference server double-buffers the policy: a copy's hooks must use the copy's modules."""
+    import copy
+
+    p = _policy("chunk_level", *PI05, *FLOW_NOISE)
+    obs = _obs()
+    q = copy.deepcopy(p)
+    for m in q.modules():
+        if m.__class__.__name__ == "AdaRMSNorm":
+            torch.nn.init.normal_(m.modulation.weight, std=0.5)
+    out = q.act(obs, False, INSTR)
+    assert (q.evaluate(obs, out.forward_inputs).log_probs - out.log_probs).abs().max() < 1e-5
+    assert p._features is None and q._features is not None
+    assert not torch.equal(p.act(obs, True, INSTR).actions, q.act(obs, True, INSTR).actions)

@@ -17,7 +17,8 @@ CTL = [sys.executable, "-m", "services.coordinator.cli"]
 
 @pytest.mark.parametrize("name, lora", [("pandapickcube_vision_ppo_openvla_tiny", False),
                                         ("pandapickcube_vision_grpo_openvla_oft_tiny", True),
-                                        pytest.param("metaworld_mt10_ppo_pi0_tiny", False, marks=pytest.mark.sim)])
+                                        pytest.param("metaworld_mt10_ppo_pi0_tiny", False, marks=pytest.mark.sim),
+                                        pytest.param("metaworld_mt10_ppo_pi05_tiny", False, marks=pytest.mark.sim)])
 def test_vla_config_runs_end_to_end(tmp_path, name, lora):
     proc = subprocess.run([*CTL, "start", name, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
                            "runner.val_check_interval=2", "env.eval.num_episodes=4", "env.eval.total_num_envs=4"],
