@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rlfleet.models.openvla import ByteTokenizer
+from rlfleet.models.openvla import ByteTokenizer, has_tokenizer_files, load_hf_tokenizer, save_tokenizer
 from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
 
 # actor.model.openpi defaults: a tiny π0 that runs on CPU
@@ -95,13 +95,31 @@ def _keep_input(module, inputs, _output):
     module.last_input = inputs[0]
 
 
+def sizes_from_pi0_config(cfg) -> dict:
+    """A transformers ``PI0Config`` -> the ``actor.model.openpi`` sizes it amounts to (the architecture keys)."""
+    vision, text, expert = cfg.vlm_config.vision_config, cfg.vlm_config.text_config, cfg.dit_config
+    return dict(image_size=vision.image_size, patch_size=vision.patch_size, vision_hidden_size=vision.hidden_size,
+                vision_layers=vision.num_hidden_layers, vision_heads=vision.num_attention_heads,
+                vision_intermediate_size=vision.intermediate_size, vlm_hidden_size=text.hidden_size,
+                vlm_layers=text.num_hidden_layers, vlm_heads=text.num_attention_heads,
+                vlm_intermediate_size=text.intermediate_size, expert_hidden_size=expert.hidden_size,
+                expert_layers=expert.num_hidden_layers, expert_intermediate_size=expert.intermediate_size,
+                head_dim=text.head_dim, vocab_size=text.vocab_size, max_state_dim=cfg.max_state_dim,
+                max_action_dim=cfg.max_action_dim)
+
+
 class Pi0Policy(PolicyMixin, nn.Module):
     def __init__(self, obs_specs: Mapping, action_dim: int, *, sizes: Mapping | None = None,
                  num_action_chunks: int = 5, max_prompt_tokens: int = 48, add_value_head: bool = True,
-                 logprob_type: str = "chunk_level"):
+                 logprob_type: str = "chunk_level", pretrained=None, tokenizer=None):
+        """``pretrained``: a loaded ``PI0ForConditionalGeneration`` (a transformers π0 checkpoint) whose config fixes
+        the architecture; otherwise one is built from ``sizes``. ``tokenizer``: the checkpoint's (PaliGemma's);
+        otherwise rlfleet's byte tokenizer (tiny models)."""
         super().__init__()
         from transformers import GemmaConfig, PaliGemmaConfig, PI0Config, PI0ForConditionalGeneration
 
+        if pretrained is not None:
+            sizes = {**dict(sizes or {}), **sizes_from_pi0_config(pretrained.config)}
         s = self.sizes = {**TINY, **dict(sizes or {})}
         self.obs_specs, self.action_dim = dict(obs_specs), int(action_dim)
         self.num_action_chunks, self.logprob_type = int(num_action_chunks), logprob_type
@@ -126,13 +144,12 @@ class Pi0Policy(PolicyMixin, nn.Module):
             raise ValueError(f"actor.model.openpi: need 0 < noise_std_min <= noise_std_max, got "
                              f"{self.std_min}, {self.std_max}")
         self.state_dim = state_dim
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.max_prompt_tokens = int(max_prompt_tokens)
         if self.pi05 and self.max_prompt_tokens < self._state_text_tokens() + 8:
             raise ValueError(f"actor.model.max_prompt_tokens: {self.max_prompt_tokens} cannot hold π0.5's prompt with "
                              f"a {state_dim}-D state as text ({self._state_text_tokens()} tokens before the "
                              f"instruction): raise it to at least {self._state_text_tokens() + 32}")
-        self.image_token_id = int(s["vocab_size"]) - 1
         self.tokens_per_image = (int(s["image_size"]) // int(s["patch_size"])) ** 2
         vision = dict(image_size=s["image_size"], patch_size=s["patch_size"], hidden_size=s["vision_hidden_size"],
                       num_hidden_layers=s["vision_layers"], num_attention_heads=s["vision_heads"],
@@ -146,12 +163,19 @@ class Pi0Policy(PolicyMixin, nn.Module):
         if s["expert_layers"] != s["vlm_layers"]:
             raise ValueError("actor.model.openpi: the action expert attends layer by layer to the VLM's cache: "
                              "expert_layers must equal vlm_layers")
-        cfg = PI0Config(vlm_config=PaliGemmaConfig(vision_config=vision, text_config=text,
-                                                   image_token_id=self.image_token_id,
-                                                   projection_dim=s["vlm_hidden_size"]),
-                        dit_config=expert, chunk_size=self.num_action_chunks, max_state_dim=s["max_state_dim"],
-                        max_action_dim=s["max_action_dim"], num_inference_steps=self.num_steps)
-        self.pi0 = PI0ForConditionalGeneration(cfg)
+        if pretrained is None:
+            cfg = PI0Config(vlm_config=PaliGemmaConfig(vision_config=vision, text_config=text,
+                                                       image_token_id=int(s["vocab_size"]) - 1,
+                                                       projection_dim=s["vlm_hidden_size"]),
+                            dit_config=expert, chunk_size=self.num_action_chunks, max_state_dim=s["max_state_dim"],
+                            max_action_dim=s["max_action_dim"], num_inference_steps=self.num_steps)
+            pretrained = PI0ForConditionalGeneration(cfg)
+        elif pretrained.config.chunk_size != self.num_action_chunks:
+            raise ValueError(f"actor.model.num_action_chunks: {self.num_action_chunks}, but the π0 checkpoint "
+                             f"predicts chunks of {pretrained.config.chunk_size}; set it to "
+                             f"{pretrained.config.chunk_size}")
+        self.pi0 = pretrained
+        self.image_token_id = int(self.pi0.config.vlm_config.image_token_id)
         h = int(s["expert_hidden_size"])
         if self.pi05:
             embed = self.pi0.embed_action_time
@@ -435,36 +459,69 @@ class Pi0Policy(PolicyMixin, nn.Module):
                   str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps({"model_type": "openpi", "openpi": self.sizes,
                                                       "num_action_chunks": self.num_action_chunks}, indent=2))
+        save_tokenizer(self.tokenizer, path)
 
     @classmethod
     def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
                     logprob_type: str = "chunk_level") -> Pi0Policy:
-        sizes, state = dict(model_cfg.openpi), None
-        if model_cfg.model_path:
-            import json
-            from pathlib import Path
+        """Build from ``actor.model``: from the ``openpi`` sizes, or from ``model_path``, a checkpoint directory in
+        rlfleet's layout (``config.json`` with model_type ``openpi``, ``model.safetensors``, optional ``tokenizer/``)
+        or in transformers' π0 layout (``config.json`` with model_type ``pi0``, safetensors, possibly sharded, and
+        PaliGemma's tokenizer files, as ``lerobot/pi0_base``)."""
+        sizes = dict(model_cfg.openpi)
+        # the architecture comes from a checkpoint; the RL-side knobs always from the config
+        keep = ("noise_level", "train_expert_only", "num_denoise_steps", "value_hidden_size", "noise_method",
+                "noise_std_min", "noise_std_max")
+        kwargs = dict(num_action_chunks=model_cfg.num_action_chunks, max_prompt_tokens=model_cfg.max_prompt_tokens,
+                      add_value_head=model_cfg.add_value_head, logprob_type=logprob_type)
+        if not model_cfg.model_path:
+            return cls(obs_specs, action_dim, sizes=sizes, **kwargs)
+        import json
+        from pathlib import Path
 
-            from safetensors.torch import load_file
+        path = Path(model_cfg.model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"actor.model.model_path: {path} has no config.json (a π0 checkpoint directory: "
+                                    f"rlfleet's layout or transformers' PI0 layout)")
+        saved = json.loads((path / "config.json").read_text())
+        knobs = {k: sizes[k] for k in keep if k in sizes}
+        if saved.get("model_type") == "pi0":
+            return cls._from_transformers_layout(path, knobs, bool(sizes.get("pi05")), obs_specs, action_dim, kwargs)
+        if saved.get("model_type") != "openpi":
+            raise ValueError(f"actor.model.model_path: {path}/config.json has model_type "
+                             f"'{saved.get('model_type')}'; model_type 'openpi' loads 'openpi' (rlfleet's layout) "
+                             f"or 'pi0' (transformers' PI0 layout)")
+        if not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"actor.model.model_path: {path} needs model.safetensors next to config.json "
+                                    f"(rlfleet's π0 checkpoint layout, written by save_pretrained)")
+        from safetensors.torch import load_file
 
-            path = Path(model_cfg.model_path)
-            if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-                raise FileNotFoundError(f"actor.model.model_path: {path} needs config.json and model.safetensors "
-                                        f"(rlfleet's π0 checkpoint layout, written by save_pretrained)")
-            saved = json.loads((path / "config.json").read_text())
-            # the architecture comes from the checkpoint; RL-side knobs (noise level, expert-only) from the config
-            keep = ("noise_level", "train_expert_only", "num_denoise_steps", "value_hidden_size", "noise_method",
-                    "noise_std_min", "noise_std_max")
-            sizes = {**saved.get("openpi", {}), **{k: sizes[k] for k in keep if k in sizes}}
-            state = load_file(str(path / "model.safetensors"))
-        policy = cls(obs_specs, action_dim, sizes=sizes, num_action_chunks=model_cfg.num_action_chunks,
-                     max_prompt_tokens=model_cfg.max_prompt_tokens, add_value_head=model_cfg.add_value_head,
-                     logprob_type=logprob_type)
-        if state is not None:
-            missing, unexpected = policy.load_state_dict(state, strict=False)
-            fresh = ("value_head.", "noise_head.")  # a fresh critic and noise head are expected on an SFT model
-            missing = [k for k in missing if not k.startswith(fresh)]
-            unexpected = [k for k in unexpected if not k.startswith(fresh)]
-            if missing or unexpected:
-                raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]}")
+        tokenizer = load_hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+        policy = cls(obs_specs, action_dim, sizes={**saved.get("openpi", {}), **knobs}, tokenizer=tokenizer,
+                     **kwargs)
+        missing, unexpected = policy.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+        fresh = ("value_head.", "noise_head.")  # a fresh critic and noise head are expected on an SFT model
+        missing = [k for k in missing if not k.startswith(fresh)]
+        unexpected = [k for k in unexpected if not k.startswith(fresh)]
+        if missing or unexpected:
+            raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
         return policy
+
+    @classmethod
+    def _from_transformers_layout(cls, path, knobs, pi05, obs_specs, action_dim, kwargs) -> Pi0Policy:
+        """transformers' own PI0 checkpoint: loaded by PI0ForConditionalGeneration.from_pretrained (local files only,
+        float32, sharding and key names handled by transformers); the value head and noise head start fresh."""
+        from transformers import PI0ForConditionalGeneration
+
+        if pi05:
+            raise ValueError(f"actor.model.openpi.pi05: {path} is a transformers π0 checkpoint (model_type pi0); "
+                             f"transformers has no π0.5 class, so π0.5 loads only from rlfleet's layout")
+        tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else path
+        if not has_tokenizer_files(tokenizer_dir):
+            raise FileNotFoundError(f"actor.model.model_path: {path} is a transformers π0 checkpoint without its "
+                                    f"tokenizer (tokenizer.json / tokenizer.model / tokenizer_config.json, PaliGemma's, "
+                                    f"in the directory or in tokenizer/)")
+        model = PI0ForConditionalGeneration.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+        return cls(obs_specs, action_dim, sizes=knobs, pretrained=model, tokenizer=load_hf_tokenizer(tokenizer_dir),
+                   **kwargs)

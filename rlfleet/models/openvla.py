@@ -65,7 +65,7 @@ class ByteTokenizer:
         return [3 + b for b in text.encode("utf-8")]
 
 
-def _hf_tokenizer(path: Path):
+def load_hf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -78,7 +78,21 @@ def _hf_tokenizer(path: Path):
         def encode(self, text: str) -> list[int]:
             return tok.encode(text, add_special_tokens=False)
 
+        def save_pretrained(self, directory) -> None:
+            tok.save_pretrained(str(directory))
+
     return _Wrapped()
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def save_tokenizer(tokenizer, path: Path) -> None:
+    """A checkpoint's own tokenizer goes into ``tokenizer/`` of the layout rlfleet writes (the byte tokenizer of
+    tiny models needs no files)."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(path / "tokenizer")
 
 
 class VisionBackbone(nn.Module):
@@ -470,6 +484,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         state.update({k: v for k, v in self.state_dict().items() if not k.startswith("llm.")})
         save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes}, indent=2))
+        save_tokenizer(self.tokenizer, path)
         if self.unnorm_stats:
             (path / "dataset_statistics.json").write_text(json.dumps({self.unnorm_name: {"action": self.unnorm_stats}},
                                                                      indent=1))
@@ -492,7 +507,7 @@ def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapp
                                 f"(rlfleet's VLA checkpoint layout)")
     cfg = json.loads((path / "config.json").read_text())
     sizes = {**TINY, **cfg.get("vla", {})}
-    tokenizer = _hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+    tokenizer = load_hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
     stats_file = path / "dataset_statistics.json"
     stats = _pick_stats(json.loads(stats_file.read_text()) if stats_file.is_file() else {}, unnorm_key, stats_file)
     return sizes, tokenizer, stats, load_file(str(path / "model.safetensors"))
@@ -632,7 +647,6 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
     for k, v in state.items():
         if k.startswith("language_model."):
             mapped["llm." + k[len("language_model."):]] = v
-    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    tokenizer = _hf_tokenizer(path) if has_tokenizer else None
+    tokenizer = load_hf_tokenizer(path) if has_tokenizer_files(path) else None
     stats = _pick_stats(cfg.get("norm_stats", {}), unnorm_key, path / "config.json")
     return sizes, tokenizer, stats, mapped

@@ -164,3 +164,61 @@ def test_a_deep_copy_runs_on_its_own_norms_and_features():
     assert (q.evaluate(obs, out.forward_inputs).log_probs - out.log_probs).abs().max() < 1e-5
     assert p._features is None and q._features is not None
     assert not torch.equal(p.act(obs, True, INSTR).actions, q.act(obs, True, INSTR).actions)
+
+
+def _transformers_pi0_checkpoint(path, chunk=4):
+    """A tiny π0 saved by transformers itself (PI0ForConditionalGeneration.save_pretrained, sharded) with a real
+    tokenizer's files next to it: the layout of transformers' π0 checkpoints (lerobot/pi0_base)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GemmaConfig, PaliGemmaConfig, PI0Config, PI0ForConditionalGeneration, \
+        PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<bos>", "<unk>", "pick", "up", "the", "red", "cube", "open", "drawer", "\n"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(str(path))
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32)
+    vision = dict(image_size=32, patch_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64)
+    cfg = PI0Config(vlm_config=PaliGemmaConfig(vision_config=vision, text_config=text, image_token_id=95,
+                                               projection_dim=64),
+                    dit_config=GemmaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=32),
+                    chunk_size=chunk, max_state_dim=16, max_action_dim=8, num_inference_steps=10)
+    torch.manual_seed(5)
+    model = PI0ForConditionalGeneration(cfg)
+    model.save_pretrained(str(path), max_shard_size="100KB")
+    return model
+
+
+def test_a_transformers_pi0_checkpoint_loads_and_round_trips(tmp_path):
+    hub = tmp_path / "pi0_base"
+    model = _transformers_pi0_checkpoint(hub)
+    assert (hub / "model.safetensors.index.json").is_file() and (hub / "tokenizer_config.json").is_file()
+    p = _policy("chunk_level", f"actor.model.model_path={hub}")
+    assert p.sizes["vlm_hidden_size"] == 64 and p.sizes["max_action_dim"] == 8 and p.image_token_id == 95
+    theirs = model.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in p.pi0.state_dict().items())
+    ids, mask = p.tokenize(["pick up the red cube"], 1, "cpu")
+    assert ids[0][mask[0].bool()].tolist() == [2, 4, 5, 6, 7, 8]  # <bos> + the checkpoint's own ids (its "\n" is dropped)
+    obs = _obs()
+    out = p.act(obs, False, INSTR)
+    assert out.actions.shape == (8, 4, 4)
+    assert (p.evaluate(obs, out.forward_inputs).log_probs - out.log_probs).abs().max() < 1e-5
+    # SFT/RL output in rlfleet's layout keeps the tokenizer and the architecture
+    p.save_pretrained(tmp_path / "ours")
+    assert (tmp_path / "ours" / "tokenizer" / "tokenizer_config.json").is_file()
+    q = _policy("chunk_level", f"actor.model.model_path={tmp_path / 'ours'}")
+    assert torch.equal(p.act(obs, True, INSTR).actions, q.act(obs, True, INSTR).actions)
+    with pytest.raises(ValueError, match="num_action_chunks: 5, but the π0 checkpoint predicts chunks of 4"):
+        load = load_config(None, ["actor.model.model_type=openpi", "actor.model.num_action_chunks=5",
+                                  "env.train.max_steps_per_rollout_epoch=40", f"actor.model.model_path={hub}"])
+        build_policy(load.actor.model, SPECS, 4, True, "chunk_level")
+    with pytest.raises(ValueError, match="openpi.pi05: .* is a transformers π0 checkpoint"):
+        _policy("chunk_level", f"actor.model.model_path={hub}", *PI05)
+    (hub / "tokenizer_config.json").unlink()
+    (hub / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="transformers π0 checkpoint without its tokenizer"):
+        _policy("chunk_level", f"actor.model.model_path={hub}")
