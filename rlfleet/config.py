@@ -185,6 +185,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.actor.model.model_type in POLICIES:  # (an unknown model type is reported by its own check)
         why = check_backend(cfg.rollout.backend, cfg.actor.model.model_type)
         _require(why is None, "rollout.backend", why or "")
+    _require(cfg.actor.model.precision in ("fp32", "bf16"), "actor.model.precision",
+             f"'{cfg.actor.model.precision}' is not one of fp32, bf16")
+    _require(not (cfg.actor.model.precision == "bf16" and cfg.rollout.backend == "vllm"), "actor.model.precision",
+             "bf16 is for the hf backend: the vllm backend's engine runs its own dtype (float32 on CPU); "
+             "use rollout.backend=hf with bf16")
     pi = cfg.actor.model.openpi
     _require(pi.noise_method in ("flow_sde", "flow_noise"), "actor.model.openpi.noise_method",
              f"'{pi.noise_method}' is not one of flow_sde, flow_noise")

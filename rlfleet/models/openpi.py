@@ -13,8 +13,8 @@ Log-prob (Flow-SDE): in each call one denoising step j (drawn per row) is made s
 Gaussian density of x' at step j is the log-prob (per action dimension, reduced to the configured granularity;
 RLinf's π0 recipes use ``chunk_level``). Forward inputs: the prompt, x and x' of the stochastic step and j, so
 ``evaluate`` recomputes exactly that density with one expert pass. Deterministic acting (evaluation) runs the plain
-ODE. A value head on the VLM's prefix (mean over its valid tokens) is the critic; ``train_expert_only`` freezes the
-VLM.
+ODE from the row's own noise sample (seeded per episode and step). A value head on the VLM's prefix (mean over its
+valid tokens) is the critic; ``train_expert_only`` freezes the VLM.
 
 Flow-Noise (``noise_method: flow_noise``, πRL after ReinFlow): every denoising step is stochastic,
 ``x' ~ N(x + v dt, s^2)`` with ``s`` per action element from a learned noise head on the expert's output features,
@@ -340,14 +340,12 @@ class Pi0Policy(PolicyMixin, nn.Module):
         prompt = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8)}
         if self.noise_method == "flow_noise":
             return self._act_flow_noise(shape, state, mask, pixel_mask, cache, pooled, deterministic, noise, prompt)
-        # deterministic (evaluation): the ODE from the noise distribution's mean, so one observation, one action
+        x = self._start_noise(shape, deterministic, noise, device)
         if deterministic:
-            x, j = torch.zeros(shape, device=device), torch.zeros(n, dtype=torch.long, device=device)
+            j = torch.zeros(n, dtype=torch.long, device=device)
         elif noise is not None:  # per-row streams (rlfleet.noise): the chain's start, its noisy step, its noise
-            x = noise.torch_normal(shape[1:], torch.empty(0, device=device))
             j = (noise.torch_uniform((), x) * self.num_steps).long().clamp_(max=self.num_steps - 1)
         else:
-            x = torch.randn(shape, device=device)
             j = torch.randint(0, self.num_steps, (n,), device=device)
         x_j, x_next = x.clone(), x.clone()
         lp_mean, lp_std = torch.zeros_like(x), torch.ones_like(x)
@@ -372,16 +370,23 @@ class Pi0Policy(PolicyMixin, nn.Module):
         return PolicyOutput(actions, reduce_log_probs(per_dim, self.logprob_type), self._value(pooled),
                             {**prompt, "x_t": x_j, "x_next": x_next, "denoise_step": j})
 
+    @staticmethod
+    def _start_noise(shape, deterministic: bool, noise, device) -> torch.Tensor:
+        """The chain's start x_0 ~ N(0, I): from each row's noise stream when given (rollouts and evaluations send
+        keys seeded per env and step); without streams, deterministic acting starts every row from one fixed sample
+        (one observation, one action; the all-zeros mean would be far from any sample the flow was trained on)."""
+        if noise is not None:
+            return noise.torch_normal(shape[1:], torch.empty(0, device=device))
+        if deterministic:
+            fixed = torch.randn(shape[1:], generator=torch.Generator().manual_seed(0))
+            return fixed.to(device).expand(shape).clone()
+        return torch.randn(shape, device=device)
+
     def _act_flow_noise(self, shape, state, mask, pixel_mask, cache, pooled, deterministic, noise, prompt):
         """Flow-Noise acting: K Gaussian steps around the Euler steps, std from the noise head; deterministic: the
         ODE from the noise distribution's mean."""
         n, device = shape[0], mask.device
-        if deterministic:
-            x = torch.zeros(shape, device=device)
-        elif noise is not None:
-            x = noise.torch_normal(shape[1:], torch.empty(0, device=device))
-        else:
-            x = torch.randn(shape, device=device)
+        x = self._start_noise(shape, deterministic, noise, device)
         chain, per_dim = [x], torch.zeros((n, shape[1], self.action_dim), device=device)
         for k in range(self.num_steps):
             t = torch.full((n,), 1.0 - k / self.num_steps, device=device)

@@ -29,8 +29,13 @@ def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: 
         close = difflib.get_close_matches(model_type, list(POLICIES), n=1)
         raise ValueError(f"unknown model_type '{model_type}'" + (f"; did you mean '{close[0]}'?" if close else "")
                          + f" (known: {', '.join(POLICIES)})")
-    return load_object(POLICIES[model_type]).from_config(model_cfg, obs_specs, action_dim, normalize_obs,
-                                                        logprob_type)
+    policy = load_object(POLICIES[model_type]).from_config(model_cfg, obs_specs, action_dim, normalize_obs,
+                                                          logprob_type)
+    if model_cfg.get("precision", "fp32") == "bf16":
+        import torch
+
+        policy.autocast_dtype = torch.bfloat16
+    return policy
 
 
 __all__ = ["LOGPROB_TYPES", "POLICIES", "PolicyEval", "PolicyOutput", "build_policy", "log_prob_width",

@@ -22,6 +22,7 @@ Log-prob granularity (``algorithm.logprob_type``, RLinf's names): ``chunk_level`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -84,6 +85,20 @@ class PolicyMixin:
     has_critic: bool = True
     num_action_chunks: int = 1
     logprob_type: str = "action_level"
+    autocast_dtype: torch.dtype | None = None  # actor.model.precision: bf16 -> torch.bfloat16
+
+    @contextlib.contextmanager
+    def precision(self):
+        """The configured precision around a forward pass (act, evaluate, bc_loss): bf16 autocast on the model's
+        device, or nothing. Every caller of the policy wraps its calls in it."""
+        if self.autocast_dtype is None:
+            yield
+            return
+        import torch
+
+        device = next(self.parameters()).device.type
+        with torch.autocast(device_type=device, dtype=self.autocast_dtype):
+            yield
 
     @property
     def log_prob_width(self) -> int:

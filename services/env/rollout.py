@@ -258,10 +258,11 @@ class RolloutWorker:
                 if should_stop():
                     raise Cancelled(f"evaluation cancelled after {len(results)} of {len(episode_ids)} episodes")
                 live = np.flatnonzero(~done)
+                # keyed noise also for deterministic acting: a flow policy (π0) integrates its ODE from a noise
+                # sample (seeded per episode and step); the others ignore it when deterministic
                 policy.submit(0, {k: v[live] for k, v in obs.items()}, deterministic,
                               [instructions[i] for i in live],
-                              None if deterministic else noise.row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH,
-                                                                        step))
+                              noise.row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step))
                 res = policy.result(0)
                 out = self._step_env(env, ids[live], res.actions)
                 ret[live] += out.rewards

@@ -185,7 +185,8 @@ class InferenceEngine:
             lock.acquire()  # held while the batch runs: an update never loads into a model in use
         try:
             tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
-            out = model.act(tobs, deterministic, instructions, noise=None if keys is None else RowNoise(keys))
+            with model.precision():
+                out = model.act(tobs, deterministic, instructions, noise=None if keys is None else RowNoise(keys))
         finally:
             lock.release()
         numpy = lambda t: t[:rows].detach().cpu().numpy()  # noqa: E731

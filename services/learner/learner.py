@@ -270,9 +270,10 @@ class Learner:
             return out
         rows = torch.nonzero(stale).squeeze(1)
         micro = self.cfg.actor.micro_batch_size
-        prox = torch.cat([self.model.evaluate({k: v[idx] for k, v in obs.items()},
-                                              {k: v[idx] for k, v in forward_inputs.items()}).log_probs
-                          for idx in rows.split(micro)])
+        with self.model.precision():
+            prox = torch.cat([self.model.evaluate({k: v[idx] for k, v in obs.items()},
+                                                  {k: v[idx] for k, v in forward_inputs.items()}).log_probs.float()
+                              for idx in rows.split(micro)])
         behaviour = batch["old_log_probs"][rows]
         cap = self.alg.importance_weight_cap
         raw = (prox - behaviour).exp()
@@ -316,9 +317,11 @@ class Learner:
                         mu = ppo.masked_mean(adv, mask)
                         sd = ppo.masked_mean((adv - mu) ** 2, mask).sqrt()
                         adv = (adv - mu) / (sd + 1e-8)
-                    ev = self.model.evaluate({k: v[idx] for k, v in obs.items()},
-                                             {k: v[idx] for k, v in forward_inputs.items()})
-                    log_probs, entropy, values = ev.log_probs, ev.entropy, ev.values
+                    with self.model.precision():
+                        ev = self.model.evaluate({k: v[idx] for k, v in obs.items()},
+                                                 {k: v[idx] for k, v in forward_inputs.items()})
+                    log_probs, entropy = ev.log_probs.float(), ev.entropy.float()
+                    values = None if ev.values is None else ev.values.float()
                     if count == 0 and m == 0:  # before any step: recomputed vs the behaviour policy's log-probs
                         sums["train/actor/first_logprob_abs_diff"] = float(
                             (log_probs.detach() - batch["old_log_probs"][idx]).abs().max())

@@ -80,7 +80,8 @@ class SFTTrainer:
     def step(self, rows: np.ndarray) -> float:
         obs = {k: v.to(self.device) for k, v in to_torch_obs({k: v[rows] for k, v in self.obs.items()}).items()}
         actions = torch.from_numpy(self.actions[rows]).to(self.device)
-        loss = self.policy.bc_loss(obs, actions, [self.instructions[i] for i in rows])
+        with self.policy.precision():
+            loss = self.policy.bc_loss(obs, actions, [self.instructions[i] for i in rows]).float()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"behaviour-cloning loss is {loss.item()} (rows {rows[:4].tolist()}...)")
         self.optimizer.zero_grad(set_to_none=True)

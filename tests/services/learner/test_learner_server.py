@@ -75,12 +75,16 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
                                                   ("mlp", "chunk_level"), ("cnn", "token_level"),
                                                   ("openvla", "token_level"), ("openvla_oft", "action_level"),
                                                   ("openvla_oft", "chunk_level"), ("openpi", "chunk_level"),
-                                                  ("openpi", "token_level")])
+                                                  ("openpi", "token_level"), ("openpi+pi05+flow_noise", "chunk_level"),
+                                                  ("openvla_oft+bf16", "chunk_level"), ("openpi+bf16", "chunk_level")])
 def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, logprob_type):
     """First PPO epoch: the learner's recomputed log-probs equal the inference server's (ratio starts at 1)."""
     from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
     from tests.conftest import Fleet, small_config
 
+    model, *variant = model.split("+")
+    options = {"pi05": ["actor.model.openpi.pi05=true", "actor.model.max_prompt_tokens=80"],
+               "flow_noise": ["actor.model.openpi.noise_method=flow_noise"], "bf16": ["actor.model.precision=bf16"]}
     vision = ["env.train.env_id=PandaPickCubeVision-v0", "env.train.init_params={image_size: 32}"]
     chunk = 2 if model in ("openvla_oft", "openpi") else 1
     extra = {"mlp": [], "cnn": [*vision, "actor.model.image_feature_dim=32"],
@@ -91,7 +95,8 @@ def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, log
              "openpi": [*vision, "actor.model.num_action_chunks=2", "env.train.max_steps_per_rollout_epoch=16"]}[model]
     cfg = small_config(f"actor.model.model_type={model}", f"algorithm.logprob_type={logprob_type}",
                        "env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=8",
-                       "actor.micro_batch_size=16", "actor.global_batch_size=32", *extra)
+                       "actor.micro_batch_size=16", "actor.global_batch_size=32", *extra,
+                       *[o for v in variant for o in options[v]])
     fleet = Fleet(cfg, tmp_path / "run")
     try:
         rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
@@ -103,12 +108,16 @@ def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, log
         pending = fleet.learner.pending[(0, 0)]["time"]
         width = {"action_level": chunk, "chunk_level": 1, "token_level": 4 * chunk}[logprob_type]
         assert pending["log_probs"].shape == (8, 4, width) and pending["actions"].shape == (8, 4, chunk, 4)
-        if model == "openpi":  # the stochastic denoising step travels as forward inputs
+        if model == "openpi" and "flow_noise" in variant:  # the whole denoising chain travels
+            assert pending["fi.chain"].shape == (8, 4, 5, 2, 32)
+        elif model == "openpi":  # the stochastic denoising step travels as forward inputs
             assert pending["fi.x_next"].shape == (8, 4, 2, 32) and pending["fi.denoise_step"].shape == (8, 4)
         if model.startswith("openvla"):  # the prompt and the sampled action tokens travel as forward inputs
             assert pending["fi.action_bins"].shape == (8, 4, 4 * chunk) and pending["fi.prompt_ids"].dtype == np.int64
         resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]))
-        assert resp.metrics["train/actor/first_logprob_abs_diff"] < 1e-5
+        # bf16: autocast in both services, at different batch sizes (4-row requests, 16-row micro-batches); 0 here
+        assert resp.metrics["train/actor/first_logprob_abs_diff"] < (1e-3 if "bf16" in variant else 1e-5)
+        assert all(np.isfinite(v) for v in resp.metrics.values())
     finally:
         fleet.close()
 
