@@ -74,11 +74,19 @@ def test_placement():
     ("algorithm.importance_weight_cap=0.5", "'algorithm.importance_weight_cap': must be >= 1"),
     ("cluster.learner_num_threads=0", "'cluster.learner_num_threads': must be null or >= 1"),
     ("cluster.learner_num_threads=two", "'cluster.learner_num_threads' = 'two' has the wrong type"),
+    ("actor.model.precision=fp16", "'actor.model.precision': 'fp16' is not one of fp32, bf16"),
+    ("actor.model.openpi.noise_method=sde", "'actor.model.openpi.noise_method': 'sde' is not one of flow_sde, flow_noise"),
+    ("actor.model.openpi.noise_std_max=0.01", "'actor.model.openpi.noise_std_min': need 0 < noise_std_min <= noise_std_max"),
 ])
 def test_null_defaults_are_typed_and_new_keys_checked(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert message in str(err.value)
+
+
+def test_bf16_is_refused_with_the_vllm_backend():
+    with pytest.raises(ConfigError, match="'actor.model.precision': bf16 is for the hf backend"):
+        load_config(None, ["actor.model.model_type=openvla", "rollout.backend=vllm", "actor.model.precision=bf16"])
 
 
 def test_built_in_configs_load():
