@@ -190,6 +190,10 @@ def validate(cfg: DictConfig) -> None:
     _require(not (cfg.actor.model.precision == "bf16" and cfg.rollout.backend == "vllm"), "actor.model.precision",
              "bf16 is for the hf backend: the vllm backend's engine runs its own dtype (float32 on CPU); "
              "use rollout.backend=hf with bf16")
+    _require(cfg.rollout.weights_precision in ("fp32", "bf16"), "rollout.weights_precision",
+             f"'{cfg.rollout.weights_precision}' is not one of fp32, bf16")
+    _require(cfg.rollout.weights_precision == "fp32" or cfg.actor.model.precision == "bf16",
+             "rollout.weights_precision", "bf16 weights need bf16 compute: set actor.model.precision=bf16")
     pi = cfg.actor.model.openpi
     _require(pi.noise_method in ("flow_sde", "flow_noise"), "actor.model.openpi.noise_method",
              f"'{pi.noise_method}' is not one of flow_sde, flow_noise")

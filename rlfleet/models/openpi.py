@@ -176,6 +176,9 @@ class Pi0Policy(PolicyMixin, nn.Module):
                              f"{pretrained.config.chunk_size}")
         self.pi0 = pretrained
         self.image_token_id = int(self.pi0.config.vlm_config.image_token_id)
+        # the expert reads embeddings, never token ids; transformers sizes its token table like the VLM's (263M
+        # parameters at π0's size): frozen, so it has no gradient, optimizer state or weight-update traffic
+        self.pi0.model.dit.embed_tokens.requires_grad_(False)
         h = int(s["expert_hidden_size"])
         if self.pi05:
             embed = self.pi0.embed_action_time

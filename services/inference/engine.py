@@ -48,8 +48,9 @@ class _Request:
 class InferenceEngine:
     def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
                  max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level",
-                 batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0):
+                 batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0, weights_precision: str = "fp32"):
         self.model_cfg = model_cfg
+        self.weights_dtype = torch.bfloat16 if weights_precision == "bf16" else None
         self.backend = backend
         self.decoder = None  # the vllm backend's VLLMDecoder
         if backend == "vllm":
@@ -94,6 +95,9 @@ class InferenceEngine:
         if rebuild:
             target = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
                                   self.logprob_type).to(self.device)
+            if self.weights_dtype is not None:  # rollout.weights_precision: bf16: nothing trains here, so the
+                for param in target.parameters():  # served copies may hold their parameters in bf16 (half the
+                    param.data = param.data.to(self.weights_dtype)  # memory); buffers (statistics) stay fp32
         elif self.model is None:
             raise InvalidRequest("observation_space: the first weights set must describe the policy's spaces")
         else:

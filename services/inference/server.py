@@ -71,7 +71,7 @@ def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
                            max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms,
                            device=device, logprob_type=cfg.algorithm.logprob_type,
                            batch_invariant_rows=batch_invariant_rows(cfg), backend=cfg.rollout.backend,
-                           seed=cfg.runner.seed)
+                           seed=cfg.runner.seed, weights_precision=cfg.rollout.weights_precision)
 
 
 def batch_invariant_rows(cfg) -> int:

@@ -83,7 +83,8 @@ def test_ppo_steps_raise_the_log_prob_of_advantaged_chunks(variant):
 def test_train_expert_only_freezes_the_vlm_and_bad_sizes_are_named():
     p = _policy("chunk_level", "actor.model.openpi.train_expert_only=true")
     assert not any(q.requires_grad for q in p.pi0.model.vlm.parameters())
-    assert all(q.requires_grad for q in p.pi0.model.dit.parameters())
+    assert all(q.requires_grad for n, q in p.pi0.model.dit.named_parameters() if not n.startswith("embed_tokens."))
+    assert not p.pi0.model.dit.embed_tokens.weight.requires_grad  # never used: the expert reads embeddings
     assert set(p.sync_state_dict()) and not any(k.startswith("pi0.model.vlm.") for k in p.sync_state_dict())
     with pytest.raises(ValueError, match="exceed max_state_dim 4"):
         _policy("chunk_level", "actor.model.openpi.max_state_dim=4")

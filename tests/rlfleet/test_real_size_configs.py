@@ -1,0 +1,50 @@
+"""The real-size VLA configs build the published architectures: each is built on PyTorch's meta device (shapes
+only, no memory) and its parameters are counted against the released models' sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfleet.config import load_config
+from rlfleet.models import ObsSpec
+from rlfleet.policies import build_policy
+
+IMAGE = ObsSpec((224, 224, 3), "uint8")
+
+
+def _count(module, skip: str = "\0") -> int:
+    return sum(p.numel() for n, p in module.named_parameters() if skip not in n)
+
+
+def _build(name: str, specs: dict, action_dim: int):
+    cfg = load_config(name, [])
+    with torch.device("meta"):
+        return cfg, build_policy(cfg.actor.model, specs, action_dim, True, cfg.algorithm.logprob_type)
+
+
+@pytest.mark.parametrize("name, specs", [
+    ("maniskill_pickcube_ppo_openvla", {"pixels": IMAGE, "state": ObsSpec((25,), "float32")}),
+    ("libero_spatial_grpo_openvla_oft", {"agentview": IMAGE, "wrist": IMAGE, "state": ObsSpec((8,), "float32")}),
+])
+def test_openvla_7b_architecture(name, specs):
+    cfg, policy = _build(name, specs, 7)
+    heads = _count(policy.value_head) if getattr(policy, "value_head", None) is not None else 0
+    # OpenVLA-7B: Llama-2 7B with 32064 rows (6,738,939,904) + SigLIP so400m and DINOv2 ViT-L/14 with registers
+    # (715,675,376 without SigLIP's unused attention-pool head) + the fused projector (71,385,600)
+    oft = 4096 if cfg.actor.model.model_type == "openvla_oft" else 0  # OFT's action-query embedding
+    assert _count(policy, skip="lora_") - heads - oft == 7_526_000_880
+    lora = _count(policy) - _count(policy, skip="lora_")
+    assert lora == 79_953_920  # rank 32 on every linear layer of the Llama (what trains and travels)
+    assert cfg.actor.model.precision == "bf16" and cfg.actor.model.is_lora
+    assert policy.autocast_dtype == torch.bfloat16
+
+
+def test_pi0_architecture():
+    cfg, policy = _build("metaworld_mt50_ppo_pi0", {"corner": IMAGE, "state": ObsSpec((49,), "float32")}, 4)
+    vlm, expert = _count(policy.pi0.model.vlm), _count(policy.pi0.model.dit)
+    unused = policy.pi0.model.dit.embed_tokens.weight
+    assert vlm == 2_938_573_760  # PaliGemma 3B (SigLIP so400m + Gemma 2B)
+    assert expert - unused.numel() == 311_464_960  # the Gemma 300M action expert
+    assert not unused.requires_grad  # its token table is never used (the expert reads embeddings)
+    assert policy.num_action_chunks == 5 and policy.autocast_dtype == torch.bfloat16
