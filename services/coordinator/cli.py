@@ -84,7 +84,7 @@ def _start(args) -> int:
 
 def _preflight(cfg) -> None:
     """Fail in seconds, before anything starts, on what can be checked here: a simulator that cannot run on this
-    host, and (for simulators of the main environment) an unknown env id."""
+    host, (for simulators of the main environment) an unknown env id, and a policy too big for this machine."""
     from rlfleet.simulators import get_simulator, load_object
 
     sims = {cfg.env[split].simulator_type for split in ("train", "eval")}
@@ -110,6 +110,11 @@ def _preflight(cfg) -> None:
                 make_gym_env(e.env_id, dict(e.init_params)).close()
             except (InvalidRequest, ValueError) as exc:
                 raise ConfigError(f"'env.{split}.env_id': {exc}") from None
+    from rlfleet.policies import footprint
+
+    why = footprint.check(cfg)  # a real-size VLA where there is no memory for it: say so now, not by OOM kills
+    if why:
+        raise ConfigError(f"'actor.model': {why}")
 
 
 def _envs(args) -> int:

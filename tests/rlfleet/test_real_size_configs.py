@@ -48,3 +48,30 @@ def test_pi0_architecture():
     assert expert - unused.numel() == 311_464_960  # the Gemma 300M action expert
     assert not unused.requires_grad  # its token table is never used (the expert reads embeddings)
     assert policy.num_action_chunks == 5 and policy.autocast_dtype == torch.bfloat16
+
+
+def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
+    """`coordinatorctl start` of a real-size config on a machine without the memory fails before starting anything,
+    with the numbers (here: a 2.4 GB budget stands in for a small machine)."""
+    from rlfleet.policies import footprint
+
+    cfg = load_config("metaworld_mt50_ppo_pi0", [])
+    fp = footprint.estimate(cfg.actor.model, "chunk_level")
+    assert fp.parameters == 3_518_742_497  # π0 (the expert's unused token table included) + a value head
+    assert fp.inference_bytes("bf16") == 2 * 2 * fp.parameters and fp.learner_bytes() == 4 * fp.parameters + 12 * fp.trainable
+    tiny = load_config("pandapickcube_vision_ppo_openvla_tiny", [])
+    small = footprint.estimate(tiny.actor.model, "token_level")
+    assert small.parameters < 5_000_000 and footprint.check(tiny) is None  # tiny models fit anywhere
+    original = footprint.available_memory
+    footprint.available_memory = lambda: ("this machine's available RAM (no GPU)", 2.4e9)
+    try:
+        why = footprint.check(cfg)
+    finally:
+        footprint.available_memory = original
+    assert why.startswith("the openpi policy of this config has 3.52B parameters")
+    assert "67.2 GB where this machine's available RAM (no GPU) has 2.4 GB" in why
+    # a checkpoint directory is sized from its safetensors headers, without reading the tensors
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    assert footprint.checkpoint_parameters(tmp_path) == 17
