@@ -72,12 +72,20 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
 
 
 def available_memory() -> tuple[str, float]:
-    """(where, bytes) the local launcher's services would allocate in: the smallest GPU, or this host's RAM."""
-    import torch
+    """(where, bytes) the local launcher's services would allocate in: the smallest GPU, or this host's RAM. GPUs
+    are asked through nvidia-smi, so the coordinator never creates a CUDA context of its own."""
+    import shutil
+    import subprocess
 
-    if torch.cuda.is_available():
-        smallest = min(torch.cuda.mem_get_info(i)[1] for i in range(torch.cuda.device_count()))
-        return f"the smallest of {torch.cuda.device_count()} GPU(s)", float(smallest)
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+            sizes = [float(v) * 2 ** 20 for v in out if v.replace(".", "", 1).isdigit()]
+        except (OSError, subprocess.SubprocessError):
+            sizes = []
+        if sizes:
+            return f"the smallest of {len(sizes)} GPU(s)", min(sizes)
     for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return "this machine's available RAM (no GPU)", float(line.split()[1]) * 1024
