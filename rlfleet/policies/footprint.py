@@ -92,13 +92,14 @@ def available_memory() -> tuple[str, float]:
     return "this machine", float("inf")
 
 
-def check(cfg) -> str | None:
-    """None when the policy copies of a local run fit where they would live; else why not, with the numbers."""
+def check(cfg, *, inference: bool = True) -> str | None:
+    """None when the policy copies of a local run fit where they would live; else why not, with the numbers.
+    ``inference=False``: the learner's copy only (supervised fine-tuning)."""
     model = cfg.actor.model
     if model.model_type not in VLA_TYPES:
         return None
     fp = estimate(model, cfg.algorithm.logprob_type)
-    inference = fp.inference_bytes(cfg.rollout.weights_precision)
+    inference = fp.inference_bytes(cfg.rollout.weights_precision) if inference else 0
     learner = fp.learner_bytes()
     where, have = available_memory()
     on_gpu = where.startswith("the smallest")
@@ -106,9 +107,9 @@ def check(cfg) -> str | None:
     need = max(inference, learner) if on_gpu else cfg.cluster.num_inference_servers * inference + learner
     if need <= have:
         return None
+    servers = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
+               f"{cfg.rollout.weights_precision}) and " if inference else "")
     return (f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
-            f"({fp.trainable / 1e9:.3f}B trained): each inference server holds 2 copies "
-            f"({inference / GB:.1f} GB, rollout.weights_precision={cfg.rollout.weights_precision}) and the learner "
-            f"{learner / GB:.1f} GB (fp32 weights, gradients and Adam state of what trains); that is "
+            f"({fp.trainable / 1e9:.3f}B trained): {servers}the learner {learner / GB:.1f} GB (fp32 weights, gradients and Adam state of what trains); that is "
             f"{need / GB:.1f} GB where {where} has {have / GB:.1f} GB. Run it on a machine with the memory (GPU "
             f"nodes: coordinatorctl deploy k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")

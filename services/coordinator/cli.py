@@ -188,6 +188,12 @@ def _sft_step(args) -> int:
         if args.episodes:
             cmd += ["--episodes", str(args.episodes)]
     else:
+        from rlfleet.policies import footprint
+
+        why = footprint.check(cfg, inference=False)
+        if why:
+            print(f"coordinatorctl: config error: 'actor.model': {why}", file=sys.stderr)
+            return 2
         cmd = [python, "-m", "services.learner.sft", "--config", str(args.config or "pandapickcube_ppo")]
     cmd += list(args.overrides)
     return subprocess.call(cmd, env=child_environ(python, cfg.cluster.torch_num_threads),

@@ -70,6 +70,12 @@ def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
         footprint.available_memory = original
     assert why.startswith("the openpi policy of this config has 3.52B parameters")
     assert "67.2 GB where this machine's available RAM (no GPU) has 2.4 GB" in why
+    footprint.available_memory = lambda: ("this machine's available RAM (no GPU)", 50e9)
+    try:  # supervised fine-tuning holds the learner's copy only: 53.1 GB
+        assert "the learner 53.1 GB" in footprint.check(cfg, inference=False)
+        assert footprint.check(cfg, inference=False).count("inference server") == 0
+    finally:
+        footprint.available_memory = original
     # a checkpoint directory is sized from its safetensors headers, without reading the tensors
     from safetensors.torch import save_file
 
