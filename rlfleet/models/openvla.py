@@ -225,7 +225,9 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         self.register_buffer("unnorm_mask", torch.tensor(mask if mask is not None else [True] * action_dim,
                                                          dtype=torch.bool), persistent=False)
         if gradient_checkpointing:
-            self.llm.gradient_checkpointing_enable()
+            # transformers >= 5.23 names it activation checkpointing (the vLLM environment's older one does not)
+            enable = getattr(self.llm, "activation_checkpointing_enable", None) or self.llm.gradient_checkpointing_enable
+            enable()
         self.is_lora = False
         if is_lora:
             self.enable_lora(lora_rank)

@@ -275,3 +275,19 @@ def test_openvla_hub_layout_loads_by_key_mapping(tmp_path):
     assert torch.allclose(got.actions[..., :3], want.actions[..., :3] * 2.0, atol=1e-5)
     assert torch.allclose(got.actions[..., 3], want.actions[..., 3], atol=1e-6)  # masked: stays normalised
     assert (q.evaluate(obs, want.forward_inputs).log_probs - want.log_probs).abs().max() < 1e-4
+
+
+def test_activation_checkpointing_gives_the_same_lora_gradients():
+    """gradient_checkpointing recomputes the LM in backward: same log-probs, same adapter gradients (the real-size
+    configs train LoRA with it on)."""
+    grads = []
+    for gc in ("false", "true"):
+        _, p = _policy("openvla_oft", "token_level", "actor.model.is_lora=true", "actor.model.lora_rank=4",
+                    f"actor.model.gradient_checkpointing={gc}")
+        p.train()
+        obs = _obs()
+        out = p.act(obs, False, INSTR)
+        p.evaluate(obs, out.forward_inputs).log_probs.sum().backward()
+        grads.append({n: q.grad.clone() for n, q in p.named_parameters() if "lora_B" in n})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][k], grads[1][k], atol=1e-5) and grads[0][k].abs().sum() > 0 for k in grads[0])
