@@ -229,11 +229,10 @@ class Pi0Policy(PolicyMixin, nn.Module):
             text = (text or "").strip().lower()
             if self.pi05:  # the instruction is cut, never the state
                 state_text = " ".join(str(int(b)) for b in bins[i]) if state is not None else ""
-                frame = self.tokenizer.encode(f"Task: , State: {state_text};\nAction: ")
-                room = P - 1 - len(frame)
-                task = self.tokenizer.encode(text)[:room]
-                toks = [self.tokenizer.bos_token_id, *self.tokenizer.encode("Task: "), *task,
-                        *self.tokenizer.encode(f", State: {state_text};\nAction: ")]
+                head = self.tokenizer.encode("Task: ")
+                tail = self.tokenizer.encode(f", State: {state_text};\nAction: ")
+                task = self.tokenizer.encode(text)[:P - 1 - len(head) - len(tail)]
+                toks = [self.tokenizer.bos_token_id, *head, *task, *tail]
             else:
                 toks = [self.tokenizer.bos_token_id, *self.tokenizer.encode(text + "\n")][:P]
             ids[i, :len(toks)] = torch.tensor(toks)
@@ -387,7 +386,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
 
     def _act_flow_noise(self, shape, state, mask, pixel_mask, cache, pooled, deterministic, noise, prompt):
         """Flow-Noise acting: K Gaussian steps around the Euler steps, std from the noise head; deterministic: the
-        ODE from the noise distribution's mean."""
+        plain ODE from the same start (``_start_noise``)."""
         n, device = shape[0], mask.device
         x = self._start_noise(shape, deterministic, noise, device)
         chain, per_dim = [x], torch.zeros((n, shape[1], self.action_dim), device=device)
