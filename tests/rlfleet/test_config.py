@@ -75,6 +75,8 @@ def test_placement():
     ("cluster.learner_num_threads=0", "'cluster.learner_num_threads': must be null or >= 1"),
     ("cluster.learner_num_threads=two", "'cluster.learner_num_threads' = 'two' has the wrong type"),
     ("actor.model.precision=fp16", "'actor.model.precision': 'fp16' is not one of fp32, bf16"),
+    ("rollout.weights_precision=bf16", "'rollout.weights_precision': bf16 weights need bf16 compute"),
+    ("rollout.weights_precision=int8", "'rollout.weights_precision': 'int8' is not one of fp32, bf16"),
     ("actor.model.openpi.noise_method=sde", "'actor.model.openpi.noise_method': 'sde' is not one of flow_sde, flow_noise"),
     ("actor.model.openpi.noise_std_max=0.01", "'actor.model.openpi.noise_std_min': need 0 < noise_std_min <= noise_std_max"),
 ])
