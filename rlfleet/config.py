@@ -157,6 +157,47 @@ def config_from_yaml(text: str) -> DictConfig:
     return OmegaConf.create(text)
 
 
+PER_SERVER_KEYS = ("simulator_type", "env_id", "init_params", "max_episode_steps")  # env.per_server items
+
+
+def env_server_config(cfg: DictConfig, index: int) -> DictConfig:
+    """The config env server ``index`` runs with: its ``env.per_server`` item (if any) replaces those keys of
+    env.train and env.eval. The one place a per-server simulator is resolved (env server, launcher, plan)."""
+    items = cfg.env.per_server
+    item = items[index] if index < len(items) else None
+    if not item:
+        return cfg
+    out = cfg.copy()
+    for split in ("train", "eval"):
+        for key, value in item.items():
+            out.env[split][key] = value
+    return out
+
+
+def _check_per_server(cfg: DictConfig) -> None:
+    items, n_servers = cfg.env.per_server, cfg.cluster.num_env_servers
+    _require(len(items) <= n_servers, "env.per_server",
+             f"{len(items)} items for {n_servers} env servers (cluster.num_env_servers): item i is env server i")
+    _require(not items or not cfg.cluster.external_env_addresses, "env.per_server",
+             "external simulators (cluster.external_env_addresses) are not started by rlfleet; give per-server "
+             "simulators to built-in env servers only")
+    for i, item in enumerate(items):
+        if item is None:
+            continue
+        _require(isinstance(item, DictConfig), f"env.per_server[{i}]",
+                 f"must be a map of {', '.join(PER_SERVER_KEYS)}, got {item!r}")
+        unknown = sorted(set(item) - set(PER_SERVER_KEYS))
+        _require(not unknown, f"env.per_server[{i}]",
+                 f"unknown key(s) {unknown} (known: {', '.join(PER_SERVER_KEYS)})")
+        for key in ("simulator_type", "env_id"):
+            _require(key not in item or isinstance(item[key], str), f"env.per_server[{i}].{key}", "must be a string")
+        _require("init_params" not in item or isinstance(item.init_params, DictConfig),
+                 f"env.per_server[{i}].init_params", "must be a map")
+        steps = item.get("max_episode_steps", 1)
+        _require(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
+                 f"env.per_server[{i}].max_episode_steps", f"must be an integer >= 1, got {steps!r}")
+
+
 def _require(cond: bool, key: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"'{key}': {message}")
@@ -253,18 +294,23 @@ def validate(cfg: DictConfig) -> None:
     _require(alg.update_epoch >= 1, "algorithm.update_epoch", "must be >= 1")
     from rlfleet.simulators import get_simulator
 
-    for split in ("train", "eval"):
-        try:
-            get_simulator(cfg.env[split].simulator_type)
-        except KeyError as exc:
-            raise ConfigError(f"'env.{split}.simulator_type': {exc.args[0]}") from None
-    train_sim, eval_sim = (get_simulator(cfg.env[s].simulator_type) for s in ("train", "eval"))
-    _require(ext or train_sim.environment == eval_sim.environment, "env.eval.simulator_type",
-             f"'{eval_sim.name}' runs in the "
-             f"{eval_sim.environment.name if eval_sim.environment else 'main'} environment but the evaluation envs "
-             f"live in the training env servers, which run in the "
-             f"{train_sim.environment.name if train_sim.environment else 'main'} environment ('{train_sim.name}'); "
-             f"evaluate on the same simulator, or serve it standalone and use cluster.external_eval_env_addresses")
+    _check_per_server(cfg)
+    for index in range(n_servers):
+        server = env_server_config(cfg, index)
+        where = f"env.per_server[{index}]" if server is not cfg else "env.{split}"
+        for split in ("train", "eval"):
+            try:
+                get_simulator(server.env[split].simulator_type)
+            except KeyError as exc:
+                raise ConfigError(f"'{where.format(split=split)}.simulator_type': {exc.args[0]}") from None
+        train_sim, eval_sim = (get_simulator(server.env[s].simulator_type) for s in ("train", "eval"))
+        _require(ext or train_sim.environment == eval_sim.environment, "env.eval.simulator_type",
+                 f"'{eval_sim.name}' runs in the "
+                 f"{eval_sim.environment.name if eval_sim.environment else 'main'} environment but the evaluation "
+                 f"envs live in the training env servers, which run in the "
+                 f"{train_sim.environment.name if train_sim.environment else 'main'} environment "
+                 f"('{train_sim.name}'); evaluate on the same simulator, or serve it standalone and use "
+                 f"cluster.external_eval_env_addresses")
     ext_eval = list(cfg.cluster.external_eval_env_addresses)
     _require(not ext_eval or (ext and len(ext_eval) == n_servers), "cluster.external_eval_env_addresses",
              f"{len(ext_eval)} addresses: give one per env server, alongside cluster.external_env_addresses")

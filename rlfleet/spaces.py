@@ -104,3 +104,98 @@ def spaces_to_proto(spaces: Mapping[str, TensorSpace]) -> dict[str, tensor_pb2.T
 
 def spaces_from_proto(specs) -> dict[str, TensorSpace]:
     return {k: TensorSpace.from_proto(v) for k, v in specs.items()}
+
+
+# --- runs whose env servers host different simulators ------------------------------------------------------------
+def joint_spaces(named: Mapping[str, tuple[Mapping[str, TensorSpace], TensorSpace]]
+                 ) -> tuple[dict[str, TensorSpace], TensorSpace]:
+    """The spaces one policy acts in when env servers host different simulators: ``named`` maps a label (e.g.
+    ``env[1] libero:libero_spatial``) to that server's (observation space, action space).
+
+    - observation entries: the union of the names; an entry several servers have must agree in dtype and rank,
+      and images (rank 3) in shape; 1-D entries are zero-padded to the longest; a server without an entry sends
+      zeros there;
+    - actions: 1-D, one dtype, as long as the longest; a server with fewer dimensions executes the first ones
+      and ignores the rest;
+    - bounds: per element, the widest over the servers (and 0, where a server pads).
+
+    Raises ValueError naming the entry and the servers that disagree."""
+    labels = list(named)
+    obs_out: dict[str, TensorSpace] = {}
+    for key in sorted({k for obs, _ in named.values() for k in obs}):
+        have = {lab: named[lab][0][key] for lab in labels if key in named[lab][0]}
+        obs_out[key] = _joint_entry(f"observation '{key}'", have, padded=len(have) < len(labels))
+    acts = {lab: named[lab][1] for lab in labels}
+    bad = [lab for lab, sp in acts.items() if len(sp.shape) != 1]
+    if bad:
+        raise ValueError(f"action spaces: {bad[0]} has shape {list(acts[bad[0]].shape)}; servers hosting different "
+                         f"simulators need 1-D actions to share one policy")
+    return obs_out, _joint_entry("action", acts, padded=False)
+
+
+def _joint_entry(what: str, have: Mapping[str, TensorSpace], padded: bool) -> TensorSpace:
+    (first, sp0), *rest = have.items()
+    for lab, sp in rest:
+        if sp.dtype != sp0.dtype or len(sp.shape) != len(sp0.shape):
+            raise ValueError(f"{what}: {first} has {sp0.dtype} {list(sp0.shape)} but {lab} has {sp.dtype} "
+                             f"{list(sp.shape)}; one policy needs one dtype and rank per entry")
+        if len(sp.shape) != 1 and sp.shape != sp0.shape:
+            raise ValueError(f"{what}: {first} has shape {list(sp0.shape)} but {lab} has {list(sp.shape)}; only 1-D "
+                             f"entries are padded (give both simulators the same image size, e.g. "
+                             f"init_params.image_size)")
+    if len(sp0.shape) != 1:
+        low = np.minimum.reduce([sp.low for sp in have.values()])
+        high = np.maximum.reduce([sp.high for sp in have.values()])
+        if padded:
+            low, high = np.minimum(low, 0), np.maximum(high, 0)
+        return TensorSpace(sp0.shape, sp0.dtype, low, high)
+    n = max(sp.shape[0] for sp in have.values())
+    low, high = np.full(n, np.inf), np.full(n, -np.inf)
+    for sp in have.values():
+        m = sp.shape[0]
+        low[:m], high[:m] = np.minimum(low[:m], sp.low), np.maximum(high[:m], sp.high)
+        if what != "action" and m < n:  # this server's rows are zero-padded there
+            low[m:], high[m:] = np.minimum(low[m:], 0), np.maximum(high[m:], 0)
+    if padded:
+        low, high = np.minimum(low, 0), np.maximum(high, 0)
+    return TensorSpace((n,), sp0.dtype, low, high)
+
+
+def spaces_key(obs: Mapping[str, TensorSpace], action: TensorSpace) -> tuple:
+    """A hashable identity of (observation spaces, action space): equal keys, equal spaces."""
+    return (tuple((k, obs[k].to_proto().SerializeToString(deterministic=True)) for k in sorted(obs)),
+            action.to_proto().SerializeToString(deterministic=True))
+
+
+def fit_check(own: Mapping[str, TensorSpace], own_action: TensorSpace, obs: Mapping[str, TensorSpace],
+              action: TensorSpace) -> None:
+    """Raise ValueError unless an env with spaces (``own``, ``own_action``) can be seen in the policy's spaces
+    (``obs``, ``action``) by padding: the inverse of what :func:`joint_spaces` allows."""
+    for key, sp in own.items():
+        want = obs.get(key)
+        if want is None:
+            raise ValueError(f"observation '{key}' is not among the policy's entries {sorted(obs)}")
+        if want.dtype != sp.dtype or len(want.shape) != len(sp.shape) or (
+                len(sp.shape) != 1 and want.shape != sp.shape) or (len(sp.shape) == 1 and sp.shape[0] > want.shape[0]):
+            raise ValueError(f"observation '{key}': {sp.dtype} {list(sp.shape)} does not fit the policy's "
+                             f"{want.dtype} {list(want.shape)}")
+    if len(own_action.shape) != 1 or len(action.shape) != 1 or own_action.shape[0] > action.shape[0] \
+            or own_action.dtype != action.dtype:
+        raise ValueError(f"action: {own_action.dtype} {list(own_action.shape)} does not fit the policy's "
+                         f"{action.dtype} {list(action.shape)}")
+
+
+def pad_observations(obs: Mapping[str, np.ndarray], spaces: Mapping[str, TensorSpace], rows: int
+                     ) -> dict[str, np.ndarray]:
+    """Observation batches ``[rows, ...]`` in ``spaces``: 1-D entries zero-padded, missing entries zeros."""
+    out = {}
+    for key, sp in spaces.items():
+        v = obs.get(key)
+        if v is not None and v.shape[1:] == sp.shape:
+            out[key] = v
+            continue
+        full = np.zeros((rows, *sp.shape), sp.dtype)
+        if v is not None:
+            full[:, :v.shape[1]] = v
+        out[key] = full
+    return out

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CollectRequest(_message.Message):
-    __slots__ = ("epoch", "num_steps", "inference_addresses", "learner_address", "min_weights_version")
+    __slots__ = ("epoch", "num_steps", "inference_addresses", "learner_address", "min_weights_version", "policy_spec")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SPEC_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_steps: int
     inference_addresses: _containers.RepeatedScalarFieldContainer[str]
     learner_address: str
     min_weights_version: int
-    def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., learner_address: _Optional[str] = ..., min_weights_version: _Optional[int] = ...) -> None: ...
+    policy_spec: _env_pb2.EnvSpec
+    def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., learner_address: _Optional[str] = ..., min_weights_version: _Optional[int] = ..., policy_spec: _Optional[_Union[_env_pb2.EnvSpec, _Mapping]] = ...) -> None: ...
 
 class CollectResponse(_message.Message):
     __slots__ = ("epoch", "env_steps", "episodes", "rollout_time_s", "env_time_s", "inference_wait_s", "weights_version", "lost_episodes")
@@ -43,7 +45,7 @@ class CollectResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., rollout_time_s: _Optional[float] = ..., env_time_s: _Optional[float] = ..., inference_wait_s: _Optional[float] = ..., weights_version: _Optional[int] = ..., lost_episodes: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses", "use_reset_state_ids", "video_episodes", "video_dir")
+    __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses", "use_reset_state_ids", "video_episodes", "video_dir", "policy_spec")
     NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FIRST_EPISODE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +54,7 @@ class EvaluateRequest(_message.Message):
     USE_RESET_STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     VIDEO_EPISODES_FIELD_NUMBER: _ClassVar[int]
     VIDEO_DIR_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SPEC_FIELD_NUMBER: _ClassVar[int]
     num_episodes: int
     seed: int
     first_episode: int
@@ -60,7 +63,8 @@ class EvaluateRequest(_message.Message):
     use_reset_state_ids: bool
     video_episodes: int
     video_dir: str
-    def __init__(self, num_episodes: _Optional[int] = ..., seed: _Optional[int] = ..., first_episode: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., use_reset_state_ids: _Optional[bool] = ..., video_episodes: _Optional[int] = ..., video_dir: _Optional[str] = ...) -> None: ...
+    policy_spec: _env_pb2.EnvSpec
+    def __init__(self, num_episodes: _Optional[int] = ..., seed: _Optional[int] = ..., first_episode: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., use_reset_state_ids: _Optional[bool] = ..., video_episodes: _Optional[int] = ..., video_dir: _Optional[str] = ..., policy_spec: _Optional[_Union[_env_pb2.EnvSpec, _Mapping]] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
     __slots__ = ("episodes", "eval_time_s", "lost_episodes")

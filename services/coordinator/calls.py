@@ -29,6 +29,9 @@ class FleetCalls:
         self.lost_episodes = 0
         self.weights_lock = threading.Lock()
         self.weights_generation: tuple = ()
+        # a run whose env servers host different simulators: the joint spaces its policy acts in, sent with
+        # every Collect and Evaluate (None: every server has the policy's spaces)
+        self.policy_spec = None
 
     def add_lost(self, n: int) -> None:
         with self.lock:

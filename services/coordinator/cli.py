@@ -87,29 +87,39 @@ def _preflight(cfg) -> None:
     host, (for simulators of the main environment) an unknown env id, and a policy too big for this machine."""
     from rlfleet.simulators import get_simulator, load_object
 
-    sims = {cfg.env[split].simulator_type for split in ("train", "eval")}
-    envs = {get_simulator(name).environment for name in sims}
-    if len(envs) > 1:
-        raise ConfigError(f"'env.eval.simulator_type': {cfg.env.eval.simulator_type} and env.train's "
-                          f"{cfg.env.train.simulator_type} run in different Python environments; one env server "
-                          f"hosts both (use the same simulator, or external eval servers)")
-    for name in sims:
-        sim = get_simulator(name)
-        if sim.preflight:
-            try:
-                load_object(sim.preflight)(cfg)
-            except RuntimeError as exc:
-                raise ConfigError(f"'env.train.simulator_type': {name} cannot run on this machine: {exc}") from None
-    for split in ("train", "eval"):
-        e = cfg.env[split]
-        if get_simulator(e.simulator_type).environment is None:  # importable here: check the id now
-            from rlfleet.rpc import InvalidRequest
-            from rlfleet.gym_envs import make_gym_env
+    from omegaconf import OmegaConf
 
-            try:
-                make_gym_env(e.env_id, dict(e.init_params)).close()
-            except (InvalidRequest, ValueError) as exc:
-                raise ConfigError(f"'env.{split}.env_id': {exc}") from None
+    from rlfleet.config import env_server_config
+
+    servers = {}  # each distinct env-server config (env.per_server gives some servers other simulators)
+    for i in range(cfg.cluster.num_env_servers):
+        server = env_server_config(cfg, i)
+        servers.setdefault(OmegaConf.to_yaml(server.env), server)
+    for server in servers.values():
+        sims = {server.env[split].simulator_type for split in ("train", "eval")}
+        envs = {get_simulator(name).environment for name in sims}
+        if len(envs) > 1:
+            raise ConfigError(f"'env.eval.simulator_type': {server.env.eval.simulator_type} and env.train's "
+                              f"{server.env.train.simulator_type} run in different Python environments; one env "
+                              f"server hosts both (use the same simulator, or external eval servers)")
+        for name in sims:
+            sim = get_simulator(name)
+            if sim.preflight:
+                try:
+                    load_object(sim.preflight)(server)
+                except RuntimeError as exc:
+                    raise ConfigError(f"'env.train.simulator_type': {name} cannot run on this machine: {exc}") \
+                        from None
+        for split in ("train", "eval"):
+            e = server.env[split]
+            if get_simulator(e.simulator_type).environment is None:  # importable here: check the id now
+                from rlfleet.rpc import InvalidRequest
+                from rlfleet.gym_envs import make_gym_env
+
+                try:
+                    make_gym_env(e.env_id, dict(e.init_params)).close()
+                except (InvalidRequest, ValueError) as exc:
+                    raise ConfigError(f"'env.{split}.env_id': {exc}") from None
     from rlfleet.policies import footprint
 
     why = footprint.check(cfg)  # a real-size VLA where there is no memory for it: say so now, not by OOM kills

@@ -21,14 +21,56 @@ import grpc
 
 from rlfleet import auth, rpc, tracing
 from rlfleet.config import to_yaml
+from rlfleet.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls
 from services.coordinator.evaluation import Evaluator
 from services.coordinator.launcher import make_launcher
 from services.coordinator.registry import ROLE_NAMES, HealthMonitor, Registry, RunFailed, RunFate
-from services.coordinator.report import RunReport
+from services.coordinator.report import RunReport, eval_line
 
 __all__ = ["Coordinator", "RunFailed", "choose_run_dir", "install_signal_handlers"]
+
+
+def joint_env_spec(specs: list) -> tuple[env_pb2.EnvSpec, str | None]:
+    """The env spec the policy is built for, from every env server's Describe: the first one when all have the
+    same spaces, else their joint spaces (rlfleet.spaces.joint_spaces) -> (spec, a line saying so or None).
+    Raises RunFailed naming the entry two servers disagree on."""
+    def spaces(s):
+        return spaces_from_proto(s.observation_space), TensorSpace.from_proto(s.action_space)
+
+    def key(s):
+        return spaces_key(*spaces(s))
+
+    if all(key(s) == key(specs[0]) for s in specs[1:]):
+        return specs[0], None
+    labels = [f"env[{i}] {s.simulator}:{s.env_id}" for i, s in enumerate(specs)]
+    try:
+        obs, action = joint_spaces({lab: spaces(s) for lab, s in zip(labels, specs)})
+    except ValueError as exc:
+        raise RunFailed(f"the env servers' spaces cannot be joined for one policy: {exc}") from None
+    out = env_pb2.EnvSpec()
+    out.CopyFrom(specs[0])
+    out.env_id = "+".join(dict.fromkeys(s.env_id for s in specs))
+    out.simulator = "+".join(dict.fromkeys(s.simulator for s in specs))
+    out.num_envs = sum(s.num_envs for s in specs)
+    out.max_episode_steps = max(s.max_episode_steps for s in specs)
+    out.max_action_chunk = min(s.max_action_chunk for s in specs)
+    out.num_reset_states = 0
+    del out.task_descriptions[:]
+    out.observation_space.clear()
+    for k, sp in obs.items():
+        out.observation_space[k].CopyFrom(sp.to_proto())
+    out.action_space.CopyFrom(action.to_proto())
+
+    def show(o, a):
+        return ", ".join(f"{k}{list(v.shape)}" for k, v in sorted(o.items())) + f"; action {a.shape[0]}-D"
+
+    line = ("  env servers with different spaces: " + "; ".join(f"{lab} ({show(*spaces(s))})"
+                                                                for lab, s in zip(labels, specs))
+            + f"\n  the policy acts in their joint spaces: {show(obs, action)} (observations zero-padded, each "
+              f"simulator executes its own first action dimensions)")
+    return out, line
 
 
 def choose_run_dir(cfg, resume_dir: str | None) -> pathlib.Path:
@@ -165,7 +207,8 @@ class Coordinator:
                         epoch=epoch,
                         num_steps=self.cfg.env.train.max_steps_per_rollout_epoch // self.cfg.actor.model.num_action_chunks,
                         inference_addresses=reg.addresses("inference"), learner_address=reg.addresses("learner")[0],
-                        min_weights_version=min_version), timeout=self.cfg.cluster.collect_timeout_s)
+                        min_weights_version=min_version, policy_spec=self.calls.policy_spec),
+                        timeout=self.cfg.cluster.collect_timeout_s)
                 if resp.lost_episodes:
                     self._lost(epoch, resp.lost_episodes)
                     self.say(f"  ! env[{index}]: its external simulator restarted; {resp.lost_episodes} episodes lost")
@@ -250,8 +293,12 @@ class Coordinator:
                  f"1 learner ({cfg.cluster.launcher} launcher, coordinator at {self.address})")
         self.start_services()
         rpc_timeout = cfg.cluster.rpc_timeout_s
-        _, stub0 = calls.rollout_stub(0)
-        spec = stub0.Describe(env_pb2.DescribeEnvRequest(), timeout=rpc_timeout)
+        spec, joint = joint_env_spec([calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(),
+                                                                         timeout=rpc_timeout)
+                                      for i in range(reg.counts["env"])])
+        if joint:
+            self.say(joint)
+            calls.policy_spec = spec
         self.env_id = spec.env_id
         if cfg.cluster.external_env_addresses and not cfg.cluster.external_eval_env_addresses:
             self.say("  note: evaluation runs on the external training simulators (no "
@@ -278,8 +325,7 @@ class Coordinator:
             self.phase = "evaluating"
             self.say(f"  evaluating the initial policy ({cfg.env.eval.num_episodes} episodes) ...")
             ev = self.evaluate(0)
-            self.say(f"  eval @ start: success_once {ev['eval/success_once']:.1%} return {ev['eval/return']:.2f} "
-                     f"over {int(ev['eval/num_episodes'])} episodes")
+            self.say(f"  eval @ start: {eval_line(ev)}")
             self._save_state()
         self.phase = "training"
         self.t_train = time.monotonic()
@@ -325,8 +371,7 @@ class Coordinator:
                 epoch += 1
                 if runner.val_check_interval and epoch % runner.val_check_interval == 0:
                     ev = self.evaluate(epoch)
-                    self.say(f"  eval @ epoch {epoch}: success_once {ev['eval/success_once']:.1%} "
-                             f"return {ev['eval/return']:.2f} over {int(ev['eval/num_episodes'])} episodes")
+                    self.say(f"  eval @ epoch {epoch}: {eval_line(ev)}")
                     target = runner.early_stop_success_rate
                     if target is not None and ev["eval/success_once"] >= target:
                         stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from rlfleet import codec, rpc, tracing
+from rlfleet.config import env_server_config
 from rlfleet.v1 import rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls
 from services.coordinator.registry import RunFailed
@@ -39,7 +40,8 @@ class Evaluator:
                         num_episodes=shares[i], first_episode=int(firsts[i]), seed=ev.seed,
                         deterministic=ev.deterministic, inference_addresses=calls.registry.addresses("inference"),
                         use_reset_state_ids=ev.use_fixed_reset_state_ids, video_episodes=ev.video_episodes,
-                        video_dir=video_dir), timeout=self.cfg.cluster.collect_timeout_s)
+                        video_dir=video_dir, policy_spec=calls.policy_spec),
+                        timeout=self.cfg.cluster.collect_timeout_s)
                     calls.add_lost(resp.lost_episodes)
                     return resp
                 except grpc.RpcError as exc:
@@ -61,7 +63,13 @@ class Evaluator:
             futures = [tracing.submit(pool, one, i) for i in range(n) if shares[i]]
             results = [f.result() for f in futures]
         eps = [e for r in results for e in r.episodes]
-        return {"eval/success_once": float(np.mean([e.success_once for e in eps])),
+        by_sim = {}  # a run over several simulators (env.per_server): success per simulator too
+        if self.cfg.env.per_server:
+            for i, r in zip([i for i in range(n) if shares[i]], results):
+                sim = env_server_config(self.cfg, i).env.eval.simulator_type
+                by_sim.setdefault(f"eval/{sim}/success_once", []).extend(e.success_once for e in r.episodes)
+        return {**{k: float(np.mean(v)) for k, v in by_sim.items() if v},
+                "eval/success_once": float(np.mean([e.success_once for e in eps])),
                 "eval/success_at_end": float(np.mean([e.success_at_end for e in eps])),
                 "eval/return": float(np.mean([codec.episode_return(e) for e in eps])),
                 "eval/episode_len": float(np.mean([e.length for e in eps])),

@@ -80,7 +80,8 @@ class LocalLauncher:
         self.cores = sorted(os.sched_getaffinity(0))  # the cores this run may use
         self.specs = {(s.role, s.index): s for s in process_plan(cfg, cores=self.cores)}
         self.procs: dict[tuple[str, int], Proc] = {}
-        self.pythons: dict[str, str] = {}  # role -> interpreter (env: the simulator's environment)
+        self.pythons: dict[str, str] = {}  # role -> interpreter (inference: its backend's environment)
+        self.env_pythons: dict[str, str] = {}  # simulator -> interpreter of its environment (env servers)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def devices_for(self, role: str, index: int) -> str:
@@ -88,9 +89,8 @@ class LocalLauncher:
 
     def prepare(self, log=print) -> None:
         """Build (or find) the simulator environment env servers run in; a first build prints its progress."""
-        if not self.cfg.cluster.external_env_addresses:
-            self.pythons["env"] = environments.python_for(self.cfg.env.train.simulator_type,
-                                                          self.cfg.cluster.envs_dir, log)
+        for sim in dict.fromkeys(s.simulator for s in self.specs.values() if s.role == "env" and s.simulator):
+            self.env_pythons[sim] = environments.python_for(sim, self.cfg.cluster.envs_dir, log)
         backend = get_backend(self.cfg.rollout.backend)
         if backend.environment is not None:  # e.g. vLLM: the inference servers run from its own environment
             self.pythons["inference"] = str(environments.ensure(backend.environment, self.cfg.cluster.envs_dir, log))
@@ -123,7 +123,12 @@ class LocalLauncher:
 
     def start(self, role: str, index: int) -> Proc:
         spec: ProcessSpec = self.specs[(role, index)]
-        python = self.pythons.get(role, sys.executable)
+        if role == "env" and spec.simulator:  # its simulator's environment (a scaled-up server's may be new)
+            if spec.simulator not in self.env_pythons:
+                self.env_pythons[spec.simulator] = environments.python_for(spec.simulator, self.cfg.cluster.envs_dir)
+            python = self.env_pythons[spec.simulator]
+        else:
+            python = self.pythons.get(role, sys.executable)
         cmd = [python, "-m", spec.module, *spec.args(str(self.config_path), f"{self.cfg.cluster.host}:0",
                                                      self.coordinator_address, str(self.run_dir))]
         extra = {auth.TOKEN_ENV: self.token} if self.token else {}

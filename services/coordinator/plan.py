@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.config import ConfigError, cuda_visible_devices, parse_placement
+from rlfleet.config import ConfigError, cuda_visible_devices, env_server_config, parse_placement
 
 MODULES = {"env": "services.env.server", "inference": "services.inference.server", "learner": "services.learner.server"}
 COMPONENT = {"env": "env", "inference": "rollout", "learner": "actor"}  # RLinf's component names per role
@@ -91,7 +91,7 @@ def process_plan(cfg, num_env_servers: int | None = None, cores: list[int] | Non
             gpus = _devices(placement, role, i, n)
             out.append(ProcessSpec(
                 role, i, MODULES[role], gpus, cuda_visible_devices(list(gpus), cl.num_gpus_per_node) if gpus else "",
-                cfg.env.train.simulator_type if role == "env" and not ext else None,
+                env_server_config(cfg, i).env.train.simulator_type if role == "env" and not ext else None,
                 str(ext[i]) if role == "env" and ext else None,
                 _devices(cpu, role, i, n) if cpu else ()))
     return out

@@ -9,6 +9,18 @@ import os
 import pathlib
 
 
+
+def per_simulator(ev: dict) -> str:
+    """' (libero 10.0%, metaworld 50.0%)' in a run over several simulators, else ''."""
+    per = [f"{k.split('/')[1]} {v:.1%}" for k, v in ev.items() if k.endswith("/success_once") and k.count("/") == 2]
+    return f" ({', '.join(per)})" if per else ""
+
+
+def eval_line(ev: dict) -> str:
+    """One evaluation's result for the console."""
+    return (f"success_once {ev['eval/success_once']:.1%} return {ev['eval/return']:.2f} over "
+            f"{int(ev['eval/num_episodes'])} episodes" + per_simulator(ev))
+
 class RunReport:
     def __init__(self, cfg, run_dir: pathlib.Path, quiet: bool = False):
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
@@ -82,7 +94,8 @@ class RunReport:
         self.say("=" * 72)
         if final:
             self.say(f"final evaluation: success_once {final['eval/success_once']:.1%} "
-                     f"({int(final['eval/num_episodes'])} seeded episodes), return {final['eval/return']:.2f}")
+                     f"({int(final['eval/num_episodes'])} seeded episodes), return {final['eval/return']:.2f}"
+                     + per_simulator(final))
         else:
             self.say("no final evaluation (run stopped early)")
         self.say(f"{epochs} epochs, {env_steps} env steps, {train_time:.0f}s of training")

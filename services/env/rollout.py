@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlfleet import noise, rpc, tracing, videos
+from rlfleet.spaces import spaces_key
+from services.env.policy_spaces import PolicySpaceEnv
 from services.env.vec_env import EpisodeStat
 
 _EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
@@ -55,6 +57,10 @@ class Rollout:
     episodes: list[EpisodeStat]
 
 
+def _unwrapped(env):
+    return env.env if isinstance(env, PolicySpaceEnv) else env
+
+
 class RolloutWorker:
     def __init__(self, env, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
                  eval_env_factory=None, group_size: int = 1, use_fixed_reset_state_ids: bool = False,
@@ -74,7 +80,40 @@ class RolloutWorker:
         self.action_shape = info.action_space.shape
         self.action_dim = info.action_space.size
         self.obs = env.reset()
+        self._policy_spaces_key = None  # set by use_policy_spaces
         self.instructions = np.array(info.task_descriptions or [""] * env.num_envs, dtype=object)
+
+    def use_policy_spaces(self, observation_space: dict, action_space) -> None:
+        """Act in the run's policy spaces (a run whose env servers host different simulators): the train and
+        eval envs are seen through :class:`PolicySpaceEnv` (padded observations, actions cut to this simulator's
+        dimensions). The same spaces again: nothing changes. Raises ValueError when this env cannot fit them."""
+        key = spaces_key(observation_space, action_space)
+        if key == self._policy_spaces_key:
+            return
+        self.env = PolicySpaceEnv(_unwrapped(self.env), observation_space, action_space)
+        self._policy_spaces_key = key
+        if self.eval_env is not None:
+            self.eval_env = self._in_policy_spaces(_unwrapped(self.eval_env))
+        self.observation_space = dict(observation_space)
+        self.action_shape, self.action_dim = action_space.shape, action_space.size
+        self.obs = self.env.pad(self.obs)
+
+    def own_space_info(self):
+        """The spaces of this worker's own simulator (not padded to the policy's)."""
+        return _unwrapped(self.env).space_info()
+
+    def _in_policy_spaces(self, env):
+        """An eval env seen as the training env is: the training env itself when one env serves both."""
+        if env is _unwrapped(self.env):
+            return self.env
+        if isinstance(self.env, PolicySpaceEnv):
+            return PolicySpaceEnv(env, self.env.observation_space, self.env.action_space)
+        return env
+
+    def _eval_env(self):
+        if self.eval_env is None:
+            self.eval_env = self._in_policy_spaces(self.eval_env_factory())
+        return self.eval_env
 
     # --- training rollouts ------------------------------------------------------------------------------------
     def reset_all(self, epoch: int | None = None) -> None:
@@ -221,9 +260,7 @@ class RolloutWorker:
         on an env with fixed initial states, from state i % num_reset_states. Returns their stats; an episode
         still running after ``max_episode_steps`` (default: the env's) is ended there, unsuccessful so far.
         Episodes with index < ``video_episodes`` are recorded into ``video_dir`` (rlfleet.videos)."""
-        if self.eval_env is None:
-            self.eval_env = self.eval_env_factory()
-        env = self.eval_env
+        env = self._eval_env()
         try:
             return self._evaluate(env, episode_ids, seed, deterministic, policy, use_reset_state_ids,
                                   max_episode_steps or env.max_episode_steps, should_stop,

@@ -19,7 +19,9 @@ import numpy as np
 from rlfleet import codec, rpc, tracing
 from rlfleet.clients.learner import push_rollout
 from rlfleet.clients.policy import make_policy_client
+from rlfleet.config import env_server_config
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
+from rlfleet.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.env.remote import EnvConnectionLost
 from services.env.rollout import RolloutWorker
@@ -115,7 +117,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._policy_key = None
 
     def _policy_for(self, addresses: list[str], stages: int):
-        key = (tuple(addresses), stages)
+        key = (tuple(addresses), stages, self.worker.action_dim)
         if self._policy_key != key:
             self._drop_policy()
             self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim, self.act_timeout_s)
@@ -126,6 +128,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if self._policy is not None:
             self._policy.close()
         self._policy = self._policy_key = None
+
+    def _use_policy_spec(self, request) -> None:
+        """A run over several simulators: act in its policy's (joint) spaces (services.env.policy_spaces)."""
+        if not request.HasField("policy_spec"):
+            return
+        spec = request.policy_spec
+        try:
+            self.worker.use_policy_spaces(spaces_from_proto(spec.observation_space),
+                                          TensorSpace.from_proto(spec.action_space))
+        except ValueError as exc:
+            own = self.worker.own_space_info()
+            raise rpc.InvalidRequest(f"policy_spec: env[{self.index}] ({own.simulator}:{own.env_id}) cannot act in "
+                                     f"the run's policy spaces: {exc}") from None
 
     def _acquire(self, context) -> None:
         """One Collect/Evaluate at a time; a caller that waits past its deadline gets DEADLINE_EXCEEDED."""
@@ -167,6 +182,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
         self._acquire(context)
         try:
+            self._use_policy_spec(request)
             (rollout, summary), lost = self._with_recovery(
                 context, request.inference_addresses,
                 lambda policy: self.worker.collect(request.epoch, request.num_steps, policy,
@@ -184,7 +200,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @rpc.handler
     def Describe(self, request, context):
-        return env_spec_proto(self.worker.env.space_info(), self.incarnation)
+        return env_spec_proto(self.worker.own_space_info(), self.incarnation)
 
     @rpc.handler
     def Evaluate(self, request, context):
@@ -202,6 +218,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._acquire(context)
         episode_ids = list(range(request.first_episode, request.first_episode + request.num_episodes))
         try:
+            self._use_policy_spec(request)
             episodes, lost = self._with_recovery(
                 context, request.inference_addresses,
                 lambda policy: self.worker.evaluate(episode_ids, request.seed, request.deterministic, policy,
@@ -252,6 +269,7 @@ def build_worker(cfg, index: int, external_env: str | None = None,
 
 
 def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, external_env: str | None = None):
+    cfg = env_server_config(cfg, index)
     external_eval = None
     if external_env and len(cfg.cluster.external_eval_env_addresses) > index:
         external_eval = str(cfg.cluster.external_eval_env_addresses[index])
@@ -292,7 +310,8 @@ def main(argv=None) -> int:
     parser.add_argument("--env-only", action="store_true",
                         help="serve only EnvService over env.train (a standalone simulator server)")
     args = parser.parse_args(argv)
-    cfg = load_service_config(args)
+    run_cfg = load_service_config(args)  # the run's config (registration compares it with the coordinator's)
+    cfg = env_server_config(run_cfg, args.index)  # with this server's own simulator (env.per_server)
     setup_process(args, cfg, ROLE)
     if args.env_only:
         server, bound, env = serve_env_only(cfg, args.address)
@@ -313,7 +332,7 @@ def main(argv=None) -> int:
         raise
     print(f"rlfleet env[{args.index}]: {cfg.env.train.simulator_type}:{cfg.env.train.env_id} in {sys.prefix} "
           f"({_versions(cfg.env.train.simulator_type)})", flush=True)
-    code = runtime.serve_until_stopped(cfg, args)
+    code = runtime.serve_until_stopped(run_cfg, args)
     worker.close()
     return code
 
