@@ -186,13 +186,22 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
     objs.append({"apiVersion": "v1", "kind": "Service",
                  "metadata": {"name": "coordinator", "namespace": namespace, "labels": coord_labels},
                  "spec": {"selector": coord_labels, "ports": [{"name": "grpc", "port": cport, "targetPort": cport}]}})
-    groups: dict[tuple[str, str | None], list[ProcessSpec]] = {}
+    # one StatefulSet per role, or per run of consecutive env servers on one simulator (env.per_server): pods
+    # <set>-<i> with i the service index (spec.ordinals.start = the run's first index)
+    groups: list[list[ProcessSpec]] = []
     for spec in process_plan(cfg):
-        groups.setdefault((spec.role, spec.simulator), []).append(spec)
-    for (role, _sim), specs in groups.items():
-        port = PORTS[role]
+        if groups and (groups[-1][0].role, groups[-1][0].simulator) == (spec.role, spec.simulator):
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+    per_role = {}
+    for specs in groups:
+        per_role[specs[0].role] = per_role.get(specs[0].role, 0) + 1
+    for specs in groups:
         first = specs[0]
-        set_name = role  # pods <role>-0..n-1 match the service indices
+        role = first.role
+        port = PORTS[role]
+        set_name = role if per_role[role] == 1 else f"{role}-{first.index}-{first.simulator or 'main'}"
         set_labels = {**labels, "rlfleet/role": role}
         cmd = service_command(cfg, first, f"$(POD_NAME).{set_name}")
         cmd = [("$(POD_INDEX)" if a == str(first.index) and cmd[i - 1] == "--index" else a)
@@ -209,6 +218,7 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
         objs.append({"apiVersion": "apps/v1", "kind": "StatefulSet",
                      "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
                      "spec": {"serviceName": set_name, "replicas": len(specs), "podManagementPolicy": "Parallel",
+                              **({"ordinals": {"start": first.index}} if first.index else {}),
                               "selector": {"matchLabels": set_labels},
                               "template": {"metadata": {"labels": set_labels}, "spec": pod(container)}}})
         objs.append({"apiVersion": "v1", "kind": "Service",

@@ -97,3 +97,30 @@ def test_built_in_configs_load():
     for path in sorted(CONFIG_DIR.glob("*.yaml")):
         assert load_config(path.stem).runner.experiment_name
     assert load_config(None, ["algorithm.target_kl=0.02", "runner.max_env_steps=null"]).algorithm.target_kl == 0.02
+
+
+def test_per_server_simulators_resolve_per_env_server_and_bad_items_are_named():
+    from rlfleet.config import env_server_config
+
+    cfg = load_config("libero_metaworld_ppo_cnn")
+    s0, s1 = env_server_config(cfg, 0), env_server_config(cfg, 1)
+    assert s0 is cfg and (s0.env.train.simulator_type, s0.env.eval.env_id) == ("libero", "libero_spatial")
+    assert (s1.env.train.simulator_type, s1.env.train.env_id, s1.env.eval.env_id) == ("metaworld", "reach-v3",
+                                                                                      "reach-v3")
+    assert dict(s1.env.eval.init_params) == {"camera": "corner", "image_size": 64}
+    assert s1.env.train.max_episode_steps == 100 and s1.env.train.total_num_envs == 4  # the rest as env.train
+    assert cfg.env.train.simulator_type == "libero"  # the run's config is unchanged
+    bad = {
+        "env.per_server=[{},{simulator_type: metaworld},{}]": "'env.per_server': 3 items for 2 env servers",
+        "env.per_server=[{},{simulator: metaworld}]": "'env.per_server[1]': unknown key(s) ['simulator']",
+        "env.per_server=[{},{simulator_type: mujoco}]": "'env.per_server[1].simulator_type': unknown simulator",
+        "env.per_server=[{},{max_episode_steps: 0}]": "'env.per_server[1].max_episode_steps': must be an integer",
+        "env.per_server=[{},{init_params: 3}]": "'env.per_server[1].init_params': must be a map",
+        "env.per_server=[{},7]": "'env.per_server[1]': must be a map",
+    }
+    for override, message in bad.items():
+        with pytest.raises(ConfigError) as err:
+            load_config("libero_metaworld_ppo_cnn", [override])
+        assert message in str(err.value), (override, str(err.value))
+    with pytest.raises(ConfigError, match="'env.per_server': external simulators"):
+        load_config(None, ["cluster.external_env_addresses=[a:1]", "env.per_server=[{env_id: Pendulum-v1}]"])

@@ -96,3 +96,23 @@ def test_cli_writes_and_names_bad_keys(tmp_path):
                           "cluster.num_env_servrs=2", "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown config key 'cluster.num_env_servrs'" in bad.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_over_two_simulators_gets_an_image_and_a_statefulset_per_simulator(tmp_path):
+    cfg = load_config("libero_metaworld_ppo_cnn")
+    envs = [s for s in process_plan(cfg) if s.role == "env"]
+    assert [(s.index, s.simulator) for s in envs] == [(0, "libero"), (1, "metaworld")]
+    assert {"rlfleet-libero:cpu", "rlfleet-metaworld:cpu"} <= set(deploy.images(cfg))
+    assert [deploy.image_for(cfg, s) for s in envs] == ["rlfleet-libero:cpu", "rlfleet-metaworld:cpu"]
+    (path,) = deploy.write("k8s", cfg, tmp_path)
+    docs = list(yaml.safe_load_all(path.read_text()))
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+    sets = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "StatefulSet"}
+    assert set(sets) == {"learner", "inference", "env-0-libero", "env-1-metaworld"}
+    # pod index = env server index: the Meta-World server's pod is env-1-metaworld-1, started with --index 1
+    assert "ordinals" not in sets["env-0-libero"] and sets["env-1-metaworld"]["ordinals"] == {"start": 1}
+    images = {k: v["template"]["spec"]["containers"][0]["image"] for k, v in sets.items()}
+    assert images["env-0-libero"] == "rlfleet-libero:cpu" and images["env-1-metaworld"] == "rlfleet-metaworld:cpu"
+    compose = yaml.safe_load(deploy.write("compose", cfg, tmp_path / "c")[0].read_text())
+    assert compose["services"]["env-1"]["image"] == "rlfleet-metaworld:cpu"

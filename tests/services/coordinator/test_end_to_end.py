@@ -418,6 +418,41 @@ def test_libero_runs_end_to_end_and_evaluates_on_fixed_initial_states(tmp_path):
     assert summary["final_eval"]["eval/success_once"] in (0.0, 0.5, 1.0)
 
 
+@pytest.mark.sim
+def test_two_simulators_in_one_run_each_from_its_own_environment(tmp_path):
+    """env.per_server: env server 0 hosts LIBERO (libero environment), env server 1 Meta-World (metaworld
+    environment), both on mujoco 3.3.0 while the main environment keeps its own; one policy acts in their joint
+    spaces and the evaluation reports success per simulator."""
+    small = ["env.train.total_num_envs=2", "env.train.max_episode_steps=16", "env.train.max_steps_per_rollout_epoch=16",
+             "env.eval.total_num_envs=2", "env.eval.num_episodes=4", "env.eval.max_episode_steps=8",
+             "rollout.pipeline_stage_num=1", "actor.micro_batch_size=32", "actor.global_batch_size=32",
+             "env.train.init_params.fast_render=true", "env.eval.init_params.fast_render=true",
+             "env.train.init_params.image_size=32", "env.eval.init_params.image_size=32",
+             "env.per_server=[{},{simulator_type: metaworld, env_id: reach-v3, max_episode_steps: 16, "
+             "init_params: {camera: corner, image_size: 32}}]"]
+    proc = subprocess.run([*CTL, "start", "libero_metaworld_ppo_cnn", f"runner.logger.log_path={tmp_path}",
+                           "runner.max_epochs=2", "runner.experiment_name=mix", *small],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("env[0] libero:libero_spatial (agentview[32, 32, 3], state[8], wrist[32, 32, 3]; action 7-D); "
+            "env[1] metaworld:reach-v3 (pixels[32, 32, 3], state[39]; action 4-D)") in proc.stdout
+    assert "joint spaces: agentview[32, 32, 3], pixels[32, 32, 3], state[39], wrist[32, 32, 3]; action 7-D" \
+        in proc.stdout
+    logs = tmp_path / "mix" / "logs"
+    libero_log, metaworld_log = (logs / "env_0.log").read_text(), (logs / "env_1.log").read_text()
+    assert "libero:libero_spatial" in libero_log and "robosuite 1.4.0" in libero_log and "mujoco 3.3.0" in libero_log
+    assert "metaworld:reach-v3" in metaworld_log and "metaworld 3.1.1" in metaworld_log \
+        and "mujoco 3.3.0" in metaworld_log
+    assert "/envs/libero-" in libero_log and "/envs/metaworld-" in metaworld_log  # two environments
+    import mujoco
+
+    assert mujoco.__version__ != "3.3.0"  # the main environment keeps its own version
+    final = json.loads((tmp_path / "mix" / "summary.json").read_text())["final_eval"]
+    assert final["eval/num_episodes"] == 4
+    assert final["eval/libero/success_once"] in (0.0, 0.5, 1.0) and final["eval/metaworld/success_once"] in (0.0, 0.5, 1.0)
+    assert "final evaluation: success_once" in proc.stdout and "(libero " in proc.stdout
+
+
 def test_scale_env_servers_during_a_run(tmp_path):
     """`coordinatorctl scale env 2` adds a server at the next epoch (samples per epoch double: envs per server are
     fixed), `scale env 1` retires it again; the run goes on throughout."""

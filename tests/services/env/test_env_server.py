@@ -177,3 +177,54 @@ def test_evaluate_is_bounded_and_cancellable(fleet):
     res = rstub.Evaluate(rollout_pb2.EvaluateRequest(num_episodes=2, seed=0, deterministic=True,
                                                      inference_addresses=[fleet.inf_addr]), timeout=60)
     assert len(res.episodes) == 2  # the worker is free again
+
+
+def _joint_spec(spec, state_dim: int, action_dim: int, extra_entry: bool = True):
+    """``spec`` (an env server's Describe) as a run over several simulators would widen it."""
+    from rlfleet.spaces import TensorSpace
+
+    out = env_pb2.EnvSpec()
+    out.CopyFrom(spec)
+    out.observation_space["state"].CopyFrom(TensorSpace((state_dim,), np.float32, -10, 10).to_proto())
+    if extra_entry:  # an entry only another simulator has (e.g. Meta-World's one-hot task id)
+        out.observation_space["task_id"].CopyFrom(TensorSpace((3,), np.float32, 0, 1).to_proto())
+    out.action_space.CopyFrom(TensorSpace((action_dim,), np.float32, -1, 1).to_proto())
+    return out
+
+
+def test_collect_and_evaluate_in_the_policy_spaces_of_a_run_over_several_simulators(fleet, cfg):
+    """With a policy_spec (the joint spaces of a run whose servers host different simulators) the worker pads
+    observations (1-D zero-padded, missing entries zeros), takes the policy's wider actions and executes its own
+    first dimensions; Describe still reports the server's own spaces; a policy_spec it cannot fit is refused."""
+    from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+
+    rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+    own = rstub.Describe(env_pb2.DescribeEnvRequest())
+    own_state, own_action = own.observation_space["state"].shape[0], own.action_space.shape[0]
+    joint = _joint_spec(own, own_state + 5, own_action + 3)
+    lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+    lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=joint, inference_addresses=[fleet.inf_addr]))
+    # the policy's extra action dimensions must not reach the simulator: record what it is stepped with
+    stepped = []
+    inner = fleet.worker.env
+    real_step = inner.step
+    inner.step = lambda ids, actions: (stepped.append(np.asarray(actions).shape), real_step(ids, actions))[1]
+    resp = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
+                                                    learner_address=fleet.learner_addr, policy_spec=joint))
+    assert resp.env_steps == 4 * cfg.env.train.total_num_envs
+    part = fleet.learner.pending[(0, 0)]["time"]
+    n = cfg.env.train.total_num_envs
+    assert part["obs.state"].shape == (4, n, own_state + 5) and not part["obs.state"][..., own_state:].any()
+    assert part["obs.state"][..., :own_state].any()
+    assert part["obs.task_id"].shape == (4, n, 3) and not part["obs.task_id"].any()
+    assert part["actions"].shape[-1] == own_action + 3
+    assert stepped and all(s[-1] == own_action for s in stepped)
+    assert rstub.Describe(env_pb2.DescribeEnvRequest()).action_space.shape[0] == own_action
+    ev = rstub.Evaluate(rollout_pb2.EvaluateRequest(num_episodes=2, seed=7, deterministic=True,
+                                                    inference_addresses=[fleet.inf_addr], policy_spec=joint))
+    assert len(ev.episodes) == 2
+    small = _joint_spec(own, own_state - 1, own_action, extra_entry=False)
+    _expect_invalid(lambda: rstub.Collect(rollout_pb2.CollectRequest(
+        epoch=1, num_steps=2, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr,
+        policy_spec=small)), "policy_spec: env[0] (gym:PandaPickCube-v0) cannot act in the run's policy spaces: "
+                             "observation 'state'")
