@@ -292,6 +292,9 @@ def validate(cfg: DictConfig) -> None:
     _require(0 <= alg.gae_lambda <= 1, "algorithm.gae_lambda", f"must be in [0, 1], got {alg.gae_lambda}")
     _require(alg.clip_ratio_c is None or alg.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 or null")
     _require(alg.update_epoch >= 1, "algorithm.update_epoch", "must be >= 1")
+    _require(alg.critic_warmup_epochs >= 0, "algorithm.critic_warmup_epochs", "must be >= 0")
+    _require(alg.critic_warmup_epochs == 0 or alg.loss_type == "actor_critic", "algorithm.critic_warmup_epochs",
+             f"needs a critic: loss_type '{alg.loss_type}' trains none (gae/actor_critic does)")
     from rlfleet.simulators import get_simulator
 
     _check_per_server(cfg)

@@ -104,6 +104,13 @@ class PolicyMixin:
     def log_prob_width(self) -> int:
         return log_prob_width(self.logprob_type, self.num_action_chunks, self.action_dim)
 
+    CRITIC_MODULES = ("critic", "value_head")  # top-level modules that only the value estimate uses
+
+    def critic_parameters(self) -> list:
+        """The trainable parameters of the value estimate's own modules (what a critic warm-up trains)."""
+        return [p for n, p in self.named_parameters()
+                if p.requires_grad and n.split(".", 1)[0] in self.CRITIC_MODULES]
+
     def update_obs_normalizer(self, obs: Mapping[str, torch.Tensor]) -> None:
         """Move running observation statistics (learner side, after an update); default: none."""
 

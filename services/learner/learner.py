@@ -228,8 +228,9 @@ class Learner:
         threads = torch.get_num_threads()
         torch.set_num_threads(self.update_threads)
         try:
+            warmup = epoch < alg.critic_warmup_epochs  # only the critic trains (algorithm.critic_warmup_epochs)
             with tracing.span("ppo_update", **{"rlfleet.epoch": epoch, "rlfleet.samples": int(T * N)}):
-                stats = self._update(obs, forward_inputs, batch, use_mask) if batch["mask"].any() else {}
+                stats = self._update(obs, forward_inputs, batch, use_mask, warmup) if batch["mask"].any() else {}
         finally:
             torch.set_num_threads(threads)
         stats.update(adv_stats)
@@ -292,8 +293,13 @@ class Learner:
         return lr
 
     def _update(self, obs: dict[str, torch.Tensor], forward_inputs: dict[str, torch.Tensor],
-                batch: dict[str, torch.Tensor], use_mask: bool) -> dict:
+                batch: dict[str, torch.Tensor], use_mask: bool, critic_only: bool = False) -> dict:
+        """Minibatch PPO/GRPO steps; ``critic_only`` (critic warm-up): the loss is the value loss alone and only
+        the critic's own modules step (the actor, and any backbone it shares with the critic, hold still)."""
         alg, actor = self.alg, self.cfg.actor
+        critic = {id(p) for p in self.model.critic_parameters()} if critic_only else set()
+        if critic_only and not critic:
+            raise FailedPrecondition("algorithm.critic_warmup_epochs: the policy has no critic modules to warm up")
         total = batch["old_log_probs"].shape[0]
         micro, global_bs = actor.micro_batch_size, actor.global_batch_size
         lr = self._lr()
@@ -340,13 +346,18 @@ class Learner:
                         v_loss = v_clip_ratio = torch.zeros((), device=log_probs.device)
                     ent = ppo.masked_mean(entropy, mask)
                     loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
-                    (loss / n_micro).backward()
+                    ((alg.value_loss_coef * v_loss if critic_only else loss) / n_micro).backward()
                     for k, v in {"train/actor/policy_loss": pg_loss, "train/critic/value_loss": v_loss,
                                  "train/actor/entropy_loss": ent, "train/loss": loss,
                                  "train/critic/value_clip_ratio": v_clip_ratio,
                                  **{f"train/actor/{k2}": v2 for k2, v2 in pg_stats.items()}}.items():
                         step_stats[k] = step_stats.get(k, 0.0) + float(v.detach()) / n_micro
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), alg.max_grad_norm)
+                if critic_only:  # no step for anything but the critic's own modules
+                    for p in self.model.parameters():
+                        if id(p) not in critic:
+                            p.grad = None
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.grad is not None], alg.max_grad_norm)
                 self.optimizer.step()
                 step_stats["train/actor/grad_norm"] = float(grad_norm)
                 for k, v in step_stats.items():
@@ -362,6 +373,7 @@ class Learner:
         out["train/actor/first_logprob_abs_diff"] = first_diff
         out["train/actor/lr"] = lr
         out["train/optimizer_steps"] = float(count)
+        out["train/critic_warmup"] = float(critic_only)
         if hasattr(self.model, "log_std"):
             out["train/actor/log_std"] = float(self.model.log_std.detach().mean())
         return out

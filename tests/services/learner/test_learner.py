@@ -153,7 +153,7 @@ def test_samples_more_than_one_version_old_get_truncated_importance_weights(lear
     learner.receive(0, 0, tm, pe, eps)
     seen = {}
     update = learner._update
-    learner._update = lambda obs, fi, batch, use_mask: (seen.update(batch), update(obs, fi, batch, use_mask))[1]
+    learner._update = lambda obs, fi, batch, *rest: (seen.update(batch), update(obs, fi, batch, *rest))[1]
     m = learner.train(0, [0])
     assert m["rollout/stale_fraction"] == 0.5
     stale = torch.tensor(([False] * 4 + [True] * 4) * 16)
@@ -181,3 +181,27 @@ def test_decoupled_staleness_1_corrects_every_stale_sample(learner):
     learner.receive(0, 0, tm, pe, eps)
     m = learner.train(0, [0])
     assert m["rollout/stale_fraction"] == 1.0 and m["train/actor/is_weight_mean"] > 0
+
+
+def test_critic_warmup_trains_only_the_critic_first(cfg, tmp_path):
+    """algorithm.critic_warmup_epochs=1: epoch 0 moves the critic's own modules and nothing else (the actor, its
+    log std and the observation normaliser's consumers hold still); epoch 1 trains everything."""
+    cfg.algorithm.critic_warmup_epochs = 1
+    le = Learner(cfg, tmp_path / "run")
+    le.setup(SPECS, 4)
+    try:
+        critic = {n for n, p in le.model.named_parameters() if any(p is q for q in le.model.critic_parameters())}
+        assert critic and all(n.startswith("critic.") for n in critic)
+        before = {n: p.detach().clone() for n, p in le.model.named_parameters()}
+        le.receive(0, 0, *fake_rollout())
+        m = le.train(0, [0])
+        assert m["train/critic_warmup"] == 1.0
+        moved = {n for n, p in le.model.named_parameters() if not torch.equal(before[n], p)}
+        assert moved and moved <= critic, moved - critic
+        mid = {n: p.detach().clone() for n, p in le.model.named_parameters()}
+        le.receive(1, 0, *fake_rollout(seed=1))
+        m = le.train(1, [0])
+        assert m["train/critic_warmup"] == 0.0
+        assert any(not torch.equal(mid[n], p) for n, p in le.model.named_parameters() if n not in critic)
+    finally:
+        le.close()
