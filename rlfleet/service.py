@@ -155,12 +155,18 @@ class ServiceRuntime:
     def run(self, advertise: str | None = None) -> None:
         if advertise:
             self.address = advertise
-        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
-        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        # A signal handler must take no lock: it runs on the main thread between bytecodes, possibly while that
+        # thread holds the very lock (Event.set inside Event.wait deadlocks). Signals come in bursts: a killed
+        # coordinator's PR_SET_PDEATHSIG is sent again each time the child is handed to another of its dying threads.
+        signalled: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, _frame: signalled.append(signum))
+        signal.signal(signal.SIGINT, lambda signum, _frame: signalled.append(signum))
         print(f"rlfleet {self.role}[{self.index}] serving on {self.address} (pid {os.getpid()})", flush=True)
         if self.coordinator:
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-        self.stop_event.wait()
+        while not signalled and not self.stop_event.wait(0.2):
+            pass
+        self.stop_event.set()  # the heartbeat thread stops too
         self.server.stop(grace=1.0).wait(2.0)
 
     def _heartbeat_loop(self) -> None:

@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -458,10 +459,22 @@ class Coordinator:
 
 
 def install_signal_handlers(coord: Coordinator) -> None:
+    """SIGINT/SIGTERM: the first asks the run to stop after this epoch, the next stops it at once. The handler
+    takes no lock (it runs on the main thread, which may hold one; see rlfleet.service): a thread turns the
+    recorded signal into the stop request."""
+    received: list[int] = []
+
     def on_signal(signum, frame):
-        if coord.stop_event.is_set():
+        if received or coord.stop_event.is_set():
             raise KeyboardInterrupt
-        coord.request_stop(f"{signal.Signals(signum).name} received")
+        received.append(signum)
+
+    def relay():
+        while not received:
+            time.sleep(0.05)
+        coord.request_stop(f"{signal.Signals(received[0]).name} received")
+
+    threading.Thread(target=relay, name="signals", daemon=True).start()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
