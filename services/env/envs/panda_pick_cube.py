@@ -25,8 +25,10 @@ State observation (Box float32 (13,)):
     TCP pos (3), TCP linear vel (3), gripper opening in m (1), cube pos (3), cube - TCP (3).
 Vision observation (Dict): ``third_person`` and ``wrist`` uint8 (image_size, image_size, 3) RGB, and
 ``state`` float32 (7,) = TCP pos, TCP vel, gripper opening.
-Reward: 0.3 * exp(-20 |tcp - cube|) + 0.7 * clip(lift / target_lift, 0, 1), lift = cube z - 0.025 (its rest
-height), target_lift 0.10 m. ``info["success"]``: lift >= target_lift and |tcp - cube| <= 0.05.
+Reward (``reward_type="dense"``, the default): 0.3 * exp(-20 |tcp - cube|) + 0.7 * clip(lift / target_lift, 0, 1),
+lift = cube z - 0.025 (its rest height), target_lift 0.10 m. ``reward_type="sparse"``: 1 on every step that
+succeeds, else 0 (what GRPO recipes that score episodes by success use). ``info["success"]``: lift >= target_lift
+and |tcp - cube| <= 0.05.
 ``terminated`` is always False (the TimeLimit wrapper truncates at 50 steps).
 ``reset(seed=s)`` is deterministic; ``reset(options={"cube_xy": (x, y)})`` places the cube explicitly.
 """
@@ -314,6 +316,7 @@ class PandaPickCubeEnv(gym.Env):
             setting that kept grasps as tolerant as 20-50 substeps in our checks; 8 or fewer is not.
         action_scale: metres of TCP motion per unit action.
         target_lift: lift (m) for full lift reward and for success.
+        reward_type: "dense" (reaching + lifting terms) or "sparse" (1 on each successful step, else 0).
         cube_x_range, cube_y_range: cube spawn region (m).
         ik_damping, null_gain: damped-least-squares lambda and null-space pull gain.
         **model_kwargs: physics knobs forwarded to :func:`build_model` (finger_kp, finger_damping, ...).
@@ -328,6 +331,7 @@ class PandaPickCubeEnv(gym.Env):
         n_substeps: int = 10,
         action_scale: float = 0.04,
         target_lift: float = 0.10,
+        reward_type: str = "dense",
         cube_x_range: tuple = (0.40, 0.60),
         cube_y_range: tuple = (-0.15, 0.15),
         render_size: int = 256,
@@ -347,6 +351,9 @@ class PandaPickCubeEnv(gym.Env):
         physics_dt = self.control_dt / self.n_substeps
         self.action_scale = float(action_scale)
         self.target_lift = float(target_lift)
+        if reward_type not in ("dense", "sparse"):
+            raise ValueError(f"reward_type {reward_type!r} is not one of 'dense', 'sparse'")
+        self.sparse_reward = reward_type == "sparse"
         self.cube_x_range = tuple(map(float, cube_x_range))
         self.cube_y_range = tuple(map(float, cube_y_range))
         self.render_size = int(render_size)
@@ -515,8 +522,11 @@ class PandaPickCubeEnv(gym.Env):
         cx, cy, cz = self._cube_pos.tolist()
         dist = math.sqrt((cx - px) ** 2 + (cy - py) ** 2 + (cz - pz) ** 2)
         lift = cz - CUBE_HALF
-        reward = 0.3 * math.exp(-20.0 * dist) + 0.7 * min(max(lift / self.target_lift, 0.0), 1.0)
         success = lift >= self.target_lift and dist <= 0.05
+        if self.sparse_reward:
+            reward = float(success)
+        else:
+            reward = 0.3 * math.exp(-20.0 * dist) + 0.7 * min(max(lift / self.target_lift, 0.0), 1.0)
         return obs, reward, False, False, {"success": success}
 
     def expert_action(self) -> np.ndarray:

@@ -141,6 +141,19 @@ def test_reward_formula_and_range():
     assert max(rewards) > 0.95  # the lift term saturates when the expert lifts
 
 
+def test_sparse_reward_is_the_success_signal():
+    env = PandaPickCubeEnv(reward_type="sparse")
+    obs, _ = env.reset(seed=0)
+    rewards, successes = [], []
+    for _ in range(50):
+        obs, r, _, _, info = env.step(scripted_expert_action(obs))
+        rewards.append(r)
+        successes.append(info["success"])
+    assert rewards == [float(s) for s in successes] and sum(successes) > 0
+    with pytest.raises(ValueError, match="reward_type 'shaped'"):
+        PandaPickCubeEnv(reward_type="shaped")
+
+
 def test_action_clipping_and_nan_safety():
     env = PandaPickCubeEnv()
     env.reset(seed=0)
