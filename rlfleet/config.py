@@ -19,6 +19,7 @@ DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
 # Maps whose keys are the user's to choose.
 FREE_FORM = ("cluster.component_placement", "cluster.cpu_placement", "env.train.init_params", "env.eval.init_params")
 COMPONENTS = ("env", "rollout", "actor")
+KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")  # estimators of algorithm.kl_penalty (services/learner/ppo.py)
 # Types of keys whose default is null (the default cannot say), and of keys that may also be null.
 NULLABLE_TYPES = {
     "cluster.envs_dir": str, "runner.early_stop_success_rate": float, "runner.resume_dir": str,
@@ -351,6 +352,9 @@ def validate(cfg: DictConfig) -> None:
              f"must be >= 1 (samples of the current weights need no correction), got {alg.decoupled_staleness}")
     _require(alg.importance_weight_cap >= 1.0, "algorithm.importance_weight_cap",
              f"must be >= 1 (an importance weight of 1 is an on-policy sample), got {alg.importance_weight_cap}")
+    _require(alg.kl_beta >= 0.0, "algorithm.kl_beta", f"must be >= 0 (0 = no KL penalty), got {alg.kl_beta}")
+    _require(alg.kl_penalty in KL_PENALTIES, "algorithm.kl_penalty",
+             f"'{alg.kl_penalty}' is not one of {', '.join(KL_PENALTIES)}")
     _require(cfg.telemetry.traces in ("file", "otlp", "none"), "telemetry.traces",
              f"'{cfg.telemetry.traces}' is not one of file, otlp, none")
     _require(cfg.telemetry.metrics_interval_s > 0, "telemetry.metrics_interval_s",

@@ -4,6 +4,7 @@ checkpoints (safetensors weights + optimizer state) and logs RLinf-named metrics
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ class Learner:
         self.run_dir = pathlib.Path(run_dir)
         self.device = torch.device(device)
         self.model: ActorCritic | None = None
+        self.ref_model: ActorCritic | None = None  # algorithm.kl_beta > 0: the frozen policy the run started from
         self.optimizer: torch.optim.Optimizer | None = None
         self.obs_specs: dict[str, ObsSpec] | None = None
         self.action_dim: int | None = None
@@ -87,6 +89,10 @@ class Learner:
         self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad],
                                           lr=self.cfg.actor.optim.lr,
                                           eps=self.cfg.actor.optim.adam_eps)
+        if self.alg.kl_beta > 0:  # the reference is the model as built (model_path: the SFT base), also on resume
+            self.ref_model = copy.deepcopy(self.model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
         if self.cfg.runner.resume_dir:
             ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
             if ckpt is None:
@@ -225,6 +231,8 @@ class Learner:
             # fresher samples keep the ratio against their behaviour log-probs
             stale = self.version - flat(tt(cat("weights_version")))
             adv_stats.update(self._decouple_stale(obs, forward_inputs, batch, stale >= alg.decoupled_staleness))
+        if self.ref_model is not None:
+            batch["ref_log_probs"] = self._ref_log_probs(obs, forward_inputs)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.update_threads)
         try:
@@ -286,6 +294,16 @@ class Learner:
                     "train/actor/is_weight_truncated": float((raw > cap).float().mean())})
         return out
 
+    @torch.no_grad()
+    def _ref_log_probs(self, obs: dict[str, torch.Tensor], forward_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference policy's log-probs of the sampled actions (for algorithm.kl_beta), in micro-batches."""
+        total = next(iter(forward_inputs.values())).shape[0]
+        micro = self.cfg.actor.micro_batch_size
+        with self.model.precision():
+            return torch.cat([self.ref_model.evaluate({k: v[idx] for k, v in obs.items()},
+                                                      {k: v[idx] for k, v in forward_inputs.items()}).log_probs.float()
+                              for idx in torch.arange(total, device=self.device).split(micro)])
+
     def _lr(self) -> float:
         lr = self.cfg.actor.optim.lr
         if self.cfg.actor.optim.lr_schedule == "linear":
@@ -346,6 +364,12 @@ class Learner:
                         v_loss = v_clip_ratio = torch.zeros((), device=log_probs.device)
                     ent = ppo.masked_mean(entropy, mask)
                     loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
+                    if "ref_log_probs" in batch:  # KL penalty to the reference policy (algorithm.kl_beta)
+                        kl = ppo.masked_mean(ppo.kl_penalty(log_probs, batch["ref_log_probs"][idx], alg.kl_penalty),
+                                             None if mask is None else mask[:, None].expand(-1, width))
+                        loss = loss + alg.kl_beta * kl
+                        step_stats["train/actor/kl_loss"] = step_stats.get("train/actor/kl_loss", 0.0) + \
+                            float(kl.detach()) / n_micro
                     ((alg.value_loss_coef * v_loss if critic_only else loss) / n_micro).backward()
                     for k, v in {"train/actor/policy_loss": pg_loss, "train/critic/value_loss": v_loss,
                                  "train/actor/entropy_loss": ent, "train/loss": loss,

@@ -62,6 +62,23 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     return masked_mean(loss, mask), stats
 
 
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-element estimate of KL(current || reference) from the log-probs of the sampled actions
+    (algorithm.kl_penalty): ``kl`` log p - log p_ref; ``abs`` its absolute value; ``mse`` half its square;
+    ``low_var_kl`` p_ref/p - log(p_ref/p) - 1 (non-negative, unbiased, low variance), clipped to 10."""
+    diff = log_probs - ref_log_probs
+    if kind == "kl":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind == "mse":
+        return 0.5 * diff.square()
+    if kind == "low_var_kl":
+        d = (-diff).clamp(-20.0, 20.0)
+        return (d.exp() - d - 1.0).clamp(max=10.0)
+    raise ValueError(f"algorithm.kl_penalty: '{kind}' is not one of kl, abs, mse, low_var_kl")
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, value_clip: float | None,
                huber_delta: float | None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared-error (or Huber) value loss, optionally clipped around the rollout's values."""

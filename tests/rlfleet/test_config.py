@@ -72,6 +72,8 @@ def test_placement():
     ("algorithm.max_staleness=9", "'algorithm.max_staleness': 9 is not in 0..8"),
     ("algorithm.decoupled_staleness=0", "'algorithm.decoupled_staleness': must be >= 1"),
     ("algorithm.importance_weight_cap=0.5", "'algorithm.importance_weight_cap': must be >= 1"),
+    ("algorithm.kl_beta=-0.1", "'algorithm.kl_beta': must be >= 0"),
+    ("algorithm.kl_penalty=k2", "'algorithm.kl_penalty': 'k2' is not one of kl, abs, mse, low_var_kl"),
     ("cluster.learner_num_threads=0", "'cluster.learner_num_threads': must be null or >= 1"),
     ("cluster.learner_num_threads=two", "'cluster.learner_num_threads' = 'two' has the wrong type"),
     ("actor.model.precision=fp16", "'actor.model.precision': 'fp16' is not one of fp32, bf16"),

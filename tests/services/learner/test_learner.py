@@ -1,5 +1,6 @@
 """Learner core: rollout validation, a PPO update, checkpoint round trip (weights + optimizer state)."""
 
+import copy
 import json
 import os
 
@@ -205,3 +206,58 @@ def test_critic_warmup_trains_only_the_critic_first(cfg, tmp_path):
         assert any(not torch.equal(mid[n], p) for n, p in le.model.named_parameters() if n not in critic)
     finally:
         le.close()
+
+
+def _drift_from_start(cfg, tmp_path, kl_beta: float, epochs: int = 4) -> tuple[float, Learner]:
+    """Mean |log p - log p_start| of the sampled actions after ``epochs`` updates with algorithm.kl_beta."""
+    cfg.algorithm.kl_beta = kl_beta
+    cfg.actor.optim.lr = 3e-3
+    le = Learner(cfg, tmp_path / f"run_beta{kl_beta}")
+    le.setup(SPECS, 4)
+    start = {k: v.clone() for k, v in le.model.state_dict().items()}
+    for epoch in range(epochs):
+        le.receive(epoch, 0, *fake_rollout(seed=epoch))
+        m = le.train(epoch, [0])
+        assert ("train/actor/kl_loss" in m) == (kl_beta > 0)
+    tm, _, _ = fake_rollout(seed=99)
+    obs = {"state": torch.as_tensor(tm["obs.state"]).reshape(-1, 13)}
+    fi = {"actions": torch.as_tensor(tm["fi.actions"]).reshape(-1, 4)}
+    with torch.no_grad():
+        now = le.model.evaluate(obs, fi).log_probs
+        le.model.load_state_dict(start)
+        then = le.model.evaluate(obs, fi).log_probs
+    return float((now - then).abs().mean()), le
+
+
+def test_kl_penalty_holds_the_policy_near_the_reference(cfg, tmp_path):
+    """algorithm.kl_beta > 0: a frozen copy of the starting policy is the reference; its KL penalty is logged as
+    train/actor/kl_loss and keeps the trained policy closer to where it started than the same run without it."""
+    free, le0 = _drift_from_start(copy.deepcopy(cfg), tmp_path, 0.0)
+    held, le1 = _drift_from_start(copy.deepcopy(cfg), tmp_path, 5.0)
+    try:
+        assert le0.ref_model is None and le1.ref_model is not None
+        assert not any(p.requires_grad for p in le1.ref_model.parameters())
+        assert free > 0 and held < 0.6 * free, (held, free)
+    finally:
+        le0.close()
+        le1.close()
+
+
+def test_kl_reference_on_resume_is_the_starting_model(cfg, tmp_path):
+    """On --resume the reference is the model the run started from (as built), not the restored checkpoint."""
+    cfg.algorithm.kl_beta = 1.0
+    cfg.runner.save_interval = 1
+    le = Learner(cfg, tmp_path / "run")
+    le.setup(SPECS, 4)
+    start = {k: v.clone() for k, v in le.ref_model.state_dict().items()}
+    le.receive(0, 0, *fake_rollout())
+    le.train(0, [0])
+    le.close()
+    cfg.runner.resume_dir = str(tmp_path / "run")
+    le2 = Learner(cfg, tmp_path / "run")
+    le2.setup(SPECS, 4)
+    try:
+        assert all(torch.equal(start[k], v) for k, v in le2.ref_model.state_dict().items())
+        assert any(not torch.equal(start[k], v) for k, v in le2.model.state_dict().items())
+    finally:
+        le2.close()

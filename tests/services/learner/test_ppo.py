@@ -79,3 +79,22 @@ def test_grpo_advantages_groups_and_filter():
     adv, new_mask, stats = grpo_advantages(rewards, mask, 2, filter_range=(0.1, 3.9))
     assert new_mask[:, 2:4].sum() == 0 and new_mask[:, 4:].sum() == 0 and new_mask[:, :2].sum() == mask[:, :2].sum()
     assert stats["rollout/grpo_groups_kept"] == 1
+
+
+def test_kl_penalty_estimators():
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.0, -1.0, -1.5])
+    d = lp - ref
+    assert torch.allclose(ppo.kl_penalty(lp, ref, "kl"), d)
+    assert torch.allclose(ppo.kl_penalty(lp, ref, "abs"), d.abs())
+    assert torch.allclose(ppo.kl_penalty(lp, ref, "mse"), 0.5 * d ** 2)
+    k3 = ppo.kl_penalty(lp, ref, "low_var_kl")
+    assert torch.allclose(k3, torch.exp(-d) + d - 1.0)
+    assert k3[0] == 0 and (k3 >= 0).all()
+    assert ppo.kl_penalty(torch.tensor([-50.0]), torch.tensor([0.0]), "low_var_kl") == 10.0  # clipped
+    try:
+        ppo.kl_penalty(lp, ref, "k2")
+    except ValueError as e:
+        assert "algorithm.kl_penalty" in str(e) and "'k2'" in str(e)
+    else:
+        raise AssertionError("an unknown estimator must be refused")
