@@ -18,9 +18,9 @@ SHORT = ["env.train.max_episode_steps=16", "env.eval.max_episode_steps=16", "env
          "env.eval.total_num_envs=4", "env.eval.num_episodes=4"]
 
 
-@pytest.mark.parametrize("rl_config", ["pandapickcube_vision_ppo_openvla_oft_sft",
-                                       "pandapickcube_vision_grpo_openvla_oft_sft"])
-def test_demos_sft_then_rl(tmp_path, rl_config):
+@pytest.mark.parametrize("rl_config,extra", [("pandapickcube_vision_ppo_openvla_oft_sft", []),
+                                             ("pandapickcube_vision_grpo_openvla_oft_sft", ["algorithm.group_size=2"])])
+def test_demos_sft_then_rl(tmp_path, rl_config, extra):
     sft_cfg = "pandapickcube_vision_sft_openvla_oft_tiny"
     common = [f"runner.logger.log_path={tmp_path}", *SHORT]
     demos = subprocess.run([*CTL, "collect-demos", sft_cfg, *common, "sft.num_demos=3", "sft.only_successful=false",
@@ -37,7 +37,7 @@ def test_demos_sft_then_rl(tmp_path, rl_config):
     rl = subprocess.run([*CTL, "start", rl_config, *common, f"actor.model.model_path={model}",
                          "runner.max_epochs=2", "runner.val_check_interval=0", "env.eval.video_episodes=2",
                          "env.train.max_steps_per_rollout_epoch=16", "actor.global_batch_size=16",
-                         "actor.micro_batch_size=16"], capture_output=True, text=True, timeout=400)
+                         "actor.micro_batch_size=16", *extra], capture_output=True, text=True, timeout=400)
     assert rl.returncode == 0, rl.stdout[-3000:] + rl.stderr[-3000:]
     run = tmp_path / rl_config
     summary = json.loads((run / "summary.json").read_text())
@@ -45,6 +45,7 @@ def test_demos_sft_then_rl(tmp_path, rl_config):
     assert summary["epochs"] == 2 and summary["final_eval"]["eval/num_episodes"] == 4
     rows = [r for r in read_metrics(run) if "train/loss" in r]
     assert len(rows) == 2 and rows[0]["train/actor/first_logprob_abs_diff"] < 1e-5
+    assert rows[0]["train/actor/kl_loss"] >= 0  # algorithm.kl_beta: the penalty to the SFT model as reference
     for step in (0, 2):
         gifs = sorted((run / "videos" / f"eval_epoch{step:04d}").glob("*.gif"))
         assert [g.name.split("_")[0] for g in gifs] == ["episode000", "episode001"], gifs
