@@ -232,7 +232,7 @@ class Learner:
             stale = self.version - flat(tt(cat("weights_version")))
             adv_stats.update(self._decouple_stale(obs, forward_inputs, batch, stale >= alg.decoupled_staleness))
         if self.ref_model is not None:
-            batch["ref_log_probs"] = self._ref_log_probs(obs, forward_inputs)
+            batch["ref_log_probs"] = self._log_probs(self.ref_model, obs, forward_inputs)  # algorithm.kl_beta
         threads = torch.get_num_threads()
         torch.set_num_threads(self.update_threads)
         try:
@@ -278,11 +278,7 @@ class Learner:
         if not bool(stale.any()):
             return out
         rows = torch.nonzero(stale).squeeze(1)
-        micro = self.cfg.actor.micro_batch_size
-        with self.model.precision():
-            prox = torch.cat([self.model.evaluate({k: v[idx] for k, v in obs.items()},
-                                                  {k: v[idx] for k, v in forward_inputs.items()}).log_probs.float()
-                              for idx in rows.split(micro)])
+        prox = self._log_probs(self.model, obs, forward_inputs, rows)
         behaviour = batch["old_log_probs"][rows]
         cap = self.alg.importance_weight_cap
         raw = (prox - behaviour).exp()
@@ -295,14 +291,15 @@ class Learner:
         return out
 
     @torch.no_grad()
-    def _ref_log_probs(self, obs: dict[str, torch.Tensor], forward_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reference policy's log-probs of the sampled actions (for algorithm.kl_beta), in micro-batches."""
-        total = next(iter(forward_inputs.values())).shape[0]
-        micro = self.cfg.actor.micro_batch_size
+    def _log_probs(self, model, obs: dict[str, torch.Tensor], forward_inputs: dict[str, torch.Tensor],
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``model``'s log-probs of the sampled actions of ``rows`` (all rows: None), in micro-batches, no grad."""
+        if rows is None:
+            rows = torch.arange(next(iter(forward_inputs.values())).shape[0], device=self.device)
         with self.model.precision():
-            return torch.cat([self.ref_model.evaluate({k: v[idx] for k, v in obs.items()},
-                                                      {k: v[idx] for k, v in forward_inputs.items()}).log_probs.float()
-                              for idx in torch.arange(total, device=self.device).split(micro)])
+            return torch.cat([model.evaluate({k: v[idx] for k, v in obs.items()},
+                                             {k: v[idx] for k, v in forward_inputs.items()}).log_probs.float()
+                              for idx in rows.split(self.cfg.actor.micro_batch_size)])
 
     def _lr(self) -> float:
         lr = self.cfg.actor.optim.lr

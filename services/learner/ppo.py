@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlfleet.config import KL_PENALTIES
+
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor,
                 gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +78,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
     if kind == "low_var_kl":
         d = (-diff).clamp(-20.0, 20.0)
         return (d.exp() - d - 1.0).clamp(max=10.0)
-    raise ValueError(f"algorithm.kl_penalty: '{kind}' is not one of kl, abs, mse, low_var_kl")
+    raise ValueError(f"algorithm.kl_penalty: '{kind}' is not one of {', '.join(KL_PENALTIES)}")
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, value_clip: float | None,
