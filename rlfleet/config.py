@@ -333,6 +333,9 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.actor.model.num_action_chunks == 1 or cfg.actor.model.model_type != "openvla",
              "actor.model.num_action_chunks", "model_type openvla decodes one action per call; chunks need "
              "openvla_oft")
+    _require(not cfg.actor.model.is_lora or cfg.actor.model.model_type in ("openvla", "openvla_oft"),
+             "actor.model.is_lora", f"LoRA adapters are built for model_type openvla and openvla_oft, not "
+             f"'{cfg.actor.model.model_type}' (it trains its full weights)")
     _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",
              f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu")
     _require(cfg.actor.optim.lr_schedule in ("constant", "linear"), "actor.optim.lr_schedule",

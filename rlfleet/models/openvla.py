@@ -31,6 +31,7 @@ directory in the rlfleet checkpoint layout (``config.json`` with the sizes, ``mo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Mapping, Sequence
@@ -474,6 +475,17 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             for p in self.value_head.parameters():
                 p.requires_grad_(True)
         self.is_lora = True
+
+    @property
+    def trains_adapters_only(self) -> bool:
+        return self.is_lora  # enable_lora freezes every base weight; the value head does not touch log-probs
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        if not self.is_lora:
+            raise NotImplementedError("OpenVLAPolicy: no adapters to disable (actor.model.is_lora is false)")
+        with self.llm.disable_adapter():
+            yield
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write this model in the checkpoint layout ``model_path`` loads (LoRA merged into the base weights)."""

@@ -122,6 +122,15 @@ class PolicyMixin:
         buffers = {n for n, _ in self.named_buffers()}
         return {k: v for k, v in self.state_dict().items() if k in trainable or k in buffers}
 
+    trains_adapters_only: bool = False  # True where training moves adapters on frozen base weights (LoRA)
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """The policy without its adapters (``trains_adapters_only``): the model it was before training, in
+        place, so a KL reference (algorithm.kl_beta) needs no second copy of the weights."""
+        raise NotImplementedError(f"{type(self).__name__}: no adapters to disable (trains_adapters_only is False)")
+        yield  # pragma: no cover
+
     def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
             instructions: Sequence[str] | None = None, noise: RowNoise | None = None) -> PolicyOutput:
         raise NotImplementedError

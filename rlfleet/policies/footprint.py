@@ -27,9 +27,10 @@ class Footprint:
         """One inference server: two copies of the policy (double buffering)."""
         return 2 * self.parameters * (2 if weights_precision == "bf16" else 4)
 
-    def learner_bytes(self) -> int:
-        """The learner: fp32 weights, plus gradient and Adam's two moments for what trains."""
-        return 4 * self.parameters + 12 * self.trainable
+    def learner_bytes(self, reference_copy: bool = False) -> int:
+        """The learner: fp32 weights, plus gradient and Adam's two moments for what trains, plus (``reference_copy``:
+        algorithm.kl_beta > 0 without LoRA) a frozen fp32 copy of the starting weights as the KL reference."""
+        return 4 * self.parameters + 12 * self.trainable + (4 * self.parameters if reference_copy else 0)
 
 
 def checkpoint_parameters(path: pathlib.Path) -> int:
@@ -99,8 +100,10 @@ def check(cfg, *, inference: bool = True) -> str | None:
     if model.model_type not in VLA_TYPES:
         return None
     fp = estimate(model, cfg.algorithm.logprob_type)
+    # RL with algorithm.kl_beta > 0 keeps the starting model as the KL reference (LoRA: the base with adapters off)
+    reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora
     inference = fp.inference_bytes(cfg.rollout.weights_precision) if inference else 0
-    learner = fp.learner_bytes()
+    learner = fp.learner_bytes(reference_copy)
     where, have = available_memory()
     on_gpu = where.startswith("the smallest")
     # on GPUs each service has a device of its own; on one host they all share its RAM
@@ -110,6 +113,7 @@ def check(cfg, *, inference: bool = True) -> str | None:
     servers = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
                f"{cfg.rollout.weights_precision}) and " if inference else "")
     return (f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
-            f"({fp.trainable / 1e9:.3f}B trained): {servers}the learner {learner / GB:.1f} GB (fp32 weights, gradients and Adam state of what trains); that is "
+            f"({fp.trainable / 1e9:.3f}B trained): {servers}the learner {learner / GB:.1f} GB (fp32 weights, gradients and Adam state of what trains"
+            f"{', a frozen copy as the KL reference of algorithm.kl_beta' if reference_copy else ''}); that is "
             f"{need / GB:.1f} GB where {where} has {have / GB:.1f} GB. Run it on a machine with the memory (GPU "
             f"nodes: coordinatorctl deploy k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")

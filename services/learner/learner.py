@@ -56,7 +56,7 @@ class Learner:
         self.run_dir = pathlib.Path(run_dir)
         self.device = torch.device(device)
         self.model: ActorCritic | None = None
-        self.ref_model: ActorCritic | None = None  # algorithm.kl_beta > 0: the frozen policy the run started from
+        self.ref_model: ActorCritic | None = None  # algorithm.kl_beta > 0 without LoRA: a frozen copy of the start
         self.optimizer: torch.optim.Optimizer | None = None
         self.obs_specs: dict[str, ObsSpec] | None = None
         self.action_dim: int | None = None
@@ -89,7 +89,9 @@ class Learner:
         self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad],
                                           lr=self.cfg.actor.optim.lr,
                                           eps=self.cfg.actor.optim.adam_eps)
-        if self.alg.kl_beta > 0:  # the reference is the model as built (model_path: the SFT base), also on resume
+        # the KL reference is the model as built (model_path: the SFT base), also on resume: with LoRA the base
+        # itself with the adapters off, else a frozen copy
+        if self.alg.kl_beta > 0 and not self.model.trains_adapters_only:
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -231,8 +233,8 @@ class Learner:
             # fresher samples keep the ratio against their behaviour log-probs
             stale = self.version - flat(tt(cat("weights_version")))
             adv_stats.update(self._decouple_stale(obs, forward_inputs, batch, stale >= alg.decoupled_staleness))
-        if self.ref_model is not None:
-            batch["ref_log_probs"] = self._log_probs(self.ref_model, obs, forward_inputs)  # algorithm.kl_beta
+        if alg.kl_beta > 0:
+            batch["ref_log_probs"] = self.reference_log_probs(obs, forward_inputs)  # algorithm.kl_beta
         threads = torch.get_num_threads()
         torch.set_num_threads(self.update_threads)
         try:
@@ -300,6 +302,14 @@ class Learner:
             return torch.cat([model.evaluate({k: v[idx] for k, v in obs.items()},
                                              {k: v[idx] for k, v in forward_inputs.items()}).log_probs.float()
                               for idx in rows.split(self.cfg.actor.micro_batch_size)])
+
+    def reference_log_probs(self, obs: dict[str, torch.Tensor], forward_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The KL reference's log-probs of the sampled actions (algorithm.kl_beta): the frozen starting copy, or
+        with LoRA the policy with its adapters off (the same model, without a second copy of the weights)."""
+        if self.ref_model is not None:
+            return self._log_probs(self.ref_model, obs, forward_inputs)
+        with self.model.adapters_disabled():
+            return self._log_probs(self.model, obs, forward_inputs)
 
     def _lr(self) -> float:
         lr = self.cfg.actor.optim.lr

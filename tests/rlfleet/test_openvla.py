@@ -106,6 +106,12 @@ def test_grpo_steps_with_lora_move_only_the_adapters():
     assert (moved[adv[0] > 0] > 0).all()
     after = p.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())  # base weights frozen
+    assert p.trains_adapters_only
+    with torch.no_grad(), p.adapters_disabled():  # the KL reference of a LoRA run: the start, without a copy
+        off = p.evaluate(obs, out.forward_inputs).log_probs
+    assert torch.allclose(off, out.log_probs, atol=1e-5) and not torch.allclose(ev.log_probs, out.log_probs)
+    with torch.no_grad():
+        assert torch.allclose(p.evaluate(obs, out.forward_inputs).log_probs, ev.log_probs, atol=1e-5)
     sync = p.sync_state_dict()
     assert sync and all("lora_" in k for k in sync)
     full = sum(t.numel() * t.element_size() for t in p.state_dict().values())

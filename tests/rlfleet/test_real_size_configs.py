@@ -76,6 +76,17 @@ def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
         assert footprint.check(cfg, inference=False).count("inference server") == 0
     finally:
         footprint.available_memory = original
+    # a KL penalty (algorithm.kl_beta) keeps a frozen fp32 copy in the learner; with LoRA the base is the reference
+    assert fp.learner_bytes(reference_copy=True) == fp.learner_bytes() + 4 * fp.parameters
+    footprint.available_memory = lambda: ("the smallest of 8 GPU(s)", 60e9)
+    try:
+        assert footprint.check(cfg) is None  # 53.1 GB fits a 60 GB GPU ...
+        why = footprint.check(load_config("metaworld_mt50_ppo_pi0", ["algorithm.kl_beta=0.05"]))
+        assert "the learner 67.2 GB" in why and "a frozen copy as the KL reference" in why  # ... 67.2 GB does not
+        vla = load_config("maniskill_pickcube_ppo_openvla", ["algorithm.kl_beta=0.05"])
+        assert vla.actor.model.is_lora and footprint.check(vla) is None  # no copy: the base with adapters off
+    finally:
+        footprint.available_memory = original
     # a checkpoint directory is sized from its safetensors headers, without reading the tensors
     from safetensors.torch import save_file
 

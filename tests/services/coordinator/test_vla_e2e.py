@@ -20,9 +20,11 @@ CTL = [sys.executable, "-m", "services.coordinator.cli"]
                                         pytest.param("metaworld_mt10_ppo_pi0_tiny", False, marks=pytest.mark.sim),
                                         pytest.param("metaworld_mt10_ppo_pi05_tiny", False, marks=pytest.mark.sim)])
 def test_vla_config_runs_end_to_end(tmp_path, name, lora):
+    # the LoRA run also takes a KL penalty: its reference is the base with the adapters off (no second copy)
+    kl = ["algorithm.kl_beta=0.05"] if lora else []
     proc = subprocess.run([*CTL, "start", name, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
-                           "runner.val_check_interval=2", "env.eval.num_episodes=4", "env.eval.total_num_envs=4"],
-                          capture_output=True, text=True, timeout=400)
+                           "runner.val_check_interval=2", "env.eval.num_episodes=4", "env.eval.total_num_envs=4",
+                           *kl], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / name
     summary = json.loads((run / "summary.json").read_text())
@@ -32,6 +34,7 @@ def test_vla_config_runs_end_to_end(tmp_path, name, lora):
     for r in rows:
         assert all(v == v and abs(v) < 1e6 for k, v in r.items() if k.startswith("train/") and "bytes" not in k), r
         assert r["train/actor/first_logprob_abs_diff"] < 1e-5
+        assert ("train/actor/kl_loss" in r) == lora
     sync = rows[-1]["train/weight_sync_bytes"]
     if lora:  # only the adapters travel after the first full set
         assert 0 < sync < 1_000_000, sync

@@ -261,3 +261,31 @@ def test_kl_reference_on_resume_is_the_starting_model(cfg, tmp_path):
         assert any(not torch.equal(start[k], v) for k, v in le2.model.state_dict().items())
     finally:
         le2.close()
+
+
+def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
+    """With LoRA only the adapters train: the KL reference is the policy with its adapters off (exactly the
+    starting model), so the learner holds no second copy of the weights."""
+    from rlfleet.config import load_config
+
+    cfg = load_config("pandapickcube_vision_grpo_openvla_oft_tiny",
+                      ["algorithm.kl_beta=0.1", "actor.model.vla.image_size=32", "actor.model.lora_rank=4"])
+    specs = {"third_person": ObsSpec((32, 32, 3), "uint8"), "state": ObsSpec((7,), "float32")}
+    le = Learner(cfg, tmp_path / "run")
+    try:
+        le.setup(specs, 4)
+        assert le.ref_model is None and le.model.trains_adapters_only
+        g = torch.Generator().manual_seed(0)
+        obs = {"third_person": torch.randint(0, 256, (6, 32, 32, 3), dtype=torch.uint8, generator=g),
+               "state": torch.randn(6, 7, generator=g)}
+        with torch.no_grad():
+            start = le.model.act(obs, False, ["pick up the red cube and lift it"] * 6)
+            for name, p in le.model.named_parameters():
+                if "lora_B" in name:  # what training does: the adapters move, the base stays
+                    p.add_(torch.randn_like(p) * 0.3)
+        moved = le._log_probs(le.model, obs, start.forward_inputs)
+        ref = le.reference_log_probs(obs, start.forward_inputs)
+        assert torch.allclose(ref, start.log_probs, atol=1e-5)
+        assert not torch.allclose(moved, start.log_probs, atol=1e-3)
+    finally:
+        le.close()
