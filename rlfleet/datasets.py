@@ -132,7 +132,17 @@ class Dataset:
 
     def action_statistics(self) -> dict[str, list[float]]:
         """Per-dimension q01/q99/mean/std of the actions (OpenVLA's ``dataset_statistics`` for un-normalising)."""
-        acts = np.concatenate([ep.actions.reshape(ep.length, -1) for ep in self])
-        return {"q01": np.quantile(acts, 0.01, axis=0).tolist(), "q99": np.quantile(acts, 0.99, axis=0).tolist(),
-                "mean": acts.mean(0).tolist(), "std": acts.std(0).tolist(), "min": acts.min(0).tolist(),
-                "max": acts.max(0).tolist()}
+        return _statistics(np.concatenate([ep.actions.reshape(ep.length, -1) for ep in self]))
+
+    def observation_statistics(self, key: str) -> dict[str, list[float]]:
+        """The same statistics of an observation (``state``: OpenVLA-OFT's ``proprio`` statistics)."""
+        if f"observation.{key}" not in self.meta["features"]:
+            raise KeyError(f"the dataset {self.root} has no observation '{key}' (has: {sorted(self.observation_features)})")
+        return _statistics(np.concatenate([ep.observations[key].reshape(ep.length, -1) for ep in self]))
+
+
+def _statistics(values: np.ndarray) -> dict[str, list[float]]:
+    """Per-column q01/q99/mean/std/min/max of [samples, dims]."""
+    return {"q01": np.quantile(values, 0.01, axis=0).tolist(), "q99": np.quantile(values, 0.99, axis=0).tolist(),
+            "mean": values.mean(0).tolist(), "std": values.std(0).tolist(), "min": values.min(0).tolist(),
+            "max": values.max(0).tolist()}

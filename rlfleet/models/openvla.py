@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -168,7 +169,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                  sizes: Mapping | None = None, num_action_chunks: int = 1, temperature: float = 1.0,
                  image_key: str | None = None, max_prompt_tokens: int = 64, add_value_head: bool = True,
                  is_lora: bool = False, lora_rank: int = 32, gradient_checkpointing: bool = False,
-                 unnorm_stats: Mapping | None = None, tokenizer=None, logprob_type: str = "token_level"):
+                 unnorm_stats: Mapping | None = None, tokenizer=None, logprob_type: str = "token_level",
+                 use_proprio: bool = False, proprio_stats: Mapping | None = None):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -184,6 +186,12 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         if image_key is not None and image_key not in images:
             raise ValueError(f"actor.model.image_key: '{image_key}' is not an image observation ({images})")
         self.image_key = image_key or images[0]
+        if use_proprio and model_type != "openvla_oft":
+            raise ValueError(f"actor.model.use_proprio: the proprio projector is OpenVLA-OFT's; model_type is "
+                             f"'{model_type}'")
+        if use_proprio and ("state" not in obs_specs or obs_specs["state"].is_image):
+            raise ValueError(f"actor.model.use_proprio: the env has no 'state' observation ({sorted(obs_specs)})")
+        self.proprio_dim = int(np.prod(obs_specs["state"].shape)) if use_proprio else 0
         self.obs_specs, self.action_dim = dict(obs_specs), int(action_dim)
         self.num_action_chunks, self.logprob_type = int(num_action_chunks), logprob_type
         self.has_critic = bool(add_value_head)
@@ -207,12 +215,22 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                               num_hidden_layers=int(s["llm_layers"]), num_attention_heads=int(s["llm_heads"]),
                               num_key_value_heads=int(s["llm_kv_heads"]), rms_norm_eps=float(s["llm_rms_norm_eps"]),
                               rope_theta=float(s["llm_rope_theta"]),
-                              max_position_embeddings=1 + self.vision.num_patches + self.max_prompt_tokens
+                              max_position_embeddings=2 + self.vision.num_patches + self.max_prompt_tokens
                               + self.num_action_chunks * self.action_dim + 8,
                               pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id)
         self.llm = LlamaForCausalLM(llm_cfg)
         self.projector = Projector(self.vision.out_dim, llm_cfg.hidden_size, fused=bool(s["use_dinov2"]))
         self.action_query = nn.Parameter(torch.zeros(llm_cfg.hidden_size)) if self.parallel else None
+        # OpenVLA-OFT's proprio projector: the normalised `state` observation -> one token after the image patches
+        H = llm_cfg.hidden_size
+        self.proprio_projector = nn.Sequential(nn.Linear(self.proprio_dim, H), nn.GELU(), nn.Linear(H, H)) \
+            if use_proprio else None
+        pq01, pq99 = (proprio_stats or {}).get("q01"), (proprio_stats or {}).get("q99")
+        self.register_buffer("proprio_q01", torch.tensor(pq01 if pq01 is not None else [-1.0] * self.proprio_dim),
+                             persistent=False)
+        self.register_buffer("proprio_q99", torch.tensor(pq99 if pq99 is not None else [1.0] * self.proprio_dim),
+                             persistent=False)
+        self.proprio_stats = dict(proprio_stats) if proprio_stats and use_proprio else None
         self.value_head = nn.Sequential(nn.Linear(llm_cfg.hidden_size, int(s["value_hidden_size"])), nn.GELU(),
                                         nn.Linear(int(s["value_hidden_size"]), 1)) if add_value_head else None
         centres = torch.linspace(-1.0, 1.0, self.n_bins)
@@ -257,12 +275,18 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                 mask[i, P - len(toks):] = 1
         return ids.to(device), mask.to(device)
 
-    def _prefix(self, images: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-        """-> embeddings [n, S, H] and mask [n, S] of [BOS][patches][prompt]."""
+    def _prefix(self, obs: Mapping[str, torch.Tensor], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """-> embeddings [n, S, H] and mask [n, S] of [BOS][patches][proprio, with use_proprio][prompt]."""
         embed = self._lm()[0].embed_tokens
+        images = obs[self.image_key]
         n = images.shape[0]
         patches = self.projector(self.vision(images))
         bos = embed(torch.full((n, 1), self.tokenizer.bos_token_id, dtype=torch.long, device=images.device))
+        if self.proprio_projector is not None:  # normalised to [-1, 1] by the demonstrations' q01/q99
+            state = obs["state"].reshape(n, -1).to(self.proprio_q01.dtype)
+            span = (self.proprio_q99 - self.proprio_q01).clamp(min=1e-8)
+            proprio = self.proprio_projector(2.0 * (state - self.proprio_q01) / span - 1.0)[:, None]
+            patches = torch.cat([patches, proprio.to(patches.dtype)], 1)
         emb = torch.cat([bos, patches.to(bos.dtype), embed(prompt_ids)], dim=1)
         mask = torch.cat([torch.ones((n, 1 + patches.shape[1]), dtype=torch.long, device=images.device),
                           prompt_mask.long()], dim=1)
@@ -306,7 +330,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         images = obs[self.image_key]
         n = images.shape[0]
         prompt_ids, prompt_mask = self.tokenize(instructions, n, images.device)
-        emb, mask = self._prefix(images, prompt_ids, prompt_mask)
+        emb, mask = self._prefix(obs, prompt_ids, prompt_mask)
         S, D = emb.shape[1], self.num_action_tokens
         if self.parallel:
             queries = self.action_query.to(emb.dtype).expand(n, D, -1)
@@ -364,7 +388,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             raise ValueError("openvla_oft decodes in one bidirectional forward; it has no token-by-token prompt")
         images = obs[self.image_key]
         prompt_ids, prompt_mask = self.tokenize(instructions, images.shape[0], images.device)
-        emb, mask = self._prefix(images, prompt_ids, prompt_mask)
+        emb, mask = self._prefix(obs, prompt_ids, prompt_mask)
         value = None
         if self.value_head is not None:
             value = self._value(self._forward(emb, mask).last_hidden_state[:, -1])
@@ -386,7 +410,7 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                  instructions: Sequence[str] | None = None) -> PolicyEval:
         images = obs[self.image_key]
         bins = forward_inputs["action_bins"].long()
-        emb, mask = self._prefix(images, forward_inputs["prompt_ids"].long(), forward_inputs["prompt_mask"].long())
+        emb, mask = self._prefix(obs, forward_inputs["prompt_ids"].long(), forward_inputs["prompt_mask"].long())
         n, S, D = emb.shape[0], emb.shape[1], self.num_action_tokens
         if self.parallel:
             queries = self.action_query.to(emb.dtype).expand(n, D, -1)
@@ -427,10 +451,15 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8),
                 "action_bins": self.action_bins(actions)}
 
-    def set_action_statistics(self, stats: Mapping, name: str = "dataset") -> None:
-        """Un-normalise with these per-dimension q01/q99 (a dataset's ``action_statistics``) from now on;
-        ``save_pretrained`` writes them to dataset_statistics.json under ``name``."""
+    def set_action_statistics(self, stats: Mapping, name: str = "dataset", proprio: Mapping | None = None) -> None:
+        """Un-normalise with these per-dimension q01/q99 (a dataset's ``action_statistics``) from now on, and
+        (``use_proprio``) normalise the state with ``proprio``'s; ``save_pretrained`` writes both to
+        dataset_statistics.json under ``name``."""
         self.unnorm_name = name
+        if proprio is not None and self.proprio_projector is not None:
+            self.proprio_q01.copy_(torch.tensor(proprio["q01"], dtype=self.proprio_q01.dtype))
+            self.proprio_q99.copy_(torch.tensor(proprio["q99"], dtype=self.proprio_q99.dtype))
+            self.proprio_stats = {"q01": list(proprio["q01"]), "q99": list(proprio["q99"])}
         self.q01.copy_(torch.tensor(stats["q01"], dtype=self.q01.dtype))
         self.q99.copy_(torch.tensor(stats["q99"], dtype=self.q99.dtype))
         self.unnorm_stats = {"q01": list(stats["q01"]), "q99": list(stats["q99"]),
@@ -448,15 +477,20 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                      num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
                      image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
                      add_value_head=model_cfg.add_value_head, is_lora=False,
-                     gradient_checkpointing=model_cfg.gradient_checkpointing, unnorm_stats=stats,
-                     tokenizer=tokenizer, logprob_type=logprob_type)
+                     gradient_checkpointing=model_cfg.gradient_checkpointing,
+                     unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer, logprob_type=logprob_type,
+                     use_proprio=model_cfg.use_proprio, proprio_stats=stats["proprio"] if stats else None)
         if state is not None:
             missing, unexpected = policy.load_state_dict(state, strict=False)
             # a fresh critic is expected; DINOv2's mask token is never used for inference
             missing = [k for k in missing if not k.startswith("value_head.") and not k.endswith("mask_token")]
             if missing or unexpected:
+                hint = ""
+                if any(k.startswith("proprio_projector.") for k in missing + unexpected):
+                    hint = (f"; the checkpoint was trained {'without' if model_cfg.use_proprio else 'with'} a "
+                            f"proprio projector: set actor.model.use_proprio={str(not model_cfg.use_proprio).lower()}")
                 raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]}")
+                                 f"unexpected {unexpected[:3]}{hint}")
         if model_cfg.is_lora:
             policy.enable_lora(model_cfg.lora_rank)
         return policy
@@ -471,14 +505,16 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             self.llm = get_peft_model(self.llm, LoraConfig(
                 r=int(rank), lora_alpha=int(rank), lora_dropout=0.0,
                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        if self.value_head is not None:
-            for p in self.value_head.parameters():
-                p.requires_grad_(True)
+        for head in (self.value_head, self.proprio_projector):  # new modules train in full (OFT trains its projector)
+            if head is not None:
+                for p in head.parameters():
+                    p.requires_grad_(True)
         self.is_lora = True
 
     @property
     def trains_adapters_only(self) -> bool:
-        return self.is_lora  # enable_lora freezes every base weight; the value head does not touch log-probs
+        # enable_lora freezes every base weight; the value head does not touch log-probs, a proprio projector does
+        return self.is_lora and self.proprio_projector is None
 
     @contextlib.contextmanager
     def adapters_disabled(self):
@@ -500,7 +536,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes}, indent=2))
         save_tokenizer(self.tokenizer, path)
         if self.unnorm_stats:
-            (path / "dataset_statistics.json").write_text(json.dumps({self.unnorm_name: {"action": self.unnorm_stats}},
+            entry = {"action": self.unnorm_stats, **({"proprio": self.proprio_stats} if self.proprio_stats else {})}
+            (path / "dataset_statistics.json").write_text(json.dumps({self.unnorm_name: entry},
                                                                      indent=1))
         if self.is_lora:  # the adapters are merged now: this object goes on as the merged model
             self.llm = llm
@@ -508,7 +545,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
 
 
 def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapping | None = None):
-    """A checkpoint directory -> (sizes, tokenizer or None, un-normalisation stats or None, state dict). Two
+    """A checkpoint directory -> (sizes, tokenizer or None, dataset statistics ``{"action", "proprio"}`` or None,
+    state dict). Two
     layouts: rlfleet's (``save_pretrained``) and OpenVLA's own hub layout (``openvla/openvla-7b``: Prismatic's
     timm key names, sharded safetensors, ``norm_stats`` in config.json), mapped key by key without remote code."""
     from safetensors.torch import load_file
@@ -549,7 +587,8 @@ def _pick_stats(all_stats: Mapping, unnorm_key: str | None, where: Path):
         return None
     if unnorm_key not in all_stats:
         raise KeyError(f"actor.model.unnorm_key: '{unnorm_key}' is not in {where} (has: {sorted(all_stats) or 'none'})")
-    return all_stats[unnorm_key].get("action", all_stats[unnorm_key])
+    entry = all_stats[unnorm_key]
+    return {"action": entry.get("action", entry), "proprio": entry.get("proprio")}
 
 
 def _read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -67,7 +68,8 @@ class SFTTrainer:
                              f"actor.model.model_path; supervised fine-tuning supports the VLA model types")
         stats = dataset.action_statistics()
         if hasattr(self.policy, "set_action_statistics"):  # un-normalise with the demonstrations' own statistics
-            self.policy.set_action_statistics(stats, name=dataset.meta["env_id"])
+            proprio = dataset.observation_statistics("state") if cfg.actor.model.use_proprio else None
+            self.policy.set_action_statistics(stats, name=dataset.meta["env_id"], proprio=proprio)
         self.obs, self.actions, self.instructions = chunk_samples(dataset, self.policy.num_action_chunks)
         self.optimizer = torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad],
                                           lr=cfg.sft.lr, eps=cfg.actor.optim.adam_eps)
@@ -125,7 +127,9 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="run config (YAML or built-in name)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     _, cfg = load_cli_config(p, argv)
-    torch.set_num_threads(max(1, int(cfg.cluster.torch_num_threads)))
+    # nothing else runs beside supervised fine-tuning: every core, unless cluster.learner_num_threads says otherwise
+    threads = cfg.cluster.learner_num_threads
+    torch.set_num_threads(int(threads) if threads is not None else max(1, len(os.sched_getaffinity(0))))
     data_dir, out_dir = default_paths(cfg)
     try:
         dataset = Dataset(data_dir)

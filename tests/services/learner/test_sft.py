@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from rlfleet.config import load_config
@@ -52,10 +53,12 @@ def test_chunks_repeat_the_last_action_past_the_end(tmp_path):
     np.testing.assert_array_equal(actions[2, 0], actions[2, 1])
 
 
-def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path):
+@pytest.mark.parametrize("proprio", [False, True], ids=["image", "image+proprio"])
+def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, proprio):
     torch.manual_seed(0)
     d = _dataset(tmp_path / "d")
-    cfg = load_config(None, [*TINY, "sft.max_steps=80", "sft.batch_size=12", "sft.lr=1e-3"])
+    TINY_ = [*TINY, f"actor.model.use_proprio={str(proprio).lower()}"]
+    cfg = load_config(None, [*TINY_, "sft.max_steps=80", "sft.batch_size=12", "sft.lr=1e-3"])
     trainer = SFTTrainer(cfg, d, tmp_path / "out", log=lambda s: None)
     summary = trainer.train()
     assert summary["final_loss"] < 0.5 * summary["first_loss"], summary
@@ -63,7 +66,13 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path):
     assert json.loads((path / "sft_summary.json").read_text())["steps"] == 80
     stats = json.loads((path / "dataset_statistics.json").read_text())
     assert set(stats) == {"Toy-v0"}
-    rl_cfg = load_config(None, [*TINY, f"actor.model.model_path={path}", "actor.model.unnorm_key=Toy-v0"])
+    # use_proprio: the state's statistics of the demonstrations go with the model (OpenVLA-OFT's "proprio")
+    assert ("proprio" in stats["Toy-v0"]) == proprio
+    if proprio:
+        assert stats["Toy-v0"]["proprio"]["q01"] == d.observation_statistics("state")["q01"]
+        with pytest.raises(KeyError, match="has no observation 'joints'"):
+            d.observation_statistics("joints")
+    rl_cfg = load_config(None, [*TINY_, f"actor.model.model_path={path}", "actor.model.unnorm_key=Toy-v0"])
     loaded = build_policy(rl_cfg.actor.model, SPECS, 4, True, "token_level")
     obs = {"third_person": torch.from_numpy(d.episode(1).observations["third_person"][:2]),
            "state": torch.zeros(2, 7)}
