@@ -336,6 +336,9 @@ def validate(cfg: DictConfig) -> None:
     _require(not cfg.actor.model.use_proprio or cfg.actor.model.model_type == "openvla_oft",
              "actor.model.use_proprio", f"the proprio projector is OpenVLA-OFT's; model_type is "
              f"'{cfg.actor.model.model_type}'")
+    _require(not cfg.actor.model.extra_image_keys or cfg.actor.model.model_type == "openvla_oft",
+             "actor.model.extra_image_keys", f"more than one camera is OpenVLA-OFT's; model_type is "
+             f"'{cfg.actor.model.model_type}'")
     _require(not cfg.actor.model.is_lora or cfg.actor.model.model_type in ("openvla", "openvla_oft"),
              "actor.model.is_lora", f"LoRA adapters are built for model_type openvla and openvla_oft, not "
              f"'{cfg.actor.model.model_type}' (it trains its full weights)")

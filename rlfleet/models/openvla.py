@@ -170,7 +170,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                  image_key: str | None = None, max_prompt_tokens: int = 64, add_value_head: bool = True,
                  is_lora: bool = False, lora_rank: int = 32, gradient_checkpointing: bool = False,
                  unnorm_stats: Mapping | None = None, tokenizer=None, logprob_type: str = "token_level",
-                 use_proprio: bool = False, proprio_stats: Mapping | None = None):
+                 use_proprio: bool = False, proprio_stats: Mapping | None = None,
+                 extra_image_keys: Sequence[str] = ()):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -186,6 +187,18 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         if image_key is not None and image_key not in images:
             raise ValueError(f"actor.model.image_key: '{image_key}' is not an image observation ({images})")
         self.image_key = image_key or images[0]
+        # OpenVLA-OFT's num_images_in_input > 1: further cameras, each through the same vision backbone and
+        # projector, their patches after the first image's (LIBERO: the third-person view, then the wrist)
+        self.extra_image_keys = [str(k) for k in extra_image_keys]
+        if self.extra_image_keys and model_type != "openvla_oft":
+            raise ValueError(f"actor.model.extra_image_keys: more than one image is OpenVLA-OFT's; model_type is "
+                             f"'{model_type}'")
+        for k in self.extra_image_keys:
+            if k not in images:
+                raise ValueError(f"actor.model.extra_image_keys: '{k}' is not an image observation ({images})")
+        if len(set([self.image_key, *self.extra_image_keys])) != 1 + len(self.extra_image_keys):
+            raise ValueError(f"actor.model.extra_image_keys: {self.extra_image_keys} repeats a camera (image_key is "
+                             f"'{self.image_key}')")
         if use_proprio and model_type != "openvla_oft":
             raise ValueError(f"actor.model.use_proprio: the proprio projector is OpenVLA-OFT's; model_type is "
                              f"'{model_type}'")
@@ -215,7 +228,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                               num_hidden_layers=int(s["llm_layers"]), num_attention_heads=int(s["llm_heads"]),
                               num_key_value_heads=int(s["llm_kv_heads"]), rms_norm_eps=float(s["llm_rms_norm_eps"]),
                               rope_theta=float(s["llm_rope_theta"]),
-                              max_position_embeddings=2 + self.vision.num_patches + self.max_prompt_tokens
+                              max_position_embeddings=2 + self.vision.num_patches * self.num_images
+                              + (1 if use_proprio else 0) + self.max_prompt_tokens
                               + self.num_action_chunks * self.action_dim + 8,
                               pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id)
         self.llm = LlamaForCausalLM(llm_cfg)
@@ -256,6 +270,15 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
     def num_action_tokens(self) -> int:
         return self.num_action_chunks * self.action_dim
 
+    @property
+    def image_keys(self) -> list[str]:
+        """The cameras the policy sees, in the order of their patches."""
+        return [self.image_key, *self.extra_image_keys]
+
+    @property
+    def num_images(self) -> int:
+        return 1 + len(self.extra_image_keys)
+
     def _lm(self):
         """The Llama body and LM head (through the peft wrapper when LoRA is on)."""
         base = self.llm.get_base_model() if self.is_lora else self.llm
@@ -276,11 +299,12 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         return ids.to(device), mask.to(device)
 
     def _prefix(self, obs: Mapping[str, torch.Tensor], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-        """-> embeddings [n, S, H] and mask [n, S] of [BOS][patches][proprio, with use_proprio][prompt]."""
+        """-> embeddings [n, S, H] and mask [n, S] of [BOS][patches of each camera][proprio, with use_proprio]
+        [prompt]."""
         embed = self._lm()[0].embed_tokens
         images = obs[self.image_key]
         n = images.shape[0]
-        patches = self.projector(self.vision(images))
+        patches = torch.cat([self.projector(self.vision(obs[k])) for k in self.image_keys], 1)
         bos = embed(torch.full((n, 1), self.tokenizer.bos_token_id, dtype=torch.long, device=images.device))
         if self.proprio_projector is not None:  # normalised to [-1, 1] by the demonstrations' q01/q99
             state = obs["state"].reshape(n, -1).to(self.proprio_q01.dtype)
@@ -479,7 +503,10 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
                      add_value_head=model_cfg.add_value_head, is_lora=False,
                      gradient_checkpointing=model_cfg.gradient_checkpointing,
                      unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer, logprob_type=logprob_type,
-                     use_proprio=model_cfg.use_proprio, proprio_stats=stats["proprio"] if stats else None)
+                     use_proprio=model_cfg.use_proprio, proprio_stats=stats["proprio"] if stats else None,
+                     extra_image_keys=list(model_cfg.extra_image_keys or ()))
+        if model_cfg.model_path:
+            _check_cameras(Path(model_cfg.model_path), policy.image_keys)
         if state is not None:
             missing, unexpected = policy.load_state_dict(state, strict=False)
             # a fresh critic is expected; DINOv2's mask token is never used for inference
@@ -533,7 +560,9 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
         state.update({k: v for k, v in self.state_dict().items() if not k.startswith("llm.")})
         save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes}, indent=2))
+        (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes,
+                                                      "num_images_in_input": self.num_images,
+                                                      "image_keys": self.image_keys}, indent=2))
         save_tokenizer(self.tokenizer, path)
         if self.unnorm_stats:
             entry = {"action": self.unnorm_stats, **({"proprio": self.proprio_stats} if self.proprio_stats else {})}
@@ -563,6 +592,18 @@ def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapp
     stats_file = path / "dataset_statistics.json"
     stats = _pick_stats(json.loads(stats_file.read_text()) if stats_file.is_file() else {}, unnorm_key, stats_file)
     return sizes, tokenizer, stats, load_file(str(path / "model.safetensors"))
+
+
+def _check_cameras(path: Path, image_keys: Sequence[str]) -> None:
+    """A checkpoint trained on N cameras (config.json ``num_images_in_input``, OpenVLA-OFT's name) loads into a
+    policy that sees N cameras: the weights alone cannot tell, the patch sequence the LM learned can."""
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    n = cfg.get("num_images_in_input")
+    if n is not None and int(n) != len(image_keys):
+        trained = cfg.get("image_keys") or f"{n} cameras"
+        raise ValueError(f"actor.model.model_path: {path} was trained on {n} image(s) ({trained}); this policy sees "
+                         f"{len(image_keys)} ({list(image_keys)}): set actor.model.image_key and "
+                         f"actor.model.extra_image_keys to match")
 
 
 def lm_weight_name(name: str) -> str | None:

@@ -64,7 +64,9 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
             return Footprint(n, n // 50 if model_cfg.is_lora else n)
     sizes = model_cfg.openpi if model_cfg.model_type == "openpi" else model_cfg.vla
     size = int(sizes.image_size)
-    specs = {model_cfg.image_key or "image": ObsSpec((size, size, 3), "uint8"), "state": ObsSpec((1,), "float32")}
+    specs = {k: ObsSpec((size, size, 3), "uint8") for k in [model_cfg.image_key or "image",
+                                                          *(model_cfg.extra_image_keys or ())]}
+    specs["state"] = ObsSpec((1,), "float32")
     with torch.device("meta"):
         policy = build_policy(model_cfg, specs, 1, True, logprob_type)
     params = sum(p.numel() for p in policy.parameters())

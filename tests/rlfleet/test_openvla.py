@@ -335,3 +335,47 @@ def test_oft_proprio_projector_reads_the_state_and_round_trips(tmp_path):
     lora_cfg, lora = _policy("openvla_oft", "token_level", *args, "actor.model.is_lora=true", "actor.model.lora_rank=4")
     # the projector trains beside the adapters, so adapters-off is not the start: a KL reference needs a copy
     assert all(t.requires_grad for t in lora.proprio_projector.parameters()) and not lora.trains_adapters_only
+
+
+def test_oft_sees_several_cameras_and_the_checkpoint_records_them(tmp_path):
+    """actor.model.extra_image_keys (OpenVLA-OFT's num_images_in_input > 1): each further camera goes through the
+    same vision backbone and projector, its patches after image_key's; act and evaluate share the log-prob; the
+    checkpoint records the cameras and refuses a policy that sees a different number; misuse is named."""
+    from rlfleet.config import ConfigError
+
+    args = ("actor.model.num_action_chunks=2", "actor.model.image_key=wrist",
+            "actor.model.extra_image_keys=[third_person]")
+    cfg, p = _policy("openvla_oft", "token_level", *args)
+    _, single = _policy("openvla_oft", "token_level", *args[:2])
+    assert p.image_keys == ["wrist", "third_person"]
+    n_params = sum(t.numel() for t in p.parameters())
+    assert n_params == sum(t.numel() for t in single.parameters())  # one backbone for every camera
+    obs = _obs()
+    emb, _ = p._prefix(obs, *p.tokenize(INSTR, 8, "cpu"))
+    emb1, _ = single._prefix(obs, *single.tokenize(INSTR, 8, "cpu"))
+    assert emb.shape[1] == emb1.shape[1] + p.vision.num_patches
+    out = p.act(obs, False, INSTR)
+    ev = p.evaluate(obs, out.forward_inputs, INSTR)
+    assert torch.allclose(ev.log_probs, out.log_probs, atol=1e-5)
+    other = _obs(seed=2)["third_person"]
+    moved = p.evaluate({**obs, "third_person": other}, out.forward_inputs, INSTR)
+    assert (moved.log_probs - ev.log_probs).abs().max() > 1e-4  # the policy sees the second camera
+    p.save_pretrained(tmp_path / "ckpt")
+    written = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert written["num_images_in_input"] == 2 and written["image_keys"] == ["wrist", "third_person"]
+    base = ["actor.model.model_type=openvla_oft", "actor.model.vla.image_size=32", f"actor.model.model_path="
+            f"{tmp_path / 'ckpt'}"]
+    q = build_policy(load_config(None, [*base, *args]).actor.model, SPECS, 4, True, "token_level")
+    assert torch.allclose(q.evaluate(obs, out.forward_inputs, INSTR).log_probs, ev.log_probs, atol=1e-5)
+    with pytest.raises(ValueError, match=r"trained on 2 image\(s\) \(\['wrist', 'third_person'\]\); this policy "
+                                         r"sees 1 \(\['wrist'\]\)"):
+        build_policy(load_config(None, [*base, *args[:2]]).actor.model, SPECS, 4, True, "token_level")
+    with pytest.raises(ValueError, match="extra_image_keys: 'top' is not an image observation"):
+        build_policy(load_config(None, [*base[:2], "actor.model.extra_image_keys=[top]"]).actor.model, SPECS, 4,
+                     True, "token_level")
+    with pytest.raises(ValueError, match="repeats a camera"):
+        build_policy(load_config(None, [*base[:2], "actor.model.image_key=wrist",
+                                        "actor.model.extra_image_keys=[wrist]"]).actor.model, SPECS, 4, True,
+                     "token_level")
+    with pytest.raises(ConfigError, match="extra_image_keys.*model_type is 'openvla'"):
+        load_config(None, ["actor.model.model_type=openvla", "actor.model.extra_image_keys=[wrist]"])
