@@ -509,8 +509,10 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             _check_cameras(Path(model_cfg.model_path), policy.image_keys)
         if state is not None:
             missing, unexpected = policy.load_state_dict(state, strict=False)
-            # a fresh critic is expected; DINOv2's mask token is never used for inference
-            missing = [k for k in missing if not k.startswith("value_head.") and not k.endswith("mask_token")]
+            # a fresh critic is expected; DINOv2's mask token is never used for inference; OpenVLA-OFT's released
+            # checkpoints have no action query: OFT zeroes the action positions' embeddings, as its zero init does
+            missing = [k for k in missing if not k.startswith("value_head.") and not k.endswith("mask_token")
+                       and k != "action_query"]
             if missing or unexpected:
                 hint = ""
                 if any(k.startswith("proprio_projector.") for k in missing + unexpected):
@@ -741,6 +743,34 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
     for k, v in state.items():
         if k.startswith("language_model."):
             mapped["llm." + k[len("language_model."):]] = v
+    mapped.update(_load_oft_components(path))
     tokenizer = load_hf_tokenizer(path) if has_tokenizer_files(path) else None
     stats = _pick_stats(cfg.get("norm_stats", {}), unnorm_key, path / "config.json")
     return sizes, tokenizer, stats, mapped
+
+
+def _load_oft_components(path: Path) -> dict[str, torch.Tensor]:
+    """OpenVLA-OFT's released checkpoints keep the proprio projector beside the VLA, in
+    ``proprio_projector--<step>_checkpoint.pt`` (a state dict of fc1/fc2, ``module.``-prefixed when saved from DDP)
+    -> this policy's ``proprio_projector.*`` names. A checkpoint whose actions come from a separate action head
+    (``action_head--*.pt``: OFT's L1-regression or diffusion head) is refused: rlfleet decodes action tokens."""
+    heads = sorted(path.glob("action_head--*.pt"))
+    if heads:
+        raise ValueError(f"actor.model.model_path: {path} predicts continuous actions with {heads[0].name} (OpenVLA-OFT's "
+                         f"L1-regression or diffusion action head); rlfleet's openvla_oft decodes discrete action "
+                         f"tokens from the LM head, so it needs a checkpoint fine-tuned on action tokens")
+    files = sorted(path.glob("proprio_projector--*.pt"))
+    if not files:
+        return {}
+    if len(files) > 1:
+        raise ValueError(f"actor.model.model_path: {path} holds {len(files)} proprio projectors "
+                         f"({[f.name for f in files]}); keep the one of the checkpoint's step")
+    state = torch.load(files[0], map_location="cpu", weights_only=True)
+    out = {}
+    for k, v in state.items():
+        name = k[len("module."):] if k.startswith("module.") else k
+        layer, _, kind = name.partition(".")
+        if layer not in ("fc1", "fc2") or kind not in ("weight", "bias"):
+            raise ValueError(f"{files[0]}: unexpected tensor '{k}' (OpenVLA-OFT's proprio projector has fc1 and fc2)")
+        out[f"proprio_projector.{0 if layer == 'fc1' else 2}.{kind}"] = v
+    return out

@@ -379,3 +379,50 @@ def test_oft_sees_several_cameras_and_the_checkpoint_records_them(tmp_path):
                      "token_level")
     with pytest.raises(ConfigError, match="extra_image_keys.*model_type is 'openvla'"):
         load_config(None, ["actor.model.model_type=openvla", "actor.model.extra_image_keys=[wrist]"])
+
+
+def test_openvla_oft_hub_layout_loads_its_proprio_projector_and_refuses_an_action_head(tmp_path):
+    """An OpenVLA-OFT checkpoint as released (OpenVLA's hub layout, the proprio projector in
+    proprio_projector--<step>_checkpoint.pt with DDP's module. prefix, proprio statistics in norm_stats, no action
+    query: OFT zeroes the action positions' embeddings) loads and acts the same; one whose actions come from an
+    L1-regression/diffusion head (action_head--*.pt) is refused with the reason."""
+    from safetensors.torch import save_file
+
+    sizes = ["actor.model.vla.use_dinov2=true", "actor.model.vla.dino_registers=4",
+             "actor.model.vla.dino_hidden_size=96", "actor.model.vla.dino_heads=4",
+             "actor.model.vla.dino_intermediate_size=192", "actor.model.vla.vocab_size=1088",
+             "actor.model.vla.action_token_end=1024", "actor.model.vla.llm_heads=4", "actor.model.vla.llm_kv_heads=4",
+             "actor.model.vla.llm_rms_norm_eps=1e-5", "actor.model.vla.image_size=32"]
+    oft = ["actor.model.num_action_chunks=2", "actor.model.use_proprio=true"]
+    _, p = _policy("openvla_oft", "token_level", *sizes, *oft)
+    with torch.no_grad():
+        p.vision.dino.embeddings.position_embeddings[:, 0] = 0.0
+        torch.nn.init.normal_(p.proprio_projector[0].weight)  # far from the fresh projector a load would miss
+    ckpt = tmp_path / "openvla-7b-oft"
+    ckpt.mkdir()
+    save_file(_to_openvla_hub(p), str(ckpt / "model.safetensors"))
+    proj = {f"module.{fc}.{kind}": p.proprio_projector[i].state_dict()[kind].clone()
+            for i, fc in ((0, "fc1"), (2, "fc2")) for kind in ("weight", "bias")}
+    torch.save(proj, ckpt / "proprio_projector--150000_checkpoint.pt")
+    stats = {"action": {"q01": [-1.0] * 4, "q99": [1.0] * 4}, "proprio": {"q01": [-2.0] * 7, "q99": [2.0] * 7}}
+    (ckpt / "config.json").write_text(json.dumps({
+        "architectures": ["OpenVLAForActionPrediction"], "vision_backbone_id": "dinosiglip-vit-so-224px",
+        "image_sizes": [32, 32], "n_action_bins": 256, "pad_to_multiple_of": 64,
+        "text_config": {"num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5},
+        "norm_stats": {"libero_spatial_no_noops": stats}}))
+    p.set_action_statistics(stats["action"], proprio=stats["proprio"])
+    args = ["actor.model.model_type=openvla_oft", f"actor.model.model_path={ckpt}", *oft,
+            "actor.model.unnorm_key=libero_spatial_no_noops", "actor.model.vla.dino_heads=4"]
+    q = build_policy(load_config(None, args).actor.model, SPECS, 4, True, "token_level")
+    assert torch.equal(q.proprio_projector[0].weight, p.proprio_projector[0].weight)
+    assert torch.allclose(q.proprio_q99, torch.full((7,), 2.0)) and torch.equal(q.action_query, p.action_query)
+    obs = _obs()
+    want, got = p.act(obs, True, INSTR), q.act(obs, True, INSTR)
+    assert torch.equal(want.forward_inputs["action_bins"], got.forward_inputs["action_bins"])
+    assert (q.evaluate(obs, want.forward_inputs, INSTR).log_probs - want.log_probs).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="trained with a proprio projector: set actor.model.use_proprio=true"):
+        build_policy(load_config(None, [a for a in args if "use_proprio" not in a]).actor.model, SPECS, 4, True,
+                     "token_level")
+    torch.save({"module.model.fc1.weight": torch.zeros(2, 2)}, ckpt / "action_head--150000_checkpoint.pt")
+    with pytest.raises(ValueError, match="action_head--150000_checkpoint.pt.*decodes discrete action tokens"):
+        build_policy(load_config(None, args).actor.model, SPECS, 4, True, "token_level")
