@@ -304,7 +304,13 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
         embed = self._lm()[0].embed_tokens
         images = obs[self.image_key]
         n = images.shape[0]
-        patches = torch.cat([self.projector(self.vision(obs[k])) for k in self.image_keys], 1)
+        # every camera through the backbone in one call (stacked along the batch), then side by side per sample
+        cams = [obs[k] for k in self.image_keys]
+        if len(cams) > 1 and any(c.shape != images.shape for c in cams):
+            raise ValueError(f"cameras {list(self.image_keys)} have shapes {[tuple(c.shape) for c in cams]}: "
+                             "the vision backbone needs every camera at one image size")
+        patches = self.projector(self.vision(torch.cat(cams, 0) if len(cams) > 1 else images))
+        patches = torch.cat(patches.split(n, 0), 1)
         bos = embed(torch.full((n, 1), self.tokenizer.bos_token_id, dtype=torch.long, device=images.device))
         if self.proprio_projector is not None:  # normalised to [-1, 1] by the demonstrations' q01/q99
             state = obs["state"].reshape(n, -1).to(self.proprio_q01.dtype)

@@ -354,6 +354,11 @@ def test_oft_sees_several_cameras_and_the_checkpoint_records_them(tmp_path):
     emb, _ = p._prefix(obs, *p.tokenize(INSTR, 8, "cpu"))
     emb1, _ = single._prefix(obs, *single.tokenize(INSTR, 8, "cpu"))
     assert emb.shape[1] == emb1.shape[1] + p.vision.num_patches
+    with torch.no_grad():  # one backbone call over the stacked cameras == one call per camera, in camera order
+        each = torch.cat([p.projector(p.vision(obs[k])) for k in p.image_keys], 1)
+    assert torch.allclose(emb[:, 1:1 + each.shape[1]], each.to(emb.dtype), atol=1e-5)
+    with pytest.raises(ValueError, match=r"cameras \['wrist', 'third_person'\] have shapes .*one image size"):
+        p._prefix({**obs, "third_person": obs["third_person"][:, :16]}, *p.tokenize(INSTR, 8, "cpu"))
     out = p.act(obs, False, INSTR)
     ev = p.evaluate(obs, out.forward_inputs, INSTR)
     assert torch.allclose(ev.log_probs, out.log_probs, atol=1e-5)
