@@ -310,7 +310,8 @@ class OpenVLAPolicy(PolicyMixin, nn.Module):
             raise ValueError(f"cameras {list(self.image_keys)} have shapes {[tuple(c.shape) for c in cams]}: "
                              "the vision backbone needs every camera at one image size")
         patches = self.projector(self.vision(torch.cat(cams, 0) if len(cams) > 1 else images))
-        patches = torch.cat(patches.split(n, 0), 1)
+        if len(cams) > 1:
+            patches = torch.cat(patches.split(n, 0), 1)
         bos = embed(torch.full((n, 1), self.tokenizer.bos_token_id, dtype=torch.long, device=images.device))
         if self.proprio_projector is not None:  # normalised to [-1, 1] by the demonstrations' q01/q99
             state = obs["state"].reshape(n, -1).to(self.proprio_q01.dtype)
