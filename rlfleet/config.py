@@ -258,6 +258,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("num_demos", "max_steps", "batch_size"):
         _require(cfg.sft[key] >= 1, f"sft.{key}", f"must be >= 1, got {cfg.sft[key]}")
     _require(cfg.sft.lr > 0, "sft.lr", f"must be > 0, got {cfg.sft.lr}")
+    _require(cfg.sft.image_shift >= 0, "sft.image_shift", f"must be >= 0 pixels, got {cfg.sft.image_shift}")
     chunk = cfg.actor.model.num_action_chunks
     _require(cfg.env.train.max_steps_per_rollout_epoch % max(chunk, 1) == 0, "env.train.max_steps_per_rollout_epoch",
              f"{cfg.env.train.max_steps_per_rollout_epoch} env steps must be a multiple of "

@@ -79,8 +79,25 @@ class SFTTrainer:
     def num_samples(self) -> int:
         return int(self.actions.shape[0])
 
+    def augment(self, obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Random-shift augmentation (``sft.image_shift`` = s > 0): every image (uint8 [B, H, W, C]) is padded by
+        s pixels on each side, repeating its edge, and cropped back to H x W at an offset drawn per sample."""
+        s = int(self.cfg.sft.image_shift)
+        if s <= 0:
+            return obs
+        out = dict(obs)
+        for k, v in obs.items():
+            if v.dtype != np.uint8 or v.ndim != 4:
+                continue
+            B, H, W = v.shape[:3]
+            padded = np.pad(v, ((0, 0), (s, s), (s, s), (0, 0)), mode="edge")
+            dy, dx = self.rng.integers(0, 2 * s + 1, size=(2, B))
+            out[k] = np.stack([padded[i, dy[i]:dy[i] + H, dx[i]:dx[i] + W] for i in range(B)])
+        return out
+
     def step(self, rows: np.ndarray) -> float:
-        obs = {k: v.to(self.device) for k, v in to_torch_obs({k: v[rows] for k, v in self.obs.items()}).items()}
+        batch = self.augment({k: v[rows] for k, v in self.obs.items()})
+        obs = {k: v.to(self.device) for k, v in to_torch_obs(batch).items()}
         actions = torch.from_numpy(self.actions[rows]).to(self.device)
         with self.policy.precision():
             loss = self.policy.bc_loss(obs, actions, [self.instructions[i] for i in rows]).float()

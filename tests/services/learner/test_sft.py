@@ -98,3 +98,23 @@ def test_pi0_flow_matching_sft_round_trips_through_model_path(tmp_path):
            "state": torch.from_numpy(d.episode(0).observations["state"][:2])}
     torch.testing.assert_close(loaded.act(obs, True, ["task 0"] * 2).actions,
                                trainer.policy.act(obs, True, ["task 0"] * 2).actions)
+
+
+def test_random_shift_moves_each_image_by_at_most_the_shift_and_leaves_the_rest(tmp_path):
+    d = _dataset(tmp_path / "d", episodes=2, T=4)
+    cfg = load_config(None, [*TINY, "sft.image_shift=3"])
+    trainer = SFTTrainer(cfg, d, tmp_path / "out", log=lambda s: None)
+    img = np.zeros((16, 64, 64, 3), np.uint8)
+    img[:, 30, 30] = 255  # one bright pixel per image, away from the edges
+    state = np.arange(16 * 7, dtype=np.float32).reshape(16, 7)
+    out = trainer.augment({"third_person": img, "state": state})
+    assert out["third_person"].shape == img.shape and out["third_person"].dtype == np.uint8
+    assert out["state"] is state  # only images are shifted
+    where = [np.argwhere(out["third_person"][i, :, :, 0] == 255) for i in range(16)]
+    assert all(len(w) == 1 for w in where)  # the pixel moved, it was not blurred or lost
+    offsets = np.array([w[0] - [30, 30] for w in where])
+    assert np.abs(offsets).max() <= 3 and len({tuple(o) for o in offsets}) > 1  # drawn per sample, within the shift
+    off = SFTTrainer(load_config(None, TINY), d, tmp_path / "out2", log=lambda s: None)
+    assert off.augment({"third_person": img})["third_person"] is img  # sft.image_shift 0: untouched
+    with pytest.raises(ValueError, match="sft.image_shift"):
+        load_config(None, [*TINY, "sft.image_shift=-1"])
