@@ -70,6 +70,7 @@ class SFTTrainer:
         if hasattr(self.policy, "set_action_statistics"):  # un-normalise with the demonstrations' own statistics
             proprio = dataset.observation_statistics("state") if cfg.actor.model.use_proprio else None
             self.policy.set_action_statistics(stats, name=dataset.meta["env_id"], proprio=proprio)
+        self.image_keys = sorted(k for k, spec in self.obs_specs.items() if spec.is_image)  # what image_shift moves
         self.obs, self.actions, self.instructions = chunk_samples(dataset, self.policy.num_action_chunks)
         self.optimizer = torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad],
                                           lr=cfg.sft.lr, eps=cfg.actor.optim.adam_eps)
@@ -86,9 +87,8 @@ class SFTTrainer:
         if s <= 0:
             return obs
         out = dict(obs)
-        for k, v in obs.items():
-            if v.dtype != np.uint8 or v.ndim != 4:
-                continue
+        for k in self.image_keys:
+            v = obs[k]
             B, H, W = v.shape[:3]
             padded = np.pad(v, ((0, 0), (s, s), (s, s), (0, 0)), mode="edge")
             dy, dx = self.rng.integers(0, 2 * s + 1, size=(2, B))
