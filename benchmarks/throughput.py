@@ -62,19 +62,28 @@ CASES = {
 }
 
 
-def raw_sim(cfg, steps_per_env: int) -> float:
+RAW_ACTIONS = ("random", "expert")
+
+
+def raw_sim(cfg, steps_per_env: int, actions: str = "random") -> float:
     """Backend slots stepped with random actions, in the simulator's environment (a subprocess if needed)."""
     python = environments.python_for(cfg.env.train.simulator_type)
     if python != sys.executable:
         env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT)}
-        out = subprocess.run([python, __file__, "--raw", to_yaml(cfg), "--steps", str(steps_per_env)],
-                             capture_output=True, text=True, env=env, check=True)
+        out = subprocess.run([python, __file__, "--raw", to_yaml(cfg), "--steps", str(steps_per_env),
+                              "--raw-actions", actions], capture_output=True, text=True, env=env, check=True)
         return float(json.loads(out.stdout.strip().splitlines()[-1])["rate"])
-    return _raw_here(cfg, steps_per_env)
+    return _raw_here(cfg, steps_per_env, actions)
 
 
-def _raw_here(cfg, steps_per_env: int) -> float:
+def _raw_here(cfg, steps_per_env: int, actions: str = "random") -> float:
+    """Env steps/s of backend.step alone. ``actions``: "random" (uniform over the action space) or "expert" (the
+    backend's scripted expert, computed outside the timed calls: the contact-rich grasp-and-lift steps a solved task
+    makes, which cost a physics engine more than random flailing does)."""
     from services.env.vec_env import make_backend
+
+    if actions not in RAW_ACTIONS:
+        raise ValueError(f"raw actions: '{actions}' is not one of {list(RAW_ACTIONS)}")
 
     tr = cfg.env.train
     n = tr.total_num_envs
@@ -84,12 +93,15 @@ def _raw_here(cfg, steps_per_env: int) -> float:
     space = backend.spec.action_space
     rng = np.random.default_rng(0)
     acts = rng.uniform(space.low, space.high, (steps_per_env, n, *space.shape)).astype(np.float32)
-    t0 = time.perf_counter()
+    stepping = 0.0
     for t in range(steps_per_env):
-        backend.step(ids, acts[t])
+        act = backend.expert_actions(ids) if actions == "expert" else acts[t]
+        t0 = time.perf_counter()
+        backend.step(ids, act)
+        stepping += time.perf_counter() - t0
         if (t + 1) % tr.max_episode_steps == 0:
             backend.reset(ids, [None] * n, [None] * n)
-    rate = steps_per_env * n / (time.perf_counter() - t0)
+    rate = steps_per_env * n / stepping
     backend.close()
     return rate
 
@@ -173,11 +185,12 @@ def main() -> None:
     ap.add_argument("--only", default=None, help=f"comma-separated cases of {', '.join(CASES)}")
     ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)  # internal: raw_sim in a simulator environment
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-actions", default="random", choices=RAW_ACTIONS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw:
         from rlfleet.config import config_from_yaml
 
-        print(json.dumps({"rate": _raw_here(config_from_yaml(args.raw), args.steps)}))
+        print(json.dumps({"rate": _raw_here(config_from_yaml(args.raw), args.steps, args.raw_actions)}))
         return
     rows = []
     for name, overrides in CASES.items():

@@ -7,7 +7,9 @@ Each (mode, seed) is one `coordinatorctl start` of the default run (plus the ove
 100 seeded episodes every 5 epochs, stopped at 95% (runner.early_stop_success_rate). Times are training wall time
 from the first rollout, evaluations excluded (their time is subtracted); env steps are training env steps. The
 whole-loop rate is training env steps / training wall time (evaluations excluded), next to the raw simulator's
-steps/s on all cores (the physical limit: benchmarks/throughput.py's raw stepping, one process per core).
+steps/s on all cores (the physical limit: benchmarks/throughput.py's raw stepping, one process per core), with
+random actions and, where the task has a scripted expert, with the expert's actions (the grasp-and-lift steps of a
+solved task, which cost the physics engine more than random actions do).
 Runs go to runner.logger.log_path when given, else a temporary folder.
 """
 
@@ -67,15 +69,20 @@ def analyse(run_dir: pathlib.Path) -> None:
         print(f"whole loop: {h['rate']:,.0f} env steps/s (evaluations excluded)")
 
 
-def raw_all_cores(cores: int) -> float:
-    """The raw simulator's env steps/s with one stepping process per core (benchmarks/throughput.py --raw)."""
+def raw_all_cores(cores: int, overrides=(), actions: str = "random") -> float | None:
+    """The raw simulator's env steps/s with one stepping process per core (benchmarks/throughput.py --raw), for the
+    run's config; ``actions`` "random" or "expert" (None when the task has no scripted expert)."""
     from rlfleet.config import load_config, to_yaml
 
-    cfg = load_config(None, [])
+    cfg = load_config(None, list(overrides))
     here = pathlib.Path(__file__).with_name("throughput.py")
-    procs = [subprocess.Popen([sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", "400"],
-                              stdout=subprocess.PIPE, text=True) for _ in range(cores)]
-    return sum(json.loads(p.communicate()[0].strip().splitlines()[-1])["rate"] for p in procs)
+    procs = [subprocess.Popen([sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", "400", "--raw-actions",
+                               actions], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(cores)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        return None
+    return sum(json.loads(out.strip().splitlines()[-1])["rate"] for out in outs)
 
 
 def main() -> None:
@@ -109,10 +116,12 @@ def main() -> None:
             rows[(mode, seed)] = hits(run)
             analyse(run)
     cores = os.cpu_count() or 1
-    raw = raw_all_cores(cores)
-    print(f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s")
+    raw = raw_all_cores(cores, args.overrides)
+    expert = raw_all_cores(cores, args.overrides, "expert")
+    print(f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s with random actions, "
+          + (f"{expert:,.0f} with the scripted expert's" if expert else "no scripted expert"))
     print(f"\n| mode | seeds | to 50% (s / k steps) | to 90% (s / k steps) | to 95% median (s) | to 95% worst (s) | "
-          f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores |")
+          f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores (random, expert) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         runs = [rows[(mode, s)] for s in args.seeds]
@@ -132,7 +141,7 @@ def main() -> None:
                    if got95 else "-")
         rate = statistics.median(r.get("rate", 0.0) for r in runs)
         print(f"| {mode} | {', '.join(map(str, args.seeds))} | {cell(0.5)} | {cell(0.9)} | {med95} | {worst95} | "
-              f"{steps95} | {rate:,.0f} | {rate / raw:.0%} |")
+              f"{steps95} | {rate:,.0f} | {rate / raw:.0%}, {f'{rate / expert:.0%}' if expert else '-'} |")
 
 
 if __name__ == "__main__":
