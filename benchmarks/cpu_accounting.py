@@ -21,8 +21,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rlfleet.metrics import read_metrics  # noqa: E402
+from time_to_success import raw_all_cores  # noqa: E402
 
 STEPS = 1024  # the report's unit: core-ms per this many env steps (one epoch of the default run)
 
@@ -97,9 +99,6 @@ def main() -> None:
     for pid, role in sorted(procs.items(), key=lambda kv: kv[1]):
         print(f"| {role} | {per(end[pid] - start[pid]):,.0f} | {(end[pid] - start[pid]) / total:.0%} |")
     print(f"| **all** | **{per(total):,.0f}** | on {cores} cores: {per(cores * wall):,.0f} available |")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from time_to_success import raw_all_cores
-
     if args.raw is None:
         args.raw = raw_all_cores(cores, args.overrides)
     expert = raw_all_cores(cores, args.overrides, "expert")

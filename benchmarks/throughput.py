@@ -66,7 +66,8 @@ RAW_ACTIONS = ("random", "expert")
 
 
 def raw_sim(cfg, steps_per_env: int, actions: str = "random") -> float:
-    """Backend slots stepped with random actions, in the simulator's environment (a subprocess if needed)."""
+    """Backend slots stepped with ``actions`` ("random" or "expert", see _raw_here), in the simulator's environment
+    (a subprocess if needed)."""
     python = environments.python_for(cfg.env.train.simulator_type)
     if python != sys.executable:
         env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT)}

@@ -77,12 +77,15 @@ def raw_all_cores(cores: int, overrides=(), actions: str = "random") -> float | 
     cfg = load_config(None, list(overrides))
     here = pathlib.Path(__file__).with_name("throughput.py")
     procs = [subprocess.Popen([sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", "400", "--raw-actions",
-                               actions], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                               actions], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(cores)]
-    outs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
+    outs = [p.communicate() for p in procs]
+    failed = [err for p, (_, err) in zip(procs, outs) if p.returncode]
+    if failed and actions == "expert" and "no scripted expert" in failed[0]:
         return None
-    return sum(json.loads(out.strip().splitlines()[-1])["rate"] for out in outs)
+    if failed:
+        raise SystemExit(f"raw simulator stepping ({actions} actions) failed:\n{failed[0].strip()[-2000:]}")
+    return sum(json.loads(out.strip().splitlines()[-1])["rate"] for out, _ in outs)
 
 
 def main() -> None:
