@@ -374,6 +374,72 @@ def validate(cfg: DictConfig) -> None:
                  f"'{backend}' is not supported here (tensorboard); wandb and swanlab are not installed")
     parse_placement(cfg.cluster.component_placement, cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node)
     parse_placement(cfg.cluster.cpu_placement, 1 << 16, "cluster.cpu_placement", "CPU core")  # syntax; cores at launch
+    _check_learner_ranks(cfg)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_learner_ranks(cfg) -> None:
+    cl = cfg.cluster
+    ws = cl.learner_world_size
+    _require(_is_int(ws) and ws >= 1, "cluster.learner_world_size", f"must be an integer >= 1, got {ws!r}")
+    gpus = learner_gpus(cfg)
+    _require(not gpus or ws in (1, len(gpus)), "cluster.learner_world_size",
+             f"{ws} ranks, but the actor is placed on {len(gpus)} GPU(s) ({_actor_key(cl.component_placement)}"
+             f" = '{_actor_spec(cl.component_placement)}'): with GPUs the placement decides (one rank per GPU); "
+             f"leave it at 1 or set {len(gpus)}")
+    learner_layout(cfg)  # the actor's GPUs fill the same count on every node they span
+    _require(cl.learner_collective_timeout_s > 0, "cluster.learner_collective_timeout_s",
+             f"must be > 0, got {cl.learner_collective_timeout_s}")
+    port = cl.learner_master_port
+    _require(_is_int(port) and 1 <= port <= 65535, "cluster.learner_master_port",
+             f"must be a port number in 1..65535, got {port!r}")
+    bucket = cfg.actor.weights_bucket_mb
+    _require(bucket > 0, "actor.weights_bucket_mb", f"must be > 0, got {bucket}")
+
+
+def _actor_key(placement) -> str:
+    for names in (placement.keys() if hasattr(placement, "keys") else []):
+        if "actor" in (n.strip() for n in str(names).split(",")):
+            return f"cluster.component_placement.{names}"
+    return "cluster.component_placement"
+
+
+def _actor_spec(placement) -> str:
+    key = _actor_key(placement).removeprefix("cluster.component_placement").lstrip(".")
+    return str(placement[key]) if key else ""
+
+
+def learner_gpus(cfg) -> list[int]:
+    """The global GPU ranks of the learner (the actor component's range of cluster.component_placement);
+    [] when it has none (cluster.num_gpus_per_node 0, or no actor range): it then runs on CPU."""
+    cl = cfg.cluster
+    return parse_placement(cl.component_placement, cl.num_nodes * cl.num_gpus_per_node)["actor"]
+
+
+def learner_layout(cfg) -> tuple[int, int]:
+    """(nnodes, nproc_per_node) of the learner's rank group (torch.distributed; world size = their product).
+
+    With GPUs, one rank per GPU of the actor's range (``actor: 0-7`` -> (1, 8); on 2 nodes of 8 GPUs,
+    ``actor: 0-15`` -> (2, 8)); the range must hold the same number of GPUs on every node it touches. Without
+    (cluster.num_gpus_per_node 0, or no actor range): ``cluster.learner_world_size`` ranks on one node (gloo on
+    CPU). (1, 1) is a single learner process, as before rank groups. Pure: used by validation, the process plan,
+    every launcher and the learner itself."""
+    cl = cfg.cluster
+    gpus = learner_gpus(cfg)
+    if not gpus:
+        return 1, int(cl.learner_world_size)
+    per_node: dict[int, int] = {}
+    for rank in gpus:
+        per_node[rank // cl.num_gpus_per_node] = per_node.get(rank // cl.num_gpus_per_node, 0) + 1
+    counts = sorted(set(per_node.values()))
+    _require(len(counts) == 1, _actor_key(cl.component_placement),
+             f"the learner runs one rank per GPU of the actor's range '{_actor_spec(cl.component_placement)}', "
+             f"which must hold the same number of GPUs on each node it spans (cluster.num_gpus_per_node = "
+             f"{cl.num_gpus_per_node}); it holds " + ", ".join(f"{n} on node {node}" for node, n in per_node.items()))
+    return len(per_node), counts[0]
 
 
 def parse_ranks(spec, world: int, key: str = "cluster.component_placement", unit: str = "GPU") -> list[int]:

@@ -33,9 +33,17 @@ def common_args(description: str) -> argparse.ArgumentParser:
     return p
 
 
+PARENT_PID_ENV = "RLFLEET_PARENT_PID"  # pid of the process that started this one (a local launcher's coordinator)
+
+
 def die_with_parent() -> None:
-    """When started by a coordinator (RLFLEET_PARENT_PID), exit as soon as it dies, even by kill -9."""
-    parent = os.environ.get("RLFLEET_PARENT_PID")
+    """When started by a coordinator (RLFLEET_PARENT_PID), exit as soon as it dies, even by kill -9.
+
+    RLFLEET_PARENT_PID is the pid of the process that started this one. A learner rank is started by torchrun's
+    agent, not by the coordinator: the local launcher runs that agent through ``rlfleet.torchrun``, which binds
+    itself to the coordinator here and then sets RLFLEET_PARENT_PID to its own pid for the ranks it starts, so
+    each rank binds to its real parent (the agent) and a chain coordinator -> agent -> ranks ends as one."""
+    parent = os.environ.get(PARENT_PID_ENV)
     if not parent:
         return
     try:
@@ -46,6 +54,17 @@ def die_with_parent() -> None:
         pass
     if os.getppid() != int(parent):  # the parent died before we got here
         os._exit(1)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun's agent started (it sets TORCHELASTIC_RUN_ID for its ranks)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def launched_pid() -> int:
+    """The pid of the process a launcher started for this service, which the coordinator watches: this process,
+    or for a rank under torchrun the agent that started it (its parent), whose exit is the group's."""
+    return os.getppid() if under_torchrun() else os.getpid()
 
 
 CPU_CORES_ENV = "RLFLEET_CPU_CORES"  # comma-separated CPU cores a local launcher placed this process on
@@ -179,7 +198,7 @@ class ServiceRuntime:
                 if not registered:
                     try:
                         stub.Register(coordinator_pb2.RegisterRequest(
-                            role=role, index=self.index, address=self.address, pid=os.getpid(),
+                            role=role, index=self.index, address=self.address, pid=launched_pid(),
                             incarnation=self.incarnation, config_yaml=self.config_yaml), timeout=5)
                     except grpc.RpcError as exc:
                         if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):

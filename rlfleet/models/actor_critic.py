@@ -83,7 +83,7 @@ class ImageEncoder(nn.Module):
         self.proj = nn.Sequential(nn.Linear(c_in * 16, out_dim), nn.ReLU())
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        x = image.permute(0, 3, 1, 2).to(torch.float32) / 255.0
+        x = image.permute(0, 3, 1, 2).to(self.proj[0].weight.dtype) / 255.0  # the parameters' dtype (fp32; fp64 in tests)
         return self.proj(self.conv(x))
 
 
@@ -123,7 +123,8 @@ class ActorCritic(PolicyMixin, nn.Module):
     def vector_obs(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         if not self.vector_keys:
             return None
-        parts = [obs[k].reshape(obs[k].shape[0], -1).to(torch.float32) for k in self.vector_keys]
+        dtype = self.log_std.dtype  # the parameters' dtype (fp32; fp64 in the exactness tests)
+        parts = [obs[k].reshape(obs[k].shape[0], -1).to(dtype) for k in self.vector_keys]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def features(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:

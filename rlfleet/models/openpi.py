@@ -213,7 +213,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
     def _flat_state(self, obs: Mapping[str, torch.Tensor], n: int) -> torch.Tensor | None:
         if not self.state_keys:
             return None
-        return torch.cat([obs[k].reshape(n, -1).float() for k in self.state_keys], 1)
+        return torch.cat([obs[k].reshape(n, -1).to(self._dtype) for k in self.state_keys], 1)
 
     def tokenize(self, instructions: Sequence[str] | None, n: int, device,
                  state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +244,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         size = int(self.sizes["image_size"])
         cams = []
         for k in self.image_keys:
-            x = obs[k].permute(0, 3, 1, 2).float() / 255.0
+            x = obs[k].permute(0, 3, 1, 2).to(self._dtype) / 255.0
             if x.shape[-1] != size or x.shape[-2] != size:
                 x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
             cams.append(x * 2.0 - 1.0)  # SigLIP's [-1, 1]
@@ -253,7 +253,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         ids = torch.cat([torch.full((n, n_img), self.image_token_id, dtype=torch.long, device=prompt_ids.device),
                          prompt_ids], 1)
         mask = torch.cat([torch.ones((n, n_img), dtype=torch.long, device=prompt_ids.device), prompt_mask], 1)
-        state = torch.zeros((n, int(self.sizes["max_state_dim"])), device=prompt_ids.device)
+        state = torch.zeros((n, int(self.sizes["max_state_dim"])), device=prompt_ids.device, dtype=self._dtype)
         flat = self._flat_state(obs, n)
         if flat is not None:
             state[:, :flat.shape[1]] = flat
@@ -302,12 +302,17 @@ class Pi0Policy(PolicyMixin, nn.Module):
         return self.pi0.action_out_proj(out.last_hidden_state[:, -chunk:])
 
     @property
+    def _dtype(self) -> torch.dtype:
+        """The parameters' dtype (fp32; fp64 in the learner's exactness tests): inputs are cast to it."""
+        return self.pi0.action_out_proj.weight.dtype
+
+    @property
     def _features(self) -> torch.Tensor:
         return self.pi0.action_out_proj.last_input
 
     def _noise_std(self) -> torch.Tensor:
         """Flow-Noise: the std of each action element's step, from the last expert pass's features."""
-        raw = self.noise_head(self._features.float())
+        raw = self.noise_head(self._features.to(self._dtype))
         return self.std_min + (self.std_max - self.std_min) * torch.sigmoid(raw)
 
     def _step_gaussian(self, x, v, t):
@@ -327,7 +332,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         return -0.5 * z ** 2 - torch.log(std) - 0.5 * math.log(2 * math.pi)
 
     def _value(self, pooled):
-        return None if self.value_head is None else self.value_head(pooled.float()).squeeze(-1)
+        return None if self.value_head is None else self.value_head(pooled.to(self._dtype)).squeeze(-1)
 
     # --- the policy interface -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -424,10 +429,10 @@ class Pi0Policy(PolicyMixin, nn.Module):
                                                             forward_inputs["prompt_mask"].long())
         cache, pooled = self._prefix(ids, mask, pixels, pixel_mask)
         if self.noise_method == "flow_noise":
-            per_dim, entropy = self._evaluate_flow_noise(state, mask, pixel_mask, cache, forward_inputs["chain"].float())
+            per_dim, entropy = self._evaluate_flow_noise(state, mask, pixel_mask, cache, forward_inputs["chain"].to(self._dtype))
             return PolicyEval(reduce_log_probs(per_dim, self.logprob_type), entropy, self._value(pooled))
-        x_j, x_next = forward_inputs["x_t"].float(), forward_inputs["x_next"].float()
-        t = 1.0 - forward_inputs["denoise_step"].float() / self.num_steps
+        x_j, x_next = forward_inputs["x_t"].to(self._dtype), forward_inputs["x_next"].to(self._dtype)
+        t = 1.0 - forward_inputs["denoise_step"].to(self._dtype) / self.num_steps
         v = self._velocity(state, x_j, t, mask, pixel_mask, cache)
         mean, std = self._step_gaussian(x_j, v, t)
         per_dim = self._log_prob(x_next, mean, std)

@@ -4,64 +4,243 @@ The local launcher checks it before it starts a service (``coordinatorctl start`
 service being killed for memory, restarted and killed again): a real-size VLA config on a machine without the memory
 is told so with the numbers. Parameters come from building the configured policy on PyTorch's meta device (shapes,
 no storage), or, for a checkpoint directory, from its safetensors headers.
+
+The learner is a group of ranks (torch.distributed; over N > 1 ranks FSDP2 ``fully_shard`` shards the policy as
+services/learner/sharding.py does: every transformer block a unit, then the root), so its need is counted per rank
+(:meth:`Footprint.rank_parts`), all of it an estimate made from the shapes and the config, not a measurement:
+
+* ``sharded``: fp32 parameters (4 B each) + gradient and Adam's two moments of what trains (12 B each), divided by
+  the world size (FSDP2 shards each tensor evenly over the ranks);
+* ``reference``: with ``algorithm.kl_beta > 0`` and no LoRA, the frozen fp32 KL reference, 4 B per parameter, sharded
+  the same way;
+* ``gathered`` (N > 1): the FSDP units held whole. The units are the modules whose classes transformers lists in
+  ``_no_split_modules`` (SigLIP / DINOv2 encoder layers and embeddings, Llama / Gemma decoder layers, ...); the
+  rest (token tables, LM head, projector, heads) is the root unit, which FSDP2 keeps gathered from its forward to
+  the end of its backward. Counted: the root and the largest unit, the next unit prefetched, all at b bytes (2 on a
+  GPU with ``actor.model.precision: bf16``: FSDP2's bf16 gather; else 4), and the unsharded gradients of the root
+  and that unit before their fp32 reduce-scatter (4 B, + b for the bf16 gradient it is cast from);
+* ``autocast`` (``precision: bf16`` where the parameters stay fp32 while they run: one rank, which is not sharded,
+  or CPU ranks): the bf16 copies autocast makes of the trained weights, cached for the whole forward (2 B each),
+  and under LoRA without gradient checkpointing those of the frozen weights too (kept for backward);
+* ``activations``: what one micro batch (``actor.micro_batch_size`` rows) keeps for backward, :func:`activation_bytes`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import re
 import struct
 from dataclasses import dataclass
 
 VLA_TYPES = ("openvla", "openvla_oft", "openpi")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 GB = 1e9
+ACTION_DIM = 7  # action dimensions assumed by the activation estimate (the env's are not in the config): arm + gripper
+MAX_WORLD = 1024  # the largest learner world size the check looks at for a fitting one
+# a checkpoint tensor inside a transformer block: "...layers.12.", "...encoder.layer.3.", timm's "...blocks.7."
+_BLOCK_NAME = re.compile(r"^(.*?\.(?:layers|layer|blocks)\.\d+)\.")
 
 
 @dataclass(frozen=True)
 class Footprint:
+    """Parameter counts of a policy, the sizes of its FSDP units and its activations per micro-batch row."""
+
     parameters: int
     trainable: int
+    largest_unit: int = 0  # parameters of the largest FSDP unit below the root (a transformer block)
+    largest_unit_trainable: int = 0  # ... of them trained
+    root: int = 0  # parameters outside every unit: the root FSDP unit (token tables, LM head, projector, heads)
+    root_trainable: int = 0  # ... of them trained
+    activations_per_row: int = 0  # bytes kept for backward per micro-batch row (activation_bytes: an estimate)
+    precision: str = "fp32"  # actor.model.precision: bf16 runs the forward under bf16 autocast
+    autocast_parameters: int = 0  # weights whose bf16 autocast copies live through a forward (see the module doc)
 
     def inference_bytes(self, weights_precision: str) -> int:
         """One inference server: two copies of the policy (double buffering)."""
         return 2 * self.parameters * (2 if weights_precision == "bf16" else 4)
 
     def learner_bytes(self, reference_copy: bool = False) -> int:
-        """The learner: fp32 weights, plus gradient and Adam's two moments for what trains, plus (``reference_copy``:
+        """Weights, gradients, Adam state (and the KL reference) of a one-rank learner, without the transient parts:
+        fp32 weights, plus gradient and Adam's two moments for what trains, plus (``reference_copy``:
         algorithm.kl_beta > 0 without LoRA) a frozen fp32 copy of the starting weights as the KL reference."""
         return 4 * self.parameters + 12 * self.trainable + (4 * self.parameters if reference_copy else 0)
+
+    def gathered_bytes(self, gather_bytes: int) -> int:
+        """The FSDP units a rank holds whole at once: the root unit (gathered from its forward to the end of
+        backward), the largest unit and the next one prefetched, ``gather_bytes`` per element (2: bf16 mixed
+        precision, 4: fp32), and the unsharded gradients of the root and that unit before their fp32
+        reduce-scatter (4 B, plus the bf16 gradient they are cast from)."""
+        grad = 4 + (gather_bytes if gather_bytes != 4 else 0)
+        return (gather_bytes * (self.root + 2 * self.largest_unit)
+                + grad * (self.root_trainable + self.largest_unit_trainable))
+
+    def rank_parts(self, world: int, *, gpu: bool, reference_copy: bool = False, rows: int = 1) -> dict[str, int]:
+        """Bytes one of ``world`` learner ranks holds, by part (the module doc): ``sharded``, ``reference``,
+        ``gathered``, ``autocast`` and ``activations`` (``rows`` rows of a micro batch). ``gpu``: each rank runs on
+        a GPU (FSDP2 gathers in bf16 there with ``precision: bf16``), else on CPU."""
+        world = max(1, int(world))
+        bf16 = self.precision == "bf16"
+        sharded_bf16 = gpu and bf16 and world > 1  # FSDP2's mixed precision: the weights run as bf16 already
+        return {"sharded": math.ceil((4 * self.parameters + 12 * self.trainable) / world),
+                "reference": math.ceil(4 * self.parameters / world) if reference_copy else 0,
+                "gathered": self.gathered_bytes(2 if sharded_bf16 else 4) if world > 1 else 0,
+                "autocast": 2 * self.autocast_parameters if bf16 and not sharded_bf16 else 0,
+                "activations": int(rows) * self.activations_per_row}
+
+    def rank_bytes(self, world: int, **kw) -> int:
+        """One learner rank's total (:meth:`rank_parts`)."""
+        return sum(self.rank_parts(world, **kw).values())
+
+
+def learner_world_size(cfg) -> int:
+    """The learner's ranks (rlfleet.config.learner_layout: one per GPU of the actor placement, else
+    ``cluster.learner_world_size`` CPU ranks)."""
+    from rlfleet.config import learner_layout
+
+    nnodes, per_node = learner_layout(cfg)
+    return nnodes * per_node
 
 
 def checkpoint_parameters(path: pathlib.Path) -> int:
     """Element count over a checkpoint directory's safetensors files, read from their headers only."""
-    total = 0
+    return sum(checkpoint_tensors(path).values())
+
+
+def checkpoint_tensors(path: pathlib.Path) -> dict[str, int]:
+    """{tensor name: element count} over a checkpoint directory's safetensors files, from their headers only."""
+    out: dict[str, int] = {}
     for f in sorted(path.glob("*.safetensors")):
         with f.open("rb") as fh:
             (size,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(size))
         for name, entry in header.items():
             if name != "__metadata__":
-                count = 1
-                for d in entry["shape"]:
-                    count *= int(d)
-                total += count
+                out[name] = math.prod(int(d) for d in entry["shape"])
+    return out
+
+
+def _units_of_module(policy) -> list[tuple[int, int]]:
+    """(parameters, trained) of every FSDP unit below the root, as services/learner/sharding.py makes them: the
+    modules whose classes a transformers model lists in ``_no_split_modules``, each counted without the units
+    inside it."""
+    names: set[str] = set()
+    for m in policy.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    units = [m for m in policy.modules() if m is not policy and type(m).__name__ in names]
+    seen: set[int] = set()
+    out: list[tuple[int, int]] = []
+    for unit in reversed(units):  # innermost first: a unit's parameters are those no inner unit took
+        params = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        out.append((sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)))
+    return out
+
+
+def _sizes(model_cfg) -> dict:
+    """The architecture the activation estimate reads: the config's ``vla`` / ``openpi`` sizes, or those that
+    rlfleet's checkpoint layout records in its config.json."""
+    key = "openpi" if model_cfg.model_type == "openpi" else "vla"
+    if model_cfg.model_type == "openpi":
+        from rlfleet.models.openpi import TINY
+    else:
+        from rlfleet.models.openvla import TINY
+    sizes = {**TINY, **dict(model_cfg[key])}
+    if model_cfg.model_path:
+        config = pathlib.Path(model_cfg.model_path) / "config.json"
+        if config.is_file():
+            saved = json.loads(config.read_text()).get(key)
+            if isinstance(saved, dict):
+                sizes.update({k: v for k, v in saved.items() if k in sizes and v is not None})
+    return sizes
+
+
+def _stack(tokens: int, layers: int, hidden: int, inter: int, e: int, checkpointed: bool = False) -> int:
+    """Bytes a stack of transformer blocks keeps for backward: per token per block, 10 hidden-wide tensors (two
+    normed inputs, q, k, v, attention output, its projection, the MLP output, two residual sums) and 4
+    intermediate-wide ones (gate, up, activated gate, their product), e bytes each; fused attention keeps no score
+    matrix. Checkpointed: each block's input hidden state (fp32) and one block recomputed during its backward."""
+    block = e * (10 * hidden + 4 * inter)
+    return tokens * (layers * 4 * hidden + block) if checkpointed else tokens * layers * block
+
+
+def activation_bytes(model_cfg, sizes: dict | None = None) -> int:
+    """Bytes of activations one micro-batch row keeps for the learner's backward: an estimate from the config, not
+    a measurement (:func:`_stack` per transformer stack; e = 2 with ``precision: bf16``, else 4). A stack in which
+    nothing trains keeps none (no gradient flows into it: LoRA's frozen vision backbone, π0's VLM with
+    ``train_expert_only``). Left out as small: embeddings, projector, heads, the action logits.
+
+    * openvla / openvla_oft: per image, SigLIP over its (image_size / patch_size)^2 patches and DINOv2 over them plus
+      CLS and register tokens (when they train); the Llama over T = patches x images (+1 proprio token) +
+      max_prompt_tokens + num_action_chunks x 7 action tokens + 2, checkpointed with ``gradient_checkpointing``
+      (which rlfleet applies to the Llama only).
+    * openpi: per image, SigLIP over its patches and the Gemma VLM over patches x images + max_prompt_tokens (when the
+      VLM trains); the action expert over num_action_chunks + 1 tokens per pass (one pass with Flow-SDE,
+      num_denoise_steps with Flow-Noise), plus the prefix keys and values each pass attends to. rlfleet does not
+      checkpoint π0, so ``gradient_checkpointing`` changes nothing here.
+    """
+    s = sizes or _sizes(model_cfg)
+    e = 2 if model_cfg.get("precision", "fp32") == "bf16" else 4
+    images = 1 + len(model_cfg.extra_image_keys or ())
+    patches = (int(s["image_size"]) // int(s["patch_size"])) ** 2
+    if model_cfg.model_type == "openpi":
+        vlm_trains = not s.get("train_expert_only")
+        prefix = images * patches + int(model_cfg.max_prompt_tokens)
+        total = 0
+        if vlm_trains:
+            total += _stack(images * patches, int(s["vision_layers"]), int(s["vision_hidden_size"]),
+                            int(s["vision_intermediate_size"]), e)
+            total += _stack(prefix, int(s["vlm_layers"]), int(s["vlm_hidden_size"]), int(s["vlm_intermediate_size"]), e)
+        passes = int(s["num_denoise_steps"]) if s.get("noise_method") == "flow_noise" else 1
+        total += _stack(passes * (int(model_cfg.num_action_chunks) + 1), int(s["expert_layers"]),
+                        int(s["expert_hidden_size"]), int(s["expert_intermediate_size"]), e)
+        total += passes * prefix * int(s["vlm_layers"]) * 2 * int(s["head_dim"]) * e  # one key/value head
+        return total
+    total = 0
+    if not model_cfg.is_lora:  # LoRA trains adapters in the Llama only: the vision backbone keeps nothing
+        total += _stack(images * patches, int(s["vision_layers"]), int(s["vision_hidden_size"]),
+                        int(s["vision_intermediate_size"]), e)
+        if s.get("use_dinov2"):
+            width = int(s.get("dino_hidden_size") or s["vision_hidden_size"])
+            total += _stack(images * (patches + 1 + int(s.get("dino_registers") or 0)),
+                            int(s.get("dino_layers") or s["vision_layers"]), width,
+                            int(s.get("dino_intermediate_size") or s["vision_intermediate_size"]), e)
+    tokens = (images * patches + (1 if model_cfg.get("use_proprio") else 0) + int(model_cfg.max_prompt_tokens)
+              + int(model_cfg.num_action_chunks) * ACTION_DIM + 2)
+    total += _stack(tokens, int(s["llm_layers"]), int(s["llm_hidden_size"]), int(s["llm_intermediate_size"]), e,
+                    checkpointed=bool(model_cfg.gradient_checkpointing))
     return total
 
 
 def estimate(model_cfg, logprob_type: str) -> Footprint:
-    """Parameters and trainable parameters of the configured VLA policy, without allocating it."""
+    """Parameters, trainable parameters, FSDP units and activations per row of the configured VLA policy, without
+    allocating it."""
     import torch
 
     from rlfleet.models import ObsSpec
     from rlfleet.policies import build_policy
 
+    activations = activation_bytes(model_cfg)
+    precision = model_cfg.get("precision", "fp32")
+    # autocast's bf16 copies: the trained weights (cached for the forward); under LoRA without gradient
+    # checkpointing also the frozen base (its copies are kept for the backward into the adapters below)
+    frozen_kept = bool(model_cfg.is_lora) and not model_cfg.gradient_checkpointing
     if model_cfg.model_path:
-        path = pathlib.Path(model_cfg.model_path)
-        n = checkpoint_parameters(path)
-        if n:
+        tensors = checkpoint_tensors(pathlib.Path(model_cfg.model_path))
+        if tensors:
             # LoRA at the usual ranks trains 1-2% (rank 32 on OpenVLA-7B: 1.1%); a full fine-tune everything
-            return Footprint(n, n // 50 if model_cfg.is_lora else n)
+            trained = (lambda n: n // 50) if model_cfg.is_lora else (lambda n: n)
+            units: dict[str, int] = {}  # the transformer blocks, by their tensor names
+            for name, count in tensors.items():
+                m = _BLOCK_NAME.match(name)
+                if m:
+                    units[m.group(1)] = units.get(m.group(1), 0) + count
+            n = sum(tensors.values())
+            unit = max(units.values(), default=0)
+            root = n - sum(units.values())
+            return Footprint(n, trained(n), unit, trained(unit), root, trained(root), activations, precision,
+                             n if frozen_kept else trained(n))
     sizes = model_cfg.openpi if model_cfg.model_type == "openpi" else model_cfg.vla
     size = int(sizes.image_size)
     specs = {k: ObsSpec((size, size, 3), "uint8") for k in [model_cfg.image_key or "image",
@@ -71,7 +250,11 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
         policy = build_policy(model_cfg, specs, 1, True, logprob_type)
     params = sum(p.numel() for p in policy.parameters())
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    return Footprint(params, trainable)
+    units = _units_of_module(policy)
+    unit, unit_trained = max(units, default=(0, 0))
+    return Footprint(params, trainable, unit, unit_trained, params - sum(u for u, _ in units),
+                     trainable - sum(t for _, t in units), activations, precision,
+                     params if frozen_kept else trainable)
 
 
 def available_memory() -> tuple[str, float]:
@@ -95,27 +278,82 @@ def available_memory() -> tuple[str, float]:
     return "this machine", float("inf")
 
 
+def smallest_fitting_world(fp: Footprint, have: float, *, on_gpu: bool, others: int = 0, **kw) -> int | None:
+    """The smallest learner world size whose need fits ``have`` bytes, or None up to MAX_WORLD ranks. On GPUs each
+    rank has a device of its own (the per-rank total must fit one); on one host the ranks and ``others`` (the
+    inference servers) share its RAM (the sum must fit)."""
+    for world in range(1, MAX_WORLD + 1):
+        per_rank = fp.rank_bytes(world, **kw)
+        if (per_rank if on_gpu else others + world * per_rank) <= have:
+            return world
+        if not on_gpu:  # the shards add up to the same whole; every further rank adds its units and activations
+            return None
+    return None
+
+
 def check(cfg, *, inference: bool = True) -> str | None:
-    """None when the policy copies of a local run fit where they would live; else why not, with the numbers.
-    ``inference=False``: the learner's copy only (supervised fine-tuning)."""
+    """None when the policy copies of a local run fit where they would live; else why not, with the numbers (per
+    learner rank, and the smallest number of ranks that would fit). ``inference=False``: the learner's copy only
+    (supervised fine-tuning, one process)."""
     model = cfg.actor.model
     if model.model_type not in VLA_TYPES:
         return None
     fp = estimate(model, cfg.algorithm.logprob_type)
     # RL with algorithm.kl_beta > 0 keeps the starting model as the KL reference (LoRA: the base with adapters off)
     reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora
-    inference = fp.inference_bytes(cfg.rollout.weights_precision) if inference else 0
-    learner = fp.learner_bytes(reference_copy)
+    rl = inference  # the RL learner is a group of ranks; supervised fine-tuning runs as one process
+    servers = cfg.cluster.num_inference_servers if rl else 0
+    inference = fp.inference_bytes(cfg.rollout.weights_precision) if rl else 0
     where, have = available_memory()
     on_gpu = where.startswith("the smallest")
-    # on GPUs each service has a device of its own; on one host they all share its RAM
-    need = max(inference, learner) if on_gpu else cfg.cluster.num_inference_servers * inference + learner
+    world = learner_world_size(cfg) if rl else 1
+    rows = cfg.actor.micro_batch_size if rl else cfg.sft.batch_size  # SFT: one batch per gradient step
+    kw = dict(gpu=on_gpu, reference_copy=reference_copy, rows=rows)
+    parts = fp.rank_parts(world, **kw)
+    per_rank = sum(parts.values())
+    # on GPUs each service and each learner rank has a device of its own; on one host they all share its RAM
+    need = max(inference, per_rank) if on_gpu else servers * inference + world * per_rank
     if need <= have:
         return None
-    servers = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
-               f"{cfg.rollout.weights_precision}) and " if inference else "")
+    copies = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
+              f"{cfg.rollout.weights_precision}) and " if inference else "")
+    sharded = f"its 1/{world} shard" if world > 1 else "unsharded"
+    learner = [f"{parts['sharded'] / GB:.1f} GB of fp32 weights, gradients and Adam state of what trains ({sharded})"]
+    if parts["reference"]:
+        learner.append(f"{parts['reference'] / GB:.1f} GB of the KL reference (a frozen copy for algorithm.kl_beta, "
+                       f"sharded the same way)")
+    if parts["gathered"]:
+        dtype = "bf16" if on_gpu and fp.precision == "bf16" else "fp32"
+        learner.append(f"{parts['gathered'] / GB:.1f} GB of FSDP units gathered whole ({dtype})")
+    if parts["autocast"]:
+        learner.append(f"{parts['autocast'] / GB:.1f} GB of bf16 autocast copies of the weights")
+    learner.append(f"{parts['activations'] / GB:.1f} GB of activations (estimated, a micro batch of {rows} rows)")
+    learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / GB:.1f} GB for "
+               f"{'one rank' if world == 1 else 'each rank'}")
+    total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / GB:.1f} GB together"
+    hint = ""
+    if rl:
+        fit = smallest_fitting_world(fp, have, on_gpu=on_gpu, others=servers * inference, **kw)
+        if on_gpu and inference > have:
+            hint = " An inference server's copies alone do not fit one GPU."
+        elif fit is not None and fit != world:
+            each = fp.rank_bytes(fit, **kw)
+            hint = (f" {fit} ranks need {each / GB:.1f} GB each: place the actor on {fit} GPUs "
+                    f"(cluster.component_placement, e.g. actor: 0-{fit - 1})." if on_gpu else
+                    f" With {fit} rank{'s' if fit > 1 else ''} ({each / GB:.1f} GB{' each' if fit > 1 else ''}) the "
+                    f"run would need {(servers * inference + fit * each) / GB:.1f} GB: set "
+                    f"cluster.learner_world_size={fit}.")
+        elif fit is None:
+            smaller = ("set actor.model.openpi.train_expert_only=true" if model.model_type == "openpi" else
+                       "set actor.model.is_lora=true" if model.gradient_checkpointing else
+                       "set actor.model.gradient_checkpointing=true")
+            floor = fp.rank_parts(2, **kw)  # what does not shrink with more ranks
+            floor = floor["gathered"] + floor["autocast"] + floor["activations"]
+            hint = (f" No number of ranks fits: the gathered units and activations alone are {floor / GB:.1f} GB per "
+                    f"rank (lower actor.micro_batch_size or {smaller})." if on_gpu else
+                    " Ranks on one machine share its RAM, and each adds its gathered units and activations: no "
+                    "number of ranks fits here.")
     return (f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
-            f"({fp.trainable / 1e9:.3f}B trained): {servers}the learner {learner / GB:.1f} GB (fp32 weights, gradients and Adam state of what trains"
-            f"{', a frozen copy as the KL reference of algorithm.kl_beta' if reference_copy else ''}); that is "
-            f"{need / GB:.1f} GB where {where} has {have / GB:.1f} GB. Run it on a machine with the memory (GPU "
-            f"nodes: coordinatorctl deploy k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")
+            f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / GB:.1f} GB where {where} "
+            f"has {have / GB:.1f} GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
+            f"k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")

@@ -43,6 +43,10 @@ def _start(args) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
             run_dir = choose_run_dir(cfg, None)
+        if cfg.cluster.launcher == "local":
+            from services.coordinator.launcher import check_local
+
+            check_local(cfg)  # e.g. a learner over several nodes
         if cfg.cluster.launcher == "local" and not cfg.cluster.external_env_addresses:
             _preflight(cfg)
     except ConfigError as exc:
@@ -295,11 +299,12 @@ def _deploy(args) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        out = pathlib.Path(args.out or f"deploy/generated/{cfg.runner.experiment_name}-{args.kind}")
+        written = deploy.write(args.kind, cfg, out, args.tag)  # refuses what the platform cannot run, writing nothing
     except ConfigError as exc:
         print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
         return 2
-    out = pathlib.Path(args.out or f"deploy/generated/{cfg.runner.experiment_name}-{args.kind}")
-    for path in deploy.write(args.kind, cfg, out, args.tag):
+    for path in written:
         print(f"wrote {path}")
     if args.kind == "compose":
         print(f"run it: cd {out} && docker-compose up --build   (status: RLFLEET_RUN_TOKEN=... coordinatorctl status "

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from rlfleet import auth, rpc, tracing
-from rlfleet.config import to_yaml
+from rlfleet.config import learner_layout, to_yaml
 from rlfleet.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls
@@ -290,8 +290,11 @@ class Coordinator:
         cfg, runner, reg, calls = self.cfg, self.cfg.runner, self.registry, self.calls
         t_setup = time.monotonic()
         self.say(f"rlfleet: {runner.experiment_name} -> {self.run_dir}")
+        nnodes, per_node = learner_layout(cfg)
+        ranks = f" of {nnodes * per_node} ranks" if nnodes * per_node > 1 else ""
+        ranks += f" on {nnodes} nodes" if nnodes > 1 else ""
         self.say(f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s), "
-                 f"1 learner ({cfg.cluster.launcher} launcher, coordinator at {self.address})")
+                 f"1 learner{ranks} ({cfg.cluster.launcher} launcher, coordinator at {self.address})")
         self.start_services()
         rpc_timeout = cfg.cluster.rpc_timeout_s
         spec, joint = joint_env_spec([calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(),

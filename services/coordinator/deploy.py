@@ -13,7 +13,13 @@ server count or a GPU placement means the same thing in every launcher:
 - restart policies: env and inference servers restart on failure (the coordinator republishes weights and
   re-collects); the learner is not restarted (``coordinatorctl start --resume`` continues a run);
 - health: every container is probed with grpc.health.v1 (``python -m rlfleet.healthcheck``, Kubernetes' native
-  gRPC probes).
+  gRPC probes);
+- a learner of several ranks runs torchrun's agent (``ProcessSpec.command``) over its node's GPUs (or CPU ranks),
+  with a memory-backed /dev/shm: on one node in its container (compose) or pod (Kubernetes, ``nvidia.com/gpu`` =
+  ranks per node); over several nodes (Kubernetes only) as an Indexed Job of one pod per node, whose completion
+  index is the node rank, with a headless Service ``<learner>-ranks`` for the pods' names: pod 0
+  (``learner-0.learner-ranks``) hosts the static rendezvous on ``cluster.learner_master_port`` and runs rank 0,
+  the one that serves gRPC, which the ``learner`` Service selects alone.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlfleet import auth
-from rlfleet.config import to_yaml
+from rlfleet.config import ConfigError, to_yaml
 from rlfleet.environments import REPO_ROOT
 from services.coordinator.plan import PORTS, ProcessSpec, process_plan
 
@@ -34,6 +40,8 @@ RUNS_IN_CONTAINER = "/runs"
 GPU_BASE = "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"
 GPU_TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # an Indexed Job pod's index (annotation and label)
+SHM_SIZE = "8gb"  # compose: /dev/shm of a learner of several ranks (NCCL's shared-memory transport; Docker gives 64 MB)
 
 
 def attach_config(cfg):
@@ -83,16 +91,18 @@ def image_for(cfg, spec: ProcessSpec | None, tag: str | None = None) -> str:
     return f"rlfleet-{name}:{tag}" if name else f"rlfleet:{tag}"
 
 
-def service_command(cfg, spec: ProcessSpec, host: str) -> list[str]:
-    """The container command of one service process; ``host`` is the name others reach it by."""
+def service_command(cfg, spec: ProcessSpec, host: str, master: str | None = None, node_rank: str = "0") -> list[str]:
+    """The container command of one service process; ``host`` is the name others reach it by. A learner of several
+    ranks runs torchrun's agent (``ProcessSpec.command``); over several nodes ``master`` is node 0's rendezvous
+    ``host:port`` and ``node_rank`` this container's node rank."""
     port = PORTS[spec.role]
     run_dir = f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}"
-    args = spec.args(CONFIG_IN_CONTAINER, f"0.0.0.0:{port}", f"coordinator:{PORTS['coordinator']}", run_dir,
-                     advertise=f"{host}:{port}")
+    cmd = spec.command(CONFIG_IN_CONTAINER, f"0.0.0.0:{port}", f"coordinator:{PORTS['coordinator']}", run_dir,
+                       advertise=f"{host}:{port}", master=master, node_rank=node_rank)
     name = own_environment(cfg, spec)
     if name:  # the simulator's (or inference backend's) own Python environment, built into its image
-        return ["python", "-m", "rlfleet.environments", "exec", name, "-m", spec.module, *args]
-    return ["python", "-m", spec.module, *args]
+        return ["python", "-m", "rlfleet.environments", "exec", name, *cmd]
+    return ["python", *cmd]
 
 
 def _healthcheck(port: int) -> list[str]:
@@ -100,8 +110,19 @@ def _healthcheck(port: int) -> list[str]:
 
 
 # --- docker compose ----------------------------------------------------------------------------------------------
+def check_compose(cfg) -> None:
+    """Raise ConfigError for what one compose project cannot run: a learner whose ranks span several nodes."""
+    for spec in process_plan(cfg):
+        if spec.nnodes > 1:
+            raise ConfigError(
+                f"'cluster.component_placement': the learner's {spec.world_size} ranks span {spec.nnodes} nodes "
+                f"({spec.nproc_per_node} GPUs each), and a compose project runs on one machine: use `coordinatorctl "
+                f"deploy k8s` (an Indexed Job, one learner pod per node), or place the actor on one node's GPUs")
+
+
 def compose(cfg, out_dir: pathlib.Path, tag: str | None = None) -> dict:
     """The compose document for ``cfg``; image builds are relative to the repository."""
+    check_compose(cfg)
     context = os.path.relpath(REPO_ROOT, out_dir.resolve())
     common_env = {"MUJOCO_GL": "egl", "OMP_NUM_THREADS": str(cfg.cluster.torch_num_threads),
                   "RLFLEET_TRACE_DIR": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"}
@@ -134,6 +155,8 @@ def compose(cfg, out_dir: pathlib.Path, tag: str | None = None) -> dict:
             svc["deploy"] = {"resources": {"reservations": {"devices": [{
                 "driver": "nvidia", "device_ids": [str(g % cfg.cluster.num_gpus_per_node) for g in spec.gpus],
                 "capabilities": ["gpu"]}]}}}
+        if spec.world_size > 1:  # the ranks' shared memory (NCCL)
+            svc["shm_size"] = SHM_SIZE
         services[spec.name] = svc
     return {"version": "3.8", "services": services}
 
@@ -142,7 +165,8 @@ def compose(cfg, out_dir: pathlib.Path, tag: str | None = None) -> dict:
 def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = "20Gi") -> list[dict]:
     """Kubernetes objects: Secret (token), ConfigMap (run.yaml), PVC (runs), the coordinator Job + Service,
     and per role (per simulator for env servers) a StatefulSet with a headless Service (stable names
-    ``<role>-<i>.<role>``; the pod index is the service index)."""
+    ``<role>-<i>.<role>``; the pod index is the service index); a learner over several nodes instead: an Indexed
+    Job (:func:`_learner_job`)."""
     name = str(cfg.runner.experiment_name).replace("_", "-").lower()
     labels = {"app.kubernetes.io/part-of": "rlfleet", "rlfleet/run": name}
     objs: list[dict] = [
@@ -172,6 +196,11 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
 
     def pod(container: dict) -> dict:
         return {"containers": [container], "volumes": volumes, "enableServiceLinks": False}
+
+    def with_shm(pod_spec: dict) -> dict:  # a learner of several ranks: memory-backed /dev/shm (NCCL)
+        container = pod_spec["containers"][0]
+        container["volumeMounts"] = [*container["volumeMounts"], {"name": "dshm", "mountPath": "/dev/shm"}]
+        return {**pod_spec, "volumes": [*pod_spec["volumes"], {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
 
     cport = PORTS["coordinator"]
     coord_labels = {**labels, "rlfleet/role": "coordinator"}
@@ -203,6 +232,10 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
         port = PORTS[role]
         set_name = role if per_role[role] == 1 else f"{role}-{first.index}-{first.simulator or 'main'}"
         set_labels = {**labels, "rlfleet/role": role}
+        if first.nnodes > 1:
+            objs += _learner_job(cfg, first, set_name, set_labels, namespace, image_for(cfg, first, tag), env,
+                                 with_shm(pod({"name": role, "volumeMounts": mounts})))
+            continue
         cmd = service_command(cfg, first, f"$(POD_NAME).{set_name}")
         cmd = [("$(POD_INDEX)" if a == str(first.index) and cmd[i - 1] == "--index" else a)
                for i, a in enumerate(cmd)]
@@ -215,17 +248,66 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
         gpus = max(len(s.gpus) for s in specs)
         if gpus:
             container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        pod_spec = with_shm(pod(container)) if first.world_size > 1 else pod(container)
         objs.append({"apiVersion": "apps/v1", "kind": "StatefulSet",
                      "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
                      "spec": {"serviceName": set_name, "replicas": len(specs), "podManagementPolicy": "Parallel",
                               **({"ordinals": {"start": first.index}} if first.index else {}),
                               "selector": {"matchLabels": set_labels},
-                              "template": {"metadata": {"labels": set_labels}, "spec": pod(container)}}})
+                              "template": {"metadata": {"labels": set_labels}, "spec": pod_spec}}})
         objs.append({"apiVersion": "v1", "kind": "Service",
                      "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
                      "spec": {"clusterIP": "None", "selector": set_labels,
                               "ports": [{"name": "grpc", "port": port, "targetPort": port}]}})
     return objs
+
+
+def _learner_job(cfg, spec: ProcessSpec, job: str, labels: dict, namespace: str, image: str, env: list[dict],
+                 pod_spec: dict) -> list[dict]:
+    """A learner whose ranks span ``spec.nnodes`` nodes: an Indexed Job of one pod per node (completion index =
+    node rank; hostname ``<job>-<index>``), a headless Service ``<job>-ranks`` that gives the pods DNS names
+    (published before they are ready: the rendezvous comes first), and the learner's gRPC Service ``<job>``,
+    which selects pod 0 only: rank 0 serves gRPC, the other ranks follow it through collectives. Each pod runs
+    torchrun's agent over its node's GPUs; node 0 hosts the static rendezvous on cluster.learner_master_port. A
+    failed pod fails the Job (backoffLimit 0), which stops the others: the run then stops with its resume command.
+    Torchrun's settings are also in its PET_* variables (the names Kubeflow's PyTorchJob gives them)."""
+    port, mport = PORTS[spec.role], int(cfg.cluster.learner_master_port)
+    ranks_svc = f"{job}-ranks"
+    master = f"{job}-0.{ranks_svc}"  # pod 0 (node rank 0, hence rank 0)
+    index = {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}
+    # probes: only pod 0 serves gRPC; the others pass (their health is the group's: a dead rank ends it)
+    probe = ["sh", "-c", f'test "$NODE_RANK" != 0 || exec python -m rlfleet.healthcheck 127.0.0.1:{port}']
+    container = {
+        "name": spec.role, "image": image,
+        "command": service_command(cfg, spec, master, master=f"{master}:{mport}", node_rank="$(NODE_RANK)"),
+        "ports": [{"containerPort": port, "name": "grpc"}, {"containerPort": mport, "name": "rendezvous"}],
+        "env": [{"name": "NODE_RANK", "valueFrom": index},
+                {"name": "PET_NNODES", "value": str(spec.nnodes)},
+                {"name": "PET_NPROC_PER_NODE", "value": str(spec.nproc_per_node)},
+                {"name": "PET_NODE_RANK", "valueFrom": index},
+                {"name": "PET_MASTER_ADDR", "value": master},
+                {"name": "PET_MASTER_PORT", "value": str(mport)}, *env],
+        "volumeMounts": pod_spec["containers"][0]["volumeMounts"],
+        "readinessProbe": {"exec": {"command": probe}, "periodSeconds": 10, "timeoutSeconds": 10},
+        "livenessProbe": {"exec": {"command": probe}, "periodSeconds": 20, "timeoutSeconds": 10,
+                          "failureThreshold": 3, "initialDelaySeconds": 60}}
+    if spec.gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": spec.nproc_per_node}}
+    return [
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job, "namespace": namespace, "labels": labels},
+         "spec": {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+                  "backoffLimit": 0,
+                  "template": {"metadata": {"labels": labels},
+                               "spec": {**pod_spec, "containers": [container], "subdomain": ranks_svc,
+                                        "restartPolicy": "Never"}}}},
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": ranks_svc, "namespace": namespace, "labels": labels},
+         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels,
+                  "ports": [{"name": "rendezvous", "port": mport, "targetPort": mport}]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": job, "namespace": namespace, "labels": labels},
+         "spec": {"clusterIP": "None", "selector": {**labels, COMPLETION_INDEX: "0"},
+                  "ports": [{"name": "grpc", "port": port, "targetPort": port}]}},
+    ]
 
 
 class _Dumper(yaml.SafeDumper):
@@ -241,6 +323,8 @@ _Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:
 
 def write(kind: str, cfg, out_dir: pathlib.Path, tag: str | None = None) -> list[pathlib.Path]:
     """Write the manifests of ``kind`` (compose | k8s) into ``out_dir``; -> the files written."""
+    if kind == "compose":
+        check_compose(cfg)  # before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if kind == "compose":

@@ -9,6 +9,10 @@ Local children run in their own session (a terminal's Ctrl-C reaches only the co
 order) and bind themselves to the coordinator's life with PR_SET_PDEATHSIG (``RLFLEET_PARENT_PID``, see
 ``rlfleet.service``), so a killed coordinator leaves no orphans. No Python runs between fork and exec (no
 preexec_fn): the coordinator has gRPC threads, and forking those is unsafe.
+A learner of several ranks (``ProcessSpec.world_size`` > 1) is started as torchrun's agent, ``python -m
+rlfleet.torchrun --standalone --nproc-per-node N ...`` (torch.distributed.run in a process of ours that binds itself
+to the coordinator and its ranks to itself: see rlfleet/torchrun.py); rank 0 registers the agent's pid, the process
+this launcher started and watches. A learner over several nodes is refused here (`coordinatorctl deploy k8s`).
 Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range, the CPU cores it pins itself to
 (RLFLEET_CPU_CORES, from cluster.cpu_placement), the run credential (RLFLEET_RUN_TOKEN) and where its traces go
 (RLFLEET_TRACE_DIR). Env servers run with their simulator's own Python environment
@@ -26,10 +30,24 @@ import time
 from dataclasses import dataclass
 
 from rlfleet import auth, environments, tracing
+from rlfleet.config import ConfigError, learner_layout
 from rlfleet.environments import child_environ
 from rlfleet.rollout_backends import get_backend
-from rlfleet.service import CPU_CORES_ENV
+from rlfleet.service import CPU_CORES_ENV, PARENT_PID_ENV
 from services.coordinator.plan import ProcessSpec, process_plan
+
+AGENT = "rlfleet.torchrun"  # torchrun's agent, bound to the coordinator's life (a learner of several ranks)
+
+
+def check_local(cfg) -> None:
+    """Raise ConfigError when the local launcher cannot start this run: a learner whose ranks span nodes."""
+    nnodes, per_node = learner_layout(cfg)
+    if nnodes > 1:
+        raise ConfigError(
+            f"'cluster.launcher': the learner's {nnodes * per_node} ranks span {nnodes} nodes ({per_node} GPUs each, "
+            f"cluster.component_placement's actor range), and the local launcher starts processes on this machine "
+            f"only: deploy the run with `coordinatorctl deploy k8s` (an Indexed Job, one learner pod per node), or "
+            f"start the learner's nodes yourself and set cluster.launcher=attach")
 
 
 @dataclass
@@ -77,6 +95,7 @@ class LocalLauncher:
         self.config_path = config_path
         self.coordinator_address = coordinator_address
         self.token = token
+        check_local(cfg)
         self.cores = sorted(os.sched_getaffinity(0))  # the cores this run may use
         self.specs = {(s.role, s.index): s for s in process_plan(cfg, cores=self.cores)}
         self.procs: dict[tuple[str, int], Proc] = {}
@@ -129,12 +148,13 @@ class LocalLauncher:
             python = self.env_pythons[spec.simulator]
         else:
             python = self.pythons.get(role, sys.executable)
-        cmd = [python, "-m", spec.module, *spec.args(str(self.config_path), f"{self.cfg.cluster.host}:0",
-                                                     self.coordinator_address, str(self.run_dir))]
+        # a learner of several ranks: torchrun's agent (rlfleet.torchrun), --standalone on a free port
+        cmd = [python, *spec.command(str(self.config_path), f"{self.cfg.cluster.host}:0", self.coordinator_address,
+                                     str(self.run_dir), agent=AGENT)]
         extra = {auth.TOKEN_ENV: self.token} if self.token else {}
         if spec.cpus:
             extra[CPU_CORES_ENV] = ",".join(map(str, spec.cpus))
-        env = child_environ(python, self.cfg.cluster.torch_num_threads, RLFLEET_PARENT_PID=str(os.getpid()),
+        env = child_environ(python, self.cfg.cluster.torch_num_threads, **{PARENT_PID_ENV: str(os.getpid())},
                             CUDA_VISIBLE_DEVICES=spec.cuda_visible_devices,
                             **{tracing.TRACE_DIR_ENV: str(self.run_dir / "traces")}, **extra)
         log_path = self.run_dir / "logs" / f"{role}_{index}.log"

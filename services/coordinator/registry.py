@@ -191,8 +191,10 @@ class HealthMonitor:
                 svc = reg.services.get((proc.role, proc.index))
                 if svc is None:  # scaled away
                     continue
+                # svc.pid: what the service registered, the pid of the process its launcher started (for a learner
+                # of several ranks, torchrun's agent, whose exit code is its first failed rank's)
                 if svc.pid in (0, proc.popen.pid) and (svc.alive or not svc.ready.is_set()):
-                    if code == CANNOT_START:  # restarting cannot help: say why and stop
+                    if code == CANNOT_START and not svc.pid:  # failed before registering: restarting cannot help
                         reg.fate.fail(f"{proc.role}[{proc.index}] could not start:\n{self.launcher.log_tail(proc, 8)}")
                         return
                     dead.append((svc, f"exited with code {code}\n{self.launcher.log_tail(proc)}"))

@@ -1,76 +1,28 @@
-"""Learner server: gRPC <-> Learner translation, plus shipping weights to the inference servers.
+"""Learner server: gRPC <-> Learner translation.
 
     python -m services.learner.server --config run/config.yaml --run-dir runs/exp [--coordinator ADDR]
+    torchrun --nproc-per-node N -m services.learner.server ...      # N ranks (services/learner/group.py)
+
+Rank 0 serves gRPC, registers and heartbeats; the other ranks serve nothing and follow rank 0's commands.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
-import grpc
 import numpy as np
 
-from rlfleet import codec, rpc, tracing, weights
+from rlfleet import codec, rpc
 from rlfleet.models.actor_critic import obs_specs_from_proto
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
-from rlfleet.v1 import inference_pb2_grpc, learner_pb2, learner_pb2_grpc
+from rlfleet.v1 import learner_pb2, learner_pb2_grpc
+from services.learner.group import RankGroup
 from services.learner.learner import Learner
 
 ROLE = "learner"
 
 
-def send_weights(addresses: list[str], learner: Learner, version: int, timeout: float = 120.0,
-                 synced: set[str] | None = None) -> int:
-    """Push the learner's weights to every inference server in parallel; returns the bytes sent per server
-    (the largest). A server in ``synced`` (it holds a full set from this learner) gets only the tensors that
-    change in training (a partial set: with LoRA, the adapters and the value head); any other gets the full set
-    with the spaces, and joins ``synced``. A partial update a server refuses (it restarted) is resent in full."""
-    synced = set() if synced is None else synced
-    full = partial = None
-
-    def one(address: str) -> int:
-        nonlocal full, partial
-        for send_full in ((False, True) if address in synced else (True,)):
-            if send_full:
-                full = full if full is not None else learner.state_dict()
-                state, kw = full, {"obs_specs": learner.obs_specs, "action_dim": learner.action_dim}
-            else:
-                partial = partial if partial is not None else learner.sync_state_dict()
-                state, kw = partial, {"partial": True}
-            try:
-                with rpc.channel(address) as ch:
-                    stub = inference_pb2_grpc.InferenceServiceStub(ch)
-                    # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until
-                    # it has registered, and has the weights republished; waiting here would hold up Train
-                    stub.UpdateWeights(weights.iter_chunks(state, version, **kw), timeout=timeout)
-            except grpc.RpcError as exc:
-                if send_full or exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
-                                                   grpc.StatusCode.FAILED_PRECONDITION):
-                    raise
-                continue  # a restarted server without a full set: send it one
-            synced.add(address)
-            return sum(t.numel() * t.element_size() for t in state.values())
-        return 0
-
-    if not addresses:
-        raise rpc.InvalidRequest("inference_addresses: empty")
-    sent = 0
-    with ThreadPoolExecutor(len(addresses)) as pool:
-        for address, fut in [(a, tracing.submit(pool, one, a)) for a in addresses]:
-            try:
-                sent = max(sent, fut.result())
-            except Exception as exc:
-                synced.discard(address)
-                why = rpc.describe_error(exc) if isinstance(exc, grpc.RpcError) else str(exc)
-                raise rpc.FailedPrecondition(f"weight update to inference server {address} failed: {why}") from exc
-    learner.last_sync_bytes = sent
-    return sent
-
-
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     def __init__(self, learner: Learner):
         self.learner = learner
-        self.synced: set[str] = set()  # inference servers holding a full weights set from this learner
 
     @rpc.handler
     def PushRollout(self, request_iterator, context):
@@ -118,7 +70,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     def Train(self, request, context):
         addresses = list(request.inference_addresses)
         metrics = self.learner.train(request.epoch, list(request.worker_indices), dict(request.extra_metrics),
-                                     publish=lambda v: send_weights(addresses, self.learner, v, synced=self.synced))
+                                     inference_addresses=addresses)
         return learner_pb2.TrainResponse(epoch=request.epoch, weights_version=self.learner.version,
                                          metrics=metrics, checkpoint_path=self.learner.last_checkpoint,
                                          publish_error=self.learner.publish_error)
@@ -133,8 +85,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         if self.learner.model is None:
             raise rpc.FailedPrecondition("env_spec: required on the first PublishWeights")
         # a full set: PublishWeights starts a run or follows an inference server's restart
-        self.synced.difference_update(request.inference_addresses)
-        send_weights(list(request.inference_addresses), self.learner, self.learner.version, synced=self.synced)
+        self.learner.publish(list(request.inference_addresses), full=True)
         return learner_pb2.PublishWeightsResponse(weights_version=self.learner.version)
 
     @rpc.handler
@@ -155,8 +106,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                                          last_checkpoint=le.last_checkpoint, elapsed_time_s=le.elapsed())
 
 
-def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
-    learner = Learner(cfg, run_dir, device)
+def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None, device: str = "cpu",
+          group: RankGroup | None = None):
+    """Rank 0's gRPC face (a group of one unless ``group`` says otherwise)."""
+    learner = Learner(cfg, run_dir, device, group)
     server = rpc.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(learner), server)
     rpc.add_health_and_reflection(server, rpc.service_name(learner_pb2, "LearnerService"))
@@ -173,8 +126,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cfg = load_service_config(args)
     setup_process(args, cfg, ROLE)
+    group = RankGroup.from_environ(cfg.cluster.learner_collective_timeout_s, cfg.cluster.heartbeat_timeout_s)
+    if not group.is_leader:  # a follower: no gRPC, rank 0's commands until it says stop
+        learner = Learner(cfg, args.run_dir, group=group)
+        learner.follow()
+        learner.close()
+        return 0
     server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator,
-                                            pick_device())
+                                            pick_device(), group)
     code = runtime.serve_until_stopped(cfg, args)
     learner.close()
     return code

@@ -69,20 +69,25 @@ def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
     finally:
         footprint.available_memory = original
     assert why.startswith("the openpi policy of this config has 3.52B parameters")
-    assert "67.2 GB where this machine's available RAM (no GPU) has 2.4 GB" in why
+    # one inference server's 2 bf16 copies (14.1 GB) + the one learner rank (86.7 GB: tests/rlfleet/test_footprint.py)
+    assert "each inference server holds 2 copies (14.1 GB" in why and "= 86.7 GB for one rank" in why
+    assert "100.7 GB where this machine's available RAM (no GPU) has 2.4 GB" in why
     footprint.available_memory = lambda: ("this machine's available RAM (no GPU)", 50e9)
-    try:  # supervised fine-tuning holds the learner's copy only: 53.1 GB
-        assert "the learner 53.1 GB" in footprint.check(cfg, inference=False)
-        assert footprint.check(cfg, inference=False).count("inference server") == 0
+    try:  # supervised fine-tuning holds the learner's copy only: one process, a batch of sft.batch_size rows
+        why = footprint.check(cfg, inference=False)
+        assert "the learner, per rank of 1: 53.1 GB of fp32 weights" in why and "a micro batch of 32 rows" in why
+        assert why.count("inference server") == 0 and "ranks need" not in why
     finally:
         footprint.available_memory = original
     # a KL penalty (algorithm.kl_beta) keeps a frozen fp32 copy in the learner; with LoRA the base is the reference
     assert fp.learner_bytes(reference_copy=True) == fp.learner_bytes() + 4 * fp.parameters
     footprint.available_memory = lambda: ("the smallest of 8 GPU(s)", 60e9)
-    try:
-        assert footprint.check(cfg) is None  # 53.1 GB fits a 60 GB GPU ...
+    try:  # 86.7 GB for one rank does not fit a 60 GB GPU; two ranks (59.5 GB each) do
+        why = footprint.check(cfg)
+        assert "= 86.7 GB for one rank" in why and "2 ranks need 59.5 GB each" in why
         why = footprint.check(load_config("metaworld_mt50_ppo_pi0", ["algorithm.kl_beta=0.05"]))
-        assert "the learner 67.2 GB" in why and "a frozen copy as the KL reference" in why  # ... 67.2 GB does not
+        assert "14.1 GB of the KL reference (a frozen copy for algorithm.kl_beta" in why
+        assert "3 ranks need 55.3 GB each" in why  # sharded too: 2 ranks need 66.5 GB each (7.0 GB of it)
         vla = load_config("maniskill_pickcube_ppo_openvla", ["algorithm.kl_beta=0.05"])
         assert vla.actor.model.is_lora and footprint.check(vla) is None  # no copy: the base with adapters off
     finally:

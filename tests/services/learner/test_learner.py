@@ -98,7 +98,7 @@ def test_train_logs_rlinf_metrics_and_checkpoints(learner, tmp_path):
     assert records[-1]["step"] == 1 and "train/actor/policy_loss" in records[-1]
     assert (tmp_path / "run" / "tensorboard").exists()
     ckpt = latest_checkpoint(tmp_path / "run")
-    assert ckpt.name == "global_step_1" and (ckpt / "model.safetensors").exists()
+    assert ckpt.name == "global_step_1" and (ckpt / "state" / ".metadata").exists()
     assert json.loads((ckpt / "learner_state.json").read_text())["epoch"] == 0
 
 
@@ -137,8 +137,8 @@ def test_update_threads_follow_the_mode(cfg, monkeypatch):
 def test_update_runs_on_its_threads_and_gives_them_back(learner):
     before = torch.get_num_threads()
     learner.update_threads = before + 1
-    seen, update = [], learner._update
-    learner._update = lambda *a: (seen.append(torch.get_num_threads()), update(*a))[1]
+    seen, update = [], learner.trainer.update
+    learner.trainer.update = lambda *a, **kw: (seen.append(torch.get_num_threads()), update(*a, **kw))[1]
     tm, pe, eps = fake_rollout()
     learner.receive(0, 0, tm, pe, eps)
     learner.train(0, [0])
@@ -153,8 +153,8 @@ def test_samples_more_than_one_version_old_get_truncated_importance_weights(lear
     learner.version = 2
     learner.receive(0, 0, tm, pe, eps)
     seen = {}
-    update = learner._update
-    learner._update = lambda obs, fi, batch, *rest: (seen.update(batch), update(obs, fi, batch, *rest))[1]
+    step = learner.trainer._step
+    learner.trainer._step = lambda model, opt, rows, *rest: (seen.update(rows), step(model, opt, rows, *rest))[1]
     m = learner.train(0, [0])
     assert m["rollout/stale_fraction"] == 0.5
     stale = torch.tensor(([False] * 4 + [True] * 4) * 16)
@@ -283,8 +283,11 @@ def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
             for name, p in le.model.named_parameters():
                 if "lora_B" in name:  # what training does: the adapters move, the base stays
                     p.add_(torch.randn_like(p) * 0.3)
-        moved = le._log_probs(le.model, obs, start.forward_inputs)
-        ref = le.reference_log_probs(obs, start.forward_inputs)
+        rows = {**{f"obs.{k}": v for k, v in obs.items()},
+                **{f"fi.{k}": v for k, v in start.forward_inputs.items()}}
+        every = torch.arange(6)
+        moved = le.trainer.log_probs(le.model, rows, every)
+        ref = le.trainer.reference_log_probs(le.model, le.ref_model, rows, every)
         assert torch.allclose(ref, start.log_probs, atol=1e-5)
         assert not torch.allclose(moved, start.log_probs, atol=1e-3)
     finally:

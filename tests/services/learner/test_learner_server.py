@@ -22,7 +22,7 @@ def test_push_rollout_in_chunks_commits(fleet, learner_stub):
     tm, pe, eps = fake_rollout(T=40)
     resp = push_rollout(fleet.learner_addr, Rollout(tm, pe, eps), 0, 0, "inc")
     assert (resp.num_steps, resp.num_envs) == (40, 8)
-    got = learner.pending[(0, 0)]
+    got = learner.rollouts.pending[(0, 0)]
     assert np.array_equal(got["time"]["obs.state"], tm["obs.state"])
     assert len(got["episodes"]) == 1
 
@@ -40,7 +40,7 @@ def test_broken_stream_is_discarded(learner_stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.PushRollout(iter(reordered))
     assert "chunk starts at t=" in err.value.details()
-    assert not learner.pending
+    assert not learner.rollouts.pending
 
 
 def test_vision_images_flow_through_the_pipeline(tmp_path):
@@ -62,7 +62,7 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
         rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
                                                  learner_address=fleet.learner_addr))
-        images = fleet.learner.pending[(0, 0)]["time"]["obs.third_person"]
+        images = fleet.learner.rollouts.pending[(0, 0)]["time"]["obs.third_person"]
         assert images.shape == (8, 4, 32, 32, 3) and images.dtype == np.uint8 and images.std() > 1
         resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]))
         assert resp.weights_version == 1 and np.isfinite(resp.metrics["train/actor/policy_loss"])
@@ -107,7 +107,7 @@ def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, log
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
         rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
                                                  learner_address=fleet.learner_addr))
-        pending = fleet.learner.pending[(0, 0)]["time"]
+        pending = fleet.learner.rollouts.pending[(0, 0)]["time"]
         width = {"action_level": chunk, "chunk_level": 1, "token_level": 4 * chunk}[logprob_type]
         assert pending["log_probs"].shape == (8, 4, width) and pending["actions"].shape == (8, 4, chunk, 4)
         if model == "openpi" and "flow_noise" in variant:  # the whole denoising chain travels
@@ -143,7 +143,7 @@ def test_grpo_groups_share_a_start_and_train_without_a_critic(tmp_path):
         for epoch in range(2):
             rstub.Collect(rollout_pb2.CollectRequest(epoch=epoch, num_steps=10, inference_addresses=[fleet.inf_addr],
                                                      learner_address=fleet.learner_addr, min_weights_version=epoch))
-            first = fleet.learner.pending[(epoch, 0)]["time"]["obs.state"][0]  # [8 envs, 13]
+            first = fleet.learner.rollouts.pending[(epoch, 0)]["time"]["obs.state"][0]  # [8 envs, 13]
             assert np.allclose(first[:4], first[0]) and np.allclose(first[4:], first[4])  # two groups
             assert not np.allclose(first[0], first[4])
             resp = lstub.Train(learner_pb2.TrainRequest(epoch=epoch, worker_indices=[0],
@@ -162,15 +162,14 @@ def test_publish_to_a_dead_inference_server_fails_fast(learner_stub):
     import socket
     import time
 
-    from services.learner.server import send_weights
-
     _, learner = learner_stub
+    learner.publisher.timeout = 60
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     t0 = time.monotonic()
     with pytest.raises(Exception) as err:
-        send_weights([dead], learner, 1, timeout=60)
+        learner.publish([dead])
     assert time.monotonic() - t0 < 10
     assert dead in str(err.value)
 
@@ -191,4 +190,4 @@ def test_rollouts_for_far_epochs_and_0d_tensors_are_refused_before_buffering(lea
     with pytest.raises(grpc.RpcError) as err:
         stub.PushRollout(iter([bad]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "a 0-d tensor" in err.value.details()
-    assert not learner.pending
+    assert not learner.rollouts.pending

@@ -1,0 +1,142 @@
+"""One epoch's training batch, built once on rank 0 from the workers' rollouts, then split across the ranks.
+
+``build_batch`` turns the committed rollouts into flat per-sample rows: advantages (GAE or GRPO) and GRPO group
+statistics are computed here, once, over the whole batch. ``split_rows`` gives each rank a contiguous block of env
+columns (whole episodes of those envs; a GRPO group is never split), balancing the samples that train
+(``loss_mask``). Every row keeps its global index, so the ranks can walk one shared permutation of the batch and
+together compute the same update as one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rlfleet.models import RunningMeanStd
+from rlfleet.rpc import FailedPrecondition
+from services.learner import grpo, ppo
+
+
+class RewardScaler:
+    """Rewards scaled by the running std of discounted returns (algorithm.normalize_rewards), per worker's envs."""
+
+    def __init__(self, gamma: float):
+        self.gamma = gamma
+        self.rms = RunningMeanStd(())
+        self.returns: dict[int, np.ndarray] = {}  # per worker: running discounted return per env
+
+    def __call__(self, worker: int, rewards: np.ndarray, dones: np.ndarray) -> np.ndarray:
+        ret = self.returns.setdefault(worker, np.zeros(rewards.shape[1]))
+        if ret.shape[0] != rewards.shape[1]:
+            ret = self.returns[worker] = np.zeros(rewards.shape[1])
+        history = np.empty_like(rewards, dtype=np.float64)
+        for t in range(rewards.shape[0]):
+            ret[:] = ret * self.gamma + rewards[t]
+            history[t] = ret
+            ret[dones[t]] = 0.0
+        self.rms.update(torch.from_numpy(history))
+        return (rewards / np.sqrt(self.rms.var.item() + 1e-8)).astype(np.float32)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {k: v.contiguous() for k, v in self.rms.state_dict().items()}
+        state.update({f"returns.{w}": torch.from_numpy(r.copy()) for w, r in self.returns.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        self.returns = {int(k.split(".", 1)[1]): state.pop(k).numpy().copy()
+                        for k in list(state) if k.startswith("returns.")}
+        self.rms.load_state_dict(state)
+
+
+@dataclass
+class Batch:
+    """One epoch's samples: ``rows`` are flat [T * N, ...] tensors (row t * N + n is env n at step t)."""
+
+    T: int
+    N: int
+    rows: dict[str, torch.Tensor]        # obs.<k>, fi.<k>, old_log_probs, old_values, advantages, returns, mask
+    episodes: list
+    raw_rewards: np.ndarray              # [T, N] as the envs reported them
+    values: torch.Tensor                 # [T, N]
+    advantages: torch.Tensor             # [T, N]
+    returns: torch.Tensor                # [T, N]
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def use_mask(self) -> bool:
+        return not bool(self.rows["mask"].all())
+
+
+def build_batch(parts: list[dict], workers: list[int], alg, scaler: RewardScaler) -> Batch:
+    """The rollouts of ``workers`` (in order) -> advantages, returns and flat rows (rank 0, once per epoch)."""
+    episodes = [e for p in parts for e in p["episodes"]]
+
+    def cat(key):
+        return np.concatenate([p["time"][key] for p in parts], axis=1)
+
+    raw_rewards = cat("rewards")
+    dones = cat("terminated") | cat("truncated")
+    tt = torch.as_tensor
+    values = tt(cat("values"))
+    loss_mask = tt(cat("loss_mask").astype(np.float32))
+    stats: dict[str, float] = {}
+    if alg.adv_type == "grpo":  # group-relative scores of whole episodes; no critic, no reward normalisation
+        fr = tuple(alg.filter_rewards) if alg.filter_rewards is not None else None
+        advantages, loss_mask, stats = grpo.grpo_advantages(tt(raw_rewards * alg.reward_coef), loss_mask,
+                                                            alg.group_size, filter_range=fr)
+        returns = advantages
+    else:
+        rewards = (np.concatenate([scaler(w, p["time"]["rewards"], p["time"]["terminated"] | p["time"]["truncated"])
+                                   for w, p in zip(workers, parts)], axis=1)
+                   if alg.normalize_rewards else raw_rewards)
+        if alg.bootstrap_truncated:
+            rewards = rewards + alg.gamma * cat("bootstrap_values")
+        last_values = tt(np.concatenate([p["env"]["last_values"] for p in parts]))
+        advantages, returns = ppo.compute_gae(tt(rewards), values, tt(dones.astype(np.float32)), last_values,
+                                              alg.gamma, alg.gae_lambda)
+    T, N = raw_rewards.shape
+    flat = lambda x: torch.as_tensor(x).reshape(T * N, *x.shape[2:])  # noqa: E731
+    rows = {k: flat(cat(k)) for k in parts[0]["time"] if k.startswith(("obs.", "fi."))}
+    rows.update({"old_log_probs": flat(cat("log_probs")), "old_values": flat(values),
+                 "advantages": flat(advantages), "returns": flat(returns), "mask": flat(loss_mask)})
+    if all("weights_version" in p["time"] for p in parts):
+        rows["weights_version"] = flat(cat("weights_version"))
+    return Batch(T, N, rows, episodes, raw_rewards, values, advantages, returns, stats)
+
+
+def env_blocks(N: int, world: int, group_size: int, valid_per_env: np.ndarray) -> list[range]:
+    """Split env columns 0..N-1 into ``world`` contiguous blocks of whole groups of ``group_size`` envs, balancing
+    the valid samples per block (``valid_per_env[n]``: env n's samples that train). Every block is non-empty."""
+    groups = N // max(group_size, 1)
+    if groups < world:
+        raise FailedPrecondition(f"the batch's {N} envs form {groups} group(s) of {group_size} "
+                                 f"(algorithm.group_size): too few to give each of the learner's {world} ranks one; "
+                                 f"use more envs or fewer ranks")
+    weight = valid_per_env.reshape(groups, -1).sum(1).astype(np.float64) + 1e-9  # a group with none still counts
+    cum = np.concatenate([[0.0], np.cumsum(weight)])
+    bounds = [0]
+    for r in range(1, world):  # cut where the running total crosses r / world of the samples
+        cut = int(np.searchsorted(cum, cum[-1] * r / world, side="left"))
+        if cut > 0 and abs(cum[cut - 1] - cum[-1] * r / world) <= abs(cum[cut] - cum[-1] * r / world):
+            cut -= 1
+        cut = min(max(cut, bounds[-1] + 1), groups - (world - r))  # each block keeps at least one group
+        bounds.append(cut)
+    bounds.append(groups)
+    g = max(group_size, 1)
+    return [range(bounds[r] * g, bounds[r + 1] * g) for r in range(world)]
+
+
+def split_rows(batch: Batch, world: int, group_size: int) -> list[dict[str, torch.Tensor]]:
+    """Each rank's rows (its env block at every step) with their global row ids ('index')."""
+    mask = batch.rows["mask"].reshape(batch.T, batch.N)
+    blocks = env_blocks(batch.N, world, group_size, (mask > 0).sum(0).numpy())
+    out = []
+    for block in blocks:
+        idx = (torch.arange(batch.T)[:, None] * batch.N + torch.tensor(list(block))[None, :]).reshape(-1)
+        shard = {k: v[idx] for k, v in batch.rows.items()}
+        shard["index"] = idx
+        out.append(shard)
+    return out

@@ -1,0 +1,113 @@
+"""Weights from the learner to every inference server, bucket by bucket.
+
+The learner's ranks gather the (sharded) parameters a bucket at a time (``actor.weights_bucket_mb``); rank 0 hands
+each gathered bucket to one ``UpdateWeights`` stream per inference server, all in parallel, and gathers the next
+bucket only once every stream has taken the previous one: rank 0 holds its shards plus about one bucket, never the
+whole model twice. A server that holds a full set from this learner (``synced``) gets only the tensors that change
+in training (LoRA: the adapters and the value head); any other gets the full set with the spaces. A partial update
+that a server refuses (it restarted) is sent again in full, in a second pass.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from rlfleet import rpc, tracing, weights
+from rlfleet.v1 import inference_pb2_grpc
+
+Gather = Callable[[list[str]], Iterator[dict[str, torch.Tensor]]]  # names -> whole tensors, a bucket at a time
+_DONE = object()
+
+
+class WeightPublisher:
+    def __init__(self, timeout: float = 120.0):
+        self.timeout = timeout
+        self.synced: set[str] = set()  # inference servers holding a full weights set from this learner
+        self.last_bytes = 0            # bytes of the last publish per server (the largest)
+
+    def publish(self, addresses: list[str], version: int, gather: Gather, full_names: list[str],
+                partial_names: list[str], obs_specs, action_dim: int) -> int:
+        """Send weights ``version`` to every server in ``addresses``; -> bytes sent per server (the largest).
+        Raises FailedPrecondition naming the first server that failed (the update itself stands)."""
+        if not addresses:
+            raise rpc.InvalidRequest("inference_addresses: empty")
+        targets = {a: a in self.synced for a in addresses}  # address -> partial?
+        sent, errors = self._pass(targets, version, gather, full_names, partial_names, obs_specs, action_dim)
+        refused = [a for a, exc in errors.items() if targets[a] and isinstance(exc, grpc.RpcError)
+                   and exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)]
+        if refused:  # a restarted server without a full set: send it one
+            for a in refused:
+                errors.pop(a)
+            more, again = self._pass({a: False for a in refused}, version, gather, full_names, partial_names,
+                                     obs_specs, action_dim)
+            sent.update(more)
+            errors.update(again)
+        for a in sent:
+            self.synced.add(a)
+        for a, exc in errors.items():
+            self.synced.discard(a)
+        if errors:
+            address, exc = next(iter(errors.items()))
+            why = rpc.describe_error(exc) if isinstance(exc, grpc.RpcError) else str(exc)
+            raise rpc.FailedPrecondition(f"weight update to inference server {address} failed: {why}")
+        self.last_bytes = max(sent.values(), default=0)
+        return self.last_bytes
+
+    def _pass(self, targets: dict[str, bool], version: int, gather: Gather, full_names: list[str],
+              partial_names: list[str], obs_specs, action_dim: int):
+        """One gather over the ranks, fanned out to ``targets`` -> ({address: bytes}, {address: error})."""
+        partial_set = set(partial_names)
+        names = partial_names if all(targets.values()) else full_names
+        queues = {a: queue.Queue(maxsize=1) for a in targets}
+        sizes = dict.fromkeys(targets, 0)
+
+        def requests(address: str):
+            partial, first = targets[address], True
+            while (bucket := queues[address].get()) is not _DONE:
+                part = {k: v for k, v in bucket.items() if k in partial_set} if partial else bucket
+                sizes[address] += sum(t.numel() * t.element_size() for t in part.values())
+                kw = {"partial": True} if partial else (
+                    {"obs_specs": obs_specs, "action_dim": action_dim} if first else {})
+                yield from weights.iter_chunks(part, version, **kw)
+                first = first and not part
+
+        def call(address: str) -> None:
+            with rpc.channel(address) as ch:
+                stub = inference_pb2_grpc.InferenceServiceStub(ch)
+                # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until it has
+                # registered, and has the weights republished; waiting here would hold up Train
+                stub.UpdateWeights(requests(address), timeout=self.timeout)
+
+        errors: dict[str, BaseException] = {}
+        with ThreadPoolExecutor(len(targets)) as pool:
+            futures = {a: tracing.submit(pool, call, a) for a in targets}
+
+            def hand(address: str, item) -> None:
+                while not futures[address].done():  # a failed stream takes nothing more
+                    try:
+                        queues[address].put(item, timeout=0.2)
+                        return
+                    except queue.Full:
+                        continue
+
+            buckets = gather(names)
+            try:
+                for bucket in buckets:
+                    for a in targets:
+                        hand(a, bucket)
+            finally:
+                for _ in buckets:  # every rank takes part in every gather, whatever happened here
+                    pass
+                for a in targets:
+                    hand(a, _DONE)
+            for a, fut in futures.items():
+                try:
+                    fut.result()
+                except Exception as exc:  # noqa: BLE001 - reported per server
+                    errors[a] = exc
+        return {a: sizes[a] for a in targets if a not in errors}, errors

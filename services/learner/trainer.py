@@ -1,0 +1,227 @@
+"""The PPO / GRPO update, top to bottom, as every learner rank runs it on its shard of the batch.
+
+All ranks walk one permutation of the whole batch (seeded by the run seed and the epoch), cut into minibatches of
+``actor.global_batch_size`` samples; a rank trains the samples of each minibatch that it holds, in micro batches
+of ``actor.micro_batch_size``. Each loss is a sum over samples divided by the minibatch's global count of samples
+that train, and gradients are summed over the ranks, so N ranks take exactly the optimizer step one process takes
+on the whole batch (up to summation order). Advantages are standardised per minibatch over every rank's samples.
+Every forward pass is a collective under FSDP2, so ranks with fewer samples in a minibatch run padding micro
+batches of weight zero: every rank runs the same number of passes. In a group of one, the collectives are no-ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlfleet.rpc import FailedPrecondition
+from services.learner import ppo
+from services.learner.group import RankGroup
+from services.learner.sharding import full_tensor
+
+# the step statistics summed over micro batches and ranks (each already divided by its normaliser)
+STAT_KEYS = ("train/actor/policy_loss", "train/critic/value_loss", "train/actor/entropy_loss", "train/loss",
+             "train/critic/value_clip_ratio", "train/actor/approx_kl", "train/actor/clip_fraction",
+             "train/actor/clipped_ratio", "train/actor/ratio", "train/actor/kl_loss")
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """bf16 outputs (autocast) in fp32; fp32 and fp64 (the exactness tests) as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class Trainer:
+    """Runs the update on this rank's rows; the model (sharded or not) and its optimizer are the learner's."""
+
+    def __init__(self, cfg, group: RankGroup):
+        self.cfg, self.alg, self.group = cfg, cfg.algorithm, group
+        self.device = group.device
+
+    # --- micro batches in lockstep ----------------------------------------------------------------------------
+    def lockstep(self, rows: torch.Tensor, size: int):
+        """Micro batches of ``rows`` (local row ids), as many on every rank: -> (ids, real). A rank out of rows
+        yields ``real=False`` batches of one padding row (its first) that must weigh nothing."""
+        n = self.group.max_int(max(1, math.ceil(len(rows) / size)))
+        for i in range(n):
+            ids = rows[i * size:(i + 1) * size]
+            yield (ids, True) if len(ids) else (rows.new_zeros(1), False)
+
+    @torch.no_grad()
+    def log_probs(self, model, rows: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """``model``'s log-probs of the sampled actions of local rows ``ids`` (no grad, micro batched)."""
+        out = []
+        for idx, real in self.lockstep(ids, self.cfg.actor.micro_batch_size):
+            with model.precision():
+                lp = _at_least_fp32(model.evaluate(*self._inputs(rows, idx)).log_probs)
+            if real:
+                out.append(lp)
+        width = model.log_prob_width
+        return torch.cat(out) if out else torch.zeros(0, width, device=self.device)
+
+    def reference_log_probs(self, model, ref_model, rows: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """The KL reference's log-probs (algorithm.kl_beta): the frozen starting copy ``ref_model``, or with LoRA
+        (``ref_model`` None) the policy with its adapters off (the same model, without a second copy)."""
+        if ref_model is not None:
+            return self.log_probs(ref_model, rows, ids)
+        with model.adapters_disabled():
+            return self.log_probs(model, rows, ids)
+
+    @staticmethod
+    def _inputs(rows: dict[str, torch.Tensor], idx: torch.Tensor):
+        obs = {k[4:]: v[idx] for k, v in rows.items() if k.startswith("obs.")}
+        fi = {k[3:]: v[idx] for k, v in rows.items() if k.startswith("fi.")}
+        return obs, fi
+
+    def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        t = torch.stack([torch.as_tensor(v).detach().to(self.device, torch.float64) for v in values])
+        return self.group.all_reduce(t)
+
+    # --- one update -------------------------------------------------------------------------------------------
+    def update(self, model, optimizer, rows: dict[str, torch.Tensor], *, total: int, epoch: int, lr: float,
+               use_mask: bool, critic_only: bool = False, ref_model=None) -> dict[str, float]:
+        """Minibatch PPO/GRPO steps over this rank's ``rows`` (with 'index': their ids among the ``total`` rows
+        of the whole batch). ``critic_only`` (critic warm-up): the loss is the value loss alone and only the
+        critic's own modules step. ``ref_model``: the KL reference (None with LoRA: the policy, adapters off)."""
+        alg, actor = self.alg, self.cfg.actor
+        rows = {k: v.to(self.device) for k, v in rows.items()}
+        local = len(rows["index"])
+        stats: dict[str, float] = {}
+        if "weights_version" in rows:
+            stats.update(self._decouple_stale(model, rows, rows.pop("weights_version")))
+        if alg.kl_beta > 0:  # algorithm.kl_beta: the reference's log-probs of the sampled actions
+            rows["ref_log_probs"] = self.reference_log_probs(model, ref_model, rows,
+                                                             torch.arange(local, device=self.device))
+        critic = {id(p) for p in model.critic_parameters()} if critic_only else set()
+        if critic_only and not critic:
+            raise FailedPrecondition("algorithm.critic_warmup_epochs: the policy has no critic modules to warm up")
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        weight = rows["mask"] if use_mask else torch.ones_like(rows["mask"])
+        gen = torch.Generator().manual_seed(int(self.cfg.runner.seed) * 1_000_003 + epoch)
+        sums: dict[str, float] = {}
+        steps, first_diff, stop = 0, float("nan"), False
+        gbs = actor.global_batch_size
+        for _ in range(alg.update_epoch):
+            perm = torch.randperm(total, generator=gen)
+            pos = torch.empty(total, dtype=torch.int64)
+            pos[perm] = torch.arange(total)
+            local_pos = pos[rows["index"].cpu()]
+            order = torch.argsort(local_pos)  # this rank's rows in permutation order
+            minibatch = (local_pos[order] // gbs).to(self.device)
+            order = order.to(self.device)
+            for j in range(math.ceil(total / gbs)):
+                ids = order[minibatch == j]
+                step = self._step(model, optimizer, rows, ids, weight, critic, critic_only)
+                if steps == 0:
+                    first_diff = step.pop("first_diff")
+                step.pop("first_diff", None)
+                for k, v in step.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                steps += 1
+                if alg.target_kl is not None and step["train/actor/approx_kl"] > alg.target_kl:
+                    stop = True  # every rank sees the same all-reduced value: all stop together
+                    break
+            if stop:
+                break
+        out = {k: v / max(steps, 1) for k, v in sums.items()}
+        if alg.kl_beta <= 0:
+            out.pop("train/actor/kl_loss", None)
+        out.update(stats)
+        out["train/actor/first_logprob_abs_diff"] = first_diff
+        out["train/actor/lr"] = lr
+        out["train/optimizer_steps"] = float(steps)
+        out["train/critic_warmup"] = float(critic_only)
+        if hasattr(model, "log_std"):
+            out["train/actor/log_std"] = float(full_tensor(model.log_std.detach()).mean())
+        return out
+
+    def _step(self, model, optimizer, rows, ids, weight, critic, critic_only) -> dict[str, float]:
+        """One optimizer step on this rank's rows ``ids`` of a minibatch (every rank calls it together)."""
+        alg = self.alg
+        w_all = weight[ids].double()
+        adv_all = rows["advantages"][ids].double()  # sums in float64: the same value however the rows are split
+        # the minibatch's global count of samples that train, and (advantage standardisation) their mean and std
+        count, adv_sum = self._sum([w_all.sum(), (adv_all * w_all).sum()]).tolist()
+        mu = adv_sum / max(count, 1e-12)
+        sd = math.sqrt(self._sum([((adv_all - mu) ** 2 * w_all).sum()]).item() / max(count, 1e-12))
+        count = max(count, 1.0)
+        optimizer.zero_grad(set_to_none=True)
+        acc = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in STAT_KEYS}
+        first = torch.zeros((), dtype=torch.float64, device=self.device)
+        for idx, real in self.lockstep(ids, self.cfg.actor.micro_batch_size):
+            w = weight[idx] * (1.0 if real else 0.0)
+            adv = rows["advantages"][idx]
+            if alg.normalize_advantages:
+                adv = (adv - mu) / (sd + 1e-8)
+            with model.precision():
+                ev = model.evaluate(*self._inputs(rows, idx))
+            log_probs, entropy = _at_least_fp32(ev.log_probs), _at_least_fp32(ev.entropy)
+            if real:
+                first = torch.maximum(first, ((log_probs.detach() - rows["old_log_probs"][idx]).abs()
+                                              * (w[:, None] > 0)).max().to(first))
+            width = log_probs.shape[1]
+            w = w.to(log_probs.dtype)
+            we = w[:, None].expand(-1, width) / (count * width)  # per-element weight of the policy terms
+            pg, pg_stats = ppo.policy_loss_terms(
+                log_probs, rows["old_log_probs"][idx], adv[:, None].expand(-1, width),
+                clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c,
+                weights=rows["is_weights"][idx] if "is_weights" in rows else None)
+            pg_loss = (pg * we).sum()
+            wr = w / count  # per-row weight of the value and entropy terms
+            if ev.values is not None and alg.loss_type == "actor_critic":
+                v, v_clipped = ppo.value_loss_terms(_at_least_fp32(ev.values), rows["old_values"][idx], rows["returns"][idx],
+                                                    value_clip=alg.value_clip, huber_delta=alg.huber_delta)
+                v_loss, v_clip = (v * wr).sum(), (v_clipped * wr).sum()
+            else:  # no critic (GRPO)
+                v_loss = v_clip = torch.zeros((), device=log_probs.device)
+            ent = (entropy * wr).sum()
+            loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
+            kl = torch.zeros((), device=log_probs.device)
+            if "ref_log_probs" in rows:  # KL penalty to the reference policy (algorithm.kl_beta)
+                kl = (ppo.kl_penalty(log_probs, rows["ref_log_probs"][idx], alg.kl_penalty) * we).sum()
+                loss = loss + alg.kl_beta * kl
+            (alg.value_loss_coef * v_loss if critic_only else loss).backward()
+            parts = {"train/actor/policy_loss": pg_loss, "train/critic/value_loss": v_loss,
+                     "train/actor/entropy_loss": ent, "train/loss": loss, "train/critic/value_clip_ratio": v_clip,
+                     "train/actor/kl_loss": kl,
+                     **{f"train/actor/{k}": (s * we).sum() for k, s in pg_stats.items()}}
+            for k, v in parts.items():
+                acc[k] += v.detach().to(torch.float64)
+        if critic_only:  # no step for anything but the critic's own modules
+            for p in model.parameters():
+                if id(p) not in critic:
+                    p.grad = None
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                   alg.max_grad_norm)
+        optimizer.step()
+        totals = self._sum([acc[k] for k in STAT_KEYS]).tolist()
+        out = dict(zip(STAT_KEYS, totals))
+        out["train/actor/grad_norm"] = float(full_tensor(grad_norm)) if torch.is_tensor(grad_norm) else float(grad_norm)
+        out["first_diff"] = float(self.group.all_reduce(first, "max"))
+        return out
+
+    @torch.no_grad()
+    def _decouple_stale(self, model, rows: dict[str, torch.Tensor], versions: torch.Tensor) -> dict[str, float]:
+        """Rows at least algorithm.decoupled_staleness versions old: replace their behaviour log-probs by the
+        current (proximal) policy's and weight them by min(pi_current / pi_behaviour, importance_weight_cap)."""
+        stale = (self.version - versions) >= self.alg.decoupled_staleness
+        n_stale, n_all = self._sum([stale.sum(), len(stale)]).tolist()
+        out = {"rollout/stale_fraction": n_stale / max(n_all, 1.0)}
+        if n_stale == 0:
+            return out
+        ids = torch.nonzero(stale).squeeze(1)
+        prox = self.log_probs(model, rows, ids)
+        behaviour = rows["old_log_probs"][ids]
+        cap = self.alg.importance_weight_cap
+        raw = (prox - behaviour).exp()
+        weights = torch.ones_like(rows["old_log_probs"])
+        weights[ids] = raw.clamp(max=cap)
+        rows["old_log_probs"] = rows["old_log_probs"].index_put((ids,), prox)
+        rows["is_weights"] = weights
+        s_raw, s_trunc, s_n = self._sum([raw.sum(), (raw > cap).float().sum(), raw.numel()]).tolist()
+        out.update({"train/actor/is_weight_mean": s_raw / max(s_n, 1.0),
+                    "train/actor/is_weight_truncated": s_trunc / max(s_n, 1.0)})
+        return out
+
+    version = 0  # the learner's weights version (set by the learner before each update)
