@@ -59,9 +59,9 @@ def _pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list, torch.Tensor]:
 def _unpack(layout: list, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     for name, dtype, shape, offset, nbytes in layout:
-        raw = buffer[offset:offset + nbytes]
+        raw = buffer[offset:offset + nbytes].clone()  # its own storage: aligned for any element size
         dt = getattr(torch, dtype)
-        out[name] = (raw.view(dt) if nbytes else torch.empty(0, dtype=dt)).reshape(shape).clone()
+        out[name] = (raw.view(dt) if nbytes else torch.empty(0, dtype=dt)).reshape(shape)
     return out
 
 

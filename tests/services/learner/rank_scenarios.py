@@ -8,9 +8,10 @@ follow its commands, exactly as the learner server does. Rank 0 writes what the 
 ``state.safetensors`` (the gathered policy), ``result.json`` (metrics, per-rank memory).
 
 Scenarios: ``update`` (EPOCHS updates on fixed rollouts), ``save`` (EPOCHS updates, then a checkpoint),
-``resume`` (resume from RESUME_DIR's last checkpoint, then the remaining updates).
+``resume`` (resume from RESUME_DIR's last checkpoint, then the remaining updates), ``idle`` (set up, write
+OUT_DIR/ready, sleep SLEEP seconds: the fault tests kill a rank meanwhile).
 Options: model=mlp|oft_lora|pi0, float64=1, no_sync=1 (gradient synchronisation off: must break equivalence),
-envs=N, epochs=K, resume=DIR.
+envs=N, epochs=K, resume=DIR, hb=SECONDS (heartbeat timeout), sleep=SECONDS.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import time
 
 import numpy as np
 import torch
@@ -104,7 +106,7 @@ def main(argv: list[str]) -> int:
                     m.set_requires_gradient_sync(False)
             return model
         learner_module.shard_policy = unsynced
-    group = RankGroup.from_environ(timeout_s=120, heartbeat_timeout_s=30)
+    group = RankGroup.from_environ(timeout_s=120, heartbeat_timeout_s=float(opts.get("hb", 30)))
     learner = Learner(cfg, out / "run", group=group)
     if not group.is_leader:
         learner.follow()
@@ -113,6 +115,12 @@ def main(argv: list[str]) -> int:
     T, N = 8, int(opts.get("envs", "5" if model == "mlp" else "4"))
     epochs = int(opts.get("epochs", "1"))
     learner.setup(specs, action_dim)
+    if scenario == "idle":  # set up, then wait (the fault tests kill a rank meanwhile)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ready").write_text("1")
+        time.sleep(float(opts.get("sleep", "60")))
+        learner.close()
+        return 0
     metrics = []
     for epoch in range(learner.epoch + 1, epochs):
         learner.receive(epoch, 0, *rollout(cfg, specs, action_dim, T, N, seed=epoch))
