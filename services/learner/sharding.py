@@ -14,12 +14,17 @@ N ranks step exactly as one process on the whole batch would.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from services.learner.group import RankGroup
+
+# FSDP2 warns on every forward whose output is a view (a value head's squeeze): in-place edits of such an output
+# would skip its backward hook; no policy edits its outputs in place
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 FORWARD_METHODS = ("evaluate",)  # policy methods the learner calls on the root instead of forward()
 

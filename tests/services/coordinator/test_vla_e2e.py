@@ -15,22 +15,28 @@ pytestmark = pytest.mark.slow
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
 
 
-@pytest.mark.parametrize("name, lora", [("pandapickcube_vision_ppo_openvla_tiny", False),
-                                        ("pandapickcube_vision_grpo_openvla_oft_tiny", True),
-                                        pytest.param("metaworld_mt10_ppo_pi0_tiny", False, marks=pytest.mark.sim),
-                                        pytest.param("metaworld_mt10_ppo_pi05_tiny", False, marks=pytest.mark.sim)])
-def test_vla_config_runs_end_to_end(tmp_path, name, lora):
+@pytest.mark.parametrize("name, lora, ranks", [
+    ("pandapickcube_vision_ppo_openvla_tiny", False, 1),
+    ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 1),
+    pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 1, marks=pytest.mark.sim),
+    pytest.param("metaworld_mt10_ppo_pi05_tiny", False, 1, marks=pytest.mark.sim),
+    # the learner as 2 ranks (FSDP2 over gloo): LoRA adapters sharded, the π0 expert's blocks sharded
+    ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 2),
+    pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 2, marks=pytest.mark.sim)],
+    ids=lambda v: f"{v}rank" if isinstance(v, int) else None)
+def test_vla_config_runs_end_to_end(tmp_path, name, lora, ranks):
     # the LoRA run also takes a KL penalty: its reference is the base with the adapters off (no second copy)
     kl = ["algorithm.kl_beta=0.05"] if lora else []
     proc = subprocess.run([*CTL, "start", name, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
                            "runner.val_check_interval=2", "env.eval.num_episodes=4", "env.eval.total_num_envs=4",
-                           *kl], capture_output=True, text=True, timeout=400)
+                           f"cluster.learner_world_size={ranks}", *kl], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / name
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["final_eval"]["eval/num_episodes"] == 4
     rows = [r for r in read_metrics(run) if "train/loss" in r]
     assert [r["train/weights_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(r["train/learner_ranks"] == ranks for r in rows)
     for r in rows:
         assert all(v == v and abs(v) < 1e6 for k, v in r.items() if k.startswith("train/") and "bytes" not in k), r
         assert r["train/actor/first_logprob_abs_diff"] < 1e-5
