@@ -288,21 +288,22 @@ class Learner:
         full_names = list(self.model.state_dict())
         partial_names = list(self.model.sync_state_dict())
 
+        bucket = int(self.cfg.actor.weights_bucket_mb * 2 ** 20)
+
         def gather(names: list[str]):
-            self.group.command("gather", {"names": names})
-            return self._gather(names)
+            self.group.command("gather", {"names": names, "bucket": bucket})
+            return self._gather(names, bucket)
 
         with self.group.lock:
             return self.publisher.publish(addresses, self.version, gather, full_names, partial_names,
                                           self.obs_specs, self.action_dim)
 
-    def _gather(self, names: list[str]):
+    def _gather(self, names: list[str], bucket: int):
         state = self.model.state_dict()
-        return gather_buckets({n: state[n] for n in names}, int(self.cfg.actor.weights_bucket_mb * 2 ** 20),
-                              self.group.is_leader)
+        return gather_buckets({n: state[n] for n in names}, bucket, self.group.is_leader)
 
     def _on_gather(self, meta: dict, _tensors) -> None:  # the other ranks' half of a publish
-        for _ in self._gather(meta["names"]):
+        for _ in self._gather(meta["names"], meta["bucket"]):
             pass
 
     # --- checkpoints ------------------------------------------------------------------------------------------
