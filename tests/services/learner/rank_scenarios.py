@@ -11,7 +11,8 @@ Scenarios: ``update`` (EPOCHS updates on fixed rollouts), ``save`` (EPOCHS updat
 ``resume`` (resume from RESUME_DIR's last checkpoint, then the remaining updates), ``idle`` (set up, write
 OUT_DIR/ready, sleep SLEEP seconds: the fault tests kill a rank meanwhile).
 Options: model=mlp|oft_lora|pi0, float64=1, no_sync=1 (gradient synchronisation off: must break equivalence),
-envs=N, epochs=K, resume=DIR, hb=SECONDS (heartbeat timeout), sleep=SECONDS.
+envs=N, epochs=K, resume=DIR, hb=SECONDS (heartbeat timeout), sleep=SECONDS, measure_cuda=1 (the GPU test set:
+torch.cuda.max_memory_allocated and the memory check's estimate), any dotted key=value (a config override).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main(argv: list[str]) -> int:
     opts = dict(a.split("=", 1) for a in argv[2:])
     model = opts.get("model", "mlp")
     extra = [f"runner.resume_dir={opts['resume']}"] if "resume" in opts else []
+    extra += [f"{k}={v}" for k, v in opts.items() if "." in k]  # config overrides (the GPU tests' sizes)
     cfg, specs, action_dim = config(model, out, extra)
     if opts.get("float64") == "1":  # the exactness tests: the policy (and its shards) in float64
         build = learner_module.build_policy
@@ -127,12 +129,19 @@ def main(argv: list[str]) -> int:
         metrics.append(learner.train(epoch, [0]))
     if scenario == "save":
         learner.save_checkpoint()
+    extra_results = {}
+    if opts.get("measure_cuda") == "1":  # the GPU test set: the memory check's estimate against the allocator's peak
+        from rlfleet.policies import footprint
+
+        fp = footprint.estimate(cfg.actor.model, cfg.algorithm.logprob_type)
+        extra_results = {"cuda_max_allocated": torch.cuda.max_memory_allocated(),
+                         "estimate_per_rank": fp.rank_bytes(group.world, gpu=True, rows=cfg.actor.micro_batch_size)}
     state = learner.state_dict()
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "state.safetensors"))
     (out / "result.json").write_text(json.dumps({"metrics": metrics, "memory": learner.memory(),
-                                                 "world": group.world, "epoch": learner.epoch}))
+                                                 "world": group.world, "epoch": learner.epoch, **extra_results}))
     learner.close()
     return 0
 
