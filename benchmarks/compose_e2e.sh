@@ -86,8 +86,13 @@ cd "$OUT"
 token=$(sed -n 's/^RLFLEET_RUN_TOKEN=//p' rlfleet.env)
 say "docker-compose up (logs: $OUT/compose.log)"
 t0=$(date +%s)
-docker-compose up --no-build --abort-on-container-exit --exit-code-from coordinator >compose.log 2>&1 &
+# No --abort-on-container-exit: the run is over when the coordinator exits, and then every service leaves by itself
+# (its heartbeats say so). Aborting on the first exit (an env server) would SIGTERM the coordinator and the learner's
+# ranks while they finish. Anything still up GRACE_S after the coordinator exited is stopped (its exit code below).
+docker-compose up --no-build >compose.log 2>&1 &
 up=$!
+GRACE_S=${GRACE_S:-60}
+coord="" coord_done=""
 # coordinatorctl status against the deployment, from the host, with the run credential
 seen=0
 while kill -0 $up 2>/dev/null; do
@@ -96,19 +101,41 @@ while kill -0 $up 2>/dev/null; do
     [ $seen = 0 ] && { say "coordinatorctl status --address 127.0.0.1:50051:"; cat status.txt; }
     seen=1
   fi
+  [ -n "$coord" ] || coord=$(docker-compose ps -q coordinator 2>/dev/null || true)
+  if [ -n "$coord" ] && [ "$(docker inspect -f '{{.State.Status}}' "$coord" 2>/dev/null)" = exited ]; then
+    coord_done=${coord_done:-$(date +%s)}
+    if [ $(( $(date +%s) - coord_done )) -ge "$GRACE_S" ]; then
+      say "services still up ${GRACE_S}s after the coordinator exited: stopping them"
+      docker-compose stop -t 10 >/dev/null 2>&1 || true
+    fi
+  fi
 done
-wait $up && code=0 || code=$?
+wait $up || true
 run_s=$(( $(date +%s) - t0 ))
+[ -n "$coord" ] || coord=$(docker-compose ps -q coordinator 2>/dev/null || true)
+code=$( { [ -n "$coord" ] && docker inspect -f '{{.State.ExitCode}}' "$coord"; } || echo 1)
+say "compose run finished in ${run_s}s; containers' exit codes:"
+for id in $(docker-compose ps -q); do docker inspect -f '  {{.Name}} {{.State.ExitCode}}' "$id" | sed 's#  /#  #'; done
 docker-compose down -v >/dev/null 2>&1 || true
-say "compose run finished with code $code in ${run_s}s"
 grep -E "final evaluation|epochs,|eval @" compose.log | sed 's/^/  /' | tail -8
-python3 - "$PWD/runs/compose_e2e/summary.json" <<'EOF'
-import json, sys
-s = json.load(open(sys.argv[1]))
-print(f"| deployment | eval success_once | epochs | env steps | train wall (s) |")
-print(f"|---|---|---|---|---|")
-print(f"| compose, 2 env servers | {s['final_eval']['eval/success_once']:.0%} | {s['epochs']} | {s['env_steps']} | "
-      f"{s['train_wall_time_s']:.0f} |")
+"$ROOT/.venv/bin/python" - "$PWD/runs/compose_e2e" <<'EOF'
+import json, pathlib, sys
+
+import yaml
+
+run = pathlib.Path(sys.argv[1])
+s = json.loads((run / "summary.json").read_text())
+cluster = yaml.safe_load((run / "config.yaml").read_text())["cluster"]
+# the learner's rank count as it reported it (train/learner_ranks); else the config's (CPU ranks)
+ranks = s.get("last_train_metrics", {}).get("train/learner_ranks")
+if ranks is None and (run / "metrics.jsonl").exists():
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        ranks = json.loads(line).get("train/learner_ranks", ranks)
+ranks = int(ranks if ranks is not None else cluster["learner_world_size"])
+print("| deployment | learner ranks | eval success_once | epochs | env steps | train wall (s) |")
+print("|---|---|---|---|---|---|")
+print(f"| compose, {cluster['num_env_servers']} env servers | {ranks} | {s['final_eval']['eval/success_once']:.0%} | "
+      f"{s['epochs']} | {s['env_steps']} | {s['train_wall_time_s']:.0f} |")
 EOF
 [ $seen = 1 ] || { echo "coordinatorctl status never answered"; exit 1; }
 exit $code

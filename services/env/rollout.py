@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlfleet import noise, rpc, tracing, videos
+from rlfleet.rollout_schema import FI, OBS, Rollout, add_policy_buffers, empty_buffers
 from rlfleet.spaces import spaces_key
 from services.env.policy_spaces import PolicySpaceEnv
 from services.env.vec_env import EpisodeStat
@@ -46,15 +47,6 @@ class CollectSummary:
     env_time_s: float = 0.0
     inference_wait_s: float = 0.0
     weights_version: int = -1
-
-
-@dataclass
-class Rollout:
-    """One worker's epoch: time-major arrays [T, N, ...] plus per-env arrays [N, ...]."""
-
-    time_major: dict[str, np.ndarray]
-    per_env: dict[str, np.ndarray]
-    episodes: list[EpisodeStat]
 
 
 def _unwrapped(env):
@@ -160,11 +152,7 @@ class RolloutWorker:
         env, T, n = self.env, num_steps, self.env.num_envs
         if not self.auto_reset:
             self.reset_all(epoch)
-        buf = {f"obs.{k}": np.empty((T, n, *sp.shape), dtype=sp.dtype) for k, sp in self.observation_space.items()}
-        buf.update(values=np.zeros((T, n), np.float32), rewards=np.empty((T, n), np.float32),
-                   terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
-                   bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool),
-                   weights_version=np.full((T, n), -1, np.int64))  # the weights each sample was acted with
+        buf = empty_buffers(T, n, self.observation_space)  # the rollout schema's fields (rlfleet/rollout_schema.py)
         last_values = np.zeros(n, np.float32)
         alive = np.ones(n, bool)
         episodes: list[EpisodeStat] = []
@@ -200,17 +188,17 @@ class RolloutWorker:
                     active.remove(s)
                     continue
                 if "log_probs" not in buf:  # shapes come from the policy (chunk, log-prob width, forward inputs)
-                    self._allocate(buf, T, n, res)
+                    add_policy_buffers(buf, T, n, res.actions, res.log_probs, res.forward_inputs)
                 step = t[s]
                 for k, v in self.obs.items():
-                    buf[f"obs.{k}"][step, ids] = v[ids]
+                    buf[f"{OBS}{k}"][step, ids] = v[ids]
                 buf["actions"][step, ids] = res.actions[:m]
                 buf["log_probs"][step, ids] = res.log_probs[:m]
                 buf["weights_version"][step, ids] = res.weights_version
                 if res.values is not None:
                     buf["values"][step, ids] = res.values[:m]
                 for k, v in res.forward_inputs.items():
-                    buf[f"fi.{k}"][step, ids] = v[:m]
+                    buf[f"{FI}{k}"][step, ids] = v[:m]
                 t2 = time.perf_counter()
                 with tracing.step_span("env.step", **{"rlfleet.stage": s, "rlfleet.rows": m}):
                     out = self._step_env(env, ids, res.actions[:m])
@@ -244,13 +232,6 @@ class RolloutWorker:
         summary = CollectSummary(epoch, T * n * chunk, episodes, time.perf_counter() - t_start, env_time, wait_time,
                                  -1 if version is None else version)
         return rollout, summary
-
-    @staticmethod
-    def _allocate(buf: dict, T: int, n: int, res) -> None:
-        buf["actions"] = np.zeros((T, n, *res.actions.shape[1:]), np.float32)
-        buf["log_probs"] = np.zeros((T, n, res.log_probs.shape[1]), np.float32)
-        for k, v in res.forward_inputs.items():
-            buf[f"fi.{k}"] = np.zeros((T, n, *v.shape[1:]), v.dtype)
 
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, episode_ids: list[int], seed: int, deterministic: bool, policy, *,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from rlfleet.models import RunningMeanStd
+from rlfleet.rollout_schema import FI, OBS
 from rlfleet.rpc import FailedPrecondition
 from services.learner import grpo, ppo
 
@@ -99,7 +100,7 @@ def build_batch(parts: list[dict], workers: list[int], alg, scaler: RewardScaler
                                               alg.gamma, alg.gae_lambda)
     T, N = raw_rewards.shape
     flat = lambda x: torch.as_tensor(x).reshape(T * N, *x.shape[2:])  # noqa: E731
-    rows = {k: flat(cat(k)) for k in parts[0]["time"] if k.startswith(("obs.", "fi."))}
+    rows = {k: flat(cat(k)) for k in parts[0]["time"] if k.startswith((OBS, FI))}
     rows.update({"old_log_probs": flat(cat("log_probs")), "old_values": flat(values),
                  "advantages": flat(advantages), "returns": flat(returns), "mask": flat(loss_mask)})
     if all("weights_version" in p["time"] for p in parts):

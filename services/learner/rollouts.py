@@ -1,4 +1,5 @@
-"""Rollout intake: validate each worker's pushed rollout and hold it until its epoch trains (rank 0)."""
+"""Rollout intake: check each worker's pushed rollout against the rollout schema (rlfleet/rollout_schema.py) and
+the policy's spaces, and hold it until its epoch trains (rank 0)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,8 @@ import threading
 
 import numpy as np
 
+from rlfleet import rollout_schema
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
-
-REQUIRED = ("actions", "log_probs", "values", "rewards", "terminated", "truncated", "bootstrap_values", "loss_mask")
-ROLLOUT_DTYPES = {"actions": np.float32, "log_probs": np.float32, "values": np.float32, "rewards": np.float32,
-                  "bootstrap_values": np.float32, "terminated": np.bool_, "truncated": np.bool_, "loss_mask": np.bool_,
-                  "weights_version": np.int64}  # optional: the weights version each sample was acted with
 
 
 class RolloutStore:
@@ -41,43 +38,12 @@ class RolloutStore:
         if self.obs_specs is None:
             raise FailedPrecondition("the learner has no policy yet (PublishWeights with the env spec first)")
         self.check_rollout_epoch(epoch)
-        missing = [k for k in REQUIRED if k not in time_major]
-        missing += [f"obs.{k}" for k in self.obs_specs if f"obs.{k}" not in time_major]
-        if missing or "last_values" not in per_env:
-            raise InvalidRequest(f"rollout: missing tensors {missing or ['last_values']}")
-        if time_major["rewards"].ndim != 2:
-            raise InvalidRequest(f"rollout['rewards']: shape {list(time_major['rewards'].shape)} where [T, N] was expected")
-        T, N = time_major["rewards"].shape
-        if T < 1 or N < 1:
-            raise InvalidRequest(f"rollout: {T} time steps x {N} envs; a rollout needs at least one of each")
-        for k, want in ROLLOUT_DTYPES.items():
-            if k in time_major and time_major[k].dtype != want:
-                raise InvalidRequest(f"rollout['{k}']: dtype {time_major[k].dtype.name} where {np.dtype(want).name} "
-                                     f"was expected")
-        for k, v in time_major.items():
-            if v.shape[:2] != (T, N):
-                raise InvalidRequest(f"rollout['{k}']: leading shape {list(v.shape[:2])} differs from rewards' {[T, N]}")
-            if v.dtype.kind == "f" and not np.isfinite(v).all():
-                raise InvalidRequest(f"rollout['{k}']: non-finite values")
-        chunk = self.chunk
-        if time_major["actions"].shape[2:] != (chunk, self.action_dim):
-            raise InvalidRequest(f"rollout['actions']: shape {list(time_major['actions'].shape)} where "
-                                 f"[{T}, {N}, {chunk}, {self.action_dim}] was expected")
-        L = self.log_prob_width
-        if time_major["log_probs"].shape[2:] != (L,):
-            raise InvalidRequest(f"rollout['log_probs']: shape {list(time_major['log_probs'].shape)} where "
-                                 f"[{T}, {N}, {L}] was expected ({self.alg.logprob_type})")
-        if not any(k.startswith("fi.") for k in time_major):
-            raise InvalidRequest("rollout: no forward inputs (fi.*): the learner cannot recompute log-probs")
-        for k, spec in self.obs_specs.items():
-            arr = time_major[f"obs.{k}"]
-            if arr.shape[2:] != spec.shape or arr.dtype.name != spec.dtype:
-                raise InvalidRequest(f"rollout['obs.{k}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
-                                     f"[{T}, {N}, *{list(spec.shape)}] was expected")
-        if per_env["last_values"].dtype != np.float32 or not np.isfinite(per_env["last_values"]).all():
-            raise InvalidRequest("rollout['last_values']: must be finite float32")
-        if per_env["last_values"].shape != (N,):
-            raise InvalidRequest(f"rollout['last_values']: shape {list(per_env['last_values'].shape)} where [{N}] was expected")
+        try:
+            T, N = rollout_schema.check(time_major, per_env, obs_specs=self.obs_specs, chunk=self.chunk,
+                                        action_dim=self.action_dim, log_prob_width=self.log_prob_width,
+                                        logprob_type=self.alg.logprob_type)
+        except rollout_schema.SchemaError as exc:
+            raise InvalidRequest(str(exc)) from None
         with self.lock:
             self.pending[(epoch, worker)] = {"time": time_major, "env": per_env, "episodes": episodes}
         return T, N

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlfleet import codec, rpc
+from rlfleet import codec, rollout_schema, rpc
 from rlfleet.models.actor_critic import obs_specs_from_proto
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc
@@ -48,7 +48,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 if v.ndim == 0:
                     raise rpc.InvalidRequest(f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] "
                                              f"(last_values: [N])")
-                if chunk.last and k == "last_values":
+                if chunk.last and k in rollout_schema.PER_ENV:
                     per_env[k] = v
                     continue
                 time_major.setdefault(k, []).append(v)

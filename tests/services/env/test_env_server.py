@@ -84,7 +84,7 @@ def test_rollout_worker_in_front_of_external_env(cfg, tmp_path, fleet):
         resp = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=6, inference_addresses=[bridge.inf_addr],
                                                         learner_address=bridge.learner_addr))
         assert resp.env_steps == 6 * cfg.env.train.total_num_envs
-        assert (0, 0) in bridge.learner.pending
+        assert (0, 0) in bridge.learner.rollouts.pending
     finally:
         bridge.close()
 
@@ -212,7 +212,7 @@ def test_collect_and_evaluate_in_the_policy_spaces_of_a_run_over_several_simulat
     resp = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
                                                     learner_address=fleet.learner_addr, policy_spec=joint))
     assert resp.env_steps == 4 * cfg.env.train.total_num_envs
-    part = fleet.learner.pending[(0, 0)]["time"]
+    part = fleet.learner.rollouts.pending[(0, 0)]["time"]
     n = cfg.env.train.total_num_envs
     assert part["obs.state"].shape == (4, n, own_state + 5) and not part["obs.state"][..., own_state:].any()
     assert part["obs.state"][..., :own_state].any()

@@ -6,7 +6,7 @@ import pytest
 
 from rlfleet import rpc
 from rlfleet.v1 import learner_pb2_grpc
-from services.env.rollout import Rollout
+from rlfleet.rollout_schema import Rollout
 from rlfleet.clients.learner import push_rollout, rollout_chunks
 from tests.services.learner.test_learner import SPECS, fake_rollout
 
