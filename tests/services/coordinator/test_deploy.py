@@ -11,6 +11,15 @@ from rlfleet.config import load_config
 from services.coordinator import deploy
 from services.coordinator.plan import process_plan
 
+
+def k8s_docs(cfg, out) -> list[dict]:
+    """`coordinatorctl deploy k8s` of ``cfg`` into ``out``: its documents, each validated offline (strict, 1.33)."""
+    (path,) = deploy.write("k8s", cfg, out)
+    docs = list(yaml.safe_load_all(path.read_text()))
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+    return docs
+
 GPU_RUN = ["cluster.num_env_servers=2", "cluster.num_inference_servers=1", "cluster.num_gpus_per_node=8",
            "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}"]
 
@@ -25,10 +34,7 @@ def test_the_plan_lists_every_process_with_its_gpus():
 
 def test_k8s_manifests_validate_and_map_the_placement(tmp_path):
     cfg = load_config(None, GPU_RUN)
-    (path,) = deploy.write("k8s", cfg, tmp_path)
-    docs = list(yaml.safe_load_all(path.read_text()))
-    for doc in docs:
-        kubernetes_validate.validate(doc, "1.33", strict=True)
+    docs = k8s_docs(cfg, tmp_path)
     sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
     assert {k: v["spec"]["replicas"] for k, v in sets.items()} == {"learner": 1, "inference": 1, "env": 2}
     gpus = {k: v["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
@@ -104,10 +110,7 @@ def test_a_run_over_two_simulators_gets_an_image_and_a_statefulset_per_simulator
     assert [(s.index, s.simulator) for s in envs] == [(0, "libero"), (1, "metaworld")]
     assert {"rlfleet-libero:cpu", "rlfleet-metaworld:cpu"} <= set(deploy.images(cfg))
     assert [deploy.image_for(cfg, s) for s in envs] == ["rlfleet-libero:cpu", "rlfleet-metaworld:cpu"]
-    (path,) = deploy.write("k8s", cfg, tmp_path)
-    docs = list(yaml.safe_load_all(path.read_text()))
-    for doc in docs:
-        kubernetes_validate.validate(doc, "1.33", strict=True)
+    docs = k8s_docs(cfg, tmp_path)
     sets = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "StatefulSet"}
     assert set(sets) == {"learner", "inference", "env-0-libero", "env-1-metaworld"}
     # pod index = env server index: the Meta-World server's pod is env-1-metaworld-1, started with --index 1

@@ -116,8 +116,8 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
     for f in ("config.yaml", "metrics.jsonl", "summary.json", "learning_curve.png", "logs/env_0.log"):
         assert (run / f).exists(), f
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert (run / "checkpoints" / "global_step_3" / "model.safetensors").exists()
-    assert (run / "checkpoints" / "global_step_3" / "optimizer.pt").exists()
+    assert (run / "checkpoints" / "global_step_3" / "state" / ".metadata").exists()  # sharded policy + optimizer
+    assert (run / "checkpoints" / "global_step_3" / "learner_state.json").exists()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["env_steps"] == 3 * 8 * 25
     assert summary["final_eval"]["eval/num_episodes"] == 4

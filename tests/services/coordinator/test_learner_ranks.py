@@ -26,6 +26,7 @@ from services.coordinator.launcher import AGENT, LocalLauncher
 from services.coordinator.plan import process_plan
 from services.coordinator.registry import HealthMonitor, Registry, RunFate
 from tests.services.coordinator import rank_probe
+from tests.services.coordinator.test_deploy import k8s_docs
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 CPU_RANKS = rank_probe.CPU_RANKS
@@ -108,10 +109,7 @@ def test_config_errors_name_the_key(overrides, why):
 # --- manifests ---------------------------------------------------------------------------------------------------
 def test_k8s_learner_over_two_nodes_is_an_indexed_job(tmp_path):
     cfg = load_config(None, TWO_NODES)
-    (path,) = deploy.write("k8s", cfg, tmp_path)
-    docs = list(yaml.safe_load_all(path.read_text()))
-    for doc in docs:
-        kubernetes_validate.validate(doc, "1.33", strict=True)
+    docs = k8s_docs(cfg, tmp_path)
     assert not [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "learner"]
     job = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "learner")["spec"]
     assert (job["completionMode"], job["completions"], job["parallelism"], job["backoffLimit"]) == ("Indexed", 2, 2, 0)

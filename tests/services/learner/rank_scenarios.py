@@ -11,7 +11,7 @@ Scenarios: ``update`` (EPOCHS updates on fixed rollouts), ``save`` (EPOCHS updat
 ``resume`` (resume from RESUME_DIR's last checkpoint, then the remaining updates), ``idle`` (set up, write
 OUT_DIR/ready, sleep SLEEP seconds: the fault tests kill a rank meanwhile).
 Options: model=mlp|oft_lora|pi0, float64=1, no_sync=1 (gradient synchronisation off: must break equivalence),
-envs=N, epochs=K, resume=DIR, hb=SECONDS (heartbeat timeout), sleep=SECONDS, measure_cuda=1 (the GPU test set:
+envs=N, epochs=K, resume=DIR, hb=SECONDS (heartbeat timeout), sleep=SECONDS, export=1 (Learner.export to OUT_DIR/export), measure_cuda=1 (the GPU test set:
 torch.cuda.max_memory_allocated and the memory check's estimate), any dotted key=value (a config override).
 """
 
@@ -129,6 +129,8 @@ def main(argv: list[str]) -> int:
         metrics.append(learner.train(epoch, [0]))
     if scenario == "save":
         learner.save_checkpoint()
+    if opts.get("export") == "1":  # the released layout, gathered on rank 0
+        learner.export(out / "export")
     extra_results = {}
     if opts.get("measure_cuda") == "1":  # the GPU test set: the memory check's estimate against the allocator's peak
         from rlfleet.policies import footprint

@@ -57,6 +57,28 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path, model):
     assert m2["train/learner_ranks"] == 2.0
 
 
+def test_export_gathers_the_sharded_policy_on_rank_0(tmp_path):
+    """Learner.export on 2 ranks writes the released layout (save_pretrained, LoRA merged) of the whole policy:
+    loaded back through actor.model.model_path it acts like the trained (sharded, LoRA) policy."""
+    from rlfleet.models import build_policy
+    from tests.services.learner.rank_scenarios import config, rollout
+
+    run_ranks(2, tmp_path / "two", model="oft_lora", export=1)
+    export = tmp_path / "two" / "export"
+    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+    cfg, specs, action_dim = config("oft_lora", tmp_path, [])
+    trained = build_policy(cfg.actor.model, specs, action_dim, True, cfg.algorithm.logprob_type)
+    trained.load_state_dict(load_file(str(tmp_path / "two" / "state.safetensors")))
+    cfg_exp, _, _ = config("oft_lora", tmp_path, [f"actor.model.model_path={export}", "actor.model.is_lora=false"])
+    exported = build_policy(cfg_exp.actor.model, specs, action_dim, True, cfg.algorithm.logprob_type)
+    tm, _, _ = rollout(cfg, specs, action_dim, 2, 4, seed=7)
+    obs = {k[4:]: torch.as_tensor(v).flatten(0, 1) for k, v in tm.items() if k.startswith("obs.")}
+    fi = {k[3:]: torch.as_tensor(v).flatten(0, 1) for k, v in tm.items() if k.startswith("fi.")}
+    with torch.no_grad():
+        a, b = trained.evaluate(obs, fi).log_probs, exported.evaluate(obs, fi).log_probs
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
 def test_without_gradient_sync_the_equivalence_check_fails(tmp_path):
     """The check above can fail: the same update with FSDP's gradient synchronisation off differs by far more."""
     run_ranks(1, tmp_path / "one", float64=1)
