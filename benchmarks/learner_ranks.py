@@ -12,7 +12,8 @@ this machine does, not what two GPUs do.
 
 The publish rows start a real inference server (its own process) and publish a larger policy (``--publish-model``)
 to it, whole and in buckets of ``--bucket-mb``: rank 0's resident memory is sampled every 2 ms during the publish,
-and the table gives its peak above the level just before the publish, against the policy's size.
+and the table gives its peak above the level just before the publish, against the policy's size (after one
+untimed publish in which the server builds its model).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def worker(out: pathlib.Path, model: str, epochs: int, publish: list[int]) -> No
             line = server.stdout.readline()
             address = re.search(r"serving on (\S+)", line).group(1)
             size = sum(p.numel() * p.element_size() for p in learner.model.parameters())  # DTensor: global size
+            learner.publish([address], full=True)  # warm-up: the server builds its model on the first full set
             rows = []
             for bucket_mb in publish:
                 cfg.actor.weights_bucket_mb = bucket_mb
