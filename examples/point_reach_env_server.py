@@ -147,6 +147,8 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
         if not self.streams.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"this server accepts {MAX_STEP_STREAMS} concurrent Step streams; close one first")
+        # optional test hook: `check-env` asks for a simulated simulator failure with this metadata
+        crash = ("rlfleet-fault", "simulator-crash") in [tuple(m) for m in context.invocation_metadata()]
         try:
             for req in request_iterator:
                 with self.lock:
@@ -156,6 +158,9 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
                         act = self._actions(req.actions, len(ids))
                     except BadRequest as exc:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    if crash:  # what a crash in physics answers: INTERNAL saying what failed; the server goes on
+                        context.abort(grpc.StatusCode.INTERNAL, f"physics step of envs {ids.tolist()} failed "
+                                                                f"(simulated on request: rlfleet-fault)")
                     yield self._step(ids, act, chunked=len(req.actions.shape) == 3)
         finally:
             self.streams.release()

@@ -1,23 +1,60 @@
-"""Run metrics: every record goes to ``metrics.jsonl``; TensorBoard when configured."""
+"""Run metrics: every record goes to ``metrics.jsonl``; TensorBoard when configured.
+
+A resumed run (``--resume``) continues from its last checkpoint, so the epochs the killed run logged after that
+checkpoint are trained and logged again: :meth:`MetricsLogger.resume_at` drops them first (``metrics.jsonl`` is
+rewritten without records past the checkpoint's step, TensorBoard purges its events past it), so that readers of
+the run's metrics see each step once.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import time
+
+
+def _step_of(line: str) -> int | float | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None  # a line cut short by a crash
+    return record.get("step") if isinstance(record, dict) else None
 
 
 class MetricsLogger:
     def __init__(self, run_dir: str | pathlib.Path, backends=("tensorboard",)):
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.jsonl = open(self.path, "a", buffering=1)
         self.tb = None
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def resume_at(self, step: int) -> int:
+        """The run continues after ``step`` (its checkpoint's): drop every record logged past it (and lines cut
+        short by the crash); -> the number of records dropped."""
+        self.jsonl.close()
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
+        keep = []
+        for line in lines:
+            s = _step_of(line)
+            if isinstance(s, (int, float)) and s <= step:
+                keep.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)  # whole or not at all: a crash here leaves the old file
+        self.jsonl = open(self.path, "a", buffering=1)
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()  # events at steps > ``step`` are purged when the new writer first writes
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step + 1)
+        return len(lines) - len(keep)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None}

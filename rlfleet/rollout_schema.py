@@ -8,6 +8,12 @@ A worker's epoch is a :class:`Rollout`: time-major tensors ``[T, N, ...]`` (T st
 - ``fi.<key>``: the forward inputs the learner needs to recompute the log-probs (the policy's ``forward_inputs``);
 - ``last_values`` (:data:`PER_ENV`): V(obs after the last step) per env, in the last chunk of the stream.
 
+Bounds: a float field's ``bound`` (and :data:`OBS_BOUND`, :data:`FI_BOUND` for the prefixed tensors) is the largest
+magnitude a value may have. They are far above anything a simulator or policy here produces (rewards are at most
+~10 per step, actions and observations are O(1) to O(100)), and far below what breaks the learner: a finite value
+of 3e38 overflows the advantages, the losses and the reward normaliser's variance (9e76, after which every reward
+scales to ~1e-38), so such a rollout is refused, naming the field, instead of poisoning every later update.
+
 The env side builds its buffers with :func:`empty_buffers`; the learner checks a pushed rollout with :func:`check`,
 which names the first field that breaks the schema. numpy only: env servers run in simulator environments.
 """
@@ -29,20 +35,62 @@ class Field:
     trailing: str        # the shape after [T, N]: "" none, "chunk,action_dim", "L" (log-prob width)
     required: bool = True
     doc: str = ""
+    bound: float | None = None  # float fields: the largest magnitude accepted (|x| <= bound)
 
+
+REWARD_BOUND = 1e4   # per step (a chunk's rewards summed): simulators here give at most ~10
+VALUE_BOUND = 1e8    # critic outputs: returns of REWARD_BOUND rewards over 1 / (1 - gamma) = 1000 steps, x10
+ACTION_BOUND = 1e6   # raw (unclipped) policy samples; envs clip to their O(1) bounds
+LOG_PROB_BOUND = 1e6  # |log pi(a)| of one sample at any granularity
+OBS_BOUND = 1e9      # float observation entries (obs.*): positions, velocities, forces in SI units
+FI_BOUND = 1e6       # float forward inputs (fi.*): sampled actions, noise and denoising states
 
 TIME_MAJOR: dict[str, Field] = {
-    "actions": Field(np.float32, "chunk,action_dim", doc="the action chunk each env executed"),
-    "log_probs": Field(np.float32, "L", doc="the behaviour policy's log-probs (algorithm.logprob_type)"),
-    "values": Field(np.float32, "", doc="V(obs) at acting time (0 without a critic)"),
-    "rewards": Field(np.float32, "", doc="reward of the step (a chunk's rewards summed)"),
+    "actions": Field(np.float32, "chunk,action_dim", doc="the action chunk each env executed", bound=ACTION_BOUND),
+    "log_probs": Field(np.float32, "L", doc="the behaviour policy's log-probs (algorithm.logprob_type)",
+                       bound=LOG_PROB_BOUND),
+    "values": Field(np.float32, "", doc="V(obs) at acting time (0 without a critic)", bound=VALUE_BOUND),
+    "rewards": Field(np.float32, "", doc="reward of the step (a chunk's rewards summed)", bound=REWARD_BOUND),
     "terminated": Field(np.bool_, "", doc="the episode ended at this step"),
     "truncated": Field(np.bool_, "", doc="the episode was cut at this step (time limit)"),
-    "bootstrap_values": Field(np.float32, "", doc="V(final obs) of a truncated episode's last step, else 0"),
-    "loss_mask": Field(np.bool_, "", doc="the sample trains (false after an episode ended without auto-reset)"),
+    "bootstrap_values": Field(np.float32, "", doc="V(final obs) of a truncated episode's last step, else 0",
+                              bound=VALUE_BOUND),
+    "loss_mask": Field(np.bool_, "", doc="the sample trains (false after an episode ended without auto-reset); "
+                                         "at least one must be true"),
     "weights_version": Field(np.int64, "", required=False, doc="the weights version the sample was acted with"),
 }
-PER_ENV: dict[str, Field] = {"last_values": Field(np.float32, "", doc="V(obs after the last step)")}
+PER_ENV: dict[str, Field] = {"last_values": Field(np.float32, "", doc="V(obs after the last step)",
+                                                  bound=VALUE_BOUND)}
+
+
+def bound_of(name: str) -> float | None:
+    """The largest magnitude accepted in float tensor ``name`` (None: any finite value)."""
+    f = TIME_MAJOR.get(name) or PER_ENV.get(name)
+    if f is not None:
+        return f.bound
+    if name.startswith(OBS):
+        return OBS_BOUND
+    if name.startswith(FI):
+        return FI_BOUND
+    return None
+
+
+def _check_values(name: str, v: np.ndarray) -> None:
+    """Float tensors: finite and within the field's bound, else a SchemaError naming the field and the place."""
+    if v.dtype.kind != "f" or v.size == 0:
+        return
+    finite = np.isfinite(v)
+    if not finite.all():
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise SchemaError(f"rollout['{name}']: non-finite values (first: {v[where]} at index {list(where)})")
+    bound = bound_of(name)
+    if bound is None:
+        return
+    peak = float(np.abs(v).max())
+    if peak > bound:
+        where = tuple(int(i) for i in np.argwhere(np.abs(v) > bound)[0])
+        raise SchemaError(f"rollout['{name}']: value {float(v[where]):.4g} at index {list(where)} is beyond the "
+                          f"schema's bound |x| <= {bound:g} (rlfleet/rollout_schema.py)")
 
 
 @dataclass
@@ -78,17 +126,36 @@ class SchemaError(ValueError):
     """A rollout breaks the schema; the message names the field."""
 
 
+@dataclass(frozen=True)
+class InputSpec:
+    """The per-row shape and dtype of one forward input (what the policy's ``act`` returns for one row). A pushed
+    forward input must have this shape and the same kind of dtype (float, integer, bool): the policy casts what it
+    takes to its own precision (an fp64 learner takes fp32 inputs)."""
+
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name
+
+
+def _kind(dtype) -> str:
+    return {"f": "float", "i": "integer", "u": "integer", "b": "bool"}.get(np.dtype(dtype).kind, np.dtype(dtype).name)
+
+
 def check(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray], *, obs_specs: Mapping,
-          chunk: int, action_dim: int, log_prob_width: int, logprob_type: str = "") -> tuple[int, int]:
+          chunk: int, action_dim: int, log_prob_width: int, logprob_type: str = "",
+          fi_specs: Mapping[str, InputSpec] | None = None) -> tuple[int, int]:
     """Check a rollout against the schema and the policy's spaces -> (T, N). ``obs_specs``: {key: spec with
-    ``shape`` and ``dtype``}."""
+    ``shape`` and ``dtype``}; ``fi_specs``: {key: InputSpec}, the forward inputs the policy produces (None: any
+    names and shapes)."""
     missing = [k for k, f in TIME_MAJOR.items() if f.required and k not in time_major]
     missing += [f"{OBS}{k}" for k in obs_specs if f"{OBS}{k}" not in time_major]
+    missing += [f"{FI}{k}" for k in (fi_specs or {}) if f"{FI}{k}" not in time_major]
     missing += [k for k in PER_ENV if k not in per_env]
     if missing:
         raise SchemaError(f"rollout: missing tensors {missing}")
     unknown = [k for k in time_major if k not in TIME_MAJOR and not k.startswith((OBS, FI))]
     unknown += [f"{OBS}{k[len(OBS):]}" for k in time_major if k.startswith(OBS) and k[len(OBS):] not in obs_specs]
+    if fi_specs is not None:
+        unknown += [k for k in time_major if k.startswith(FI) and k[len(FI):] not in fi_specs]
     if unknown:
         raise SchemaError(f"rollout: unknown tensors {unknown} (the schema: {sorted(TIME_MAJOR)}, obs.*, fi.*)")
     if time_major["rewards"].ndim != 2:
@@ -110,8 +177,6 @@ def check(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray
     for k, v in time_major.items():
         if v.shape[:2] != (T, N):
             raise SchemaError(f"rollout['{k}']: leading shape {list(v.shape[:2])} differs from rewards' {[T, N]}")
-        if v.dtype.kind == "f" and not np.isfinite(v).all():
-            raise SchemaError(f"rollout['{k}']: non-finite values")
     if not any(k.startswith(FI) for k in time_major):
         raise SchemaError(f"rollout: no forward inputs ({FI}*): the learner cannot recompute log-probs")
     for k, spec in obs_specs.items():
@@ -119,10 +184,22 @@ def check(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray
         if arr.shape[2:] != tuple(spec.shape) or arr.dtype.name != spec.dtype:
             raise SchemaError(f"rollout['{OBS}{k}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
                               f"[{T}, {N}, *{list(spec.shape)}] was expected")
+    for k, spec in (fi_specs or {}).items():
+        arr = time_major[f"{FI}{k}"]
+        if arr.shape[2:] != tuple(spec.shape) or _kind(arr.dtype) != _kind(spec.dtype):
+            raise SchemaError(f"rollout['{FI}{k}']: {arr.dtype.name} {list(arr.shape)} where {_kind(spec.dtype)} "
+                              f"[{T}, {N}, *{list(spec.shape)}] was expected (the forward inputs this learner's "
+                              f"policy produces)")
+    for k, v in time_major.items():
+        _check_values(k, v)
+    if not time_major["loss_mask"].any():
+        raise SchemaError(f"rollout['loss_mask']: all {T * N} samples are masked out; a rollout needs at least one "
+                          f"sample that trains")
     for k, f in PER_ENV.items():
         v = per_env[k]
-        if v.dtype != f.dtype or not np.isfinite(v).all():
-            raise SchemaError(f"rollout['{k}']: must be finite {np.dtype(f.dtype).name}")
+        if v.dtype != f.dtype:
+            raise SchemaError(f"rollout['{k}']: dtype {v.dtype.name} where {np.dtype(f.dtype).name} was expected")
         if v.shape != (N,):
             raise SchemaError(f"rollout['{k}']: shape {list(v.shape)} where [{N}] was expected")
+        _check_values(k, v)
     return T, N

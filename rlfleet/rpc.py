@@ -1,13 +1,17 @@
 """gRPC helpers shared by every service: server/channel construction, error mapping, readiness waits, and the
-interceptors every server and channel carries (the run credential of :mod:`rlfleet.auth`, trace context of
-:mod:`rlfleet.tracing`), plus gRPC health checking and reflection on every server."""
+interceptors every server and channel carries (the run's credentials of :mod:`rlfleet.auth`, trace context of
+:mod:`rlfleet.tracing`), plus gRPC health checking and reflection on every server, and bounded request streams
+(:class:`StreamSlots`: reflection's, an env server's Step streams)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import threading
 import time
+import weakref
 from concurrent import futures
 
 import grpc
@@ -33,6 +37,10 @@ class FailedPrecondition(RuntimeError):
     """A request that cannot be served in the service's current state."""
 
 
+class PermissionDenied(RuntimeError):
+    """A proven caller asking for something its role or index may not do (e.g. registering as another service)."""
+
+
 class ResourceExhausted(RuntimeError):
     """The service is at a limit it declares (e.g. concurrent streams); retry later or close something first."""
 
@@ -50,6 +58,8 @@ def _abort_for(context: grpc.ServicerContext, exc: BaseException, method: str):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, FailedPrecondition):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, PermissionDenied):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
     if isinstance(exc, ResourceExhausted):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, Cancelled):
@@ -89,14 +99,185 @@ def handler(fn):
     return wrapper
 
 
-class _Refuse:
-    """Method handlers that abort at once with the auth error (same streaming shape as the real method)."""
+def _end_stream(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End a call from another thread with a status (its handler, blocked on the next request, then returns)."""
+    try:
+        from grpc._common import STATUS_CODE_TO_CYGRPC_STATUS_CODE
+
+        context._rpc_event.call.cancel(STATUS_CODE_TO_CYGRPC_STATUS_CODE[code], message)  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - another gRPC version: a plain cancel still frees the thread
+        context.cancel()
+
+
+class _Watched:
+    """A stream's request iterator that knows since when its handler waits for the caller's next message."""
+
+    def __init__(self, requests, context, slots: "StreamSlots"):
+        self._requests, self.context, self.slots = requests, context, slots
+        self.waiting_since: float | None = None
+        self.closed: str | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.waiting_since = time.monotonic()
+        try:
+            return next(self._requests)
+        finally:
+            self.waiting_since = None
+
+    def idle_for(self, now: float) -> float:
+        since = self.waiting_since
+        return 0.0 if since is None else now - since
+
+    def close(self, message: str) -> None:
+        if self.closed is None:
+            self.closed = message
+            _end_stream(self.context, grpc.StatusCode.DEADLINE_EXCEEDED, message)
+
+
+class StreamSlots:
+    """At most ``limit`` concurrent request streams of one kind on a server (each holds a pool thread while its
+    handler waits for the caller's next message). A stream that has waited ``idle_close_s`` is closed with
+    DEADLINE_EXCEEDED; when every slot is taken, a newcomer gets the slot of the stream that has waited longest if
+    that one has waited ``reclaim_idle_s`` (it is closed the same way), else RESOURCE_EXHAUSTED at once."""
+
+    def __init__(self, limit: int, what: str, *, idle_close_s: float | None = None,
+                 reclaim_idle_s: float | None = None):
+        self.limit, self.what = limit, what
+        self.idle_close_s, self.reclaim_idle_s = idle_close_s, reclaim_idle_s
+        self._cond = threading.Condition()
+        self._active: list[_Watched] = []
+        if idle_close_s is not None:
+            _IdleWatch.add(self)
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def admit(self, requests, context) -> _Watched:
+        """A slot for this stream (its requests, watched), or ResourceExhausted."""
+        with self._cond:
+            now = time.monotonic()
+            open_ = [s for s in self._active if s.closed is None]
+            if len(open_) >= self.limit and self.reclaim_idle_s is not None:
+                victim = max(open_, key=lambda s: s.idle_for(now))
+                idle = victim.idle_for(now)
+                if idle >= self.reclaim_idle_s:
+                    victim.close(f"{self.what} stream closed: idle for {idle:.0f}s while another caller needed its "
+                                 f"slot ({self.limit} at most)")
+                    open_.remove(victim)
+            if len(open_) < self.limit <= len(self._active):  # closed ones leave once their handlers see it
+                self._cond.wait_for(lambda: len(self._active) < self.limit, timeout=2.0)
+            if len(self._active) >= self.limit:
+                raise ResourceExhausted(f"this server serves {self.limit} concurrent {self.what} streams, all busy; "
+                                        f"close one first or retry later")
+            stream = _Watched(requests, context, self)
+            self._active.append(stream)
+            return stream
+
+    def leave(self, stream: _Watched) -> None:
+        with self._cond:
+            if stream in self._active:
+                self._active.remove(stream)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def stream(self, requests, context):
+        """``with slots.stream(request_iterator, context) as requests:`` (ResourceExhausted when full)."""
+        stream = self.admit(requests, context)
+        try:
+            yield stream
+        finally:
+            self.leave(stream)
+
+    def close_idle(self, now: float) -> None:
+        with self._cond:
+            streams = list(self._active)
+        for s in streams:
+            idle = s.idle_for(now)
+            if idle >= self.idle_close_s:
+                s.close(f"{self.what} stream idle for {idle:.0f}s; closed (at most {self.limit} at once, "
+                        f"{self.idle_close_s:.0f}s idle each)")
+
+
+class _IdleWatch:
+    """One thread per process that closes streams idle past their ``idle_close_s``."""
+
+    _slots: "weakref.WeakSet[StreamSlots]" = None  # type: ignore[assignment]
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def add(cls, slots: StreamSlots) -> None:
+        with cls._lock:
+            if cls._slots is None:
+                cls._slots = weakref.WeakSet()
+            cls._slots.add(slots)
+            if cls._thread is None:
+                cls._thread = threading.Thread(target=cls._loop, name="grpc-idle-watch", daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def _loop(cls) -> None:
+        while True:
+            time.sleep(0.25)
+            with cls._lock:
+                watched = list(cls._slots)
+            now = time.monotonic()
+            for slots in watched:
+                try:
+                    slots.close_idle(now)
+                except Exception:  # noqa: BLE001 - never let the watcher die
+                    log.exception("idle watch")
+
+
+# Streams that carry no work (server reflection: open without the credential, one per `grpcurl` command) get a
+# few slots of their own and are closed when idle, and every server's pool has RESERVED_THREADS more threads than
+# its service asks for: reflection and quick refusals never take the threads the run's calls need.
+OPEN_STREAMS = 4  # concurrent reflection streams per server; more: RESOURCE_EXHAUSTED
+OPEN_STREAM_IDLE_S = 10.0  # a reflection stream that waits this long for its next request is closed
+OPEN_STREAM_RECLAIM_S = 1.0  # with every slot taken, one idle this long makes room for a newcomer
+RESERVED_THREADS = OPEN_STREAMS + 4
+REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
+
+
+class _Unparsable:
+    """What a request's bytes became when they are not the method's message."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+
+def _message_name(deserializer) -> str:
+    owner = getattr(deserializer, "__self__", None)
+    return getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "request message")
+
+
+class _Handlers:
+    """Method handlers derived from a real one (same streaming shape)."""
 
     @staticmethod
-    def handler(real, code: str, message: str):
+    def build(real, behavior, request_deserializer, response_serializer):
+        if real.request_streaming and real.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(behavior, request_deserializer, response_serializer)
+        if real.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(behavior, request_deserializer, response_serializer)
+        if real.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer, response_serializer)
+        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer, response_serializer)
+
+    @staticmethod
+    def behavior(real):
+        return real.stream_stream or real.stream_unary or real.unary_stream or real.unary_unary
+
+    @classmethod
+    def refuse(cls, real, code: str, message: str):
+        """Abort at once with the auth error; the request's bytes are never parsed (garbage gets the same
+        answer as a well-formed request)."""
         status = getattr(grpc.StatusCode, code)
 
-        def abort_unary(request, context):
+        def abort_unary(request_or_iterator, context):
             context.abort(status, message)
 
         def abort_stream(request_or_iterator, context):
@@ -105,40 +286,111 @@ class _Refuse:
 
         if real is None:
             return None
-        if real.request_streaming and real.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(abort_stream, real.request_deserializer,
-                                                         real.response_serializer)
+        return cls.build(real, abort_stream if real.response_streaming else abort_unary, None,
+                         real.response_serializer)
+
+    @classmethod
+    def lenient(cls, real):
+        """Bytes that are not the method's message: INVALID_ARGUMENT naming it (gRPC itself answers INTERNAL)."""
+        parse, name = real.request_deserializer, _message_name(real.request_deserializer)
+        if parse is None:
+            return real
+        inner = cls.behavior(real)
+
+        def tolerant(data):
+            try:
+                return parse(data)
+            except Exception as exc:  # noqa: BLE001 - DecodeError and kin
+                return _Unparsable(exc)
+
+        def why(bad: _Unparsable) -> str:
+            return f"request: not a valid {name} ({type(bad.exc).__name__}: {str(bad.exc)[:200]})"
+
         if real.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(abort_unary, real.request_deserializer,
-                                                        real.response_serializer)
-        if real.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(abort_stream, real.request_deserializer,
-                                                        real.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(abort_unary, real.request_deserializer, real.response_serializer)
+            def checked(requests):
+                for r in requests:
+                    if isinstance(r, _Unparsable):
+                        raise InvalidRequest(why(r))
+                    yield r
+
+            def behavior(requests, context):
+                return inner(checked(requests), context)
+        else:
+            def behavior(request, context):
+                if isinstance(request, _Unparsable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, why(request))
+                return inner(request, context)
+        return cls.build(real, behavior, tolerant, real.response_serializer)
+
+    @classmethod
+    def slotted(cls, real, slots: StreamSlots):
+        """A request stream that takes one of ``slots`` for its life (reflection)."""
+        if real is None or not real.request_streaming:
+            return real
+        inner = cls.behavior(real)
+
+        def behavior(requests, context):
+            try:
+                stream = slots.admit(requests, context)
+            except ResourceExhausted as exc:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            try:
+                yield from inner(stream, context)
+            finally:
+                slots.leave(stream)
+
+        if not real.response_streaming:
+            return real  # no such open method today
+        return cls.build(real, behavior, real.request_deserializer, real.response_serializer)
 
 
-class _ServerAuth(grpc.ServerInterceptor):
-    """Every call must carry the run's token (and an owning role for state-changing methods)."""
+class _ServerGuard(grpc.ServerInterceptor):
+    """Runs on the server's polling thread before a call is queued for the pool: the credential check (and
+    ``on_call`` with the proven caller), reflection streams into their slots, request bytes parsed leniently."""
+
+    def __init__(self, on_call=None):
+        self.on_call = on_call
+        self.reflection = StreamSlots(OPEN_STREAMS, "reflection", idle_close_s=OPEN_STREAM_IDLE_S,
+                                      reclaim_idle_s=OPEN_STREAM_RECLAIM_S)
 
     def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(REFLECTION_PREFIXES):
+            return _Handlers.slotted(continuation(handler_call_details), self.reflection)
         try:
-            auth.check(handler_call_details.method, handler_call_details.invocation_metadata)
+            caller = auth.check(method, handler_call_details.invocation_metadata)
         except auth.AuthError as exc:
             code, message = exc.args
-            log.warning("refused %s: %s", handler_call_details.method, message)
-            return _Refuse.handler(continuation(handler_call_details), code, message)
-        return continuation(handler_call_details)
+            log.warning("refused %s: %s", method, message)
+            return _Handlers.refuse(continuation(handler_call_details), code, message)
+        if caller is not None and self.on_call is not None:
+            try:
+                self.on_call(method, caller)
+            except Exception:  # noqa: BLE001 - a hook must not break serving
+                log.exception("on_call hook")
+        handler = continuation(handler_call_details)
+        if handler is None or not method.startswith("/rlfleet."):
+            return handler
+        return _Handlers.lenient(handler)
 
 
-def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None) -> grpc.Server:
-    """A gRPC server whose pool has ``max_workers`` threads (a streaming RPC holds one for its whole life); with
-    ``max_concurrent_rpcs``, calls beyond it are refused with RESOURCE_EXHAUSTED instead of queueing unserved.
-    Calls are checked against the run credential (rlfleet.auth) and carry trace context (rlfleet.tracing)."""
+def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *,
+                max_receive_bytes: int = MAX_MESSAGE_BYTES, on_call=None) -> grpc.Server:
+    """A gRPC server whose pool has ``max_workers`` threads for its services (a streaming RPC holds one for its
+    whole life) plus RESERVED_THREADS for reflection streams and quick refusals; with ``max_concurrent_rpcs``,
+    calls beyond it (plus the reserve) are refused with RESOURCE_EXHAUSTED instead of queueing unserved.
+    Requests over ``max_receive_bytes`` are refused with RESOURCE_EXHAUSTED. Calls are checked against the run's
+    credentials (rlfleet.auth; ``on_call(method, caller)`` runs for each accepted call on the polling thread,
+    before the call waits for a pool thread: it must be quick) and carry trace context (rlfleet.tracing)."""
     from rlfleet import tracing
 
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                       options=OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs,
-                       interceptors=[_ServerAuth(), tracing.ServerInterceptor()])
+    options = [o for o in OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    limit = None if max_concurrent_rpcs is None else max_concurrent_rpcs + RESERVED_THREADS
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_THREADS,
+                                                  thread_name_prefix="grpc"),
+                       options=options, maximum_concurrent_rpcs=limit,
+                       interceptors=[_ServerGuard(on_call), tracing.ServerInterceptor()])
 
 
 def add_health_and_reflection(server: grpc.Server, *service_names: str):
@@ -207,7 +459,7 @@ class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 
         md = list(details.metadata or ())
         if self.credential:
-            md += auth.call_metadata()
+            md += auth.call_metadata(details.method)
         md += tracing.inject()
         return _CallDetails(details, md)
 

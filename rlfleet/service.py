@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -133,9 +134,17 @@ def setup_process(args, cfg, role: str) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     token = auth.token_from_env()
     if args.coordinator and not token:
-        raise SystemExit(f"rlfleet {role}[{args.index}]: no run credential: set {auth.TOKEN_ENV} to the run's token "
-                         f"(coordinatorctl start prints where it is; it hands it to the services it starts)")
-    auth.set_identity(role, token)
+        raise SystemExit(f"rlfleet {role}[{args.index}]: no run credential: set {auth.TOKEN_ENV} to this service's "
+                         f"credential (`python -m rlfleet.auth issue --role {role}`; coordinatorctl start and deploy "
+                         f"hand one to each service) or to the run's secret")
+    try:
+        ident = auth.set_identity(role, token, args.index)
+    except auth.CredentialError as exc:
+        raise SystemExit(f"rlfleet {role}[{args.index}]: {exc}") from None
+    if ident is not None and ident.from_secret:
+        print(f"rlfleet {role}[{args.index}]: note: {auth.TOKEN_ENV} holds the run secret, from which every role's "
+              f"credential can be made; give this service only its own (`python -m rlfleet.auth issue --role "
+              f"{role}`, what coordinatorctl start and deploy do)", file=sys.stderr, flush=True)
     from rlfleet import rpc as _rpc
 
     _rpc.configure_tls(cfg.cluster.tls)
@@ -151,6 +160,8 @@ def setup_process(args, cfg, role: str) -> None:
 
 class ServiceRuntime:
     """Serve, register, heartbeat; ``wait()`` blocks until shutdown (signal, coordinator says so, or it is gone)."""
+
+    SLOW_COORDINATOR_FACTOR = 4  # heartbeats that time out (not refused): leave after this many heartbeat timeouts
 
     def __init__(self, role: str, index: int, server: grpc.Server, address: str,
                  coordinator: str | None, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 15.0,
@@ -201,7 +212,8 @@ class ServiceRuntime:
                             role=role, index=self.index, address=self.address, pid=launched_pid(),
                             incarnation=self.incarnation, config_yaml=self.config_yaml), timeout=5)
                     except grpc.RpcError as exc:
-                        if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                        if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                             print(f"rlfleet {self.role}[{self.index}]: the coordinator refused this service: "
                                   f"{exc.details()}", flush=True)
                             self.exit_code = 2
@@ -217,11 +229,15 @@ class ServiceRuntime:
                     self.stop_event.set()
                     return
             except grpc.RpcError as exc:
-                # before the first registration, wait longer: the coordinator may start after us (compose)
+                # before the first registration, wait longer: the coordinator may start after us (compose); a
+                # coordinator that takes the call but answers late is slow, not gone: it hears us (it notes a
+                # heartbeat when the call arrives), so give it longer before leaving the run
                 limit = self.timeout if registered else max(self.timeout, 120.0)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    limit = max(limit, self.SLOW_COORDINATOR_FACTOR * self.timeout)
                 if time.monotonic() - last_ok > limit:
                     print(f"rlfleet {self.role}[{self.index}]: coordinator {self.coordinator} unreachable for "
-                          f"{self.timeout:.0f}s ({rpc.describe_error(exc)}); shutting down", flush=True)
+                          f"{time.monotonic() - last_ok:.0f}s ({rpc.describe_error(exc)}); shutting down", flush=True)
                     self.stop_event.set()
                     return
             self.stop_event.wait(self.interval)

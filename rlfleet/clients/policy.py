@@ -19,8 +19,12 @@ from rlfleet.acting import ActResult
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
 
-class PolicyError(RuntimeError):
-    """The inference side failed or returned something unusable."""
+class PolicyError(rpc.Unavailable):
+    """The inference side failed, could not be reached, or returned something unusable (a server answers the
+    caller whose request needed it with UNAVAILABLE, naming the inference server's address)."""
+
+
+CONNECT_TIMEOUT_S = 10.0  # an inference server that accepts no connection within this long is unreachable
 
 
 def _check_result(res: ActResult, n: int, action_dim: int | None) -> ActResult:
@@ -57,6 +61,13 @@ class _Stream:
         self.address = address
         self.timeout = timeout
         self.channel = rpc.channel(address)
+        connect = min(timeout, CONNECT_TIMEOUT_S)
+        try:  # an unreachable address fails now, naming it, not after a whole act timeout per stage
+            grpc.channel_ready_future(self.channel).result(timeout=connect)
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise PolicyError(f"inference server {address} did not answer within {connect:.0f}s (unreachable; "
+                              f"no connection)") from None
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.responses = self.stub.Act(iter(self.requests.get, self._END), wait_for_ready=True)
@@ -116,7 +127,13 @@ class GrpcPolicyClient:
         if not addresses:
             raise PolicyError("no inference server address given")
         self.action_dim = action_dim
-        self.streams = [_Stream(addresses[s % len(addresses)], timeout) for s in range(num_stages)]
+        self.streams: list[_Stream] = []
+        try:
+            for s in range(num_stages):
+                self.streams.append(_Stream(addresses[s % len(addresses)], timeout))
+        except BaseException:
+            self.close()
+            raise
 
     def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None,
                noise_keys=None) -> None:

@@ -42,6 +42,13 @@ def _start(args) -> int:
             cfg = load_config(run_dir / "config.yaml", overrides + [f"runner.resume_dir={run_dir}"])
         else:
             cfg = load_config(args.config, args.overrides)
+            if cfg.cluster.external_env_addresses:  # Describe them now: refuse what cannot run, name the run after it
+                from services.env.remote import preflight_external
+
+                default_name = load_config(None).runner.experiment_name  # (the embedded config's: not the user's)
+                named = any(o.startswith("runner.experiment_name=") for o in args.overrides)
+                for note in preflight_external(cfg, rename=not named and cfg.runner.experiment_name == default_name):
+                    print(f"  note: {note}")
             run_dir = choose_run_dir(cfg, None)
         if cfg.cluster.launcher == "local":
             from services.coordinator.launcher import check_local
@@ -333,6 +340,11 @@ def _traces(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check-env"]:  # its own parser: argparse.REMAINDER would not take a leading --help
+        from rlfleet.conformance import main as check_env_main
+
+        return check_env_main(argv[1:])
     parser = argparse.ArgumentParser(prog="coordinatorctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -396,14 +408,21 @@ def main(argv=None) -> int:
         return _deploy(args)
     if args.command == "traces":
         return _traces(args)
-    if args.command == "scale":
-        return _scale(args)
     if args.command == "start":
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]
             args.config = None
         return _start(args)
-    return _status(args) if args.command == "status" else _stop(args)
+    from rlfleet.auth import CredentialError
+
+    try:  # the operator's commands need the run's own secret (RLFLEET_RUN_TOKEN or the run folder's run_token)
+        if args.command == "scale":
+            return _scale(args)
+        return _status(args) if args.command == "status" else _stop(args)
+    except CredentialError as exc:
+        print(f"coordinatorctl {args.command}: {exc} (operator commands need the run's secret: the run folder's "
+              f"run_token, not a service's credential)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls
 from services.coordinator.evaluation import Evaluator
 from services.coordinator.launcher import make_launcher
-from services.coordinator.registry import ROLE_NAMES, HealthMonitor, Registry, RunFailed, RunFate
+from services.coordinator.registry import (ROLE_NAMES, HealthMonitor, Registry, RunFailed, RunFate, RunStopped,
+                                           check_claim)
 from services.coordinator.report import RunReport, eval_line
 
 __all__ = ["Coordinator", "RunFailed", "choose_run_dir", "install_signal_handlers"]
@@ -116,16 +117,40 @@ class Coordinator:
         self.lost_by_epoch: dict[int, int] = {}  # episodes lost while collecting each epoch
 
     # --- called by the gRPC servicer ---------------------------------------------------------------------------
-    def register(self, role, index, address, pid, incarnation, config_yaml="") -> bool:
+    def register(self, role, index, address, pid, incarnation, config_yaml="", caller=None) -> bool:
+        """A service's Register over gRPC: its claim checked field by field, and (with credentials) made by the
+        service it names."""
+        check_claim(role, index)  # what it claims to be, then whether it is that, then the rest
+        self._check_caller(caller, role, index, "register")
+        check_claim(role, index, address, pid, incarnation, config_yaml)
         return self.registry.register(role, index, address, pid, incarnation, config_yaml)
 
-    def heartbeat(self, role: int, index: int, incarnation: str) -> bool:
+    def heartbeat(self, role: int, index: int, incarnation: str, caller=None) -> bool:
+        self._check_caller(caller, role, index, "heartbeat")
         return self.registry.heartbeat(role, index, incarnation)
+
+    @staticmethod
+    def _check_caller(caller, role: int, index: int, what: str) -> None:
+        """A service speaks only for itself: its credential's role and index are the ones it names."""
+        if caller is None:  # no credentials in this process (in-process tests)
+            return
+        name = ROLE_NAMES.get(role, f"role {role}")
+        if (caller.role, caller.index) != (name, index):
+            raise rpc.PermissionDenied(f"{caller} cannot {what} as {name}[{index}]: a service speaks only for itself")
+
+    def heard(self, method: str, caller) -> None:
+        """rpc.make_server's on_call: a heartbeat (or registration) arrived from ``caller``."""
+        if method.endswith(("/Heartbeat", "/Register")) and method.startswith("/rlfleet.v1.CoordinatorService/"):
+            self.registry.heard(caller.role, caller.index)
 
     def request_stop(self, reason: str) -> None:
         if not self.fate.stop_event.is_set():
             self.fate.stop_reason = reason
-            self.say(f"\nstopping: {reason} (finishing the current epoch; Ctrl-C again to stop at once)")
+            if self.phase == "starting":
+                self.phase = "stopping"
+                self.say(f"\nstopping: {reason} (before training: no longer waiting for the services)")
+            else:
+                self.say(f"\nstopping: {reason} (finishing the current epoch; Ctrl-C again to stop at once)")
         self.fate.stop_event.set()
 
     def status(self) -> coordinator_pb2.RunStatus:
@@ -175,10 +200,13 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "config.yaml"
         config_path.write_text(to_yaml(self.cfg))
-        if self.token:
+        if self.token and (self.local or auth.token_from_env() != self.token):
+            # the run secret, for coordinatorctl; not in attach mode when the deployment supplied it: there the run
+            # folder is a volume every service shares, and a service holds only its own credential
             path = auth.write_token(self.run_dir, self.token)
             if not self.local:
-                self.say(f"  run credential: {path} (services started elsewhere need it as {auth.TOKEN_ENV})")
+                self.say(f"  run secret: {path}; give each service started elsewhere its own credential as "
+                         f"{auth.TOKEN_ENV} (`python -m rlfleet.auth issue --role ROLE --run-dir {self.run_dir}`)")
         (self.run_dir / "coordinator.json").write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
         self.launcher = make_launcher(self.cfg, self.run_dir, config_path, self.address, self.token)
         from rlfleet.environments import EnvironmentError_
@@ -194,7 +222,7 @@ class Coordinator:
                      f"{self.registry.counts}")
         HealthMonitor(self.registry, self.launcher, self.cfg, self.run_dir, self.say).start()
         for (role, index) in list(self.registry.services):
-            self.registry.wait(role, index, self.cfg.cluster.startup_timeout_s)
+            self.registry.wait(role, index, self.cfg.cluster.startup_timeout_s, stoppable=True)
 
     # --- one epoch's parts ------------------------------------------------------------------------------------
     def _collect(self, index: int, epoch: int, min_version: int) -> rollout_pb2.CollectResponse:
@@ -295,7 +323,12 @@ class Coordinator:
         ranks += f" on {nnodes} nodes" if nnodes > 1 else ""
         self.say(f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s), "
                  f"1 learner{ranks} ({cfg.cluster.launcher} launcher, coordinator at {self.address})")
-        self.start_services()
+        try:
+            self.start_services()
+        except RunStopped as exc:  # `coordinatorctl stop` (or a signal) before every service had registered
+            self.phase = "stopped"
+            self.say(f"stopped before training: {exc}")
+            return {"stopped": str(exc), "epochs": 0}
         rpc_timeout = cfg.cluster.rpc_timeout_s
         spec, joint = joint_env_spec([calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(),
                                                                          timeout=rpc_timeout)

@@ -5,8 +5,11 @@ server count or a GPU placement means the same thing in every launcher:
 
 - one container per service process; env servers run from their simulator's image (a target of
   ``deploy/Dockerfile`` that builds the simulator's environment), every other role from the main image;
-- the coordinator runs with ``cluster.launcher=attach``; every service gets the same resolved ``run.yaml``, the
-  run credential (``RLFLEET_RUN_TOKEN``, from a generated secret) and registers by its service name;
+- the coordinator runs with ``cluster.launcher=attach``; every service gets the same resolved ``run.yaml`` and
+  registers by its service name; the run secret (``RLFLEET_RUN_TOKEN``, generated) goes to the coordinator only,
+  and each service gets its own credential issued from it in the same variable (rlfleet.auth): per compose
+  service (``rlfleet-<service>.env``), per role in Kubernetes (a Secret ``<run>-<role>-credential``: the pods of
+  a StatefulSet share one template, so the credential names no index);
 - ``cluster.component_placement`` becomes GPU requests: compose reserves the placed device ids, Kubernetes asks for
   as many ``nvidia.com/gpu`` as the process's range holds (a Kubernetes scheduler picks which);
 - the run folder is a shared volume; the only published port is the coordinator's, on 127.0.0.1 (compose);
@@ -110,6 +113,11 @@ def _healthcheck(port: int) -> list[str]:
 
 
 # --- docker compose ----------------------------------------------------------------------------------------------
+def credential_file(spec: ProcessSpec) -> str:
+    """The env file of one compose service: RLFLEET_RUN_TOKEN=<its credential> (rlfleet.auth.issue)."""
+    return f"rlfleet-{spec.name}.env"
+
+
 def check_compose(cfg) -> None:
     """Raise ConfigError for what one compose project cannot run: a learner whose ranks span several nodes."""
     for spec in process_plan(cfg):
@@ -146,6 +154,7 @@ def compose(cfg, out_dir: pathlib.Path, tag: str | None = None) -> dict:
     services["coordinator"] = coordinator
     for spec in process_plan(cfg):
         svc = base(image_for(cfg, spec, tag))
+        svc["env_file"] = [credential_file(spec)]  # its own credential, not the run secret
         svc.update({"command": service_command(cfg, spec, spec.name),
                     "restart": "no" if spec.role == "learner" else "on-failure",
                     "depends_on": ["coordinator"],
@@ -169,10 +178,16 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
     Job (:func:`_learner_job`)."""
     name = str(cfg.runner.experiment_name).replace("_", "-").lower()
     labels = {"app.kubernetes.io/part-of": "rlfleet", "rlfleet/run": name}
+    secret = auth.new_token()
+    roles = list(dict.fromkeys(spec.role for spec in process_plan(cfg)))
+    # the run secret for the coordinator; per role a credential issued from it, for any index of the role
     objs: list[dict] = [
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token", "namespace": namespace,
                                                              "labels": labels},
-         "type": "Opaque", "stringData": {auth.TOKEN_ENV: auth.new_token()}},
+         "type": "Opaque", "stringData": {auth.TOKEN_ENV: secret}},
+        *({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-{role}-credential",
+                                                                "namespace": namespace, "labels": labels},
+           "type": "Opaque", "stringData": {auth.TOKEN_ENV: auth.issue(secret, role)}} for role in roles),
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "namespace": namespace,
                                                                 "labels": labels},
          "data": {"run.yaml": to_yaml(attach_config(cfg))}},
@@ -180,10 +195,16 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
          "metadata": {"name": f"{name}-runs", "namespace": namespace, "labels": labels},
          "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": storage}}}},
     ]
-    env = [{"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": auth.TOKEN_ENV}}},
-           {"name": "RLFLEET_TRACE_DIR", "value": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"},
-           {"name": "MUJOCO_GL", "value": "egl"},
-           {"name": "OMP_NUM_THREADS", "value": str(cfg.cluster.torch_num_threads)}]
+    def token_env(secret_name: str) -> dict:
+        return {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": auth.TOKEN_ENV}}}
+
+    common = [{"name": "RLFLEET_TRACE_DIR", "value": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"},
+              {"name": "MUJOCO_GL", "value": "egl"},
+              {"name": "OMP_NUM_THREADS", "value": str(cfg.cluster.torch_num_threads)}]
+    env = [token_env(f"{name}-token"), *common]  # the coordinator's
+
+    def role_env(role: str) -> list[dict]:
+        return [token_env(f"{name}-{role}-credential"), *common]
     mounts = [{"name": "config", "mountPath": "/etc/rlfleet", "readOnly": True},
               {"name": "runs", "mountPath": RUNS_IN_CONTAINER}]
     volumes = [{"name": "config", "configMap": {"name": f"{name}-config"}},
@@ -233,8 +254,8 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
         set_name = role if per_role[role] == 1 else f"{role}-{first.index}-{first.simulator or 'main'}"
         set_labels = {**labels, "rlfleet/role": role}
         if first.nnodes > 1:
-            objs += _learner_job(cfg, first, set_name, set_labels, namespace, image_for(cfg, first, tag), env,
-                                 with_shm(pod({"name": role, "volumeMounts": mounts})))
+            objs += _learner_job(cfg, first, set_name, set_labels, namespace, image_for(cfg, first, tag),
+                                 role_env(role), with_shm(pod({"name": role, "volumeMounts": mounts})))
             continue
         cmd = service_command(cfg, first, f"$(POD_NAME).{set_name}")
         cmd = [("$(POD_INDEX)" if a == str(first.index) and cmd[i - 1] == "--index" else a)
@@ -243,7 +264,8 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
                      "ports": [{"containerPort": port, "name": "grpc"}],
                      "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                              {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
-                                 "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}, *env],
+                                 "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
+                             *role_env(role)],
                      "volumeMounts": mounts, **probes(port)}
         gpus = max(len(s.gpus) for s in specs)
         if gpus:
@@ -329,18 +351,28 @@ def write(kind: str, cfg, out_dir: pathlib.Path, tag: str | None = None) -> list
     written = []
     if kind == "compose":
         (out_dir / "run.yaml").write_text(to_yaml(attach_config(cfg)))
-        env_file = out_dir / "rlfleet.env"
         token = auth.token_from_env() or auth.new_token()
-        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{auth.TOKEN_ENV}={token}\n")
+        if auth.is_credential(token):
+            raise ConfigError(f"{auth.TOKEN_ENV}: holds a service credential; deploy needs the run secret")
+
+        def private(path: pathlib.Path, text: str) -> pathlib.Path:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            return path
+
+        env_file = private(out_dir / "rlfleet.env", f"{auth.TOKEN_ENV}={token}\n")  # the coordinator's: the secret
+        credentials = [private(out_dir / credential_file(spec),
+                               f"{auth.TOKEN_ENV}={auth.issue(token, spec.role, spec.index)}\n")
+                       for spec in process_plan(cfg)]
         (out_dir / "runs").mkdir(exist_ok=True)
         doc = compose(cfg, out_dir, tag)
         path = out_dir / "docker-compose.yml"
         path.write_text(f"# generated by `coordinatorctl deploy compose` for {cfg.runner.experiment_name}\n"
-                        f"# docker-compose up --build   (the run credential is in rlfleet.env)\n"
+                        f"# docker-compose up --build   (the run secret is in rlfleet.env, for the coordinator and "
+                        f"coordinatorctl; each service's own credential in rlfleet-<service>.env)\n"
                         + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120))
-        written = [path, out_dir / "run.yaml", env_file]
+        written = [path, out_dir / "run.yaml", env_file, *credentials]
     elif kind == "k8s":
         path = out_dir / "rlfleet-k8s.yaml"
         path.write_text(f"# generated by `coordinatorctl deploy k8s` for {cfg.runner.experiment_name}\n"

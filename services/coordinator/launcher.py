@@ -14,7 +14,8 @@ rlfleet.torchrun --standalone --nproc-per-node N ...`` (torch.distributed.run in
 to the coordinator and its ranks to itself: see rlfleet/torchrun.py); rank 0 registers the agent's pid, the process
 this launcher started and watches. A learner over several nodes is refused here (`coordinatorctl deploy k8s`).
 Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range, the CPU cores it pins itself to
-(RLFLEET_CPU_CORES, from cluster.cpu_placement), the run credential (RLFLEET_RUN_TOKEN) and where its traces go
+(RLFLEET_CPU_CORES, from cluster.cpu_placement), its own credential issued from the run secret (RLFLEET_RUN_TOKEN,
+rlfleet.auth) and where its traces go
 (RLFLEET_TRACE_DIR). Env servers run with their simulator's own Python environment
 (rlfleet.environments), built before the run starts.
 """
@@ -151,7 +152,8 @@ class LocalLauncher:
         # a learner of several ranks: torchrun's agent (rlfleet.torchrun), --standalone on a free port
         cmd = [python, *spec.command(str(self.config_path), f"{self.cfg.cluster.host}:0", self.coordinator_address,
                                      str(self.run_dir), agent=AGENT)]
-        extra = {auth.TOKEN_ENV: self.token} if self.token else {}
+        # this process's own credential, issued from the run secret (which stays with the coordinator)
+        extra = {auth.TOKEN_ENV: auth.issue(self.token, role, index)} if self.token else {}
         if spec.cpus:
             extra[CPU_CORES_ENV] = ",".join(map(str, spec.cpus))
         env = child_environ(python, self.cfg.cluster.torch_num_threads, **{PARENT_PID_ENV: str(os.getpid())},

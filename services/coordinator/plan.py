@@ -87,7 +87,7 @@ class ProcessSpec:
 def cpu_placement(cfg, cores: list[int]) -> dict[str, list[int]] | None:
     """CPU cores per component (env, rollout, actor) of a run on this machine, whose usable cores are ``cores``:
     ``cluster.cpu_placement`` (core ids as the OS numbers them), or None (no pinning) when it is empty. Measured on
-    2 cores (README, CPU placement), the OS scheduler beats every fixed layout tried: a core of its own for the
+    2 cores (docs/benchmarks.md, CPU placement), the OS scheduler beats every fixed layout tried: a core of its own for the
     asynchronous learner left it idle most of the time and cost 18% of the loop's env steps/s."""
     given = cfg.cluster.cpu_placement
     if not given:

@@ -8,6 +8,8 @@ either of them records that the run cannot go on.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +30,10 @@ LOCAL_KEYS = ("cluster.launcher", "cluster.host", "cluster.coordinator_address",
 
 class RunFailed(RuntimeError):
     """The run cannot go on; the message says why and what to do."""
+
+
+class RunStopped(RuntimeError):
+    """A stop was asked for (signal, `coordinatorctl stop`) while the run was waiting for its services."""
 
 
 class RunFate:
@@ -57,9 +63,57 @@ class Service:
     pid: int = 0
     incarnation: str = ""
     last_heartbeat: float = 0.0
+    last_heard: float = 0.0  # when a heartbeat last arrived, before it waited for a server thread
     alive: bool = False
     restarts: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
+
+
+MAX_ADDRESS = 261  # a 253-character host name, ':' and a port (or a bracketed IPv6 address)
+MAX_CONFIG_YAML = 1 << 20
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+_INCARNATION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def check_address(address: str) -> None:
+    """Raise InvalidRequest unless ``address`` is host:port that others can dial (host name, IPv4 or [IPv6])."""
+    if len(address) > MAX_ADDRESS:
+        raise rpc.InvalidRequest(f"address: {len(address)} characters; a host:port has at most {MAX_ADDRESS}")
+    shown = repr(address[:80])
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise rpc.InvalidRequest(f"address: {shown} is not host:port with a port in 1..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise rpc.InvalidRequest(f"address: {shown} does not bracket an IPv6 address") from None
+        return
+    labels = host.split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
+        raise rpc.InvalidRequest(f"address: {shown}: {host[:80]!r} is not a host name, IPv4 or [IPv6] address")
+
+
+def check_claim(role: int, index: int, address: str | None = None, pid: int = 1, incarnation: str = "x",
+                config_yaml: str = "x") -> None:
+    """A Register request's claim, field by field, before anything of it is believed (INVALID_ARGUMENT);
+    ``address`` None: only the role and index."""
+    if role not in ROLE_NAMES:
+        raise rpc.InvalidRequest(f"role: {role} is not one of ENV, INFERENCE, LEARNER")
+    if index < 0:
+        raise rpc.InvalidRequest(f"index: {index} is negative")
+    if address is None:
+        return
+    check_address(address)
+    if pid <= 0:
+        raise rpc.InvalidRequest(f"pid: {pid} is not a process id")
+    if not _INCARNATION.match(incarnation):
+        raise rpc.InvalidRequest(f"incarnation: {incarnation[:80]!r} is not 1-64 characters of [A-Za-z0-9._-]")
+    if not config_yaml.strip():
+        raise rpc.InvalidRequest("config_yaml: empty; a service registers with the run config it was started with "
+                                 "(the coordinator compares it with its own)")
+    if len(config_yaml) > MAX_CONFIG_YAML:
+        raise rpc.InvalidRequest(f"config_yaml: {len(config_yaml)} characters; at most {MAX_CONFIG_YAML}")
 
 
 def config_difference(cfg, other_yaml: str) -> str:
@@ -119,6 +173,14 @@ class Registry:
         self.say(f"  {name}[{index}] up at {address} (pid {pid})", verbose=True)
         return True
 
+    def heard(self, role: str, index: int) -> None:
+        """A heartbeat (or registration) of ``role[index]`` arrived, its credential checked, and waits for a server
+        thread: the service is alive even if a busy coordinator answers it late. No lock: it runs on the gRPC
+        server's polling thread."""
+        svc = self.services.get((role, index))
+        if svc is not None and svc.alive:
+            svc.last_heard = time.monotonic()
+
     def heartbeat(self, role: int, index: int, incarnation: str) -> bool:
         """-> whether the service should shut down (the run is over, or it was scaled away)."""
         key = (ROLE_NAMES.get(role), index)
@@ -135,11 +197,15 @@ class Registry:
                             last_heartbeat_age_s=now - svc.last_heartbeat if svc.last_heartbeat else -1)
 
     # --- used by the run loop ------------------------------------------------------------------------------------
-    def wait(self, role: str, index: int, timeout: float) -> Service:
+    def wait(self, role: str, index: int, timeout: float, stoppable: bool = False) -> Service:
+        """Wait until ``role[index]`` has registered; RunFailed after ``timeout`` or when the run has failed;
+        ``stoppable``: RunStopped as soon as a stop is asked for."""
         svc = self.services[(role, index)]
         end = time.monotonic() + timeout
         while not svc.ready.wait(0.2):
             self.fate.check()
+            if stoppable and self.fate.stop_event.is_set():
+                raise RunStopped(self.fate.stop_reason or "stopped")
             if time.monotonic() > end:
                 raise RunFailed(f"{role}[{index}] did not come up within {timeout:.0f}s{self.logs_hint}")
         return svc
@@ -200,8 +266,9 @@ class HealthMonitor:
                     dead.append((svc, f"exited with code {code}\n{self.launcher.log_tail(proc)}"))
             now = time.monotonic()
             for svc in list(reg.services.values()):
-                if svc.alive and now - svc.last_heartbeat > timeout and all(d[0] is not svc for d in dead):
-                    dead.append((svc, f"sent no heartbeat for {now - svc.last_heartbeat:.0f}s"))
+                last = max(svc.last_heartbeat, svc.last_heard)  # heard: arrived, maybe not answered yet
+                if svc.alive and now - last > timeout and all(d[0] is not svc for d in dead):
+                    dead.append((svc, f"sent no heartbeat for {now - last:.0f}s"))
             for svc, why in dead:
                 if reg.shutting_down:
                     return

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from rlfleet import rpc
+from rlfleet import auth, rpc
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+MAX_REQUEST_BYTES = 4 << 20  # a Register carries a config of a few kB; nothing else is big
+MAX_STOP_REASON = 1000
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -13,13 +16,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     @rpc.handler
     def Register(self, request, context):
         ok = self.coord.register(request.role, request.index, request.address, request.pid, request.incarnation,
-                                 request.config_yaml)
+                                 request.config_yaml, caller=auth.caller_of(context))
         return coordinator_pb2.RegisterResponse(accepted=ok)
 
     @rpc.handler
     def Heartbeat(self, request, context):
         return coordinator_pb2.HeartbeatResponse(
-            shutdown=self.coord.heartbeat(request.role, request.index, request.incarnation))
+            shutdown=self.coord.heartbeat(request.role, request.index, request.incarnation,
+                                          caller=auth.caller_of(context)))
 
     @rpc.handler
     def Status(self, request, context):
@@ -32,12 +36,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @rpc.handler
     def Stop(self, request, context):
+        if len(request.reason) > MAX_STOP_REASON:
+            raise rpc.InvalidRequest(f"reason: {len(request.reason)} characters; at most {MAX_STOP_REASON}")
         self.coord.request_stop(request.reason or "coordinatorctl stop")
         return coordinator_pb2.StopResponse(stopping=True)
 
 
 def serve(coordinator, address: str):
-    server = rpc.make_server(max_workers=32)
+    # heartbeats are noted as they arrive (rpc.make_server's on_call, before they wait for a thread): a coordinator
+    # busy answering never takes a live service for a dead one
+    server = rpc.make_server(max_workers=32, max_receive_bytes=MAX_REQUEST_BYTES, on_call=coordinator.heard)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(coordinator), server)
     rpc.add_health_and_reflection(server, rpc.service_name(coordinator_pb2, "CoordinatorService"))
     bound = rpc.bind(server, address)

@@ -1,20 +1,35 @@
 """RemoteVecEnv: the VecEnv interface over an external simulator's EnvService (gRPC).
 
 A bridge process (``python -m services.env.server --external-env HOST:PORT``) runs the rollout worker in front of
-any simulator that implements ``rlfleet.v1.EnvService``, in any language. When the simulator dies, calls raise
-``EnvConnectionLost``; ``reconnect`` then waits (with backoff, saying which address is down) until it is back.
+any simulator that implements ``rlfleet.v1.EnvService``, in any language, of any contract version
+(rlfleet.env_contract reads each version's fields and zero values).
+
+What can go wrong with the simulator, and what the bridge does (docs/env-contract.md, "What rlfleet does with
+your server"):
+
+- It cannot be used at all (an unknown contract version, spaces rlfleet cannot act in, chunks shorter than the
+  policy's): the constructor raises ``InvalidRequest`` naming the field, and the bridge exits before the first
+  epoch with that one line.
+- It dies, restarts, or answers as a crash would (UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, DEADLINE_EXCEEDED),
+  or it sends a response that breaks the contract (a malformed Reset/Step response): calls raise
+  ``EnvConnectionLost``; the episodes in flight are lost, ``reconnect`` waits (with backoff, saying which address
+  is down) until it answers again, and the rollout worker starts fresh episodes. ``answered`` tells a server that
+  is up but misbehaving from one that is gone: the env server stops the run after a few of those in one call.
+- It refuses a request (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, ...): that would happen
+  again on every retry, so it raises ``InvalidRequest`` with the server's own message and the run stops with it.
+
+The bridge never calls ``Close``: the simulator belongs to whoever started it, and stays usable after the run.
 """
 
 from __future__ import annotations
 
 import queue
-import sys
 import time
 
 import grpc
 import numpy as np
 
-from rlfleet import codec, rpc
+from rlfleet import codec, env_contract, rpc
 from rlfleet.rpc import InvalidRequest
 from rlfleet.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc
@@ -22,23 +37,33 @@ from services.env.vec_env import EpisodeStat, SpaceInfo, StepResult
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: codes a server that is still up answers when its simulator failed (a crash in physics, an uncaught exception)
+CRASH_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+#: failures of a simulator that is up (INTERNAL/UNKNOWN, a response breaking the contract) that one Collect or
+#: Evaluate treats as crashes (episodes lost, fresh episodes); the next one stops the call and the run
+MAX_SIMULATOR_FAULTS = 2
+STREAM_SLOT_WAIT_S = 10.0  # a new Step stream refused RESOURCE_EXHAUSTED: the old one's slot is still being freed
 
 
 class EnvConnectionLost(RuntimeError):
-    """The external simulator stopped answering (crashed, restarted, network); its episodes in flight are lost.
-    ``env`` is the RemoteVecEnv that lost it (to reconnect)."""
+    """The external simulator stopped answering (crashed, restarted, network) or answered as a failed simulator
+    does (INTERNAL, or a response that breaks the contract); its episodes in flight are lost. ``env`` is the
+    RemoteVecEnv that lost it (to reconnect); ``answered``: the server is up and answered this way (as opposed to
+    being unreachable)."""
 
-    def __init__(self, message: str, env=None):
+    def __init__(self, message: str, env=None, *, answered: bool = False):
         super().__init__(message)
         self.env = env
+        self.answered = answered
 
 
 class RemoteVecEnv:
     _END = object()
 
-    def __init__(self, address: str, timeout: float = 60.0, call_timeout: float = 60.0):
+    def __init__(self, address: str, timeout: float = 60.0, call_timeout: float = 60.0, *, policy_chunk: int = 1):
         self.address = address
         self.call_timeout = call_timeout
+        self.policy_chunk = policy_chunk
         self.spec: env_pb2.EnvSpec | None = None
         self._responses = None
         self._connect(timeout)
@@ -50,7 +75,12 @@ class RemoteVecEnv:
         spec = self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
         if self.spec is not None:
             self._check_same(spec)
+        else:
+            problems = env_contract.run_problems(spec, policy_chunk=self.policy_chunk)
+            if problems:
+                raise InvalidRequest(f"external env {self.address} cannot be used: {problems[0]}")
         self.spec = spec
+        self.view = env_contract.read(spec)
         self.env_id = spec.env_id
         self.num_envs = spec.num_envs
         self.max_episode_steps = spec.max_episode_steps
@@ -58,8 +88,14 @@ class RemoteVecEnv:
         self.action_space = TensorSpace.from_proto(spec.action_space)
         self._act_low = self.action_space.low.astype(np.float32)
         self._act_high = self.action_space.high.astype(np.float32)
+        # each env's current instruction: Describe's, then whatever Reset/Step responses say (absent: unchanged)
+        self.instructions = list(spec.task_descriptions) or [""] * self.num_envs
+        self._open_stream()
+
+    def _open_stream(self) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = self.stub.Step(iter(self._requests.get, self._END))
+        self._stream_fresh = True  # no response read yet
 
     def _check_same(self, spec) -> None:
         old = self.spec
@@ -101,71 +137,166 @@ class RemoteVecEnv:
                 time.sleep(delay)
                 delay = min(5.0, delay * 2)
 
-    def _lost(self, exc: grpc.RpcError) -> EnvConnectionLost:
-        return EnvConnectionLost(f"external env {self.address}: {rpc.describe_error(exc)}", self)
+    def _failed(self, exc: grpc.RpcError, call: str) -> Exception:
+        """An error status -> EnvConnectionLost (a crash: retry after reconnecting) or InvalidRequest (a refusal
+        that a retry would meet again: the run stops with the server's message)."""
+        code = exc.code()
+        if code in LOST_CODES:
+            return EnvConnectionLost(f"external env {self.address}: {call}: {rpc.describe_error(exc)}", self,
+                                     answered=code in CRASH_CODES)
+        hint = ""
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            hint = " (was it closed? rlfleet never calls Close; restart the simulator)"
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            hint = f" (another client holds its Step streams; a bridge needs one: {env_contract.section('streams')})"
+        return InvalidRequest(f"external env {self.address} refused {call}: {rpc.describe_error(exc)}{hint}")
+
+    def _malformed(self, what: str, exc: Exception) -> EnvConnectionLost:
+        return EnvConnectionLost(f"external env {self.address} sent a bad {what}: {exc}", self, answered=True)
 
     # --- VecEnv interface -------------------------------------------------------------------------------------
     def space_info(self) -> SpaceInfo:
-        s = self.spec
+        s, v = self.spec, self.view
         return SpaceInfo(s.env_id, s.num_envs, spaces_from_proto(s.observation_space), self.action_space,
-                         s.max_episode_steps, s.auto_reset, list(s.task_descriptions), int(s.num_reset_states),
-                         max(1, s.max_action_chunk), s.simulator or "external", s.contract_version)
+                         s.max_episode_steps, s.auto_reset, list(self.instructions), v.num_reset_states,
+                         v.max_action_chunk, v.simulator, v.version)
 
     def _obs(self, msg, n: int, name: str) -> dict[str, np.ndarray]:
         return codec.decode_map(msg, name, specs=self.obs_specs, batch=n, writable=True)
 
+    def _instructions(self, texts, ids: list[int]) -> list[str]:
+        """Record the instructions of a response (one per row, or none = unchanged); -> each row's current one."""
+        if texts:
+            if len(texts) != len(ids):
+                raise codec.CodecError(f"instructions: {len(texts)} strings for {len(ids)} rows (one per row, or none)")
+            for i, text in zip(ids, texts):
+                self.instructions[i] = text
+        return [self.instructions[i] for i in ids]
+
+    def _instruction_of(self, env_id: int) -> str:
+        return self.instructions[env_id] if 0 <= env_id < self.num_envs else ""
+
     def reset(self, env_ids=None, seeds=None, reset_state_ids=None) -> dict[str, np.ndarray]:
         ids = [int(i) for i in env_ids] if env_ids is not None else []
+        states = list(reset_state_ids or [])
+        if states and self.view.version == "0" and any(int(s) != -1 for s in states):
+            raise InvalidRequest(f"reset_state_ids: external env {self.address} implements contract version "
+                                 f"{self.view.version}, which has no fixed initial states")
         try:
-            resp = self.stub.Reset(env_pb2.ResetRequest(env_ids=ids, seeds=list(seeds or []),
-                                                        reset_state_ids=list(reset_state_ids or [])),
+            resp = self.stub.Reset(env_pb2.ResetRequest(env_ids=ids, seeds=list(seeds or []), reset_state_ids=states),
                                    timeout=self.call_timeout)
         except grpc.RpcError as exc:
-            if exc.code() in LOST_CODES:
-                raise self._lost(exc) from exc
-            raise
-        if resp.instructions and self.spec is not None:
-            descs = list(self.spec.task_descriptions) or [""] * self.num_envs
-            for i, text in zip(ids or range(self.num_envs), resp.instructions):
-                descs[i] = text
-            del self.spec.task_descriptions[:]
-            self.spec.task_descriptions.extend(descs)
-        return self._obs(resp.observations, len(ids) or self.num_envs, "observations")
+            raise self._failed(exc, "Reset") from exc
+        rows = ids or list(range(self.num_envs))
+        try:
+            obs = self._obs(resp.observations, len(rows), "observations")
+            self._instructions(resp.instructions, rows)
+        except codec.CodecError as exc:
+            raise self._malformed("ResetResponse", exc) from exc
+        return obs
+
+    def _next_response(self, request: env_pb2.StepRequest) -> env_pb2.StepResponse:
+        self._requests.put(request)
+        deadline = time.monotonic() + STREAM_SLOT_WAIT_S
+        while True:
+            try:
+                resp = next(self._responses)
+                self._stream_fresh = False
+                return resp
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self._stream_fresh \
+                        and time.monotonic() < deadline:  # our own cancelled stream may still hold the slot
+                    time.sleep(0.2)
+                    self._open_stream()
+                    self._requests.put(request)
+                    continue
+                raise self._failed(exc, "Step") from exc
+            except StopIteration:
+                raise EnvConnectionLost(f"external env {self.address} ended the Step stream without answering",
+                                        self, answered=True) from None
 
     def step(self, env_ids, actions) -> StepResult:
         ids = [int(i) for i in env_ids]
         actions = np.clip(np.asarray(actions, np.float32), self._act_low, self._act_high)  # the contract: in bounds
-        self._requests.put(env_pb2.StepRequest(env_ids=ids, actions=codec.encode(actions)))
-        try:
-            resp = next(self._responses)
-        except grpc.RpcError as exc:
-            raise self._lost(exc) from exc
-        except StopIteration:
-            raise EnvConnectionLost(f"external env {self.address} closed the Step stream", self) from None
-        n = len(ids) or self.num_envs
+        resp = self._next_response(env_pb2.StepRequest(env_ids=ids, actions=codec.encode(actions)))
+        rows_ids = ids or list(range(self.num_envs))
+        n = len(rows_ids)
         per = [n] if actions.ndim == len(self.action_space.shape) + 1 else [n, actions.shape[1]]
         try:
-            rows = [int(r) for r in resp.final_rows]
+            term = codec.decode(resp.terminated, "terminated", shape=per, dtype=bool)
+            trunc = codec.decode(resp.truncated, "truncated", shape=per, dtype=bool)
+            rows = env_contract.ended_rows(resp.final_rows, term, trunc, self.view)
             if any(not 0 <= r < n for r in rows):
-                raise codec.CodecError(f"final_rows: {rows} names rows outside 0..{n - 1}")
+                raise codec.CodecError(f"final_rows: {rows.tolist()} names rows outside 0..{n - 1}")
+            final = env_contract.decode_final_observations(resp.final_observations, rows, n, self.obs_specs,
+                                                           writable=True)
+            version0 = self.view.version == "0"  # EpisodeStats had no reset_state_id (its 0 is not state 0)
             out = StepResult(
                 self._obs(resp.observations, n, "observations"),
                 codec.decode(resp.rewards, "rewards", shape=per, dtype=np.float32, finite=True),
-                codec.decode(resp.terminated, "terminated", shape=per, dtype=bool),
-                codec.decode(resp.truncated, "truncated", shape=per, dtype=bool),
-                codec.decode(resp.success, "success", shape=per, dtype=bool),
-                self._obs(resp.final_observations, len(rows), "final_observations"), np.asarray(rows, np.int64),
+                term, trunc, codec.decode(resp.success, "success", shape=per, dtype=bool), final, rows,
                 [EpisodeStat(e.env_id, codec.episode_return(e), e.length, e.success_once, e.success_at_end,
-                             e.reset_state_id, e.instruction) for e in resp.episodes],
-                list(resp.instructions) or [""] * n)
+                             -1 if version0 else e.reset_state_id, e.instruction or self._instruction_of(e.env_id))
+                 for e in resp.episodes],  # (before this response's instructions replace the ended episodes')
+                self._instructions(resp.instructions, rows_ids))
         except codec.CodecError as exc:
-            raise InvalidRequest(f"external env {self.address} sent a bad StepResponse: {exc}") from exc
+            raise self._malformed("StepResponse", exc) from exc
         return out
 
     def close(self) -> None:
-        try:
-            self.stub.Close(env_pb2.CloseRequest(), timeout=10)
-        except grpc.RpcError as exc:
-            print(f"external env {self.address}: Close failed: {rpc.describe_error(exc)}", file=sys.stderr)
-        finally:
-            self._drop_stream()
+        """End this bridge's Step stream. Close is not called: the simulator is its owner's to stop, and the next
+        run (or `coordinatorctl check-env`) can use it as it is."""
+        self._drop_stream()
+
+
+def preflight_external(cfg, *, rename: bool, timeout: float = 15.0) -> list[str]:
+    """`coordinatorctl start` with ``cluster.external_env_addresses``: Describe every external server before
+    anything starts. A server rlfleet cannot use, or one that does not answer, raises ConfigError naming the
+    field; otherwise ``cfg`` takes the episode limit from the server (an external server ends its episodes by its
+    own, docs/env-contract.md#describe) and, with ``rename``, the run is named after the simulator it serves.
+    Returns notes to print."""
+    import re
+
+    from rlfleet.config import ConfigError, validate
+
+    notes = []
+    chunk = cfg.actor.model.num_action_chunks
+    per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
+    first = None
+    for key in ("external_env_addresses", "external_eval_env_addresses"):
+        for i, address in enumerate(cfg.cluster[key]):
+            address = str(address)
+            try:
+                channel = rpc.wait_ready(address, timeout, credential=False)
+            except TimeoutError:
+                raise ConfigError(f"'cluster.{key}[{i}]': no EnvService answered at {address} within {timeout:.0f}s; "
+                                  f"start the simulator first") from None
+            try:
+                spec = env_pb2_grpc.EnvServiceStub(channel).Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                raise ConfigError(f"'cluster.{key}[{i}]': {address} did not answer Describe: "
+                                  f"{rpc.describe_error(exc)}") from None
+            finally:
+                channel.close()
+            problems = env_contract.run_problems(spec, policy_chunk=chunk)
+            if problems:
+                raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {problems[0]}")
+            if key == "external_env_addresses":
+                if spec.num_envs != per_server:
+                    raise ConfigError(f"'env.train.total_num_envs': the external env at {address} hosts "
+                                      f"{spec.num_envs} envs; env.train.total_num_envs / cluster.num_env_servers is "
+                                      f"{per_server} (set env.train.total_num_envs="
+                                      f"{spec.num_envs * cfg.cluster.num_env_servers})")
+                first = first or spec
+    for split in ("train", "eval"):
+        if cfg.env[split].max_episode_steps != first.max_episode_steps:
+            notes.append(f"env.{split}.max_episode_steps: {first.max_episode_steps} from the external server's "
+                         f"Describe (the config said {cfg.env[split].max_episode_steps})")
+            cfg.env[split].max_episode_steps = int(first.max_episode_steps)
+    validate(cfg)  # e.g. GRPO's whole episodes per epoch, against the server's episode limit
+    if rename:
+        simulator = env_contract.read(first).simulator
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{simulator}_{first.env_id}" if simulator != "external"
+                      else first.env_id).strip("_.")
+        cfg.runner.experiment_name = f"external_{name or 'env'}"
+    return notes

@@ -26,8 +26,8 @@ _EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, 
 log = logging.getLogger(__name__)
 
 
-class StaleWeightsError(RuntimeError):
-    pass
+class StaleWeightsError(rpc.FailedPrecondition):
+    """The inference servers serve older weights than the request needs (``min_weights_version``)."""
 
 
 class Cancelled(rpc.Cancelled):
@@ -176,8 +176,9 @@ class RolloutWorker:
                 wait_time += t1 - t0
                 tracing.record("rlfleet.env.act_wait", t1 - t0, "s", "wait for an inference answer", stage=s)
                 if res.weights_version < min_weights_version:
-                    raise StaleWeightsError(f"inference served weights version {res.weights_version}; epoch {epoch} "
-                                            f"needs version >= {min_weights_version}")
+                    raise StaleWeightsError(f"min_weights_version: inference served weights version "
+                                            f"{res.weights_version}; epoch {epoch} needs version >= "
+                                            f"{min_weights_version}")
                 version = res.weights_version if version is None else min(version, res.weights_version)
                 if extra[s] is not None:
                     buf["bootstrap_values"][t[s] - 1, ids[extra[s]]] = res.values[m:]

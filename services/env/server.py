@@ -17,17 +17,20 @@ import time
 import numpy as np
 
 from rlfleet import codec, rpc, tracing
-from rlfleet.clients.learner import push_rollout
+from rlfleet.clients import check_address
+from rlfleet.clients.learner import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
+from rlfleet.clients.learner import learner_reachable, push_rollout
 from rlfleet.clients.policy import make_policy_client
 from rlfleet.config import env_server_config
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
 from rlfleet.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.env.remote import EnvConnectionLost
+from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
 from services.env.rollout import RolloutWorker
 from services.env.vec_env import VecEnv
 
 MAX_STEP_STREAMS = 4         # concurrent EnvService.Step streams per server (more: RESOURCE_EXHAUSTED)
+STEP_IDLE_RECLAIM_S = 30.0   # with every Step slot taken, a stream idle this long is closed for a newcomer
 MAX_COLLECT_STEPS = 100_000  # steps per env in one Collect (the rollout buffer is allocated up front)
 MAX_ROLLOUT_BYTES = 16 << 30  # observation bytes of one Collect's buffer
 MAX_EVAL_EPISODES = 100_000  # per Evaluate call
@@ -61,10 +64,12 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     rollout worker shares them, Close is refused (the envs belong to the run)."""
 
     def __init__(self, env: VecEnv, incarnation: str = "", *, owns_env: bool = False,
-                 max_step_streams: int = MAX_STEP_STREAMS):
+                 max_step_streams: int = MAX_STEP_STREAMS, step_idle_reclaim_s: float = STEP_IDLE_RECLAIM_S):
         self.env, self.incarnation, self.owns_env = env, incarnation, owns_env
         self.max_step_streams = max_step_streams
-        self._streams = threading.BoundedSemaphore(max_step_streams)
+        # a stream that waits for its caller's next step longer than step_idle_reclaim_s keeps its slot until a
+        # newcomer finds every slot taken; then it is closed (DEADLINE_EXCEEDED) and the newcomer served
+        self._streams = rpc.StreamSlots(max_step_streams, "Step", reclaim_idle_s=step_idle_reclaim_s)
 
     @rpc.handler
     def Describe(self, request, context):
@@ -80,15 +85,10 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     @rpc.handler
     def Step(self, request_iterator, context):
-        if not self._streams.acquire(blocking=False):
-            raise rpc.ResourceExhausted(f"this env server accepts {self.max_step_streams} concurrent Step streams; "
-                                        f"close one first")
-        try:
-            for req in request_iterator:
+        with self._streams.stream(request_iterator, context) as requests:  # ResourceExhausted when all are busy
+            for req in requests:
                 actions = codec.decode(req.actions, "actions", dtype=np.float32)
                 yield step_response(self.env.step(list(req.env_ids), actions))
-        finally:
-            self._streams.release()
 
     @rpc.handler
     def Close(self, request, context):
@@ -97,6 +97,23 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                                          "env server shuts down")
         self.env.close()
         return env_pb2.CloseResponse()
+
+
+PUSH_TIMEOUT_S = 300.0  # a rollout's push to the learner, when the caller set no deadline
+
+
+def _time_left(context, margin: float = 0.0, default: float = PUSH_TIMEOUT_S) -> float:
+    """Seconds left of the caller's deadline less ``margin`` (``default`` without one): what a call this request
+    makes may take."""
+    left = context.time_remaining()
+    if left is None or left > 1e6:  # gRPC reports "no deadline" as a huge number
+        return default
+    return max(0.0, min(default, left - margin))
+
+
+def _check_addresses(addresses) -> None:
+    for i, address in enumerate(addresses):
+        check_address(address, f"inference_addresses[{i}]")
 
 
 def _should_stop(context, margin: float = 2.0):
@@ -151,19 +168,32 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _with_recovery(self, context, addresses, run, after_loss=None):
         """``run(policy)`` with this request's policy client; when an external simulator dies under it, wait
-        for the simulator to come back (the episodes in flight are lost), then run again. -> (result, lost)."""
-        lost = 0
+        for the simulator to come back (the episodes in flight are lost), then run again. -> (result, lost).
+        A simulator that is up but answers as a failed one (INTERNAL/UNKNOWN, or a response that breaks the
+        contract) is handled the same way MAX_SIMULATOR_FAULTS times in one call; the next one ends the call, and
+        the run, with its reason (docs/env-contract.md#what-rlfleet-does-with-your-server)."""
+        lost = faults = 0
+        restarting = False  # the episodes were lost: start fresh ones (after_loss) before running again
         while True:
             policy = self._policy_for(list(addresses), self.worker.num_stages)
             try:
+                if restarting and after_loss is not None:
+                    after_loss()
+                restarting = False
                 return run(policy), lost
             except EnvConnectionLost as exc:
                 self._drop_policy()
-                print(f"env[{self.index}]: {exc}; its {exc.env.num_envs} episodes in flight are lost", flush=True)
+                faults += exc.answered
+                if faults > MAX_SIMULATOR_FAULTS:
+                    raise rpc.InvalidRequest(f"{exc} (simulator failure {faults} in one call; after "
+                                             f"{MAX_SIMULATOR_FAULTS} the run stops)") from None
+                if not restarting:
+                    print(f"env[{self.index}]: {exc}; its {exc.env.num_envs} episodes in flight are lost", flush=True)
+                    lost += exc.env.num_envs
+                else:
+                    print(f"env[{self.index}]: {exc} (while starting fresh episodes)", flush=True)
                 exc.env.reconnect(self.reconnect_timeout_s)
-                lost += exc.env.num_envs
-                if after_loss is not None:
-                    after_loss()
+                restarting = True
             except BaseException:
                 self._drop_policy()  # streams may hold unanswered requests: start clean next time
                 raise
@@ -180,16 +210,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                      f"{MAX_ROLLOUT_BYTES / 2**30:.0f} GiB per Collect")
         if not request.inference_addresses:
             raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
+        _check_addresses(request.inference_addresses)
+        check_address(request.learner_address, "learner_address")
         self._acquire(context)
         try:
             self._use_policy_spec(request)
+            # an unreachable learner fails the call now, not after a whole rollout and the push's wait
+            learner_reachable(request.learner_address, min(LEARNER_CONNECT_TIMEOUT_S, _time_left(context)))
             (rollout, summary), lost = self._with_recovery(
                 context, request.inference_addresses,
                 lambda policy: self.worker.collect(request.epoch, request.num_steps, policy,
                                                    request.min_weights_version, _should_stop(context)),
                 after_loss=self.worker.reset_all)
             with tracing.span("push_rollout", **{"rlfleet.epoch": request.epoch}):
-                push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation)
+                push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation,
+                             timeout=_time_left(context, margin=1.0))
         finally:
             self.lock.release()
         return rollout_pb2.CollectResponse(
@@ -212,6 +247,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise rpc.InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
         if not request.inference_addresses:
             raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
+        _check_addresses(request.inference_addresses)
         if request.video_episodes < 0 or (request.video_episodes and not request.video_dir):
             raise rpc.InvalidRequest(f"video_episodes: {request.video_episodes} needs a video_dir and must be >= 0")
         t0 = time.perf_counter()
@@ -250,12 +286,14 @@ def build_worker(cfg, index: int, external_env: str | None = None,
     if external_env:
         from services.env.remote import RemoteVecEnv
 
-        env = RemoteVecEnv(external_env, call_timeout=cfg.cluster.act_timeout_s)
+        chunk = cfg.actor.model.num_action_chunks  # a server whose max_action_chunk is shorter is refused here
+        env = RemoteVecEnv(external_env, call_timeout=cfg.cluster.act_timeout_s, policy_chunk=chunk)
         if env.num_envs != per_server:
             raise SystemExit(f"config error: the external env at {external_env} hosts {env.num_envs} envs; "
                              f"env.train.total_num_envs / cluster.num_env_servers = {per_server}")
-        if external_eval_env:
-            eval_factory = lambda: RemoteVecEnv(external_eval_env, call_timeout=cfg.cluster.act_timeout_s)  # noqa: E731
+        if external_eval_env:  # connected (and checked) now: an unusable server is refused before the first epoch
+            eval_env = RemoteVecEnv(external_eval_env, call_timeout=cfg.cluster.act_timeout_s, policy_chunk=chunk)
+            eval_factory = lambda: eval_env  # noqa: E731
         else:
             eval_factory = lambda: env  # noqa: E731 - the external sim serves both (the coordinator said so)
     else:
@@ -327,11 +365,16 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - a simulator that cannot start: say why in one line
         from services.env.backends.base import BackendUnavailable
 
-        if isinstance(exc, (BackendUnavailable, rpc.InvalidRequest)):
+        if isinstance(exc, (BackendUnavailable, rpc.InvalidRequest, EnvConnectionLost, TimeoutError)):
             raise SystemExit(f"rlfleet env[{args.index}]: cannot start the simulator: {exc}") from None
         raise
-    print(f"rlfleet env[{args.index}]: {cfg.env.train.simulator_type}:{cfg.env.train.env_id} in {sys.prefix} "
-          f"({_versions(cfg.env.train.simulator_type)})", flush=True)
+    if args.external_env:  # the simulator this bridge serves is the external one, not env.train's
+        info = worker.own_space_info()
+        print(f"rlfleet env[{args.index}]: bridge to the external env {args.external_env}: {info.simulator}:"
+              f"{info.env_id}, {info.num_envs} envs, env contract version {info.contract_version}", flush=True)
+    else:
+        print(f"rlfleet env[{args.index}]: {cfg.env.train.simulator_type}:{cfg.env.train.env_id} in {sys.prefix} "
+              f"({_versions(cfg.env.train.simulator_type)})", flush=True)
     code = runtime.serve_until_stopped(run_cfg, args)
     worker.close()
     return code

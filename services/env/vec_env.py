@@ -189,11 +189,13 @@ class VecEnv:
 
     def _reset_rows(self, ids: np.ndarray, seeds: list, states: list) -> dict[str, np.ndarray]:
         obs, instructions = self.backend.reset(ids, seeds, states)
+        drawn = self.backend.drawn_state_ids(ids)  # a fixed state the backend picked itself (seed, own stream)
         for j, i in enumerate(ids):
             for k, v in obs.items():
                 self._obs[k][i] = v[j]
             self.instructions[i] = instructions[j]
-            self._ep_state[i] = -1 if states[j] is None else states[j]
+            state = states[j] if states[j] is not None else drawn[j]
+            self._ep_state[i] = -1 if state is None else int(state)
         self._has_reset[ids] = True
         self._ep_return[ids] = 0.0
         self._ep_len[ids] = 0

@@ -25,7 +25,7 @@ from rlfleet.models import ObsSpec
 from rlfleet.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 from rlfleet.rpc import FailedPrecondition, InvalidRequest
-from rlfleet import tracing
+from rlfleet import tracing, weights
 from rlfleet.acting import ActResult
 from rlfleet.noise import RowNoise
 
@@ -48,8 +48,11 @@ class _Request:
 class InferenceEngine:
     def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
                  max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level",
-                 batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0, weights_precision: str = "fp32"):
+                 batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0, weights_precision: str = "fp32",
+                 memory_budget_bytes: int | None = None):
         self.model_cfg = model_cfg
+        # bytes a policy (two copies) may take here; None: what the device has available when the spaces arrive
+        self.memory_budget_bytes = memory_budget_bytes
         self.weights_dtype = torch.bfloat16 if weights_precision == "bf16" else None
         self.backend = backend
         self.decoder = None  # the vllm backend's VLLMDecoder
@@ -93,6 +96,11 @@ class InferenceEngine:
             raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
         rebuild = obs_specs is not None and (obs_specs != self.obs_specs or action_dim != self.action_dim)
         if rebuild:
+            # the declared spaces decide the policy's size: check them, and the state they imply, against this
+            # server's memory before anything is built (a declared 2**31-element space used to be built first)
+            planned = self._plan(obs_specs, action_dim)
+            if planned is not None:
+                self._check_state(state, {n: shape for n, (shape, _, _) in planned.items()}, partial=False)
             target = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
                                   self.logprob_type).to(self.device)
             if self.weights_dtype is not None:  # rollout.weights_precision: bf16: nothing trains here, so the
@@ -102,18 +110,9 @@ class InferenceEngine:
             raise InvalidRequest("observation_space: the first weights set must describe the policy's spaces")
         else:
             target = self._spare
-        current = target.state_dict()
-        unknown = sorted(set(state) - set(current))
-        if unknown:
-            raise InvalidRequest(f"weights: unknown tensor '{unknown[0]}' for this {self.model_cfg.model_type} policy")
-        if not partial or rebuild:
-            missing = sorted(set(current) - set(state))
-            if missing:
-                raise InvalidRequest(f"weights: full set is missing tensor '{missing[0]}'")
+        self._check_state(state, {n: tuple(t.shape) for n, t in target.state_dict().items()},
+                          partial=partial and not rebuild)
         for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(current[name].shape):
-                raise InvalidRequest(f"weights['{name}']: shape {list(tensor.shape)} where "
-                                     f"{list(current[name].shape)} was expected")
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise InvalidRequest(f"weights['{name}']: non-finite values")
         with _lock_of(target):  # a batch still running on this copy finishes first
@@ -135,6 +134,36 @@ class InferenceEngine:
         self.bytes_loaded += sum(t.numel() * t.element_size() for t in state.values())
         log.info("serving weights version %d (%d tensors)", version, len(state))
         return version
+
+    def _plan(self, obs_specs: dict[str, ObsSpec], action_dim: int):
+        """Before a (re)build for new spaces: their observation row, and the two copies of the policy they imply
+        (double buffering), must fit this server's memory (``memory_budget_bytes``, or what is available).
+        -> the planned state (rlfleet.weights.planned_state), or None where it cannot be planned."""
+        row = weights.observation_row_bytes(obs_specs)
+        planned = weights.planned_state(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
+                                        self.logprob_type)
+        if planned is not None:
+            copy = weights.state_bytes(planned, self.weights_dtype)
+            spaces = ", ".join(f"{k}{list(s.shape)}" for k, s in obs_specs.items())
+            weights.check_fits(2 * copy + self.max_batch_size * row,
+                               f"observation_space: a {self.model_cfg.model_type} policy for spaces {spaces} "
+                               f"(action {action_dim}-D: two copies of {copy / 2**30:.2f} GiB, and a batch)",
+                               self.device, self.memory_budget_bytes)
+        return planned
+
+    def _check_state(self, state: dict[str, torch.Tensor], shapes: dict[str, tuple], partial: bool) -> None:
+        """A weights set against the policy's tensors: no unknown names, every tensor in a full set, their shapes."""
+        unknown = sorted(set(state) - set(shapes))
+        if unknown:
+            raise InvalidRequest(f"weights: unknown tensor '{unknown[0]}' for this {self.model_cfg.model_type} policy")
+        if not partial:
+            missing = sorted(set(shapes) - set(state))
+            if missing:
+                raise InvalidRequest(f"weights: full set is missing tensor '{missing[0]}'")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(shapes[name]):
+                raise InvalidRequest(f"weights['{name}']: shape {list(tensor.shape)} where "
+                                     f"{list(shapes[name])} was expected")
 
     # --- acting -----------------------------------------------------------------------------------------------
     def validate_obs(self, obs: dict[str, np.ndarray]) -> int:

@@ -9,6 +9,7 @@ together compute the same update as one process on the whole batch.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,16 +30,25 @@ class RewardScaler:
         self.returns: dict[int, np.ndarray] = {}  # per worker: running discounted return per env
 
     def __call__(self, worker: int, rewards: np.ndarray, dones: np.ndarray) -> np.ndarray:
-        ret = self.returns.setdefault(worker, np.zeros(rewards.shape[1]))
-        if ret.shape[0] != rewards.shape[1]:
-            ret = self.returns[worker] = np.zeros(rewards.shape[1])
+        """Scale one worker's rewards [T, N]; its running returns and the statistics move only when the result is
+        finite (rewards are bounded by the rollout schema, so they always are; this keeps a bad batch from ever
+        leaving the normaliser in a state that scales every later reward to nothing or to infinity)."""
+        ret = self.returns.get(worker)
+        ret = np.zeros(rewards.shape[1]) if ret is None or ret.shape[0] != rewards.shape[1] else ret.copy()
         history = np.empty_like(rewards, dtype=np.float64)
-        for t in range(rewards.shape[0]):
-            ret[:] = ret * self.gamma + rewards[t]
-            history[t] = ret
-            ret[dones[t]] = 0.0
-        self.rms.update(torch.from_numpy(history))
-        return (rewards / np.sqrt(self.rms.var.item() + 1e-8)).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+            for t in range(rewards.shape[0]):
+                ret[:] = ret * self.gamma + rewards[t]
+                history[t] = ret
+                ret[dones[t]] = 0.0
+        rms = copy.deepcopy(self.rms)
+        rms.update(torch.from_numpy(history))
+        scale = float(np.sqrt(rms.var.item() + 1e-8))
+        if not (np.isfinite(history).all() and np.isfinite(scale)):
+            raise FailedPrecondition(f"rewards of worker {worker}: their discounted returns overflow the reward "
+                                     f"normaliser (algorithm.normalize_rewards); it is left as it was")
+        self.rms, self.returns[worker] = rms, ret
+        return (rewards / scale).astype(np.float32)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {k: v.contiguous() for k, v in self.rms.state_dict().items()}

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from rlfleet import tracing
+from rlfleet import tracing, weights
 from rlfleet.codec import episode_return
 from rlfleet.metrics import MetricsLogger
 from rlfleet.models import ObsSpec, build_policy
@@ -28,7 +28,7 @@ from services.learner.batch import Batch, RewardScaler, build_batch, split_rows
 from services.learner.checkpoint import latest_checkpoint
 from services.learner.group import RankGroup
 from services.learner.publisher import WeightPublisher
-from services.learner.rollouts import RolloutStore
+from services.learner.rollouts import RolloutStore, forward_input_specs
 from services.learner.sharding import full_state_dict, gather_buckets, local_bytes, shard_policy
 from services.learner.trainer import Trainer
 
@@ -73,7 +73,7 @@ class Learner:
         self.elapsed_s = 0.0     # training wall time, as measured by the coordinator (restored on resume)
         self.last_checkpoint = ""
         self.publish_error = ""
-        self.rollouts = RolloutStore(cfg.algorithm)
+        self.rollouts = RolloutStore(cfg.algorithm, cfg.cluster.num_env_servers)
         self.scaler = RewardScaler(cfg.algorithm.gamma)
         self.trainer = Trainer(cfg, self.group)
         self.publisher = WeightPublisher()
@@ -122,6 +122,16 @@ class Learner:
                 raise InvalidRequest(f"env_spec: spaces {obs_specs}/{action_dim} differ from the policy's "
                                      f"{self.obs_specs}/{self.action_dim}")
             return
+        # the spaces decide the policy's size: refuse what could never be served or would not fit this host's
+        # memory before any rank builds it (rlfleet.weights)
+        weights.observation_row_bytes(obs_specs, "env_spec.observation_space")
+        planned = weights.planned_state(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
+                                        self.alg.logprob_type, "env_spec.observation_space")
+        if planned is not None:
+            spaces = ", ".join(f"{k}{list(s.shape)}" for k, s in obs_specs.items())
+            weights.check_fits(weights.state_bytes(planned), f"env_spec.observation_space: a "
+                               f"{self.cfg.actor.model.model_type} policy for spaces {spaces} (action "
+                               f"{action_dim}-D)")
         meta = {"obs_specs": _specs_to_json(obs_specs), "action_dim": int(action_dim)}
         if self.cfg.runner.resume_dir:
             ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
@@ -135,6 +145,8 @@ class Learner:
         obs_specs, action_dim = _specs_from_json(meta["obs_specs"]), int(meta["action_dim"])
         model = build_policy(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
                              self.alg.logprob_type).to(self.device)
+        # the forward inputs a rollout must carry (names, per-row shapes): asked of the whole policy, before sharding
+        fi_specs = forward_input_specs(model, obs_specs, self.device) if self.group.is_leader else None
         # the KL reference is the model as built (model_path: the SFT base), also on resume: with LoRA the base
         # itself with the adapters off, else a frozen copy (sharded like the policy)
         if self.alg.kl_beta > 0 and not model.trains_adapters_only:
@@ -149,6 +161,7 @@ class Learner:
         r = self.rollouts
         r.obs_specs, r.action_dim = obs_specs, action_dim
         r.chunk, r.log_prob_width = self.model.num_action_chunks, self.model.log_prob_width
+        r.fi_specs = fi_specs
         if "resume" in meta:
             self._load_checkpoint(pathlib.Path(meta["resume"]))
 
@@ -194,6 +207,7 @@ class Learner:
             raise FailedPrecondition("the learner has no policy yet")
         if epoch != self.epoch + 1:
             raise InvalidRequest(f"epoch: {epoch} is not the next epoch (last trained: {self.epoch})")
+        self.rollouts.set_workers(workers)  # the run's current scale (coordinatorctl scale env N)
         parts = self.rollouts.take(epoch, workers)
         t0 = time.perf_counter()
         batch = build_batch(parts, sorted(workers), self.alg, self.scaler)
@@ -248,7 +262,8 @@ class Learner:
             batch = self._batch
             obs = {k[4:]: v.to(self.device) for k, v in batch.rows.items() if k.startswith("obs.")}
             keep = (batch.rows["mask"] > 0).to(self.device)
-            self.model.update_obs_normalizer({k: v[keep] for k, v in obs.items()} if batch.use_mask else obs)
+            if bool(keep.any()):  # no sample trains (all masked): statistics of no rows would be NaN
+                self.model.update_obs_normalizer({k: v[keep] for k, v in obs.items()} if batch.use_mask else obs)
         self.group.broadcast_([b for b in self.model.buffers() if b.numel()])
         self.epoch, self.version = meta["epoch"], self.version + 1
         return stats
@@ -346,6 +361,8 @@ class Learner:
         reward_state, state = checkpoint.read_leader_files(path)
         if self.group.is_leader:
             self.scaler.load_state_dict(reward_state)
+            # the killed run may have logged epochs after this checkpoint: they are trained (and logged) again
+            self.logger.resume_at(state["epoch"] + 1)
         self.epoch, self.version = state["epoch"], state["weights_version"]
         self.env_steps, self.elapsed_s = state["env_steps"], state["elapsed_s"]
         self.last_checkpoint = str(path)

@@ -13,7 +13,7 @@ import numpy as np
 from rlfleet import codec, rollout_schema, rpc
 from rlfleet.models.actor_critic import obs_specs_from_proto
 from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
-from rlfleet.v1 import learner_pb2, learner_pb2_grpc
+from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.group import RankGroup
 from services.learner.learner import Learner
 
@@ -38,6 +38,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             if head is None:
                 head = (chunk.epoch, chunk.worker_index, chunk.num_steps)
                 self.learner.check_rollout_epoch(chunk.epoch)  # before anything is buffered
+                self.learner.rollouts.check_worker(chunk.worker_index)
             elif (chunk.epoch, chunk.worker_index, chunk.num_steps) != head:
                 raise rpc.InvalidRequest("rollout: chunks disagree on epoch/worker_index/num_steps")
             if chunk.t_start != expect_t:
@@ -106,10 +107,21 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                                          last_checkpoint=le.last_checkpoint, elapsed_time_s=le.elapsed())
 
 
+def env_server_count(coordinator: str, timeout: float = 10.0) -> int | None:
+    """How many env servers the run has now (the coordinator's registry; None: it lists none)."""
+    with rpc.channel(coordinator) as ch:
+        status = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(),
+                                                                         timeout=min(timeout, 10.0))
+    envs = [s.index for s in status.services if s.role == coordinator_pb2.ENV]
+    return max(envs) + 1 if envs else None
+
+
 def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None, device: str = "cpu",
           group: RankGroup | None = None):
     """Rank 0's gRPC face (a group of one unless ``group`` says otherwise)."""
     learner = Learner(cfg, run_dir, device, group)
+    if coordinator:  # a scale-up's new env servers push before a Train names them: ask the coordinator
+        learner.rollouts.scale_probe = lambda: env_server_count(coordinator, cfg.cluster.rpc_timeout_s)
     server = rpc.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(learner), server)
     rpc.add_health_and_reflection(server, rpc.service_name(learner_pb2, "LearnerService"))

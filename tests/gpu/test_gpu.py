@@ -4,7 +4,7 @@
 
 Every test here is marked ``gpu`` and skips where CUDA is absent (this project's CI machine has none: the skip
 reason says so), so these run only when asked for on a GPU. They print what they measure (``-s`` shows it), for the
-README's GPU table:
+GPU table in docs/learner-ranks.md:
 
 - the learner as 2 ranks over NCCL takes the step 1 rank takes (float64; needs 2 GPUs);
 - bf16 on a tiny VLA through the learner on CUDA: log-probs recomputed as the policy acted, finite losses;

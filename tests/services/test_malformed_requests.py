@@ -147,3 +147,172 @@ def test_coordinator_answers_malformed_requests_with_named_errors(cfg, tmp_path)
         server.stop(0)
     assert calls > 30
     assert not bad, "\n".join(map(str, bad))
+
+
+# --- issue 25: bad inputs found by outside users (each reproduced on a standalone fleet) ---------------------------
+def _rollout(field=None, value=None, shape=None):
+    from rlfleet.rollout_schema import Rollout
+    from tests.services.learner.test_learner import fake_rollout
+
+    tm, pe, eps = fake_rollout(T=8)
+    if shape is not None:
+        tm[field] = np.zeros(shape, tm[field].dtype)
+    elif field is not None:
+        tm[field] = tm[field].copy()
+        tm[field].reshape(-1)[0] = value
+    return Rollout(tm, pe, eps)
+
+
+def _push(fleet, rollout, worker=0):
+    from rlfleet.clients.learner import rollout_chunks
+
+    stub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+    stub.PushRollout(rollout_chunks(rollout, 0, worker, "issue25"), timeout=30)
+
+
+def _collect(fleet, **fields):
+    req = {"epoch": 0, "num_steps": 4, "inference_addresses": [fleet.inf_addr], "learner_address": fleet.learner_addr,
+           **fields}
+    rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr)).Collect(rollout_pb2.CollectRequest(**req),
+                                                                             timeout=30)
+
+
+def _huge_space(fleet, to):
+    from rlfleet import weights
+    from rlfleet.models import ActorCritic, ObsSpec
+    from rlfleet.v1 import inference_pb2_grpc
+
+    huge = tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[2 ** 31])  # exactly the codec's limit
+    if to == "learner":
+        spec = env_pb2.EnvSpec()
+        spec.observation_space["state"].CopyFrom(huge)
+        spec.action_space.CopyFrom(tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[4]))
+        learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+            learner_pb2.PublishWeightsRequest(env_spec=spec), timeout=30)
+    else:
+        state = ActorCritic({"state": ObsSpec((13,), "float32")}, 4, hidden_dims=[8]).state_dict()
+        inference_pb2_grpc.InferenceServiceStub(rpc.channel(fleet.inf_addr)).UpdateWeights(
+            weights.iter_chunks(state, 7, obs_specs={"state": ObsSpec((2 ** 31,), "float32")}, action_dim=4),
+            timeout=30)
+
+
+def _dead():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+DEAD = _dead()
+I, F, U = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE
+ISSUE_25 = [  # (what, call, status, text the answer must hold); run in this order against one fleet
+    ("PublishWeights: a 2**31-element observation space", lambda f: _huge_space(f, "learner"), I,
+     "env_spec.observation_space: one observation row declares 8192 MiB"),
+    ("UpdateWeights: a 2**31-element observation space", lambda f: _huge_space(f, "inference"), I,
+     "observation_space: one observation row declares 8192 MiB"),
+    ("PushRollout: values 3e38", lambda f: _push(f, _rollout("values", 3e38)), I, "rollout['values']: value 3e+38"),
+    ("PushRollout: actions 3e38", lambda f: _push(f, _rollout("actions", 3e38)), I, "rollout['actions']: value 3e+38"),
+    ("PushRollout: rewards 3e38", lambda f: _push(f, _rollout("rewards", 3e38)), I, "rollout['rewards']: value 3e+38"),
+    ("PushRollout: values [T, N, 3]", lambda f: _push(f, _rollout("values", shape=(8, 8, 3))), I,
+     "rollout['values']: shape [8, 8, 3] where [8, 8] was expected"),
+    ("PushRollout: terminated [T, N, 3]", lambda f: _push(f, _rollout("terminated", shape=(8, 8, 3))), I,
+     "rollout['terminated']: shape [8, 8, 3]"),
+    ("PushRollout: bootstrap_values [T, N, 3]", lambda f: _push(f, _rollout("bootstrap_values", shape=(8, 8, 3))), I,
+     "rollout['bootstrap_values']: shape [8, 8, 3]"),
+    ("PushRollout: fi.actions of width 7", lambda f: _push(f, _rollout("fi.actions", shape=(8, 8, 7))), I,
+     "rollout['fi.actions']: float32 [8, 8, 7] where float [8, 8, *[4]] was expected"),
+    ("PushRollout: an all-false loss_mask", lambda f: _push(f, _rollout("loss_mask", shape=(8, 8))), I,
+     "rollout['loss_mask']: all 64 samples are masked out"),
+    ("PushRollout: worker 40 of a 1-server run", lambda f: _push(f, _rollout(), worker=40), I,
+     "worker_index: 40 is not one of this run's env servers (0..0"),
+    ("Collect: an unreachable learner_address", lambda f: _collect(f, learner_address=DEAD), U,
+     f"learner_address: no learner answered at {DEAD}"),
+    ("Collect: the learner refuses the rollout", lambda f: _collect(f, epoch=10 ** 9), I,
+     f"did not take the rollout of epoch 1000000000: INVALID_ARGUMENT: epoch: a rollout for epoch 1000000000"),
+    ("Collect: min_weights_version far ahead", lambda f: _collect(f, min_weights_version=2 ** 40), F,
+     "min_weights_version: inference served weights version 0"),
+    ("Collect: garbage inference address", lambda f: _collect(f, inference_addresses=["[unclosed: {"]), I,
+     "inference_addresses[0]: '[unclosed: {' is not an address"),
+    ("Collect: unreachable inference address", lambda f: _collect(f, inference_addresses=[DEAD]), U,
+     f"inference server {DEAD} did not answer"),
+]
+
+
+def test_issue_25_inputs_get_named_statuses_and_lose_nothing(fleet, monkeypatch):
+    from rlfleet.clients import policy as policy_client
+    from services.env import server as env_server
+
+    monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(policy_client, "CONNECT_TIMEOUT_S", 2.0)
+    rs = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+    lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+    wrong = []
+    for i, (what, call, code, text) in enumerate(ISSUE_25):
+        if i == 2:  # the policy's spaces from here on (after the two space cases)
+            lstub.PublishWeights(learner_pb2.PublishWeightsRequest(
+                env_spec=rs.Describe(env_pb2.DescribeEnvRequest()), inference_addresses=[fleet.inf_addr]))
+            _push(fleet, _rollout())  # good data before the bad: it must be kept
+        try:
+            call(fleet)
+            wrong.append((what, "accepted"))
+        except grpc.RpcError as e:
+            if e.code() != code or text not in e.details():
+                wrong.append((what, e.code().name, e.details()[:300]))
+    assert not wrong, "\n".join(map(str, wrong))
+    assert (0, 0) in fleet.learner.rollouts.pending and list(fleet.learner.rollouts.pending) == [(0, 0)]
+    assert fleet.learner.rollouts.pending[(0, 0)]["time"]["rewards"].shape == (8, 8)
+    # every server still serves: a real epoch collects and trains
+    _collect(fleet)
+    resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]),
+                       timeout=60)
+    assert resp.weights_version == 1 and fleet.engine.version == 1
+    assert lstub.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(), timeout=60).path
+
+
+def _garbage(targets):
+    """Bytes that are no protobuf message, as every method's request: never INTERNAL or UNKNOWN."""
+    bad, calls = [], 0
+    raw = lambda b: b  # noqa: E731
+    for addr, mod, name in targets:
+        svc = mod.DESCRIPTOR.services_by_name[name]
+        with grpc.insecure_channel(addr) as ch:
+            for m in svc.methods:
+                path, body = f"/{svc.full_name}/{m.name}", b"\xff\xff\xff\xff\x0f"
+                calls += 1
+                try:
+                    if m.client_streaming and m.server_streaming:
+                        list(ch.stream_stream(path, raw, raw)(iter([body]), timeout=30))
+                    elif m.client_streaming:
+                        ch.stream_unary(path, raw, raw)(iter([body]), timeout=30)
+                    elif m.server_streaming:
+                        list(ch.unary_stream(path, raw, raw)(body, timeout=30))
+                    else:
+                        ch.unary_unary(path, raw, raw)(body, timeout=30)
+                    bad.append((name, m.name, "OK"))
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.INVALID_ARGUMENT or "not a valid" not in e.details():
+                        bad.append((name, m.name, e.code().name, e.details()[:200]))
+    return bad, calls
+
+
+def test_bytes_that_are_no_message_get_invalid_argument(fleet, cfg, tmp_path):
+    """gRPC answers a request it cannot parse with INTERNAL; every rlfleet server says INVALID_ARGUMENT instead,
+    naming the message type, and keeps serving."""
+    from services.coordinator.coordinator import Coordinator
+    from services.coordinator.server import serve
+
+    coord = Coordinator(cfg, tmp_path / "run", quiet=True)
+    server = serve(coord, "127.0.0.1:0")
+    try:
+        bad, calls = _garbage([(fleet.env_addr, env_pb2, "EnvService"),
+                               (fleet.env_addr, rollout_pb2, "RolloutService"),
+                               (fleet.inf_addr, inference_pb2, "InferenceService"),
+                               (fleet.learner_addr, learner_pb2, "LearnerService"),
+                               (coord.address, coordinator_pb2, "CoordinatorService")])
+    finally:
+        server.stop(0)
+    assert calls > 20
+    assert not bad, "\n".join(map(str, bad))
+    rs = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+    assert rs.Describe(env_pb2.DescribeEnvRequest()).num_envs > 0  # still serving

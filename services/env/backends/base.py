@@ -75,6 +75,12 @@ class SimBackend(abc.ABC):
     def step(self, env_ids: np.ndarray, actions: np.ndarray) -> BackendStep:
         """One control step of the slots ``env_ids`` with ``actions[j]`` (validated, clipped, float32)."""
 
+    def drawn_state_ids(self, env_ids: np.ndarray) -> list[int | None]:
+        """For each slot, the fixed initial state (in [0, spec.num_reset_states)) its current episode started from
+        when the backend drew it itself (a reset without a state id: from the seed or the slot's generator); None
+        when the episode did not start from one of them. VecEnv reports it as the episode's reset_state_id."""
+        return [None] * len(env_ids)
+
     def expert_actions(self, env_ids: np.ndarray) -> np.ndarray:
         """A scripted expert's action for each slot's current state ``[n, *action_shape]`` (privileged: it may
         read simulator state the observations do not show). Used to collect demonstrations; a backend without

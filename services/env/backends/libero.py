@@ -204,6 +204,7 @@ class LiberoBackend(SimBackend):
         self._active: list[tuple[int, object] | None] = [None] * num_envs  # slot -> (task, env)
         self._idle: list[tuple[int, object]] = []                          # released envs, oldest first
         self._rngs = [np.random.default_rng(i) for i in range(num_envs)]
+        self._drawn: list[int | None] = [None] * num_envs  # each slot's current fixed state (drawn_state_ids)
         self._gl_current = None
         size = self.image_size
         self._spec = BackendSpec(
@@ -324,6 +325,9 @@ class LiberoBackend(SimBackend):
         return {k: np.stack([r[k] for r in rows]) for k in self._spec.observation_space}
 
     # --- SimBackend -------------------------------------------------------------------------------------------
+    def drawn_state_ids(self, env_ids) -> list[int | None]:
+        return [self._drawn[int(i)] for i in env_ids]
+
     def reset(self, env_ids, seeds, state_ids):
         rows, texts = [], []
         for i, seed, state in zip(env_ids, seeds, state_ids):
@@ -332,6 +336,7 @@ class LiberoBackend(SimBackend):
                 self._rngs[i] = np.random.default_rng(int(seed))
             if state is None:
                 state = int(self._rngs[i].integers(len(self.states)))
+            self._drawn[i] = int(state)  # reported as the episode's reset_state_id, drawn or asked for
             task, init = self.states[int(state)]
             env = self._env_for(i, task)
             self._make_current(env)

@@ -85,6 +85,7 @@ class MetaWorldBackend(SimBackend):
         self._experts: dict[str, object] = {}
         self._class_index = np.zeros(num_envs, np.int64)
         self._rngs = [np.random.default_rng(benchmark_seed + i) for i in range(num_envs)]
+        self._drawn: list[int | None] = [None] * num_envs  # each slot's current fixed state (drawn_state_ids)
         probe = self._env(0, self.class_names[0])
         probe.set_task(self.states[0][1])  # the goal is observed once a task is set: its bounds count from here
         base = probe.sawyer_observation_space  # (env.observation_space keeps the space from before set_task)
@@ -127,6 +128,9 @@ class MetaWorldBackend(SimBackend):
             out["pixels"] = np.ascontiguousarray(img[::-1] if self.flip else img)
         return out
 
+    def drawn_state_ids(self, env_ids) -> list[int | None]:
+        return [self._drawn[int(i)] for i in env_ids]
+
     def reset(self, env_ids, seeds, state_ids):
         rows, texts = [], []
         for i, seed, state in zip(env_ids, seeds, state_ids):
@@ -134,6 +138,7 @@ class MetaWorldBackend(SimBackend):
                 self._rngs[i] = np.random.default_rng(seed)
             if state is None:
                 state = int(self._rngs[i].integers(len(self.states)))
+            self._drawn[i] = int(state)  # reported as the episode's reset_state_id, drawn or asked for
             class_name, task = self.states[state]
             env = self._env(i, class_name)
             env.set_task(task)

@@ -119,3 +119,50 @@ def test_a_run_over_two_simulators_gets_an_image_and_a_statefulset_per_simulator
     assert images["env-0-libero"] == "rlfleet-libero:cpu" and images["env-1-metaworld"] == "rlfleet-metaworld:cpu"
     compose = yaml.safe_load(deploy.write("compose", cfg, tmp_path / "c")[0].read_text())
     assert compose["services"]["env-1"]["image"] == "rlfleet-metaworld:cpu"
+
+
+def test_each_container_gets_its_own_credential_not_the_run_secret(tmp_path, monkeypatch):
+    """The run secret goes to the coordinator only; compose gives each service a credential for its role and
+    index, Kubernetes one per role (a StatefulSet's pods share a template); none of them is the secret, and what
+    an env container holds is refused where the learner's is needed."""
+    from rlfleet import auth
+
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    cfg = load_config(None, GPU_RUN)
+    deploy.write("compose", cfg, tmp_path / "compose")
+    doc = yaml.safe_load((tmp_path / "compose" / "docker-compose.yml").read_text())["services"]
+    read = lambda name: (tmp_path / "compose" / name).read_text().strip().split("=", 1)[1]  # noqa: E731
+    secret = read("rlfleet.env")
+    assert doc["coordinator"]["env_file"] == ["rlfleet.env"] and not auth.is_credential(secret)
+    for name in ("learner-0", "inference-0", "env-0", "env-1"):
+        (env_file,) = doc[name]["env_file"]
+        assert env_file == f"rlfleet-{name}.env" and (tmp_path / "compose" / env_file).stat().st_mode & 0o777 == 0o600
+        role, index = name.rsplit("-", 1)
+        assert read(env_file) == auth.issue(secret, role, int(index))
+
+    docs = k8s_docs(cfg, tmp_path / "k8s")
+    secrets = {d["metadata"]["name"]: d["stringData"][auth.TOKEN_ENV] for d in docs if d["kind"] == "Secret"}
+    run = str(cfg.runner.experiment_name).replace("_", "-").lower()
+    k8s_secret = secrets[f"{run}-token"]
+
+    def secret_of(obj):
+        container = obj["spec"]["template"]["spec"]["containers"][0]
+        (ref,) = [e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if e["name"] == auth.TOKEN_ENV]
+        return ref
+
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("StatefulSet", "Job")}
+    assert secret_of(workloads["coordinator"]) == f"{run}-token"
+    for role in ("env", "inference", "learner"):
+        assert secret_of(workloads[role]) == f"{run}-{role}-credential"
+        assert secrets[f"{run}-{role}-credential"] == auth.issue(k8s_secret, role)  # any index of the role
+    # an env pod's credential, claiming the learner at an inference server: refused
+    try:
+        auth.set_identity("env", secrets[f"{run}-env-credential"], 1)
+        md = [(k, "learner" if k == auth.ROLE_KEY else v)
+              for k, v in auth.call_metadata("/rlfleet.v1.InferenceService/Act")]
+        auth.set_identity("inference", secrets[f"{run}-inference-credential"], 0)
+        with pytest.raises(auth.AuthError) as err:
+            auth.check("/rlfleet.v1.InferenceService/UpdateWeights", md)
+        assert err.value.args[0] == "PERMISSION_DENIED"
+    finally:
+        auth.set_identity("env", None)

@@ -39,9 +39,12 @@ def finish(proc, timeout=240):
     return proc.returncode, out
 
 
-def credential(run_dir, role="ctl"):
-    """Call metadata with the run's token (what coordinatorctl status sends)."""
-    return [("authorization", f"Bearer {(run_dir / 'run_token').read_text()}"), ("x-rlfleet-role", role)]
+def credential(run_dir, role="ctl", to="coordinator", index=0):
+    """Call metadata of ``role[index]`` toward a server of role ``to``, made from the run's secret (what
+    coordinatorctl status sends, for role ctl)."""
+    from rlfleet import auth
+
+    return auth.metadata((run_dir / "run_token").read_text(), role, index, to=to)
 
 
 def status(run_dir):
@@ -195,7 +198,7 @@ def test_learner_killed_then_resume_and_stop(tmp_path, staleness):
     assert f"resumed from {ckpt}" in learner_log
     assert_no_orphans(pids2)
     steps = [r["step"] for r in read_metrics(run) if "train/actor/policy_loss" in r]
-    assert steps == sorted(set(steps)) or steps[:last["epoch"] + 1] == list(range(1, last["epoch"] + 2))
+    assert steps == sorted(set(steps))  # each epoch once: the records after the checkpoint were dropped on resume
 
 
 @pytest.mark.parametrize("args, message", [

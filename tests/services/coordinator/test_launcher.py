@@ -43,7 +43,7 @@ def _cpus(cfg, cores):
 
 
 def test_no_process_is_pinned_unless_the_config_says():
-    # measured on 2 cores: the OS scheduler beats fixed layouts in both modes (README, CPU placement)
+    # measured on 2 cores: the OS scheduler beats fixed layouts in both modes (docs/benchmarks.md, CPU placement)
     for mode in ("0", "1"):
         cfg = load_config(None, [f"algorithm.max_staleness={mode}", "cluster.num_env_servers=2"])
         assert set(_cpus(cfg, [0, 1]).values()) == {()}

@@ -18,6 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from rlfleet import auth
 from rlfleet.config import ConfigError, learner_layout, load_config
 from rlfleet.service import CANNOT_START
 from rlfleet.v1 import coordinator_pb2
@@ -275,7 +276,8 @@ def test_a_killed_agent_takes_its_ranks_and_the_monitor_names_the_learner(tmp_pa
         assert sorted(r["RANK"] for r in ranks) == ["0", "1"] and {r["WORLD_SIZE"] for r in ranks} == {"2"}
         for r in ranks:  # each rank's parent is the agent, the process the launcher started
             assert r["ppid"] == proc.popen.pid and r["RLFLEET_PARENT_PID"] == str(proc.popen.pid)
-            assert r["launched_pid"] == proc.popen.pid and r["RLFLEET_RUN_TOKEN"] == "t"
+            assert r["launched_pid"] == proc.popen.pid
+            assert r["RLFLEET_RUN_TOKEN"] == auth.issue("t", "learner", 0)  # the learner's credential, not the secret
         fate = RunFate()
         reg = Registry(launcher.cfg, fate, lambda *a, **k: None)
         reg.register(coordinator_pb2.LEARNER, 0, "127.0.0.1:1", ranks[0]["launched_pid"], "i")  # what rank 0 sends

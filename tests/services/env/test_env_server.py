@@ -145,6 +145,7 @@ def test_unreachable_inference_fails_collect_in_time_and_the_server_recovers(tmp
             rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=["127.0.0.1:1"],
                                                      learner_address=fleet.learner_addr), timeout=30)
         assert time.monotonic() - t0 < 10
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert "127.0.0.1:1" in err.value.details() and "did not answer within 2s" in err.value.details()
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
         learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
@@ -228,3 +229,103 @@ def test_collect_and_evaluate_in_the_policy_spaces_of_a_run_over_several_simulat
         epoch=1, num_steps=2, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr,
         policy_spec=small)), "policy_spec: env[0] (gym:PandaPickCube-v0) cannot act in the run's policy spaces: "
                              "observation 'state'")
+
+
+# --- issue 25: Collect's peers unreachable, refusing or slow ------------------------------------------------------
+def _dead_address() -> str:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _published(fleet):
+    from rlfleet.v1 import learner_pb2, learner_pb2_grpc
+
+    rstub = _rollout_stub(fleet.env_addr)
+    spec = rstub.Describe(env_pb2.DescribeEnvRequest())
+    learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+    return rstub
+
+
+def _collect_error(rstub, timeout=30, **fields):
+    from rlfleet.v1 import rollout_pb2
+
+    with pytest.raises(grpc.RpcError) as err:
+        rstub.Collect(rollout_pb2.CollectRequest(**{"epoch": 0, "num_steps": 4, **fields}), timeout=timeout)
+    return err.value
+
+
+def test_collect_names_what_is_wrong_with_its_peers_and_the_worker_stays_free(fleet, monkeypatch):
+    """An unreachable learner held the worker ~300 s; a learner's refusal came back UNKNOWN with raw
+    _InactiveRpcError text; a far min_weights_version and bad inference addresses came back INTERNAL."""
+    import time
+
+    from rlfleet.v1 import rollout_pb2
+    from services.env import server as env_server
+
+    from rlfleet.clients import policy as policy_client
+
+    monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(policy_client, "CONNECT_TIMEOUT_S", 2.0)
+    rstub = _published(fleet)
+    good = dict(inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr)
+    dead = _dead_address()
+    t0 = time.monotonic()
+    e = _collect_error(rstub, **dict(good, learner_address=dead))
+    assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+    assert e.details() == f"learner_address: no learner answered at {dead} within 2s (unreachable)"
+    assert time.monotonic() - t0 < 8  # before any step was collected for it
+    e = _collect_error(rstub, **dict(good, epoch=10 ** 9))  # the learner refuses the rollout: its status, named
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+    assert e.details().startswith(f"the learner at {fleet.learner_addr} did not take the rollout of epoch "
+                                  f"1000000000: INVALID_ARGUMENT: epoch: a rollout for epoch 1000000000")
+    assert "_InactiveRpcError" not in e.details()
+    e = _collect_error(rstub, **dict(good, min_weights_version=10 ** 6))
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e.details()
+    assert "min_weights_version: inference served weights version 0; epoch 0 needs version >= 1000000" in e.details()
+    for garbage in ("x" * 1000, "\x00", "[unclosed: {", ""):
+        e = _collect_error(rstub, **dict(good, inference_addresses=[fleet.inf_addr, garbage]))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("inference_addresses[1]: ")
+        e = _collect_error(rstub, **dict(good, learner_address=garbage))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("learner_address: ")
+    e = _collect_error(rstub, **dict(good, inference_addresses=[dead]))
+    assert e.code() == grpc.StatusCode.UNAVAILABLE and f"inference server {dead} did not answer" in e.details()
+    ok = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, **good), timeout=30)
+    assert ok.env_steps == 4 * fleet.worker.env.num_envs and (0, 0) in fleet.learner.rollouts.pending
+
+
+def test_a_learner_that_never_answers_costs_the_caller_its_deadline_not_the_worker(fleet):
+    """The push to the learner ends with the caller's deadline (it used to wait 300 s, holding the worker: a valid
+    Collect after it waited 270 s)."""
+    import threading
+    import time
+
+    from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2
+
+    release = threading.Event()
+
+    class Stuck(learner_pb2_grpc.LearnerServiceServicer):
+        def PushRollout(self, request_iterator, context):
+            for _ in request_iterator:
+                pass
+            release.wait(120)  # takes the rollout, never answers
+            return learner_pb2.PushRolloutResponse()
+
+    stuck = rpc.make_server(max_workers=4)
+    learner_pb2_grpc.add_LearnerServiceServicer_to_server(Stuck(), stuck)
+    stuck_addr = rpc.bind(stuck, "127.0.0.1:0")
+    stuck.start()
+    try:
+        rstub = _published(fleet)
+        t0 = time.monotonic()
+        e = _collect_error(rstub, timeout=6, inference_addresses=[fleet.inf_addr], learner_address=stuck_addr)
+        assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        ok = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
+                                                      learner_address=fleet.learner_addr), timeout=30)
+        assert ok.env_steps > 0 and time.monotonic() - t0 < 15
+    finally:
+        release.set()
+        stuck.stop(0)

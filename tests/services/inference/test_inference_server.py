@@ -176,3 +176,62 @@ def test_many_concurrent_streams_are_all_served(cfg):
     finally:
         srv.stop(0)
         engine.stop()
+
+
+# --- issue 25: a weights set whose declared spaces would not fit ------------------------------------------------
+def _update_with_spaces(addr, specs, version=1):
+    """UpdateWeights declaring ``specs`` with a small (mismatched) state: what an outside user sent."""
+    m = ActorCritic(SPECS, 4, hidden_dims=[64, 64])
+    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    return stub.UpdateWeights(weights.iter_chunks(m.state_dict(), version, obs_specs=specs, action_dim=4), timeout=30)
+
+
+def test_declared_spaces_are_checked_before_anything_is_built(inference):
+    """An observation space of 2**31 elements (the codec's limit, so it passes the shape check) used to be built
+    first: the server's memory rose to ~23 GB before the kernel killed it."""
+    import resource
+    import time
+
+    addr, engine = inference
+    publish(addr, 1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    for shape in ([2 ** 31], [2 ** 16, 2 ** 15], [2 ** 26 + 1]):
+        with pytest.raises(grpc.RpcError) as err:
+            _update_with_spaces(addr, {"state": ObsSpec(tuple(shape), "float32")}, version=2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "observation_space: one observation row declares" in err.value.details()
+        assert "at most 256 MiB, what one request can carry" in err.value.details()
+    assert time.monotonic() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024  # KiB: nothing was built
+    # still serving the earlier weights
+    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    assert stub.Describe(inference_pb2.DescribeInferenceRequest()).weights_version == 1
+    client = GrpcPolicyClient([addr], 1, action_dim=4)
+    client.submit(0, {"state": np.zeros((2, 13), np.float32)})
+    assert client.result(0).weights_version == 1
+    client.close()
+
+
+def test_a_policy_that_would_not_fit_the_memory_budget_is_resource_exhausted(inference, monkeypatch):
+    from services.inference import engine as engine_module
+
+    built = []
+    real_build = engine_module.build_policy
+    monkeypatch.setattr(engine_module, "build_policy", lambda *a, **kw: built.append(a) or real_build(*a, **kw))
+    addr, engine = inference
+    engine.memory_budget_bytes = 8 * 2 ** 20  # two copies of an MLP for 100k-float observations: ~50 MB
+    with pytest.raises(grpc.RpcError) as err:
+        _update_with_spaces(addr, {"state": ObsSpec((100_000,), "float32")})
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+    assert "observation_space: a mlp policy for spaces state[100000]" in err.value.details()
+    assert "GiB are available" in err.value.details()
+    assert engine.model is None
+    # a state that does not match the declared spaces is refused before the build, naming the tensor
+    with pytest.raises(grpc.RpcError) as err:
+        _update_with_spaces(addr, {"state": ObsSpec((20,), "float32")})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "weights['obs_rms.mean']: shape [13] where [20] was expected" in err.value.details()
+    assert not built  # neither set got as far as building a policy
+    _, resp = publish(addr, 3)  # a policy that fits is served
+    assert resp.version == 3 and engine.version == 3 and len(built) == 1

@@ -292,3 +292,126 @@ def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
         assert not torch.allclose(moved, start.log_probs, atol=1e-3)
     finally:
         le.close()
+
+
+# --- issue 25: inputs that used to poison or bloat the learner -------------------------------------------------
+def test_forward_inputs_are_checked_against_what_the_policy_produces(learner):
+    from rlfleet.rollout_schema import InputSpec
+
+    assert learner.rollouts.fi_specs == {"actions": InputSpec((4,), "float32")}  # asked of the policy at set-up
+    tm, pe, eps = fake_rollout()
+    with pytest.raises(InvalidRequest, match=r"rollout\['fi.actions'\]: float32 \[16, 8, 7\] where float "
+                                             r"\[16, 8, \*\[4\]\] was expected"):
+        learner.receive(0, 0, dict(tm, **{"fi.actions": np.zeros((16, 8, 7), np.float32)}), pe, eps)
+    with pytest.raises(InvalidRequest, match=r"unknown tensors \['fi.tokens'\]"):
+        learner.receive(0, 0, dict(tm, **{"fi.tokens": np.zeros((16, 8, 3), np.int64)}), pe, eps)
+    with pytest.raises(InvalidRequest, match=r"rollout\['loss_mask'\]: all 128 samples are masked out"):
+        learner.receive(0, 0, dict(tm, loss_mask=np.zeros((16, 8), bool)), pe, eps)
+    assert not learner.rollouts.pending
+    learner.receive(0, 0, tm, pe, eps)
+    assert np.isfinite(learner.train(0, [0])["train/loss"])
+
+
+def test_forward_input_specs_leave_the_random_stream_alone(learner):
+    from services.learner.rollouts import forward_input_specs
+
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    forward_input_specs(learner.model, SPECS)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("field", ["values", "actions", "fi.actions", "rewards", "bootstrap_values", "log_probs"])
+def test_huge_finite_values_are_refused_and_training_goes_on(learner, field):
+    """3e38 in values/actions used to make every later Train fail (INTERNAL) and SaveCheckpoint refuse."""
+    tm, pe, eps = fake_rollout()
+    bad = dict(tm)
+    bad[field] = tm[field].copy()
+    bad[field].reshape(-1)[5] = 3e38
+    with pytest.raises(InvalidRequest, match=rf"rollout\['{field}'\]: value 3e\+38 .* beyond the schema's bound"):
+        learner.receive(0, 0, bad, pe, eps)
+    with pytest.raises(InvalidRequest, match=r"rollout\['last_values'\]: value 3e\+38"):
+        learner.receive(0, 0, tm, {"last_values": np.full(8, 3e38, np.float32)}, eps)
+    assert not learner.rollouts.pending
+    learner.receive(0, 0, tm, pe, eps)
+    m = learner.train(0, [0])
+    assert all(np.isfinite(v) for v in m.values())
+    assert learner.save_checkpoint().exists()
+
+
+def test_reward_normaliser_stays_usable_after_rewards_at_the_bound(learner):
+    """Rewards of 3e38 pushed the normaliser's variance to 9e76 (every later reward scaled to ~1e-38); the largest
+    reward the schema lets through leaves finite statistics, and an overflowing batch leaves them untouched."""
+    from rlfleet.rollout_schema import REWARD_BOUND
+    from services.learner.batch import RewardScaler
+
+    scaler = RewardScaler(0.99)
+    dones = np.zeros((16, 8), bool)
+    out = scaler(0, np.full((16, 8), REWARD_BOUND, np.float32), dones)
+    assert np.isfinite(out).all() and np.isfinite(scaler.rms.var.item())
+    before = {k: v.clone() for k, v in scaler.state_dict().items()}
+    with pytest.raises(FailedPrecondition, match="rewards of worker 0: their discounted returns overflow"):
+        scaler(0, np.full((16, 8), np.finfo(np.float64).max, np.float64), dones)
+    assert all(torch.equal(before[k], v) for k, v in scaler.state_dict().items())
+
+
+def test_a_batch_with_nothing_to_train_leaves_the_observation_normaliser_finite(learner):
+    """No sample trains (all masked; the intake refuses such a rollout, GRPO's filter can still make one): the
+    normaliser's statistics of no rows would be NaN for every later act."""
+    tm, pe, eps = fake_rollout()
+    tm["loss_mask"] = np.zeros((16, 8), bool)
+    learner.rollouts.pending[(0, 0)] = {"time": tm, "env": pe, "episodes": eps}  # past the intake's check
+    learner.train(0, [0])
+    assert all(torch.isfinite(b).all() for b in learner.model.buffers())
+
+
+def test_rollouts_of_workers_the_run_does_not_have_are_refused(learner):
+    """40 rollouts for made-up worker indices took the learner from 369 to 1656 MB until the next Train."""
+    tm, pe, eps = fake_rollout()
+    assert learner.rollouts.num_workers == 1  # cluster.num_env_servers
+    for worker in (1, 5, 2 ** 31 - 1, -1):
+        with pytest.raises(InvalidRequest, match=rf"worker_index: {worker} is not one of this run's env servers "
+                                                 r"\(0\.\.0"):
+            learner.receive(0, worker, tm, pe, eps)
+    assert not learner.rollouts.pending
+    # the run scales up (coordinatorctl scale env 3): the new servers push before the Train that names them;
+    # the learner asks the coordinator
+    asked = []
+    learner.rollouts.scale_probe = lambda: asked.append(1) or 3
+    learner.receive(0, 2, tm, pe, eps)
+    learner.receive(0, 1, tm, pe, eps)
+    assert len(asked) == 1 and learner.rollouts.num_workers == 3
+    with pytest.raises(InvalidRequest, match=r"worker_index: 3 is not one of this run's env servers \(0\.\.2"):
+        learner.receive(0, 3, tm, pe, eps)
+    learner.receive(0, 0, tm, pe, eps)
+    learner.train(0, [0, 1, 2])
+    # scaled down to 1: Train names the workers, and the next epoch takes only them
+    learner.rollouts.scale_probe = None
+    learner.receive(1, 0, tm, pe, eps)
+    learner.train(1, [0])
+    assert learner.rollouts.num_workers == 1
+    with pytest.raises(InvalidRequest, match="worker_index: 1"):
+        learner.receive(2, 1, tm, pe, eps)
+
+
+def test_resumed_run_logs_each_epoch_once(cfg, tmp_path):
+    """A kill after epochs past the last checkpoint: --resume trains them again, metrics.jsonl holds them once."""
+    cfg.runner.save_interval = 2
+    le = Learner(cfg, tmp_path / "run")
+    le.setup(SPECS, 4)
+    for epoch in range(3):  # checkpoint at step 2; steps 1, 2, 3 logged; then the kill
+        le.receive(epoch, 0, *fake_rollout(seed=epoch))
+        le.train(epoch, [0])
+    le.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    cfg.runner.resume_dir = str(tmp_path / "run")
+    le2 = Learner(cfg, tmp_path / "run")
+    le2.setup(SPECS, 4)
+    try:
+        assert le2.epoch == 1
+        le2.receive(2, 0, *fake_rollout(seed=2))
+        le2.train(2, [0])
+        assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    finally:
+        le2.close()

@@ -191,3 +191,112 @@ def test_rollouts_for_far_epochs_and_0d_tensors_are_refused_before_buffering(lea
         stub.PushRollout(iter([bad]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "a 0-d tensor" in err.value.details()
     assert not learner.rollouts.pending
+
+
+# --- issue 25: rollouts that used to be accepted and then broke Train --------------------------------------------
+def _bad(field, value=None, shape=None, pe=False):
+    def make():
+        tm, pe_, eps = fake_rollout(T=8)
+        target = pe_ if pe else tm
+        if shape is not None:
+            target[field] = np.zeros(shape, target[field].dtype)
+        else:
+            target[field] = target[field].copy()
+            target[field].reshape(-1)[3] = value
+        return Rollout(tm, pe_, eps)
+    return make
+
+
+BAD_ROLLOUTS = [  # (what, rollout, the field the refusal names)
+    ("values 3e38", _bad("values", 3e38), "rollout['values']: value 3e+38"),
+    ("actions 3e38", _bad("actions", 3e38), "rollout['actions']: value 3e+38"),
+    ("fi.actions -3e38", _bad("fi.actions", -3e38), "rollout['fi.actions']: value -3e+38"),
+    ("rewards 3e38", _bad("rewards", 3e38), "rollout['rewards']: value 3e+38"),
+    ("last_values 3e38", _bad("last_values", 3e38, pe=True), "rollout['last_values']: value 3e+38"),
+    ("values [T, N, 2]", _bad("values", shape=(8, 8, 2)), "rollout['values']: shape [8, 8, 2] where [8, 8]"),
+    ("terminated [T, N, 2]", _bad("terminated", shape=(8, 8, 2)), "rollout['terminated']: shape [8, 8, 2]"),
+    ("bootstrap_values [T, N, 2]", _bad("bootstrap_values", shape=(8, 8, 2)), "rollout['bootstrap_values']: shape"),
+    ("fi.actions width 7", _bad("fi.actions", shape=(8, 8, 7)), "rollout['fi.actions']: float32 [8, 8, 7] where"),
+    ("all-false loss_mask", _bad("loss_mask", shape=(8, 8)), "rollout['loss_mask']: all 64 samples are masked out"),
+]
+
+
+def test_bad_rollouts_are_refused_naming_the_field_and_good_data_stays(fleet, learner_stub):
+    from rlfleet.v1 import learner_pb2
+
+    stub, learner = learner_stub
+    good = Rollout(*fake_rollout(T=8))
+    stub.PushRollout(rollout_chunks(good, 0, 0, "inc"))  # a good rollout first: it must survive what follows
+    for what, make, named in BAD_ROLLOUTS:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PushRollout(rollout_chunks(make(), 0, 0, "inc"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.value.details())
+        assert named in err.value.details(), (what, err.value.details())
+    assert list(learner.rollouts.pending) == [(0, 0)]
+    assert np.array_equal(learner.rollouts.pending[(0, 0)]["time"]["values"], good.time_major["values"])
+    for epoch in range(2):  # training goes on, and so do checkpoints
+        if epoch:
+            stub.PushRollout(rollout_chunks(Rollout(*fake_rollout(T=8, seed=epoch)), epoch, 0, "inc"))
+        resp = stub.Train(learner_pb2.TrainRequest(epoch=epoch, worker_indices=[0]), timeout=60)
+        assert all(np.isfinite(v) for v in resp.metrics.values())
+    assert stub.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(), timeout=60).path
+
+
+class _FakeCoordinator:
+    """CoordinatorService.Status over real gRPC, listing ``envs`` env servers (what the learner asks on a scale-up)."""
+
+    def __init__(self, envs: int):
+        from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+        self.envs, self.calls = envs, 0
+        outer = self
+
+        class Servicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+            def Status(self, request, context):
+                outer.calls += 1
+                st = coordinator_pb2.RunStatus()
+                for i in range(outer.envs):
+                    st.services.add(role=coordinator_pb2.ENV, index=i, address=f"127.0.0.1:{9000 + i}")
+                st.services.add(role=coordinator_pb2.LEARNER, index=0, address="127.0.0.1:8999")
+                return st
+
+        self.server = rpc.make_server(max_workers=2)
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(Servicer(), self.server)
+        self.address = rpc.bind(self.server, "127.0.0.1:0")
+        self.server.start()
+
+
+def test_rollouts_for_workers_the_run_does_not_have_are_refused_before_buffering(cfg, tmp_path):
+    """Worker indices past the run's env servers are refused at the first chunk; a scale-up's new server is
+    accepted once the coordinator lists it."""
+    import resource
+
+    from services.learner import server as learner_server
+    from tests.services.learner.test_learner import SPECS
+
+    coord = _FakeCoordinator(envs=1)
+    srv, addr, learner, _ = learner_server.serve(cfg, "127.0.0.1:0", str(tmp_path / "run"), coordinator=coord.address)
+    try:
+        learner.setup(SPECS, 4)
+        learner.rollouts.PROBE_INTERVAL_S = 0.0
+        stub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(addr))
+        big = Rollout(*fake_rollout(T=64))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for worker in (1, 7, 40, 2 ** 31 - 1):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.PushRollout(rollout_chunks(big, 0, worker, "inc"), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"worker_index: {worker} is not one of this run's env servers (0..0" in err.value.details()
+        assert not learner.rollouts.pending and coord.calls >= 1
+        coord.envs = 3  # coordinatorctl scale env 3: the new servers are registered before they collect
+        for worker in (2, 1, 0):
+            stub.PushRollout(rollout_chunks(big, 0, worker, "inc"), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PushRollout(rollout_chunks(big, 0, 3, "inc"), timeout=30)
+        assert "worker_index: 3 is not one of this run's env servers (0..2" in err.value.details()
+        assert sorted(learner.rollouts.pending) == [(0, 0), (0, 1), (0, 2)]
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024  # KiB: nothing piled up
+    finally:
+        srv.stop(0)
+        coord.server.stop(0)
+        learner.close()

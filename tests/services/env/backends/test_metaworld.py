@@ -83,3 +83,31 @@ def test_scripted_expert_demonstrations_from_the_metaworld_environment(tmp_path)
         assert ep.success.any() and ep.instruction == "reach the goal position"
         assert ep.observations["pixels"].shape == (60, 32, 32, 3) and ep.observations["state"].shape == (60, 39)
         assert np.abs(ep.actions).max() <= 1.0
+
+
+STATE_IDS = r"""
+import json, numpy as np
+from services.env.vec_env import VecEnv
+env = VecEnv("reach-v3", 3, max_episode_steps=4, simulator="metaworld", auto_reset=True)
+first = env.reset(seeds=[3, 4, 5])["state"]
+rng = np.random.default_rng(0)
+seeded, auto = [], []
+for t in range(8):  # two episodes per env: the seeded ones, then the auto-reset ones
+    out = env.step(None, rng.uniform(-1, 1, (3, 4)).astype(np.float32))
+    (seeded if t < 4 else auto).extend(e.reset_state_id for e in out.episodes)
+# the reported variant is the one the episode ran: resetting with it (and the seed) starts the same episode
+again = env.reset(seeds=[3, 4, 5], reset_state_ids=seeded[:3])["state"]
+other = env.reset(seeds=[3, 4, 5], reset_state_ids=[(s + 1) % 50 for s in seeded[:3]])["state"]
+env.close()
+print(json.dumps({"seeded": seeded, "auto": auto, "same_start": bool(np.array_equal(first, again)),
+                  "other_start": bool(np.array_equal(first, other))}))
+"""
+
+
+def test_seeded_and_auto_reset_episodes_report_the_task_variant_they_ran():
+    """MT1 draws one of its 50 goal variations at every reset without a state id; EpisodeStats.reset_state_id says
+    which (it used to say -1), and resetting with that id and the seed starts the same episode."""
+    out = run_in_env("metaworld", STATE_IDS)
+    assert len(out["seeded"]) == 3 and len(out["auto"]) == 3
+    assert all(0 <= s < 50 for s in out["seeded"] + out["auto"]), out
+    assert out["same_start"] and not out["other_start"], out
