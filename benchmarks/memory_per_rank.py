@@ -8,7 +8,8 @@ the fp32 weights, gradients and Adam moments (FSDP2 shards them evenly over the 
 whole in bf16 (over 2 or more ranks), the bf16 copies autocast makes of the weights (one rank: the learner does not
 shard a group of one, so its weights stay fp32 while they run), the activations of one micro batch
 (actor.micro_batch_size rows) and, with algorithm.kl_beta > 0 and no LoRA (e.g. the override algorithm.kl_beta=0.05),
-its shard of the frozen KL reference. Estimates, not measurements: the per-rank total is compared with the GPU's
+its shard of the frozen KL reference, and the optimizer step's temporaries (10% of the rank's fp32 trainable weights,
+measured on an H200). Estimates, not measurements: the per-rank total is compared with the GPU's
 memory as given (default an 80 GB H100), without the CUDA context and the allocator's fragmentation, which take some
 GB more. Runs in seconds on a CPU.
 """
@@ -50,7 +51,8 @@ def rows(ranks: list[int], gpu_bytes: float, extra: list[str]) -> list[list[str]
             out.append([model, tune, f"`{name}`", str(world), f"{fp.parameters / 1e9:.2f}B",
                         f"{fp.trainable / 1e9:.3f}B", f"{parts['sharded'] / GB:.1f}", f"{parts['reference'] / GB:.1f}",
                         f"{parts['gathered'] / GB:.1f}", f"{parts['autocast'] / GB:.1f}",
-                        f"{parts['activations'] / GB:.1f} ({micro} rows)", f"**{total / GB:.1f}**",
+                        f"{parts['activations'] / GB:.1f} ({micro} rows)", f"{parts['transient'] / GB:.1f}",
+                        f"**{total / GB:.1f}**",
                         "yes" if total <= gpu_bytes else "no"])
     return out
 
@@ -63,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     table = rows(args.ranks, args.gpu_gb * GB, args.overrides)
     head = ["model", "fine-tune", "config", "ranks", "parameters", "trained", "weights+grads+Adam shard (GB)",
-            "KL ref. shard (GB)", "gathered units (GB)", "autocast copies (GB)", "activations (GB)", "per rank (GB)",
+            "KL ref. shard (GB)", "gathered units (GB)", "autocast copies (GB)", "activations (GB)", "step temporaries (GB)", "per rank (GB)",
             f"fits {args.gpu_gb:g} GB"]
     if all(row[7] == "0.0" for row in table):  # no KL reference anywhere: leave its column out
         head, table = head[:7] + head[8:], [row[:7] + row[8:] for row in table]

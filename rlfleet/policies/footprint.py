@@ -78,7 +78,7 @@ class Footprint:
 
     def rank_parts(self, world: int, *, gpu: bool, reference_copy: bool = False, rows: int = 1) -> dict[str, int]:
         """Bytes one of ``world`` learner ranks holds, by part (the module doc): ``sharded``, ``reference``,
-        ``gathered``, ``autocast`` and ``activations`` (``rows`` rows of a micro batch). ``gpu``: each rank runs on
+        ``gathered``, ``autocast``, ``activations`` (``rows`` rows of a micro batch) and, on a GPU, ``transient``. ``gpu``: each rank runs on
         a GPU (FSDP2 gathers in bf16 there with ``precision: bf16``), else on CPU."""
         world = max(1, int(world))
         bf16 = self.precision == "bf16"
@@ -87,7 +87,11 @@ class Footprint:
                 "reference": math.ceil(4 * self.parameters / world) if reference_copy else 0,
                 "gathered": self.gathered_bytes(2 if sharded_bf16 else 4) if world > 1 else 0,
                 "autocast": 2 * self.autocast_parameters if bf16 and not sharded_bf16 else 0,
-                "activations": int(rows) * self.activations_per_row}
+                "activations": int(rows) * self.activations_per_row,
+                # on CUDA: the optimizer step's temporaries and the caching allocator's rounding, 10% of the
+                # rank's fp32 trainable weights (measured 5-7% above the other parts on an H200:
+                # docs/learner-ranks.md, the GPU test set)
+                "transient": math.ceil(0.4 * self.trainable / world) if gpu else 0}
 
     def rank_bytes(self, world: int, **kw) -> int:
         """One learner rank's total (:meth:`rank_parts`)."""
@@ -328,6 +332,8 @@ def check(cfg, *, inference: bool = True) -> str | None:
     if parts["autocast"]:
         learner.append(f"{parts['autocast'] / GB:.1f} GB of bf16 autocast copies of the weights")
     learner.append(f"{parts['activations'] / GB:.1f} GB of activations (estimated, a micro batch of {rows} rows)")
+    if parts["transient"]:
+        learner.append(f"{parts['transient'] / GB:.1f} GB of optimizer-step temporaries")
     learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / GB:.1f} GB for "
                f"{'one rank' if world == 1 else 'each rank'}")
     total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / GB:.1f} GB together"

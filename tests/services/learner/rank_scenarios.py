@@ -10,8 +10,9 @@ follow its commands, exactly as the learner server does. Rank 0 writes what the 
 Scenarios: ``update`` (EPOCHS updates on fixed rollouts), ``save`` (EPOCHS updates, then a checkpoint),
 ``resume`` (resume from RESUME_DIR's last checkpoint, then the remaining updates), ``idle`` (set up, write
 OUT_DIR/ready, sleep SLEEP seconds: the fault tests kill a rank meanwhile).
-Options: model=mlp|oft_lora|pi0, float64=1, no_sync=1 (gradient synchronisation off: must break equivalence),
-envs=N, epochs=K, resume=DIR, hb=SECONDS (heartbeat timeout), sleep=SECONDS, export=1 (Learner.export to OUT_DIR/export), measure_cuda=1 (the GPU test set:
+Options: model=mlp|oft_lora|pi0|pi0_real, float64=1, no_sync=1 (gradient synchronisation off: must break equivalence),
+envs=N, epochs=K, resume=DIR, hb=SECONDS (heartbeat timeout), sleep=SECONDS, act_device=cuda (act for the rollouts on the GPU), act_as_learner=1 (the acting copy
+has the learner's weights: the log-probs the update recomputes match the acting ones), save_state=0, export=1 (Learner.export to OUT_DIR/export), measure_cuda=1 (the GPU test set:
 torch.cuda.max_memory_allocated and the memory check's estimate), any dotted key=value (a config override).
 """
 
@@ -52,6 +53,10 @@ MODELS = {
             ["actor.micro_batch_size=4", "actor.global_batch_size=8", "algorithm.update_epoch=1",
              "actor.model.num_action_chunks=2"],
             {"corner": IMAGE, "state": ObsSpec((4,), "float32")}, 4),
+    # the real-size π0 (PaliGemma 3B + the 300M action expert, bf16 autocast): the GPU test set's full fine-tune
+    "pi0_real": ("metaworld_mt50_ppo_pi0",
+                 ["actor.micro_batch_size=4", "actor.global_batch_size=8", "algorithm.update_epoch=1"],
+                 {"corner": ObsSpec((224, 224, 3), "uint8"), "state": ObsSpec((49,), "float32")}, 4),
 }
 
 
@@ -62,15 +67,25 @@ def config(model: str, out: pathlib.Path, extra: list[str]):
     return cfg, specs, action_dim
 
 
-def rollout(cfg, specs: dict, action_dim: int, T: int, N: int, seed: int):
-    """A fixed rollout made by acting with a plain (unsharded) copy of the policy: real forward inputs."""
+def rollout(cfg, specs: dict, action_dim: int, T: int, N: int, seed: int, device: str = "cpu", weights=None):
+    """A fixed rollout made by acting with a plain (unsharded) copy of the policy: real forward inputs. ``device``
+    cuda builds and runs that copy on the GPU (the real-size models, too slow to act with on a CPU); ``weights``
+    (the learner's gathered state) makes it act as the learner's policy, else it has its own random weights."""
     torch.manual_seed(1000 + seed)
-    policy = build_policy(cfg.actor.model, specs, action_dim, cfg.algorithm.normalize_obs, cfg.algorithm.logprob_type)
+    with torch.device(device):
+        policy = build_policy(cfg.actor.model, specs, action_dim, cfg.algorithm.normalize_obs,
+                              cfg.algorithm.logprob_type)
+    if weights is not None:
+        policy.load_state_dict(weights)
     g = torch.Generator().manual_seed(seed)
     obs = {k: (torch.randint(0, 256, (T * N, *s.shape), dtype=torch.uint8, generator=g) if s.is_image
                else torch.randn(T * N, *s.shape, generator=g)) for k, s in specs.items()}
     with torch.no_grad():
-        out = policy.act(obs, False, ["pick up the cube"] * (T * N))
+        out = policy.act({k: v.to(device) for k, v in obs.items()}, False, ["pick up the cube"] * (T * N))
+    del policy
+    out = type(out)(**{f: (v.cpu() if torch.is_tensor(v) else
+                           {k: t.cpu() for k, t in v.items()} if isinstance(v, dict) else v)
+                       for f, v in vars(out).items()})
     tm = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
     tm.update({f"fi.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in out.forward_inputs.items()})
     rng = np.random.default_rng(seed)
@@ -124,26 +139,38 @@ def main(argv: list[str]) -> int:
         learner.close()
         return 0
     metrics = []
-    for epoch in range(learner.epoch + 1, epochs):
-        learner.receive(epoch, 0, *rollout(cfg, specs, action_dim, T, N, seed=epoch))
+    measure = opts.get("measure_cuda") == "1"
+    act_on = opts.get("act_device", "cpu")
+    weights = learner.state_dict() if opts.get("act_as_learner") == "1" else None
+    rollouts = {epoch: rollout(cfg, specs, action_dim, T, N, seed=epoch, device=act_on, weights=weights)
+                for epoch in range(learner.epoch + 1, epochs)}
+    if measure:  # the peak of the updates alone (the acting copy above is gone)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for epoch, data in rollouts.items():
+        learner.receive(epoch, 0, *data)
         metrics.append(learner.train(epoch, [0]))
+    update_s = time.perf_counter() - started
     if scenario == "save":
         learner.save_checkpoint()
     if opts.get("export") == "1":  # the released layout, gathered on rank 0
         learner.export(out / "export")
     extra_results = {}
-    if opts.get("measure_cuda") == "1":  # the GPU test set: the memory check's estimate against the allocator's peak
+    if measure:  # the GPU test set: the memory check's estimate against the allocator's peak
         from rlfleet.policies import footprint
 
         fp = footprint.estimate(cfg.actor.model, cfg.algorithm.logprob_type)
         extra_results = {"cuda_max_allocated": torch.cuda.max_memory_allocated(),
                          "estimate_per_rank": fp.rank_bytes(group.world, gpu=True, rows=cfg.actor.micro_batch_size)}
-    state = learner.state_dict()
-    from safetensors.torch import save_file
+    if opts.get("save_state", "1") == "1":  # save_state=0: no gathered copy (the real-size GPU test: 14 GB)
+        state = learner.state_dict()
+        from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "state.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "state.safetensors"))
     (out / "result.json").write_text(json.dumps({"metrics": metrics, "memory": learner.memory(),
-                                                 "world": group.world, "epoch": learner.epoch, **extra_results}))
+                                                 "world": group.world, "epoch": learner.epoch, "update_s": update_s,
+                                                 **extra_results}))
     learner.close()
     return 0
 
