@@ -20,7 +20,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlfleet.metrics import read_metrics  # noqa: E402
+from rlfleet.data.metrics import read_metrics  # noqa: E402
 
 COLUMNS = [("env/reward", "reward/step", "{:.4f}"), ("train/actor/entropy_loss", "entropy", "{:.2f}"),
            ("train/actor/approx_kl", "approx_kl", "{:.4f}"),

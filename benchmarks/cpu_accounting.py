@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rlfleet.metrics import read_metrics  # noqa: E402
+from rlfleet.data.metrics import read_metrics  # noqa: E402
 from time_to_success import raw_all_cores  # noqa: E402
 
 STEPS = 1024  # the report's unit: core-ms per this many env steps (one epoch of the default run)

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlfleet import auth  # noqa: E402
+from rlfleet.wire import auth  # noqa: E402
 from rlfleet.v1 import (coordinator_pb2, coordinator_pb2_grpc, env_pb2, env_pb2_grpc, learner_pb2,  # noqa: E402
                         learner_pb2_grpc)
 

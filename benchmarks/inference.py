@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rlfleet import rpc, weights  # noqa: E402
-from rlfleet.clients.policy import GrpcPolicyClient, _Stream  # noqa: E402
+from rlfleet.wire import rpc, weights  # noqa: E402
+from rlfleet.wire.clients.policy import GrpcPolicyClient, _Stream  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
-from rlfleet.models import ObsSpec  # noqa: E402
+from rlfleet.policies.models import ObsSpec  # noqa: E402
 from rlfleet.policies import build_policy  # noqa: E402
 from rlfleet.v1 import inference_pb2_grpc  # noqa: E402
 from services.inference.engine import InferenceEngine  # noqa: E402

@@ -30,7 +30,7 @@ def measure(backend: str, batches: list[int], seconds: float, vla: list[str], th
 
     torch.set_num_threads(threads)
     from rlfleet.config import load_config
-    from rlfleet.models import ObsSpec
+    from rlfleet.policies.models import ObsSpec
     from rlfleet.policies import build_policy
     from services.inference.engine import InferenceEngine
 
@@ -88,8 +88,8 @@ def main() -> int:
     vla = [kv for kv in args.vla.split(",") if kv]
     rows: list[dict] = []
     for backend in args.backends.split(","):
-        from rlfleet import environments
-        from rlfleet.rollout_backends import get_backend
+        from rlfleet.simulators import environments
+        from rlfleet.policies.backends import get_backend
 
         env = get_backend(backend).environment
         python = sys.executable if env is None else str(environments.ensure(env, log=lambda *a: print(*a, file=sys.stderr)))

@@ -28,7 +28,8 @@ import json  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from rlfleet import environments, rpc  # noqa: E402
+from rlfleet.simulators import environments  # noqa: E402
+from rlfleet.wire import rpc  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
 from rlfleet.simulators import get_simulator  # noqa: E402
 from rlfleet.v1 import env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
@@ -112,16 +113,16 @@ def in_process(cfg, epochs: int) -> float | None:
         return None
     import torch
 
-    from rlfleet.models.actor_critic import ObsSpec
+    from rlfleet.policies.models.actor_critic import ObsSpec
     from services.env.server import build_worker
-    from rlfleet.clients.policy import LocalPolicyClient
+    from rlfleet.wire.clients.policy import LocalPolicyClient
     from services.inference.server import build_engine
 
     cfg.rollout.pipeline_stage_num = 1
     env, worker = build_worker(cfg, 0)
     info = env.space_info()
     engine = build_engine(cfg)
-    from rlfleet.models import build_policy
+    from rlfleet.policies.models import build_policy
 
     torch.set_num_threads(1)
     specs = {k: ObsSpec(sp.shape, sp.dtype.name) for k, sp in info.observation_space.items()}

@@ -26,7 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlfleet.metrics import read_metrics  # noqa: E402
+from rlfleet.data.metrics import read_metrics  # noqa: E402
 
 THRESHOLDS = (0.5, 0.9, 0.95)
 MODES = {"sync": "algorithm.max_staleness=0", "async": "algorithm.max_staleness=1"}

@@ -7,5 +7,5 @@ bash scripts/install.sh
 export MUJOCO_GL=${MUJOCO_GL:-egl}
 # The simulators' Debian packages (Mesa EGL/Vulkan) go in before any test loads a GL library: upgrading them under a
 # running test process breaks its next MuJoCo context (EGL_BAD_MATCH). Not fatal here: the tests name what is missing.
-.venv/bin/python -m rlfleet.environments system-packages all || echo "[test] some simulator system packages are missing (see above)"
+.venv/bin/python -m rlfleet.simulators.environments system-packages all || echo "[test] some simulator system packages are missing (see above)"
 exec .venv/bin/python -m pytest -q "$@"

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from rlfleet import environments
+from rlfleet.simulators import environments
 from rlfleet.simulators import get_simulator
 
 
@@ -28,7 +28,7 @@ def sim_python(simulator: str) -> str:
 def backend_python(backend: str) -> str:
     """The python of an inference backend's environment (vllm); skips the test (saying why) when it cannot be
     built here."""
-    from rlfleet.rollout_backends import get_backend
+    from rlfleet.policies.backends import get_backend
 
     env = get_backend(backend).environment
     try:

@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from rlfleet.policies.base import LOGPROB_TYPES, PolicyEval, PolicyOutput, log_prob_width, reduce_log_probs
 
 POLICIES = {
-    "mlp": "rlfleet.models.actor_critic:ActorCritic",
-    "cnn": "rlfleet.models.actor_critic:ActorCritic",
-    "openvla": "rlfleet.models.openvla:OpenVLAPolicy",
-    "openvla_oft": "rlfleet.models.openvla:OpenVLAPolicy",
-    "openpi": "rlfleet.models.openpi:Pi0Policy",
+    "mlp": "rlfleet.policies.models.actor_critic:ActorCritic",
+    "cnn": "rlfleet.policies.models.actor_critic:ActorCritic",
+    "openvla": "rlfleet.policies.models.openvla:OpenVLAPolicy",
+    "openvla_oft": "rlfleet.policies.models.openvla:OpenVLAPolicy",
+    "openpi": "rlfleet.policies.models.openpi:Pi0Policy",
 }
 
 

@@ -5,7 +5,7 @@ piece of code on both sides.
 - ``act(obs, deterministic, instructions, noise)`` -> PolicyOutput: an action chunk ``[n, chunk, action_dim]``, its
   log-probs at the configured granularity ``[n, L]``, values ``[n]`` when the model has a critic, and the
   ``forward_inputs`` (per-row tensors) that ``evaluate`` needs to recompute exactly those log-probs later (sampled
-  actions, tokens, noise, denoising chains). ``noise`` (rlfleet.noise.RowNoise, or None) holds per-row noise
+  actions, tokens, noise, denoising chains). ``noise`` (rlfleet.wire.noise.RowNoise, or None) holds per-row noise
   streams: a policy draws its sampling noise from it when given, so a row's sample depends on its key, not on the
   batch it is in (reproducible runs); None means torch's global generator.
 - ``evaluate(obs, forward_inputs, instructions)`` -> PolicyEval with gradients: log-probs ``[n, L]``, entropy
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free at import: config validation runs in simulator environments too
     import torch
 
-    from rlfleet.noise import RowNoise
+    from rlfleet.wire.noise import RowNoise
 
 LOGPROB_TYPES = ("chunk_level", "action_level", "token_level")
 

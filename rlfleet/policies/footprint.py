@@ -147,9 +147,9 @@ def _sizes(model_cfg) -> dict:
     rlfleet's checkpoint layout records in its config.json."""
     key = "openpi" if model_cfg.model_type == "openpi" else "vla"
     if model_cfg.model_type == "openpi":
-        from rlfleet.models.openpi import TINY
+        from rlfleet.policies.models.openpi import TINY
     else:
-        from rlfleet.models.openvla import TINY
+        from rlfleet.policies.models.openvla import TINY
     sizes = {**TINY, **dict(model_cfg[key])}
     if model_cfg.model_path:
         config = pathlib.Path(model_cfg.model_path) / "config.json"
@@ -222,7 +222,7 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
     allocating it."""
     import torch
 
-    from rlfleet.models import ObsSpec
+    from rlfleet.policies.models import ObsSpec
     from rlfleet.policies import build_policy
 
     activations = activation_bytes(model_cfg)

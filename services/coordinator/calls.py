@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from rlfleet import rpc
+from rlfleet.wire import rpc
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 from services.coordinator.registry import Registry, RunFailed, Service
 

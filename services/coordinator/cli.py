@@ -24,7 +24,7 @@ import sys
 import rlfleet  # noqa: F401  (sets gRPC's log verbosity before grpc is imported)
 import grpc
 
-from rlfleet import auth, rpc, tracing
+from rlfleet.wire import auth, rpc, tracing
 from rlfleet.config import ConfigError, load_config
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -124,8 +124,8 @@ def _preflight(cfg) -> None:
         for split in ("train", "eval"):
             e = server.env[split]
             if get_simulator(e.simulator_type).environment is None:  # importable here: check the id now
-                from rlfleet.rpc import InvalidRequest
-                from rlfleet.gym_envs import make_gym_env
+                from rlfleet.wire.rpc import InvalidRequest
+                from services.env.gym_envs import make_gym_env
 
                 try:
                     make_gym_env(e.env_id, dict(e.init_params)).close()
@@ -139,14 +139,14 @@ def _preflight(cfg) -> None:
 
 
 def _envs(args) -> int:
-    from rlfleet import environments
+    from rlfleet.simulators import environments
     from rlfleet.simulators import get_simulator
 
     if args.action in ("install", "remove"):
         if not args.name:
             print(f"coordinatorctl envs {args.action}: name a simulator", file=sys.stderr)
             return 2
-        from rlfleet.rollout_backends import BACKENDS
+        from rlfleet.policies.backends import BACKENDS
 
         if args.name in BACKENDS:  # an inference backend's environment (vllm)
             sim = BACKENDS[args.name]
@@ -187,8 +187,8 @@ def _sft_step(args) -> int:
     a child process with its output on this console."""
     import subprocess
 
-    from rlfleet import environments
-    from rlfleet.environments import child_environ
+    from rlfleet.simulators import environments
+    from rlfleet.simulators.environments import child_environ
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -322,7 +322,7 @@ def _deploy(args) -> int:
 
 
 def _traces(args) -> int:
-    from rlfleet import tracing
+    from rlfleet.wire import tracing
 
     spans = tracing.load_spans(args.run_dir)
     if not spans:
@@ -342,7 +342,7 @@ def _traces(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["check-env"]:  # its own parser: argparse.REMAINDER would not take a leading --help
-        from rlfleet.conformance import main as check_env_main
+        from rlfleet.simulators.conformance import main as check_env_main
 
         return check_env_main(argv[1:])
     parser = argparse.ArgumentParser(prog="coordinatorctl", description=__doc__,
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "check-env":
-        from rlfleet.conformance import main as check_env_main
+        from rlfleet.simulators.conformance import main as check_env_main
 
         return check_env_main(args.rest)
     if args.command == "envs":
@@ -413,7 +413,7 @@ def main(argv=None) -> int:
             args.overrides = [args.config, *args.overrides]
             args.config = None
         return _start(args)
-    from rlfleet.auth import CredentialError
+    from rlfleet.wire.auth import CredentialError
 
     try:  # the operator's commands need the run's own secret (RLFLEET_RUN_TOKEN or the run folder's run_token)
         if args.command == "scale":

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from rlfleet import auth, rpc, tracing
+from rlfleet.wire import auth, rpc, tracing
 from rlfleet.config import learner_layout, to_yaml
-from rlfleet.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
+from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls
 from services.coordinator.evaluation import Evaluator
@@ -36,7 +36,7 @@ __all__ = ["Coordinator", "RunFailed", "choose_run_dir", "install_signal_handler
 
 def joint_env_spec(specs: list) -> tuple[env_pb2.EnvSpec, str | None]:
     """The env spec the policy is built for, from every env server's Describe: the first one when all have the
-    same spaces, else their joint spaces (rlfleet.spaces.joint_spaces) -> (spec, a line saying so or None).
+    same spaces, else their joint spaces (rlfleet.wire.spaces.joint_spaces) -> (spec, a line saying so or None).
     Raises RunFailed naming the entry two servers disagree on."""
     def spaces(s):
         return spaces_from_proto(s.observation_space), TensorSpace.from_proto(s.action_space)
@@ -206,10 +206,10 @@ class Coordinator:
             path = auth.write_token(self.run_dir, self.token)
             if not self.local:
                 self.say(f"  run secret: {path}; give each service started elsewhere its own credential as "
-                         f"{auth.TOKEN_ENV} (`python -m rlfleet.auth issue --role ROLE --run-dir {self.run_dir}`)")
+                         f"{auth.TOKEN_ENV} (`python -m rlfleet.wire.auth issue --role ROLE --run-dir {self.run_dir}`)")
         (self.run_dir / "coordinator.json").write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
         self.launcher = make_launcher(self.cfg, self.run_dir, config_path, self.address, self.token)
-        from rlfleet.environments import EnvironmentError_
+        from rlfleet.simulators.environments import EnvironmentError_
 
         try:
             self.launcher.prepare(log=self.say)
@@ -496,7 +496,7 @@ class Coordinator:
 
 def install_signal_handlers(coord: Coordinator) -> None:
     """SIGINT/SIGTERM: the first asks the run to stop after this epoch, the next stops it at once. The handler
-    takes no lock (it runs on the main thread, which may hold one; see rlfleet.service): a thread turns the
+    takes no lock (it runs on the main thread, which may hold one; see rlfleet.wire.service): a thread turns the
     recorded signal into the stop request."""
     received: list[int] = []
 

@@ -7,7 +7,7 @@ server count or a GPU placement means the same thing in every launcher:
   ``deploy/Dockerfile`` that builds the simulator's environment), every other role from the main image;
 - the coordinator runs with ``cluster.launcher=attach``; every service gets the same resolved ``run.yaml`` and
   registers by its service name; the run secret (``RLFLEET_RUN_TOKEN``, generated) goes to the coordinator only,
-  and each service gets its own credential issued from it in the same variable (rlfleet.auth): per compose
+  and each service gets its own credential issued from it in the same variable (rlfleet.wire.auth): per compose
   service (``rlfleet-<service>.env``), per role in Kubernetes (a Secret ``<run>-<role>-credential``: the pods of
   a StatefulSet share one template, so the credential names no index);
 - ``cluster.component_placement`` becomes GPU requests: compose reserves the placed device ids, Kubernetes asks for
@@ -15,7 +15,7 @@ server count or a GPU placement means the same thing in every launcher:
 - the run folder is a shared volume; the only published port is the coordinator's, on 127.0.0.1 (compose);
 - restart policies: env and inference servers restart on failure (the coordinator republishes weights and
   re-collects); the learner is not restarted (``coordinatorctl start --resume`` continues a run);
-- health: every container is probed with grpc.health.v1 (``python -m rlfleet.healthcheck``, Kubernetes' native
+- health: every container is probed with grpc.health.v1 (``python -m rlfleet.wire.healthcheck``, Kubernetes' native
   gRPC probes);
 - a learner of several ranks runs torchrun's agent (``ProcessSpec.command``) over its node's GPUs (or CPU ranks),
   with a memory-backed /dev/shm: on one node in its container (compose) or pod (Kubernetes, ``nvidia.com/gpu`` =
@@ -33,9 +33,9 @@ import pathlib
 import yaml
 from omegaconf import OmegaConf
 
-from rlfleet import auth
+from rlfleet.wire import auth
 from rlfleet.config import ConfigError, to_yaml
-from rlfleet.environments import REPO_ROOT
+from rlfleet.simulators.environments import REPO_ROOT
 from services.coordinator.plan import PORTS, ProcessSpec, process_plan
 
 CONFIG_IN_CONTAINER = "/etc/rlfleet/run.yaml"
@@ -76,7 +76,7 @@ def images(cfg, tag: str | None = None) -> dict[str, dict]:
 def own_environment(cfg, spec: ProcessSpec | None) -> str | None:
     """The name of the Python environment a service process runs from when it is not the main one: an env
     server's simulator (metaworld, ...) or an inference server's backend (vllm); None for the main one."""
-    from rlfleet.rollout_backends import get_backend
+    from rlfleet.policies.backends import get_backend
     from rlfleet.simulators import get_simulator
 
     if spec is None:
@@ -104,17 +104,17 @@ def service_command(cfg, spec: ProcessSpec, host: str, master: str | None = None
                        advertise=f"{host}:{port}", master=master, node_rank=node_rank)
     name = own_environment(cfg, spec)
     if name:  # the simulator's (or inference backend's) own Python environment, built into its image
-        return ["python", "-m", "rlfleet.environments", "exec", name, *cmd]
+        return ["python", "-m", "rlfleet.simulators.environments", "exec", name, *cmd]
     return ["python", *cmd]
 
 
 def _healthcheck(port: int) -> list[str]:
-    return ["CMD", "python", "-m", "rlfleet.healthcheck", f"127.0.0.1:{port}"]
+    return ["CMD", "python", "-m", "rlfleet.wire.healthcheck", f"127.0.0.1:{port}"]
 
 
 # --- docker compose ----------------------------------------------------------------------------------------------
 def credential_file(spec: ProcessSpec) -> str:
-    """The env file of one compose service: RLFLEET_RUN_TOKEN=<its credential> (rlfleet.auth.issue)."""
+    """The env file of one compose service: RLFLEET_RUN_TOKEN=<its credential> (rlfleet.wire.auth.issue)."""
     return f"rlfleet-{spec.name}.env"
 
 
@@ -298,7 +298,7 @@ def _learner_job(cfg, spec: ProcessSpec, job: str, labels: dict, namespace: str,
     master = f"{job}-0.{ranks_svc}"  # pod 0 (node rank 0, hence rank 0)
     index = {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}
     # probes: only pod 0 serves gRPC; the others pass (their health is the group's: a dead rank ends it)
-    probe = ["sh", "-c", f'test "$NODE_RANK" != 0 || exec python -m rlfleet.healthcheck 127.0.0.1:{port}']
+    probe = ["sh", "-c", f'test "$NODE_RANK" != 0 || exec python -m rlfleet.wire.healthcheck 127.0.0.1:{port}']
     container = {
         "name": spec.role, "image": image,
         "command": service_command(cfg, spec, master, master=f"{master}:{mport}", node_rank="$(NODE_RANK)"),

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from rlfleet import codec, rpc, tracing
+from rlfleet.wire import codec, rpc, tracing
 from rlfleet.config import env_server_config
 from rlfleet.v1 import rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls

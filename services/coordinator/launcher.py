@@ -7,17 +7,17 @@ manifests from the same plan (services/coordinator/deploy.py).
 
 Local children run in their own session (a terminal's Ctrl-C reaches only the coordinator, which then stops them in
 order) and bind themselves to the coordinator's life with PR_SET_PDEATHSIG (``RLFLEET_PARENT_PID``, see
-``rlfleet.service``), so a killed coordinator leaves no orphans. No Python runs between fork and exec (no
+``rlfleet.wire.service``), so a killed coordinator leaves no orphans. No Python runs between fork and exec (no
 preexec_fn): the coordinator has gRPC threads, and forking those is unsafe.
 A learner of several ranks (``ProcessSpec.world_size`` > 1) is started as torchrun's agent, ``python -m
-rlfleet.torchrun --standalone --nproc-per-node N ...`` (torch.distributed.run in a process of ours that binds itself
-to the coordinator and its ranks to itself: see rlfleet/torchrun.py); rank 0 registers the agent's pid, the process
+rlfleet.wire.torchrun --standalone --nproc-per-node N ...`` (torch.distributed.run in a process of ours that binds itself
+to the coordinator and its ranks to itself: see rlfleet/wire/torchrun.py); rank 0 registers the agent's pid, the process
 this launcher started and watches. A learner over several nodes is refused here (`coordinatorctl deploy k8s`).
 Each process gets CUDA_VISIBLE_DEVICES for its placed GPU range, the CPU cores it pins itself to
 (RLFLEET_CPU_CORES, from cluster.cpu_placement), its own credential issued from the run secret (RLFLEET_RUN_TOKEN,
-rlfleet.auth) and where its traces go
+rlfleet.wire.auth) and where its traces go
 (RLFLEET_TRACE_DIR). Env servers run with their simulator's own Python environment
-(rlfleet.environments), built before the run starts.
+(rlfleet.simulators.environments), built before the run starts.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rlfleet import auth, environments, tracing
+from rlfleet.wire import auth, tracing
+from rlfleet.simulators import environments
 from rlfleet.config import ConfigError, learner_layout
-from rlfleet.environments import child_environ
-from rlfleet.rollout_backends import get_backend
-from rlfleet.service import CPU_CORES_ENV, PARENT_PID_ENV
+from rlfleet.simulators.environments import child_environ
+from rlfleet.policies.backends import get_backend
+from rlfleet.wire.service import CPU_CORES_ENV, PARENT_PID_ENV
 from services.coordinator.plan import ProcessSpec, process_plan
 
-AGENT = "rlfleet.torchrun"  # torchrun's agent, bound to the coordinator's life (a learner of several ranks)
+AGENT = "rlfleet.wire.torchrun"  # torchrun's agent, bound to the coordinator's life (a learner of several ranks)
 
 
 def check_local(cfg) -> None:
@@ -149,7 +150,7 @@ class LocalLauncher:
             python = self.env_pythons[spec.simulator]
         else:
             python = self.pythons.get(role, sys.executable)
-        # a learner of several ranks: torchrun's agent (rlfleet.torchrun), --standalone on a free port
+        # a learner of several ranks: torchrun's agent (rlfleet.wire.torchrun), --standalone on a free port
         cmd = [python, *spec.command(str(self.config_path), f"{self.cfg.cluster.host}:0", self.coordinator_address,
                                      str(self.run_dir), agent=AGENT)]
         # this process's own credential, issued from the run secret (which stays with the coordinator)

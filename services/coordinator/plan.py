@@ -52,7 +52,7 @@ class ProcessSpec:
                 node_rank: str = "0") -> list[str]:
         """The command line after the interpreter, the same for every launcher: ``-m <module> <args>``, or for a
         learner of several ranks torchrun's agent starting ``nproc_per_node`` of them here. ``agent``: the module
-        of the agent (torch.distributed.run, or a drop-in that runs it: the local launcher's rlfleet.torchrun).
+        of the agent (torch.distributed.run, or a drop-in that runs it: the local launcher's rlfleet.wire.torchrun).
         Over several nodes, ``master`` is node 0's ``host:port`` (static rendezvous) and ``node_rank`` this node's
         rank (a literal, or a variable the container platform expands)."""
         target = ["-m", self.module, *self.args(config, address, coordinator, run_dir, advertise)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from rlfleet.metrics import read_metrics
+from rlfleet.data.metrics import read_metrics
 
 
 def plot_learning_curve(run_dir: str | pathlib.Path) -> pathlib.Path | None:

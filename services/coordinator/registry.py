@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from rlfleet import rpc
-from rlfleet.service import CANNOT_START  # a service that failed before serving: not restarted
+from rlfleet.wire import rpc
+from rlfleet.wire.service import CANNOT_START  # a service that failed before serving: not restarted
 from rlfleet.v1 import coordinator_pb2
 
 ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference", coordinator_pb2.LEARNER: "learner"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfleet import auth, rpc
+from rlfleet.wire import auth, rpc
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MAX_REQUEST_BYTES = 4 << 20  # a Register carries a config of a few kB; nothing else is big

@@ -1,4 +1,4 @@
-"""Demonstrations from a simulator's scripted expert, recorded into a dataset (rlfleet.datasets).
+"""Demonstrations from a simulator's scripted expert, recorded into a dataset (rlfleet.data.datasets).
 
 The env side of supervised fine-tuning: the same ``VecEnv`` and backend an env server hosts (so it runs from the
 simulator's own environment, as env servers do), stepped with the backend's ``expert_actions``. Episode k is reset
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from rlfleet.datasets import DatasetWriter, Episode
+from rlfleet.data.datasets import DatasetWriter, Episode
 from services.env.vec_env import VecEnv
 
 

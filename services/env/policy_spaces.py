@@ -2,7 +2,7 @@
 
 When one run's env servers host different simulators (``env.per_server``: e.g. Meta-World on one, LIBERO on
 another), the coordinator gives every rollout worker the policy's spaces, the joint spaces of all servers
-(:func:`rlfleet.spaces.joint_spaces`). This wrapper makes the worker's env look like those spaces: observations
+(:func:`rlfleet.wire.spaces.joint_spaces`). This wrapper makes the worker's env look like those spaces: observations
 are zero-padded (1-D entries) or zero-filled (entries this simulator lacks), and actions are cut to this
 simulator's own dimensions before they reach it (the policy's extra dimensions are ignored here, as π0 ignores
 the padded dimensions of its ``max_action_dim``). Everything else (episodes, rewards, success, instructions,
@@ -16,8 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from rlfleet.rpc import InvalidRequest
-from rlfleet.spaces import TensorSpace, fit_check, pad_observations
+from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace, fit_check, pad_observations
 
 
 class PolicySpaceEnv:

@@ -2,7 +2,7 @@
 
 A bridge process (``python -m services.env.server --external-env HOST:PORT``) runs the rollout worker in front of
 any simulator that implements ``rlfleet.v1.EnvService``, in any language, of any contract version
-(rlfleet.env_contract reads each version's fields and zero values).
+(rlfleet.wire.env_contract reads each version's fields and zero values).
 
 What can go wrong with the simulator, and what the bridge does (docs/env-contract.md, "What rlfleet does with
 your server"):
@@ -29,9 +29,9 @@ import time
 import grpc
 import numpy as np
 
-from rlfleet import codec, env_contract, rpc
-from rlfleet.rpc import InvalidRequest
-from rlfleet.spaces import TensorSpace, spaces_from_proto
+from rlfleet.wire import codec, env_contract, rpc
+from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc
 from services.env.vec_env import EpisodeStat, SpaceInfo, StepResult
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlfleet import noise, rpc, tracing, videos
-from rlfleet.rollout_schema import FI, OBS, Rollout, add_policy_buffers, empty_buffers
-from rlfleet.spaces import spaces_key
+from rlfleet.wire import noise, rpc, tracing
+from rlfleet.data import videos
+from rlfleet.wire.rollout_schema import FI, OBS, Rollout, add_policy_buffers, empty_buffers
+from rlfleet.wire.spaces import spaces_key
 from services.env.policy_spaces import PolicySpaceEnv
 from services.env.vec_env import EpisodeStat
 
@@ -128,7 +129,7 @@ class RolloutWorker:
 
     def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, epoch: int, step: int) -> None:
         """Ask for actions for env rows ``ids`` at (epoch, step); each row carries a noise key from its env's seed,
-        the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.noise)."""
+        the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.wire.noise)."""
         policy.submit(stage, request, False, list(self.instructions[ids]),
                       noise.row_keys(self.seed + ids.astype(np.int64), epoch, step))
 
@@ -152,7 +153,7 @@ class RolloutWorker:
         env, T, n = self.env, num_steps, self.env.num_envs
         if not self.auto_reset:
             self.reset_all(epoch)
-        buf = empty_buffers(T, n, self.observation_space)  # the rollout schema's fields (rlfleet/rollout_schema.py)
+        buf = empty_buffers(T, n, self.observation_space)  # the rollout schema's fields (rlfleet/wire/rollout_schema.py)
         last_values = np.zeros(n, np.float32)
         alive = np.ones(n, bool)
         episodes: list[EpisodeStat] = []
@@ -241,7 +242,7 @@ class RolloutWorker:
         """Run the given evaluation episodes: episode i is reset with seed + i and, with ``use_reset_state_ids``
         on an env with fixed initial states, from state i % num_reset_states. Returns their stats; an episode
         still running after ``max_episode_steps`` (default: the env's) is ended there, unsuccessful so far.
-        Episodes with index < ``video_episodes`` are recorded into ``video_dir`` (rlfleet.videos)."""
+        Episodes with index < ``video_episodes`` are recorded into ``video_dir`` (rlfleet.data.videos)."""
         env = self._eval_env()
         try:
             return self._evaluate(env, episode_ids, seed, deterministic, policy, use_reset_state_ids,

@@ -5,7 +5,7 @@
     python -m services.env.server --config run/config.yaml --env-only                 # EnvService only
 
 This module only translates gRPC to calls on ``VecEnv`` and ``RolloutWorker``. It runs in the simulator's own
-Python environment (rlfleet.environments), so it imports nothing but the env side of rlfleet.
+Python environment (rlfleet.simulators.environments), so it imports nothing but the env side of rlfleet.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import time
 
 import numpy as np
 
-from rlfleet import codec, rpc, tracing
-from rlfleet.clients import check_address
-from rlfleet.clients.learner import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
-from rlfleet.clients.learner import learner_reachable, push_rollout
-from rlfleet.clients.policy import make_policy_client
+from rlfleet.wire import codec, rpc, tracing
+from rlfleet.wire.clients import check_address
+from rlfleet.wire.clients.learner import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
+from rlfleet.wire.clients.learner import learner_reachable, push_rollout
+from rlfleet.wire.clients.policy import make_policy_client
 from rlfleet.config import env_server_config
-from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
-from rlfleet.spaces import TensorSpace, spaces_from_proto
+from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
+from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
 from services.env.rollout import RolloutWorker

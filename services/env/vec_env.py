@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlfleet.rpc import FailedPrecondition, InvalidRequest
-from rlfleet.spaces import TensorSpace
+from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.wire.spaces import TensorSpace
 
 CONTRACT_VERSION = "1"
 

@@ -1,5 +1,5 @@
 """InferenceEngine: the inference server's core (no gRPC). Holds the versioned policy, validates observations,
-and acts with one of two backends (``rollout.backend``, rlfleet.rollout_backends):
+and acts with one of two backends (``rollout.backend``, rlfleet.policies.backends):
 
 - ``hf``: a dynamic batcher over the policy's own ``act``: queued requests from every stream run together as soon as
   ``max_batch_size`` rows are queued, every open stream has a request waiting, or the oldest request has waited
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlfleet.models import ObsSpec
-from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.policies.models import ObsSpec
+from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
-from rlfleet.rpc import FailedPrecondition, InvalidRequest
-from rlfleet import tracing, weights
-from rlfleet.acting import ActResult
-from rlfleet.noise import RowNoise
+from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.wire import tracing, weights
+from rlfleet.wire.acting import ActResult
+from rlfleet.wire.noise import RowNoise
 
 log = logging.getLogger("rlfleet.inference")
 
@@ -41,8 +41,8 @@ class _Request:
     stream: int
     future: Future
     t_submit: float
-    trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (rlfleet.tracing)
-    noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.noise), or None: draw from this process's RNG
+    trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (rlfleet.wire.tracing)
+    noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.wire.noise), or None: draw from this process's RNG
 
 
 class InferenceEngine:
@@ -138,7 +138,7 @@ class InferenceEngine:
     def _plan(self, obs_specs: dict[str, ObsSpec], action_dim: int):
         """Before a (re)build for new spaces: their observation row, and the two copies of the policy they imply
         (double buffering), must fit this server's memory (``memory_budget_bytes``, or what is available).
-        -> the planned state (rlfleet.weights.planned_state), or None where it cannot be planned."""
+        -> the planned state (rlfleet.wire.weights.planned_state), or None where it cannot be planned."""
         row = weights.observation_row_bytes(obs_specs)
         planned = weights.planned_state(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
                                         self.logprob_type)
@@ -201,7 +201,7 @@ class InferenceEngine:
     def act_now(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None,
                 noise_keys=None) -> ActResult:
         """Run the policy on one batch right now (validated). With ``noise_keys`` (one per row) each row's
-        sampling noise comes from its key (rlfleet.noise), so the row's action does not depend on the batch."""
+        sampling noise comes from its key (rlfleet.wire.noise), so the row's action does not depend on the batch."""
         if self.decoder is not None:  # (submit validates)
             return self.submit(obs, deterministic, 0, instructions, None, noise_keys).result()
         rows = self.validate_obs(obs)

@@ -19,7 +19,7 @@ One thread owns vLLM's engine (vLLM is not thread-safe) and runs a loop:
   going on (the path a kill -9 of an inference server takes). Without ``on_fatal`` (tests), the update fails and
   Act requests get UNAVAILABLE until an update succeeds.
 
-Sampling noise: a row with a noise key (rlfleet.noise) is sampled with vLLM's per-request seed derived from it, so
+Sampling noise: a row with a noise key (rlfleet.wire.noise) is sampled with vLLM's per-request seed derived from it, so
 its tokens do not depend on what it was batched with; vLLM's sampler is not rlfleet's, so the numbers differ from
 the ``hf`` backend's for the same key.
 """
@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlfleet import tracing
-from rlfleet.acting import ActResult
-from rlfleet.models.actor_critic import to_torch_obs
-from rlfleet.rpc import Unavailable
+from rlfleet.wire import tracing
+from rlfleet.wire.acting import ActResult
+from rlfleet.policies.models.actor_critic import to_torch_obs
+from rlfleet.wire.rpc import Unavailable
 
 log = logging.getLogger("rlfleet.inference.vllm")
 
@@ -82,7 +82,7 @@ def write_serving_dir(policy, path: pathlib.Path) -> pathlib.Path:
     architecture name) and its weights under rlfleet's checkpoint names (``llm.*``, mapped by the model class)."""
     from safetensors.torch import save_file
 
-    from rlfleet.models.openvla_vllm import ARCHITECTURE
+    from rlfleet.policies.models.openvla_vllm import ARCHITECTURE
 
     path.mkdir(parents=True, exist_ok=True)
     cfg = policy.llm.config.to_dict()
@@ -233,7 +233,7 @@ class VLLMDecoder:
     def _build(self, policy) -> None:
         from vllm import LLM
 
-        from rlfleet.models.openvla_vllm import register
+        from rlfleet.policies.models.openvla_vllm import register
 
         register()
         t0 = time.monotonic()

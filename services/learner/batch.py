@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlfleet.models import RunningMeanStd
-from rlfleet.rollout_schema import FI, OBS
-from rlfleet.rpc import FailedPrecondition
+from rlfleet.policies.models import RunningMeanStd
+from rlfleet.wire.rollout_schema import FI, OBS
+from rlfleet.wire.rpc import FailedPrecondition
 from services.learner import grpo, ppo
 
 

@@ -18,11 +18,11 @@ import time
 import numpy as np
 import torch
 
-from rlfleet import tracing, weights
-from rlfleet.codec import episode_return
-from rlfleet.metrics import MetricsLogger
-from rlfleet.models import ObsSpec, build_policy
-from rlfleet.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.wire import tracing, weights
+from rlfleet.wire.codec import episode_return
+from rlfleet.data.metrics import MetricsLogger
+from rlfleet.policies.models import ObsSpec, build_policy
+from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 from services.learner import checkpoint, ppo
 from services.learner.batch import Batch, RewardScaler, build_batch, split_rows
 from services.learner.checkpoint import latest_checkpoint
@@ -123,7 +123,7 @@ class Learner:
                                      f"{self.obs_specs}/{self.action_dim}")
             return
         # the spaces decide the policy's size: refuse what could never be served or would not fit this host's
-        # memory before any rank builds it (rlfleet.weights)
+        # memory before any rank builds it (rlfleet.wire.weights)
         weights.observation_row_bytes(obs_specs, "env_spec.observation_space")
         planned = weights.planned_state(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
                                         self.alg.logprob_type, "env_spec.observation_space")

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from rlfleet import rpc, tracing, weights
+from rlfleet.wire import rpc, tracing, weights
 from rlfleet.v1 import inference_pb2_grpc
 
 Gather = Callable[[list[str]], Iterator[dict[str, torch.Tensor]]]  # names -> whole tensors, a bucket at a time

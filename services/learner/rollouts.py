@@ -1,4 +1,4 @@
-"""Rollout intake: check each worker's pushed rollout against the rollout schema (rlfleet/rollout_schema.py) and
+"""Rollout intake: check each worker's pushed rollout against the rollout schema (rlfleet/wire/rollout_schema.py) and
 the policy's spaces, and hold it until its epoch trains (rank 0).
 
 Only the run's workers are buffered: worker indices 0..num_workers-1, where num_workers starts at the config's
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rlfleet import rollout_schema
-from rlfleet.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.wire import rollout_schema
+from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 
 log = logging.getLogger("rlfleet.learner")
 
@@ -29,7 +29,7 @@ def forward_input_specs(model, obs_specs, device="cpu") -> dict[str, rollout_sch
     nothing that follows; call it on the whole (unsharded) policy."""
     import torch
 
-    from rlfleet.models.actor_critic import to_torch_obs
+    from rlfleet.policies.models.actor_critic import to_torch_obs
 
     obs = to_torch_obs({k: np.zeros((1, *s.shape), np.dtype(s.dtype)) for k, s in obs_specs.items()})
     dev = torch.device(device)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlfleet import codec, rollout_schema, rpc
-from rlfleet.models.actor_critic import obs_specs_from_proto
-from rlfleet.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
+from rlfleet.wire import codec, rollout_schema, rpc
+from rlfleet.policies.models.actor_critic import obs_specs_from_proto
+from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.group import RankGroup
 from services.learner.learner import Learner

@@ -25,8 +25,8 @@ import time
 import numpy as np
 import torch
 
-from rlfleet.datasets import Dataset
-from rlfleet.models.actor_critic import ObsSpec, to_torch_obs
+from rlfleet.data.datasets import Dataset
+from rlfleet.policies.models.actor_critic import ObsSpec, to_torch_obs
 from rlfleet.policies import build_policy
 
 

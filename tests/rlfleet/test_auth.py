@@ -1,8 +1,8 @@
-"""rlfleet.auth: credentials per role and index, which calls pass the check (no processes, no gRPC)."""
+"""rlfleet.wire.auth: credentials per role and index, which calls pass the check (no processes, no gRPC)."""
 
 import pytest
 
-from rlfleet import auth
+from rlfleet.wire import auth
 
 SECRET = "s3cret-of-the-run"
 

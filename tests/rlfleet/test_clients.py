@@ -1,9 +1,9 @@
-"""Peer addresses named in requests (rlfleet/clients/__init__.py)."""
+"""Peer addresses named in requests (rlfleet/wire/clients/__init__.py)."""
 
 import pytest
 
-from rlfleet.clients import check_address
-from rlfleet.rpc import InvalidRequest
+from rlfleet.wire.clients import check_address
+from rlfleet.wire.rpc import InvalidRequest
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:50051", "localhost:1", "learner-0.learner.ns.svc:7000", "[::1]:9",

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet import codec
-from rlfleet.codec import CodecError, DType
+from rlfleet.wire import codec
+from rlfleet.wire.codec import CodecError, DType
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool"])
@@ -63,7 +63,7 @@ def test_unsupported_numpy_dtype():
 
 def test_element_count_cannot_overflow_past_the_size_check():
     """[2**32, 2**32] with 0 bytes used to pass (the int64 product wraps to 0) and fail later as INTERNAL."""
-    from rlfleet import codec
+    from rlfleet.wire import codec
 
     msg = codec.Tensor(dtype=codec.DType.FLOAT32, shape=[2 ** 32, 2 ** 32], data=b"")
     with pytest.raises(codec.CodecError, match=r"has 18446744073709551616 elements, more than the limit"):
@@ -77,7 +77,7 @@ def test_element_count_cannot_overflow_past_the_size_check():
 def test_a_tiny_weights_chunk_declaring_a_huge_tensor_allocates_nothing_big():
     import tracemalloc
 
-    from rlfleet import codec, weights
+    from rlfleet.wire import codec, weights
     from rlfleet.v1 import inference_pb2
 
     chunk = inference_pb2.WeightsChunk(version=1, name="w", offset=0)

@@ -1,4 +1,4 @@
-"""The env contract conformance kit (rlfleet.conformance, `coordinatorctl check-env`) against real servers: the
+"""The env contract conformance kit (rlfleet.simulators.conformance, `coordinatorctl check-env`) against real servers: the
 from-scratch example, the built-in env server (auto-reset on and off), a server of the first published contract,
 a simulator in its own environment, and a deliberately broken server with one defect per case, each of which
 the check of the rule it breaks must catch by name."""
@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet import conformance
+from rlfleet.simulators import conformance
 from rlfleet.v1 import env_pb2, env_pb2_grpc, tensor_pb2
 from tests.conftest import small_config
 
@@ -409,7 +409,7 @@ def test_metaworld_env_server_in_its_own_environment_passes():
 
     out = run_in_env("metaworld", """
 import json
-from rlfleet import conformance
+from rlfleet.simulators import conformance
 from rlfleet.config import load_config
 from services.env.server import serve_env_only
 cfg = load_config("metaworld_mt1_ppo_mlp", ["env.train.total_num_envs=2", "env.train.max_episode_steps=20",

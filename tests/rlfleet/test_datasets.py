@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rlfleet.datasets import Dataset, DatasetWriter, Episode
+from rlfleet.data.datasets import Dataset, DatasetWriter, Episode
 
 
 def _episode(T: int, seed: int) -> Episode:

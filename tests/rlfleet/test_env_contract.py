@@ -1,4 +1,4 @@
-"""rlfleet.env_contract: how every version's EnvSpec and responses are read, and that the doc it points to has the
+"""rlfleet.wire.env_contract: how every version's EnvSpec and responses are read, and that the doc it points to has the
 sections it names and documents every check of the kit."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlfleet import codec, conformance, env_contract
+from rlfleet.wire import codec, env_contract
+from rlfleet.simulators import conformance
 from rlfleet.v1 import env_pb2, tensor_pb2
 
 DOC = (Path(__file__).resolve().parents[2] / env_contract.DOC).read_text()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from rlfleet import environments
+from rlfleet.simulators import environments
 from rlfleet.simulators import SIMULATORS, Environment, get_simulator
 
 TINY = Environment(name="tiny", pip=("six",), check="import six, grpc, omegaconf")

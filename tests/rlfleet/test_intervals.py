@@ -1,10 +1,10 @@
-"""Confidence intervals of success rates (rlfleet/intervals.py)."""
+"""Confidence intervals of success rates (rlfleet/data/intervals.py)."""
 
 import random
 
 import pytest
 
-from rlfleet.intervals import format_rate, paired_difference, wilson
+from rlfleet.data.intervals import format_rate, paired_difference, wilson
 
 
 def test_wilson_matches_the_textbook_values():

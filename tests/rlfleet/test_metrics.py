@@ -1,8 +1,8 @@
-"""metrics.jsonl across a resume: each step once (rlfleet/metrics.py)."""
+"""metrics.jsonl across a resume: each step once (rlfleet/data/metrics.py)."""
 
 import json
 
-from rlfleet.metrics import MetricsLogger, read_metrics
+from rlfleet.data.metrics import MetricsLogger, read_metrics
 
 
 def test_resume_drops_the_records_logged_after_the_checkpoint(tmp_path):

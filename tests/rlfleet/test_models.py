@@ -1,8 +1,8 @@
 import numpy as np
 import torch
 
-from rlfleet import weights
-from rlfleet.models import ActorCritic, ObsSpec, RunningMeanStd
+from rlfleet.wire import weights
+from rlfleet.policies.models import ActorCritic, ObsSpec, RunningMeanStd
 
 
 import pytest
@@ -56,7 +56,7 @@ def test_weights_chunk_roundtrip():
 def test_weights_assemble_checks_coverage_not_byte_counts():
     import pytest
 
-    from rlfleet.codec import CodecError
+    from rlfleet.wire.codec import CodecError
 
     state = {"w": torch.arange(60, dtype=torch.float32)}  # 240 bytes -> chunks at 0, 100, 200
     chunks = list(weights.iter_chunks(state, 1, chunk_bytes=100))

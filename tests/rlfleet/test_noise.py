@@ -1,13 +1,13 @@
-"""rlfleet.noise: per-row, counter-based sampling noise, and the inference engine's batch invariance built on it."""
+"""rlfleet.wire.noise: per-row, counter-based sampling noise, and the inference engine's batch invariance built on it."""
 
 import numpy as np
 import pytest
 import torch
 
-from rlfleet.models import ActorCritic, ObsSpec
-from rlfleet.noise import RowNoise, row_keys
+from rlfleet.policies.models import ActorCritic, ObsSpec
+from rlfleet.wire.noise import RowNoise, row_keys
 from rlfleet.policies.base import sample_categorical
-from rlfleet.rpc import InvalidRequest
+from rlfleet.wire.rpc import InvalidRequest
 from services.inference.engine import InferenceEngine
 
 from tests.conftest import small_config

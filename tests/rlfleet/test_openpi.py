@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.models import ObsSpec
+from rlfleet.policies.models import ObsSpec
 from rlfleet.policies import build_policy
 from services.learner import ppo
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.models import ObsSpec
+from rlfleet.policies.models import ObsSpec
 from rlfleet.policies import build_policy
 
 IMAGE = ObsSpec((224, 224, 3), "uint8")

@@ -1,13 +1,13 @@
-"""The rollout schema's value bounds, forward-input specs and loss mask (rlfleet/rollout_schema.py)."""
+"""The rollout schema's value bounds, forward-input specs and loss mask (rlfleet/wire/rollout_schema.py)."""
 
 import re
 
 import numpy as np
 import pytest
 
-from rlfleet import rollout_schema
-from rlfleet.models import ObsSpec
-from rlfleet.rollout_schema import InputSpec, SchemaError
+from rlfleet.wire import rollout_schema
+from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.rollout_schema import InputSpec, SchemaError
 
 SPECS = {"state": ObsSpec((3,), "float32")}
 FI = {"actions": InputSpec((2,), "float32")}

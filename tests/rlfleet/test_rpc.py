@@ -1,4 +1,4 @@
-"""rlfleet.rpc's server guard over real gRPC on loopback: reflection streams bounded and timed out so that they
+"""rlfleet.wire.rpc's server guard over real gRPC on loopback: reflection streams bounded and timed out so that they
 never take the threads a service needs, request bytes that are no message and calls without a credential answered
 with named statuses, the receive limit, and StreamSlots' reclaim of idle streams."""
 
@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet import auth, rpc
+from rlfleet.wire import auth, rpc
 from rlfleet.v1 import coordinator_pb2
 
 SECRET = "rpc-test-secret"

@@ -1,4 +1,4 @@
-"""rlfleet.service: a service process leaves promptly on SIGTERM, even when a signal lands while the main thread
+"""rlfleet.wire.service: a service process leaves promptly on SIGTERM, even when a signal lands while the main thread
 holds the stop event's lock (a kill -9'd coordinator's PR_SET_PDEATHSIG comes as a burst: one signal each time
 the child is handed to another of the coordinator's dying threads; the old handler, Event.set, deadlocked on it)."""
 
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SERVE = """
 import concurrent.futures, os, signal, sys, time, grpc
-from rlfleet.service import ServiceRuntime
+from rlfleet.wire.service import ServiceRuntime
 server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
 port = server.add_insecure_port("127.0.0.1:0")
 server.start()

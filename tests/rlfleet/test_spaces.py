@@ -1,9 +1,9 @@
-"""rlfleet.spaces: the joint spaces of env servers that host different simulators, and padding into them."""
+"""rlfleet.wire.spaces: the joint spaces of env servers that host different simulators, and padding into them."""
 
 import numpy as np
 import pytest
 
-from rlfleet.spaces import TensorSpace, fit_check, joint_spaces, pad_observations
+from rlfleet.wire.spaces import TensorSpace, fit_check, joint_spaces, pad_observations
 
 IMG = TensorSpace((16, 16, 3), np.uint8)
 

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor as FD
 
-from rlfleet import codec, rpc
+from rlfleet.wire import codec, rpc
 from rlfleet.v1 import (coordinator_pb2, env_pb2, inference_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2,
                         rollout_pb2_grpc, tensor_pb2)
 
@@ -151,7 +151,7 @@ def test_coordinator_answers_malformed_requests_with_named_errors(cfg, tmp_path)
 
 # --- issue 25: bad inputs found by outside users (each reproduced on a standalone fleet) ---------------------------
 def _rollout(field=None, value=None, shape=None):
-    from rlfleet.rollout_schema import Rollout
+    from rlfleet.wire.rollout_schema import Rollout
     from tests.services.learner.test_learner import fake_rollout
 
     tm, pe, eps = fake_rollout(T=8)
@@ -164,7 +164,7 @@ def _rollout(field=None, value=None, shape=None):
 
 
 def _push(fleet, rollout, worker=0):
-    from rlfleet.clients.learner import rollout_chunks
+    from rlfleet.wire.clients.learner import rollout_chunks
 
     stub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
     stub.PushRollout(rollout_chunks(rollout, 0, worker, "issue25"), timeout=30)
@@ -178,8 +178,8 @@ def _collect(fleet, **fields):
 
 
 def _huge_space(fleet, to):
-    from rlfleet import weights
-    from rlfleet.models import ActorCritic, ObsSpec
+    from rlfleet.wire import weights
+    from rlfleet.policies.models import ActorCritic, ObsSpec
     from rlfleet.v1 import inference_pb2_grpc
 
     huge = tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[2 ** 31])  # exactly the codec's limit
@@ -240,7 +240,7 @@ ISSUE_25 = [  # (what, call, status, text the answer must hold); run in this ord
 
 
 def test_issue_25_inputs_get_named_statuses_and_lose_nothing(fleet, monkeypatch):
-    from rlfleet.clients import policy as policy_client
+    from rlfleet.wire.clients import policy as policy_client
     from services.env import server as env_server
 
     monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)

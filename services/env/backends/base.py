@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlfleet.spaces import TensorSpace
+from rlfleet.wire.spaces import TensorSpace
 
 
 class BackendUnavailable(RuntimeError):

@@ -20,8 +20,8 @@ import subprocess
 
 import numpy as np
 
-from rlfleet.rpc import InvalidRequest
-from rlfleet.spaces import TensorSpace
+from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
 
 RTX_MARKERS = ("RTX", "L40", "L4", "A10", "A40", "A6000", "A5000", "A4000", "T4", "Quadro")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlfleet.gym_envs import make_gym_env
-from rlfleet.rpc import InvalidRequest
-from rlfleet.spaces import TensorSpace, spaces_from_gym
+from services.env.gym_envs import make_gym_env
+from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace, spaces_from_gym
 from services.env.backends.base import BackendSpec, BackendStep, SimBackend, stack_obs
 
 

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlfleet.rpc import InvalidRequest
-from rlfleet.spaces import TensorSpace
+from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
 
 # suite -> (the LIBERO benchmarks whose tasks it holds, episode limit used by published LIBERO results / RLinf)

@@ -42,8 +42,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlfleet.rpc import InvalidRequest
-from rlfleet.spaces import TensorSpace
+from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
 
 # RLinf's ManiSkill task ids that live only in RLinf's fork of ManiSkill (with its own assets)

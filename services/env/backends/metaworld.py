@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlfleet.rpc import InvalidRequest
-from rlfleet.spaces import TensorSpace
+from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
 
 BENCHMARKS = ("MT10", "MT25", "MT50", "ML10", "ML25", "ML45")

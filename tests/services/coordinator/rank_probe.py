@@ -28,7 +28,7 @@ def launcher(run_dir: pathlib.Path, token: str | None = "t"):
 
 
 def main() -> None:
-    from rlfleet.service import die_with_parent, launched_pid
+    from rlfleet.wire.service import die_with_parent, launched_pid
 
     die_with_parent()
     run_dir = pathlib.Path(sys.argv[sys.argv.index("--run-dir") + 1])

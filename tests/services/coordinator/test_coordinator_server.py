@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from rlfleet import auth
+from rlfleet.wire import auth
 from rlfleet.config import to_yaml
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.coordinator import Coordinator

@@ -76,7 +76,7 @@ def test_simulator_env_servers_use_their_own_image():
     env = next(s for s in process_plan(cfg) if s.role == "env")
     assert deploy.image_for(cfg, env) == "rlfleet-metaworld:cpu"
     cmd = deploy.service_command(cfg, env, "env-0")
-    assert cmd[:5] == ["python", "-m", "rlfleet.environments", "exec", "metaworld"]
+    assert cmd[:5] == ["python", "-m", "rlfleet.simulators.environments", "exec", "metaworld"]
     assert deploy.images(cfg)["rlfleet-metaworld:cpu"] == {
         "target": "simulator", "args": {"BASE_IMAGE": "python:3.11-slim-bookworm",
                                         "TORCH_INDEX_URL": deploy.CPU_TORCH_INDEX, "SIMULATOR": "metaworld"}}
@@ -88,7 +88,7 @@ def test_vllm_inference_servers_use_the_vllm_image():
     assert deploy.image_for(cfg, plan["inference"]) == "rlfleet-vllm:cpu"
     assert deploy.image_for(cfg, plan["env"]) == deploy.image_for(cfg, plan["learner"]) == "rlfleet:cpu"
     cmd = deploy.service_command(cfg, plan["inference"], "inference-0")
-    assert cmd[:7] == ["python", "-m", "rlfleet.environments", "exec", "vllm", "-m", "services.inference.server"]
+    assert cmd[:7] == ["python", "-m", "rlfleet.simulators.environments", "exec", "vllm", "-m", "services.inference.server"]
     assert deploy.images(cfg)["rlfleet-vllm:cpu"]["args"]["SIMULATOR"] == "vllm"
     hf = load_config("pandapickcube_vision_ppo_openvla_tiny")
     assert set(deploy.images(hf)) == {"rlfleet:cpu"}
@@ -125,7 +125,7 @@ def test_each_container_gets_its_own_credential_not_the_run_secret(tmp_path, mon
     """The run secret goes to the coordinator only; compose gives each service a credential for its role and
     index, Kubernetes one per role (a StatefulSet's pods share a template); none of them is the secret, and what
     an env container holds is refused where the learner's is needed."""
-    from rlfleet import auth
+    from rlfleet.wire import auth
 
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     cfg = load_config(None, GPU_RUN)

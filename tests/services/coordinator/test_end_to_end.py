@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from rlfleet import rpc
-from rlfleet.metrics import read_metrics
+from rlfleet.wire import rpc
+from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def finish(proc, timeout=240):
 def credential(run_dir, role="ctl", to="coordinator", index=0):
     """Call metadata of ``role[index]`` toward a server of role ``to``, made from the run's secret (what
     coordinatorctl status sends, for role ctl)."""
-    from rlfleet import auth
+    from rlfleet.wire import auth
 
     return auth.metadata((run_dir / "run_token").read_text(), role, index, to=to)
 
@@ -538,7 +538,7 @@ def _learning_record(records):
 
 def test_one_seed_gives_the_same_run_twice(tmp_path):
     """Synchronous mode repeats bit for bit per seed, with two env servers and two pipeline stages feeding one
-    dynamic batcher: sampling noise is keyed per env and step (rlfleet.noise), act batches are padded so a row's
+    dynamic batcher: sampling noise is keyed per env and step (rlfleet.wire.noise), act batches are padded so a row's
     numbers do not depend on its batch companions, env seeds come from the run seed. Another seed differs."""
     args = ["runner.max_epochs=3", "runner.val_check_interval=3", "cluster.num_env_servers=2",
             "rollout.pipeline_stage_num=2"]

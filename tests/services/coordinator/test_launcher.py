@@ -28,7 +28,7 @@ def test_config_difference_names_the_key():
     assert diff.startswith("'env.train.total_num_envs' is 128 there, 64 here")
     import pytest
 
-    from rlfleet.rpc import InvalidRequest
+    from rlfleet.wire.rpc import InvalidRequest
 
     for bad, why in (("cluster: [unclosed", "config_yaml: does not parse as YAML"),
                      ("- a list", "config_yaml: is not a mapping")):
@@ -79,7 +79,7 @@ def test_launcher_hands_each_process_its_cores(tmp_path, monkeypatch):
     import os
     import subprocess
 
-    from rlfleet.service import CPU_CORES_ENV
+    from rlfleet.wire.service import CPU_CORES_ENV
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     seen = {}
@@ -103,7 +103,7 @@ def test_a_service_pins_itself_to_its_cores():
     import sys
 
     core = sorted(os.sched_getaffinity(0))[-1]
-    code = "import os; from rlfleet.service import pin_to_placed_cores; pin_to_placed_cores(); " \
+    code = "import os; from rlfleet.wire.service import pin_to_placed_cores; pin_to_placed_cores(); " \
            "print(sorted(os.sched_getaffinity(0)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "RLFLEET_CPU_CORES": str(core)})

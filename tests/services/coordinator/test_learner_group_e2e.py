@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from rlfleet.metrics import read_metrics
+from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2
 from tests.services.coordinator.test_end_to_end import CTL, alive, assert_no_orphans, finish, start, wait_epoch
 

@@ -18,9 +18,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from rlfleet import auth
+from rlfleet.wire import auth
 from rlfleet.config import ConfigError, learner_layout, load_config
-from rlfleet.service import CANNOT_START
+from rlfleet.wire.service import CANNOT_START
 from rlfleet.v1 import coordinator_pb2
 from services.coordinator import deploy
 from services.coordinator.launcher import AGENT, LocalLauncher

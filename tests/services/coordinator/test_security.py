@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet import auth, rpc
+from rlfleet.wire import auth, rpc
 from rlfleet.config import load_config, to_yaml
-from rlfleet.metrics import read_metrics
+from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import (coordinator_pb2, coordinator_pb2_grpc, env_pb2, inference_pb2, inference_pb2_grpc,
                         learner_pb2, learner_pb2_grpc, rollout_pb2)
 from tests.services.coordinator.test_end_to_end import CTL, credential, finish, start, wait_epoch

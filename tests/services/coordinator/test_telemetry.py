@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from rlfleet import tracing
+from rlfleet.wire import tracing
 from tests.services.coordinator.test_end_to_end import CTL, TINY
 
 pytestmark = pytest.mark.slow

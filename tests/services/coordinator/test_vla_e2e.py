@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rlfleet.metrics import read_metrics
+from rlfleet.data.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

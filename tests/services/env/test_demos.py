@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlfleet.datasets import Dataset, DatasetWriter
+from rlfleet.data.datasets import Dataset, DatasetWriter
 from services.env.backends.base import BackendUnavailable
 from services.env.demos import collect_demonstrations, main
 from services.env.vec_env import VecEnv

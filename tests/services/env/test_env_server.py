@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet import codec, rpc
+from rlfleet.wire import codec, rpc
 from rlfleet.v1 import env_pb2, env_pb2_grpc
 
 
@@ -182,7 +182,7 @@ def test_evaluate_is_bounded_and_cancellable(fleet):
 
 def _joint_spec(spec, state_dim: int, action_dim: int, extra_entry: bool = True):
     """``spec`` (an env server's Describe) as a run over several simulators would widen it."""
-    from rlfleet.spaces import TensorSpace
+    from rlfleet.wire.spaces import TensorSpace
 
     out = env_pb2.EnvSpec()
     out.CopyFrom(spec)
@@ -266,7 +266,7 @@ def test_collect_names_what_is_wrong_with_its_peers_and_the_worker_stays_free(fl
     from rlfleet.v1 import rollout_pb2
     from services.env import server as env_server
 
-    from rlfleet.clients import policy as policy_client
+    from rlfleet.wire.clients import policy as policy_client
 
     monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)
     monkeypatch.setattr(policy_client, "CONNECT_TIMEOUT_S", 2.0)

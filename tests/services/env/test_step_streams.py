@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet import auth, codec, rpc
+from rlfleet.wire import auth, codec, rpc
 from rlfleet.v1 import env_pb2, env_pb2_grpc
 from services.env.server import EnvServicer, env_kwargs
 from services.env.vec_env import VecEnv

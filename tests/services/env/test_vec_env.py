@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rlfleet.rpc import InvalidRequest
+from rlfleet.wire.rpc import InvalidRequest
 from services.env.vec_env import VecEnv
 
 

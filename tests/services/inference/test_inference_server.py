@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet import codec, rpc, weights
-from rlfleet.models import ActorCritic, ObsSpec
+from rlfleet.wire import codec, rpc, weights
+from rlfleet.policies.models import ActorCritic, ObsSpec
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
-from rlfleet.clients.policy import GrpcPolicyClient, PolicyError
+from rlfleet.wire.clients.policy import GrpcPolicyClient, PolicyError
 
 SPECS = {"state": ObsSpec((13,), "float32")}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.config import ConfigError, load_config
-from rlfleet.models.openvla import lm_weight_name
+from rlfleet.policies.models.openvla import lm_weight_name
 from tests.simenv import run_in_env
 
 VLA = "pandapickcube_vision_ppo_openvla_tiny"
@@ -36,7 +36,7 @@ def test_checkpoint_names_map_to_the_language_model_only():
 
 
 def test_environments_list_the_vllm_environment():
-    from rlfleet import environments
+    from rlfleet.simulators import environments
 
     rows = {r["simulator"]: r for r in environments.describe()}
     assert rows["vllm"]["environment"] == "vllm" and "openvla" in rows["vllm"]["examples"]
@@ -48,10 +48,10 @@ import json, threading, time
 import numpy as np, torch
 torch.set_num_threads(1)
 from rlfleet.config import load_config
-from rlfleet.models import ObsSpec
-from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.policies.models import ObsSpec
+from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
-from rlfleet.rpc import Unavailable
+from rlfleet.wire.rpc import Unavailable
 from services.inference.engine import InferenceEngine
 
 cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm"])
@@ -181,7 +181,7 @@ LORA_CHECKS = r'''
 import json, numpy as np, torch
 torch.set_num_threads(1)
 from rlfleet.config import load_config
-from rlfleet.models import ObsSpec
+from rlfleet.policies.models import ObsSpec
 from rlfleet.policies import build_policy
 from services.inference.engine import InferenceEngine
 cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm", "actor.model.is_lora=true", "actor.model.lora_rank=4"])
@@ -203,7 +203,7 @@ def same():
     a, b = hf.act_now(obs, True, instr), vl.act_now(obs, True, instr)
     return bool((a.forward_inputs["action_bins"] == b.forward_inputs["action_bins"]).all())
 out = {"lora_greedy_same": same()}
-from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.policies.models.actor_critic import to_torch_obs
 s1 = vl.act_now(obs, False, instr, np.arange(n, dtype=np.uint64))
 with torch.no_grad():
     ev = p.evaluate(to_torch_obs(obs), {k: torch.from_numpy(v) for k, v in s1.forward_inputs.items()}, instr)
@@ -234,8 +234,8 @@ LAYOUT_CHECKS = r'''
 import json, numpy as np, torch
 torch.set_num_threads(1)
 from rlfleet.config import load_config
-from rlfleet.models import ObsSpec
-from rlfleet.models.actor_critic import to_torch_obs
+from rlfleet.policies.models import ObsSpec
+from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 from services.inference.engine import InferenceEngine
 sizes = ["actor.model.vla.use_dinov2=true", "actor.model.vla.dino_registers=4", "actor.model.vla.dino_hidden_size=96",

@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 torch.set_num_threads(1)
 
 from rlfleet.config import load_config  # noqa: E402
-from rlfleet.models import ObsSpec, build_policy  # noqa: E402
+from rlfleet.policies.models import ObsSpec, build_policy  # noqa: E402
 from services.env.vec_env import EpisodeStat  # noqa: E402
 from services.learner import learner as learner_module  # noqa: E402
 from services.learner import sharding  # noqa: E402

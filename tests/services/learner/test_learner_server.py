@@ -4,10 +4,10 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet import rpc
+from rlfleet.wire import rpc
 from rlfleet.v1 import learner_pb2_grpc
-from rlfleet.rollout_schema import Rollout
-from rlfleet.clients.learner import push_rollout, rollout_chunks
+from rlfleet.wire.rollout_schema import Rollout
+from rlfleet.wire.clients.learner import push_rollout, rollout_chunks
 from tests.services.learner.test_learner import SPECS, fake_rollout
 
 
@@ -175,7 +175,7 @@ def test_publish_to_a_dead_inference_server_fails_fast(learner_stub):
 
 
 def test_rollouts_for_far_epochs_and_0d_tensors_are_refused_before_buffering(learner_stub):
-    from rlfleet import codec
+    from rlfleet.wire import codec
     from rlfleet.v1 import learner_pb2
 
     stub, learner = learner_stub

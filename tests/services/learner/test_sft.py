@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.datasets import Dataset, DatasetWriter, Episode
-from rlfleet.models.actor_critic import ObsSpec
+from rlfleet.data.datasets import Dataset, DatasetWriter, Episode
+from rlfleet.policies.models.actor_critic import ObsSpec
 from rlfleet.policies import build_policy
 from services.learner.sft import SFTTrainer, chunk_samples
 

@@ -17,7 +17,7 @@ def _run(code: str, timeout: float = 240.0, **env_vars: str) -> dict:
 
 BACKEND = r"""
 import json, numpy as np
-from rlfleet.rpc import InvalidRequest
+from rlfleet.wire.rpc import InvalidRequest
 from services.env.backends.libero import LiberoBackend
 
 out = {}
@@ -147,7 +147,7 @@ def test_libero_env_server_passes_the_contract_checks():
     """`coordinatorctl check-env` semantics against a standalone LIBERO env server (one task, small images)."""
     out = run_in_env("libero", """
 import json
-from rlfleet import conformance
+from rlfleet.simulators import conformance
 from rlfleet.config import load_config
 from services.env.server import serve_env_only
 cfg = load_config("libero_spatial_ppo_cnn", [

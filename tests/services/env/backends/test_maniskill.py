@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlfleet import environments
+from rlfleet.simulators import environments
 from rlfleet.simulators import MANISKILL_ENV, Environment
 from tests.simenv import run_in_env
 
@@ -85,7 +85,7 @@ def test_maniskill_backend_in_its_own_environment():
 ERRORS = r"""
 import json, time
 from services.env.vec_env import VecEnv
-from rlfleet.rpc import InvalidRequest
+from rlfleet.wire.rpc import InvalidRequest
 from services.env.backends.base import BackendUnavailable
 out = {}
 for env_id, params in [("PushCub-v1", {}), ("PutOnPlateInScene25Main-v3", {}), ("PickSingleYCB-v1", {}),
@@ -125,11 +125,11 @@ def test_maniskill_refuses_unknown_rlinf_only_and_asset_tasks_without_prompting(
 
 @pytest.mark.sim
 def test_maniskill_env_server_in_its_own_environment_passes_the_contract_checks():
-    from rlfleet import conformance
+    from rlfleet.simulators import conformance
 
     out = run_in_env("maniskill", """
 import json
-from rlfleet import conformance
+from rlfleet.simulators import conformance
 from rlfleet.config import load_config
 from services.env.server import serve_env_only
 cfg = load_config("maniskill_pushcube_ppo_mlp", ["env.train.total_num_envs=2", "env.train.max_episode_steps=20",

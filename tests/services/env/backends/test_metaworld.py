@@ -10,7 +10,7 @@ pytestmark = pytest.mark.sim
 CODE = r"""
 import json, numpy as np
 from services.env.vec_env import VecEnv
-from rlfleet.rpc import InvalidRequest
+from rlfleet.wire.rpc import InvalidRequest
 import mujoco
 out = {"mujoco": mujoco.__version__}
 a = VecEnv("MT10", 4, max_episode_steps=8, simulator="metaworld")
@@ -71,7 +71,7 @@ def test_scripted_expert_demonstrations_from_the_metaworld_environment(tmp_path)
     import subprocess
     import sys
 
-    from rlfleet.datasets import Dataset
+    from rlfleet.data.datasets import Dataset
 
     proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "collect-demos",
                            "metaworld_mt1_sft_pi0_tiny", f"runner.logger.log_path={tmp_path}", "--episodes", "2",

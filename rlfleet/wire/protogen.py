@@ -1,7 +1,7 @@
 """Generate the gRPC/protobuf Python modules from ``protos/`` (never edit the output by hand).
 
-    python -m rlfleet.protogen           # regenerate rlfleet/v1/*_pb2*.py
-    python -m rlfleet.protogen --check   # exit 1 if the committed modules are stale
+    python -m rlfleet.wire.protogen           # regenerate rlfleet/v1/*_pb2*.py
+    python -m rlfleet.wire.protogen --check   # exit 1 if the committed modules are stale
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pathlib
 import sys
 import tempfile
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
 PACKAGE_DIR = "rlfleet/v1"
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_files()
         if stale:
-            print("stale generated files (run `python -m rlfleet.protogen`):\n  " + "\n  ".join(stale))
+            print("stale generated files (run `python -m rlfleet.wire.protogen`):\n  " + "\n  ".join(stale))
             return 1
         print("generated protobuf modules are current")
         return 0

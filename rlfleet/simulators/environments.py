@@ -27,7 +27,7 @@ import time
 
 from rlfleet.simulators import ENV_SIDE_REQUIREMENTS, SIMULATORS, Environment, get_simulator
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 STAMP = "rlfleet-env.json"
 
 
@@ -203,7 +203,7 @@ def ensure_system_packages(env: Environment, log=print) -> None:
     """Install the environment's missing Debian packages (as root), or raise naming the commands to run.
 
     Best done before any simulator loads: upgrading Mesa's EGL libraries under a process that already loaded
-    them breaks its next GL context (EGL_BAD_MATCH), hence ``python -m rlfleet.environments system-packages``."""
+    them breaks its next GL context (EGL_BAD_MATCH), hence ``python -m rlfleet.simulators.environments system-packages``."""
     tag = f"env {env.name}"
     apt = missing_apt(env)
     if apt:
@@ -254,7 +254,7 @@ def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
 
 def environment_of(simulator: str) -> Environment | None:
     """The environment of a simulator, or of an inference backend (``vllm``) by its name."""
-    from rlfleet.rollout_backends import BACKENDS
+    from rlfleet.policies.backends import BACKENDS
 
     if simulator in BACKENDS and simulator not in SIMULATORS:
         return BACKENDS[simulator].environment
@@ -296,7 +296,7 @@ def describe(configured: str | None = None) -> list[dict]:
                      "path": str(env_path(env, configured)) if env else sys.prefix,
                      "description": sim.description, "examples": list(sim.examples),
                      "notes": env.notes if env else ""})
-    from rlfleet.rollout_backends import BACKENDS
+    from rlfleet.policies.backends import BACKENDS
 
     for b in BACKENDS.values():
         if b.environment is not None:
@@ -309,14 +309,14 @@ def describe(configured: str | None = None) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    """``python -m rlfleet.environments exec SIMULATOR ARGS...``: run ARGS with the simulator's Python (its own
+    """``python -m rlfleet.simulators.environments exec SIMULATOR ARGS...``: run ARGS with the simulator's Python (its own
     environment, built when missing) and rlfleet's env side on PYTHONPATH; what a container runs an env server with.
-    ``python -m rlfleet.environments install SIMULATOR``: build the environment (image builds).
-    ``python -m rlfleet.environments system-packages all|SIMULATOR``: only the Debian packages (as root; the test
+    ``python -m rlfleet.simulators.environments install SIMULATOR``: build the environment (image builds).
+    ``python -m rlfleet.simulators.environments system-packages all|SIMULATOR``: only the Debian packages (as root; the test
     command runs this before any test loads a simulator)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m rlfleet.environments")
+    p = argparse.ArgumentParser(prog="python -m rlfleet.simulators.environments")
     p.add_argument("action", choices=("exec", "install", "system-packages"))
     p.add_argument("simulator")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
                 err(str(exc))
                 failed += 1
         return 1 if failed else 0
-    from rlfleet.rollout_backends import BACKENDS
+    from rlfleet.policies.backends import BACKENDS
 
     if args.simulator not in SIMULATORS and args.simulator not in BACKENDS:
         err(f"unknown simulator or inference backend '{args.simulator}'; known: "

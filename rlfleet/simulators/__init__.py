@@ -3,7 +3,7 @@ in. This is the one place a simulator is added.
 
 A simulator whose pins conflict with the main environment (Meta-World and robosuite pin ``mujoco==3.3.0``,
 ManiSkill brings sapien, OmniGibson needs numpy<2 and Isaac Sim) declares an :class:`Environment`; its env
-servers then run from that environment (built on first use by :mod:`rlfleet.environments`), never from the main
+servers then run from that environment (built on first use by :mod:`rlfleet.simulators.environments`), never from the main
 ``.venv``. An env server process carries only the env side of rlfleet (protos, codec, backend, rollout worker),
 so an environment needs :data:`ENV_SIDE_REQUIREMENTS` plus the simulator's own packages, and no model code.
 """
@@ -23,7 +23,7 @@ ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "grpcio-health-checking==1.85.1", "gr
 
 @dataclass(frozen=True)
 class Environment:
-    """A Python environment for one simulator, built by rlfleet.environments (uv, cached by its lock)."""
+    """A Python environment for one simulator, built by rlfleet.simulators.environments (uv, cached by its lock)."""
 
     name: str
     pip: tuple[str, ...]                # the simulator's requirements, pinned (plus ENV_SIDE_REQUIREMENTS)

@@ -22,7 +22,7 @@ which only calls *to env servers* can be made; never a learner's, inference serv
 A bearer is seen by the server it is sent to, which is why it is per callee role: what a server sees it could
 make itself already.
 
-Each process declares its identity once (:func:`set_identity`); :mod:`rlfleet.rpc` then adds the bearer, role and
+Each process declares its identity once (:func:`set_identity`); :mod:`rlfleet.wire.rpc` then adds the bearer, role and
 index to every call it makes and checks them on every call it serves. Health checks and reflection stay open so
 that Kubernetes probes and ``grpcurl list`` work without a credential. A process with no credential (in-process
 tests, the examples) neither sends nor checks one.
@@ -305,7 +305,7 @@ def check(method: str, metadata) -> Caller | None:
     if not given.startswith("Bearer ") or not ident.verifiers:
         raise AuthError("UNAUTHENTICATED", "missing or wrong run credential (metadata "
                                            f"'{TOKEN_KEY}: Bearer <credential>', '{ROLE_KEY}', '{INDEX_KEY}'; "
-                                           f"see `python -m rlfleet.auth --help`)")
+                                           f"see `python -m rlfleet.wire.auth --help`)")
     role, index = _claim(md)
     bearer = given[7:].strip().encode("utf-8", "replace")
     if not hmac.compare_digest(bearer, ident.expected(role, index)):
@@ -335,10 +335,10 @@ def caller_of(context) -> Caller | None:
 
 
 def main(argv=None) -> int:
-    """python -m rlfleet.auth: issue a service credential, or print call metadata, from the run secret."""
+    """python -m rlfleet.wire.auth: issue a service credential, or print call metadata, from the run secret."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m rlfleet.auth", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m rlfleet.wire.auth", description=main.__doc__)
     p.add_argument("what", choices=["issue", "metadata"],
                    help="issue: a credential for ROLE (its RLFLEET_RUN_TOKEN); metadata: grpcurl -H lines")
     p.add_argument("--role", default="ctl", choices=ROLES)

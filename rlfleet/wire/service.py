@@ -14,10 +14,10 @@ import uuid
 
 import grpc
 
-from rlfleet import rpc
+from rlfleet.wire import rpc
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-log = logging.getLogger("rlfleet.service")
+log = logging.getLogger("rlfleet.wire.service")
 
 ROLES = {"env": coordinator_pb2.ENV, "inference": coordinator_pb2.INFERENCE, "learner": coordinator_pb2.LEARNER}
 
@@ -41,7 +41,7 @@ def die_with_parent() -> None:
     """When started by a coordinator (RLFLEET_PARENT_PID), exit as soon as it dies, even by kill -9.
 
     RLFLEET_PARENT_PID is the pid of the process that started this one. A learner rank is started by torchrun's
-    agent, not by the coordinator: the local launcher runs that agent through ``rlfleet.torchrun``, which binds
+    agent, not by the coordinator: the local launcher runs that agent through ``rlfleet.wire.torchrun``, which binds
     itself to the coordinator here and then sets RLFLEET_PARENT_PID to its own pid for the ranks it starts, so
     each rank binds to its real parent (the agent) and a chain coordinator -> agent -> ranks ends as one."""
     parent = os.environ.get(PARENT_PID_ENV)
@@ -100,7 +100,7 @@ def exit_after(main) -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         code = CANNOT_START
-    from rlfleet import tracing
+    from rlfleet.wire import tracing
 
     tracing.shutdown()  # flush spans and metrics: os._exit skips atexit
     sys.stdout.flush()
@@ -127,7 +127,7 @@ def load_service_config(args):
 
 def setup_process(args, cfg, role: str) -> None:
     """Logging, threads, the run credential and telemetry of a service process (before it serves)."""
-    from rlfleet import auth, tracing
+    from rlfleet.wire import auth, tracing
 
     die_with_parent()
     pin_to_placed_cores()
@@ -135,7 +135,7 @@ def setup_process(args, cfg, role: str) -> None:
     token = auth.token_from_env()
     if args.coordinator and not token:
         raise SystemExit(f"rlfleet {role}[{args.index}]: no run credential: set {auth.TOKEN_ENV} to this service's "
-                         f"credential (`python -m rlfleet.auth issue --role {role}`; coordinatorctl start and deploy "
+                         f"credential (`python -m rlfleet.wire.auth issue --role {role}`; coordinatorctl start and deploy "
                          f"hand one to each service) or to the run's secret")
     try:
         ident = auth.set_identity(role, token, args.index)
@@ -143,9 +143,9 @@ def setup_process(args, cfg, role: str) -> None:
         raise SystemExit(f"rlfleet {role}[{args.index}]: {exc}") from None
     if ident is not None and ident.from_secret:
         print(f"rlfleet {role}[{args.index}]: note: {auth.TOKEN_ENV} holds the run secret, from which every role's "
-              f"credential can be made; give this service only its own (`python -m rlfleet.auth issue --role "
+              f"credential can be made; give this service only its own (`python -m rlfleet.wire.auth issue --role "
               f"{role}`, what coordinatorctl start and deploy do)", file=sys.stderr, flush=True)
-    from rlfleet import rpc as _rpc
+    from rlfleet.wire import rpc as _rpc
 
     _rpc.configure_tls(cfg.cluster.tls)
     # part of a run: traces next to its config (the run folder) unless RLFLEET_TRACE_DIR says; a standalone server

@@ -13,7 +13,7 @@ def check_address(address: str, name: str) -> str:
     """A peer address a request names (``host:port``, ``[v6]:port``, ``dns:``/``ipv4:``/``ipv6:`` targets,
     ``unix:`` paths): refused with InvalidRequest naming ``name`` when it cannot be one, before anything waits on
     it."""
-    from rlfleet.rpc import InvalidRequest
+    from rlfleet.wire.rpc import InvalidRequest
 
     shown = repr(address[:60]) + ("..." if len(address) > 60 else "")
     if not address:

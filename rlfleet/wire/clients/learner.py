@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from rlfleet import codec, rpc
+from rlfleet.wire import codec, rpc
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc
 
 CHUNK_BYTES = 4 << 20
@@ -68,7 +68,7 @@ def learner_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
 def push_rollout(address: str, rollout, epoch: int, worker_index: int, incarnation: str,
                  timeout: float = 300.0) -> learner_pb2.PushRolloutResponse:
     """Stream a rollout to the learner within ``timeout`` seconds. The learner's refusal or absence comes back as
-    the matching rlfleet.rpc error, naming the learner's address and carrying its message: INVALID_ARGUMENT,
+    the matching rlfleet.wire.rpc error, naming the learner's address and carrying its message: INVALID_ARGUMENT,
     FAILED_PRECONDITION and RESOURCE_EXHAUSTED as the learner said them, a deadline as Cancelled, anything
     else (unreachable, a learner failure) as Unavailable."""
     import grpc

@@ -1,4 +1,4 @@
-"""``python -m rlfleet.healthcheck HOST:PORT [SERVICE]``: a grpc.health.v1 probe (compose healthchecks, scripts).
+"""``python -m rlfleet.wire.healthcheck HOST:PORT [SERVICE]``: a grpc.health.v1 probe (compose healthchecks, scripts).
 
 Exits 0 when the server answers SERVING (for SERVICE, or for the whole server when omitted), 1 otherwise,
 printing what it got. Health checks need no run credential."""

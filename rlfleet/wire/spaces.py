@@ -47,7 +47,7 @@ class TensorSpace:
 
     # --- wire -------------------------------------------------------------------------------------------------
     def to_proto(self) -> tensor_pb2.TensorSpec:
-        from rlfleet.codec import dtype_of
+        from rlfleet.wire.codec import dtype_of
 
         spec = tensor_pb2.TensorSpec(dtype=dtype_of(np.zeros((), self.dtype)), shape=list(self.shape),
                                      low=float(self.low.min()) if self.size else 0.0,
@@ -59,7 +59,7 @@ class TensorSpace:
 
     @classmethod
     def from_proto(cls, spec: tensor_pb2.TensorSpec) -> TensorSpace:
-        from rlfleet.codec import numpy_dtype
+        from rlfleet.wire.codec import numpy_dtype
 
         shape = tuple(int(d) for d in spec.shape)
         n = int(np.prod(shape, dtype=np.int64))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 
-from rlfleet.rpc import InvalidRequest
+from rlfleet.wire.rpc import InvalidRequest
 
 _ENTRY = "services.env.envs.panda_pick_cube"
 BUILT_IN = {"PandaPickCube-v0": f"{_ENTRY}:PandaPickCubeEnv", "PandaPickCubeVision-v0": f"{_ENTRY}:PandaPickCubeVisionEnv"}

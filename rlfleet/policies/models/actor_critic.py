@@ -185,7 +185,7 @@ class ActorCritic(PolicyMixin, nn.Module):
 
 def obs_specs_from_proto(space) -> dict[str, ObsSpec]:
     """{name: TensorSpec} (protobuf map) -> {name: ObsSpec}."""
-    from rlfleet.codec import check_shape, numpy_dtype
+    from rlfleet.wire.codec import check_shape, numpy_dtype
 
     out = {}
     for k, v in space.items():

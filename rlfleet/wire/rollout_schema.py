@@ -90,7 +90,7 @@ def _check_values(name: str, v: np.ndarray) -> None:
     if peak > bound:
         where = tuple(int(i) for i in np.argwhere(np.abs(v) > bound)[0])
         raise SchemaError(f"rollout['{name}']: value {float(v[where]):.4g} at index {list(where)} is beyond the "
-                          f"schema's bound |x| <= {bound:g} (rlfleet/rollout_schema.py)")
+                          f"schema's bound |x| <= {bound:g} (rlfleet/wire/rollout_schema.py)")
 
 
 @dataclass

@@ -9,10 +9,10 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from rlfleet import codec
-from rlfleet.codec import CodecError, DType
-from rlfleet.models.actor_critic import ObsSpec, obs_specs_from_proto
-from rlfleet.rpc import MAX_MESSAGE_BYTES
+from rlfleet.wire import codec
+from rlfleet.wire.codec import CodecError, DType
+from rlfleet.policies.models.actor_critic import ObsSpec, obs_specs_from_proto
+from rlfleet.wire.rpc import MAX_MESSAGE_BYTES
 from rlfleet.v1 import inference_pb2, tensor_pb2
 
 CHUNK_BYTES = 1 << 20
@@ -123,7 +123,7 @@ MAX_OBS_ROW_BYTES = MAX_MESSAGE_BYTES  # one observation row must fit one Act re
 def observation_row_bytes(obs_specs: dict[str, ObsSpec], name: str = "observation_space") -> int:
     """Bytes of one observation row of the declared spaces; refused (InvalidRequest naming ``name``) beyond what
     one Act request can carry, so that nothing is built for spaces no request could ever fill."""
-    from rlfleet.rpc import InvalidRequest
+    from rlfleet.wire.rpc import InvalidRequest
 
     total, sizes = 0, {}
     for k, s in obs_specs.items():
@@ -146,7 +146,7 @@ def planned_state(model_cfg, obs_specs: dict[str, ObsSpec], action_dim: int, nor
     much as the build), or one that cannot be built on the meta device (both are checked after their real build,
     as before). Spaces the policy cannot take: InvalidRequest naming ``name``."""
     from rlfleet.policies import build_policy
-    from rlfleet.rpc import InvalidRequest
+    from rlfleet.wire.rpc import InvalidRequest
 
     if model_cfg.get("model_path"):
         return None
@@ -203,7 +203,7 @@ def available_memory(device: str | torch.device = "cpu") -> int | None:
 def check_fits(need: int, what: str, device: str | torch.device = "cpu", budget: int | None = None) -> None:
     """Refuse (ResourceExhausted, with the numbers) what would need more than ``budget`` bytes (None: what
     :func:`available_memory` says is left on ``device``)."""
-    from rlfleet.rpc import ResourceExhausted
+    from rlfleet.wire.rpc import ResourceExhausted
 
     have = budget if budget is not None else available_memory(device)
     if have is not None and need > have:

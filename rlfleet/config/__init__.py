@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
 # Maps whose keys are the user's to choose.
 FREE_FORM = ("cluster.component_placement", "cluster.cpu_placement", "env.train.init_params", "env.eval.init_params")
@@ -216,7 +216,7 @@ def validate(cfg: DictConfig) -> None:
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
     lt = cfg.cluster.learner_num_threads
     _require(lt is None or lt >= 1, "cluster.learner_num_threads", f"must be null or >= 1, got {lt}")
-    from rlfleet.rollout_backends import check_backend, get_backend
+    from rlfleet.policies.backends import check_backend, get_backend
 
     try:
         get_backend(cfg.rollout.backend)

@@ -1,7 +1,7 @@
 """OpenTelemetry for every rlfleet process: traces and metrics, exported to OTLP or to JSON-lines files.
 
 One trace per training epoch: the coordinator's ``epoch`` span holds ``collect`` (one per env server) and
-``train``; trace context rides in the gRPC metadata (W3C ``traceparent``, added by :mod:`rlfleet.rpc`'s
+``train``; trace context rides in the gRPC metadata (W3C ``traceparent``, added by :mod:`rlfleet.wire.rpc`'s
 interceptors), so the env server's Collect (``env.step`` and ``act`` spans per step, ``push_rollout``), the
 learner's PushRollout and Train (``ppo_update``, ``publish_weights``) and the inference server's UpdateWeights
 are children in the same trace. Metrics (env steps, act batch sizes, queue waits, latency histograms) go through

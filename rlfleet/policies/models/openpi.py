@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rlfleet.models.openvla import ByteTokenizer, has_tokenizer_files, load_hf_tokenizer, save_tokenizer
+from rlfleet.policies.models.openvla import ByteTokenizer, has_tokenizer_files, load_hf_tokenizer, save_tokenizer
 from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
 
 # actor.model.openpi defaults: a tiny π0 that runs on CPU
@@ -350,7 +350,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         x = self._start_noise(shape, deterministic, noise, device)
         if deterministic:
             j = torch.zeros(n, dtype=torch.long, device=device)
-        elif noise is not None:  # per-row streams (rlfleet.noise): the chain's start, its noisy step, its noise
+        elif noise is not None:  # per-row streams (rlfleet.wire.noise): the chain's start, its noisy step, its noise
             j = (noise.torch_uniform((), x) * self.num_steps).long().clamp_(max=self.num_steps - 1)
         else:
             j = torch.randint(0, self.num_steps, (n,), device=device)

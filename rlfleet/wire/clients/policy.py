@@ -14,8 +14,8 @@ import threading
 import grpc
 import numpy as np
 
-from rlfleet import codec, rpc, tracing
-from rlfleet.acting import ActResult
+from rlfleet.wire import codec, rpc, tracing
+from rlfleet.wire.acting import ActResult
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
 

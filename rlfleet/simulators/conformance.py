@@ -6,7 +6,7 @@ Every check drives the server over gRPC as rlfleet does and reports PASS, FAIL (
 breaks) or SKIP (the server does not offer the feature, or the check needs something an earlier one found
 missing). All checks run, whatever fails, so one run shows all that is left to do. The server is checked against
 the contract version it declares (EnvSpec.contract_version; '' is version 0, the first published one), with zero
-values read as their documented defaults (rlfleet.env_contract).
+values read as their documented defaults (rlfleet.wire.env_contract).
 
 It resets and steps the envs, so point it at a standalone simulator server, not at one a run is using. Exit code:
 0 no check failed, 1 a check failed, 2 the server could not be reached, described, or was closed.
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 import grpc
 import numpy as np
 
-from rlfleet import codec, env_contract, rpc
-from rlfleet.spaces import TensorSpace, spaces_from_proto
+from rlfleet.wire import codec, env_contract, rpc
+from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc
 
 CONTRACT_VERSION = env_contract.CURRENT
