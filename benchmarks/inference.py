@@ -29,14 +29,14 @@ import torch  # noqa: E402
 from rlfleet.wire import rpc, weights  # noqa: E402
 from rlfleet.wire.clients.policy import GrpcPolicyClient, _Stream  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
-from rlfleet.policies.models import ObsSpec  # noqa: E402
+from rlfleet.wire.spaces import TensorSpace  # noqa: E402
 from rlfleet.policies import build_policy  # noqa: E402
 from rlfleet.v1 import inference_pb2_grpc  # noqa: E402
 from services.inference.engine import InferenceEngine  # noqa: E402
 
-VISION = {"third_person": ObsSpec((64, 64, 3), "uint8"), "wrist": ObsSpec((64, 64, 3), "uint8"),
-          "state": ObsSpec((7,), "float32")}
-STATE = {"state": ObsSpec((13,), "float32")}
+VISION = {"third_person": TensorSpace((64, 64, 3), "uint8"), "wrist": TensorSpace((64, 64, 3), "uint8"),
+          "state": TensorSpace((7,), "float32")}
+STATE = {"state": TensorSpace((13,), "float32")}
 MODELS = {
     "mlp (256x256)": (["actor.model.model_type=mlp"], STATE),
     "cnn (64 px)": (["actor.model.model_type=cnn"], VISION),

@@ -30,7 +30,7 @@ def measure(backend: str, batches: list[int], seconds: float, vla: list[str], th
 
     torch.set_num_threads(threads)
     from rlfleet.config import load_config
-    from rlfleet.policies.models import ObsSpec
+    from rlfleet.wire.spaces import TensorSpace
     from rlfleet.policies import build_policy
     from services.inference.engine import InferenceEngine
 
@@ -38,7 +38,7 @@ def measure(backend: str, batches: list[int], seconds: float, vla: list[str], th
                                                                 f"actor.model.add_value_head={value}",
                                                                 *[f"actor.model.vla.{kv}" for kv in vla]])
     size = int(cfg.actor.model.vla.image_size)
-    specs = {"third_person": ObsSpec((size, size, 3), "uint8"), "state": ObsSpec((18,), "float32")}
+    specs = {"third_person": TensorSpace((size, size, 3), "uint8"), "state": TensorSpace((18,), "float32")}
     torch.manual_seed(0)
     policy = build_policy(cfg.actor.model, specs, 4, True, "token_level")
     state = {k: v.clone() for k, v in policy.state_dict().items()}

@@ -113,7 +113,7 @@ def in_process(cfg, epochs: int) -> float | None:
         return None
     import torch
 
-    from rlfleet.policies.models.actor_critic import ObsSpec
+    from rlfleet.wire.spaces import TensorSpace
     from services.env.server import build_worker
     from rlfleet.wire.clients.policy import LocalPolicyClient
     from services.inference.server import build_engine
@@ -122,10 +122,10 @@ def in_process(cfg, epochs: int) -> float | None:
     env, worker = build_worker(cfg, 0)
     info = env.space_info()
     engine = build_engine(cfg)
-    from rlfleet.policies.models import build_policy
+    from rlfleet.policies import build_policy
 
     torch.set_num_threads(1)
-    specs = {k: ObsSpec(sp.shape, sp.dtype.name) for k, sp in info.observation_space.items()}
+    specs = {k: TensorSpace(sp.shape, sp.dtype.name) for k, sp in info.observation_space.items()}
     adim = info.action_space.size
     model = build_policy(cfg.actor.model, specs, adim, True)
     engine.set_weights(0, model.state_dict(), obs_specs=specs, action_dim=adim)

@@ -34,6 +34,11 @@ import re
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
+from rlfleet.wire.rpc import MAX_MESSAGE_BYTES
+from rlfleet.wire.spaces import TensorSpace
+
 VLA_TYPES = ("openvla", "openvla_oft", "openpi")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 GB = 1e9
@@ -222,7 +227,7 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
     allocating it."""
     import torch
 
-    from rlfleet.policies.models import ObsSpec
+    from rlfleet.wire.spaces import TensorSpace
     from rlfleet.policies import build_policy
 
     activations = activation_bytes(model_cfg)
@@ -247,9 +252,9 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
                              n if frozen_kept else trained(n))
     sizes = model_cfg.openpi if model_cfg.model_type == "openpi" else model_cfg.vla
     size = int(sizes.image_size)
-    specs = {k: ObsSpec((size, size, 3), "uint8") for k in [model_cfg.image_key or "image",
+    specs = {k: TensorSpace((size, size, 3), "uint8") for k in [model_cfg.image_key or "image",
                                                           *(model_cfg.extra_image_keys or ())]}
-    specs["state"] = ObsSpec((1,), "float32")
+    specs["state"] = TensorSpace((1,), "float32")
     with torch.device("meta"):
         policy = build_policy(model_cfg, specs, 1, True, logprob_type)
     params = sum(p.numel() for p in policy.parameters())
@@ -363,3 +368,106 @@ def check(cfg, *, inference: bool = True) -> str | None:
             f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / GB:.1f} GB where {where} "
             f"has {have / GB:.1f} GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
             f"k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")
+
+
+# --- what a policy for declared spaces would cost, known before anything is allocated --------------------------
+MAX_OBS_ROW_BYTES = MAX_MESSAGE_BYTES  # one observation row must fit one Act request
+
+
+def observation_row_bytes(obs_specs: dict[str, TensorSpace], name: str = "observation_space") -> int:
+    """Bytes of one observation row of the declared spaces; refused (InvalidRequest naming ``name``) beyond what
+    one Act request can carry, so that nothing is built for spaces no request could ever fill."""
+    from rlfleet.wire.rpc import InvalidRequest
+
+    total, sizes = 0, {}
+    for k, s in obs_specs.items():
+        sizes[k] = int(np.prod(s.shape, dtype=object)) * np.dtype(s.dtype).itemsize
+        total += sizes[k]
+    if total > MAX_OBS_ROW_BYTES:
+        big = max(sizes, key=sizes.get)
+        raise InvalidRequest(f"{name}: one observation row declares {total / 2**20:.0f} MiB ('{big}': "
+                             f"{list(obs_specs[big].shape)} {obs_specs[big].dtype}, {sizes[big] / 2**20:.0f} MiB); "
+                             f"at most {MAX_OBS_ROW_BYTES / 2**20:.0f} MiB, what one request can carry")
+    return total
+
+
+def planned_state(model_cfg, obs_specs: dict[str, TensorSpace], action_dim: int, normalize_obs: bool,
+                  logprob_type: str, name: str = "observation_space",
+                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]] | None:
+    """The state dict the configured policy would have for these spaces, built on PyTorch's meta device (shapes
+    and dtypes, no storage): {name: (shape, dtype, is_parameter)}. None where it is not planned: a policy loaded
+    from a checkpoint directory (``model_path``: its size is the checkpoint's, and reading it here would cost as
+    much as the build), or one that cannot be built on the meta device (both are checked after their real build,
+    as before). Spaces the policy cannot take: InvalidRequest naming ``name``."""
+    import torch
+
+    from rlfleet.policies import build_policy
+    from rlfleet.wire.rpc import InvalidRequest
+
+    if model_cfg.get("model_path"):
+        return None
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            policy = build_policy(model_cfg, obs_specs, action_dim, normalize_obs, logprob_type)
+    except ValueError as exc:  # the spaces do not suit this policy (e.g. images for an MLP)
+        raise InvalidRequest(f"{name}: {exc}") from None
+    except Exception:  # noqa: BLE001 - e.g. a checkpoint directory that cannot load onto meta tensors
+        return None
+    params = {n for n, _ in policy.named_parameters()}
+    return {n: (tuple(t.shape), t.dtype, n in params) for n, t in policy.state_dict().items()}
+
+
+def state_bytes(planned: dict, parameter_dtype: torch.dtype | None = None) -> int:
+    """Bytes of a planned state (``parameter_dtype``: the dtype parameters are held in, e.g. bf16 copies)."""
+    import torch
+
+    total = 0
+    for shape, dtype, is_param in planned.values():
+        dt = parameter_dtype if is_param and parameter_dtype is not None and dtype.is_floating_point else dtype
+        total += math.prod(shape) * torch.empty((), dtype=dt).element_size()
+    return total
+
+
+def free_bytes(device: str | torch.device = "cpu") -> int | None:
+    """Bytes this process could still allocate on ``device``: a GPU's free memory (plus what PyTorch's cache holds
+    unused), or the host's MemAvailable bounded by this container's cgroup limit (what it may still use, its
+    reclaimable page cache counted as free). None when unknown."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+    if dev.type != "cpu":
+        return None
+    have = None
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                have = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    cg = pathlib.Path("/sys/fs/cgroup")
+    try:
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cg / "memory.current").read_text())
+            stat = dict(line.split() for line in (cg / "memory.stat").read_text().splitlines() if " " in line)
+            room = int(limit) - used + int(stat.get("inactive_file", 0))
+            have = room if have is None else min(have, room)
+    except (OSError, ValueError):
+        pass
+    return have
+
+
+def check_fits(need: int, what: str, device: str | torch.device = "cpu", budget: int | None = None) -> None:
+    """Refuse (ResourceExhausted, with the numbers) what would need more than ``budget`` bytes (None: what
+    what :func:`free_bytes` says is left on ``device``)."""
+    import torch
+
+    from rlfleet.wire.rpc import ResourceExhausted
+
+    have = budget if budget is not None else free_bytes(device)
+    if have is not None and need > have:
+        raise ResourceExhausted(f"{what} would need {need / 2**30:.2f} GiB; {have / 2**30:.2f} GiB are available "
+                                f"on {torch.device(device)}")

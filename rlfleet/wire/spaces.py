@@ -33,6 +33,35 @@ class TensorSpace:
             self.high = np.minimum(self.high, 255)
 
     @property
+    def is_image(self) -> bool:
+        """A uint8 H x W x C entry (a camera)."""
+        return self.dtype == np.uint8 and len(self.shape) == 3
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TensorSpace) and self.shape == other.shape and self.dtype == other.dtype and \
+            np.array_equal(self.low, other.low) and np.array_equal(self.high, other.high)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype.str, self.low.tobytes(), self.high.tobytes()))
+
+    def __repr__(self) -> str:
+        bounds = "" if not self.size or not np.isfinite(self.low).any() else \
+            f", [{self.low.min():g}, {self.high.max():g}]"
+        return f"TensorSpace({list(self.shape)}, {self.dtype.name}{bounds})"
+
+    def to_json(self) -> dict:
+        """A JSON form (bounds per element; infinities as JSON's Infinity)."""
+        return {"shape": list(self.shape), "dtype": self.dtype.name, "low": self.low.ravel().tolist(),
+                "high": self.high.ravel().tolist()}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> TensorSpace:
+        shape = tuple(data["shape"])
+        low, high = data.get("low"), data.get("high")
+        return cls(shape, np.dtype(data["dtype"]), None if low is None else np.asarray(low).reshape(shape),
+                   None if high is None else np.asarray(high).reshape(shape))
+
+    @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
@@ -102,8 +131,20 @@ def spaces_to_proto(spaces: Mapping[str, TensorSpace]) -> dict[str, tensor_pb2.T
     return {k: s.to_proto() for k, s in spaces.items()}
 
 
-def spaces_from_proto(specs) -> dict[str, TensorSpace]:
-    return {k: TensorSpace.from_proto(v) for k, v in specs.items()}
+def spaces_from_proto(specs, field: str = "observation_space") -> dict[str, TensorSpace]:
+    """{name: TensorSpec} (a protobuf map) -> {name: TensorSpace}; a bad shape or dtype is a CodecError naming
+    ``field['name']``."""
+    from rlfleet.wire.codec import CodecError, check_shape, numpy_dtype
+
+    out = {}
+    for k, v in specs.items():
+        check_shape(v.shape, f"{field}['{k}']")
+        numpy_dtype(v.dtype, f"{field}['{k}']")
+        try:
+            out[k] = TensorSpace.from_proto(v)
+        except ValueError as exc:
+            raise CodecError(f"{field}['{k}']: {exc}") from None
+    return out
 
 
 # --- runs whose env servers host different simulators ------------------------------------------------------------

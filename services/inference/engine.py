@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import to_torch_obs
-from rlfleet.policies import build_policy
+from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 from rlfleet.wire import tracing, weights
 from rlfleet.wire.acting import ActResult
@@ -71,7 +71,7 @@ class InferenceEngine:
         self.model = None  # a policy (rlfleet.policies), the served copy
         self._spare = None  # the idle copy the next update loads into
         self.bytes_loaded = 0
-        self.obs_specs: dict[str, ObsSpec] | None = None
+        self.obs_specs: dict[str, TensorSpace] | None = None
         self.action_dim: int | None = None
         self.version = -1
         self._swap_lock = threading.Lock()
@@ -84,7 +84,7 @@ class InferenceEngine:
         self._thread: threading.Thread | None = None
 
     # --- weights ----------------------------------------------------------------------------------------------
-    def set_weights(self, version: int, state: dict[str, torch.Tensor], *, obs_specs: dict[str, ObsSpec] | None = None,
+    def set_weights(self, version: int, state: dict[str, torch.Tensor], *, obs_specs: dict[str, TensorSpace] | None = None,
                     action_dim: int | None = None, partial: bool = False) -> int:
         """Swap in a new weights set. In-flight batches finish on the old model; the next batch uses the new.
 
@@ -135,17 +135,17 @@ class InferenceEngine:
         log.info("serving weights version %d (%d tensors)", version, len(state))
         return version
 
-    def _plan(self, obs_specs: dict[str, ObsSpec], action_dim: int):
+    def _plan(self, obs_specs: dict[str, TensorSpace], action_dim: int):
         """Before a (re)build for new spaces: their observation row, and the two copies of the policy they imply
         (double buffering), must fit this server's memory (``memory_budget_bytes``, or what is available).
-        -> the planned state (rlfleet.wire.weights.planned_state), or None where it cannot be planned."""
-        row = weights.observation_row_bytes(obs_specs)
-        planned = weights.planned_state(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
+        -> the planned state (rlfleet.policies.footprint.planned_state), or None where it cannot be planned."""
+        row = footprint.observation_row_bytes(obs_specs)
+        planned = footprint.planned_state(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
                                         self.logprob_type)
         if planned is not None:
-            copy = weights.state_bytes(planned, self.weights_dtype)
+            copy = footprint.state_bytes(planned, self.weights_dtype)
             spaces = ", ".join(f"{k}{list(s.shape)}" for k, s in obs_specs.items())
-            weights.check_fits(2 * copy + self.max_batch_size * row,
+            footprint.check_fits(2 * copy + self.max_batch_size * row,
                                f"observation_space: a {self.model_cfg.model_type} policy for spaces {spaces} "
                                f"(action {action_dim}-D: two copies of {copy / 2**30:.2f} GiB, and a batch)",
                                self.device, self.memory_budget_bytes)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlfleet.policies.models import RunningMeanStd
+from rlfleet.policies.models.actor_critic import RunningMeanStd
 from rlfleet.wire.rollout_schema import FI, OBS
 from rlfleet.wire.rpc import FailedPrecondition
 from services.learner import grpo, ppo

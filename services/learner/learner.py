@@ -21,7 +21,8 @@ import torch
 from rlfleet.wire import tracing, weights
 from rlfleet.wire.codec import episode_return
 from rlfleet.data.metrics import MetricsLogger
-from rlfleet.policies.models import ObsSpec, build_policy
+from rlfleet.wire.spaces import TensorSpace
+from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 from services.learner import checkpoint, ppo
 from services.learner.batch import Batch, RewardScaler, build_batch, split_rows
@@ -48,12 +49,14 @@ def update_threads(cfg, local_ranks: int = 1) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
 
 
-def _specs_to_json(obs_specs: dict[str, ObsSpec]) -> dict:
-    return {k: [list(s.shape), s.dtype] for k, s in obs_specs.items()}
+def _specs_to_json(obs_specs: dict[str, TensorSpace]) -> dict:
+    return {k: s.to_json() for k, s in obs_specs.items()}
 
 
-def _specs_from_json(data: dict) -> dict[str, ObsSpec]:
-    return {k: ObsSpec(tuple(shape), dtype) for k, (shape, dtype) in data.items()}
+def _specs_from_json(data: dict) -> dict[str, TensorSpace]:
+    """TensorSpace.to_json's form, or [shape, dtype] (checkpoints written before bounds were kept)."""
+    return {k: TensorSpace(tuple(v[0]), v[1]) if isinstance(v, list) else TensorSpace.from_json(v)
+            for k, v in data.items()}
 
 
 class Learner:
@@ -66,7 +69,7 @@ class Learner:
         self.model = None
         self.ref_model = None    # algorithm.kl_beta > 0 without LoRA: a frozen copy of the start, sharded alike
         self.optimizer: torch.optim.Optimizer | None = None
-        self.obs_specs: dict[str, ObsSpec] | None = None
+        self.obs_specs: dict[str, TensorSpace] | None = None
         self.action_dim: int | None = None
         self.version = 0         # weights version (number of updates applied)
         self.env_steps = 0
@@ -115,7 +118,7 @@ class Learner:
                 log.warning("rank %d: %s: %s", self.group.rank, name, exc)
 
     # --- model ----------------------------------------------------------------------------------------------
-    def setup(self, obs_specs: dict[str, ObsSpec], action_dim: int) -> None:
+    def setup(self, obs_specs: dict[str, TensorSpace], action_dim: int) -> None:
         """Build the policy for the env's spaces (once); restore the last checkpoint when resuming."""
         if self.model is not None:
             if obs_specs != self.obs_specs or action_dim != self.action_dim:
@@ -124,12 +127,12 @@ class Learner:
             return
         # the spaces decide the policy's size: refuse what could never be served or would not fit this host's
         # memory before any rank builds it (rlfleet.wire.weights)
-        weights.observation_row_bytes(obs_specs, "env_spec.observation_space")
-        planned = weights.planned_state(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
+        footprint.observation_row_bytes(obs_specs, "env_spec.observation_space")
+        planned = footprint.planned_state(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
                                         self.alg.logprob_type, "env_spec.observation_space")
         if planned is not None:
             spaces = ", ".join(f"{k}{list(s.shape)}" for k, s in obs_specs.items())
-            weights.check_fits(weights.state_bytes(planned), f"env_spec.observation_space: a "
+            footprint.check_fits(footprint.state_bytes(planned), f"env_spec.observation_space: a "
                                f"{self.cfg.actor.model.model_type} policy for spaces {spaces} (action "
                                f"{action_dim}-D)")
         meta = {"obs_specs": _specs_to_json(obs_specs), "action_dim": int(action_dim)}

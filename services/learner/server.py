@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlfleet.wire import codec, rollout_schema, rpc
-from rlfleet.policies.models.actor_critic import obs_specs_from_proto
+from rlfleet.wire.spaces import spaces_from_proto
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.group import RankGroup
@@ -82,7 +82,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         if request.HasField("env_spec"):
             if len(spec.action_space.shape) != 1:
                 raise rpc.InvalidRequest(f"env_spec.action_space: shape {list(spec.action_space.shape)} is not 1-D")
-            self.learner.setup(obs_specs_from_proto(spec.observation_space), int(spec.action_space.shape[0]))
+            self.learner.setup(spaces_from_proto(spec.observation_space, "env_spec.observation_space"), int(spec.action_space.shape[0]))
         if self.learner.model is None:
             raise rpc.FailedPrecondition("env_spec: required on the first PublishWeights")
         # a full set: PublishWeights starts a run or follows an inference server's restart

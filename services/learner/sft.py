@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from rlfleet.data.datasets import Dataset
-from rlfleet.policies.models.actor_critic import ObsSpec, to_torch_obs
+from rlfleet.wire.spaces import TensorSpace
+from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 
 
@@ -59,7 +60,7 @@ class SFTTrainer:
         self.cfg, self.dataset, self.output, self.log = cfg, dataset, pathlib.Path(output), log
         self.device = torch.device(device)
         feats = dataset.observation_features
-        self.obs_specs = {k: ObsSpec(tuple(v["shape"]), v["dtype"]) for k, v in feats.items()}
+        self.obs_specs = {k: TensorSpace(tuple(v["shape"]), v["dtype"]) for k, v in feats.items()}
         torch.manual_seed(cfg.runner.seed)
         self.policy = build_policy(cfg.actor.model, self.obs_specs, dataset.action_dim, cfg.algorithm.normalize_obs,
                                    cfg.algorithm.logprob_type).to(self.device)

@@ -2,7 +2,8 @@ import numpy as np
 import torch
 
 from rlfleet.wire import weights
-from rlfleet.policies.models import ActorCritic, ObsSpec, RunningMeanStd
+from rlfleet.wire.spaces import TensorSpace
+from rlfleet.policies.models.actor_critic import ActorCritic, RunningMeanStd
 
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 @pytest.mark.parametrize("logprob_type, width", [("chunk_level", 1), ("action_level", 1), ("token_level", 4)])
 def test_act_and_evaluate_share_log_prob(logprob_type, width):
     torch.manual_seed(0)
-    m = ActorCritic({"state": ObsSpec((13,), "float32")}, 4, logprob_type=logprob_type)
+    m = ActorCritic({"state": TensorSpace((13,), "float32")}, 4, logprob_type=logprob_type)
     obs = {"state": torch.randn(32, 13)}
     out = m.act(obs)
     assert out.actions.shape == (32, 1, 4) and out.log_probs.shape == (32, width) == (32, m.log_prob_width)
@@ -32,8 +33,8 @@ def test_running_mean_std_matches_numpy():
 
 
 def test_cnn_policy_on_images():
-    specs = {"state": ObsSpec((7,), "float32"), "wrist": ObsSpec((32, 32, 3), "uint8"),
-             "third_person": ObsSpec((32, 32, 3), "uint8")}
+    specs = {"state": TensorSpace((7,), "float32"), "wrist": TensorSpace((32, 32, 3), "uint8"),
+             "third_person": TensorSpace((32, 32, 3), "uint8")}
     m = ActorCritic(specs, 4, model_type="cnn", image_feature_dim=32)
     obs = {"state": torch.randn(2, 7), "wrist": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8),
            "third_person": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8)}
@@ -42,7 +43,7 @@ def test_cnn_policy_on_images():
 
 
 def test_weights_chunk_roundtrip():
-    m = ActorCritic({"state": ObsSpec((5,), "float32")}, 2)
+    m = ActorCritic({"state": TensorSpace((5,), "float32")}, 2)
     state = {k: v.clone() for k, v in m.state_dict().items()}
     state["extra_bf16"] = torch.randn(3, 3).to(torch.bfloat16)
     chunks = list(weights.iter_chunks(state, 7, obs_specs=m.obs_specs, action_dim=2, chunk_bytes=100))

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.policies.models import ActorCritic, ObsSpec
+from rlfleet.wire.spaces import TensorSpace
+from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.wire.noise import RowNoise, row_keys
 from rlfleet.policies.base import sample_categorical
 from rlfleet.wire.rpc import InvalidRequest
@@ -42,7 +43,7 @@ def test_normal_and_categorical_draws_have_the_right_distribution():
 def _engine(block: int) -> InferenceEngine:
     cfg = small_config()
     engine = InferenceEngine(cfg.actor.model, batch_invariant_rows=block)
-    specs = {"state": ObsSpec((13,), "float32")}
+    specs = {"state": TensorSpace((13,), "float32")}
     torch.manual_seed(0)
     engine.set_weights(0, ActorCritic(specs, 4, hidden_dims=[64, 64]).state_dict(), obs_specs=specs, action_dim=4)
     return engine

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
 from services.learner import ppo
 
-SPECS = {"third_person": ObsSpec((32, 32, 3), "uint8"), "wrist": ObsSpec((32, 32, 3), "uint8"),
-         "state": ObsSpec((7,), "float32")}
+SPECS = {"third_person": TensorSpace((32, 32, 3), "uint8"), "wrist": TensorSpace((32, 32, 3), "uint8"),
+         "state": TensorSpace((7,), "float32")}
 INSTR = ["pick up the red cube"] * 4 + ["open the drawer"] * 4
 
 

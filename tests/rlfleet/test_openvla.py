@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
 from services.learner import grpo, ppo
 
-SPECS = {"third_person": ObsSpec((32, 32, 3), "uint8"), "wrist": ObsSpec((32, 32, 3), "uint8"),
-         "state": ObsSpec((7,), "float32")}
+SPECS = {"third_person": TensorSpace((32, 32, 3), "uint8"), "wrist": TensorSpace((32, 32, 3), "uint8"),
+         "state": TensorSpace((7,), "float32")}
 INSTR = ["pick up the red cube and lift it"] * 4 + ["push the cube to the left"] * 4
 
 
@@ -150,7 +150,7 @@ def test_checkpoint_layout_round_trip_and_clear_errors(tmp_path):
 def test_a_vla_needs_an_image_and_openvla_no_chunks():
     with pytest.raises(ValueError, match="needs an image observation"):
         cfg = load_config(None, ["actor.model.model_type=openvla"])
-        build_policy(cfg.actor.model, {"state": ObsSpec((7,), "float32")}, 4, True, "token_level")
+        build_policy(cfg.actor.model, {"state": TensorSpace((7,), "float32")}, 4, True, "token_level")
     from rlfleet.config import ConfigError
 
     with pytest.raises(ConfigError, match="openvla decodes one action per call"):

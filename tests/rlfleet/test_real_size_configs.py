@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
 
-IMAGE = ObsSpec((224, 224, 3), "uint8")
+IMAGE = TensorSpace((224, 224, 3), "uint8")
 
 
 def _count(module, skip: str = "\0") -> int:
@@ -24,8 +24,8 @@ def _build(name: str, specs: dict, action_dim: int):
 
 
 @pytest.mark.parametrize("name, specs", [
-    ("maniskill_pickcube_ppo_openvla", {"pixels": IMAGE, "state": ObsSpec((25,), "float32")}),
-    ("libero_spatial_grpo_openvla_oft", {"agentview": IMAGE, "wrist": IMAGE, "state": ObsSpec((8,), "float32")}),
+    ("maniskill_pickcube_ppo_openvla", {"pixels": IMAGE, "state": TensorSpace((25,), "float32")}),
+    ("libero_spatial_grpo_openvla_oft", {"agentview": IMAGE, "wrist": IMAGE, "state": TensorSpace((8,), "float32")}),
 ])
 def test_openvla_7b_architecture(name, specs):
     cfg, policy = _build(name, specs, 7)
@@ -41,7 +41,7 @@ def test_openvla_7b_architecture(name, specs):
 
 
 def test_pi0_architecture():
-    cfg, policy = _build("metaworld_mt50_ppo_pi0", {"corner": IMAGE, "state": ObsSpec((49,), "float32")}, 4)
+    cfg, policy = _build("metaworld_mt50_ppo_pi0", {"corner": IMAGE, "state": TensorSpace((49,), "float32")}, 4)
     vlm, expert = _count(policy.pi0.model.vlm), _count(policy.pi0.model.dit)
     unused = policy.pi0.model.dit.embed_tokens.weight
     assert vlm == 2_938_573_760  # PaliGemma 3B (SigLIP so400m + Gemma 2B)

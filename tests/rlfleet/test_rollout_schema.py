@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from rlfleet.wire import rollout_schema
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.wire.rollout_schema import InputSpec, SchemaError
 
-SPECS = {"state": ObsSpec((3,), "float32")}
+SPECS = {"state": TensorSpace((3,), "float32")}
 FI = {"actions": InputSpec((2,), "float32")}
 
 

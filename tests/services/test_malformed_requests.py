@@ -179,7 +179,8 @@ def _collect(fleet, **fields):
 
 def _huge_space(fleet, to):
     from rlfleet.wire import weights
-    from rlfleet.policies.models import ActorCritic, ObsSpec
+    from rlfleet.wire.spaces import TensorSpace
+    from rlfleet.policies.models.actor_critic import ActorCritic
     from rlfleet.v1 import inference_pb2_grpc
 
     huge = tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[2 ** 31])  # exactly the codec's limit
@@ -190,9 +191,9 @@ def _huge_space(fleet, to):
         learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
             learner_pb2.PublishWeightsRequest(env_spec=spec), timeout=30)
     else:
-        state = ActorCritic({"state": ObsSpec((13,), "float32")}, 4, hidden_dims=[8]).state_dict()
+        state = ActorCritic({"state": TensorSpace((13,), "float32")}, 4, hidden_dims=[8]).state_dict()
         inference_pb2_grpc.InferenceServiceStub(rpc.channel(fleet.inf_addr)).UpdateWeights(
-            weights.iter_chunks(state, 7, obs_specs={"state": ObsSpec((2 ** 31,), "float32")}, action_dim=4),
+            weights.iter_chunks(state, 7, obs_specs={"state": TensorSpace((2 ** 31,), "float32")}, action_dim=4),
             timeout=30)
 
 

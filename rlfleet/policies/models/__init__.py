@@ -1,6 +1,1 @@
-"""Model implementations. Policies are built through rlfleet.policies (the registry by model_type)."""
-
-from rlfleet.policies.models.actor_critic import ActorCritic, ObsSpec, RunningMeanStd
-from rlfleet.policies import build_policy
-
-__all__ = ["ActorCritic", "ObsSpec", "RunningMeanStd", "build_policy"]
+"""The model families (architectures); policies are built through the registry in rlfleet.policies."""

@@ -8,27 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
-
-
-@dataclass(frozen=True)
-class ObsSpec:
-    """Per-env shape and dtype of one observation entry."""
-
-    shape: tuple[int, ...]
-    dtype: str  # numpy dtype name
-
-    @property
-    def is_image(self) -> bool:
-        return self.dtype == "uint8" and len(self.shape) == 3
 
 
 class RunningMeanStd(nn.Module):
@@ -94,7 +82,7 @@ class ActorCritic(PolicyMixin, nn.Module):
     through one ``ImageEncoder`` each (model_type 'cnn').
     """
 
-    def __init__(self, obs_specs: Mapping[str, ObsSpec], action_dim: int, *, model_type: str = "mlp",
+    def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, *, model_type: str = "mlp",
                  hidden_dims=(256, 256), activation: str = "tanh", init_log_std: float = -0.5,
                  cnn_channels=(16, 32, 32), image_feature_dim: int = 128, normalize_obs: bool = True,
                  logprob_type: str = "action_level"):
@@ -174,24 +162,13 @@ class ActorCritic(PolicyMixin, nn.Module):
 
 
     @classmethod
-    def from_config(cls, model_cfg, obs_specs: Mapping[str, ObsSpec], action_dim: int, normalize_obs: bool,
+    def from_config(cls, model_cfg, obs_specs: Mapping[str, TensorSpace], action_dim: int, normalize_obs: bool,
                     logprob_type: str = "action_level") -> ActorCritic:
         """The ``actor.model`` group -> a policy for an env's spaces (rlfleet.policies.build_policy)."""
         return cls(obs_specs, action_dim, model_type=model_cfg.model_type, hidden_dims=list(model_cfg.hidden_dims),
                    activation=model_cfg.activation, init_log_std=model_cfg.init_log_std,
                    cnn_channels=list(model_cfg.cnn_channels), image_feature_dim=model_cfg.image_feature_dim,
                    normalize_obs=normalize_obs, logprob_type=logprob_type)
-
-
-def obs_specs_from_proto(space) -> dict[str, ObsSpec]:
-    """{name: TensorSpec} (protobuf map) -> {name: ObsSpec}."""
-    from rlfleet.wire.codec import check_shape, numpy_dtype
-
-    out = {}
-    for k, v in space.items():
-        check_shape(v.shape, f"observation_space['{k}']")
-        out[k] = ObsSpec(tuple(int(d) for d in v.shape), numpy_dtype(v.dtype, f"observation_space['{k}']").name)
-    return out
 
 
 def to_torch_obs(obs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

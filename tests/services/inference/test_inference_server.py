@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from rlfleet.wire import codec, rpc, weights
-from rlfleet.policies.models import ActorCritic, ObsSpec
+from rlfleet.wire.spaces import TensorSpace
+from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 from rlfleet.wire.clients.policy import GrpcPolicyClient, PolicyError
 
-SPECS = {"state": ObsSpec((13,), "float32")}
+SPECS = {"state": TensorSpace((13,), "float32")}
 
 
 def publish(addr, version, seed=0, log_std=-0.5):
@@ -198,7 +199,7 @@ def test_declared_spaces_are_checked_before_anything_is_built(inference):
     t0 = time.monotonic()
     for shape in ([2 ** 31], [2 ** 16, 2 ** 15], [2 ** 26 + 1]):
         with pytest.raises(grpc.RpcError) as err:
-            _update_with_spaces(addr, {"state": ObsSpec(tuple(shape), "float32")}, version=2)
+            _update_with_spaces(addr, {"state": TensorSpace(tuple(shape), "float32")}, version=2)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert "observation_space: one observation row declares" in err.value.details()
         assert "at most 256 MiB, what one request can carry" in err.value.details()
@@ -222,14 +223,14 @@ def test_a_policy_that_would_not_fit_the_memory_budget_is_resource_exhausted(inf
     addr, engine = inference
     engine.memory_budget_bytes = 8 * 2 ** 20  # two copies of an MLP for 100k-float observations: ~50 MB
     with pytest.raises(grpc.RpcError) as err:
-        _update_with_spaces(addr, {"state": ObsSpec((100_000,), "float32")})
+        _update_with_spaces(addr, {"state": TensorSpace((100_000,), "float32")})
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
     assert "observation_space: a mlp policy for spaces state[100000]" in err.value.details()
     assert "GiB are available" in err.value.details()
     assert engine.model is None
     # a state that does not match the declared spaces is refused before the build, naming the tensor
     with pytest.raises(grpc.RpcError) as err:
-        _update_with_spaces(addr, {"state": ObsSpec((20,), "float32")})
+        _update_with_spaces(addr, {"state": TensorSpace((20,), "float32")})
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "weights['obs_rms.mean']: shape [13] where [20] was expected" in err.value.details()
     assert not built  # neither set got as far as building a policy

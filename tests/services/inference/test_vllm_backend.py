@@ -48,14 +48,14 @@ import json, threading, time
 import numpy as np, torch
 torch.set_num_threads(1)
 from rlfleet.config import load_config
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 from rlfleet.wire.rpc import Unavailable
 from services.inference.engine import InferenceEngine
 
 cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm"])
-SPECS = {"third_person": ObsSpec((64, 64, 3), "uint8"), "state": ObsSpec((18,), "float32")}
+SPECS = {"third_person": TensorSpace((64, 64, 3), "uint8"), "state": TensorSpace((18,), "float32")}
 torch.manual_seed(0)
 learner = build_policy(cfg.actor.model, SPECS, 4, True, "token_level").eval()   # the learner's copy
 state = {k: v.clone() for k, v in learner.state_dict().items()}
@@ -181,11 +181,11 @@ LORA_CHECKS = r'''
 import json, numpy as np, torch
 torch.set_num_threads(1)
 from rlfleet.config import load_config
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
 from services.inference.engine import InferenceEngine
 cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm", "actor.model.is_lora=true", "actor.model.lora_rank=4"])
-SPECS = {"third_person": ObsSpec((64, 64, 3), "uint8"), "state": ObsSpec((18,), "float32")}
+SPECS = {"third_person": TensorSpace((64, 64, 3), "uint8"), "state": TensorSpace((18,), "float32")}
 torch.manual_seed(0)
 p = build_policy(cfg.actor.model, SPECS, 4, True, "token_level").eval()
 with torch.no_grad():
@@ -234,7 +234,7 @@ LAYOUT_CHECKS = r'''
 import json, numpy as np, torch
 torch.set_num_threads(1)
 from rlfleet.config import load_config
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 from services.inference.engine import InferenceEngine
@@ -242,7 +242,7 @@ sizes = ["actor.model.vla.use_dinov2=true", "actor.model.vla.dino_registers=4", 
          "actor.model.vla.dino_heads=4", "actor.model.vla.dino_intermediate_size=192",
          "actor.model.vla.vocab_size=1088", "actor.model.vla.action_token_end=1024", "actor.model.vla.llm_kv_heads=2"]
 cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm", *sizes])
-SPECS = {"third_person": ObsSpec((64, 64, 3), "uint8")}
+SPECS = {"third_person": TensorSpace((64, 64, 3), "uint8")}
 torch.manual_seed(0)
 p = build_policy(cfg.actor.model, SPECS, 7, True, "token_level").eval()
 state = {k: v.clone() for k, v in p.state_dict().items()}

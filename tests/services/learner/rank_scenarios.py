@@ -30,33 +30,34 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 torch.set_num_threads(1)
 
 from rlfleet.config import load_config  # noqa: E402
-from rlfleet.policies.models import ObsSpec, build_policy  # noqa: E402
+from rlfleet.wire.spaces import TensorSpace  # noqa: E402
+from rlfleet.policies import build_policy  # noqa: E402
 from services.env.vec_env import EpisodeStat  # noqa: E402
 from services.learner import learner as learner_module  # noqa: E402
 from services.learner import sharding  # noqa: E402
 from services.learner.group import RankGroup  # noqa: E402
 from services.learner.learner import Learner  # noqa: E402
 
-IMAGE = ObsSpec((32, 32, 3), "uint8")
+IMAGE = TensorSpace((32, 32, 3), "uint8")
 MODELS = {
     # the default run's MLP PPO on PandaPickCube's state; an uneven number of envs splits 3 / 2
     "mlp": (None, ["actor.model.hidden_dims=[32,32]", "actor.micro_batch_size=4", "actor.global_batch_size=16",
-                   "algorithm.update_epoch=2"], {"state": ObsSpec((13,), "float32")}, 4),
+                   "algorithm.update_epoch=2"], {"state": TensorSpace((13,), "float32")}, 4),
     # OpenVLA-OFT GRPO with LoRA (groups of 2 envs never split), token-level log-probs
     "oft_lora": ("pandapickcube_vision_grpo_openvla_oft_tiny",
                  ["actor.model.vla.image_size=32", "actor.model.lora_rank=4", "algorithm.group_size=2",
                   "algorithm.filter_rewards=null", "actor.micro_batch_size=4", "actor.global_batch_size=8",
                   "algorithm.update_epoch=1", "actor.model.num_action_chunks=2"],
-                 {"third_person": IMAGE, "state": ObsSpec((7,), "float32")}, 4),
+                 {"third_person": IMAGE, "state": TensorSpace((7,), "float32")}, 4),
     # π0 (Flow-SDE) PPO with a value head, chunk-level log-probs
     "pi0": ("metaworld_mt10_ppo_pi0_tiny",
             ["actor.micro_batch_size=4", "actor.global_batch_size=8", "algorithm.update_epoch=1",
              "actor.model.num_action_chunks=2"],
-            {"corner": IMAGE, "state": ObsSpec((4,), "float32")}, 4),
+            {"corner": IMAGE, "state": TensorSpace((4,), "float32")}, 4),
     # the real-size π0 (PaliGemma 3B + the 300M action expert, bf16 autocast): the GPU test set's full fine-tune
     "pi0_real": ("metaworld_mt50_ppo_pi0",
                  ["actor.micro_batch_size=4", "actor.global_batch_size=8", "algorithm.update_epoch=1"],
-                 {"corner": ObsSpec((224, 224, 3), "uint8"), "state": ObsSpec((49,), "float32")}, 4),
+                 {"corner": TensorSpace((224, 224, 3), "uint8"), "state": TensorSpace((49,), "float32")}, 4),
 }
 
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from rlfleet.data.metrics import read_metrics
-from rlfleet.policies.models import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 from services.env.vec_env import EpisodeStat
 from services.learner.learner import Learner, latest_checkpoint, update_threads
 
-SPECS = {"state": ObsSpec((13,), "float32")}
+SPECS = {"state": TensorSpace((13,), "float32")}
 
 
 def fake_rollout(T=16, N=8, seed=0):
@@ -270,7 +270,7 @@ def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
 
     cfg = load_config("pandapickcube_vision_grpo_openvla_oft_tiny",
                       ["algorithm.kl_beta=0.1", "actor.model.vla.image_size=32", "actor.model.lora_rank=4"])
-    specs = {"third_person": ObsSpec((32, 32, 3), "uint8"), "state": ObsSpec((7,), "float32")}
+    specs = {"third_person": TensorSpace((32, 32, 3), "uint8"), "state": TensorSpace((7,), "float32")}
     le = Learner(cfg, tmp_path / "run")
     try:
         le.setup(specs, 4)

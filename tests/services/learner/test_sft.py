@@ -11,11 +11,11 @@ import torch
 
 from rlfleet.config import load_config
 from rlfleet.data.datasets import Dataset, DatasetWriter, Episode
-from rlfleet.policies.models.actor_critic import ObsSpec
+from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
 from services.learner.sft import SFTTrainer, chunk_samples
 
-SPECS = {"third_person": ObsSpec((64, 64, 3), "uint8"), "state": ObsSpec((7,), "float32")}
+SPECS = {"third_person": TensorSpace((64, 64, 3), "uint8"), "state": TensorSpace((7,), "float32")}
 TINY = ["actor.model.model_type=openvla_oft", "actor.model.num_action_chunks=2", "actor.model.add_value_head=false",
         "actor.model.image_key=third_person", "actor.model.vla.vision_layers=1", "actor.model.vla.llm_layers=1",
         "algorithm.logprob_type=token_level", "env.train.max_steps_per_rollout_epoch=16",
