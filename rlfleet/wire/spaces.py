@@ -24,42 +24,52 @@ class TensorSpace:
     def __post_init__(self):
         self.shape = tuple(int(d) for d in self.shape)
         self.dtype = np.dtype(self.dtype)
-        lo = -np.inf if self.low is None else self.low
-        hi = np.inf if self.high is None else self.high
-        self.low = np.broadcast_to(np.asarray(lo, np.float64), self.shape).copy()
-        self.high = np.broadcast_to(np.asarray(hi, np.float64), self.shape).copy()
+        lo = np.asarray(-np.inf if self.low is None else self.low, np.float64)
+        hi = np.asarray(np.inf if self.high is None else self.high, np.float64)
         if self.dtype == np.uint8:  # images: the dtype's own range
-            self.low = np.maximum(self.low, 0)
-            self.high = np.minimum(self.high, 255)
+            lo, hi = np.maximum(lo, 0), np.minimum(hi, 255)
+        # read-only views broadcast to the shape: a bound given once costs nothing, whatever the declared shape
+        self.low, self.high = np.broadcast_to(lo, self.shape), np.broadcast_to(hi, self.shape)
 
     @property
     def is_image(self) -> bool:
         """A uint8 H x W x C entry (a camera)."""
         return self.dtype == np.uint8 and len(self.shape) == 3
 
+    def _key(self) -> tuple:
+        return (self.shape, self.dtype.str, _bound_key(self.low), _bound_key(self.high))
+
     def __eq__(self, other) -> bool:
-        return isinstance(other, TensorSpace) and self.shape == other.shape and self.dtype == other.dtype and \
-            np.array_equal(self.low, other.low) and np.array_equal(self.high, other.high)
+        return isinstance(other, TensorSpace) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.shape, self.dtype.str, self.low.tobytes(), self.high.tobytes()))
+        return hash(self._key())
 
     def __repr__(self) -> str:
-        bounds = "" if not self.size or not np.isfinite(self.low).any() else \
-            f", [{self.low.min():g}, {self.high.max():g}]"
+        lo, hi = _uniform(self.low), _uniform(self.high)
+        if lo is None or hi is None:
+            lo, hi = float(self.low.min()), float(self.high.max())
+        bounds = "" if not self.size or not (np.isfinite(lo) or np.isfinite(hi)) else f", [{lo:g}, {hi:g}]"
         return f"TensorSpace({list(self.shape)}, {self.dtype.name}{bounds})"
 
     def to_json(self) -> dict:
-        """A JSON form (bounds per element; infinities as JSON's Infinity)."""
-        return {"shape": list(self.shape), "dtype": self.dtype.name, "low": self.low.ravel().tolist(),
-                "high": self.high.ravel().tolist()}
+        """A JSON form: a bound that is the same for every element once, else per element (infinities as JSON's
+        Infinity)."""
+        def bound(a):
+            u = _uniform(a)
+            return u if u is not None else a.ravel().tolist()
+        return {"shape": list(self.shape), "dtype": self.dtype.name, "low": bound(self.low), "high": bound(self.high)}
 
     @classmethod
     def from_json(cls, data: Mapping) -> TensorSpace:
         shape = tuple(data["shape"])
         low, high = data.get("low"), data.get("high")
-        return cls(shape, np.dtype(data["dtype"]), None if low is None else np.asarray(low).reshape(shape),
-                   None if high is None else np.asarray(high).reshape(shape))
+
+        def arr(b):
+            a = np.asarray(b, np.float64)
+            return a if a.ndim == 0 else a.reshape(shape)
+        return cls(shape, np.dtype(data["dtype"]), None if low is None else arr(low),
+                   None if high is None else arr(high))
 
     @property
     def size(self) -> int:
@@ -78,10 +88,13 @@ class TensorSpace:
     def to_proto(self) -> tensor_pb2.TensorSpec:
         from rlfleet.wire.codec import dtype_of
 
+        lo, hi = _uniform(self.low), _uniform(self.high)
+        per_element = self.size and (lo is None or hi is None)
+        if per_element:
+            lo, hi = float(self.low.min()), float(self.high.max())
         spec = tensor_pb2.TensorSpec(dtype=dtype_of(np.zeros((), self.dtype)), shape=list(self.shape),
-                                     low=float(self.low.min()) if self.size else 0.0,
-                                     high=float(self.high.max()) if self.size else 0.0)
-        if self.size and not (np.all(self.low == self.low.flat[0]) and np.all(self.high == self.high.flat[0])):
+                                     low=lo if self.size else 0.0, high=hi if self.size else 0.0)
+        if per_element:
             spec.low_per_element.extend(self.low.ravel().tolist())
             spec.high_per_element.extend(self.high.ravel().tolist())
         return spec
@@ -109,6 +122,21 @@ class TensorSpace:
     def from_gym(cls, box) -> TensorSpace:
         return cls(tuple(box.shape), np.dtype(box.dtype), np.asarray(box.low, np.float64),
                    np.asarray(box.high, np.float64))
+
+
+def _uniform(a: np.ndarray) -> float | None:
+    """The one value of a bound that is the same for every element (a broadcast scalar: checked without reading
+    the elements), else None."""
+    if a.size == 0:
+        return 0.0
+    if all(st == 0 for st in a.strides) or (a.size <= 1 << 16 and bool(np.all(a == a.flat[0]))):
+        return float(a.flat[0])
+    return None
+
+
+def _bound_key(a: np.ndarray):
+    u = _uniform(a)
+    return ("all", u) if u is not None else ("each", a.tobytes())
 
 
 def spaces_from_gym(space) -> dict[str, TensorSpace]:
