@@ -32,6 +32,7 @@ from rlfleet.simulators import environments  # noqa: E402
 from rlfleet.wire import rpc  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
 from rlfleet.simulators import get_simulator  # noqa: E402
+from services.env.environment import python_for  # noqa: E402
 from rlfleet.v1 import env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
 
 CASES = {
@@ -69,7 +70,7 @@ RAW_ACTIONS = ("random", "expert")
 def raw_sim(cfg, steps_per_env: int, actions: str = "random") -> float:
     """Backend slots stepped with ``actions`` ("random" or "expert", see _raw_here), in the simulator's environment
     (a subprocess if needed)."""
-    python = environments.python_for(cfg.env.train.simulator_type)
+    python = python_for(cfg.env.train.simulator_type)
     if python != sys.executable:
         env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT)}
         out = subprocess.run([python, __file__, "--raw", to_yaml(cfg), "--steps", str(steps_per_env),
@@ -163,7 +164,7 @@ def pipeline(cfg, stages: int, epochs: int) -> float:
             procs.append(p)
             p, learner = _spawn("services.learner.server", path, ["--run-dir", os.path.join(tmp, "run")])
             procs.append(p)
-            p, env = _spawn("services.env.server", path, python=environments.python_for(cfg.env.train.simulator_type))
+            p, env = _spawn("services.env.server", path, python=python_for(cfg.env.train.simulator_type))
             procs.append(p)
             rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(env))
             spec = rstub.Describe(env_pb2.DescribeEnvRequest())

@@ -9,18 +9,14 @@ import subprocess
 import pytest
 
 from rlfleet.simulators import environments
-from rlfleet.simulators import get_simulator
 
 
 def sim_python(simulator: str) -> str:
     """The environment's python; skips the test (saying why) when the environment cannot be built here."""
-    env = get_simulator(simulator).environment
-    if env is None:
-        import sys
+    from services.env.environment import python_for  # the env side builds it, with its finishing steps
 
-        return sys.executable
     try:
-        return str(environments.ensure(env, log=lambda *a, **k: None))
+        return python_for(simulator, None, lambda *a, **k: None)
     except environments.EnvironmentError_ as exc:
         pytest.skip(f"the {simulator} environment could not be built here: {str(exc).splitlines()[0]}")
 

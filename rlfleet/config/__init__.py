@@ -1,4 +1,4 @@
-"""Run configuration: OmegaConf YAML with RLinf's groups and key names, validated against the embedded default.
+"""Layer 5, the top of the shared code (may import every layer). Run configuration: OmegaConf YAML with RLinf's groups and key names, validated against the embedded default.
 
 The embedded default (``rlfleet/configs/pandapickcube_ppo.yaml``) is the schema: a user config or a ``key=value``
 override may only set keys that exist there (free-form maps excepted), with a value of a compatible type.
@@ -221,7 +221,7 @@ def validate(cfg: DictConfig) -> None:
     try:
         get_backend(cfg.rollout.backend)
     except KeyError as exc:
-        raise ConfigError(f"'rollout.backend': {exc.args[0].partition(': ')[2]}") from None
+        raise ConfigError(f"'rollout.backend': {exc}") from None
     from rlfleet.policies import POLICIES
 
     if cfg.actor.model.model_type in POLICIES:  # (an unknown model type is reported by its own check)
@@ -494,6 +494,15 @@ def cuda_visible_devices(ranks: list[int], gpus_per_node: int) -> str:
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def load_service_config(args):
+    """The run config a service was started with (``args.config``; defaults merged and validated, like the
+    coordinator's); a bad one exits naming the key."""
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        raise SystemExit(f"config error: {exc}") from None
 
 
 def load_cli_config(parser, argv=None):

@@ -10,8 +10,8 @@
                               action [T, action_dim] float32, reward [T] float32, success [T] bool
 
 Episode files are plain ``.npz`` arrays (read with ``allow_pickle=False``), a chunk folder per 1000 episodes as
-LeRobot does. Written by the env side (``services.env.demos``, torch-free, also inside simulator environments) and
-read by the learner's supervised fine-tuning (``services.learner.sft``).
+LeRobot does. Written by the env side (its demo collector, torch-free, also inside simulator environments) and
+read by the learner's supervised fine-tuning.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""Policies by ``actor.model.model_type``: the one registry the inference engine and the learner build from.
+"""Layer 4 (imports layers 0-3 only). Policies by ``actor.model.model_type``: the one registry the inference engine and the learner build from.
 
 Each entry names the class implementing :mod:`rlfleet.policies.base` (``act`` / ``evaluate``).
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 
 from rlfleet.policies.base import LOGPROB_TYPES, PolicyEval, PolicyOutput, log_prob_width, reduce_log_probs
@@ -22,14 +21,13 @@ POLICIES = {
 def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
                  logprob_type: str = "action_level"):
     """Build the configured policy (``actor.model`` group) for an env's spaces."""
-    from rlfleet.simulators import load_object
+    from rlfleet.registry import UnknownName, load_object, lookup
 
-    model_type = model_cfg.model_type
-    if model_type not in POLICIES:
-        close = difflib.get_close_matches(model_type, list(POLICIES), n=1)
-        raise ValueError(f"unknown model_type '{model_type}'" + (f"; did you mean '{close[0]}'?" if close else "")
-                         + f" (known: {', '.join(POLICIES)})")
-    policy = load_object(POLICIES[model_type]).from_config(model_cfg, obs_specs, action_dim, normalize_obs,
+    try:
+        ref = lookup(POLICIES, model_cfg.model_type, "model_type")
+    except UnknownName as exc:
+        raise ValueError(str(exc)) from None
+    policy = load_object(ref).from_config(model_cfg, obs_specs, action_dim, normalize_obs,
                                                           logprob_type)
     if model_cfg.get("precision", "fp32") == "bf16":
         import torch

@@ -103,15 +103,6 @@ class Footprint:
         return sum(self.rank_parts(world, **kw).values())
 
 
-def learner_world_size(cfg) -> int:
-    """The learner's ranks (rlfleet.config.learner_layout: one per GPU of the actor placement, else
-    ``cluster.learner_world_size`` CPU ranks)."""
-    from rlfleet.config import learner_layout
-
-    nnodes, per_node = learner_layout(cfg)
-    return nnodes * per_node
-
-
 def checkpoint_parameters(path: pathlib.Path) -> int:
     """Element count over a checkpoint directory's safetensors files, read from their headers only."""
     return sum(checkpoint_tensors(path).values())
@@ -298,76 +289,6 @@ def smallest_fitting_world(fp: Footprint, have: float, *, on_gpu: bool, others: 
         if not on_gpu:  # the shards add up to the same whole; every further rank adds its units and activations
             return None
     return None
-
-
-def check(cfg, *, inference: bool = True) -> str | None:
-    """None when the policy copies of a local run fit where they would live; else why not, with the numbers (per
-    learner rank, and the smallest number of ranks that would fit). ``inference=False``: the learner's copy only
-    (supervised fine-tuning, one process)."""
-    model = cfg.actor.model
-    if model.model_type not in VLA_TYPES:
-        return None
-    fp = estimate(model, cfg.algorithm.logprob_type)
-    # RL with algorithm.kl_beta > 0 keeps the starting model as the KL reference (LoRA: the base with adapters off)
-    reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora
-    rl = inference  # the RL learner is a group of ranks; supervised fine-tuning runs as one process
-    servers = cfg.cluster.num_inference_servers if rl else 0
-    inference = fp.inference_bytes(cfg.rollout.weights_precision) if rl else 0
-    where, have = available_memory()
-    on_gpu = where.startswith("the smallest")
-    world = learner_world_size(cfg) if rl else 1
-    rows = cfg.actor.micro_batch_size if rl else cfg.sft.batch_size  # SFT: one batch per gradient step
-    kw = dict(gpu=on_gpu, reference_copy=reference_copy, rows=rows)
-    parts = fp.rank_parts(world, **kw)
-    per_rank = sum(parts.values())
-    # on GPUs each service and each learner rank has a device of its own; on one host they all share its RAM
-    need = max(inference, per_rank) if on_gpu else servers * inference + world * per_rank
-    if need <= have:
-        return None
-    copies = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
-              f"{cfg.rollout.weights_precision}) and " if inference else "")
-    sharded = f"its 1/{world} shard" if world > 1 else "unsharded"
-    learner = [f"{parts['sharded'] / GB:.1f} GB of fp32 weights, gradients and Adam state of what trains ({sharded})"]
-    if parts["reference"]:
-        learner.append(f"{parts['reference'] / GB:.1f} GB of the KL reference (a frozen copy for algorithm.kl_beta, "
-                       f"sharded the same way)")
-    if parts["gathered"]:
-        dtype = "bf16" if on_gpu and fp.precision == "bf16" else "fp32"
-        learner.append(f"{parts['gathered'] / GB:.1f} GB of FSDP units gathered whole ({dtype})")
-    if parts["autocast"]:
-        learner.append(f"{parts['autocast'] / GB:.1f} GB of bf16 autocast copies of the weights")
-    learner.append(f"{parts['activations'] / GB:.1f} GB of activations (estimated, a micro batch of {rows} rows)")
-    if parts["transient"]:
-        learner.append(f"{parts['transient'] / GB:.1f} GB of optimizer-step temporaries")
-    learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / GB:.1f} GB for "
-               f"{'one rank' if world == 1 else 'each rank'}")
-    total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / GB:.1f} GB together"
-    hint = ""
-    if rl:
-        fit = smallest_fitting_world(fp, have, on_gpu=on_gpu, others=servers * inference, **kw)
-        if on_gpu and inference > have:
-            hint = " An inference server's copies alone do not fit one GPU."
-        elif fit is not None and fit != world:
-            each = fp.rank_bytes(fit, **kw)
-            hint = (f" {fit} ranks need {each / GB:.1f} GB each: place the actor on {fit} GPUs "
-                    f"(cluster.component_placement, e.g. actor: 0-{fit - 1})." if on_gpu else
-                    f" With {fit} rank{'s' if fit > 1 else ''} ({each / GB:.1f} GB{' each' if fit > 1 else ''}) the "
-                    f"run would need {(servers * inference + fit * each) / GB:.1f} GB: set "
-                    f"cluster.learner_world_size={fit}.")
-        elif fit is None:
-            smaller = ("set actor.model.openpi.train_expert_only=true" if model.model_type == "openpi" else
-                       "set actor.model.is_lora=true" if model.gradient_checkpointing else
-                       "set actor.model.gradient_checkpointing=true")
-            floor = fp.rank_parts(2, **kw)  # what does not shrink with more ranks
-            floor = floor["gathered"] + floor["autocast"] + floor["activations"]
-            hint = (f" No number of ranks fits: the gathered units and activations alone are {floor / GB:.1f} GB per "
-                    f"rank (lower actor.micro_batch_size or {smaller})." if on_gpu else
-                    " Ranks on one machine share its RAM, and each adds its gathered units and activations: no "
-                    "number of ranks fits here.")
-    return (f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
-            f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / GB:.1f} GB where {where} "
-            f"has {have / GB:.1f} GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
-            f"k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")
 
 
 # --- what a policy for declared spaces would cost, known before anything is allocated --------------------------

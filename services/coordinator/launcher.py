@@ -52,6 +52,41 @@ def check_local(cfg) -> None:
             f"start the learner's nodes yourself and set cluster.launcher=attach")
 
 
+ENV_SIDE_COMMAND = [sys.executable, "-m", "services.env.environment"]  # the env side's environment command
+
+
+def simulator_python(simulator: str, envs_dir: str | None = None, log=print) -> str:
+    """The python env servers of ``simulator`` run with: the main one, its built environment's, or (not built yet)
+    what the env side's command builds (a subprocess: the coordinator never imports env code); its progress goes
+    to ``log``. Raises EnvironmentError_ with the build's last lines when it fails."""
+    python = environments.installed_python(simulator, envs_dir)
+    if python:
+        return python
+    cmd = [*ENV_SIDE_COMMAND, "python", simulator, *(["--envs-dir", str(envs_dir)] if envs_dir else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tail: list[str] = []
+    for line in proc.stderr:
+        log(line.rstrip())
+        tail = (tail + [line.rstrip()])[-20:]
+    out = proc.stdout.read().strip()
+    if proc.wait() != 0 or not out:
+        raise environments.EnvironmentError_("\n".join(tail) or f"{' '.join(cmd)} failed (exit {proc.returncode})")
+    return out.splitlines()[-1]
+
+
+def env_side_preflight(cfg) -> list[str]:
+    """The env side's preflight of ``cfg`` (a subprocess in the main environment): one 'key': why line per
+    problem, [] when this host can run every env server."""
+    from rlfleet.config import to_yaml
+
+    proc = subprocess.run([*ENV_SIDE_COMMAND, "preflight"], input=to_yaml(cfg), capture_output=True, text=True,
+                          env=child_environ(sys.executable, 1))
+    if proc.returncode not in (0, 3):
+        raise ConfigError(f"the env side's preflight failed (exit {proc.returncode}): "
+                          + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
 @dataclass
 class Proc:
     role: str
@@ -111,7 +146,7 @@ class LocalLauncher:
     def prepare(self, log=print) -> None:
         """Build (or find) the simulator environment env servers run in; a first build prints its progress."""
         for sim in dict.fromkeys(s.simulator for s in self.specs.values() if s.role == "env" and s.simulator):
-            self.env_pythons[sim] = environments.python_for(sim, self.cfg.cluster.envs_dir, log)
+            self.env_pythons[sim] = simulator_python(sim, self.cfg.cluster.envs_dir, log)
         backend = get_backend(self.cfg.rollout.backend)
         if backend.environment is not None:  # e.g. vLLM: the inference servers run from its own environment
             self.pythons["inference"] = str(environments.ensure(backend.environment, self.cfg.cluster.envs_dir, log))
@@ -146,7 +181,7 @@ class LocalLauncher:
         spec: ProcessSpec = self.specs[(role, index)]
         if role == "env" and spec.simulator:  # its simulator's environment (a scaled-up server's may be new)
             if spec.simulator not in self.env_pythons:
-                self.env_pythons[spec.simulator] = environments.python_for(spec.simulator, self.cfg.cluster.envs_dir)
+                self.env_pythons[spec.simulator] = simulator_python(spec.simulator, self.cfg.cluster.envs_dir)
             python = self.env_pythons[spec.simulator]
         else:
             python = self.pythons.get(role, sys.executable)

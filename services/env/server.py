@@ -22,7 +22,8 @@ from rlfleet.wire.clients.learner import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TI
 from rlfleet.wire.clients.learner import learner_reachable, push_rollout
 from rlfleet.wire.clients.policy import make_policy_client
 from rlfleet.config import env_server_config
-from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, load_service_config, setup_process
+from rlfleet.config import load_service_config
+from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, setup_process
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost

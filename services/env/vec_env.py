@@ -65,8 +65,8 @@ class SpaceInfo:
 
 
 def make_backend(simulator: str, env_id: str, num_envs: int, params: dict | None = None):
-    """The registered backend (rlfleet.simulators) for ``simulator``, with ``num_envs`` slots."""
-    from rlfleet.simulators import backend_class
+    """The registered backend (services.env.backends) for ``simulator``, with ``num_envs`` slots."""
+    from services.env.backends import backend_class
 
     try:
         cls = backend_class(simulator)

@@ -11,7 +11,8 @@ ROLE = "inference"
 import numpy as np
 
 from rlfleet.wire import codec, rpc, weights
-from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
+from rlfleet.config import load_service_config
+from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine import InferenceEngine
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from rlfleet.wire import codec, rollout_schema, rpc
 from rlfleet.wire.spaces import spaces_from_proto
-from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, load_service_config, pick_device, setup_process
+from rlfleet.config import load_service_config
+from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.group import RankGroup
 from services.learner.learner import Learner

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
+from rlfleet.config import fit
 from rlfleet.policies import footprint
 
 GPUS = "the smallest of 8 GPU(s)"
@@ -66,7 +67,7 @@ def test_two_ranks_halve_the_sharded_parts_of_a_real_size_model(pi0):
 def test_the_refusal_names_the_per_rank_numbers_and_the_world_size_that_fits(pi0, monkeypatch):
     cfg, fp = pi0
     _on(monkeypatch, GPUS, 47e9)
-    why = footprint.check(cfg)
+    why = fit.check(cfg)
     assert ("the learner, per rank of 1: 53.1 GB of fp32 weights, gradients and Adam state of what trains "
             "(unsharded), 6.5 GB of bf16 autocast copies of the weights, 27.0 GB of activations (estimated, a micro "
             "batch of 20 rows), 1.3 GB of optimizer-step temporaries = 88.0 GB for one rank; that is 88.0 GB where the "
@@ -79,16 +80,16 @@ def test_the_refusal_names_the_per_rank_numbers_and_the_world_size_that_fits(pi0
     two = load_config("metaworld_mt50_ppo_pi0", PLACED_2)
     four = load_config("metaworld_mt50_ppo_pi0", ["cluster.num_gpus_per_node=8",
                                                   "cluster.component_placement={'env,rollout': 0-3, actor: 4-7}"])
-    assert footprint.learner_world_size(two) == 2 and footprint.learner_world_size(four) == 4
-    assert footprint.check(four) is None
-    why = footprint.check(two)
+    assert fit.learner_world_size(two) == 2 and fit.learner_world_size(four) == 4
+    assert fit.check(four) is None
+    why = fit.check(two)
     assert ("per rank of 2: 26.6 GB of fp32 weights, gradients and Adam state of what trains (its 1/2 shard), 5.9 GB "
             "of FSDP units gathered whole (bf16), 27.0 GB of activations") in why
     assert "= 60.1 GB for each rank" in why and "4 ranks need 46.5 GB each" in why and "autocast" not in why
     # nothing fits where a rank's gathered units and activations alone are more than a GPU
     _on(monkeypatch, GPUS, 25e9)
     assert "No number of ranks fits: the gathered units and activations alone are 32.9 GB per rank" in \
-        footprint.check(cfg)
+        fit.check(cfg)
 
 
 def test_on_one_host_the_ranks_add_up(pi0, monkeypatch):
@@ -96,35 +97,35 @@ def test_on_one_host_the_ranks_add_up(pi0, monkeypatch):
     only add their gathered units, autocast copies and activations."""
     cfg, fp = pi0
     cfg4 = load_config("metaworld_mt50_ppo_pi0", ["cluster.learner_world_size=4"])
-    assert footprint.learner_world_size(cfg4) == 4 and footprint.learner_world_size(cfg) == 1
+    assert fit.learner_world_size(cfg4) == 4 and fit.learner_world_size(cfg) == 1
     one, four = fp.rank_bytes(1, gpu=False, rows=20), fp.rank_bytes(4, gpu=False, rows=20)
     server = fp.inference_bytes("bf16")
     assert 4 * four > one  # the shards add up to one rank's whole; the rest is every rank's own
     _on(monkeypatch, RAM, (server + one + server + 4 * four) / 2)  # between the one-rank and four-rank totals
-    assert footprint.check(cfg) is None
-    why = footprint.check(cfg4)
+    assert fit.check(cfg) is None
+    why = fit.check(cfg4)
     assert f"its 4 ranks {4 * four / 1e9:.1f} GB together; that is {(server + 4 * four) / 1e9:.1f} GB where" in why
     assert "fp32 weights, gradients and Adam state of what trains (its 1/4 shard)" in why
     assert "GB of FSDP units gathered whole (fp32)" in why
     assert f"With 1 rank ({one / 1e9:.1f} GB) the run would need {(server + one) / 1e9:.1f} GB: set " \
            f"cluster.learner_world_size=1" in why
     _on(monkeypatch, RAM, 2.4e9)
-    assert "no number of ranks fits here" in footprint.check(cfg4)
+    assert "no number of ranks fits here" in fit.check(cfg4)
 
 
 def test_the_kl_reference_is_sharded_like_the_weights(pi0, monkeypatch):
     cfg, fp = pi0
     kl = load_config("metaworld_mt50_ppo_pi0", ["algorithm.kl_beta=0.05", *PLACED_2])
     _on(monkeypatch, GPUS, 61e9)
-    why = footprint.check(kl)
+    why = fit.check(kl)
     # 4 B x 3.52B parameters / 2 ranks
     assert f"{2 * fp.parameters / 1e9:.1f} GB of the KL reference (a frozen copy for algorithm.kl_beta, sharded the " \
            f"same way)" in why and "7.0 GB of the KL reference" in why
     assert "= 67.1 GB for each rank" in why and "3 ranks need 55.7 GB each" in why
-    assert footprint.check(load_config("metaworld_mt50_ppo_pi0", PLACED_2)) is None  # kl_beta 0: 60.1 GB fits
+    assert fit.check(load_config("metaworld_mt50_ppo_pi0", PLACED_2)) is None  # kl_beta 0: 60.1 GB fits
     # supervised fine-tuning has no reference, whatever kl_beta says
     _on(monkeypatch, RAM, 50e9)
-    assert "KL reference" not in footprint.check(kl, inference=False)
+    assert "KL reference" not in fit.check(kl, inference=False)
 
 
 def test_lora_shrinks_the_trained_part_and_keeps_no_reference(monkeypatch):
@@ -148,7 +149,7 @@ def test_lora_shrinks_the_trained_part_and_keeps_no_reference(monkeypatch):
     assert full.activations_per_row > 4 * lora.activations_per_row
     kl = load_config("maniskill_pickcube_ppo_openvla", ["algorithm.kl_beta=0.05"])
     _on(monkeypatch, RAM, 1e9)
-    why = footprint.check(kl)
+    why = fit.check(kl)
     assert "KL reference" not in why and "(0.084B trained)" in why  # the reference is the base, adapters off
     # without gradient checkpointing, the backward into the adapters keeps bf16 copies of the frozen base
     _, plain = _estimate("maniskill_pickcube_ppo_openvla", "actor.model.gradient_checkpointing=false")

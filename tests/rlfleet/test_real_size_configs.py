@@ -53,6 +53,7 @@ def test_pi0_architecture():
 def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
     """`coordinatorctl start` of a real-size config on a machine without the memory fails before starting anything,
     with the numbers (here: a 2.4 GB budget stands in for a small machine)."""
+    from rlfleet.config import fit
     from rlfleet.policies import footprint
 
     cfg = load_config("metaworld_mt50_ppo_pi0", [])
@@ -61,11 +62,11 @@ def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
     assert fp.inference_bytes("bf16") == 2 * 2 * fp.parameters and fp.learner_bytes() == 4 * fp.parameters + 12 * fp.trainable
     tiny = load_config("pandapickcube_vision_ppo_openvla_tiny", [])
     small = footprint.estimate(tiny.actor.model, "token_level")
-    assert small.parameters < 5_000_000 and footprint.check(tiny) is None  # tiny models fit anywhere
+    assert small.parameters < 5_000_000 and fit.check(tiny) is None  # tiny models fit anywhere
     original = footprint.available_memory
     footprint.available_memory = lambda: ("this machine's available RAM (no GPU)", 2.4e9)
     try:
-        why = footprint.check(cfg)
+        why = fit.check(cfg)
     finally:
         footprint.available_memory = original
     assert why.startswith("the openpi policy of this config has 3.52B parameters")
@@ -74,7 +75,7 @@ def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
     assert "100.7 GB where this machine's available RAM (no GPU) has 2.4 GB" in why
     footprint.available_memory = lambda: ("this machine's available RAM (no GPU)", 50e9)
     try:  # supervised fine-tuning holds the learner's copy only: one process, a batch of sft.batch_size rows
-        why = footprint.check(cfg, inference=False)
+        why = fit.check(cfg, inference=False)
         assert "the learner, per rank of 1: 53.1 GB of fp32 weights" in why and "a micro batch of 32 rows" in why
         assert why.count("inference server") == 0 and "ranks need" not in why
     finally:
@@ -83,13 +84,13 @@ def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
     assert fp.learner_bytes(reference_copy=True) == fp.learner_bytes() + 4 * fp.parameters
     footprint.available_memory = lambda: ("the smallest of 8 GPU(s)", 61e9)
     try:  # 88.0 GB for one rank on a GPU does not fit a 61 GB GPU; two ranks (60.1 GB each) do
-        why = footprint.check(cfg)
+        why = fit.check(cfg)
         assert "= 88.0 GB for one rank" in why and "2 ranks need 60.1 GB each" in why
-        why = footprint.check(load_config("metaworld_mt50_ppo_pi0", ["algorithm.kl_beta=0.05"]))
+        why = fit.check(load_config("metaworld_mt50_ppo_pi0", ["algorithm.kl_beta=0.05"]))
         assert "14.1 GB of the KL reference (a frozen copy for algorithm.kl_beta" in why
         assert "3 ranks need 55.7 GB each" in why  # sharded too: 2 ranks need 67.1 GB each (7.0 GB of it)
         vla = load_config("maniskill_pickcube_ppo_openvla", ["algorithm.kl_beta=0.05"])
-        assert vla.actor.model.is_lora and footprint.check(vla) is None  # no copy: the base with adapters off
+        assert vla.actor.model.is_lora and fit.check(vla) is None  # no copy: the base with adapters off
     finally:
         footprint.available_memory = original
     # a checkpoint directory is sized from its safetensors headers, without reading the tensors

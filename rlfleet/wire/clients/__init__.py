@@ -1,5 +1,5 @@
 """Each service's client, in shared code: the env side (rollout worker) talks to inference and learner through
-these modules, so ``services/env`` depends on ``rlfleet`` only, never on another service's package."""
+these modules, so the env side depends on ``rlfleet`` only, never on another service's package."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def test_simulator_env_servers_use_their_own_image():
     env = next(s for s in process_plan(cfg) if s.role == "env")
     assert deploy.image_for(cfg, env) == "rlfleet-metaworld:cpu"
     cmd = deploy.service_command(cfg, env, "env-0")
-    assert cmd[:5] == ["python", "-m", "rlfleet.simulators.environments", "exec", "metaworld"]
+    assert cmd[:5] == ["python", "-m", "services.env.environment", "exec", "metaworld"]
     assert deploy.images(cfg)["rlfleet-metaworld:cpu"] == {
         "target": "simulator", "args": {"BASE_IMAGE": "python:3.11-slim-bookworm",
                                         "TORCH_INDEX_URL": deploy.CPU_TORCH_INDEX, "SIMULATOR": "metaworld"}}
@@ -88,7 +88,7 @@ def test_vllm_inference_servers_use_the_vllm_image():
     assert deploy.image_for(cfg, plan["inference"]) == "rlfleet-vllm:cpu"
     assert deploy.image_for(cfg, plan["env"]) == deploy.image_for(cfg, plan["learner"]) == "rlfleet:cpu"
     cmd = deploy.service_command(cfg, plan["inference"], "inference-0")
-    assert cmd[:7] == ["python", "-m", "rlfleet.simulators.environments", "exec", "vllm", "-m", "services.inference.server"]
+    assert cmd[:7] == ["python", "-m", "services.env.environment", "exec", "vllm", "-m", "services.inference.server"]
     assert deploy.images(cfg)["rlfleet-vllm:cpu"]["args"]["SIMULATOR"] == "vllm"
     hf = load_config("pandapickcube_vision_ppo_openvla_tiny")
     assert set(deploy.images(hf)) == {"rlfleet:cpu"}

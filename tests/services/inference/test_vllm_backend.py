@@ -36,9 +36,9 @@ def test_checkpoint_names_map_to_the_language_model_only():
 
 
 def test_environments_list_the_vllm_environment():
-    from rlfleet.simulators import environments
+    from rlfleet.policies.backends import describe
 
-    rows = {r["simulator"]: r for r in environments.describe()}
+    rows = {r["simulator"]: r for r in describe()}
     assert rows["vllm"]["environment"] == "vllm" and "openvla" in rows["vllm"]["examples"]
 
 

@@ -1,0 +1,85 @@
+"""Does a run fit where it would run: the policy copies of a local run (inference servers, learner ranks) against
+the smallest GPU or this host's RAM, from the per-rank estimates of rlfleet.policies.footprint and the learner's
+placement (:func:`rlfleet.config.learner_layout`). The coordinator asks before starting anything."""
+
+from __future__ import annotations
+
+from rlfleet.config import learner_layout
+from rlfleet.policies import footprint
+
+
+def learner_world_size(cfg) -> int:
+    """The learner's ranks (:func:`rlfleet.config.learner_layout`: one per GPU of the actor placement, else
+    ``cluster.learner_world_size`` CPU ranks)."""
+    nnodes, per_node = learner_layout(cfg)
+    return nnodes * per_node
+
+
+def check(cfg, *, inference: bool = True) -> str | None:
+    """None when the policy copies of a local run fit where they would live; else why not, with the numbers (per
+    learner rank, and the smallest number of ranks that would fit). ``inference=False``: the learner's copy only
+    (supervised fine-tuning, one process)."""
+    model = cfg.actor.model
+    if model.model_type not in footprint.VLA_TYPES:
+        return None
+    fp = footprint.estimate(model, cfg.algorithm.logprob_type)
+    # RL with algorithm.kl_beta > 0 keeps the starting model as the KL reference (LoRA: the base with adapters off)
+    reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora
+    rl = inference  # the RL learner is a group of ranks; supervised fine-tuning runs as one process
+    servers = cfg.cluster.num_inference_servers if rl else 0
+    inference = fp.inference_bytes(cfg.rollout.weights_precision) if rl else 0
+    where, have = footprint.available_memory()
+    on_gpu = where.startswith("the smallest")
+    world = learner_world_size(cfg) if rl else 1
+    rows = cfg.actor.micro_batch_size if rl else cfg.sft.batch_size  # SFT: one batch per gradient step
+    kw = dict(gpu=on_gpu, reference_copy=reference_copy, rows=rows)
+    parts = fp.rank_parts(world, **kw)
+    per_rank = sum(parts.values())
+    # on GPUs each service and each learner rank has a device of its own; on one host they all share its RAM
+    need = max(inference, per_rank) if on_gpu else servers * inference + world * per_rank
+    if need <= have:
+        return None
+    copies = (f"each inference server holds 2 copies ({inference / footprint.GB:.1f} footprint.GB, rollout.weights_precision="
+              f"{cfg.rollout.weights_precision}) and " if inference else "")
+    sharded = f"its 1/{world} shard" if world > 1 else "unsharded"
+    learner = [f"{parts['sharded'] / footprint.GB:.1f} footprint.GB of fp32 weights, gradients and Adam state of what trains ({sharded})"]
+    if parts["reference"]:
+        learner.append(f"{parts['reference'] / footprint.GB:.1f} footprint.GB of the KL reference (a frozen copy for algorithm.kl_beta, "
+                       f"sharded the same way)")
+    if parts["gathered"]:
+        dtype = "bf16" if on_gpu and fp.precision == "bf16" else "fp32"
+        learner.append(f"{parts['gathered'] / footprint.GB:.1f} footprint.GB of FSDP units gathered whole ({dtype})")
+    if parts["autocast"]:
+        learner.append(f"{parts['autocast'] / footprint.GB:.1f} footprint.GB of bf16 autocast copies of the weights")
+    learner.append(f"{parts['activations'] / footprint.GB:.1f} footprint.GB of activations (estimated, a micro batch of {rows} rows)")
+    if parts["transient"]:
+        learner.append(f"{parts['transient'] / footprint.GB:.1f} footprint.GB of optimizer-step temporaries")
+    learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / footprint.GB:.1f} footprint.GB for "
+               f"{'one rank' if world == 1 else 'each rank'}")
+    total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / footprint.GB:.1f} footprint.GB together"
+    hint = ""
+    if rl:
+        fit = footprint.smallest_fitting_world(fp, have, on_gpu=on_gpu, others=servers * inference, **kw)
+        if on_gpu and inference > have:
+            hint = " An inference server's copies alone do not fit one GPU."
+        elif fit is not None and fit != world:
+            each = fp.rank_bytes(fit, **kw)
+            hint = (f" {fit} ranks need {each / footprint.GB:.1f} footprint.GB each: place the actor on {fit} GPUs "
+                    f"(cluster.component_placement, e.g. actor: 0-{fit - 1})." if on_gpu else
+                    f" With {fit} rank{'s' if fit > 1 else ''} ({each / footprint.GB:.1f} footprint.GB{' each' if fit > 1 else ''}) the "
+                    f"run would need {(servers * inference + fit * each) / footprint.GB:.1f} footprint.GB: set "
+                    f"cluster.learner_world_size={fit}.")
+        elif fit is None:
+            smaller = ("set actor.model.openpi.train_expert_only=true" if model.model_type == "openpi" else
+                       "set actor.model.is_lora=true" if model.gradient_checkpointing else
+                       "set actor.model.gradient_checkpointing=true")
+            floor = fp.rank_parts(2, **kw)  # what does not shrink with more ranks
+            floor = floor["gathered"] + floor["autocast"] + floor["activations"]
+            hint = (f" No number of ranks fits: the gathered units and activations alone are {floor / footprint.GB:.1f} footprint.GB per "
+                    f"rank (lower actor.micro_batch_size or {smaller})." if on_gpu else
+                    " Ranks on one machine share its RAM, and each adds its gathered units and activations: no "
+                    "number of ranks fits here.")
+    return (f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
+            f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / footprint.GB:.1f} footprint.GB where {where} "
+            f"has {have / footprint.GB:.1f} footprint.GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
+            f"k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")

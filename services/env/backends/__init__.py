@@ -1,0 +1,37 @@
+"""The env side's simulator table: for each simulator of the shared registry (rlfleet.simulators, data only), the
+backend class that runs it, the preflight that fails fast on a host that cannot run it, and the steps that finish
+its Python environment after pip. Only env-side processes import backends: the coordinator asks for a preflight
+or an environment through ``python -m services.env.environment`` (a subprocess), never by importing this code.
+"""
+
+from __future__ import annotations
+
+from rlfleet.registry import load_object, lookup
+
+# simulator -> "module:Class" implementing services.env.backends.base.SimBackend
+BACKENDS = {
+    "gym": "services.env.backends.gym:GymBackend",
+    "metaworld": "services.env.backends.metaworld:MetaWorldBackend",
+    "libero": "services.env.backends.libero:LiberoBackend",
+    "maniskill": "services.env.backends.maniskill:ManiSkillBackend",
+    "behavior": "services.env.backends.behavior:BehaviorBackend",
+}
+
+# simulator -> "module:function(cfg)" raising BackendUnavailable on a host that cannot run it. A preflight imports
+# no simulator package: it runs in the main environment, before the simulator's own is built.
+PREFLIGHTS = {
+    "libero": "services.env.backends.libero:preflight",
+    "maniskill": "services.env.backends.maniskill:preflight",
+    "behavior": "services.env.backends.behavior:preflight",
+}
+
+# simulator -> "module:function()" steps run with its environment's python once pip and the registry's check pass
+FINISH_STEPS = {
+    "libero": ("services.env.backends.libero_setup:setup",),
+    "maniskill": ("services.env.backends.maniskill:check_install",),
+}
+
+
+def backend_class(simulator: str):
+    """The backend class of ``simulator`` (UnknownName, with the closest name, for one that is not registered)."""
+    return load_object(lookup(BACKENDS, simulator, "simulator_type"))
