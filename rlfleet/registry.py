@@ -23,10 +23,16 @@ class UnknownName(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known name closest to ``name`` (difflib's ratio >= ``cutoff``), or None."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
     """"; did you mean 'x'?" for the closest known name, or "" when none is close."""
-    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=cutoff)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    close = closest(name, known, cutoff)
+    return f"; did you mean '{close}'?" if close else ""
 
 
 def unknown_message(kind: str, name: str, known: Iterable[str]) -> str:

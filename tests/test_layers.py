@@ -76,14 +76,14 @@ COORDINATOR_PREPARES = r"""
 import json, sys
 from rlfleet.config import ConfigError, load_config
 from rlfleet.simulators import SIMULATORS
-from services.coordinator import cli
+from services.coordinator.preflight import preflight_local
 from services.coordinator.launcher import simulator_python
 out = {}
 for name, config in [("gym", "pandapickcube_ppo"), ("metaworld", "metaworld_mt10_ppo_mlp"),
                      ("libero", "libero_spatial_ppo_cnn"), ("maniskill", "maniskill_pushcube_ppo_mlp"),
                      ("behavior", "behavior_ppo_cnn")]:
     try:
-        cli._preflight(load_config(config, []))
+        preflight_local(load_config(config, []))
         out[name] = "ok"
     except ConfigError as exc:
         out[name] = str(exc)[:200]

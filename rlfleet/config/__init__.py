@@ -7,12 +7,13 @@ A misspelled key is an error naming it and the closest valid key.
 
 from __future__ import annotations
 
-import difflib
 import pathlib
 import re
 from collections.abc import Iterable, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from rlfleet.registry import closest, unknown_message
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
@@ -58,14 +59,15 @@ def _flatten(node, prefix: str = "") -> dict[str, object]:
 
 
 def _suggest(path: str, known: Iterable[str]) -> str:
+    """The did-you-mean of a config key: the closest whole dotted path, else the key whose last component is
+    closest (a typo in the leaf name)."""
     known = list(known)
-    close = difflib.get_close_matches(path, known, n=1, cutoff=0.5)
-    if not close:  # compare the last component only (typo in the leaf name)
-        leaf = path.rsplit(".", 1)[-1]
+    close = closest(path, known, cutoff=0.5)
+    if close is None:
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
-        hit = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
-        close = [by_leaf[hit[0]]] if hit else []
-    return f"; did you mean '{close[0]}'?" if close else ""
+        leaf = closest(path.rsplit(".", 1)[-1], by_leaf)
+        close = by_leaf[leaf] if leaf else None
+    return f"; did you mean '{close}'?" if close else ""
 
 
 def _type_ok(default, value, key: str = "") -> bool:
@@ -205,7 +207,19 @@ def _require(cond: bool, key: str, message: str) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Cross-key checks that the schema's types cannot express."""
+    """Cross-key checks that the schema's types cannot express, section by section (the first failure is raised
+    as a ConfigError naming its key)."""
+    _check_cluster(cfg)
+    _check_rollout(cfg)
+    _check_batches(cfg)
+    _check_algorithm(cfg)
+    _check_simulators(cfg)
+    _check_model(cfg)
+    _check_runtime(cfg)
+
+
+def _check_cluster(cfg: DictConfig) -> None:
+    """The cluster's counts."""
     n_servers = cfg.cluster.num_env_servers
     stages = cfg.rollout.pipeline_stage_num
     _require(n_servers >= 1, "cluster.num_env_servers", f"must be >= 1, got {n_servers}")
@@ -216,6 +230,10 @@ def validate(cfg: DictConfig) -> None:
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
     lt = cfg.cluster.learner_num_threads
     _require(lt is None or lt >= 1, "cluster.learner_num_threads", f"must be null or >= 1, got {lt}")
+
+
+def _check_rollout(cfg: DictConfig) -> None:
+    """The inference backend and precisions."""
     from rlfleet.policies.backends import check_backend, get_backend
 
     try:
@@ -244,6 +262,12 @@ def validate(cfg: DictConfig) -> None:
     inv = cfg.rollout.batch_invariant_rows
     _require(inv is None or 0 <= inv <= 4096, "rollout.batch_invariant_rows",
              f"must be null or an integer in [0, 4096], got {inv}")
+
+
+def _check_batches(cfg: DictConfig) -> None:
+    """Env counts, episodes, supervised fine-tuning and the batch arithmetic."""
+    n_servers = cfg.cluster.num_env_servers
+    stages = cfg.rollout.pipeline_stage_num
     for split in ("train", "eval"):
         n = cfg.env[split].total_num_envs
         _require(n >= 1 and n % n_servers == 0, f"env.{split}.total_num_envs",
@@ -271,6 +295,11 @@ def validate(cfg: DictConfig) -> None:
              f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch / num_action_chunks = "
              f"{batch} samples) must be a "
              f"multiple of actor.global_batch_size ({cfg.actor.global_batch_size})")
+
+
+def _check_algorithm(cfg: DictConfig) -> None:
+    """The algorithm group."""
+    per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
     alg = cfg.algorithm
     _require(alg.adv_type in ("gae", "grpo"), "algorithm.adv_type", f"'{alg.adv_type}' is not one of gae, grpo")
     _require(alg.loss_type in ("actor_critic", "actor"), "algorithm.loss_type",
@@ -297,6 +326,12 @@ def validate(cfg: DictConfig) -> None:
     _require(alg.critic_warmup_epochs >= 0, "algorithm.critic_warmup_epochs", "must be >= 0")
     _require(alg.critic_warmup_epochs == 0 or alg.loss_type == "actor_critic", "algorithm.critic_warmup_epochs",
              f"needs a critic: loss_type '{alg.loss_type}' trains none (gae/actor_critic does)")
+
+
+def _check_simulators(cfg: DictConfig) -> None:
+    """Each env server's simulators (train and eval share its environment), timeouts."""
+    n_servers = cfg.cluster.num_env_servers
+    ext = list(cfg.cluster.external_env_addresses)
     from rlfleet.simulators import get_simulator
 
     _check_per_server(cfg)
@@ -321,6 +356,11 @@ def validate(cfg: DictConfig) -> None:
              f"{len(ext_eval)} addresses: give one per env server, alongside cluster.external_env_addresses")
     for key in ("act_timeout_s", "rpc_timeout_s", "collect_timeout_s", "external_env_reconnect_timeout_s"):
         _require(cfg.cluster[key] > 0, f"cluster.{key}", f"must be > 0, got {cfg.cluster[key]}")
+
+
+def _check_model(cfg: DictConfig) -> None:
+    """The policy model and optimizer."""
+    alg = cfg.algorithm
     from rlfleet.policies import LOGPROB_TYPES
 
     _require(alg.logprob_type in LOGPROB_TYPES, "algorithm.logprob_type",
@@ -328,7 +368,7 @@ def validate(cfg: DictConfig) -> None:
     from rlfleet.policies import POLICIES
 
     _require(cfg.actor.model.model_type in POLICIES, "actor.model.model_type",
-             f"'{cfg.actor.model.model_type}' is not one of {', '.join(POLICIES)}")
+             unknown_message("model_type", cfg.actor.model.model_type, POLICIES))
     _require(cfg.actor.model.num_action_chunks >= 1, "actor.model.num_action_chunks",
              f"must be >= 1, got {cfg.actor.model.num_action_chunks}")
     _require(cfg.actor.model.num_action_chunks == 1 or cfg.actor.model.model_type != "openvla",
@@ -347,6 +387,11 @@ def validate(cfg: DictConfig) -> None:
              f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu")
     _require(cfg.actor.optim.lr_schedule in ("constant", "linear"), "actor.optim.lr_schedule",
              f"'{cfg.actor.optim.lr_schedule}' is not one of constant, linear")
+
+
+def _check_runtime(cfg: DictConfig) -> None:
+    """Launcher, TLS, staleness, KL, telemetry, loggers and placement."""
+    alg = cfg.algorithm
     _require(cfg.cluster.launcher in ("local", "attach"), "cluster.launcher",
              f"'{cfg.cluster.launcher}' is not one of local, attach")
     tls = cfg.cluster.tls

@@ -7,6 +7,8 @@ from __future__ import annotations
 from rlfleet.config import learner_layout
 from rlfleet.policies import footprint
 
+GB = footprint.GB
+
 
 def learner_world_size(cfg) -> int:
     """The learner's ranks (:func:`rlfleet.config.learner_layout`: one per GPU of the actor placement, else
@@ -39,24 +41,24 @@ def check(cfg, *, inference: bool = True) -> str | None:
     need = max(inference, per_rank) if on_gpu else servers * inference + world * per_rank
     if need <= have:
         return None
-    copies = (f"each inference server holds 2 copies ({inference / footprint.GB:.1f} footprint.GB, rollout.weights_precision="
+    copies = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
               f"{cfg.rollout.weights_precision}) and " if inference else "")
     sharded = f"its 1/{world} shard" if world > 1 else "unsharded"
-    learner = [f"{parts['sharded'] / footprint.GB:.1f} footprint.GB of fp32 weights, gradients and Adam state of what trains ({sharded})"]
+    learner = [f"{parts['sharded'] / GB:.1f} GB of fp32 weights, gradients and Adam state of what trains ({sharded})"]
     if parts["reference"]:
-        learner.append(f"{parts['reference'] / footprint.GB:.1f} footprint.GB of the KL reference (a frozen copy for algorithm.kl_beta, "
+        learner.append(f"{parts['reference'] / GB:.1f} GB of the KL reference (a frozen copy for algorithm.kl_beta, "
                        f"sharded the same way)")
     if parts["gathered"]:
         dtype = "bf16" if on_gpu and fp.precision == "bf16" else "fp32"
-        learner.append(f"{parts['gathered'] / footprint.GB:.1f} footprint.GB of FSDP units gathered whole ({dtype})")
+        learner.append(f"{parts['gathered'] / GB:.1f} GB of FSDP units gathered whole ({dtype})")
     if parts["autocast"]:
-        learner.append(f"{parts['autocast'] / footprint.GB:.1f} footprint.GB of bf16 autocast copies of the weights")
-    learner.append(f"{parts['activations'] / footprint.GB:.1f} footprint.GB of activations (estimated, a micro batch of {rows} rows)")
+        learner.append(f"{parts['autocast'] / GB:.1f} GB of bf16 autocast copies of the weights")
+    learner.append(f"{parts['activations'] / GB:.1f} GB of activations (estimated, a micro batch of {rows} rows)")
     if parts["transient"]:
-        learner.append(f"{parts['transient'] / footprint.GB:.1f} footprint.GB of optimizer-step temporaries")
-    learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / footprint.GB:.1f} footprint.GB for "
+        learner.append(f"{parts['transient'] / GB:.1f} GB of optimizer-step temporaries")
+    learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / GB:.1f} GB for "
                f"{'one rank' if world == 1 else 'each rank'}")
-    total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / footprint.GB:.1f} footprint.GB together"
+    total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / GB:.1f} GB together"
     hint = ""
     if rl:
         fit = footprint.smallest_fitting_world(fp, have, on_gpu=on_gpu, others=servers * inference, **kw)
@@ -64,10 +66,10 @@ def check(cfg, *, inference: bool = True) -> str | None:
             hint = " An inference server's copies alone do not fit one GPU."
         elif fit is not None and fit != world:
             each = fp.rank_bytes(fit, **kw)
-            hint = (f" {fit} ranks need {each / footprint.GB:.1f} footprint.GB each: place the actor on {fit} GPUs "
+            hint = (f" {fit} ranks need {each / GB:.1f} GB each: place the actor on {fit} GPUs "
                     f"(cluster.component_placement, e.g. actor: 0-{fit - 1})." if on_gpu else
-                    f" With {fit} rank{'s' if fit > 1 else ''} ({each / footprint.GB:.1f} footprint.GB{' each' if fit > 1 else ''}) the "
-                    f"run would need {(servers * inference + fit * each) / footprint.GB:.1f} footprint.GB: set "
+                    f" With {fit} rank{'s' if fit > 1 else ''} ({each / GB:.1f} GB{' each' if fit > 1 else ''}) the "
+                    f"run would need {(servers * inference + fit * each) / GB:.1f} GB: set "
                     f"cluster.learner_world_size={fit}.")
         elif fit is None:
             smaller = ("set actor.model.openpi.train_expert_only=true" if model.model_type == "openpi" else
@@ -75,11 +77,11 @@ def check(cfg, *, inference: bool = True) -> str | None:
                        "set actor.model.gradient_checkpointing=true")
             floor = fp.rank_parts(2, **kw)  # what does not shrink with more ranks
             floor = floor["gathered"] + floor["autocast"] + floor["activations"]
-            hint = (f" No number of ranks fits: the gathered units and activations alone are {floor / footprint.GB:.1f} footprint.GB per "
+            hint = (f" No number of ranks fits: the gathered units and activations alone are {floor / GB:.1f} GB per "
                     f"rank (lower actor.micro_batch_size or {smaller})." if on_gpu else
                     " Ranks on one machine share its RAM, and each adds its gathered units and activations: no "
                     "number of ranks fits here.")
     return (f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
-            f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / footprint.GB:.1f} footprint.GB where {where} "
-            f"has {have / footprint.GB:.1f} footprint.GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
+            f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / GB:.1f} GB where {where} "
+            f"has {have / GB:.1f} GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
             f"k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")

@@ -43,7 +43,7 @@ def _start(args) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
             if cfg.cluster.external_env_addresses:  # Describe them now: refuse what cannot run, name the run after it
-                from services.env.remote import preflight_external
+                from services.coordinator.preflight import preflight_external
 
                 default_name = load_config(None).runner.experiment_name  # (the embedded config's: not the user's)
                 named = any(o.startswith("runner.experiment_name=") for o in args.overrides)
@@ -55,7 +55,9 @@ def _start(args) -> int:
 
             check_local(cfg)  # e.g. a learner over several nodes
         if cfg.cluster.launcher == "local" and not cfg.cluster.external_env_addresses:
-            _preflight(cfg)
+            from services.coordinator.preflight import preflight_local
+
+            preflight_local(cfg)
     except ConfigError as exc:
         print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
         return 2
@@ -91,31 +93,6 @@ def _start(args) -> int:
         server.stop(grace=0.5)
         tracing.shutdown()
     return code
-
-
-def _preflight(cfg) -> None:
-    """Fail in seconds, before anything starts, on what can be checked here: a simulator that cannot run on this
-    host, (for simulators of the main environment) an unknown env id (both asked of the env side, in a
-    subprocess), and a policy too big for this machine."""
-    from rlfleet.config import env_server_config
-    from rlfleet.simulators import get_simulator
-    from services.coordinator.launcher import env_side_preflight
-
-    for i in range(cfg.cluster.num_env_servers):
-        server = env_server_config(cfg, i)
-        sims = {server.env[split].simulator_type for split in ("train", "eval")}
-        if len({get_simulator(name).environment for name in sims}) > 1:
-            raise ConfigError(f"'env.eval.simulator_type': {server.env.eval.simulator_type} and env.train's "
-                              f"{server.env.train.simulator_type} run in different Python environments; one env "
-                              f"server hosts both (use the same simulator, or external eval servers)")
-    errors = env_side_preflight(cfg)
-    if errors:
-        raise ConfigError(errors[0])  # already "'key': why"
-    from rlfleet.config import fit
-
-    why = fit.check(cfg)  # a real-size VLA where there is no memory for it: say so now, not by OOM kills
-    if why:
-        raise ConfigError(f"'actor.model': {why}")
 
 
 def _envs(args) -> int:

@@ -74,19 +74,6 @@ def simulator_python(simulator: str, envs_dir: str | None = None, log=print) -> 
     return out.splitlines()[-1]
 
 
-def env_side_preflight(cfg) -> list[str]:
-    """The env side's preflight of ``cfg`` (a subprocess in the main environment): one 'key': why line per
-    problem, [] when this host can run every env server."""
-    from rlfleet.config import to_yaml
-
-    proc = subprocess.run([*ENV_SIDE_COMMAND, "preflight"], input=to_yaml(cfg), capture_output=True, text=True,
-                          env=child_environ(sys.executable, 1))
-    if proc.returncode not in (0, 3):
-        raise ConfigError(f"the env side's preflight failed (exit {proc.returncode}): "
-                          + (proc.stderr.strip().splitlines() or ["no output"])[-1])
-    return [line for line in proc.stdout.splitlines() if line.strip()]
-
-
 @dataclass
 class Proc:
     role: str

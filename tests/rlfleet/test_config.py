@@ -32,7 +32,7 @@ def test_wrong_type_and_cross_checks():
         load_config(None, ["env.train.total_num_envs=10", "rollout.pipeline_stage_num=4"])
     with pytest.raises(ConfigError, match="actor.global_batch_size"):
         load_config(None, ["actor.global_batch_size=300"])
-    with pytest.raises(ConfigError, match="'actor.model.model_type': 'transformer' is not one of mlp, cnn"):
+    with pytest.raises(ConfigError, match="'actor.model.model_type': unknown model_type 'transformer' \\(known: mlp, cnn"):
         load_config(None, ["actor.model.model_type=transformer"])
     with pytest.raises(ConfigError, match="'env.eval.simulator_type': 'metaworld' runs in the metaworld environment"):
         load_config(None, ["env.eval.simulator_type=metaworld"])

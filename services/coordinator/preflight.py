@@ -1,0 +1,107 @@
+"""What `coordinatorctl start` checks before anything starts, so a run that cannot work fails in seconds naming the
+key: external env servers are Described (and their episode limit adopted); for local env servers the env side is
+asked, in a subprocess, what this host cannot run (the coordinator never imports env code); and the policy's
+copies must fit this machine (rlfleet.config.fit)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+
+from rlfleet.config import ConfigError
+from rlfleet.simulators.environments import child_environ
+from rlfleet.v1 import env_pb2, env_pb2_grpc
+from rlfleet.wire import env_contract, rpc
+from services.coordinator.launcher import ENV_SIDE_COMMAND
+
+
+def preflight_local(cfg) -> None:
+    """Fail in seconds, before anything starts, on what can be checked here: a simulator that cannot run on this
+    host, (for simulators of the main environment) an unknown env id (both asked of the env side, in a
+    subprocess), and a policy too big for this machine."""
+    from rlfleet.config import env_server_config
+    from rlfleet.simulators import get_simulator
+
+    for i in range(cfg.cluster.num_env_servers):
+        server = env_server_config(cfg, i)
+        sims = {server.env[split].simulator_type for split in ("train", "eval")}
+        if len({get_simulator(name).environment for name in sims}) > 1:
+            raise ConfigError(f"'env.eval.simulator_type': {server.env.eval.simulator_type} and env.train's "
+                              f"{server.env.train.simulator_type} run in different Python environments; one env "
+                              f"server hosts both (use the same simulator, or external eval servers)")
+    errors = env_side_preflight(cfg)
+    if errors:
+        raise ConfigError(errors[0])  # already "'key': why"
+    from rlfleet.config import fit
+
+    why = fit.check(cfg)  # a real-size VLA where there is no memory for it: say so now, not by OOM kills
+    if why:
+        raise ConfigError(f"'actor.model': {why}")
+
+
+def env_side_preflight(cfg) -> list[str]:
+    """The env side's preflight of ``cfg`` (a subprocess in the main environment): one 'key': why line per
+    problem, [] when this host can run every env server."""
+    from rlfleet.config import to_yaml
+
+    proc = subprocess.run([*ENV_SIDE_COMMAND, "preflight"], input=to_yaml(cfg), capture_output=True, text=True,
+                          env=child_environ(sys.executable, 1))
+    if proc.returncode not in (0, 3):
+        raise ConfigError(f"the env side's preflight failed (exit {proc.returncode}): "
+                          + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+def preflight_external(cfg, *, rename: bool, timeout: float = 15.0) -> list[str]:
+    """`coordinatorctl start` with ``cluster.external_env_addresses``: Describe every external server before
+    anything starts. A server rlfleet cannot use, or one that does not answer, raises ConfigError naming the
+    field; otherwise ``cfg`` takes the episode limit from the server (an external server ends its episodes by its
+    own, docs/env-contract.md#describe) and, with ``rename``, the run is named after the simulator it serves.
+    Returns notes to print."""
+    import re
+
+    from rlfleet.config import ConfigError, validate
+
+    notes = []
+    chunk = cfg.actor.model.num_action_chunks
+    per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
+    first = None
+    for key in ("external_env_addresses", "external_eval_env_addresses"):
+        for i, address in enumerate(cfg.cluster[key]):
+            address = str(address)
+            try:
+                channel = rpc.wait_ready(address, timeout, credential=False)
+            except TimeoutError:
+                raise ConfigError(f"'cluster.{key}[{i}]': no EnvService answered at {address} within {timeout:.0f}s; "
+                                  f"start the simulator first") from None
+            try:
+                spec = env_pb2_grpc.EnvServiceStub(channel).Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                raise ConfigError(f"'cluster.{key}[{i}]': {address} did not answer Describe: "
+                                  f"{rpc.describe_error(exc)}") from None
+            finally:
+                channel.close()
+            problems = env_contract.run_problems(spec, policy_chunk=chunk)
+            if problems:
+                raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {problems[0]}")
+            if key == "external_env_addresses":
+                if spec.num_envs != per_server:
+                    raise ConfigError(f"'env.train.total_num_envs': the external env at {address} hosts "
+                                      f"{spec.num_envs} envs; env.train.total_num_envs / cluster.num_env_servers is "
+                                      f"{per_server} (set env.train.total_num_envs="
+                                      f"{spec.num_envs * cfg.cluster.num_env_servers})")
+                first = first or spec
+    for split in ("train", "eval"):
+        if cfg.env[split].max_episode_steps != first.max_episode_steps:
+            notes.append(f"env.{split}.max_episode_steps: {first.max_episode_steps} from the external server's "
+                         f"Describe (the config said {cfg.env[split].max_episode_steps})")
+            cfg.env[split].max_episode_steps = int(first.max_episode_steps)
+    validate(cfg)  # e.g. GRPO's whole episodes per epoch, against the server's episode limit
+    if rename:
+        simulator = env_contract.read(first).simulator
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{simulator}_{first.env_id}" if simulator != "external"
+                      else first.env_id).strip("_.")
+        cfg.runner.experiment_name = f"external_{name or 'env'}"
+    return notes
