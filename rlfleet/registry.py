@@ -29,9 +29,9 @@ def closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
     return close[0] if close else None
 
 
-def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
-    """"; did you mean 'x'?" for the closest known name, or "" when none is close."""
-    close = closest(name, known, cutoff)
+def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6, close: str | None = None) -> str:
+    """"; did you mean 'x'?" for the closest known name (or ``close``, found by the caller), "" when none is."""
+    close = close if close is not None else closest(name, known, cutoff)
     return f"; did you mean '{close}'?" if close else ""
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlfleet.registry import closest, unknown_message
+from rlfleet.registry import closest, did_you_mean, unknown_message
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
@@ -67,7 +67,7 @@ def _suggest(path: str, known: Iterable[str]) -> str:
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
         leaf = closest(path.rsplit(".", 1)[-1], by_leaf)
         close = by_leaf[leaf] if leaf else None
-    return f"; did you mean '{close}'?" if close else ""
+    return did_you_mean(path, (), close=close or "")
 
 
 def _type_ok(default, value, key: str = "") -> bool:

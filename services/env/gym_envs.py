@@ -3,9 +3,9 @@ is made), and ``make_gym_env``, which the gym backend and the coordinator's pref
 
 from __future__ import annotations
 
-import difflib
 
 from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.registry import did_you_mean
 
 _ENTRY = "services.env.envs.panda_pick_cube"
 BUILT_IN = {"PandaPickCube-v0": f"{_ENTRY}:PandaPickCubeEnv", "PandaPickCubeVision-v0": f"{_ENTRY}:PandaPickCubeVisionEnv"}
@@ -26,9 +26,7 @@ def make_gym_env(env_id: str, init_params: dict | None = None):
     register_built_in()
     if env_id not in gym.registry:
         known = sorted(k for k in gym.registry if not k.startswith(("ALE/", "phys2d/", "tabular/")))
-        close = difflib.get_close_matches(env_id, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise InvalidRequest(f"unknown env id '{env_id}'{hint} (gymnasium registry; for another simulator set "
+        raise InvalidRequest(f"unknown env id '{env_id}'{did_you_mean(env_id, known)} (gymnasium registry; for another simulator set "
                              f"env.train.simulator_type, see `coordinatorctl envs`)")
     try:
         return gym.make(env_id, disable_env_checker=True, **(init_params or {})).unwrapped

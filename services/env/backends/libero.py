@@ -30,7 +30,6 @@ render nothing (the image after the last one is bit-identical to an env that ren
 from __future__ import annotations
 
 import contextlib
-import difflib
 import math
 import os
 import sys
@@ -40,6 +39,7 @@ import numpy as np
 
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
+from rlfleet.registry import unknown_message
 from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
 
 # suite -> (the LIBERO benchmarks whose tasks it holds, episode limit used by published LIBERO results / RLinf)
@@ -169,10 +169,7 @@ class LiberoBackend(SimBackend):
             raise InvalidRequest(f"libero: unknown init_params {sorted(unknown)} (known: image_size, "
                                  f"num_settle_steps, task_ids, image_flip, fast_render, max_idle_envs)")
         if env_id not in SUITES:
-            close = difflib.get_close_matches(env_id, list(SUITES), n=1)
-            raise InvalidRequest(f"libero: unknown task suite '{env_id}'"
-                                 + (f"; did you mean '{close[0]}'?" if close else "")
-                                 + f" (known: {', '.join(SUITES)})")
+            raise InvalidRequest(f"libero: " + unknown_message("task suite", env_id, SUITES))
         if not 8 <= int(image_size) <= 2048:
             raise InvalidRequest(f"libero: image_size must be in [8, 2048], got {image_size}")
         if int(num_settle_steps) < 0:

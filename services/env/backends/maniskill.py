@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
-import difflib
 import glob
 import os
 import shutil
@@ -44,6 +43,7 @@ import numpy as np
 
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
+from rlfleet.registry import did_you_mean
 from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
 
 # RLinf's ManiSkill task ids that live only in RLinf's fork of ManiSkill (with its own assets)
@@ -236,8 +236,7 @@ def make_task(env_id: str, **kwargs):
     if env_id in RLINF_ONLY:
         raise BackendUnavailable(_rlinf_message(env_id))
     if env_id not in registry:
-        close = difflib.get_close_matches(env_id, list(registry), n=3)
-        raise InvalidRequest(f"maniskill: unknown task '{env_id}'" + (f"; did you mean '{close[0]}'?" if close else "")
+        raise InvalidRequest(f"maniskill: unknown task '{env_id}'{did_you_mean(env_id, registry)}"
                              + f" ({len(registry)} tasks in mani-skill 3.0.1; e.g. PickCube-v1, PushCube-v1, "
                                f"StackCube-v1, PegInsertionSide-v1)")
     gone = missing_assets(env_id, kwargs.get("robot_uids"))

@@ -19,6 +19,7 @@ import numpy as np
 
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
+from rlfleet.registry import did_you_mean
 from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
 
 BENCHMARKS = ("MT10", "MT25", "MT50", "ML10", "ML25", "ML45")
@@ -60,11 +61,8 @@ class MetaWorldBackend(SimBackend):
         elif env_id in metaworld.MT1.ENV_NAMES:
             bench = metaworld.MT1(env_id, seed=benchmark_seed)
         else:
-            import difflib
-
             known = list(metaworld.MT1.ENV_NAMES) + list(BENCHMARKS)
-            close = difflib.get_close_matches(env_id, known, n=1)
-            raise InvalidRequest(f"metaworld: unknown task '{env_id}'" + (f"; did you mean '{close[0]}'?" if close else "")
+            raise InvalidRequest(f"metaworld: unknown task '{env_id}'{did_you_mean(env_id, known)}"
                                  + f" (a task such as reach-v3, or one of {', '.join(BENCHMARKS)})")
         if split == "test" and not env_id.startswith("ML"):
             raise InvalidRequest(f"metaworld: '{env_id}' has no test split (only ML benchmarks do)")
