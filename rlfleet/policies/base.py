@@ -2,10 +2,11 @@
 the inference engine (``act``) and the learner (``evaluate``), so the log-prob of an action is computed by one
 piece of code on both sides.
 
-- ``act(obs, deterministic, instructions, noise)`` -> PolicyOutput: an action chunk ``[n, chunk, action_dim]``, its
-  log-probs at the configured granularity ``[n, L]``, values ``[n]`` when the model has a critic, and the
-  ``forward_inputs`` (per-row tensors) that ``evaluate`` needs to recompute exactly those log-probs later (sampled
-  actions, tokens, noise, denoising chains). ``noise`` (rlfleet.wire.noise.RowNoise, or None) holds per-row noise
+- ``act(obs, deterministic, instructions, noise)`` -> PolicyOutput (rlfleet.wire.acting, the one output type the
+  inference server and the policy clients pass on too): an action chunk ``[n, chunk, action_dim]``, its log-probs
+  at the configured granularity ``[n, L]``, values ``[n]`` when the model has a critic, and the ``forward_inputs``
+  (per-row tensors) that ``evaluate`` needs to recompute exactly those log-probs later (sampled actions, tokens,
+  noise, denoising chains). ``noise`` (rlfleet.wire.noise.RowNoise, or None) holds per-row noise
   streams: a policy draws its sampling noise from it when given, so a row's sample depends on its key, not on the
   batch it is in (reproducible runs); None means torch's global generator.
 - ``evaluate(obs, forward_inputs, instructions)`` -> PolicyEval with gradients: log-probs ``[n, L]``, entropy
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from rlfleet.wire.acting import PolicyOutput  # the one policy-output type (wire layer: the clients receive it too)
 
 if TYPE_CHECKING:  # torch-free at import: config validation runs in simulator environments too
     import torch
@@ -33,14 +36,6 @@ if TYPE_CHECKING:  # torch-free at import: config validation runs in simulator e
     from rlfleet.wire.noise import RowNoise
 
 LOGPROB_TYPES = ("chunk_level", "action_level", "token_level")
-
-
-@dataclass
-class PolicyOutput:
-    actions: torch.Tensor                 # [n, chunk, action_dim]
-    log_probs: torch.Tensor               # [n, L]
-    values: torch.Tensor | None           # [n] (None: no critic)
-    forward_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # each [n, ...]
 
 
 @dataclass

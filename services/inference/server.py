@@ -56,23 +56,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @rpc.handler
     def Describe(self, request, context):
-        e = self.engine
-        n_params = sum(p.numel() for p in e.model.parameters()) if e.model is not None else 0
-        batches, rows = e.batches_run, e.rows_run
-        if e.decoder is not None:  # vllm: engine steps, and rows decoded per step (each row takes several steps)
-            batches, rows = e.decoder.steps_run, e.decoder.rows_run * e.model.num_action_tokens if e.model else 0
+        info = self.engine.info()  # (vllm: batches are engine steps, rows the rows decoded in each)
         return inference_pb2.InferenceInfo(
-            model_type=e.model_cfg.model_type, weights_version=e.version, num_parameters=n_params,
-            requests_served=e.requests_served, batches_run=batches,
-            mean_batch_rows=float(rows / batches) if batches else 0.0)
+            model_type=info.model_type, weights_version=info.weights_version, num_parameters=info.num_parameters,
+            requests_served=info.requests_served, batches_run=info.batches_run,
+            mean_batch_rows=info.mean_batch_rows)
 
 
-def build_engine(cfg, device: str = "cpu") -> InferenceEngine:
+def build_engine(cfg, device: str = "cpu", on_fatal=None) -> InferenceEngine:
+    """The engine the config describes; ``on_fatal`` is called when its backend is lost for good (vllm)."""
     return InferenceEngine(cfg.actor.model, normalize_obs=cfg.algorithm.normalize_obs,
                            max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms,
                            device=device, logprob_type=cfg.algorithm.logprob_type,
                            batch_invariant_rows=batch_invariant_rows(cfg), backend=cfg.rollout.backend,
-                           seed=cfg.runner.seed, weights_precision=cfg.rollout.weights_precision)
+                           seed=cfg.runner.seed, weights_precision=cfg.rollout.weights_precision,
+                           on_fatal=on_fatal)
 
 
 def batch_invariant_rows(cfg) -> int:
@@ -85,7 +83,7 @@ def batch_invariant_rows(cfg) -> int:
 
 
 def _exit_for_restart(why: str) -> None:
-    """The vLLM engine is lost for good in this process: exit, so that the server is restarted (local launcher,
+    """The inference backend (the vLLM engine) is lost for good in this process: exit, so that the server is restarted (local launcher,
     compose restart policy, Kubernetes) and the coordinator has the learner publish the weights to it again."""
     import logging
     import os
@@ -98,9 +96,7 @@ def _exit_for_restart(why: str) -> None:
 
 def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
     """Start serving; returns (grpc server, bound address, engine, runtime)."""
-    engine = build_engine(cfg, device)
-    if engine.decoder is not None:
-        engine.decoder.on_fatal = _exit_for_restart
+    engine = build_engine(cfg, device, on_fatal=_exit_for_restart)
     engine.start()
     streams = cfg.rollout.max_act_streams
     server = rpc.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)

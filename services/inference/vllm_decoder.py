@@ -1,5 +1,5 @@
-"""VLLMDecoder: the ``rollout.backend: vllm`` half of the inference engine (no gRPC). vLLM's engine decodes the
-action tokens of token-decoding VLAs (``openvla``); rlfleet's policy code does the rest.
+"""VLLMDecoder: the ``rollout.backend: vllm`` inference backend (services.inference.backends; no gRPC). vLLM's
+engine decodes the action tokens of token-decoding VLAs (``openvla``); rlfleet's policy code does the rest.
 
 One thread owns vLLM's engine (vLLM is not thread-safe) and runs a loop:
 - an Act request is admitted as soon as it arrives: the policy embeds its rows' prompts (vision backbone,
@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from rlfleet.wire import tracing
-from rlfleet.wire.acting import ActResult
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.wire.rpc import Unavailable
+from services.inference.backends import ActRequest, BackendStats, InferenceBackend
 
 log = logging.getLogger("rlfleet.inference.vllm")
 
@@ -59,7 +59,7 @@ VLLM_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SP
 @dataclass
 class _Pending:
     """An Act request whose rows are being decoded."""
-    request: object                   # services.inference.engine._Request
+    request: ActRequest
     policy: object                    # the policy copy whose weights decode it
     version: int
     rows: int
@@ -110,8 +110,11 @@ def write_adapter_dir(policy, path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-class VLLMDecoder:
+class VLLMDecoder(InferenceBackend):
+    name = "vllm"
+
     def __init__(self, *, max_num_seqs: int = 256, seed: int = 0, workdir: str | None = None, on_fatal=None):
+        super().__init__(on_fatal)
         for key, value in VLLM_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         self.max_num_seqs = max_num_seqs
@@ -125,9 +128,9 @@ class VLLMDecoder:
         self.failed_reloads = 0
         self.engine_builds_after_failure = 0  # engines rebuilt after a step failed
         self.down: str | None = None  # why Act is refused (the engine could not be rebuilt), or None
-        # called with the reason when the engine is lost and cannot be rebuilt; the inference server exits then, so
-        # that it is restarted and gets the weights again (None: stay up, refuse Act, rebuild at the next update)
-        self.on_fatal = on_fatal
+        # on_fatal (InferenceBackend): called with the reason when the engine is lost and cannot be rebuilt; the
+        # inference server exits then, so that it is restarted and gets the weights again (None: stay up, refuse
+        # Act, rebuild at the next update)
         # fault injection (tests, drills): the next N reloads break off half-way and raise, as a transfer cut off
         # mid-update would; RLFLEET_FAULT_VLLM_RELOAD_FAILURES=N sets it for a whole run
         self.fail_next_reloads = int(os.environ.get("RLFLEET_FAULT_VLLM_RELOAD_FAILURES", "0") or 0)
@@ -137,6 +140,7 @@ class VLLMDecoder:
         self._thread: threading.Thread | None = None
         self.lora_request = None  # the adapter of the served version (LoRA policies), passed with every row
         self._adapters = 0  # adapters loaded so far: each gets the next id
+        self.requests_served = 0
         self.rows_run = 0
         self.steps_run = 0
 
@@ -146,18 +150,24 @@ class VLLMDecoder:
             self._thread = threading.Thread(target=self._loop, name="vllm-decoder", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
             self._thread = None
 
-    def submit(self, request) -> None:
+    def submit(self, request: ActRequest) -> None:
         if self.down:
             raise Unavailable(f"vLLM engine is down ({self.down}); waiting for a weights update to rebuild it")
         self._queue.put(request)
+        self.requests_served += 1
 
-    def update(self, policy, version: int, timeout: float = 900.0) -> None:
+    def stats(self) -> BackendStats:
+        """Engine steps, and the rows decoded over them (each row takes one step per action token)."""
+        tokens = self.policy.num_action_tokens if self.policy is not None else 0
+        return BackendStats(self.requests_served, self.steps_run, self.rows_run * tokens)
+
+    def set_weights(self, policy, version: int, timeout: float = 900.0) -> None:
         """Serve ``policy`` (holding weights ``version``) from now on: rows in flight finish on the old weights,
         vLLM's language model is reloaded (or the engine built, the first time), later rows use the new ones."""
         done: Future = Future()
@@ -398,10 +408,7 @@ class VLLMDecoder:
             tokens = torch.tensor([p.tokens[i] for i in range(n)], dtype=torch.long)
             logp = torch.tensor([p.log_probs[i] for i in range(n)], dtype=torch.float32)
             out = p.policy.output_from_tokens(tokens, logp, p.values, p.prompt_inputs)
-            numpy = lambda t: t.detach().cpu().numpy()  # noqa: E731
-            res = ActResult(numpy(out.actions.float()), numpy(out.log_probs.float()),
-                            None if out.values is None else numpy(out.values.float()), p.version,
-                            {k: numpy(v) for k, v in out.forward_inputs.items()})
+            res = out.to_numpy(p.version)
         except Exception as exc:  # noqa: BLE001
             p.request.future.set_exception(exc)
             return

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from rlfleet.wire import codec, rpc, tracing
-from rlfleet.wire.acting import ActResult
+from rlfleet.wire.acting import PolicyOutput
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -27,7 +27,7 @@ class PolicyError(rpc.Unavailable):
 CONNECT_TIMEOUT_S = 10.0  # an inference server that accepts no connection within this long is unreachable
 
 
-def _check_result(res: ActResult, n: int, action_dim: int | None) -> ActResult:
+def _check_result(res: PolicyOutput, n: int, action_dim: int | None) -> PolicyOutput:
     if res.actions.ndim != 3 or res.actions.shape[0] != n:
         raise PolicyError(f"inference returned actions shaped {list(res.actions.shape)} for {n} observations "
                           f"([n, chunk, action_dim] expected)")
@@ -92,7 +92,7 @@ class _Stream:
             noise_keys=[] if noise_keys is None else np.asarray(noise_keys, np.uint64).tolist()))
         self.inflight.append((rid, next(iter(obs.values())).shape[0]))
 
-    def result(self, action_dim: int | None) -> ActResult:
+    def result(self, action_dim: int | None) -> PolicyOutput:
         rid, n = self.inflight.pop(0)
         try:
             resp = self.received.get(timeout=self.timeout)
@@ -105,10 +105,11 @@ class _Stream:
         if resp.request_id != rid:
             raise PolicyError(f"inference server {self.address} answered request {resp.request_id}, expected {rid}")
         try:
-            res = ActResult(codec.decode(resp.actions, "actions", dtype=np.float32),
-                            codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
-                            codec.decode(resp.values, "values", dtype=np.float32) if resp.HasField("values") else None,
-                            resp.weights_version, codec.decode_map(resp.forward_inputs, "forward_inputs"))
+            res = PolicyOutput(codec.decode(resp.actions, "actions", dtype=np.float32),
+                               codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
+                               codec.decode(resp.values, "values", dtype=np.float32) if resp.HasField("values")
+                               else None,
+                               codec.decode_map(resp.forward_inputs, "forward_inputs"), resp.weights_version)
         except codec.CodecError as exc:
             raise PolicyError(f"inference server {self.address}: {exc}") from exc
         return _check_result(res, n, action_dim)
@@ -139,7 +140,7 @@ class GrpcPolicyClient:
                noise_keys=None) -> None:
         self.streams[stage].submit(obs, deterministic, instructions, noise_keys)
 
-    def result(self, stage: int) -> ActResult:
+    def result(self, stage: int) -> PolicyOutput:
         return self.streams[stage].result(self.action_dim)
 
     def close(self) -> None:
@@ -160,7 +161,7 @@ class LocalPolicyClient:
                noise_keys=None) -> None:
         self.pending[stage].append((obs, deterministic, instructions, noise_keys))
 
-    def result(self, stage: int) -> ActResult:
+    def result(self, stage: int) -> PolicyOutput:
         obs, deterministic, instructions, noise_keys = self.pending[stage].pop(0)
         n = next(iter(obs.values())).shape[0]
         return _check_result(self.engine.act_now(obs, deterministic, instructions, noise_keys), n, self.action_dim)

@@ -88,11 +88,11 @@ out["value_max_diff"] = float((ev.values - torch.from_numpy(s1.values)).abs().ma
 out["weights_version"] = s1.weights_version
 
 # four requests queued at once (four streams): decoded together, each row as it would be alone
-before = vl.decoder.steps_run
+before = vl.backend.steps_run
 futs = [vl.submit({k: v[2 * i:2 * i + 2] for k, v in obs.items()}, True, stream=i, instructions=instr[2 * i:2 * i + 2])
         for i in range(4)]
 parts = [f.result(60) for f in futs]
-out["streams_steps"] = vl.decoder.steps_run - before
+out["streams_steps"] = vl.backend.steps_run - before
 alone = vl.act_now(obs, True, instr)
 out["streams_match_alone"] = bool(np.array_equal(np.concatenate([p.forward_inputs["action_bins"] for p in parts]),
                                                   alone.forward_inputs["action_bins"]))
@@ -107,22 +107,22 @@ out["after_update_greedy_same"] = greedy_same()
 out["version_after_update"] = vl.act_now(obs, True, instr).weights_version
 
 # a reload that breaks off half-way: the engine is rebuilt from the new weights and the update succeeds
-vl.decoder.fail_next_reloads = 1
+vl.backend.fail_next_reloads = 1
 state = {k: (v * 1.01) if v.is_floating_point() and k.startswith("llm.") else v for k, v in state.items()}
 for e in (hf, vl):
     e.set_weights(2, state)
 out["after_failed_reload_greedy_same"] = greedy_same()
-out["engine_builds"], out["failed_reloads"] = vl.decoder.engine_builds, vl.decoder.failed_reloads
+out["engine_builds"], out["failed_reloads"] = vl.backend.engine_builds, vl.backend.failed_reloads
 
 # ... and when the rebuild fails too: the update fails (the learner republishes), Act says UNAVAILABLE until an
 # update succeeds
-vl.decoder.fail_next_reloads = 1
-real_build = vl.decoder._build
+vl.backend.fail_next_reloads = 1
+real_build = vl.backend._build
 def broken_build(policy):
     raise RuntimeError("injected engine build failure")
-vl.decoder._build = broken_build
+vl.backend._build = broken_build
 fatal = []
-vl.decoder.on_fatal = fatal.append  # the server exits here (to be restarted); this test stays up instead
+vl.backend.on_fatal = fatal.append  # the server exits here (to be restarted); this test stays up instead
 try:
     vl.set_weights(3, state)
     out["update_error"] = None
@@ -133,8 +133,8 @@ try:
     out["act_error"] = None
 except Unavailable as exc:
     out["act_error"] = str(exc)
-vl.decoder._build = real_build
-vl.decoder.on_fatal = None
+vl.backend._build = real_build
+vl.backend.on_fatal = None
 out["fatal"] = fatal
 vl.set_weights(3, state)
 hf.set_weights(3, state)
@@ -142,7 +142,7 @@ out["recovered_greedy_same"] = greedy_same()
 out["recovered_version"] = vl.act_now(obs, True, instr).weights_version
 
 # an engine step that fails mid-decode: a new engine, the rows in flight decoded again, the caller sees nothing
-engine_now = vl.decoder.llm.llm_engine
+engine_now = vl.backend.llm.llm_engine
 real_step, steps = engine_now.step, []
 def flaky_step():
     steps.append(1)
@@ -151,7 +151,7 @@ def flaky_step():
     return real_step()
 engine_now.step = flaky_step
 out["step_failure_greedy_same"] = greedy_same()
-out["rebuilt_after_step_failure"] = vl.decoder.engine_builds_after_failure
+out["rebuilt_after_step_failure"] = vl.backend.engine_builds_after_failure
 for e in (hf, vl):
     e.stop()
 print(json.dumps(out))

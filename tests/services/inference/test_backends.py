@@ -1,0 +1,83 @@
+"""The inference backends behind one interface (services.inference.backends), the one factory that picks them by
+rollout.backend, and the one policy-output type (rlfleet.wire.acting.PolicyOutput)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlfleet.policies.backends import BACKENDS
+from rlfleet.policies.models.actor_critic import ActorCritic
+from rlfleet.wire.acting import PolicyOutput
+from rlfleet.wire.spaces import TensorSpace
+from services.inference import backends
+from services.inference.backends import BackendStats, InferenceBackend, make_backend
+from services.inference.batcher import DynamicBatcher
+from services.inference.engine import InferenceEngine
+from tests.conftest import small_config
+
+SPECS = {"state": TensorSpace((13,), "float32")}
+
+
+def test_every_registered_backend_has_one_implementation():
+    assert set(backends.IMPLEMENTATIONS) == set(BACKENDS)
+    hf = make_backend("hf")
+    assert isinstance(hf, DynamicBatcher) and isinstance(hf, InferenceBackend) and hf.name == "hf"
+    with pytest.raises(ValueError, match=r"rollout.backend: unknown backend 'vlm' \(hf or vllm\)"):
+        make_backend("vlm")
+    with pytest.raises(ValueError, match="unknown backend 'tgi'"):
+        InferenceEngine(small_config().actor.model, backend="tgi")
+
+
+class Recording(InferenceBackend):
+    """A backend that answers every request with zeros and records what the engine asked of it."""
+    name = "recording"
+
+    def __init__(self, on_fatal=None):
+        super().__init__(on_fatal)
+        self.calls, self.version = [], -1
+
+    def close(self):
+        self.calls.append("close")
+
+    def set_weights(self, policy, version):
+        self.calls.append(("set_weights", version))
+        self.version = version
+
+    def submit(self, request):
+        self.calls.append(("submit", request.rows, request.stream))
+        request.future.set_result(PolicyOutput(np.zeros((request.rows, 1, 4), np.float32),
+                                               np.zeros((request.rows, 1), np.float32), None, {}, self.version))
+
+    def stats(self):
+        return BackendStats(sum(1 for c in self.calls if c[0] == "submit"), 3, 12)
+
+
+def test_the_engine_acts_only_through_the_backend(monkeypatch):
+    monkeypatch.setitem(backends.IMPLEMENTATIONS, "hf", lambda options: Recording(options.on_fatal))
+    fatal = []
+    engine = InferenceEngine(small_config().actor.model, on_fatal=fatal.append)
+    assert isinstance(engine.backend, Recording) and engine.backend.on_fatal == fatal.append
+    torch.manual_seed(0)
+    engine.set_weights(2, ActorCritic(SPECS, 4, hidden_dims=[64, 64]).state_dict(), obs_specs=SPECS, action_dim=4)
+    obs = {"state": np.zeros((3, 13), np.float32)}
+    assert engine.act_now(obs, True).weights_version == 2
+    assert engine.submit(obs, False, stream=7).result().actions.shape == (3, 1, 4)
+    info = engine.info()
+    assert (info.weights_version, info.requests_served, info.batches_run, info.mean_batch_rows) == (2, 2, 3, 4.0)
+    assert info.num_parameters == sum(p.numel() for p in engine.model.parameters())
+    engine.stop()
+    assert engine.backend.calls == [("set_weights", 2), ("submit", 3, 0), ("submit", 3, 7), "close"]
+
+
+def test_policy_output_from_torch_to_numpy_and_by_rows():
+    out = PolicyOutput(torch.ones(4, 1, 2, dtype=torch.float64), torch.zeros(4, 1), None,
+                       {"tokens": torch.arange(4)})
+    assert out.weights_version == -1  # straight from a policy: not stamped
+    res = out.to_numpy(5, rows=3)  # the fourth row is batch padding
+    assert res.actions.dtype == np.float32 and res.actions.shape == (3, 1, 2) and res.weights_version == 5
+    assert res.values is None and res.forward_inputs["tokens"].tolist() == [0, 1, 2]
+    part = res.rows(1, 3)
+    assert part.actions.shape == (2, 1, 2) and part.forward_inputs["tokens"].tolist() == [1, 2]
+    assert part.weights_version == 5
