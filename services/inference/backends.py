@@ -26,6 +26,7 @@ import numpy as np
 
 from rlfleet.policies.backends import BACKENDS
 from rlfleet.wire.acting import PolicyOutput
+from rlfleet.registry import UnknownName, lookup
 
 
 @dataclass
@@ -136,9 +137,12 @@ IMPLEMENTATIONS: dict[str, Callable[[BackendOptions], InferenceBackend]] = {"hf"
 def make_backend(name: str, options: BackendOptions | None = None) -> InferenceBackend:
     """The backend ``rollout.backend`` names: a name of rlfleet.policies.backends.BACKENDS, built by its entry of
     IMPLEMENTATIONS."""
-    if name not in BACKENDS or name not in IMPLEMENTATIONS:
-        raise ValueError(f"rollout.backend: unknown backend '{name}' ({' or '.join(BACKENDS)})")
-    return IMPLEMENTATIONS[name](options or BackendOptions())
+    try:
+        lookup(BACKENDS, name, "backend")
+        build = lookup(IMPLEMENTATIONS, name, "backend")
+    except UnknownName as exc:
+        raise ValueError(f"rollout.backend: {exc}") from None
+    return build(options or BackendOptions())
 
 
 _IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -24,7 +24,7 @@ def test_every_registered_backend_has_one_implementation():
     assert set(backends.IMPLEMENTATIONS) == set(BACKENDS)
     hf = make_backend("hf")
     assert isinstance(hf, DynamicBatcher) and isinstance(hf, InferenceBackend) and hf.name == "hf"
-    with pytest.raises(ValueError, match=r"rollout.backend: unknown backend 'vlm' \(hf or vllm\)"):
+    with pytest.raises(ValueError, match=r"rollout.backend: unknown backend 'vlm'; did you mean 'vllm'\? \(known: hf, vllm\)"):
         make_backend("vlm")
     with pytest.raises(ValueError, match="unknown backend 'tgi'"):
         InferenceEngine(small_config().actor.model, backend="tgi")
