@@ -184,3 +184,11 @@ def test_a_backend_that_cannot_open_or_log_is_turned_off_and_the_run_goes_on(tmp
     assert log.backends == []
     assert "tensorboard is off for the rest of the run: log failed: OSError: disk full" in capsys.readouterr().err
     assert [r["x"] for r in read_metrics(tmp_path)] == [1.0, 2.0]
+
+
+def test_deploy_builds_the_main_image_with_the_named_logger_packages():
+    from services.coordinator import deploy
+
+    cfg = load_config(None, ["runner.logger.logger_backends=[tensorboard,wandb,swanlab]"])
+    assert deploy.images(cfg)["rlfleet:cpu"]["args"]["LOGGERS"] == "wandb swanlab"
+    assert "LOGGERS" not in deploy.images(load_config(None))["rlfleet:cpu"]["args"]
