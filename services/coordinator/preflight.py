@@ -50,7 +50,8 @@ def preflight_loggers(cfg) -> None:
     absent = missing(cfg.runner.logger.logger_backends)
     if absent:
         raise ConfigError(f"'runner.logger.logger_backends': {', '.join(absent)} not installed in this Python "
-                          f"environment ({sys.prefix}); install with:\n  {install_hint(absent)}")
+                          f"environment ({sys.prefix}); install with:\n  {install_hint(absent)}\n(the same: {sys.executable} -m "
+                          f"rlfleet.data.loggers install {' '.join(absent)})")
 
 
 def env_side_preflight(cfg) -> list[str]:
