@@ -207,10 +207,10 @@ def install_hint(names: Iterable[str], python: str | None = None) -> str:
     return " && ".join(shlex.join(cmd) for cmd in pip_commands(names, python))
 
 
-def install(names: Iterable[str], say=print) -> None:
-    """Run :func:`pip_commands` (``python -m rlfleet.data.loggers install NAME ...``)."""
+def install(names: Iterable[str]) -> None:
+    """Run :func:`pip_commands` (``python -m rlfleet.data.loggers install NAME ...``), saying each."""
     for cmd in pip_commands(names):
-        say(f"[loggers] {shlex.join(cmd)}")
+        print(f"[loggers] {shlex.join(cmd)}", flush=True)
         subprocess.run(cmd, check=True)
 
 
