@@ -13,7 +13,8 @@ from collections.abc import Iterable, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlfleet.registry import closest, did_you_mean, unknown_message
+from rlfleet.data.loggers import LOGGER_MODES, logger_backend
+from rlfleet.registry import UnknownName, closest, did_you_mean, unknown_message
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
@@ -32,6 +33,7 @@ NULLABLE_TYPES = {
     "actor.model.vla.action_token_end": int, "sft.dataset_path": str, "sft.output_path": str,
     "telemetry.otlp_endpoint": str, "cluster.tls.cert_file": str, "cluster.tls.key_file": str,
     "cluster.tls.ca_file": str, "rollout.batch_invariant_rows": int, "cluster.learner_num_threads": int,
+    "runner.logger.wandb_mode": str, "runner.logger.swanlab_mode": str,
 }
 
 
@@ -414,9 +416,15 @@ def _check_runtime(cfg: DictConfig) -> None:
              f"'{cfg.telemetry.traces}' is not one of file, otlp, none")
     _require(cfg.telemetry.metrics_interval_s > 0, "telemetry.metrics_interval_s",
              f"must be > 0, got {cfg.telemetry.metrics_interval_s}")
-    for backend in cfg.runner.logger.logger_backends:
-        _require(backend in ("tensorboard",), "runner.logger.logger_backends",
-                 f"'{backend}' is not supported here (tensorboard); wandb and swanlab are not installed")
+    lg = cfg.runner.logger
+    for backend in lg.logger_backends:  # installed or not: the coordinator's preflight_loggers says
+        try:
+            logger_backend(backend)
+        except UnknownName as exc:
+            raise ConfigError(f"'runner.logger.logger_backends': {exc}") from None
+    for key, modes in LOGGER_MODES.items():
+        _require(lg[key] is None or lg[key] in modes, f"runner.logger.{key}",
+                 f"'{lg[key]}' is not one of {', '.join(modes)} (or null)")
     parse_placement(cfg.cluster.component_placement, cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node)
     parse_placement(cfg.cluster.cpu_placement, 1 << 16, "cluster.cpu_placement", "CPU core")  # syntax; cores at launch
     _check_learner_ranks(cfg)

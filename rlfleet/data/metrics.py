@@ -1,9 +1,13 @@
-"""Run metrics: every record goes to ``metrics.jsonl``; TensorBoard when configured.
+"""Run metrics: every record goes to ``metrics.jsonl``; to the logger backends (TensorBoard, W&B, SwanLab:
+:mod:`rlfleet.data.loggers`) that ``runner.logger.logger_backends`` names.
 
 A resumed run (``--resume``) continues from its last checkpoint, so the epochs the killed run logged after that
 checkpoint are trained and logged again: :meth:`MetricsLogger.resume_at` drops them first (``metrics.jsonl`` is
 rewritten without records past the checkpoint's step, TensorBoard purges its events past it), so that readers of
-the run's metrics see each step once.
+the run's metrics see each step once. W&B and SwanLab continue their run of the first start (see
+:mod:`rlfleet.data.loggers`).
+
+A backend that fails (cannot open, or raises while logging) is turned off with a warning: logging never stops a run.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
+
+from rlfleet.data.loggers import LoggerOptions, finite, open_backends
 
 
 def _step_of(line: str) -> int | float | None:
@@ -24,16 +31,22 @@ def _step_of(line: str) -> int | float | None:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | pathlib.Path, backends=("tensorboard",)):
+    def __init__(self, run_dir: str | pathlib.Path, backends=("tensorboard",), options: LoggerOptions | None = None):
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.jsonl = open(self.path, "a", buffering=1)
-        self.tb = None
-        if "tensorboard" in backends:
-            from torch.utils.tensorboard import SummaryWriter
+        self.backends = open_backends(backends, self.run_dir, options or LoggerOptions())
 
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+    def _each(self, what: str, *args) -> None:
+        """``backend.what(*args)`` on every backend; one that raises is turned off (a warning), the rest go on."""
+        for backend in list(self.backends):
+            try:
+                getattr(backend, what)(*args)
+            except Exception as exc:  # noqa: BLE001 -- a logger never stops training
+                self.backends.remove(backend)
+                print(f"learner: warning: logger backend {backend.name} is off for the rest of the run: {what} "
+                      f"failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def resume_at(self, step: int) -> int:
         """The run continues after ``step`` (its checkpoint's): drop every record logged past it (and lines cut
@@ -49,11 +62,7 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)  # whole or not at all: a crash here leaves the old file
         self.jsonl = open(self.path, "a", buffering=1)
-        if self.tb is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb.close()  # events at steps > ``step`` are purged when the new writer first writes
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step + 1)
+        self._each("resume_at", step)
         return len(lines) - len(keep)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -61,16 +70,12 @@ class MetricsLogger:
         record = {"step": step, "wall_time": time.time(),
                   **{k: (v if math.isfinite(v) else None) for k, v in clean.items()}}
         self.jsonl.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in clean.items():
-                if math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        self._each("log", step, finite(clean))
 
     def close(self) -> None:
         self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        self._each("close")
+        self.backends = []
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:

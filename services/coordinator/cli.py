@@ -52,7 +52,9 @@ def _start(args) -> int:
             run_dir = choose_run_dir(cfg, None)
         if cfg.cluster.launcher == "local":
             from services.coordinator.launcher import check_local
+            from services.coordinator.preflight import preflight_loggers
 
+            preflight_loggers(cfg)  # wandb/swanlab named but not installed: the pip commands, in seconds
             check_local(cfg)  # e.g. a learner over several nodes
         if cfg.cluster.launcher == "local" and not cfg.cluster.external_env_addresses:
             from services.coordinator.preflight import preflight_local

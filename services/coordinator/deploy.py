@@ -67,7 +67,12 @@ def images(cfg, tag: str | None = None) -> dict[str, dict]:
     tag = tag or ("gpu" if gpu else "cpu")
     args = {"BASE_IMAGE": GPU_BASE if gpu else "python:3.11-slim-bookworm",
             "TORCH_INDEX_URL": GPU_TORCH_INDEX if gpu else CPU_TORCH_INDEX}
-    out = {f"rlfleet:{tag}": {"target": "rlfleet", "args": dict(args)}}
+    from rlfleet.data.loggers import logger_backend
+
+    loggers = [n for n in dict.fromkeys(cfg.runner.logger.logger_backends) if logger_backend(n).module]
+    # the learner's optional logger packages (wandb, swanlab) go into the main image
+    out = {f"rlfleet:{tag}": {"target": "rlfleet", "args": {**args, **({"LOGGERS": " ".join(loggers)} if loggers
+                                                                       else {})}}}
     for name in sorted({n for s in process_plan(cfg) if (n := own_environment(cfg, s))}):
         out[f"rlfleet-{name}:{tag}"] = {"target": "simulator", "args": {**args, "SIMULATOR": name}}
     return out

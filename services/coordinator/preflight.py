@@ -41,6 +41,19 @@ def preflight_local(cfg) -> None:
         raise ConfigError(f"'actor.model': {why}")
 
 
+def preflight_loggers(cfg) -> None:
+    """A logger backend whose package is not installed where the learner runs (this environment, with the local
+    launcher) fails the start in seconds with the exact pip commands that install it: rlfleet never changes the
+    environment it runs in by itself (docs/configuration.md, "Metrics loggers")."""
+    from rlfleet.data.loggers import install_hint, missing
+
+    absent = missing(cfg.runner.logger.logger_backends)
+    if absent:
+        raise ConfigError(f"'runner.logger.logger_backends': {', '.join(absent)} not installed in this Python "
+                          f"environment ({sys.prefix}); install with:\n  {install_hint(absent)}\n(the same: {sys.executable} -m "
+                          f"rlfleet.data.loggers install {' '.join(absent)})")
+
+
 def env_side_preflight(cfg) -> list[str]:
     """The env side's preflight of ``cfg`` (a subprocess in the main environment): one 'key': why line per
     problem, [] when this host can run every env server."""

@@ -99,7 +99,11 @@ class RunReport:
         else:
             self.say("no final evaluation (run stopped early)")
         self.say(f"{epochs} epochs, {env_steps} env steps, {train_time:.0f}s of training")
-        self.say(f"run files: {self.run_dir}  (summary.json, metrics.jsonl, tensorboard/, checkpoints/, "
+        from rlfleet.data.loggers import logger_backend
+
+        folders = "".join(f"{logger_backend(name).folder}/, "
+                          for name in dict.fromkeys(self.cfg.runner.logger.logger_backends))
+        self.say(f"run files: {self.run_dir}  (summary.json, metrics.jsonl, {folders}checkpoints/, "
                  f"learning_curve.png, config.yaml, logs/)")
         if ckpt:
             self.say(f"last checkpoint: {ckpt}")

@@ -20,6 +20,7 @@ import torch
 
 from rlfleet.wire import tracing, weights
 from rlfleet.wire.codec import episode_return
+from rlfleet.data.loggers import LoggerOptions
 from rlfleet.data.metrics import MetricsLogger
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy, footprint
@@ -80,7 +81,8 @@ class Learner:
         self.scaler = RewardScaler(cfg.algorithm.gamma)
         self.trainer = Trainer(cfg, self.group)
         self.publisher = WeightPublisher()
-        self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends)) \
+        self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends),
+                                    LoggerOptions.from_runner(cfg.runner)) \
             if self.group.is_leader else None
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.group.distributed else 1
         self.update_threads = update_threads(cfg, local_ranks)
