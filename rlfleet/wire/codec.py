@@ -150,7 +150,7 @@ def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, Ten
 
 
 def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
-    """services.env.vec_env.EpisodeStat -> EpisodeStats message."""
+    """rlfleet.wire.rollout_schema.EpisodeStat -> EpisodeStats message."""
     return tensor_pb2.EpisodeStats(env_id=ep.env_id, length=ep.length, success_once=ep.success_once,
                                    success_at_end=ep.success_at_end, reset_state_id=ep.reset_state_id,
                                    instruction=ep.instruction, **{"return": ep.episode_return})

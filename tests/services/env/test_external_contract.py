@@ -168,8 +168,7 @@ def test_zero_values_of_later_fields_read_as_their_defaults():
     server, address = _serve(Faulty(4, max_action_chunk=0, max_step_streams=0, simulator=""))
     try:
         env = RemoteVecEnv(address, timeout=10)
-        info = env.space_info()
-        assert (info.max_action_chunk, info.simulator, info.contract_version) == (1, "external", "1")
+        assert (env.max_action_chunk, env.simulator, env.contract_version) == (1, "external", "1")
         assert env.view.max_step_streams == 1 and not env.view.streams_stated
         env.reset()
         env.close()

@@ -106,7 +106,7 @@ def test_actions_are_clipped_to_bounds():
 def test_reset_state_ids_are_checked_and_instructions_reported():
     env = make(2)
     env.reset()
-    assert env.space_info().task_descriptions == ["pick up the red cube and lift it"] * 2
+    assert env.instructions == ["pick up the red cube and lift it"] * 2
     with pytest.raises(InvalidRequest, match=r"reset_state_ids: state id 3 is not in \[0, 0\)"):
         env.reset([0], [1], [3])
     with pytest.raises(InvalidRequest, match="unknown simulator_type 'metawrld'; did you mean 'metaworld'"):
