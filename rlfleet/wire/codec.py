@@ -156,6 +156,15 @@ def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
                                    instruction=ep.instruction, **{"return": ep.episode_return})
 
 
+def episode_from_proto(msg: tensor_pb2.EpisodeStats):
+    """EpisodeStats message -> rlfleet.wire.rollout_schema.EpisodeStat (as the message says it: the contract
+    version's defaults are the bridge's to apply, services.env.interface.StepResult.from_proto)."""
+    from rlfleet.wire.rollout_schema import EpisodeStat
+
+    return EpisodeStat(msg.env_id, float(getattr(msg, "return")), msg.length, msg.success_once, msg.success_at_end,
+                       msg.reset_state_id, msg.instruction)
+
+
 def episode_return(ep) -> float:
     """Return of an EpisodeStats message (field 'return', a Python keyword) or an EpisodeStat."""
     return ep.episode_return if hasattr(ep, "episode_return") else getattr(ep, "return")
