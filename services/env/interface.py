@@ -27,7 +27,6 @@ from rlfleet.wire.rollout_schema import EpisodeStat
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.v1 import env_pb2
 
-CONTRACT_VERSION = "1"
 
 
 def _no_rows() -> np.ndarray:

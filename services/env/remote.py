@@ -32,7 +32,6 @@ import numpy as np
 from rlfleet.wire import codec, env_contract, rpc
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
-from rlfleet.wire.rollout_schema import EpisodeStat
 from rlfleet.v1 import env_pb2, env_pb2_grpc
 from services.env.interface import StepResult
 

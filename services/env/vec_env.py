@@ -16,9 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from rlfleet.wire import env_contract
 from rlfleet.wire.rollout_schema import EpisodeStat
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
-from services.env.interface import CONTRACT_VERSION, StepResult
+from services.env.interface import StepResult
+
 
 def make_backend(simulator: str, env_id: str, num_envs: int, params: dict | None = None):
     """The registered backend (rlfleet.simulators) for ``simulator``, with ``num_envs`` slots."""
@@ -55,7 +57,7 @@ class VecEnv:
         self.auto_reset = auto_reset
         self.ignore_terminations = ignore_terminations
         self.max_action_chunk = max_action_chunk
-        self.contract_version = CONTRACT_VERSION
+        self.contract_version = env_contract.CURRENT  # the env contract version this class implements
         self.base_seed = seed
         self.closed = False
         self._lock = threading.Lock()
