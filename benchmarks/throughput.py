@@ -93,7 +93,7 @@ def _raw_here(cfg, steps_per_env: int, actions: str = "random") -> float:
     backend = make_backend(tr.simulator_type, tr.env_id, n, dict(tr.init_params))
     ids = np.arange(n)
     backend.reset(ids, list(range(n)), [None] * n)
-    space = backend.spec.action_space
+    space = backend.action_space
     rng = np.random.default_rng(0)
     acts = rng.uniform(space.low, space.high, (steps_per_env, n, *space.shape)).astype(np.float32)
     stepping = 0.0
@@ -121,13 +121,12 @@ def in_process(cfg, epochs: int) -> float | None:
 
     cfg.rollout.pipeline_stage_num = 1
     env, worker = build_worker(cfg, 0)
-    info = env.space_info()
     engine = build_engine(cfg)
     from rlfleet.policies import build_policy
 
     torch.set_num_threads(1)
-    specs = {k: TensorSpace(sp.shape, sp.dtype.name) for k, sp in info.observation_space.items()}
-    adim = info.action_space.size
+    specs = {k: TensorSpace(sp.shape, sp.dtype.name) for k, sp in env.observation_space.items()}
+    adim = env.action_space.size
     model = build_policy(cfg.actor.model, specs, adim, True)
     engine.set_weights(0, model.state_dict(), obs_specs=specs, action_dim=adim)
     policy = LocalPolicyClient(engine, 1, adim)

@@ -150,10 +150,19 @@ def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, Ten
 
 
 def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
-    """An env-side episode statistic (step count, return, success flags) -> EpisodeStats message."""
+    """rlfleet.wire.rollout_schema.EpisodeStat -> EpisodeStats message."""
     return tensor_pb2.EpisodeStats(env_id=ep.env_id, length=ep.length, success_once=ep.success_once,
                                    success_at_end=ep.success_at_end, reset_state_id=ep.reset_state_id,
                                    instruction=ep.instruction, **{"return": ep.episode_return})
+
+
+def episode_from_proto(msg: tensor_pb2.EpisodeStats):
+    """EpisodeStats message -> rlfleet.wire.rollout_schema.EpisodeStat (as the message says it: the contract
+    version's defaults are the bridge's to apply, services.env.interface.StepResult.from_proto)."""
+    from rlfleet.wire.rollout_schema import EpisodeStat
+
+    return EpisodeStat(msg.env_id, float(getattr(msg, "return")), msg.length, msg.success_once, msg.success_at_end,
+                       msg.reset_state_id, msg.instruction)
 
 
 def episode_return(ep) -> float:

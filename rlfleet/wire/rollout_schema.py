@@ -1,7 +1,8 @@
 """The rollout on the wire: one schema for what an env server pushes (``PushRollout``) and what the learner takes.
 
 A worker's epoch is a :class:`Rollout`: time-major tensors ``[T, N, ...]`` (T steps of N envs) and per-env tensors
-``[N]``, plus the episodes that ended. Its tensors, by name:
+``[N]``, plus the episodes that ended (:class:`EpisodeStat`, the ``EpisodeStats`` message on the wire). Its tensors,
+by name:
 
 - the fixed fields of :data:`TIME_MAJOR` (dtype, and the shape after ``[T, N]``);
 - ``obs.<key>``: each observation entry, as the env's observation space says;
@@ -94,12 +95,27 @@ def _check_values(name: str, v: np.ndarray) -> None:
 
 
 @dataclass
+class EpisodeStat:
+    """The statistics of one ended episode: what env servers report (``EpisodeStats`` on the wire, converted by
+    :func:`rlfleet.wire.codec.episode_to_proto`) and the learner logs. ``env_id`` is the env's index (in
+    evaluation results: the episode's index)."""
+
+    env_id: int
+    episode_return: float
+    length: int
+    success_once: bool
+    success_at_end: bool
+    reset_state_id: int = -1
+    instruction: str = ""
+
+
+@dataclass
 class Rollout:
     """One worker's epoch: time-major arrays [T, N, ...] plus per-env arrays [N, ...]."""
 
     time_major: dict[str, np.ndarray]
     per_env: dict[str, np.ndarray]
-    episodes: list = field(default_factory=list)
+    episodes: list = field(default_factory=list)  # EpisodeStat (env side) or EpisodeStats messages (learner)
 
 
 def empty_buffers(T: int, n: int, observation_space: Mapping) -> dict[str, np.ndarray]:

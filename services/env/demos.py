@@ -112,10 +112,9 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - an unknown id, bad init_params, a simulator that cannot start
         print(f"collect-demos: cannot start {tr.simulator_type}:{tr.env_id}: {exc}", file=sys.stderr)
         return 1
-    info = env.space_info()
     writer = DatasetWriter(args.out, env_id=tr.env_id, simulator=tr.simulator_type, fps=0.0,
                            source=f"scripted expert of {tr.simulator_type}:{tr.env_id}", overwrite=True)
-    print(f"collecting {n} demonstrations of {tr.simulator_type}:{tr.env_id} ({info.num_envs} envs, "
+    print(f"collecting {n} demonstrations of {tr.simulator_type}:{tr.env_id} ({env.num_envs} envs, "
           f"{tr.max_episode_steps}-step episodes) into {args.out}", flush=True)
     try:
         stats = collect_demonstrations(env, writer, n, int(cfg.sft.demo_seed),

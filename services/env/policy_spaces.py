@@ -12,37 +12,72 @@ implementers.
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, fit_check, pad_observations
+from services.env.interface import StepResult, VecEnvInterface
 
 
 class PolicySpaceEnv:
-    def __init__(self, env, observation_space: dict[str, TensorSpace], action_space: TensorSpace):
-        own = env.space_info()
-        fit_check(own.observation_space, own.action_space, observation_space, action_space)  # ValueError: why
+    """``env`` (a VecEnvInterface) seen in the policy's spaces; itself a VecEnvInterface. ``env`` keeps its own
+    spaces (what Describe reports); everything but the spaces, observations and actions is ``env``'s."""
+
+    def __init__(self, env: VecEnvInterface, observation_space: dict[str, TensorSpace], action_space: TensorSpace):
+        fit_check(env.observation_space, env.action_space, observation_space, action_space)  # ValueError: why
         self.env = env
         self.observation_space, self.action_space = dict(observation_space), action_space
-        self.own_action_dim = own.action_space.shape[0]
+        self.own_action_dim = env.action_space.shape[0]
 
-    def __getattr__(self, name):  # num_envs, max_episode_steps, reconnect, expert_actions, ...
-        return getattr(self.env, name)
+    # --- the wrapped env's description ---------------------------------------------------------------------------
+    @property
+    def env_id(self) -> str:
+        return self.env.env_id
 
-    def space_info(self):
-        return dataclasses.replace(self.env.space_info(), observation_space=dict(self.observation_space),
-                                   action_space=self.action_space)
+    @property
+    def simulator(self) -> str:
+        return self.env.simulator
 
+    @property
+    def num_envs(self) -> int:
+        return self.env.num_envs
+
+    @property
+    def max_episode_steps(self) -> int:
+        return self.env.max_episode_steps
+
+    @property
+    def auto_reset(self) -> bool:
+        return self.env.auto_reset
+
+    @property
+    def num_reset_states(self) -> int:
+        return self.env.num_reset_states
+
+    @property
+    def max_action_chunk(self) -> int:
+        return self.env.max_action_chunk
+
+    @property
+    def contract_version(self) -> str:
+        return self.env.contract_version
+
+    @property
+    def instructions(self) -> list[str]:
+        return self.env.instructions
+
+    # --- stepping in the policy's spaces -------------------------------------------------------------------------
     def pad(self, obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = len(next(iter(obs.values()))) if obs else 0
         return pad_observations(obs, self.observation_space, rows)
 
-    def reset(self, env_ids=None, seeds=None, reset_state_ids=None) -> dict[str, np.ndarray]:
+    def reset(self, env_ids: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
+              reset_state_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         return self.pad(self.env.reset(env_ids, seeds, reset_state_ids))
 
-    def step(self, env_ids, actions: np.ndarray):
+    def step(self, env_ids: Sequence[int] | None, actions: np.ndarray) -> StepResult:
         actions = np.asarray(actions)
         if actions.shape[-1] != self.action_space.shape[0]:
             raise InvalidRequest(f"actions: last dimension {actions.shape[-1]}; the run's policy acts with "

@@ -1,4 +1,4 @@
-"""RemoteVecEnv: the VecEnv interface over an external simulator's EnvService (gRPC).
+"""RemoteVecEnv: the vec-env interface (services.env.interface) over an external simulator's EnvService (gRPC).
 
 A bridge process (``python -m services.env.server --external-env HOST:PORT``) runs the rollout worker in front of
 any simulator that implements ``rlfleet.v1.EnvService``, in any language, of any contract version
@@ -33,7 +33,7 @@ from rlfleet.wire import codec, env_contract, rpc
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc
-from services.env.vec_env import EpisodeStat, SpaceInfo, StepResult
+from services.env.interface import StepResult
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -80,11 +80,15 @@ class RemoteVecEnv:
             if problems:
                 raise InvalidRequest(f"external env {self.address} cannot be used: {problems[0]}")
         self.spec = spec
-        self.view = env_contract.read(spec)
+        self.view = v = env_contract.read(spec)
         self.env_id = spec.env_id
         self.num_envs = spec.num_envs
         self.max_episode_steps = spec.max_episode_steps
+        self.auto_reset = spec.auto_reset
+        self.num_reset_states, self.max_action_chunk = v.num_reset_states, v.max_action_chunk
+        self.simulator, self.contract_version = v.simulator, v.version
         self.obs_specs = dict(spec.observation_space)
+        self.observation_space = spaces_from_proto(spec.observation_space)
         self.action_space = TensorSpace.from_proto(spec.action_space)
         self._act_low = self.action_space.low.astype(np.float32)
         self._act_high = self.action_space.high.astype(np.float32)
@@ -154,13 +158,7 @@ class RemoteVecEnv:
     def _malformed(self, what: str, exc: Exception) -> EnvConnectionLost:
         return EnvConnectionLost(f"external env {self.address} sent a bad {what}: {exc}", self, answered=True)
 
-    # --- VecEnv interface -------------------------------------------------------------------------------------
-    def space_info(self) -> SpaceInfo:
-        s, v = self.spec, self.view
-        return SpaceInfo(s.env_id, s.num_envs, spaces_from_proto(s.observation_space), self.action_space,
-                         s.max_episode_steps, s.auto_reset, list(self.instructions), v.num_reset_states,
-                         v.max_action_chunk, v.simulator, v.version)
-
+    # --- the vec-env interface ---------------------------------------------------------------------------------
     def _obs(self, msg, n: int, name: str) -> dict[str, np.ndarray]:
         return codec.decode_map(msg, name, specs=self.obs_specs, batch=n, writable=True)
 
@@ -223,22 +221,8 @@ class RemoteVecEnv:
         n = len(rows_ids)
         per = [n] if actions.ndim == len(self.action_space.shape) + 1 else [n, actions.shape[1]]
         try:
-            term = codec.decode(resp.terminated, "terminated", shape=per, dtype=bool)
-            trunc = codec.decode(resp.truncated, "truncated", shape=per, dtype=bool)
-            rows = env_contract.ended_rows(resp.final_rows, term, trunc, self.view)
-            if any(not 0 <= r < n for r in rows):
-                raise codec.CodecError(f"final_rows: {rows.tolist()} names rows outside 0..{n - 1}")
-            final = env_contract.decode_final_observations(resp.final_observations, rows, n, self.obs_specs,
-                                                           writable=True)
-            version0 = self.view.version == "0"  # EpisodeStats had no reset_state_id (its 0 is not state 0)
-            out = StepResult(
-                self._obs(resp.observations, n, "observations"),
-                codec.decode(resp.rewards, "rewards", shape=per, dtype=np.float32, finite=True),
-                term, trunc, codec.decode(resp.success, "success", shape=per, dtype=bool), final, rows,
-                [EpisodeStat(e.env_id, codec.episode_return(e), e.length, e.success_once, e.success_at_end,
-                             -1 if version0 else e.reset_state_id, e.instruction or self._instruction_of(e.env_id))
-                 for e in resp.episodes],  # (before this response's instructions replace the ended episodes')
-                self._instructions(resp.instructions, rows_ids))
+            out = StepResult.from_proto(resp, per, self.obs_specs, self.view, instruction_of=self._instruction_of,
+                                        record_instructions=lambda texts: self._instructions(texts, rows_ids))
         except codec.CodecError as exc:
             raise self._malformed("StepResponse", exc) from exc
         return out

@@ -17,10 +17,10 @@ import numpy as np
 
 from rlfleet.wire import noise, rpc, tracing
 from rlfleet.data import videos
-from rlfleet.wire.rollout_schema import FI, OBS, Rollout, add_policy_buffers, empty_buffers
-from rlfleet.wire.spaces import spaces_key
+from rlfleet.wire.rollout_schema import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers
+from rlfleet.wire.spaces import TensorSpace
+from services.env.interface import VecEnvInterface, step_chunk
 from services.env.policy_spaces import PolicySpaceEnv
-from services.env.vec_env import EpisodeStat
 
 _EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
 
@@ -50,12 +50,14 @@ class CollectSummary:
     weights_version: int = -1
 
 
-def _unwrapped(env):
+def _unwrapped(env: VecEnvInterface) -> VecEnvInterface:
     return env.env if isinstance(env, PolicySpaceEnv) else env
 
 
 class RolloutWorker:
-    def __init__(self, env, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
+    """The rollout loop in front of ``env`` (any VecEnvInterface: services.env.interface)."""
+
+    def __init__(self, env: VecEnvInterface, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
                  eval_env_factory=None, group_size: int = 1, use_fixed_reset_state_ids: bool = False,
                  seed: int = 0):
         self.env = env
@@ -68,32 +70,29 @@ class RolloutWorker:
         self.bootstrap_truncated = bootstrap_truncated and auto_reset
         self.eval_env_factory = eval_env_factory
         self.eval_env = None
-        info = env.space_info()
-        self.observation_space = info.observation_space
-        self.action_shape = info.action_space.shape
-        self.action_dim = info.action_space.size
+        self.observation_space = env.observation_space
+        self.action_dim = env.action_space.size
         self.obs = env.reset()
-        self._policy_spaces_key = None  # set by use_policy_spaces
-        self.instructions = np.array(info.task_descriptions or [""] * env.num_envs, dtype=object)
+        self.instructions = np.array(list(env.instructions) or [""] * env.num_envs, dtype=object)
 
-    def use_policy_spaces(self, observation_space: dict, action_space) -> None:
+    def use_policy_spaces(self, observation_space: dict[str, TensorSpace], action_space: TensorSpace) -> None:
         """Act in the run's policy spaces (a run whose env servers host different simulators): the train and
         eval envs are seen through :class:`PolicySpaceEnv` (padded observations, actions cut to this simulator's
         dimensions). The same spaces again: nothing changes. Raises ValueError when this env cannot fit them."""
-        key = spaces_key(observation_space, action_space)
-        if key == self._policy_spaces_key:
+        if isinstance(self.env, PolicySpaceEnv) and (self.env.observation_space, self.env.action_space) == \
+                (observation_space, action_space):
             return
         self.env = PolicySpaceEnv(_unwrapped(self.env), observation_space, action_space)
-        self._policy_spaces_key = key
         if self.eval_env is not None:
             self.eval_env = self._in_policy_spaces(_unwrapped(self.eval_env))
         self.observation_space = dict(observation_space)
-        self.action_shape, self.action_dim = action_space.shape, action_space.size
+        self.action_dim = action_space.size
         self.obs = self.env.pad(self.obs)
 
-    def own_space_info(self):
-        """The spaces of this worker's own simulator (not padded to the policy's)."""
-        return _unwrapped(self.env).space_info()
+    @property
+    def own_env(self) -> VecEnvInterface:
+        """This worker's own simulator (its spaces not padded to the policy's)."""
+        return _unwrapped(self.env)
 
     def _in_policy_spaces(self, env):
         """An eval env seen as the training env is: the training env itself when one env serves both."""
@@ -119,31 +118,19 @@ class RolloutWorker:
             rng = np.random.default_rng([self.seed, epoch])
             seeds = rng.integers(0, 2 ** 31 - 1, size=groups[-1] + 1)[groups].tolist()
             states = None
-            num_states = self.env.space_info().num_reset_states
+            num_states = self.env.num_reset_states
             if self.use_fixed_reset_state_ids and num_states:
                 states = rng.integers(0, num_states, size=groups[-1] + 1)[groups].tolist()
             self.obs = self.env.reset(None, seeds, states)
         else:
             self.obs = self.env.reset()
-        self.instructions[:] = self.env.space_info().task_descriptions or [""] * n
+        self.instructions[:] = list(self.env.instructions) or [""] * n
 
     def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, epoch: int, step: int) -> None:
         """Ask for actions for env rows ``ids`` at (epoch, step); each row carries a noise key from its env's seed,
         the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.wire.noise)."""
         policy.submit(stage, request, False, list(self.instructions[ids]),
                       noise.row_keys(self.seed + ids.astype(np.int64), epoch, step))
-
-    def _step_env(self, env, ids, actions):
-        """Step with actions [m, chunk, action_dim]: one control step per row, or a chunk of sub-steps. The
-        per-sub-step results are reduced to one per row (chunk_level: rewards summed, ended if any sub-step
-        ended; the env stops a row's chunk at its episode's end)."""
-        m, chunk = actions.shape[:2]
-        if chunk == 1:
-            return env.step(ids, actions[:, 0].reshape(m, *self.action_shape))
-        out = env.step(ids, actions.reshape(m, chunk, *self.action_shape))
-        out.rewards, out.success = out.rewards.sum(1), out.success.any(1)
-        out.terminated, out.truncated = out.terminated.any(1), out.truncated.any(1)
-        return out
 
     def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1,
                 should_stop=_never) -> tuple[Rollout, CollectSummary]:
@@ -203,7 +190,7 @@ class RolloutWorker:
                     buf[f"{FI}{k}"][step, ids] = v[:m]
                 t2 = time.perf_counter()
                 with tracing.step_span("env.step", **{"rlfleet.stage": s, "rlfleet.rows": m}):
-                    out = self._step_env(env, ids, res.actions[:m])
+                    out = step_chunk(env, ids, res.actions[:m])
                 dt = time.perf_counter() - t2
                 env_time += dt
                 tracing.record("rlfleet.env.step_latency", dt, "s", "one env step of a pipeline stage", stage=s)
@@ -255,14 +242,14 @@ class RolloutWorker:
     def _evaluate(self, env, episode_ids, seed, deterministic, policy, use_states, max_steps,
                   should_stop, video_episodes: int = 0, video_dir: str = "") -> list[EpisodeStat]:
         results: list[EpisodeStat] = []
-        cams = videos.image_keys(env.space_info().observation_space) if video_episodes else []
-        num_states = env.space_info().num_reset_states if use_states else 0
+        cams = videos.image_keys(env.observation_space) if video_episodes else []
+        num_states = env.num_reset_states if use_states else 0
         for start in range(0, len(episode_ids), env.num_envs):
             batch = episode_ids[start:start + env.num_envs]
             ids = np.arange(len(batch))
             states = [i % num_states for i in batch] if num_states else None
             obs = env.reset(ids, [seed + i for i in batch], states)
-            instructions = env.space_info().task_descriptions
+            instructions = list(env.instructions)
             instructions = [instructions[i] if i < len(instructions) else "" for i in ids]
             done = np.zeros(len(batch), bool)
             ret, length, succ = np.zeros(len(batch)), np.zeros(len(batch), int), np.zeros(len(batch), bool)
@@ -284,7 +271,7 @@ class RolloutWorker:
                               [instructions[i] for i in live],
                               noise.row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step))
                 res = policy.result(0)
-                out = self._step_env(env, ids[live], res.actions)
+                out = step_chunk(env, ids[live], res.actions)
                 ret[live] += out.rewards
                 length[live] += 1
                 succ[live] |= out.success

@@ -4,7 +4,8 @@
     python -m services.env.server --config run/config.yaml --external-env HOST:PORT   # bridge to an external sim
     python -m services.env.server --config run/config.yaml --env-only                 # EnvService only
 
-This module only translates gRPC to calls on ``VecEnv`` and ``RolloutWorker``. It runs in the simulator's own
+This module only translates gRPC to calls on the core objects: a vec env (services.env.interface), the
+``RolloutWorker`` and the ``PolicyRunner`` that runs its calls. It runs in the simulator's own
 Python environment (rlfleet.simulators.environments), so it imports nothing but the env side of rlfleet.
 """
 
@@ -20,13 +21,14 @@ from rlfleet.wire import codec, rpc, tracing
 from rlfleet.wire.clients import check_address
 from rlfleet.wire.clients.learner import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
 from rlfleet.wire.clients.learner import learner_reachable, push_rollout
-from rlfleet.wire.clients.policy import make_policy_client
 from rlfleet.config import env_server_config
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, setup_process
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
+from services.env.interface import VecEnvInterface
+from services.env.policy_runner import PolicyRunner
+from services.env.remote import EnvConnectionLost
 from services.env.rollout import RolloutWorker
 from services.env.vec_env import VecEnv
 
@@ -39,25 +41,17 @@ MAX_EVAL_EPISODES = 100_000  # per Evaluate call
 ROLE = "env"
 
 
-def env_spec_proto(info, incarnation: str = "", max_step_streams: int = MAX_STEP_STREAMS) -> env_pb2.EnvSpec:
-    spec = env_pb2.EnvSpec(env_id=info.env_id, num_envs=info.num_envs, max_episode_steps=info.max_episode_steps,
-                           task_descriptions=info.task_descriptions, auto_reset=info.auto_reset,
-                           incarnation=incarnation, contract_version=info.contract_version,
-                           num_reset_states=info.num_reset_states, max_action_chunk=info.max_action_chunk,
-                           max_step_streams=max_step_streams, simulator=info.simulator)
-    for k, space in info.observation_space.items():
+def env_spec_proto(env: VecEnvInterface, incarnation: str = "", max_step_streams: int = MAX_STEP_STREAMS
+                   ) -> env_pb2.EnvSpec:
+    spec = env_pb2.EnvSpec(env_id=env.env_id, num_envs=env.num_envs, max_episode_steps=env.max_episode_steps,
+                           task_descriptions=list(env.instructions), auto_reset=env.auto_reset,
+                           incarnation=incarnation, contract_version=env.contract_version,
+                           num_reset_states=env.num_reset_states, max_action_chunk=env.max_action_chunk,
+                           max_step_streams=max_step_streams, simulator=env.simulator)
+    for k, space in env.observation_space.items():
         spec.observation_space[k].CopyFrom(space.to_proto())
-    spec.action_space.CopyFrom(info.action_space.to_proto())
+    spec.action_space.CopyFrom(env.action_space.to_proto())
     return spec
-
-
-def step_response(out) -> env_pb2.StepResponse:
-    return env_pb2.StepResponse(
-        observations=codec.encode_map(out.obs), rewards=codec.encode(out.rewards),
-        terminated=codec.encode(out.terminated), truncated=codec.encode(out.truncated),
-        success=codec.encode(out.success), final_observations=codec.encode_map(out.final_obs),
-        final_rows=[int(r) for r in out.final_rows], instructions=out.instructions,
-        episodes=[codec.episode_to_proto(e) for e in out.episodes])
 
 
 class EnvServicer(env_pb2_grpc.EnvServiceServicer):
@@ -74,7 +68,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     @rpc.handler
     def Describe(self, request, context):
-        return env_spec_proto(self.env.space_info(), self.incarnation, self.max_step_streams)
+        return env_spec_proto(self.env, self.incarnation, self.max_step_streams)
 
     @rpc.handler
     def Reset(self, request, context):
@@ -89,7 +83,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         with self._streams.stream(request_iterator, context) as requests:  # ResourceExhausted when all are busy
             for req in requests:
                 actions = codec.decode(req.actions, "actions", dtype=np.float32)
-                yield step_response(self.env.step(list(req.env_ids), actions))
+                yield self.env.step(list(req.env_ids), actions).to_proto()
 
     @rpc.handler
     def Close(self, request, context):
@@ -129,23 +123,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, worker: RolloutWorker, index: int, incarnation: str, *, act_timeout_s: float = 120.0,
                  reconnect_timeout_s: float = 120.0):
         self.worker, self.index, self.incarnation = worker, index, incarnation
-        self.act_timeout_s, self.reconnect_timeout_s = act_timeout_s, reconnect_timeout_s
+        self.runner = PolicyRunner(worker, index, act_timeout_s=act_timeout_s, reconnect_timeout_s=reconnect_timeout_s)
         self.lock = threading.Lock()
-        self._policy = None  # Act streams kept open across epochs: (addresses, stages) -> client
-        self._policy_key = None
-
-    def _policy_for(self, addresses: list[str], stages: int):
-        key = (tuple(addresses), stages, self.worker.action_dim)
-        if self._policy_key != key:
-            self._drop_policy()
-            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim, self.act_timeout_s)
-            self._policy_key = key
-        return self._policy
-
-    def _drop_policy(self) -> None:
-        if self._policy is not None:
-            self._policy.close()
-        self._policy = self._policy_key = None
+        self._policy_spec = None  # (the last policy_spec, its spaces): spaces are built once per policy spec
 
     def _use_policy_spec(self, request) -> None:
         """A run over several simulators: act in its policy's (joint) spaces (services.env.policy_spaces)."""
@@ -153,10 +133,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             return
         spec = request.policy_spec
         try:
-            self.worker.use_policy_spaces(spaces_from_proto(spec.observation_space),
-                                          TensorSpace.from_proto(spec.action_space))
+            if self._policy_spec is None or self._policy_spec[0] != spec:
+                spaces = spaces_from_proto(spec.observation_space), TensorSpace.from_proto(spec.action_space)
+                copy = env_pb2.EnvSpec()
+                copy.CopyFrom(spec)
+                self._policy_spec = (copy, spaces)
+            self.worker.use_policy_spaces(*self._policy_spec[1])
         except ValueError as exc:
-            own = self.worker.own_space_info()
+            own = self.worker.own_env
             raise rpc.InvalidRequest(f"policy_spec: env[{self.index}] ({own.simulator}:{own.env_id}) cannot act in "
                                      f"the run's policy spaces: {exc}") from None
 
@@ -166,38 +150,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         no_deadline = left is None or left > 1e6  # gRPC reports "no deadline" as a huge number
         if not self.lock.acquire(timeout=-1 if no_deadline else max(0.0, left)):
             raise rpc.Cancelled("another Collect/Evaluate was still running when the deadline passed")
-
-    def _with_recovery(self, context, addresses, run, after_loss=None):
-        """``run(policy)`` with this request's policy client; when an external simulator dies under it, wait
-        for the simulator to come back (the episodes in flight are lost), then run again. -> (result, lost).
-        A simulator that is up but answers as a failed one (INTERNAL/UNKNOWN, or a response that breaks the
-        contract) is handled the same way MAX_SIMULATOR_FAULTS times in one call; the next one ends the call, and
-        the run, with its reason (docs/env-contract.md#what-rlfleet-does-with-your-server)."""
-        lost = faults = 0
-        restarting = False  # the episodes were lost: start fresh ones (after_loss) before running again
-        while True:
-            policy = self._policy_for(list(addresses), self.worker.num_stages)
-            try:
-                if restarting and after_loss is not None:
-                    after_loss()
-                restarting = False
-                return run(policy), lost
-            except EnvConnectionLost as exc:
-                self._drop_policy()
-                faults += exc.answered
-                if faults > MAX_SIMULATOR_FAULTS:
-                    raise rpc.InvalidRequest(f"{exc} (simulator failure {faults} in one call; after "
-                                             f"{MAX_SIMULATOR_FAULTS} the run stops)") from None
-                if not restarting:
-                    print(f"env[{self.index}]: {exc}; its {exc.env.num_envs} episodes in flight are lost", flush=True)
-                    lost += exc.env.num_envs
-                else:
-                    print(f"env[{self.index}]: {exc} (while starting fresh episodes)", flush=True)
-                exc.env.reconnect(self.reconnect_timeout_s)
-                restarting = True
-            except BaseException:
-                self._drop_policy()  # streams may hold unanswered requests: start clean next time
-                raise
 
     @rpc.handler
     def Collect(self, request, context):
@@ -218,8 +170,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._use_policy_spec(request)
             # an unreachable learner fails the call now, not after a whole rollout and the push's wait
             learner_reachable(request.learner_address, min(LEARNER_CONNECT_TIMEOUT_S, _time_left(context)))
-            (rollout, summary), lost = self._with_recovery(
-                context, request.inference_addresses,
+            (rollout, summary), lost = self.runner.run(
+                request.inference_addresses,
                 lambda policy: self.worker.collect(request.epoch, request.num_steps, policy,
                                                    request.min_weights_version, _should_stop(context)),
                 after_loss=self.worker.reset_all)
@@ -236,7 +188,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @rpc.handler
     def Describe(self, request, context):
-        return env_spec_proto(self.worker.own_space_info(), self.incarnation)
+        return env_spec_proto(self.worker.own_env, self.incarnation)
 
     @rpc.handler
     def Evaluate(self, request, context):
@@ -256,8 +208,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         episode_ids = list(range(request.first_episode, request.first_episode + request.num_episodes))
         try:
             self._use_policy_spec(request)
-            episodes, lost = self._with_recovery(
-                context, request.inference_addresses,
+            episodes, lost = self.runner.run(
+                request.inference_addresses,
                 lambda policy: self.worker.evaluate(episode_ids, request.seed, request.deterministic, policy,
                                                     use_reset_state_ids=request.use_reset_state_ids,
                                                     should_stop=_should_stop(context),
@@ -370,9 +322,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"rlfleet env[{args.index}]: cannot start the simulator: {exc}") from None
         raise
     if args.external_env:  # the simulator this bridge serves is the external one, not env.train's
-        info = worker.own_space_info()
-        print(f"rlfleet env[{args.index}]: bridge to the external env {args.external_env}: {info.simulator}:"
-              f"{info.env_id}, {info.num_envs} envs, env contract version {info.contract_version}", flush=True)
+        own = worker.own_env
+        print(f"rlfleet env[{args.index}]: bridge to the external env {args.external_env}: {own.simulator}:"
+              f"{own.env_id}, {own.num_envs} envs, env contract version {own.contract_version}", flush=True)
     else:
         print(f"rlfleet env[{args.index}]: {cfg.env.train.simulator_type}:{cfg.env.train.env_id} in {sys.prefix} "
               f"({_versions(cfg.env.train.simulator_type)})", flush=True)

@@ -3,8 +3,9 @@ what every simulator shares done once here: validation and clipping of actions, 
 sub-steps, seeded and fixed-initial-state resets, the time limit, auto-reset, final observations of ended rows,
 instructions, and episode bookkeeping (return, length, success_once).
 
-The same interface is offered for an external simulator by ``services.env.remote.RemoteVecEnv`` so the rollout
-worker runs unchanged in front of either. docs/env-contract.md states these semantics for implementers.
+It implements ``services.env.interface.VecEnvInterface``, as ``services.env.remote.RemoteVecEnv`` does for an
+external simulator, so the rollout worker runs unchanged in front of either. docs/env-contract.md states these
+semantics for implementers.
 """
 
 from __future__ import annotations
@@ -12,56 +13,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from rlfleet.wire import env_contract
+from rlfleet.wire.rollout_schema import EpisodeStat
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
-from rlfleet.wire.spaces import TensorSpace
-
-CONTRACT_VERSION = "1"
-
-
-@dataclass
-class EpisodeStat:
-    env_id: int
-    episode_return: float
-    length: int
-    success_once: bool
-    success_at_end: bool
-    reset_state_id: int = -1
-    instruction: str = ""
-
-
-@dataclass
-class StepResult:
-    """Batch result for the stepped envs (rows follow the requested env_ids). Per-step arrays are [n], or
-    [n, chunk] when the actions carried a chunk; ``final_obs`` holds only the rows in ``final_rows``."""
-
-    obs: dict[str, np.ndarray]
-    rewards: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
-    success: np.ndarray
-    final_obs: dict[str, np.ndarray]
-    final_rows: np.ndarray  # int, positions in the request whose episode ended
-    episodes: list[EpisodeStat] = field(default_factory=list)
-    instructions: list[str] = field(default_factory=list)
-
-
-@dataclass
-class SpaceInfo:
-    env_id: str
-    num_envs: int
-    observation_space: dict[str, TensorSpace]
-    action_space: TensorSpace
-    max_episode_steps: int
-    auto_reset: bool
-    task_descriptions: list[str]
-    num_reset_states: int = 0
-    max_action_chunk: int = 1
-    simulator: str = ""
-    contract_version: str = CONTRACT_VERSION
+from services.env.interface import StepResult
 
 
 def make_backend(simulator: str, env_id: str, num_envs: int, params: dict | None = None):
@@ -91,15 +49,15 @@ class VecEnv:
         self.simulator = simulator
         self._sim_thread = ThreadPoolExecutor(1, thread_name_prefix="sim")
         self.backend = self._on_sim_thread(make_backend, simulator, env_id, num_envs, init_params)
-        spec = self.backend.spec
-        self.observation_space = spec.observation_space
-        self.action_space = spec.action_space
-        self.num_reset_states = int(spec.num_reset_states)
+        self.observation_space = dict(self.backend.observation_space)
+        self.action_space = self.backend.action_space
+        self.num_reset_states = int(self.backend.num_reset_states)
         self.num_envs = num_envs
         self.max_episode_steps = max_episode_steps
         self.auto_reset = auto_reset
         self.ignore_terminations = ignore_terminations
         self.max_action_chunk = max_action_chunk
+        self.contract_version = env_contract.CURRENT  # the env contract version this class implements
         self.base_seed = seed
         self.closed = False
         self._lock = threading.Lock()
@@ -113,12 +71,6 @@ class VecEnv:
         self._done = np.zeros(num_envs, bool)  # finished and not reset (auto_reset off)
         self._has_reset = np.zeros(num_envs, bool)
         self.instructions = [""] * num_envs
-
-    # --- description ------------------------------------------------------------------------------------------
-    def space_info(self) -> SpaceInfo:
-        return SpaceInfo(self.env_id, self.num_envs, dict(self.observation_space), self.action_space,
-                         self.max_episode_steps, self.auto_reset, list(self.instructions), self.num_reset_states,
-                         self.max_action_chunk, self.simulator)
 
     # --- validation -------------------------------------------------------------------------------------------
     def _ids(self, env_ids: Sequence[int] | None) -> np.ndarray:

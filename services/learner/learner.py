@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from rlfleet.wire import tracing, weights
-from rlfleet.wire.codec import episode_return
 from rlfleet.data.loggers import LoggerOptions
 from rlfleet.data.metrics import MetricsLogger
 from rlfleet.wire.spaces import TensorSpace
@@ -281,7 +280,7 @@ class Learner:
         if episodes:
             m["env/success_once"] = float(np.mean([e.success_once for e in episodes]))
             m["env/success_at_end"] = float(np.mean([e.success_at_end for e in episodes]))
-            m["env/return"] = float(np.mean([episode_return(e) for e in episodes]))
+            m["env/return"] = float(np.mean([e.episode_return for e in episodes]))
             m["env/episode_len"] = float(np.mean([e.length for e in episodes]))
         m["rollout/rewards"] = float(raw_rewards.mean())
         for name, x in (("advantages", batch.advantages), ("returns", batch.returns)):

@@ -58,7 +58,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 if v.shape[0] != steps:
                     raise rpc.InvalidRequest(f"rollout['{k}']: {v.shape[0]} time steps in a chunk of {steps}")
             expect_t += steps or 0
-            episodes.extend(chunk.episodes)
+            episodes.extend(codec.episode_from_proto(e) for e in chunk.episodes)
             complete = chunk.last
         if head is None or not complete:
             raise rpc.InvalidRequest("rollout: stream ended without a chunk marked last; discarded")

@@ -130,7 +130,7 @@ import numpy as np
 from services.env.vec_env import VecEnv
 env = VecEnv("PickCube-v1", 64, max_episode_steps=50, simulator="maniskill", init_params={"sim_backend": "gpu"})
 env.reset(seeds=list(range(64)))
-dim = env.space_info().action_space.shape[0]
+dim = env.action_space.shape[0]
 t0 = time.perf_counter()
 for _ in range(50):
     env.step(None, np.random.uniform(-1, 1, (64, dim)).astype(np.float32))

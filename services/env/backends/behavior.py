@@ -22,7 +22,8 @@ import numpy as np
 
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
-from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
+from services.env.backends.base import BackendUnavailable, SimBackend
+from services.env.interface import StepResult
 
 RTX_MARKERS = ("RTX", "L40", "L4", "A10", "A40", "A6000", "A5000", "A4000", "T4", "Quadro")
 
@@ -96,12 +97,9 @@ class BehaviorBackend(SimBackend):
         act = self.env.action_space
         if hasattr(act, "spaces"):  # one robot: its Box
             act = next(iter(act.spaces.values()))
-        self._spec = BackendSpec(space, TensorSpace.from_gym(act), int(getattr(self.env, "_max_steps", 0) or 2000))
+        self.observation_space, self.action_space = space, TensorSpace.from_gym(act)
+        self.max_episode_steps = int(getattr(self.env, "_max_steps", 0) or 2000)
         self.instruction = env_id.replace("_", " ")
-
-    @property
-    def spec(self) -> BackendSpec:
-        return self._spec
 
     def _obs(self, obs) -> dict[str, np.ndarray]:
         flat: dict[str, np.ndarray] = {}
@@ -120,10 +118,10 @@ class BehaviorBackend(SimBackend):
         obs, _ = self.env.reset()
         return {k: v[None] for k, v in self._obs(obs).items()}, [self.instruction]
 
-    def step(self, env_ids, actions) -> BackendStep:
+    def step(self, env_ids, actions) -> StepResult:
         obs, reward, terminated, truncated, info = self.env.step(actions[0])
         success = bool(info.get("done", {}).get("success", False))
-        return BackendStep({k: v[None] for k, v in self._obs(obs).items()}, np.array([reward], np.float32),
+        return StepResult({k: v[None] for k, v in self._obs(obs).items()}, np.array([reward], np.float32),
                            np.array([terminated], bool), np.array([truncated], bool), np.array([success]))
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ import numpy as np
 from services.env.gym_envs import make_gym_env
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, spaces_from_gym
-from services.env.backends.base import BackendSpec, BackendStep, SimBackend, stack_obs
+from services.env.backends.base import SimBackend, stack_obs
+from services.env.interface import StepResult
 
 
 def _obs_dict(obs) -> dict[str, np.ndarray]:
@@ -31,12 +32,9 @@ class GymBackend(SimBackend):
         if not isinstance(env0.action_space, gym.spaces.Box):
             raise InvalidRequest(f"env '{env_id}': only Box action spaces are supported, got {env0.action_space}")
         spec = gym.spec(env_id)
-        self._spec = BackendSpec(spaces_from_gym(env0.observation_space), TensorSpace.from_gym(env0.action_space),
-                                 int(spec.max_episode_steps or 1000))
-
-    @property
-    def spec(self) -> BackendSpec:
-        return self._spec
+        self.observation_space = spaces_from_gym(env0.observation_space)
+        self.action_space = TensorSpace.from_gym(env0.action_space)
+        self.max_episode_steps = int(spec.max_episode_steps or 1000)
 
     def _instruction(self, i: int) -> str:
         return str(getattr(self.envs[i], "task_description", "") or "")
@@ -46,9 +44,9 @@ class GymBackend(SimBackend):
         for i, seed in zip(env_ids, seeds):
             obs, _ = self.envs[i].reset(seed=seed)
             rows.append(_obs_dict(obs))
-        return stack_obs(rows, self._spec.observation_space), [self._instruction(i) for i in env_ids]
+        return stack_obs(rows, self.observation_space), [self._instruction(i) for i in env_ids]
 
-    def step(self, env_ids, actions) -> BackendStep:
+    def step(self, env_ids, actions) -> StepResult:
         n = len(env_ids)
         rows, rewards = [], np.zeros(n, np.float32)
         terminated, truncated, success = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
@@ -57,7 +55,7 @@ class GymBackend(SimBackend):
             rows.append(_obs_dict(obs))
             rewards[j], terminated[j], truncated[j] = reward, term, trunc
             success[j] = bool(info.get("success", info.get("is_success", False)))
-        return BackendStep(stack_obs(rows, self._spec.observation_space), rewards, terminated, truncated, success)
+        return StepResult(stack_obs(rows, self.observation_space), rewards, terminated, truncated, success)
 
     def expert_actions(self, env_ids) -> np.ndarray:
         """The env's own ``expert_action()`` (rlfleet's PandaPickCube envs have one)."""

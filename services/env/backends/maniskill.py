@@ -44,7 +44,8 @@ import numpy as np
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
-from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
+from services.env.backends.base import BackendUnavailable, SimBackend
+from services.env.interface import StepResult
 
 # RLinf's ManiSkill task ids that live only in RLinf's fork of ManiSkill (with its own assets)
 RLINF_ONLY = ("PutOnPlateInScene25Main-v3", "PutOnPlateInScene25Main-v2", "PutOnPlateInScene25Main-v1")
@@ -375,13 +376,11 @@ class ManiSkillBackend(SimBackend):
         obs_space = {"state": TensorSpace((first["state"].shape[1],), np.float32)}
         if obs_mode == "rgb":
             obs_space["pixels"] = TensorSpace((self.height, self.width, 3), np.uint8, 0, 255)
-        self._spec = BackendSpec(obs_space, TensorSpace.from_gym(env.single_action_space),
-                                 int(REGISTERED_ENVS[env_id].max_episode_steps or 1000), num_reset_states=0)
+        self.observation_space = obs_space
+        self.action_space = TensorSpace.from_gym(env.single_action_space)
+        self.max_episode_steps = int(REGISTERED_ENVS[env_id].max_episode_steps or 1000)
+        self.num_reset_states = 0
         self._rngs = [np.random.default_rng(i) for i in range(num_envs)]
-
-    @property
-    def spec(self) -> BackendSpec:
-        return self._spec
 
     # --- observations -------------------------------------------------------------------------------------
     def _rows(self, obs) -> dict[str, np.ndarray]:
@@ -422,10 +421,10 @@ class ManiSkillBackend(SimBackend):
                 obs, _ = self.envs[int(i)].reset(seed=s)
                 row = self._rows(obs)
             rows.append(row)
-        out = {k: np.concatenate([r[k] for r in rows]) for k in self._spec.observation_space}
+        out = {k: np.concatenate([r[k] for r in rows]) for k in self.observation_space}
         return out, [self.instruction] * len(env_ids)
 
-    def step(self, env_ids, actions) -> BackendStep:
+    def step(self, env_ids, actions) -> StepResult:
         if self.gpu:
             return self._step_batched(np.asarray(env_ids), actions)
         n = len(env_ids)
@@ -437,12 +436,12 @@ class ManiSkillBackend(SimBackend):
             rewards[j], terminated[j] = float(reward.reshape(-1)[0]), bool(term.reshape(-1)[0])
             if "success" in info:
                 success[j] = bool(info["success"].reshape(-1)[0])
-        obs = {k: np.concatenate([r[k] for r in rows]) for k in self._spec.observation_space}
-        return BackendStep(obs, rewards, terminated, np.zeros(n, bool), success)
+        obs = {k: np.concatenate([r[k] for r in rows]) for k in self.observation_space}
+        return StepResult(obs, rewards, terminated, np.zeros(n, bool), success)
 
-    def _step_batched(self, env_ids: np.ndarray, actions) -> BackendStep:
+    def _step_batched(self, env_ids: np.ndarray, actions) -> StepResult:
         torch, env = self._torch, self.envs[0]
-        full = np.zeros((self.num_envs, *self._spec.action_space.shape), np.float32)
+        full = np.zeros((self.num_envs, *self.action_space.shape), np.float32)
         full[env_ids] = actions
         others = np.setdiff1d(np.arange(self.num_envs), env_ids)
         saved = env.get_state() if len(others) else None  # the slots not stepped keep their simulation state
@@ -457,7 +456,7 @@ class ManiSkillBackend(SimBackend):
         term = term.detach().cpu().numpy().reshape(-1)[env_ids].astype(bool)
         success = info["success"].detach().cpu().numpy().reshape(-1)[env_ids].astype(bool) if "success" in info \
             else np.zeros(len(env_ids), bool)
-        return BackendStep(obs_rows, reward, term, np.zeros(len(env_ids), bool), success)
+        return StepResult(obs_rows, reward, term, np.zeros(len(env_ids), bool), success)
 
     def close(self) -> None:
         for env in getattr(self, "envs", []):

@@ -20,7 +20,8 @@ import numpy as np
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
-from services.env.backends.base import BackendSpec, BackendStep, BackendUnavailable, SimBackend
+from services.env.backends.base import BackendUnavailable, SimBackend
+from services.env.interface import StepResult
 
 BENCHMARKS = ("MT10", "MT25", "MT50", "ML10", "ML25", "ML45")
 INSTRUCTIONS = {  # Meta-World ships no language; short imperative descriptions of the MT10 tasks
@@ -95,12 +96,10 @@ class MetaWorldBackend(SimBackend):
         obs_space = {"state": TensorSpace((low.size,), np.float32, low, high)}
         if camera:
             obs_space["pixels"] = TensorSpace((self.image_size, self.image_size, 3), np.uint8, 0, 255)
-        self._spec = BackendSpec(obs_space, TensorSpace.from_gym(probe.action_space), int(probe.max_path_length),
-                                 num_reset_states=len(self.states))
-
-    @property
-    def spec(self) -> BackendSpec:
-        return self._spec
+        self.observation_space = obs_space
+        self.action_space = TensorSpace.from_gym(probe.action_space)
+        self.max_episode_steps = int(probe.max_path_length)
+        self.num_reset_states = len(self.states)
 
     def _env(self, slot: int, class_name: str):
         env = self._slots[slot].get(class_name)
@@ -148,9 +147,9 @@ class MetaWorldBackend(SimBackend):
             self._class_index[i] = self.class_names.index(class_name)
             rows.append(self._obs(i, raw))
             texts.append(instruction_for(class_name))
-        return {k: np.stack([r[k] for r in rows]) for k in self._spec.observation_space}, texts
+        return {k: np.stack([r[k] for r in rows]) for k in self.observation_space}, texts
 
-    def step(self, env_ids, actions) -> BackendStep:
+    def step(self, env_ids, actions) -> StepResult:
         n = len(env_ids)
         rows, rewards = [], np.zeros(n, np.float32)
         truncated, success = np.zeros(n, bool), np.zeros(n, bool)
@@ -163,8 +162,8 @@ class MetaWorldBackend(SimBackend):
             self._raw[i] = raw
             rows.append(self._obs(i, raw))
             rewards[j], truncated[j], success[j] = reward, trunc, bool(info.get("success", 0.0))
-        obs = {k: np.stack([r[k] for r in rows]) for k in self._spec.observation_space}
-        return BackendStep(obs, rewards, np.zeros(n, bool), truncated, success)
+        obs = {k: np.stack([r[k] for r in rows]) for k in self.observation_space}
+        return StepResult(obs, rewards, np.zeros(n, bool), truncated, success)
 
     def expert_actions(self, env_ids) -> np.ndarray:
         """Meta-World's own scripted policy for each slot's task class (``metaworld.policies``)."""

@@ -19,6 +19,7 @@ import pytest
 from rlfleet.wire import rpc
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.v1 import env_pb2, env_pb2_grpc, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from services.env.interface import VecEnvInterface
 from services.env.remote import MAX_SIMULATOR_FAULTS, RemoteVecEnv
 from tests.conftest import Fleet, small_config
 
@@ -168,8 +169,8 @@ def test_zero_values_of_later_fields_read_as_their_defaults():
     server, address = _serve(Faulty(4, max_action_chunk=0, max_step_streams=0, simulator=""))
     try:
         env = RemoteVecEnv(address, timeout=10)
-        info = env.space_info()
-        assert (info.max_action_chunk, info.simulator, info.contract_version) == (1, "external", "1")
+        assert (env.max_action_chunk, env.simulator, env.contract_version) == (1, "external", "1")
+        assert isinstance(env, VecEnvInterface) and env.observation_space
         assert env.view.max_step_streams == 1 and not env.view.streams_stated
         env.reset()
         env.close()

@@ -106,8 +106,35 @@ def test_actions_are_clipped_to_bounds():
 def test_reset_state_ids_are_checked_and_instructions_reported():
     env = make(2)
     env.reset()
-    assert env.space_info().task_descriptions == ["pick up the red cube and lift it"] * 2
+    assert env.instructions == ["pick up the red cube and lift it"] * 2
     with pytest.raises(InvalidRequest, match=r"reset_state_ids: state id 3 is not in \[0, 0\)"):
         env.reset([0], [1], [3])
     with pytest.raises(InvalidRequest, match="unknown simulator_type 'metawrld'; did you mean 'metaworld'"):
         VecEnv("reach-v3", 1, max_episode_steps=5, simulator="metawrld")
+
+
+def test_one_vec_env_interface():
+    """VecEnv, PolicySpaceEnv (and RemoteVecEnv: test_external_contract) implement VecEnvInterface with explicit
+    members (no __getattr__ passthrough); a chunk steps through step_chunk into one result per row."""
+    from rlfleet.wire.spaces import TensorSpace
+    from services.env.interface import VecEnvInterface, step_chunk
+    from services.env.policy_spaces import PolicySpaceEnv
+    from services.env.remote import RemoteVecEnv
+
+    env = make(2)
+    obs = {**env.observation_space, "extra": TensorSpace((3,), np.float32)}
+    act = TensorSpace((6,), np.float32, -1, 1)
+    wrapped = PolicySpaceEnv(env, obs, act)
+    for e in (env, wrapped):
+        assert isinstance(e, VecEnvInterface)
+    for cls in (VecEnv, PolicySpaceEnv, RemoteVecEnv):
+        assert "__getattr__" not in vars(cls), cls
+    assert (wrapped.num_envs, wrapped.max_episode_steps, wrapped.simulator, wrapped.contract_version) == \
+        (2, 5, "gym", "1")
+    assert wrapped.observation_space["extra"].shape == (3,) and wrapped.action_space.shape == (6,)
+    assert wrapped.reset()["extra"].shape == (2, 3)
+    out = step_chunk(wrapped, [0, 1], np.zeros((2, 3, 6), np.float32))
+    assert out.rewards.shape == (2,) and out.terminated.shape == (2,) and out.obs["extra"].shape == (2, 3)
+    out = step_chunk(wrapped, [0, 1], np.zeros((2, 1, 6), np.float32))
+    assert out.rewards.shape == (2,)
+    assert [e.length for e in step_chunk(env, [0, 1], np.zeros((2, 4, 4), np.float32)).episodes] == [5, 5]

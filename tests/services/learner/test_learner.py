@@ -11,7 +11,7 @@ import torch
 from rlfleet.data.metrics import read_metrics
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
-from services.env.vec_env import EpisodeStat
+from rlfleet.wire.rollout_schema import EpisodeStat
 from services.learner.learner import Learner, latest_checkpoint, update_threads
 
 SPECS = {"state": TensorSpace((13,), "float32")}

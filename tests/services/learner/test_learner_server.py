@@ -24,7 +24,7 @@ def test_push_rollout_in_chunks_commits(fleet, learner_stub):
     assert (resp.num_steps, resp.num_envs) == (40, 8)
     got = learner.rollouts.pending[(0, 0)]
     assert np.array_equal(got["time"]["obs.state"], tm["obs.state"])
-    assert len(got["episodes"]) == 1
+    assert got["episodes"] == eps  # EpisodeStat through the EpisodeStats message and back
 
 
 def test_broken_stream_is_discarded(learner_stub):

@@ -28,7 +28,7 @@ for bad, kwargs in (("libero_spacial", {}), ("libero_spatial", {"camera_size": 6
         out.setdefault("errors", []).append(str(exc))
 
 b = LiberoBackend("libero_spatial", 2, image_size=32)
-spec = b.spec
+spec = b
 out["spaces"] = {k: [list(s.shape), str(s.dtype)] for k, s in spec.observation_space.items()}
 out["action"] = [list(spec.action_space.shape), float(spec.action_space.low.min()), float(spec.action_space.high.max())]
 out["max_episode_steps"], out["num_reset_states"] = spec.max_episode_steps, spec.num_reset_states
@@ -68,7 +68,7 @@ b.close()
 
 # success path: libero_goal task 0 ("open the middle drawer of the cabinet"); open the drawer by hand
 g = LiberoBackend("libero_goal", 1, image_size=32, task_ids=[0])
-out["goal"] = {"num_reset_states": g.spec.num_reset_states, "max_episode_steps": g.spec.max_episode_steps}
+out["goal"] = {"num_reset_states": g.num_reset_states, "max_episode_steps": g.max_episode_steps}
 _, out["goal"]["text"] = g.reset(np.array([0]), [None], [0])
 noop = np.array([[0, 0, 0, 0, 0, 0, -1]], np.float32)
 r = g.step(np.array([0]), noop)

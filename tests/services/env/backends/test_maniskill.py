@@ -22,9 +22,8 @@ import mani_skill, sapien
 out["versions"] = [mani_skill.__version__, sapien.__version__, torch.__version__]
 a = VecEnv("PushCube-v1", 3, max_episode_steps=50, simulator="maniskill")
 b = VecEnv("PushCube-v1", 3, max_episode_steps=50, simulator="maniskill")
-info = a.space_info()
-out["state"] = [list(info.observation_space["state"].shape), str(info.observation_space["state"].dtype)]
-out["action"] = [list(info.action_space.shape), float(info.action_space.low.min()), float(info.action_space.high.max())]
+out["state"] = [list(a.observation_space["state"].shape), str(a.observation_space["state"].dtype)]
+out["action"] = [list(a.action_space.shape), float(a.action_space.low.min()), float(a.action_space.high.max())]
 oa, ob = a.reset(seeds=[1, 2, 1]), b.reset(seeds=[1, 2, 3])
 out["seeded_same"] = bool(np.array_equal(oa["state"][:2], ob["state"][:2]))     # same seeds on two servers
 out["slots_same"] = bool(np.array_equal(oa["state"][0], oa["state"][2]))        # same seed on two slots
@@ -51,7 +50,7 @@ for t in range(45):
     ends += a.step(None, rng.uniform(-1, 1, (3, 8)).astype(np.float32)).episodes
 out["steps_per_s"] = 45 * 3 / (time.perf_counter() - t0)
 out["ended"] = sorted(e.length for e in ends)
-out["backend_limit"] = a.backend.spec.max_episode_steps
+out["backend_limit"] = a.backend.max_episode_steps
 for e in (a, b):
     e.close()
 c = VecEnv("PickCube-v1", 2, max_episode_steps=8, simulator="maniskill",
@@ -59,7 +58,7 @@ c = VecEnv("PickCube-v1", 2, max_episode_steps=8, simulator="maniskill",
 img = c.reset(seeds=[0, 0])
 out["rgb"] = {k: [list(v.shape), str(v.dtype)] for k, v in img.items()}
 out["rgb_std"] = float(img["pixels"].std()); out["rgb_same"] = bool(np.array_equal(img["pixels"][0], img["pixels"][1]))
-out["rgb_action"] = list(c.space_info().action_space.shape)
+out["rgb_action"] = list(c.action_space.shape)
 out["rgb_step"] = list(c.step(None, np.zeros((2, 7), np.float32)).obs["pixels"].shape)
 c.close()
 print(json.dumps(out))

@@ -15,10 +15,9 @@ import mujoco
 out = {"mujoco": mujoco.__version__}
 a = VecEnv("MT10", 4, max_episode_steps=8, simulator="metaworld")
 b = VecEnv("MT10", 4, max_episode_steps=8, simulator="metaworld")
-info = a.space_info()
-out["state_shape"] = list(info.observation_space["state"].shape)
-out["num_reset_states"] = info.num_reset_states
-out["action"] = [list(info.action_space.shape), float(info.action_space.low.min()), float(info.action_space.high.max())]
+out["state_shape"] = list(a.observation_space["state"].shape)
+out["num_reset_states"] = a.num_reset_states
+out["action"] = [list(a.action_space.shape), float(a.action_space.low.min()), float(a.action_space.high.max())]
 oa, ob = a.reset(seeds=[1, 2, 3, 4]), b.reset(seeds=[1, 2, 3, 4])
 out["seeded_same"] = bool(np.array_equal(oa["state"], ob["state"]))
 # state ids 0..9 cover the ten classes; the one-hot says which
