@@ -158,7 +158,7 @@ def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
 
 def episode_from_proto(msg: tensor_pb2.EpisodeStats):
     """EpisodeStats message -> rlfleet.wire.rollout_schema.EpisodeStat (as the message says it: the contract
-    version's defaults are the bridge's to apply, services.env.interface.StepResult.from_proto)."""
+    version's defaults are for the env side's bridge to external servers to apply)."""
     from rlfleet.wire.rollout_schema import EpisodeStat
 
     return EpisodeStat(msg.env_id, float(getattr(msg, "return")), msg.length, msg.success_once, msg.success_at_end,
