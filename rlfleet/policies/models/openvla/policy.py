@@ -14,6 +14,9 @@ from rlfleet.policies.models.openvla.serving import ServingMixin
 
 
 class OpenVLAPolicy(CheckpointMixin, ServingMixin, ActionHeadMixin, PolicyMixin, OpenVLAArchitecture):
+    """Model types ``openvla`` (action tokens decoded one by one) and ``openvla_oft`` (a chunk in one bidirectional
+    forward); see the package's docstring."""
+
     def __init__(self, obs_specs: Mapping, action_dim: int, *, model_type: str = "openvla",
                  sizes: Mapping | None = None, num_action_chunks: int = 1, temperature: float = 1.0,
                  image_key: str | None = None, max_prompt_tokens: int = 64, add_value_head: bool = True,

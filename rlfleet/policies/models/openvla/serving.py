@@ -10,9 +10,11 @@ from rlfleet.policies.base import PolicyOutput
 
 
 class ServingMixin:
-    # act() split in three, for an engine that decodes the action tokens itself from prompt embeddings:
-    # prompt_embeddings (vision + projector + token embeddings, and the value), the engine's decode restricted to
-    # action_token_ids, then output_from_tokens. The result equals act()'s up to the engine's arithmetic.
+    """``OpenVLAPolicy.act`` split in three, for an engine that decodes the action tokens itself from prompt
+    embeddings: ``prompt_embeddings`` (vision + projector + token embeddings, and the value), the engine's decode
+    restricted to ``action_token_ids``, then ``output_from_tokens``. The result equals act()'s up to the engine's
+    arithmetic."""
+
     @property
     def action_token_ids(self) -> list[int]:
         """The vocabulary ids the action tokens are sampled from (ascending)."""
