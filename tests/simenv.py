@@ -1,36 +1,59 @@
-"""Test helper: run code inside a simulator's own Python environment (built on first use, like a run does)."""
+"""Test helper: run code inside a simulator's own Python environment (built on first use, like a run does).
+
+Where an environment (a simulator's, or an inference backend's such as vLLM) cannot be built here, the test that
+needs it is skipped, saying why; with ``RLFLEET_REQUIRE_ENVS=1`` (CI, ``.ci/run``) it fails with the same message
+instead, so a run that silently tested less cannot pass.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+from typing import NoReturn
 
 import pytest
 
 from rlfleet.simulators import environments
 
 
+REQUIRE_ENVS = "RLFLEET_REQUIRE_ENVS"
+
+
+def envs_required() -> bool:
+    """Whether an environment that cannot be built fails the test (``RLFLEET_REQUIRE_ENVS=1``) or skips it."""
+    return os.environ.get(REQUIRE_ENVS, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A simulator's or inference backend's environment is unavailable: skip the test saying why, or fail it with
+    the same message where ``RLFLEET_REQUIRE_ENVS`` is set. Every such skip in the tests goes through here."""
+    if envs_required():
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
+
+
 def sim_python(simulator: str) -> str:
-    """The environment's python; skips the test (saying why) when the environment cannot be built here."""
+    """The environment's python; skips the test (saying why) when the environment cannot be built here, or fails
+    it under ``RLFLEET_REQUIRE_ENVS=1``."""
     from services.env.environment import python_for  # the env side builds it, with its finishing steps
 
     try:
         return python_for(simulator, None, lambda *a, **k: None)
     except environments.EnvironmentError_ as exc:
-        pytest.skip(f"the {simulator} environment could not be built here: {str(exc).splitlines()[0]}")
+        unavailable(f"the {simulator} environment could not be built here: {str(exc).splitlines()[0]}")
 
 
 def backend_python(backend: str) -> str:
     """The python of an inference backend's environment (vllm); skips the test (saying why) when it cannot be
-    built here."""
+    built here, or fails it under ``RLFLEET_REQUIRE_ENVS=1``."""
     from rlfleet.policies.backends import get_backend
 
     env = get_backend(backend).environment
     try:
         return str(environments.ensure(env, log=lambda *a, **k: None))
     except environments.EnvironmentError_ as exc:
-        pytest.skip(f"the {backend} environment could not be built here: {str(exc).splitlines()[0]}")
+        unavailable(f"the {backend} environment could not be built here: {str(exc).splitlines()[0]}")
 
 
 def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: str) -> dict:

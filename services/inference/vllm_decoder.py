@@ -82,7 +82,7 @@ def write_serving_dir(policy, path: pathlib.Path) -> pathlib.Path:
     architecture name) and its weights under rlfleet's checkpoint names (``llm.*``, mapped by the model class)."""
     from safetensors.torch import save_file
 
-    from rlfleet.policies.models.openvla_vllm import ARCHITECTURE
+    from rlfleet.policies.models.openvla.vllm_model import ARCHITECTURE
 
     path.mkdir(parents=True, exist_ok=True)
     cfg = policy.llm.config.to_dict()
@@ -243,7 +243,7 @@ class VLLMDecoder(InferenceBackend):
     def _build(self, policy) -> None:
         from vllm import LLM
 
-        from rlfleet.policies.models.openvla_vllm import register
+        from rlfleet.policies.models.openvla.vllm_model import register
 
         register()
         t0 = time.monotonic()

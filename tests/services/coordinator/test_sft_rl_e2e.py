@@ -45,7 +45,16 @@ def test_demos_sft_then_rl(tmp_path, rl_config, extra):
     assert summary["epochs"] == 2 and summary["final_eval"]["eval/num_episodes"] == 4
     rows = [r for r in read_metrics(run) if "train/loss" in r]
     assert len(rows) == 2 and rows[0]["train/actor/first_logprob_abs_diff"] < 1e-5
-    assert rows[0]["train/actor/kl_loss"] >= 0  # algorithm.kl_beta: the penalty to the SFT model as reference
+    # algorithm.kl_beta: the penalty to the SFT model as reference. In epoch 0 that model also collected the
+    # rollouts, so the KL to the reference is the KL to the behaviour policy (approx_kl: the same k3 estimator with
+    # the log-ratio's sign flipped, equal to second order): 0 at the first step, > 0 once the policy has moved, and
+    # exactly 0 while it has not (GRPO where every group's episodes end alike: no advantage, no step moves it)
+    kl = [r["train/actor/kl_loss"] for r in rows]
+    moved = [r["train/actor/approx_kl"] > 0 for r in rows]  # the policy left the weights it collected with
+    assert kl[0] == pytest.approx(rows[0]["train/actor/approx_kl"], rel=0.2, abs=1e-12), rows[0]
+    assert (kl[0] > 0) == moved[0] and (kl[1] > 0) == (moved[0] or moved[1]), (kl, moved)
+    if "_ppo_" in rl_config:
+        assert moved[0]  # PPO's critic gives the samples advantages: the policy moves away from the reference
     for step in (0, 2):
         gifs = sorted((run / "videos" / f"eval_epoch{step:04d}").glob("*.gif"))
         assert [g.name.split("_")[0] for g in gifs] == ["episode000", "episode001"], gifs

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
-from rlfleet.policies.models.openvla import lm_weight_name
+from rlfleet.policies.models.openvla.serving import lm_weight_name
 
 ARCHITECTURE = "RlfleetOpenVLALanguageModel"
 

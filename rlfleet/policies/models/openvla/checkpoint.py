@@ -1,0 +1,139 @@
+"""Save/load: rlfleet's checkpoint layout (safetensors, never pickle), building from config, and LoRA adapters."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlfleet.policies.models.openvla.architecture import TINY
+from rlfleet.policies.models.openvla.hub_layout import _pick_stats, load_openvla_hub_dir
+from rlfleet.policies.models.openvla.tokenizers import load_hf_tokenizer, save_tokenizer
+
+if TYPE_CHECKING:
+    from rlfleet.policies.models.openvla.policy import OpenVLAPolicy
+
+
+class CheckpointMixin:
+    """Construction from ``actor.model`` (sizes or ``model_path``), ``save_pretrained`` and LoRA for
+    ``OpenVLAPolicy``."""
+
+    @classmethod
+    def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
+                    logprob_type: str = "token_level") -> OpenVLAPolicy:
+        sizes = {k: (list(v) if k == "prompt_suffix_ids" else v) for k, v in model_cfg.vla.items()}
+        tokenizer, stats, state = None, None, None
+        if model_cfg.model_path:
+            sizes, tokenizer, stats, state = load_checkpoint_dir(model_cfg.model_path, model_cfg.unnorm_key, sizes)
+        policy = cls(obs_specs, action_dim, model_type=model_cfg.model_type, sizes=sizes,
+                     num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
+                     image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
+                     add_value_head=model_cfg.add_value_head, is_lora=False,
+                     gradient_checkpointing=model_cfg.gradient_checkpointing,
+                     unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer, logprob_type=logprob_type,
+                     use_proprio=model_cfg.use_proprio, proprio_stats=stats["proprio"] if stats else None,
+                     extra_image_keys=list(model_cfg.extra_image_keys or ()))
+        if model_cfg.model_path:
+            _check_cameras(Path(model_cfg.model_path), policy.image_keys)
+        if state is not None:
+            missing, unexpected = policy.load_state_dict(state, strict=False)
+            # a fresh critic is expected; DINOv2's mask token is never used for inference; OpenVLA-OFT's released
+            # checkpoints have no action query: OFT zeroes the action positions' embeddings, as its zero init does
+            missing = [k for k in missing if not k.startswith("value_head.") and not k.endswith("mask_token")
+                       and k != "action_query"]
+            if missing or unexpected:
+                hint = ""
+                if any(k.startswith("proprio_projector.") for k in missing + unexpected):
+                    hint = (f"; the checkpoint was trained {'without' if model_cfg.use_proprio else 'with'} a "
+                            f"proprio projector: set actor.model.use_proprio={str(not model_cfg.use_proprio).lower()}")
+                raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]}{hint}")
+        if model_cfg.is_lora:
+            policy.enable_lora(model_cfg.lora_rank)
+        return policy
+
+    def enable_lora(self, rank: int) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        for p in self.parameters():
+            p.requires_grad_(False)
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for users to do
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            self.llm = get_peft_model(self.llm, LoraConfig(
+                r=int(rank), lora_alpha=int(rank), lora_dropout=0.0,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        for head in (self.value_head, self.proprio_projector):  # new modules train in full (OFT trains its projector)
+            if head is not None:
+                for p in head.parameters():
+                    p.requires_grad_(True)
+        self.is_lora = True
+
+    @property
+    def trains_adapters_only(self) -> bool:
+        # enable_lora freezes every base weight; the value head does not touch log-probs, a proprio projector does
+        return self.is_lora and self.proprio_projector is None
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        if not self.is_lora:
+            raise NotImplementedError("OpenVLAPolicy: no adapters to disable (actor.model.is_lora is false)")
+        with self.llm.disable_adapter():
+            yield
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write this model in the checkpoint layout ``model_path`` loads (LoRA merged into the base weights)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        llm = self.llm.merge_and_unload() if self.is_lora else self.llm
+        state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
+        state.update({k: v for k, v in self.state_dict().items() if not k.startswith("llm.")})
+        save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes,
+                                                      "num_images_in_input": self.num_images,
+                                                      "image_keys": self.image_keys}, indent=2))
+        save_tokenizer(self.tokenizer, path)
+        if self.unnorm_stats:
+            entry = {"action": self.unnorm_stats, **({"proprio": self.proprio_stats} if self.proprio_stats else {})}
+            (path / "dataset_statistics.json").write_text(json.dumps({self.unnorm_name: entry},
+                                                                     indent=1))
+        if self.is_lora:  # the adapters are merged now: this object goes on as the merged model
+            self.llm = llm
+            self.is_lora = False
+
+
+def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapping | None = None):
+    """A checkpoint directory -> (sizes, tokenizer or None, dataset statistics ``{"action", "proprio"}`` or None,
+    state dict). Two
+    layouts: rlfleet's (``save_pretrained``) and OpenVLA's own hub layout (``openvla/openvla-7b``: Prismatic's
+    timm key names, sharded safetensors, ``norm_stats`` in config.json), mapped key by key without remote code."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "config.json").is_file() and "vision_backbone_id" in json.loads((path / "config.json").read_text()):
+        return load_openvla_hub_dir(path, unnorm_key, fallback)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"actor.model.model_path: {path} needs config.json and model.safetensors "
+                                f"(rlfleet's VLA checkpoint layout)")
+    cfg = json.loads((path / "config.json").read_text())
+    sizes = {**TINY, **cfg.get("vla", {})}
+    tokenizer = load_hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+    stats_file = path / "dataset_statistics.json"
+    stats = _pick_stats(json.loads(stats_file.read_text()) if stats_file.is_file() else {}, unnorm_key, stats_file)
+    return sizes, tokenizer, stats, load_file(str(path / "model.safetensors"))
+
+
+def _check_cameras(path: Path, image_keys: Sequence[str]) -> None:
+    """A checkpoint trained on N cameras (config.json ``num_images_in_input``, OpenVLA-OFT's name) loads into a
+    policy that sees N cameras: the weights alone cannot tell, the patch sequence the LM learned can."""
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    n = cfg.get("num_images_in_input")
+    if n is not None and int(n) != len(image_keys):
+        trained = cfg.get("image_keys") or f"{n} cameras"
+        raise ValueError(f"actor.model.model_path: {path} was trained on {n} image(s) ({trained}); this policy sees "
+                         f"{len(image_keys)} ({list(image_keys)}): set actor.model.image_key and "
+                         f"actor.model.extra_image_keys to match")

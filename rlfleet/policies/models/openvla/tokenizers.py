@@ -1,0 +1,48 @@
+"""Text tokenizers: OpenVLA's prompt, the file-less byte tokenizer of tiny models, a checkpoint's own tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
+
+
+class ByteTokenizer:
+    """A tokenizer that needs no files: UTF-8 bytes as ids 3..258 (pad 0, bos 1, eos 2). Tiny models use it; a
+    real checkpoint brings its own (``tokenizer/`` in ``model_path``)."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + b for b in text.encode("utf-8")]
+
+
+def load_hf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+    class _Wrapped:
+        pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        bos_token_id = tok.bos_token_id
+        vocab_size = len(tok)
+
+        def encode(self, text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+
+        def save_pretrained(self, directory) -> None:
+            tok.save_pretrained(str(directory))
+
+    return _Wrapped()
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def save_tokenizer(tokenizer, path: Path) -> None:
+    """A checkpoint's own tokenizer goes into ``tokenizer/`` of the layout rlfleet writes (the byte tokenizer of
+    tiny models needs no files)."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(path / "tokenizer")
