@@ -107,3 +107,12 @@ def test_the_coordinator_never_loads_env_code_for_any_simulator():
     assert all(result["preflight"][s] == "ok" for s in ("gym", "metaworld", "libero", "maniskill")), result
     # behavior needs an RTX GPU this machine lacks: the env side's preflight says so (the coordinator relays it)
     assert "behavior cannot run on this machine" in result["preflight"]["behavior"], result
+
+
+def test_every_simulator_has_its_env_side_entry_and_nothing_else():
+    """The shared registry (data) and the env side's table (code) name the same simulators."""
+    from rlfleet.simulators import SIMULATORS
+    from services.env.backends import FINISH_STEPS, PREFLIGHTS, SIM_BACKENDS
+
+    assert set(SIM_BACKENDS) == set(SIMULATORS)
+    assert set(PREFLIGHTS) <= set(SIMULATORS) and set(FINISH_STEPS) <= set(SIMULATORS)

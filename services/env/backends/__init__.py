@@ -9,7 +9,7 @@ from __future__ import annotations
 from rlfleet.registry import load_object, lookup
 
 # simulator -> "module:Class" implementing services.env.backends.base.SimBackend
-BACKENDS = {
+SIM_BACKENDS = {
     "gym": "services.env.backends.gym:GymBackend",
     "metaworld": "services.env.backends.metaworld:MetaWorldBackend",
     "libero": "services.env.backends.libero:LiberoBackend",
@@ -34,4 +34,4 @@ FINISH_STEPS = {
 
 def backend_class(simulator: str):
     """The backend class of ``simulator`` (UnknownName, with the closest name, for one that is not registered)."""
-    return load_object(lookup(BACKENDS, simulator, "simulator_type"))
+    return load_object(lookup(SIM_BACKENDS, simulator, "simulator_type"))
