@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rlfleet.wire import rpc, weights  # noqa: E402
-from rlfleet.wire.clients.policy import GrpcPolicyClient, _Stream  # noqa: E402
+from rlfleet.wire.clients import GrpcPolicyClient, _Stream  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
 from rlfleet.wire.spaces import TensorSpace  # noqa: E402
 from rlfleet.policies import build_policy  # noqa: E402

@@ -116,7 +116,7 @@ def in_process(cfg, epochs: int) -> float | None:
 
     from rlfleet.wire.spaces import TensorSpace
     from services.env.server import build_worker
-    from rlfleet.wire.clients.policy import LocalPolicyClient
+    from rlfleet.wire.clients import LocalPolicyClient
     from services.inference.server import build_engine
 
     cfg.rollout.pipeline_stage_num = 1

@@ -1,4 +1,6 @@
-"""The rollout on the wire: one schema for what an env server pushes (``PushRollout``) and what the learner takes.
+"""What a rollout is made of, on the wire: the Act's per-row noise keys (:func:`row_keys`, :class:`RowNoise`), the
+policy's output per step (:class:`PolicyOutput`, the one policy-output type), and one schema for what an env server
+pushes (``PushRollout``) and what the learner takes.
 
 A worker's epoch is a :class:`Rollout`: time-major tensors ``[T, N, ...]`` (T steps of N envs) and per-env tensors
 ``[N]``, plus the episodes that ended (:class:`EpisodeStat`, the ``EpisodeStats`` message on the wire). Its tensors,
@@ -21,8 +23,9 @@ which names the first field that breaks the schema. numpy only: env servers run 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -219,3 +222,108 @@ def check(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray
             raise SchemaError(f"rollout['{k}']: shape {list(v.shape)} where [{N}] was expected")
         _check_values(k, v)
     return T, N
+
+
+# --- What a policy returns for a batch of observations: the one type for it, from the policy's ``act`` (torch tensors, (was rlfleet/wire/acting.py)
+@dataclass
+class PolicyOutput:
+    """One batch of ``n`` rows. Arrays are torch tensors where a policy produced them and numpy arrays once they
+    leave the policy (``to_numpy``): what the inference server sends and the clients receive."""
+
+    actions: Any                  # [n, chunk, action_dim] float32
+    log_probs: Any                # [n, L] float32, L by algorithm.logprob_type
+    values: Any | None            # [n] float32, None when the policy has no critic
+    forward_inputs: dict[str, Any] = field(default_factory=dict)  # [n, ...] each: what evaluate() needs
+    weights_version: int = -1     # the weights that produced it (-1: not stamped, e.g. straight from a policy)
+
+    def rows(self, start: int, end: int) -> PolicyOutput:
+        """The output of rows [start, end) (one request's share of a batch)."""
+        return PolicyOutput(self.actions[start:end], self.log_probs[start:end],
+                            None if self.values is None else self.values[start:end],
+                            {k: v[start:end] for k, v in self.forward_inputs.items()}, self.weights_version)
+
+    def to_numpy(self, weights_version: int, rows: int | None = None) -> PolicyOutput:
+        """A policy's (torch) output -> the numpy output of weights ``weights_version`` (actions, log-probs and
+        values as float32), keeping the first ``rows`` rows (None: all of them; the rest is batch padding)."""
+        def numpy(t):
+            return t[:rows].detach().cpu().numpy()
+
+        def floats(t):
+            return numpy(t.float())
+
+        return PolicyOutput(floats(self.actions), floats(self.log_probs),
+                            None if self.values is None else floats(self.values),
+                            {k: numpy(v) for k, v in self.forward_inputs.items()}, weights_version)
+
+
+# --- Reproducible sampling noise, keyed per env and step. (was rlfleet/wire/noise.py)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, elementwise on a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def _mix(key: np.ndarray, value) -> np.ndarray:
+    """Chain a value into a pseudorandom key. ``key + value`` (not a symmetric combination of two hashes, which
+    would make (seed a, epoch b) collide with (seed b, epoch a)); splitmix64 is a bijection, so keys that differ
+    before the finaliser differ after it."""
+    with np.errstate(over="ignore"):  # counters step by the golden gamma, as in SplitMix64 itself
+        return _splitmix64(key + np.asarray(value, dtype=np.uint64) * _GOLDEN)
+
+
+def row_keys(env_seeds: np.ndarray | Sequence[int], epoch: int, step: int) -> np.ndarray:
+    """uint64 noise keys for rows whose envs have these seeds (one per env, unique in the run) at (epoch, step)."""
+    seeds = np.asarray(env_seeds, dtype=np.int64).astype(np.uint64)
+    return _mix(_mix(_splitmix64(seeds), np.uint64(epoch)), np.uint64(step))
+
+
+class RowNoise:
+    """Per-row noise streams: row i's draws are a function of ``keys[i]`` and of how many draws were made before.
+
+    Each call to ``normal``/``uniform`` consumes the next block of the stream, so a policy that draws several
+    times per act (a denoising chain) gets independent numbers each time, the same ones in every run."""
+
+    def __init__(self, keys: np.ndarray | Sequence[int]):
+        self.keys = np.asarray(keys, dtype=np.uint64).reshape(-1)
+        self._calls = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _bits(self, size: int) -> np.ndarray:
+        """[n, size] uniform uint64 words for the next call."""
+        self._calls += 1
+        stream = _mix(self.keys, np.uint64(self._calls))[:, None]
+        return _mix(stream, np.arange(size, dtype=np.uint64)[None, :])
+
+    def uniform(self, shape: Sequence[int]) -> np.ndarray:
+        """float64 [n, *shape] in the open interval (0, 1)."""
+        size = int(np.prod(shape, dtype=np.int64))
+        u = ((self._bits(size) >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+        return u.reshape(len(self.keys), *shape)
+
+    def normal(self, shape: Sequence[int]) -> np.ndarray:
+        """float32 [n, *shape] standard normal draws (Box-Muller on two uniform words per number)."""
+        size = int(np.prod(shape, dtype=np.int64))
+        u = self.uniform((2, size))
+        z = np.sqrt(-2.0 * np.log(u[:, 0])) * np.cos(2.0 * np.pi * u[:, 1])
+        return z.astype(np.float32).reshape(len(self.keys), *shape)
+
+    def torch_normal(self, shape: Sequence[int], like):
+        """``normal`` as a tensor on ``like``'s device and dtype."""
+        import torch
+
+        return torch.from_numpy(self.normal(shape)).to(device=like.device, dtype=like.dtype)
+
+    def torch_uniform(self, shape: Sequence[int], like):
+        import torch
+
+        return torch.from_numpy(self.uniform(shape)).to(device=like.device, dtype=torch.float64)

@@ -18,7 +18,7 @@ import numpy as np
 
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, fit_check, pad_observations
-from services.env.interface import StepResult, VecEnvInterface
+from services.env.vec_env import StepResult, VecEnvInterface
 
 
 class PolicySpaceEnv:

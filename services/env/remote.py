@@ -1,4 +1,4 @@
-"""RemoteVecEnv: the vec-env interface (services.env.interface) over an external simulator's EnvService (gRPC).
+"""RemoteVecEnv: the vec-env interface (services.env.vec_env) over an external simulator's EnvService (gRPC).
 
 A bridge process (``python -m services.env.server --external-env HOST:PORT``) runs the rollout worker in front of
 any simulator that implements ``rlfleet.v1.EnvService``, in any language, of any contract version
@@ -33,7 +33,7 @@ from rlfleet.wire import codec, env_contract, rpc
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc
-from services.env.interface import StepResult
+from services.env.vec_env import StepResult
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -8,19 +8,23 @@ never leaves half a rollout in a batch).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 import logging
 import pathlib
 import time
-from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from rlfleet.wire import noise, rpc, tracing
 from rlfleet.data import videos
-from rlfleet.wire.rollout_schema import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers
+from rlfleet.wire import rpc, tracing
+from rlfleet.wire.clients import make_policy_client
+from rlfleet.wire.rollout_schema import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
 from rlfleet.wire.spaces import TensorSpace
-from services.env.interface import VecEnvInterface, step_chunk
 from services.env.policy_spaces import PolicySpaceEnv
+from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
+from services.env.vec_env import VecEnvInterface, step_chunk
 
 _EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
 
@@ -55,7 +59,7 @@ def _unwrapped(env: VecEnvInterface) -> VecEnvInterface:
 
 
 class RolloutWorker:
-    """The rollout loop in front of ``env`` (any VecEnvInterface: services.env.interface)."""
+    """The rollout loop in front of ``env`` (any VecEnvInterface: services.env.vec_env)."""
 
     def __init__(self, env: VecEnvInterface, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
                  eval_env_factory=None, group_size: int = 1, use_fixed_reset_state_ids: bool = False,
@@ -128,9 +132,9 @@ class RolloutWorker:
 
     def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, epoch: int, step: int) -> None:
         """Ask for actions for env rows ``ids`` at (epoch, step); each row carries a noise key from its env's seed,
-        the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.wire.noise)."""
+        the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.wire.rollout_schema)."""
         policy.submit(stage, request, False, list(self.instructions[ids]),
-                      noise.row_keys(self.seed + ids.astype(np.int64), epoch, step))
+                      row_keys(self.seed + ids.astype(np.int64), epoch, step))
 
     def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1,
                 should_stop=_never) -> tuple[Rollout, CollectSummary]:
@@ -269,7 +273,7 @@ class RolloutWorker:
                 # sample (seeded per episode and step); the others ignore it when deterministic
                 policy.submit(0, {k: v[live] for k, v in obs.items()}, deterministic,
                               [instructions[i] for i in live],
-                              noise.row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step))
+                              row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step))
                 res = policy.result(0)
                 out = step_chunk(env, ids[live], res.actions)
                 ret[live] += out.rewards
@@ -310,3 +314,64 @@ class RolloutWorker:
         self.env.close()
         if self.eval_env is not None and self.eval_env is not self.env:
             self.eval_env.close()
+
+
+# --- PolicyRunner: runs a rollout worker's calls (Collect, Evaluate) with the policy clients they need, and recovers (was services/env/policy_runner.py)
+T = TypeVar("T")
+
+
+class PolicyRunner:
+    def __init__(self, worker: RolloutWorker, index: int, *, act_timeout_s: float = 120.0,
+                 reconnect_timeout_s: float = 120.0):
+        self.worker, self.index = worker, index
+        self.act_timeout_s, self.reconnect_timeout_s = act_timeout_s, reconnect_timeout_s
+        self._policy = None  # Act streams kept open across calls: (addresses, stages, action width) -> client
+        self._policy_key = None
+
+    def policy_for(self, addresses: Sequence[str], stages: int):
+        """The policy client for these inference servers and stages (the open one when they are the same)."""
+        key = (tuple(addresses), stages, self.worker.action_dim)
+        if self._policy_key != key:
+            self.drop_policy()
+            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim, self.act_timeout_s)
+            self._policy_key = key
+        return self._policy
+
+    def drop_policy(self) -> None:
+        if self._policy is not None:
+            self._policy.close()
+        self._policy = self._policy_key = None
+
+    def run(self, addresses: Sequence[str], run: Callable[[object], T],
+            after_loss: Callable[[], object] | None = None) -> tuple[T, int]:
+        """``run(policy)`` with the policy client of ``addresses``; when an external simulator dies under it, wait
+        for the simulator to come back (the episodes in flight are lost), call ``after_loss`` (fresh episodes) and
+        run again. -> (result, episodes lost)."""
+        lost = faults = 0
+        restarting = False  # the episodes were lost: start fresh ones (after_loss) before running again
+        while True:
+            policy = self.policy_for(list(addresses), self.worker.num_stages)
+            try:
+                if restarting and after_loss is not None:
+                    after_loss()
+                restarting = False
+                return run(policy), lost
+            except EnvConnectionLost as exc:
+                self.drop_policy()
+                faults += exc.answered
+                if faults > MAX_SIMULATOR_FAULTS:
+                    raise rpc.InvalidRequest(f"{exc} (simulator failure {faults} in one call; after "
+                                             f"{MAX_SIMULATOR_FAULTS} the run stops)") from None
+                if not restarting:
+                    print(f"env[{self.index}]: {exc}; its {exc.env.num_envs} episodes in flight are lost", flush=True)
+                    lost += exc.env.num_envs
+                else:
+                    print(f"env[{self.index}]: {exc} (while starting fresh episodes)", flush=True)
+                exc.env.reconnect(self.reconnect_timeout_s)
+                restarting = True
+            except BaseException:
+                self.drop_policy()  # streams may hold unanswered requests: start clean next time
+                raise
+
+    def close(self) -> None:
+        self.drop_policy()

@@ -4,7 +4,7 @@
     python -m services.env.server --config run/config.yaml --external-env HOST:PORT   # bridge to an external sim
     python -m services.env.server --config run/config.yaml --env-only                 # EnvService only
 
-This module only translates gRPC to calls on the core objects: a vec env (services.env.interface), the
+This module only translates gRPC to calls on the core objects: a vec env (services.env.vec_env), the
 ``RolloutWorker`` and the ``PolicyRunner`` that runs its calls. It runs in the simulator's own
 Python environment (rlfleet.simulators.environments), so it imports nothing but the env side of rlfleet.
 """
@@ -18,16 +18,15 @@ import time
 import numpy as np
 
 from rlfleet.wire import codec, rpc, tracing
-from rlfleet.wire.clients import check_address
-from rlfleet.wire.clients.learner import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
-from rlfleet.wire.clients.learner import learner_reachable, push_rollout
+from rlfleet.wire.clients import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
+from rlfleet.wire.clients import check_address, learner_reachable, push_rollout
 from rlfleet.config import env_server_config
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, setup_process
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.env.interface import VecEnvInterface
-from services.env.policy_runner import PolicyRunner
+from services.env.vec_env import VecEnvInterface
+from services.env.rollout import PolicyRunner
 from services.env.remote import EnvConnectionLost
 from services.env.rollout import RolloutWorker
 from services.env.vec_env import VecEnv

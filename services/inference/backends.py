@@ -1,7 +1,7 @@
 """Inference backends: the one interface the inference engine acts through, and the one factory that picks an
 implementation by ``rollout.backend`` (the names of rlfleet.policies.backends.BACKENDS).
 
-- ``hf``: ``DynamicBatcher`` (services.inference.batcher): the policy's own ``act`` (transformers / torch) behind
+- ``hf``: ``DynamicBatcher`` (services.inference.backends): the policy's own ``act`` (transformers / torch) behind
   rlfleet's dynamic batcher.
 - ``vllm``: ``VLLMDecoder`` (services.inference.vllm_decoder): vLLM's engine decodes the action tokens, batching the
   rows of every stream continuously.
@@ -15,18 +15,22 @@ weights version) to serve from when an update has been loaded into it.
 from __future__ import annotations
 
 import abc
-import threading
-import time
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+import queue
+import threading
+import time
 from typing import Callable
+import weakref
 
 import numpy as np
+import torch
 
 from rlfleet.policies.backends import BACKENDS
-from rlfleet.wire.acting import PolicyOutput
+from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.registry import UnknownName, lookup
+from rlfleet.wire import tracing
+from rlfleet.wire.rollout_schema import PolicyOutput, RowNoise
 
 
 @dataclass
@@ -40,7 +44,7 @@ class ActRequest:
     future: Future
     t_submit: float
     trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (rlfleet.wire.tracing)
-    noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.wire.noise), or None: draw from this process's RNG
+    noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.wire.rollout_schema), or None: draw from this process's RNG
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,6 @@ class BackendOptions:
 
 
 def _hf(options: BackendOptions) -> InferenceBackend:
-    from services.inference.batcher import DynamicBatcher
-
     return DynamicBatcher(max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
                           batch_invariant_rows=options.batch_invariant_rows, device=options.device,
                           on_fatal=options.on_fatal)
@@ -157,3 +159,136 @@ def policy_lock(model) -> threading.Lock:
         if lock is None:
             lock = _IN_USE[model] = threading.Lock()
         return lock
+
+
+# --- DynamicBatcher: the ``rollout.backend: hf`` inference backend (services.inference.backends): the policy's own (was services/inference/batcher.py)
+class DynamicBatcher(InferenceBackend):
+    name = "hf"
+
+    def __init__(self, *, max_batch_size: int = 256, max_wait_ms: float = 1.0, batch_invariant_rows: int = 0,
+                 device: str = "cpu", on_fatal=None):
+        super().__init__(on_fatal)
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.batch_invariant_rows = batch_invariant_rows  # pad act batches to multiples of this (0: no padding)
+        self.device = torch.device(device)
+        self._model = None  # the policy copy served now
+        self._version = -1
+        self._served_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[ActRequest | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.requests_served = 0
+        self.batches_run = 0
+        self.rows_run = 0
+
+    def set_weights(self, policy, version: int) -> None:
+        with self._served_lock:  # the next batch runs on it; a batch running on the old copy finishes there
+            self._model, self._version = policy, version
+
+    def stats(self) -> BackendStats:
+        return BackendStats(self.requests_served, self.batches_run, self.rows_run)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def submit(self, request: ActRequest) -> None:
+        self._queue.put(request)
+
+    def act(self, request: ActRequest) -> PolicyOutput:
+        """Run the policy on this request's rows right now, on the calling thread (not batched with others)."""
+        return self._forward(request.obs, request.deterministic, request.instructions, request.noise_keys)
+
+    @torch.inference_mode()
+    def _forward(self, obs: dict[str, np.ndarray], deterministic: bool, instructions, keys) -> PolicyOutput:
+        """One batch through the served policy copy. With ``keys`` (one per row) each row's sampling noise comes
+        from its key (rlfleet.wire.rollout_schema), so the row's action does not depend on the batch."""
+        rows = next(iter(obs.values())).shape[0]
+        block = self.batch_invariant_rows
+        if block > 0 and rows % block:  # a whole number of blocks: the kernels then treat every row alike
+            pad = block - rows % block
+            obs = {k: np.concatenate([v, np.repeat(v[:1], pad, 0)]) for k, v in obs.items()}
+            instructions = None if instructions is None else [*instructions, *[instructions[0]] * pad]
+            keys = None if keys is None else np.concatenate([keys, np.repeat(keys[:1], pad)])
+        with self._served_lock:
+            model, version = self._model, self._version
+            lock = policy_lock(model)
+            lock.acquire()  # held while the batch runs: an update never loads into a model in use
+        try:
+            tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
+            with model.precision():
+                out = model.act(tobs, deterministic, instructions, noise=None if keys is None else RowNoise(keys))
+        finally:
+            lock.release()
+        return out.to_numpy(version, rows)
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, rows = [first], first.rows
+            deadline = first.t_submit + self.max_wait_s
+            while rows < self.max_batch_size:
+                if len({r.stream for r in batch}) >= self._open_streams:
+                    try:  # everyone is waiting on us: take what is queued and go
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        break
+                    try:
+                        item = self._queue.get(timeout=timeout)
+                    except queue.Empty:
+                        break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+                rows += item.rows
+            self._run(batch)
+
+    def _run(self, batch: list[ActRequest]) -> None:
+        for deterministic in (False, True):
+            group = [r for r in batch if r.deterministic == deterministic]
+            if not group:
+                continue
+            try:
+                obs = {k: np.concatenate([r.obs[k] for r in group]) if len(group) > 1 else group[0].obs[k]
+                       for k in group[0].obs}
+                texts = [t for r in group for t in (r.instructions or [""] * r.rows)]
+                keys = None
+                if any(r.noise_keys is not None for r in group):  # keyless rows get keys from this process's RNG
+                    keys = np.concatenate([r.noise_keys if r.noise_keys is not None else
+                                           np.random.randint(0, 2 ** 63, r.rows, dtype=np.int64).astype(np.uint64)
+                                           for r in group])
+                t0 = time.monotonic()
+                rows = sum(r.rows for r in group)
+                with tracing.step_span("act_batch", parents=[r.trace_context for r in group],
+                                       **{"rlfleet.rows": rows, "rlfleet.requests": len(group)}):
+                    res = self._forward(obs, deterministic, texts, keys)
+                tracing.record("rlfleet.inference.batch_rows", rows, "1", "rows per act batch")
+                tracing.record("rlfleet.inference.queue_wait", t0 - group[0].t_submit, "s",
+                               "time the oldest request of a batch waited")
+                tracing.record("rlfleet.inference.forward_latency", time.monotonic() - t0, "s", "one act batch")
+            except Exception as exc:  # noqa: BLE001 - delivered to each waiting stream
+                for r in group:
+                    r.future.set_exception(exc)
+                continue
+            start = 0
+            for r in group:
+                end = start + r.rows
+                r.future.set_result(res.rows(start, end))
+                start = end
+            self.batches_run += 1
+            self.rows_run += start
+            self.requests_served += len(group)

@@ -2,7 +2,7 @@
 buffered), checks weights sets and observations, and acts through one inference backend (services.inference.backends,
 picked by ``rollout.backend`` from rlfleet.policies.backends.BACKENDS):
 
-- ``hf``: the DynamicBatcher (services.inference.batcher): queued requests from every stream run together as soon as
+- ``hf``: the DynamicBatcher (services.inference.backends): queued requests from every stream run together as soon as
   ``max_batch_size`` rows are queued, every open stream has a request waiting, or the oldest request has waited
   ``max_wait_ms``.
 - ``vllm``: the VLLMDecoder (services.inference.vllm_decoder), whose vLLM engine batches the rows of every stream
@@ -23,7 +23,7 @@ import torch
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
-from rlfleet.wire.acting import PolicyOutput
+from rlfleet.wire.rollout_schema import PolicyOutput
 from services.inference.backends import ActRequest, BackendOptions, InferenceBackend, make_backend, policy_lock
 
 log = logging.getLogger("rlfleet.inference")
@@ -191,7 +191,7 @@ class InferenceEngine:
     def act_now(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None,
                 noise_keys=None) -> PolicyOutput:
         """Act on one batch right now (validated). With ``noise_keys`` (one per row) each row's sampling noise comes
-        from its key (rlfleet.wire.noise), so the row's action does not depend on the batch."""
+        from its key (rlfleet.wire.rollout_schema), so the row's action does not depend on the batch."""
         return self.backend.act(self._request(obs, deterministic, 0, instructions, None, noise_keys))
 
     def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0, instructions=None,

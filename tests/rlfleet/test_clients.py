@@ -1,4 +1,4 @@
-"""Peer addresses named in requests (rlfleet/wire/clients/__init__.py)."""
+"""Peer addresses named in requests (rlfleet/wire/clients.py)."""
 
 import pytest
 

@@ -164,7 +164,7 @@ def _rollout(field=None, value=None, shape=None):
 
 
 def _push(fleet, rollout, worker=0):
-    from rlfleet.wire.clients.learner import rollout_chunks
+    from rlfleet.wire.clients import rollout_chunks
 
     stub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
     stub.PushRollout(rollout_chunks(rollout, 0, worker, "issue25"), timeout=30)
@@ -241,7 +241,7 @@ ISSUE_25 = [  # (what, call, status, text the answer must hold); run in this ord
 
 
 def test_issue_25_inputs_get_named_statuses_and_lose_nothing(fleet, monkeypatch):
-    from rlfleet.wire.clients import policy as policy_client
+    from rlfleet.wire import clients as policy_client
     from services.env import server as env_server
 
     monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)

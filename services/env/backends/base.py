@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rlfleet.wire.spaces import TensorSpace
-from services.env.interface import StepResult
+from services.env.vec_env import StepResult
 
 
 class BackendUnavailable(RuntimeError):
@@ -79,8 +79,3 @@ class SimBackend(abc.ABC):
 
     def close(self) -> None:
         """Release the simulators."""
-
-
-def stack_obs(rows: list[dict[str, np.ndarray]], space: dict[str, TensorSpace]) -> dict[str, np.ndarray]:
-    """Per-slot observation dicts -> batched arrays in the declared dtypes."""
-    return {k: np.stack([np.asarray(r[k]) for r in rows]).astype(s.dtype, copy=False) for k, s in space.items()}

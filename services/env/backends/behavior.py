@@ -23,7 +23,7 @@ import numpy as np
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendUnavailable, SimBackend
-from services.env.interface import StepResult
+from services.env.vec_env import StepResult
 
 RTX_MARKERS = ("RTX", "L40", "L4", "A10", "A40", "A6000", "A5000", "A4000", "T4", "Quadro")
 

@@ -12,8 +12,8 @@ import numpy as np
 from services.env.gym_envs import make_gym_env
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, spaces_from_gym
-from services.env.backends.base import SimBackend, stack_obs
-from services.env.interface import StepResult
+from services.env.backends.base import SimBackend
+from services.env.vec_env import StepResult
 
 
 def _obs_dict(obs) -> dict[str, np.ndarray]:
@@ -67,3 +67,8 @@ class GymBackend(SimBackend):
         for env in self.envs:
             env.close()
         self.envs = []
+
+
+def stack_obs(rows: list[dict[str, np.ndarray]], space: dict[str, TensorSpace]) -> dict[str, np.ndarray]:
+    """Per-slot observation dicts -> batched arrays in the declared dtypes."""
+    return {k: np.stack([np.asarray(r[k]) for r in rows]).astype(s.dtype, copy=False) for k, s in space.items()}

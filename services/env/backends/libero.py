@@ -42,7 +42,7 @@ from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import unknown_message
 from services.env.backends.base import BackendUnavailable, SimBackend
 from services.env.backends.libero_files import ASSET_DIRS, ensure_official_config, installed_flavour
-from services.env.interface import StepResult
+from services.env.vec_env import StepResult
 
 # suite -> (the LIBERO benchmarks whose tasks it holds, episode limit used by published LIBERO results / RLinf)
 SUITES: dict[str, tuple[tuple[str, ...], int]] = {
@@ -155,7 +155,7 @@ class LiberoBackend(SimBackend):
             raise InvalidRequest(f"libero: unknown init_params {sorted(unknown)} (known: image_size, "
                                  f"num_settle_steps, task_ids, image_flip, fast_render, max_idle_envs)")
         if env_id not in SUITES:
-            raise InvalidRequest(f"libero: " + unknown_message("task suite", env_id, SUITES))
+            raise InvalidRequest("libero: " + unknown_message("task suite", env_id, SUITES))
         if not 8 <= int(image_size) <= 2048:
             raise InvalidRequest(f"libero: image_size must be in [8, 2048], got {image_size}")
         if int(num_settle_steps) < 0:

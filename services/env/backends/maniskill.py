@@ -45,7 +45,7 @@ from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
 from services.env.backends.base import BackendUnavailable, SimBackend
-from services.env.interface import StepResult
+from services.env.vec_env import StepResult
 
 # RLinf's ManiSkill task ids that live only in RLinf's fork of ManiSkill (with its own assets)
 RLINF_ONLY = ("PutOnPlateInScene25Main-v3", "PutOnPlateInScene25Main-v2", "PutOnPlateInScene25Main-v1")

@@ -21,7 +21,7 @@ from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
 from services.env.backends.base import BackendUnavailable, SimBackend
-from services.env.interface import StepResult
+from services.env.vec_env import StepResult
 
 BENCHMARKS = ("MT10", "MT25", "MT50", "ML10", "ML25", "ML45")
 INSTRUCTIONS = {  # Meta-World ships no language; short imperative descriptions of the MT10 tasks

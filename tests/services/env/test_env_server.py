@@ -266,7 +266,7 @@ def test_collect_names_what_is_wrong_with_its_peers_and_the_worker_stays_free(fl
     from rlfleet.v1 import rollout_pb2
     from services.env import server as env_server
 
-    from rlfleet.wire.clients import policy as policy_client
+    from rlfleet.wire import clients as policy_client
 
     monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)
     monkeypatch.setattr(policy_client, "CONNECT_TIMEOUT_S", 2.0)

@@ -19,7 +19,7 @@ import pytest
 from rlfleet.wire import rpc
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.v1 import env_pb2, env_pb2_grpc, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.env.interface import VecEnvInterface
+from services.env.vec_env import VecEnvInterface
 from services.env.remote import MAX_SIMULATOR_FAULTS, RemoteVecEnv
 from tests.conftest import Fleet, small_config
 

@@ -9,11 +9,11 @@ import torch
 
 from rlfleet.policies.backends import BACKENDS
 from rlfleet.policies.models.actor_critic import ActorCritic
-from rlfleet.wire.acting import PolicyOutput
+from rlfleet.wire.rollout_schema import PolicyOutput
 from rlfleet.wire.spaces import TensorSpace
 from services.inference import backends
 from services.inference.backends import BackendStats, InferenceBackend, make_backend
-from services.inference.batcher import DynamicBatcher
+from services.inference.backends import DynamicBatcher
 from services.inference.engine import InferenceEngine
 from tests.conftest import small_config
 

@@ -12,7 +12,7 @@ from rlfleet.wire import codec, rpc, weights
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
-from rlfleet.wire.clients.policy import GrpcPolicyClient, PolicyError
+from rlfleet.wire.clients import GrpcPolicyClient, PolicyError
 
 SPECS = {"state": TensorSpace((13,), "float32")}
 
