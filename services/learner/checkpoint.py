@@ -24,7 +24,10 @@ STATE_DIR = "state"
 
 
 def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
-    """The newest complete checkpoint of a run folder, or None."""
+    """The newest complete checkpoint of a run folder, or None; a complete checkpoint folder itself
+    (``RUN/checkpoints/global_step_N``, what `coordinatorctl eval` may name) is its own newest."""
+    if (pathlib.Path(run_dir) / "learner_state.json").is_file():
+        return pathlib.Path(run_dir)
     ckpts = sorted((pathlib.Path(run_dir) / "checkpoints").glob("global_step_*"),
                    key=lambda p: int(p.name.rsplit("_", 1)[1]))
     ckpts = [p for p in ckpts if (p / "learner_state.json").exists()]
