@@ -60,11 +60,16 @@ def load_sharded(path: pathlib.Path, model, optimizer) -> None:
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
                                 f"it cannot be resumed by this version)")
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
     with _quiet():
-        dcp.load(state, checkpoint_id=str(path / STATE_DIR))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp.load({"model": model_sd}, checkpoint_id=str(path / STATE_DIR))  # every tensor of the policy
+        # the optimizer's state where it has one: a parameter that never had a gradient (e.g. a VLA's vision tower
+        # layer that gets none) has no Adam moments in the checkpoint and keeps the fresh ones
+        dcp.load({"optim": optim_sd}, checkpoint_id=str(path / STATE_DIR),
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def load_policy_state(path: str | pathlib.Path, model) -> None:
