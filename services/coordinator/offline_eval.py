@@ -136,7 +136,7 @@ def check_weights(cfg, target: Target) -> None:
         ok = {want} | ({"pi0"} if want == "openpi" else set()) | ({"openvla", "openvla_oft"} if want.startswith("openvla")
                                                                    else set())
         if saved_type not in ok:
-            raise EvalError(f"{target.path}: a {saved_type} model (config.json model_type), and the config's "
+            raise EvalError(f"{target.path}: holds a model of type {saved_type} (its config.json), the config's "
                             f"actor.model.model_type is {want} (give the config it was trained with: --config)")
         return
     from torch.distributed.checkpoint import FileSystemReader
@@ -150,8 +150,14 @@ def check_weights(cfg, target: Target) -> None:
     if run_cfg is not None and run_cfg.is_file():
         try:
             theirs, mine = _flat_model(load_config(run_cfg)), _flat_model(cfg)
+            keys = sorted(set(theirs) | set(mine), key=lambda k: (k != "actor.model.model_type", k))
             diff = [f"{k} {theirs.get(k, '<missing>')!r} there, {mine.get(k, '<missing>')!r} here"
-                    for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+                    for k in keys if theirs.get(k) != mine.get(k)]
+            was, now = theirs.get("actor.model.model_type"), mine.get("actor.model.model_type")
+            if was != now:
+                raise EvalError(f"{target.checkpoint}: a checkpoint of a {was} policy (its run's config.yaml), and "
+                                f"the config's actor.model.model_type is {now} (evaluate it with its run's config, "
+                                f"or one with the same actor.model)")
             if diff:
                 why_differ = f" (the config differs from the run's {run_cfg}: {'; '.join(diff[:4])})"
         except ConfigError:
