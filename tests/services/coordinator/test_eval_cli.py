@@ -5,6 +5,7 @@ inputs (one line, exit code 2). The report helpers' arithmetic is checked withou
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -120,7 +121,7 @@ def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
     out = tmp_path / "cmp"
     proc = ctl("eval", "--compare", ckpt, export, "--config", tmp_path / name / "config.yaml", "--out", out,
-               timeout=500)
+               "env.eval.video_episodes=1", timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a, b = (json.loads((out / x / "report.json").read_text()) for x in "AB")
     assert b["evaluated"]["kind"] == "model" and a["evaluated"]["kind"] == "checkpoint"
@@ -128,6 +129,34 @@ def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
         [(e["success_once"], e["length"]) for e in b["episodes"]]
     assert [e["return"] for e in a["episodes"]] == pytest.approx([e["return"] for e in b["episodes"]], abs=1e-4)
     assert json.loads((out / "compare.json").read_text())["overall"]["success_once"]["difference"] == 0
+    for r, x in ((a, "A"), (b, "B")):  # videos as in training: the first N episodes, seed and outcome in the name
+        assert [pathlib.Path(v).name for v in r["videos"]] == [p.name for p in (out / x / "videos").iterdir()]
+        assert len(r["videos"]) == 1 and "seed1000000" in r["videos"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.sim
+def test_metaworld_mt10_is_evaluated_on_its_fixed_initial_states_per_task(tmp_path):
+    """A benchmark with fixed initial states (env.eval.use_fixed_reset_state_ids in the MT10 config): episode i
+    starts from state i, the report is broken down per task, and the run's final evaluation is reproduced."""
+    proc = ctl("start", "metaworld_mt10_ppo_mlp", f"runner.logger.log_path={tmp_path}", "runner.experiment_name=mt10",
+               "runner.max_epochs=1", "runner.val_check_interval=0", "env.train.total_num_envs=10",
+               "env.train.max_steps_per_rollout_epoch=16", "env.eval.total_num_envs=5", "env.eval.num_episodes=10",
+               "env.eval.max_episode_steps=20", "actor.micro_batch_size=80", "actor.global_batch_size=160",
+               "actor.model.hidden_dims=[32,32]", "runner.max_wall_time_s=null", "runner.max_env_steps=null",
+               timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "mt10"
+    proc = ctl("eval", run, "env.eval.num_episodes=12", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((run / "eval" / "global_step_1" / "report.json").read_text())
+    assert report["env"]["fixed_initial_states"] and report["env"]["env_id"] == "MT10"
+    assert [e["reset_state_id"] for e in report["episodes"]] == list(range(12))
+    assert len(report["tasks"]) == 10 and sum(t["episodes"] for t in report["tasks"].values()) == 12
+    assert report["tasks"]["reach the goal position"]["episodes"] == 2  # states 0 and 10: the same task class
+    final = json.loads((run / "summary.json").read_text())["final_eval"]
+    assert sum(e["return"] for e in report["episodes"][:10]) / 10 == pytest.approx(final["eval/return"], abs=1e-4)
+    assert "| **all** | 12 |" in (run / "eval" / "global_step_1" / "report.md").read_text()
 
 
 # --- without services ----------------------------------------------------------------------------------------------
