@@ -55,10 +55,17 @@ class Target:
         return f"{run}-{self.checkpoint.name}"
 
 
+def latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path | None:
+    """The newest complete checkpoint of a run folder (learner_state.json, written last, marks it complete): the
+    one the learner restores for runner.resume_dir (services/learner/checkpoint.py; services never import each
+    other)."""
+    done = [p for p in (run_dir / "checkpoints").glob("global_step_*")
+            if p.name.rsplit("_", 1)[1].isdigit() and (p / "learner_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.rsplit("_", 1)[1])) if done else None
+
+
 def resolve(path: str) -> Target:
     """What ``path`` names, or EvalError saying why it names nothing evaluable."""
-    from services.learner.checkpoint import latest_checkpoint
-
     p = pathlib.Path(path)
     if not p.exists():
         raise EvalError(f"{p}: no such folder")
