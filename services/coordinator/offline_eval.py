@@ -140,8 +140,9 @@ def check_weights(cfg, target: Target) -> None:
         else:
             saved_type = saved.get("model_type")
         want = cfg.actor.model.model_type
-        ok = {want} | ({"pi0"} if want == "openpi" else set()) | ({"openvla", "openvla_oft"} if want.startswith("openvla")
-                                                                   else set())
+        family = {"openpi": {"openpi", "pi0"}, "openvla": {"openvla", "openvla_oft"},
+                  "openvla_oft": {"openvla", "openvla_oft"}}  # layouts its loader takes (it checks the rest)
+        ok = family.get(want, {want})
         if saved_type not in ok:
             raise EvalError(f"{target.path}: holds a model of type {saved_type} (its config.json), the config's "
                             f"actor.model.model_type is {want} (give the config it was trained with: --config)")
@@ -301,7 +302,8 @@ def group_stats(eps: list[dict]) -> dict:
     return {"episodes": n,
             "success_once": rate(sum(e["success_once"] for e in eps), n),
             "success_at_end": rate(sum(e["success_at_end"] for e in eps), n),
-            "return": {"mean": float(ret.mean()) if n else float("nan"), "std": float(ret.std()) if n else float("nan")},
+            "return": {"mean": float(ret.mean()) if n else float("nan"),
+                       "std": float(ret.std()) if n else float("nan")},
             "episode_length": {"mean": float(length.mean()) if n else float("nan"),
                                "min": int(length.min()) if n else 0, "max": int(length.max()) if n else 0}}
 
@@ -362,7 +364,8 @@ def report_markdown(report: dict) -> str:
     if len(groups) > 1:
         groups.append(("**all**", report["overall"]))
     for name, g in groups:
-        lines.append(f"| {name} | {g['episodes']} | {_pct(g['success_once'], g['episodes'])} | {_pct(g['success_at_end'], g['episodes'])} | "
+        n = g["episodes"]
+        lines.append(f"| {name} | {n} | {_pct(g['success_once'], n)} | {_pct(g['success_at_end'], n)} | "
                      f"{g['return']['mean']:.2f} ± {g['return']['std']:.2f} | {g['episode_length']['mean']:.1f} |")
     lines += ["", "Success rates with their 95% Wilson score intervals (one 100-episode evaluation moves about "
                   "±5 points by chance alone)."]
@@ -428,7 +431,8 @@ def compare_markdown(c: dict) -> str:
 
 def summary_line(report: dict) -> str:
     o = report["overall"]
-    return (f"success_once {_pct(o['success_once'], o['episodes'])}, success_at_end {_pct(o['success_at_end'], o['episodes'])}, return "
+    n = o["episodes"]
+    return (f"success_once {_pct(o['success_once'], n)}, success_at_end {_pct(o['success_at_end'], n)}, return "
             f"{o['return']['mean']:.2f}, episode length {o['episode_length']['mean']:.1f} over {o['episodes']} "
             f"episodes (95% intervals)")
 

@@ -101,8 +101,9 @@ class RunReport:
         self.say("")
         self.say("=" * 72)
         if final:
-            self.say(f"final evaluation: success_once {rate_of(final['eval/success_once'], int(final['eval/num_episodes']))} "
-                     f"({int(final['eval/num_episodes'])} seeded episodes, 95% interval), return {final['eval/return']:.2f}"
+            n = int(final["eval/num_episodes"])
+            self.say(f"final evaluation: success_once {rate_of(final['eval/success_once'], n)} "
+                     f"({n} seeded episodes, 95% interval), return {final['eval/return']:.2f}"
                      + per_simulator(final))
         else:
             self.say("no final evaluation (run stopped early)")

@@ -86,8 +86,8 @@ def test_a_checkpoint_compared_with_itself_differs_by_zero(run, tmp_path):
      "not a checkpoint of the config's actor.model (mlp): actor_mean.0.bias [32] in the checkpoint, [64] in the "
      "config's model"),
     (["{run}", "env.eval.env_id=NoSuchTask-v9"], "'env.eval.env_id': unknown env id 'NoSuchTask-v9'"),
-    (["{run}", "--config", "pandapickcube_vision_ppo_openvla_tiny"], "a checkpoint of a mlp policy (its run's config.yaml), and the config's "
-                                                                 "actor.model.model_type is openvla"),
+    (["{run}", "--config", "pandapickcube_vision_ppo_openvla_tiny"],
+     "a checkpoint of a mlp policy (its run's config.yaml), and the config's actor.model.model_type is openvla"),
     (["{run}", "no.such_key=1"], "config error"),
 ], ids=["missing", "not-a-run", "other-shape", "unknown-task", "other-model-type", "bad-key"])
 def test_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
