@@ -466,7 +466,8 @@ def main(args) -> int:
         for cfg, t in zip(cfgs, targets):
             check_weights(cfg, t)
         check_local(cfgs[0])
-        preflight_local(cfgs[0])
+        if not cfgs[0].cluster.external_env_addresses:  # external env servers are Described once up
+            preflight_local(cfgs[0])
         if len(cfgs) == 2:
             ea, eb = cfgs[0].env.eval, cfgs[1].env.eval
             if (ea.env_id, ea.simulator_type, ea.seed, ea.num_episodes, ea.use_fixed_reset_state_ids) != \
