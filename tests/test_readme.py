@@ -149,6 +149,8 @@ RULES = [
          lambda a: _ctl(a, "envs")),
     Rule("needs a live run or server (status, stop, scale, traces, check-env)", "help",
          lambda a: _ctl(a, "status", "stop", "scale", "traces", "check-env")),
+    Rule("coordinatorctl eval: needs a trained run or model folder and starts its services", "help",
+         lambda a: _ctl(a, "eval")),
     Rule("a benchmark: starts real runs or servers and measures for minutes", "help",
          lambda a: _script_in(a, "benchmarks.")),
     Rule("a long-running server (examples/, services.*.server)", "help",

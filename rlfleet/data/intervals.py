@@ -63,3 +63,14 @@ def format_rate(successes: int, n: int) -> str:
         return "n/a (0 episodes)"
     low, high = wilson(successes, n)
     return f"{100 * successes / n:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def format_difference(a: Sequence[bool], b: Sequence[bool]) -> str:
+    """'+5.0 points [-2.1, +12.3]' (A minus B over the same episodes, 95% paired interval, in points)."""
+    diff, low, high = paired_difference(a, b)
+    return f"{100 * diff:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+def rate_of(rate: float, n: int) -> str:
+    """:func:`format_rate` of a success rate measured over ``n`` episodes (the count recovered from the mean)."""
+    return format_rate(int(round(rate * n)), int(n))

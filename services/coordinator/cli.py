@@ -11,6 +11,8 @@
     coordinatorctl sft CONFIG [key=value ...]           # behaviour cloning of actor.model on them -> sft.output_path
     coordinatorctl deploy compose|k8s [CONFIG] [key=value ...] [--out DIR]  # container manifests for a run
     coordinatorctl traces RUN_DIR [--epoch N]           # one epoch's trace across the services, as a tree
+    coordinatorctl eval RUN_DIR|CHECKPOINT|MODEL_DIR [--config CFG] [key=value ...] [--out DIR]
+    coordinatorctl eval --compare A B [...]             # seeded evaluation reports (95% intervals); A - B paired
 """
 
 from __future__ import annotations
@@ -302,6 +304,29 @@ def _traces(args) -> int:
     return 0
 
 
+def _add_eval_parser(sub) -> None:
+    q = sub.add_parser("eval", help="evaluate a run folder, a checkpoint or a model folder on seeded episodes "
+                                    "(report.json/report.md with 95%% intervals); --compare A B")
+    q.add_argument("target", nargs="?", default=None,
+                   help="run folder (its newest checkpoint), RUN/checkpoints/global_step_N, or a model folder "
+                        "(config.json + model.safetensors, as Learner.export writes)")
+    q.add_argument("overrides", nargs="*", help="key=value overrides, e.g. env.eval.num_episodes=200")
+    q.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
+                   help="evaluate A and B on the same episodes and report A - B with its paired 95%% interval")
+    q.add_argument("--config", default=None, help="YAML config or a built-in name (default: the run's config.yaml)")
+    q.add_argument("--out", default=None, help="output folder (default RUN/eval/global_step_N, or "
+                                               "<log_path>/eval-NAME, <log_path>/compare-A-vs-B)")
+    q.add_argument("--quiet", action="store_true", help="print only errors")
+
+
+def _eval(args) -> int:
+    from services.coordinator.offline_eval import main as eval_main
+
+    if args.target and "=" in args.target and not args.compare:  # `eval k=v` without a target
+        args.overrides, args.target = [args.target, *args.overrides], None
+    return eval_main(args)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["check-env"]:  # its own parser: argparse.REMAINDER would not take a leading --help
@@ -351,6 +376,7 @@ def main(argv=None) -> int:
                        help="check a running EnvService against the env contract (docs/env-contract.md); "
                             "`coordinatorctl check-env --help` for options")
     q.add_argument("rest", nargs=argparse.REMAINDER)
+    _add_eval_parser(sub)
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides given after an option (`collect-demos CFG --episodes 2 k=v`)
         if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
@@ -371,6 +397,8 @@ def main(argv=None) -> int:
         return _deploy(args)
     if args.command == "traces":
         return _traces(args)
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "start":
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]

@@ -8,18 +8,26 @@ import math
 import os
 import pathlib
 
+from rlfleet.data.intervals import rate_of
 
 
 def per_simulator(ev: dict) -> str:
-    """' (libero 10.0%, metaworld 50.0%)' in a run over several simulators, else ''."""
-    per = [f"{k.split('/')[1]} {v:.1%}" for k, v in ev.items() if k.endswith("/success_once") and k.count("/") == 2]
+    """' (libero 10.0% [3.5, 25.6], metaworld 50.0% [...])' in a run over several simulators, else ''."""
+    def rate(k, v):
+        n = ev.get(k.replace("/success_once", "/num_episodes"))
+        return rate_of(v, int(n)) if n else f"{v:.1%}"
+
+    per = [f"{k.split('/')[1]} {rate(k, v)}" for k, v in ev.items()
+           if k.endswith("/success_once") and k.count("/") == 2]
     return f" ({', '.join(per)})" if per else ""
 
 
 def eval_line(ev: dict) -> str:
-    """One evaluation's result for the console."""
-    return (f"success_once {ev['eval/success_once']:.1%} return {ev['eval/return']:.2f} over "
-            f"{int(ev['eval/num_episodes'])} episodes" + per_simulator(ev))
+    """One evaluation's result for the console, its success rate with the 95% (Wilson) interval: one 100-episode
+    evaluation moves about +-5 points by chance alone."""
+    n = int(ev["eval/num_episodes"])
+    return (f"success_once {rate_of(ev['eval/success_once'], n)} return {ev['eval/return']:.2f} over "
+            f"{n} episodes" + per_simulator(ev))
 
 class RunReport:
     def __init__(self, cfg, run_dir: pathlib.Path, quiet: bool = False):
@@ -93,8 +101,9 @@ class RunReport:
         self.say("")
         self.say("=" * 72)
         if final:
-            self.say(f"final evaluation: success_once {final['eval/success_once']:.1%} "
-                     f"({int(final['eval/num_episodes'])} seeded episodes), return {final['eval/return']:.2f}"
+            n = int(final["eval/num_episodes"])
+            self.say(f"final evaluation: success_once {rate_of(final['eval/success_once'], n)} "
+                     f"({n} seeded episodes, 95% interval), return {final['eval/return']:.2f}"
                      + per_simulator(final))
         else:
             self.say("no final evaluation (run stopped early)")

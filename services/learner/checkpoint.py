@@ -24,7 +24,10 @@ STATE_DIR = "state"
 
 
 def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
-    """The newest complete checkpoint of a run folder, or None."""
+    """The newest complete checkpoint of a run folder, or None; a complete checkpoint folder itself
+    (``RUN/checkpoints/global_step_N``, what `coordinatorctl eval` may name) is its own newest."""
+    if (pathlib.Path(run_dir) / "learner_state.json").is_file():
+        return pathlib.Path(run_dir)
     ckpts = sorted((pathlib.Path(run_dir) / "checkpoints").glob("global_step_*"),
                    key=lambda p: int(p.name.rsplit("_", 1)[1]))
     ckpts = [p for p in ckpts if (p / "learner_state.json").exists()]
@@ -57,11 +60,16 @@ def load_sharded(path: pathlib.Path, model, optimizer) -> None:
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
                                 f"it cannot be resumed by this version)")
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
     with _quiet():
-        dcp.load(state, checkpoint_id=str(path / STATE_DIR))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp.load({"model": model_sd}, checkpoint_id=str(path / STATE_DIR))  # every tensor of the policy
+        # the optimizer's state where it has one: a parameter that never had a gradient (e.g. a VLA's vision tower
+        # layer that gets none) has no Adam moments in the checkpoint and keeps the fresh ones
+        dcp.load({"optim": optim_sd}, checkpoint_id=str(path / STATE_DIR),
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def load_policy_state(path: str | pathlib.Path, model) -> None:
