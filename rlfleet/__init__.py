@@ -14,3 +14,11 @@ tests/test_layers.py; docs/architecture.md draws it):
 
 The services (``services/*``) import rlfleet, never each other.
 """
+
+import os as _os
+
+# gRPC's C core logs an INFO line each time a process with gRPC threads forks a child (the coordinator does);
+# keep only errors unless the user asks for more.
+_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+__version__ = "0.1.0"
