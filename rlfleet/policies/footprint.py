@@ -148,7 +148,9 @@ def _sizes(model_cfg) -> dict:
         from rlfleet.policies.models.openvla import TINY
     sizes = {**TINY, **dict(model_cfg[key])}
     if model_cfg.model_path:
-        config = pathlib.Path(model_cfg.model_path) / "config.json"
+        from rlfleet.policies.hub import resolve_model_path
+
+        config = pathlib.Path(resolve_model_path(model_cfg.model_path)) / "config.json"
         if config.is_file():
             saved = json.loads(config.read_text()).get(key)
             if isinstance(saved, dict):
@@ -227,7 +229,9 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
     # checkpointing also the frozen base (its copies are kept for the backward into the adapters below)
     frozen_kept = bool(model_cfg.is_lora) and not model_cfg.gradient_checkpointing
     if model_cfg.model_path:
-        tensors = checkpoint_tensors(pathlib.Path(model_cfg.model_path))
+        from rlfleet.policies.hub import resolve_model_path
+
+        tensors = checkpoint_tensors(pathlib.Path(resolve_model_path(model_cfg.model_path)))
         if tensors:
             # LoRA at the usual ranks trains 1-2% (rank 32 on OpenVLA-7B: 1.1%); a full fine-tune everything
             trained = (lambda n: n // 50) if model_cfg.is_lora else (lambda n: n)

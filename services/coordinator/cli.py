@@ -54,10 +54,11 @@ def _start(args) -> int:
             run_dir = choose_run_dir(cfg, None)
         if cfg.cluster.launcher == "local":
             from services.coordinator.launcher import check_local
-            from services.coordinator.preflight import preflight_loggers
+            from services.coordinator.preflight import preflight_loggers, preflight_model
 
             preflight_loggers(cfg)  # wandb/swanlab named but not installed: the pip commands, in seconds
             check_local(cfg)  # e.g. a learner over several nodes
+            preflight_model(cfg)  # a model_path (folder or hub id) that does not resolve, in seconds
         if cfg.cluster.launcher == "local" and not cfg.cluster.external_env_addresses:
             from services.coordinator.preflight import preflight_local
 
@@ -175,7 +176,13 @@ def _sft_step(args) -> int:
             cmd += ["--episodes", str(args.episodes)]
     else:
         from rlfleet.config import fit
+        from services.coordinator.preflight import preflight_model
 
+        try:
+            preflight_model(cfg)
+        except ConfigError as exc:
+            print(f"coordinatorctl: config error: {exc}", file=sys.stderr)
+            return 2
         why = fit.check(cfg, inference=False)
         if why:
             print(f"coordinatorctl: config error: 'actor.model': {why}", file=sys.stderr)

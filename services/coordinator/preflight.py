@@ -41,6 +41,20 @@ def preflight_local(cfg) -> None:
         raise ConfigError(f"'actor.model': {why}")
 
 
+def preflight_model(cfg) -> None:
+    """``actor.model.model_path`` names a model folder, or a hub id that resolves through the hub cache (downloaded
+    into it first where the network allows and HF_HUB_OFFLINE is not set): else a ConfigError naming the id, the
+    cache folder and the download command, in seconds, before any service starts (rlfleet.policies.hub)."""
+    if not cfg.actor.model.get("model_path"):
+        return
+    from rlfleet.policies.hub import KEY, resolve_model_path
+
+    try:
+        resolve_model_path(cfg.actor.model.model_path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"'{KEY}': {str(exc).removeprefix(KEY + ': ')}") from None
+
+
 def preflight_loggers(cfg) -> None:
     """A logger backend whose package is not installed where the learner runs (this environment, with the local
     launcher) fails the start in seconds with the exact pip commands that install it: rlfleet never changes the

@@ -143,7 +143,7 @@ def test_checkpoint_layout_round_trip_and_clear_errors(tmp_path):
     with pytest.raises(KeyError, match="unnorm_key: 'libero' is not in .*has: \\['bridge'\\]"):
         build_policy(bad.actor.model, SPECS, 4, True, "token_level")
     missing = load_config(None, ["actor.model.model_type=openvla", f"actor.model.model_path={tmp_path / 'nothing'}"])
-    with pytest.raises(FileNotFoundError, match="needs config.json and model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="nothing: no such folder"):
         build_policy(missing.actor.model, SPECS, 4, True, "token_level")
 
 

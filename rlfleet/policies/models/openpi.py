@@ -491,7 +491,9 @@ class Pi0Policy(PolicyMixin, nn.Module):
         import json
         from pathlib import Path
 
-        path = Path(model_cfg.model_path)
+        from rlfleet.policies.hub import resolve_model_path
+
+        path = Path(resolve_model_path(model_cfg.model_path))  # a folder, or a hub id's snapshot in the hub cache
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"actor.model.model_path: {path} has no config.json (a π0 checkpoint directory: "
                                     f"rlfleet's layout or transformers' PI0 layout)")
@@ -516,7 +518,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         missing = [k for k in missing if not k.startswith(fresh)]
         unexpected = [k for k in unexpected if not k.startswith(fresh)]
         if missing or unexpected:
-            raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
+            raise ValueError(f"{path}/model.safetensors: missing tensors {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
         return policy
 

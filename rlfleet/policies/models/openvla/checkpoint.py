@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfleet.policies.hub import resolve_model_path
 from rlfleet.policies.models.openvla.architecture import TINY
 from rlfleet.policies.models.openvla.hub_layout import _pick_stats, load_openvla_hub_dir
 from rlfleet.policies.models.openvla.tokenizers import load_hf_tokenizer, save_tokenizer
@@ -26,8 +27,9 @@ class CheckpointMixin:
                     logprob_type: str = "token_level") -> OpenVLAPolicy:
         sizes = {k: (list(v) if k == "prompt_suffix_ids" else v) for k, v in model_cfg.vla.items()}
         tokenizer, stats, state = None, None, None
-        if model_cfg.model_path:
-            sizes, tokenizer, stats, state = load_checkpoint_dir(model_cfg.model_path, model_cfg.unnorm_key, sizes)
+        model_path = resolve_model_path(model_cfg.model_path)  # a folder, or a hub id's snapshot in the hub cache
+        if model_path:
+            sizes, tokenizer, stats, state = load_checkpoint_dir(model_path, model_cfg.unnorm_key, sizes)
         policy = cls(obs_specs, action_dim, model_type=model_cfg.model_type, sizes=sizes,
                      num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
                      image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
@@ -36,8 +38,8 @@ class CheckpointMixin:
                      unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer, logprob_type=logprob_type,
                      use_proprio=model_cfg.use_proprio, proprio_stats=stats["proprio"] if stats else None,
                      extra_image_keys=list(model_cfg.extra_image_keys or ()))
-        if model_cfg.model_path:
-            _check_cameras(Path(model_cfg.model_path), policy.image_keys)
+        if model_path:
+            _check_cameras(Path(model_path), policy.image_keys)
         if state is not None:
             missing, unexpected = policy.load_state_dict(state, strict=False)
             # a fresh critic is expected; DINOv2's mask token is never used for inference; OpenVLA-OFT's released

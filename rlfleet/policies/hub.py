@@ -1,0 +1,86 @@
+"""``actor.model.model_path`` as users write it: a local folder, or a model id on the Hugging Face hub.
+
+    model_path: /data/openvla-7b               # a folder: used as it is
+    model_path: openvla/openvla-7b             # a hub id (org/name): its snapshot in the local hub cache
+    model_path: openvla/openvla-7b@<revision>  # a branch, tag or commit of it
+
+A hub id resolves through ``huggingface_hub``'s cache and download API (``snapshot_download``): the snapshot
+folder in the hub cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub). With
+``HF_HUB_OFFLINE=1`` only the cache is read; otherwise a model missing from the cache is downloaded into it. A
+model that cannot be resolved is a FileNotFoundError naming the id, the cache folder and the command that
+downloads it. :func:`resolve_model_path` is the one place every reader of ``model_path`` goes through (the VLA and
+π0 loaders, the footprint estimate, the coordinator's preflight).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+KEY = "actor.model.model_path"
+# org/name[@revision], as the hub spells ids (letters, digits, '-', '_', '.'; no leading '.' or '-')
+_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
+
+
+def parse_hub_id(model_path: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) where ``model_path`` is written as a hub id, else None."""
+    m = _HUB_ID.match(str(model_path))
+    if m is None or str(model_path).startswith(("./", "../")) or ".." in m.group("repo").split("/"):
+        return None
+    return m.group("repo"), m.group("revision")
+
+
+def hub_cache_dir() -> str:
+    """The hub cache folder huggingface_hub reads now (HF_HUB_CACHE / HF_HOME, read at call time)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_model_path(model_path: str | os.PathLike | None, *, download: bool | None = None,
+                       key: str = KEY) -> str | None:
+    """The local folder ``model_path`` names: itself when it is a folder, a hub id's snapshot folder in the hub
+    cache (downloaded first when it is not cached, ``download`` is not False and HF_HUB_OFFLINE is not set), None
+    for None / "". Anything else: FileNotFoundError (or ValueError) saying which, naming ``key``."""
+    if model_path is None or str(model_path) == "":
+        return None
+    text = str(model_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return str(path)
+    hub = parse_hub_id(text)
+    if hub is None or path.exists() or text.startswith(("/", "~")):
+        what = "not a folder" if path.exists() else "no such folder"
+        raise FileNotFoundError(f"{key}: {text}: {what} (give a model folder, or a hub id org/name[@revision])")
+    repo_id, revision = hub
+    cache = hub_cache_dir()
+    local_only = _offline() or download is False
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=local_only)
+    except HFValidationError as exc:
+        raise ValueError(f"{key}: {text}: not a valid hub id ({exc})") from None
+    except LocalEntryNotFoundError:
+        where = f" at revision {revision}" if revision else ""
+        why = "HF_HUB_OFFLINE is set, so only the cache is read" if _offline() else "not downloaded here"
+        raise FileNotFoundError(
+            f"{key}: hub model '{repo_id}'{where} is not in the hub cache {cache} ({why}; no folder {text} "
+            f"here either); download it where the "
+            f"network allows: hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+            + f" --cache-dir {cache} (or give a local model folder)") from None
+    except Exception as exc:  # noqa: BLE001 - unknown repo, gated repo, no network: say which id and why
+        raise FileNotFoundError(f"{key}: hub model '{repo_id}'" + (f"@{revision}" if revision else "")
+                                + f" could not be resolved ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                                f"hub cache {cache}; download it where the network allows: hf download {repo_id} "
+                                f"--cache-dir {cache} (or give a local model folder)") from None
