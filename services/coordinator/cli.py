@@ -13,6 +13,7 @@
     coordinatorctl traces RUN_DIR [--epoch N]           # one epoch's trace across the services, as a tree
     coordinatorctl eval RUN_DIR|CHECKPOINT|MODEL_DIR [--config CFG] [key=value ...] [--out DIR]
     coordinatorctl eval --compare A B [...]             # seeded evaluation reports (95% intervals); A - B paired
+    coordinatorctl export RUN_DIR [--step N] OUT [--lora merged|adapter]  # the trained policy, released layout
 """
 
 from __future__ import annotations
@@ -334,6 +335,74 @@ def _eval(args) -> int:
     return eval_main(args)
 
 
+class _ExportInputError(Exception):
+    pass
+
+
+def _export_target(args):
+    """(checkpoint folder, run config) that `export` reads, or _ExportInputError in one line."""
+    run = pathlib.Path(args.run_dir)
+    if not run.is_dir():
+        raise _ExportInputError(f"{run}: no such folder (give a run folder or RUN/checkpoints/global_step_N)")
+    if (run / "learner_state.json").is_file():  # a checkpoint folder itself
+        ckpt, run = run, run.parent.parent
+        if args.step is not None and ckpt.name != f"global_step_{args.step}":
+            raise _ExportInputError(f"--step {args.step}: {ckpt} is the checkpoint of another step")
+    else:
+        done = sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "checkpoints").glob("global_step_*")
+                      if p.name.rsplit("_", 1)[1].isdigit() and (p / "learner_state.json").is_file())
+        if args.step is not None:
+            found = [p for n, p in done if n == args.step]
+            if not found:
+                raise _ExportInputError(f"--step {args.step}: no complete checkpoint global_step_{args.step} in "
+                                        f"{run / 'checkpoints'} (complete ones: "
+                                        f"{', '.join(str(n) for n, _ in done) or 'none'})")
+            ckpt = found[0]
+        elif done:
+            ckpt = done[-1][1]
+        else:
+            raise _ExportInputError(f"{run}: no complete checkpoint in {run / 'checkpoints'} (a run folder holds "
+                                    f"checkpoints/global_step_N/learner_state.json)")
+    out = pathlib.Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise _ExportInputError(f"{out}: exists and is not empty (export writes a new or empty folder)")
+    config = pathlib.Path(args.config) if args.config else run / "config.yaml"
+    if not config.is_file():
+        raise _ExportInputError(f"{config}: not found (the run's config; give --config CONFIG)")
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        raise _ExportInputError(f"config error: {exc}") from None
+    from rlfleet.policies.footprint import VLA_TYPES
+
+    model_type = cfg.actor.model.model_type
+    if model_type not in VLA_TYPES:
+        raise _ExportInputError(f"{ckpt}: {model_type} policies have no released layout to export; the checkpoint "
+                                f"itself is what `coordinatorctl eval` and `coordinatorctl start --resume` take")
+    if args.lora == "adapter" and not cfg.actor.model.is_lora:
+        raise _ExportInputError(f"--lora adapter: the run trained without LoRA (actor.model.is_lora=false); "
+                                f"export it merged (the default)")
+    return ckpt, config, cfg
+
+
+def _export(args) -> int:
+    """Checked here (one line, exit 2), exported by the learner's code in a child process on the CPU
+    (services/learner/export.py; the coordinator never imports the learner)."""
+    import subprocess
+
+    from rlfleet.simulators.environments import child_environ
+
+    try:
+        ckpt, config, cfg = _export_target(args)
+    except _ExportInputError as exc:
+        print(f"coordinatorctl export: {exc}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "services.learner.export", str(ckpt), str(args.out), "--config", str(config),
+           "--lora", args.lora]
+    env = child_environ(sys.executable, cfg.cluster.torch_num_threads, CUDA_VISIBLE_DEVICES="")
+    return subprocess.call(cmd, env=env, cwd=os.getcwd())
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["check-env"]:  # its own parser: argparse.REMAINDER would not take a leading --help
@@ -384,6 +453,15 @@ def main(argv=None) -> int:
                             "`coordinatorctl check-env --help` for options")
     q.add_argument("rest", nargs=argparse.REMAINDER)
     _add_eval_parser(sub)
+    q = sub.add_parser("export", help="write a run's trained policy in its model family's released layout "
+                                      "(VLA policies; LoRA merged, or --lora adapter)")
+    q.add_argument("run_dir", metavar="RUN_DIR", help="run folder (its newest checkpoint) or "
+                                                      "RUN/checkpoints/global_step_N")
+    q.add_argument("out", metavar="OUT", help="output folder (new, or empty)")
+    q.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    q.add_argument("--lora", choices=("merged", "adapter"), default="merged",
+                   help="merged into the weights (default) or a peft adapter beside the base's id")
+    q.add_argument("--config", default=None, help="the run's config (default RUN_DIR/config.yaml)")
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides given after an option (`collect-demos CFG --episodes 2 k=v`)
         if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
@@ -406,6 +484,8 @@ def main(argv=None) -> int:
         return _traces(args)
     if args.command == "eval":
         return _eval(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "start":
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]

@@ -375,13 +375,16 @@ class Learner:
                   f"{state.get('world_size', 1)} rank(s), resumed by {self.group.world})", flush=True)
 
     # --- export -----------------------------------------------------------------------------------------------
-    def export(self, path: str | pathlib.Path) -> pathlib.Path:
-        """The policy in its family's released layout (``save_pretrained``), gathered whole on rank 0."""
+    def export(self, path: str | pathlib.Path, lora: str = "merged") -> pathlib.Path:
+        """The policy in its family's released layout (services/learner/export.py: LoRA merged, or with
+        ``lora="adapter"`` as a peft adapter), gathered whole on rank 0."""
         if not hasattr(self.model, "save_pretrained"):
             raise FailedPrecondition(f"{self.cfg.actor.model.model_type} policies have no released layout to export")
-        return self._run("export", {"path": str(path)})
+        return self._run("export", {"path": str(path), "lora": lora})
 
     def _on_export(self, meta: dict, _tensors):
+        from services.learner.export import write_export
+
         state = full_state_dict(self.model, self.group.is_leader)
         if not self.group.is_leader:
             return None
@@ -391,8 +394,7 @@ class Learner:
         for attr in ("unnorm_stats", "proprio_stats", "unnorm_name"):  # what save_pretrained writes beside weights
             if hasattr(self.model, attr):
                 setattr(plain, attr, getattr(self.model, attr))
-        plain.save_pretrained(meta["path"])
-        return pathlib.Path(meta["path"])
+        return write_export(plain, meta["path"], meta.get("lora", "merged"), self.cfg.actor.model.get("model_path"))
 
     def close(self) -> None:
         if self.group.is_leader:

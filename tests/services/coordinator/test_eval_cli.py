@@ -99,9 +99,28 @@ def test_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["{tmp}/no-such-run", "{tmp}/out"], "no-such-run: no such folder"),
+    (["{run}", "--step", "7", "{tmp}/out"], "--step 7: no complete checkpoint global_step_7 in"),
+    (["{run}", "{full}"], "full: exists and is not empty"),
+    (["{run}", "{tmp}/out"], "mlp policies have no released layout to export"),
+    (["{run}/checkpoints/global_step_2", "--lora", "adapter", "{tmp}/out"], "mlp policies have no released layout"),
+], ids=["missing", "no-such-step", "out-not-empty", "mlp", "mlp-checkpoint"])
+def test_export_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("")
+    proc = ctl("export", *[a.format(run=run, tmp=tmp_path, full=full) for a in args])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("coordinatorctl export: ") and message in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
 def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
-    """The released layout (Learner.export) of a briefly trained tiny VLA, compared with its checkpoint on the same
-    episodes: the same outcome, episode by episode."""
+    """The released layout (`coordinatorctl export`) of a briefly trained tiny VLA: the checkpoint's weights, and
+    compared with its checkpoint on the same episodes, the same outcome, episode by episode."""
     name = "pandapickcube_vision_ppo_openvla_tiny"
     short = ["runner.max_epochs=1", "runner.val_check_interval=0", "env.eval.num_episodes=4",
              "env.eval.total_num_envs=4"]
@@ -109,16 +128,26 @@ def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ckpt = tmp_path / name / "checkpoints" / "global_step_1"
     export = tmp_path / "export"
-    code = ("import sys; from rlfleet.config import load_config; from services.learner.learner import Learner; "
-            "from services.coordinator.offline_eval import checkpoint_spaces; import pathlib; "
-            "c = pathlib.Path(sys.argv[1]); "
-            "cfg = load_config(c.parent.parent / 'config.yaml', [f'runner.resume_dir={c}']); "
-            "l = Learner(cfg, sys.argv[2] + '-learner'); l.setup(*checkpoint_spaces(c)); l.export(sys.argv[2]); "
-            "l.close()")
+    proc = ctl("export", tmp_path / name, "--step", 1, export, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"exported {ckpt}" in proc.stdout
+    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+    # the exported weights are the checkpoint's: the same policy built from each, tensor by tensor
+    code = ("import sys, json, pathlib, torch; from rlfleet.config import load_config; "
+            "from rlfleet.policies import build_policy; from services.learner.checkpoint import load_policy_state; "
+            "from services.learner.learner import _specs_from_json; c, e = map(pathlib.Path, sys.argv[1:3]); "
+            "st = json.loads((c / 'learner_state.json').read_text()); "
+            "obs, adim = _specs_from_json(st['obs_specs']), st['action_dim']; "
+            "cfg = load_config(c.parent.parent / 'config.yaml'); m = cfg.actor.model; "
+            "a = build_policy(m, obs, adim, True, cfg.algorithm.logprob_type); load_policy_state(c, a); "
+            "b = build_policy(load_config(c.parent.parent / 'config.yaml', [f'actor.model.model_path={e}']).actor.model,"
+            " obs, adim, True, cfg.algorithm.logprob_type); sa, sb = a.state_dict(), b.state_dict(); "
+            "assert set(sa) == set(sb), set(sa) ^ set(sb); "
+            "assert all(torch.equal(sa[k], sb[k]) for k in sa), [k for k in sa if not torch.equal(sa[k], sb[k])][:3]; "
+            "print('equal', len(sa))")
     proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(export)], capture_output=True, text=True,
                           timeout=200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+    assert proc.returncode == 0 and proc.stdout.startswith("equal"), proc.stderr[-3000:]
     out = tmp_path / "cmp"
     proc = ctl("eval", "--compare", ckpt, export, "--config", tmp_path / name / "config.yaml", "--out", out,
                "env.eval.video_episodes=1", timeout=500)
