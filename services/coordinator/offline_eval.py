@@ -4,7 +4,7 @@
     coordinatorctl eval --compare A B [--config CFG] [key=value ...]
 
 What is evaluated: a run folder (its newest complete checkpoint), one checkpoint, or a model folder in its family's
-released layout (what ``Learner.export`` writes: config.json + model.safetensors; VLA policies). The config is the
+released layout (what ``coordinatorctl export`` writes: config.json + model.safetensors; VLA policies). The config is the
 run's config.yaml (a checkpoint's run is two folders up) unless ``--config`` names one; overrides apply on top
 (e.g. ``env.eval.num_episodes=200``, ``env.eval.use_fixed_reset_state_ids=true``, ``env.eval.video_episodes=4``).
 
@@ -85,7 +85,7 @@ def resolve(path: str) -> Target:
     if p.name.startswith("global_step_"):
         raise EvalError(f"{p}: an incomplete checkpoint (no learner_state.json: its run stopped while saving it)")
     raise EvalError(f"{p}: neither a run folder (config.yaml, checkpoints/), a checkpoint (learner_state.json) nor "
-                    f"a model folder (config.json, as Learner.export writes)")
+                    f"a model folder (config.json, as coordinatorctl export writes)")
 
 
 def eval_config(target: Target, config: str | None, overrides: list[str]):
