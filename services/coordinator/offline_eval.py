@@ -67,6 +67,13 @@ def latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path | None:
 def resolve(path: str) -> Target:
     """What ``path`` names, or EvalError saying why it names nothing evaluable."""
     p = pathlib.Path(path)
+    from rlfleet.policies.hub import parse_hub_id, resolve_model_path
+
+    if not p.exists() and parse_hub_id(path) is not None:  # a model id on the hub: its snapshot in the hub cache
+        try:
+            p = pathlib.Path(resolve_model_path(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise EvalError(str(exc).removeprefix("actor.model.model_path: ")) from None
     if not p.exists():
         raise EvalError(f"{p}: no such folder")
     if not p.is_dir():

@@ -84,3 +84,27 @@ def test_a_missing_hub_id_names_the_id_and_the_cache(offline_hub):
 
     with pytest.raises(ConfigError, match=r"^'actor.model.model_path': hub model 'nobody/no-such-vla'"):
         preflight_model(_cfg("actor.model.model_path=nobody/no-such-vla"))
+
+
+def test_start_with_an_unresolvable_hub_id_fails_in_seconds(offline_hub, tmp_path):
+    """`coordinatorctl start` (and `eval` of a hub id) refuse an id that is not in the offline cache before any
+    service starts: one config error naming the id and the cache, exit code 2."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start",
+                           "pandapickcube_vision_ppo_openvla_tiny", "actor.model.model_path=nobody/no-such-vla",
+                           f"runner.logger.log_path={tmp_path / 'runs'}"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "config error: 'actor.model.model_path': hub model 'nobody/no-such-vla'" in proc.stderr
+    assert str(offline_hub / "hub") in proc.stderr and time.monotonic() - t0 < 60
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.log"))
+    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "eval", "nobody/no-such-vla",
+                           "--config", "pandapickcube_vision_ppo_openvla_tiny"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 2 and "hub model 'nobody/no-such-vla' is not in the hub cache" in proc.stderr, \
+        proc.stderr
