@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     except (ConfigError, ExportError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"coordinatorctl export: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {args.checkpoint} ({cfg.actor.model.model_type}, LoRA {args.lora if cfg.actor.model.is_lora else 'none'}) "
-          f"to {out}")
+    lora = args.lora if cfg.actor.model.is_lora else "none"
+    print(f"exported {args.checkpoint} ({cfg.actor.model.model_type}, LoRA {lora}) to {out}")
     return 0
 
 
