@@ -107,6 +107,17 @@ def _envs(args) -> int:
     from rlfleet.registry import UnknownName
     from rlfleet.simulators import environments, get_simulator
 
+    if args.action == "assets":  # the env side fetches them, in the simulator's environment (a subprocess)
+        import subprocess
+
+        from services.coordinator.launcher import ENV_SIDE_COMMAND
+
+        if not args.name:
+            print("coordinatorctl envs assets: name a simulator (e.g. maniskill)", file=sys.stderr)
+            return 2
+        cmd = [*ENV_SIDE_COMMAND, "assets", args.name, *(["--envs-dir", args.envs_dir] if args.envs_dir else []),
+               *(["--dry-run"] if args.dry_run else []), *([args.task] if args.task else [])]
+        return subprocess.run(cmd).returncode
     if args.action in ("install", "remove"):
         if not args.name:
             print(f"coordinatorctl envs {args.action}: name a simulator", file=sys.stderr)
@@ -427,9 +438,12 @@ def main(argv=None) -> int:
     q.add_argument("count", type=int)
     q.add_argument("run_dir", nargs="?", default=None)
     q.add_argument("--address", default=None)
-    q = sub.add_parser("envs", help="list simulators and their environments; install or remove one")
-    q.add_argument("action", nargs="?", choices=("list", "install", "remove"), default="list")
+    q = sub.add_parser("envs", help="list simulators and their environments; install or remove one; fetch a task's "
+                                     "assets (envs assets maniskill [TASK])")
+    q.add_argument("action", nargs="?", choices=("list", "install", "remove", "assets"), default="list")
     q.add_argument("name", nargs="?", default=None, help="simulator name (see the list)")
+    q.add_argument("task", nargs="?", default=None, help="assets: the task whose assets to fetch (none: list them)")
+    q.add_argument("--dry-run", action="store_true", help="assets: print the downloads, run none")
     q.add_argument("--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or "
                                                     "~/.cache/rlfleet/envs)")
     q = sub.add_parser("collect-demos", help="record scripted-expert demonstrations of env.train (sft.* keys)")

@@ -5,6 +5,8 @@ container as its entry point; it never imports env code itself):
     python -m services.env.environment install SIMULATOR [--envs-dir D]  # the same (image builds)
     python -m services.env.environment exec SIMULATOR ARGS...            # run ARGS with that python (containers)
     python -m services.env.environment preflight < CONFIG.yaml           # fail fast on what this host cannot run
+    python -m services.env.environment assets SIMULATOR [TASK] [--dry-run] # fetch a task's assets (the simulator's
+                                                                         # own download), or list what is missing
 
 A simulator's environment is built by rlfleet.simulators.environments with this side's finishing steps
 (services.env.backends.FINISH_STEPS). The preflight runs in the main environment: each simulator's preflight
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 from rlfleet.simulators import environments
-from services.env.backends import FINISH_STEPS, PREFLIGHTS
+from services.env.backends import ASSETS, FINISH_STEPS, PREFLIGHTS
 
 
 def python_for(simulator: str, configured: str | None = None, log=print) -> str:
@@ -66,10 +69,11 @@ def preflight_errors(cfg) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.env.environment", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=("python", "install", "exec", "preflight"))
+    p.add_argument("action", choices=("python", "install", "exec", "preflight", "assets"))
     p.add_argument("simulator", nargs="?")
     p.add_argument("--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or "
                                                     "~/.cache/rlfleet/envs)")
+    p.add_argument("--dry-run", action="store_true", help="assets: print the downloads, run none")
     p.add_argument("args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     err = lambda *a, **k: print(*a, file=sys.stderr, flush=True)  # noqa: E731
@@ -94,6 +98,16 @@ def main(argv=None) -> int:
     if args.action in ("python", "install"):
         print(python, flush=True)
         return 0
+    if args.action == "assets":
+        if args.simulator not in ASSETS:
+            err(f"{p.prog} assets: {args.simulator} has no assets to fetch (simulators with assets: "
+                f"{', '.join(ASSETS)})")
+            return 2
+        module, _, fn = ASSETS[args.simulator].partition(":")
+        rest = [a for a in args.args if a != "--dry-run"]  # (REMAINDER keeps flags given after the simulator)
+        task, dry = (rest[0] if rest else None), args.dry_run or "--dry-run" in args.args
+        code = f"import sys, {module} as m; sys.exit(m.{fn}({task!r}, {bool(dry)}))"
+        return subprocess.run([python, "-c", code], env=environments.child_environ(python, 1)).returncode
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     os.execve(python, [python, *args.args], environments.child_environ(python, int(threads)))
     return 1  # not reached

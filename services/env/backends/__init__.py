@@ -31,6 +31,11 @@ FINISH_STEPS = {
     "maniskill": ("services.env.backends.maniskill:check_install",),
 }
 
+# simulator -> "module:function(task, dry_run) -> exit code" fetching a task's assets (`coordinatorctl envs assets`)
+ASSETS = {
+    "maniskill": "services.env.backends.maniskill:download_assets",
+}
+
 
 def backend_class(simulator: str):
     """The backend class of ``simulator`` (UnknownName, with the closest name, for one that is not registered)."""

@@ -196,6 +196,41 @@ def missing_assets(env_id: str, robot_uids=None) -> list[tuple[str, list[str]]]:
     return out
 
 
+def download_assets(task: str | None, dry_run: bool = False) -> int:
+    """`coordinatorctl envs assets maniskill [TASK]`: ManiSkill's own download (``mani_skill.utils.download_asset``)
+    of what TASK (and its robot) needs and does not have, into $MS_ASSET_DIR; with no TASK, the asset-backed tasks
+    and which of them miss assets. Prints one line per step; -> exit code."""
+    registry = import_maniskill()
+    where = os.environ.get("MS_ASSET_DIR", "~/.maniskill/data")
+    if task is None:
+        backed = sorted(t for t, spec in registry.items() if spec.asset_download_ids)
+        for t in backed:
+            gone = missing_assets(t)
+            print(f"{t}: " + ("assets present" if not gone else "missing " + ", ".join(uid for uid, _ in gone)))
+        print(f"({len(backed)} asset-backed tasks; assets live in $MS_ASSET_DIR = {where})")
+        return 0
+    if task in RLINF_ONLY:
+        print(_rlinf_message(task))
+        return 2
+    if task not in registry:
+        print(f"maniskill: unknown task '{task}'{did_you_mean(task, registry)}")
+        return 2
+    gone = missing_assets(task)
+    if not gone:
+        print(f"{task}: every asset it needs is present in {where}")
+        return 0
+    for uid, ids in gone:
+        cmd = _download_command(uid)
+        print(f"{task}: {uid} missing ({', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''}): {cmd}", flush=True)
+        if not dry_run:
+            code = subprocess.run(cmd.split()).returncode
+            if code != 0:
+                print(f"{task}: the download of {uid} failed (exit {code}); where the network cannot reach ManiSkill's "
+                      f"asset hosts, copy the assets into {where} from a machine that can")
+                return 1
+    return 0
+
+
 def _sources_for(path: str) -> list[str]:
     """The ManiSkill data sources whose download holds ``path`` (a file ManiSkill did not find)."""
     from mani_skill.utils import assets

@@ -210,3 +210,30 @@ def test_missing_apt_packages_without_root_name_the_commands(tmp_path, monkeypat
     assert f"'deb http://deb.debian.org/debian {suite} main' > /etc/apt/sources.list.d/rlfleet-vk.list" in msg
     assert f"apt-get update -qq && apt-get install -y -qq -t {suite} mesa-vulkan-drivers" in msg
     assert not environments.is_installed(env, str(tmp_path))
+
+
+@pytest.mark.sim
+def test_envs_assets_names_the_download_and_refuses_rlinf_only_tasks():
+    """`coordinatorctl envs assets maniskill TASK` runs in ManiSkill's environment (the env side, a subprocess of
+    the coordinator): it names ManiSkill's own download of what the task lacks (here --dry-run: no network), refuses
+    RLinf's fork-only task naming the way out, and a `start` of that task stops in seconds with the same fix."""
+    from tests.simenv import sim_python
+
+    sim_python("maniskill")  # built (or a named skip/failure) before the CLI is timed
+    cli = [sys.executable, "-m", "services.coordinator.cli"]
+    out = subprocess.run([*cli, "envs", "assets", "maniskill", "PutCarrotOnPlateInScene-v1", "--dry-run"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "bridge_v2_real2sim" in out.stdout and "-m mani_skill.utils.download_asset PutCarrotOnPlateInScene-v1 -y" \
+        in out.stdout
+    rlinf = subprocess.run([*cli, "envs", "assets", "maniskill", "PutOnPlateInScene25Main-v3"],
+                           capture_output=True, text=True, timeout=300)
+    assert rlinf.returncode == 2 and "RLinf's fork of ManiSkill" in rlinf.stdout
+    typo = subprocess.run([*cli, "envs", "assets", "maniskill", "PickCub-v1"], capture_output=True, text=True,
+                          timeout=300)
+    assert typo.returncode == 2 and "did you mean 'PickCube-v1'" in typo.stdout
+    t0 = time.monotonic()
+    start = subprocess.run([*cli, "start", "maniskill_pickcube_ppo_openvla", "env.train.env_id=PutOnPlateInScene25Main-v3",
+                            "env.eval.env_id=PutOnPlateInScene25Main-v3"], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert start.returncode == 2 and "RLinf's fork of ManiSkill" in start.stderr and took < 5, (took, start.stderr)
