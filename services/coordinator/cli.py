@@ -414,6 +414,17 @@ def _export(args) -> int:
     return subprocess.call(cmd, env=env, cwd=os.getcwd())
 
 
+MODULES_REPORT_ENV = "RLFLEET_MODULES_REPORT"  # tests: where `start` writes the modules its process loaded
+
+
+def _report_modules() -> None:
+    """With $RLFLEET_MODULES_REPORT set, write the coordinator process's loaded modules there (JSON) when `start`
+    ends: the tests check that no env-side module or simulator package was ever loaded by a run's coordinator."""
+    path = os.environ.get(MODULES_REPORT_ENV)
+    if path:
+        pathlib.Path(path).write_text(json.dumps(sorted(sys.modules)))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["check-env"]:  # its own parser: argparse.REMAINDER would not take a leading --help
@@ -504,7 +515,10 @@ def main(argv=None) -> int:
         if args.config and "=" in args.config:  # `start k=v ...` without a config file
             args.overrides = [args.config, *args.overrides]
             args.config = None
-        return _start(args)
+        try:
+            return _start(args)
+        finally:
+            _report_modules()
     from rlfleet.wire.auth import CredentialError
 
     try:  # the operator's commands need the run's own secret (RLFLEET_RUN_TOKEN or the run folder's run_token)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -29,9 +30,27 @@ TINY = ["env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=25"
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
 
 
+SIM_PACKAGES = ("metaworld", "mani_skill", "sapien", "robosuite", "libero", "omnigibson")
+
+
+def modules_env(path) -> dict:
+    """The environment under which `coordinatorctl start` writes its process's modules to ``path`` at the end."""
+    return dict(os.environ, RLFLEET_MODULES_REPORT=str(path))
+
+
+def assert_coordinator_loaded_no_env_code(path) -> None:
+    """The run's coordinator never imported an env-side module or a simulator package (the env side runs in its
+    own processes; the coordinator asks it for preflights and environments in subprocesses)."""
+    loaded = json.loads(pathlib.Path(path).read_text())
+    assert "services.coordinator.coordinator" in loaded  # (the report is the coordinator's)
+    wrong = [m for m in loaded if m.startswith("services.env") or m.split(".")[0] in SIM_PACKAGES]
+    assert not wrong, wrong
+
+
 def start(tmp_path, *args, name="e2e"):
     cmd = [*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", f"runner.experiment_name={name}", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=modules_env(tmp_path / f"{name}-modules.json"))
 
 
 def finish(proc, timeout=240):
@@ -127,6 +146,7 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
                              "runner.save_interval=2", "cluster.num_env_servers=2",
                              "cluster.num_inference_servers=2"))
     assert code == 0, out
+    assert_coordinator_loaded_no_env_code(tmp_path / "e2e-modules.json")  # gym, the main environment
     assert "starting 2 env server(s), 2 inference server(s)" in out
     run = tmp_path / "e2e"
     for f in ("config.yaml", "metrics.jsonl", "summary.json", "learning_curve.png", "logs/env_0.log"):
@@ -396,8 +416,9 @@ def test_metaworld_run_uses_its_own_environment(tmp_path):
                            "runner.max_epochs=2", "runner.experiment_name=mw", "env.train.total_num_envs=8",
                            "env.train.max_steps_per_rollout_epoch=32", "env.eval.total_num_envs=5",
                            "env.eval.num_episodes=10", "actor.micro_batch_size=128", "actor.global_batch_size=256"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=modules_env(tmp_path / "modules.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
     log = (tmp_path / "mw" / "logs" / "env_0.log").read_text()
     assert "metaworld:reach-v3" in log and "mujoco 3.3.0" in log and "metaworld 3.1.1" in log
     assert mujoco.__version__ != "3.3.0"
@@ -426,8 +447,9 @@ def test_libero_runs_end_to_end_and_evaluates_on_fixed_initial_states(tmp_path):
                            "actor.global_batch_size=32",
                            "env.train.init_params.fast_render=true", "env.eval.init_params.fast_render=true",
                            "env.train.init_params.image_size=32", "env.eval.init_params.image_size=32"],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=modules_env(tmp_path / "modules.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
     log = (tmp_path / "libero" / "logs" / "env_0.log").read_text()
     assert "libero:libero_spatial" in log and "robosuite 1.4.0" in log and "mujoco 3.3.0" in log
     summary = json.loads((tmp_path / "libero" / "summary.json").read_text())
@@ -452,8 +474,9 @@ def test_two_simulators_in_one_run_each_from_its_own_environment(tmp_path):
              "init_params: {camera: corner, image_size: 32}}]"]
     proc = subprocess.run([*CTL, "start", "libero_metaworld_ppo_cnn", f"runner.logger.log_path={tmp_path}",
                            "runner.max_epochs=2", "runner.experiment_name=mix", *small],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=modules_env(tmp_path / "modules.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
     assert ("env[0] libero:libero_spatial (agentview[32, 32, 3], state[8], wrist[32, 32, 3]; action 7-D); "
             "env[1] metaworld:reach-v3 (pixels[32, 32, 3], state[39]; action 4-D)") in proc.stdout
     assert "joint spaces: agentview[32, 32, 3], pixels[32, 32, 3], state[39], wrist[32, 32, 3]; action 7-D" \

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.services.coordinator.test_end_to_end import assert_coordinator_loaded_no_env_code, modules_env
+
 pytestmark = [pytest.mark.slow, pytest.mark.sim]
 
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
@@ -24,8 +26,9 @@ def test_maniskill_pushcube_runs_end_to_end_in_its_own_environment(tmp_path):
                            "env.eval.total_num_envs=4", "env.eval.num_episodes=4", "env.eval.max_episode_steps=10",
                            "actor.micro_batch_size=50", "actor.global_batch_size=100", "algorithm.update_epoch=2",
                            "actor.model.hidden_dims=[32,32]"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=modules_env(tmp_path / "modules.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
     log = (tmp_path / "ms" / "logs" / "env_0.log").read_text()
     assert "maniskill:PushCube-v1" in log and "mani-skill 3.0.1" in log and "sapien 3.0.3" in log
     summary = json.loads((tmp_path / "ms" / "summary.json").read_text())
