@@ -115,6 +115,11 @@ def _envs(args) -> int:
         if not args.name:
             print("coordinatorctl envs assets: name a simulator (e.g. maniskill)", file=sys.stderr)
             return 2
+        try:
+            get_simulator(args.name)
+        except UnknownName as exc:
+            print(f"coordinatorctl envs assets: {exc}", file=sys.stderr)
+            return 2
         cmd = [*ENV_SIDE_COMMAND, "assets", args.name, *(["--envs-dir", args.envs_dir] if args.envs_dir else []),
                *(["--dry-run"] if args.dry_run else []), *([args.task] if args.task else [])]
         return subprocess.run(cmd).returncode
