@@ -77,7 +77,7 @@ def worker(out: pathlib.Path, model: str, epochs: int, publish: list[int]) -> No
     learner.setup(specs, action_dim)
     times = []
     for epoch in range(epochs):
-        learner.receive(epoch, 0, *rollout(cfg, specs, action_dim, T, N, seed=epoch))
+        learner.rollouts.receive(epoch, 0, *rollout(cfg, specs, action_dim, T, N, seed=epoch))
         t0 = time.perf_counter()
         learner.train(epoch, [0])
         times.append(time.perf_counter() - t0)

@@ -4,6 +4,8 @@ placement (:func:`rlfleet.config.learner_layout`). The coordinator asks before s
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlfleet.config import learner_layout
 from rlfleet.policies import footprint
 
@@ -25,8 +27,11 @@ def check(cfg, *, inference: bool = True) -> str | None:
     if model.model_type not in footprint.VLA_TYPES:
         return None
     fp = footprint.estimate(model, cfg.algorithm.logprob_type)
+    only_eval = bool(cfg.runner.only_eval)
+    if only_eval:  # `coordinatorctl eval`: a learner that never trains holds weights only (no grads, Adam, backward)
+        fp = dataclasses.replace(fp, trainable=0, largest_unit_trainable=0, root_trainable=0, activations_per_row=0)
     # RL with algorithm.kl_beta > 0 keeps the starting model as the KL reference (LoRA: the base with adapters off)
-    reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora
+    reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora and not only_eval
     rl = inference  # the RL learner is a group of ranks; supervised fine-tuning runs as one process
     servers = cfg.cluster.num_inference_servers if rl else 0
     inference = fp.inference_bytes(cfg.rollout.weights_precision) if rl else 0
@@ -44,7 +49,9 @@ def check(cfg, *, inference: bool = True) -> str | None:
     copies = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
               f"{cfg.rollout.weights_precision}) and " if inference else "")
     sharded = f"its 1/{world} shard" if world > 1 else "unsharded"
-    learner = [f"{parts['sharded'] / GB:.1f} GB of fp32 weights, gradients and Adam state of what trains ({sharded})"]
+    what = ("fp32 weights (runner.only_eval: no gradients or Adam state)" if only_eval else
+            "fp32 weights, gradients and Adam state of what trains")
+    learner = [f"{parts['sharded'] / GB:.1f} GB of {what} ({sharded})"]
     if parts["reference"]:
         learner.append(f"{parts['reference'] / GB:.1f} GB of the KL reference (a frozen copy for algorithm.kl_beta, "
                        f"sharded the same way)")

@@ -53,6 +53,10 @@ def _start(args) -> int:
                 for note in preflight_external(cfg, rename=not named and cfg.runner.experiment_name == default_name):
                     print(f"  note: {note}")
             run_dir = choose_run_dir(cfg, None)
+        if cfg.runner.only_eval:
+            raise ConfigError("'runner.only_eval': true means evaluation only, which `coordinatorctl eval RUN_DIR | "
+                              "CHECKPOINT | MODEL_DIR` runs (same env and inference servers, a learner that never "
+                              "trains); `coordinatorctl start` trains")
         if cfg.cluster.launcher == "local":
             from services.coordinator.launcher import check_local
             from services.coordinator.preflight import preflight_loggers, preflight_model

@@ -9,7 +9,8 @@ run's config.yaml (a checkpoint's run is two folders up) unless ``--config`` nam
 (e.g. ``env.eval.num_episodes=200``, ``env.eval.use_fixed_reset_state_ids=true``, ``env.eval.video_episodes=4``).
 
 How the weights reach the inference servers: the local launcher starts the env servers, inference servers and one
-learner exactly as ``coordinatorctl start`` does; the learner never trains. For a checkpoint it starts with
+learner as ``coordinatorctl start`` does, with ``runner.only_eval`` set: the learner never trains, builds no
+optimizer and loads no optimizer state (the memory check counts weights only). For a checkpoint it starts with
 ``runner.resume_dir`` set to the checkpoint folder (its set-up restores the policy as a resumed run does), for a
 model folder with ``actor.model.model_path`` set to it (the policy is built from it, as an SFT base is); its first
 PublishWeights sends the full set to every inference server, as at the start of a run. Then the coordinator's own
@@ -107,6 +108,7 @@ def eval_config(target: Target, config: str | None, overrides: list[str]):
         base = str(target.run_dir / "config.yaml")
     where = ([f"runner.resume_dir={target.checkpoint.resolve()}"] if target.checkpoint is not None
              else [f"actor.model.model_path={target.path.resolve()}", "runner.resume_dir=null"])
+    where.append("runner.only_eval=true")  # the learner loads the weights only: no optimizer, no Adam state
     try:
         cfg = load_config(base, [*overrides, *where])
     except ConfigError as exc:

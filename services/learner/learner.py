@@ -153,14 +153,16 @@ class Learner:
         fi_specs = forward_input_specs(model, obs_specs, self.device) if self.group.is_leader else None
         # the KL reference is the model as built (model_path: the SFT base), also on resume: with LoRA the base
         # itself with the adapters off, else a frozen copy (sharded like the policy)
-        if self.alg.kl_beta > 0 and not model.trains_adapters_only:
+        only_eval = self.cfg.runner.only_eval  # serving weights for an evaluation: no reference, no optimizer
+        if self.alg.kl_beta > 0 and not model.trains_adapters_only and not only_eval:
             ref = copy.deepcopy(model).eval()
             for p in ref.parameters():
                 p.requires_grad_(False)
             self.ref_model = shard_policy(ref, self.group)
         self.model = shard_policy(model, self.group)
-        self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad],
-                                          lr=self.cfg.actor.optim.lr, eps=self.cfg.actor.optim.adam_eps)
+        if not only_eval:
+            self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad],
+                                              lr=self.cfg.actor.optim.lr, eps=self.cfg.actor.optim.adam_eps)
         self.obs_specs, self.action_dim = obs_specs, action_dim
         r = self.rollouts
         r.obs_specs, r.action_dim = obs_specs, action_dim
@@ -182,21 +184,14 @@ class Learner:
         return self._run("memory")
 
     def _on_memory(self, _meta, _tensors) -> list[dict[str, int]]:
-        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        states = self.optimizer.state.values() if self.optimizer is not None else ()
+        opt = [t for s in states for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         mine = torch.zeros(self.group.world, 2, dtype=torch.int64, device=self.device)
         mine[self.group.rank] = torch.tensor([local_bytes(self.model.parameters()), local_bytes(opt)])
         every = self.group.all_reduce(mine).tolist()
         return [{"parameters": a, "optimizer": b} for a, b in every]
 
     # --- rollouts (rank 0) ------------------------------------------------------------------------------------
-    def check_rollout_epoch(self, epoch: int) -> None:
-        self.rollouts.check_rollout_epoch(epoch)
-
-    def receive(self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray],
-                episodes: list) -> tuple[int, int]:
-        """Validate and store one worker's complete rollout for ``epoch`` (replaces an earlier one)."""
-        return self.rollouts.receive(epoch, worker, time_major, per_env, episodes)
-
     # --- training -------------------------------------------------------------------------------------------
     def _lr(self) -> float:
         lr = self.cfg.actor.optim.lr
@@ -209,6 +204,9 @@ class Learner:
         """One PPO/GRPO update on the rollouts of ``epoch`` from ``workers``; then publish, checkpoint, log."""
         if self.model is None:
             raise FailedPrecondition("the learner has no policy yet")
+        if self.optimizer is None:
+            raise FailedPrecondition("runner.only_eval: this learner serves weights for an evaluation and never "
+                                     "trains (it has no optimizer)")
         if epoch != self.epoch + 1:
             raise InvalidRequest(f"epoch: {epoch} is not the next epoch (last trained: {self.epoch})")
         self.rollouts.set_workers(workers)  # the run's current scale (coordinatorctl scale env N)
@@ -327,6 +325,9 @@ class Learner:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> pathlib.Path:
+        if self.optimizer is None:
+            raise FailedPrecondition("runner.only_eval: this learner serves weights for an evaluation; it has no "
+                                     "optimizer state to checkpoint")
         if self.group.is_leader:
             for k, v in self.scaler.state_dict().items():
                 if v.is_floating_point() and not torch.isfinite(v).all():
@@ -360,8 +361,12 @@ class Learner:
         return path
 
     def _load_checkpoint(self, path: pathlib.Path) -> None:
-        """Every rank (inside set-up): the shards of the policy and optimizer, then the counters."""
-        checkpoint.load_sharded(path, self.model, self.optimizer)
+        """Every rank (inside set-up): the shards of the policy and optimizer (runner.only_eval: the policy's
+        alone), then the counters."""
+        if self.optimizer is None:
+            checkpoint.load_policy_state(path, self.model)
+        else:
+            checkpoint.load_sharded(path, self.model, self.optimizer)
         reward_state, state = checkpoint.read_leader_files(path)
         if self.group.is_leader:
             self.scaler.load_state_dict(reward_state)

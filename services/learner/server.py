@@ -38,7 +38,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 raise rpc.InvalidRequest("rollout: chunk after the one marked last")
             if head is None:
                 head = (chunk.epoch, chunk.worker_index, chunk.num_steps)
-                self.learner.check_rollout_epoch(chunk.epoch)  # before anything is buffered
+                self.learner.rollouts.check_rollout_epoch(chunk.epoch)  # before anything is buffered
                 self.learner.rollouts.check_worker(chunk.worker_index)
             elif (chunk.epoch, chunk.worker_index, chunk.num_steps) != head:
                 raise rpc.InvalidRequest("rollout: chunks disagree on epoch/worker_index/num_steps")
@@ -64,8 +64,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             raise rpc.InvalidRequest("rollout: stream ended without a chunk marked last; discarded")
         if expect_t != head[2]:
             raise rpc.InvalidRequest(f"rollout: received {expect_t} of {head[2]} time steps")
-        T, N = self.learner.receive(head[0], head[1], {k: np.concatenate(v) for k, v in time_major.items()},
-                                    per_env, episodes)
+        T, N = self.learner.rollouts.receive(head[0], head[1], {k: np.concatenate(v) for k, v in time_major.items()},
+                                             per_env, episodes)
         return learner_pb2.PushRolloutResponse(num_steps=T, num_envs=N)
 
     @rpc.handler

@@ -181,3 +181,19 @@ def test_a_checkpoint_is_split_into_units_from_its_headers(tmp_path):
     fp = footprint.estimate(cfg.actor.model, "token_level")
     assert (fp.parameters, fp.trainable, fp.largest_unit, fp.root) == (43, 43, 20, 5)
     assert fp.activations_per_row == footprint.activation_bytes(cfg.actor.model) > 0
+
+
+def test_an_evaluation_learner_counts_weights_only(pi0, monkeypatch):
+    """runner.only_eval (`coordinatorctl eval`): no gradients, Adam state, activations for backward or optimizer
+    temporaries; the real-size π0 that needs 4 GPUs of 47 GB to train is evaluated with its learner on one."""
+    cfg, fp = pi0
+    ev = load_config("metaworld_mt50_ppo_pi0", ["runner.only_eval=true"])
+    _on(monkeypatch, GPUS, 47e9)
+    assert "88.0 GB for one rank" in fit.check(cfg)
+    assert fit.check(ev) is None
+    _on(monkeypatch, GPUS, 15e9)
+    why = fit.check(ev)
+    weights = 4 * fp.parameters / 1e9
+    assert (f"the learner, per rank of 1: {weights:.1f} GB of fp32 weights (runner.only_eval: no gradients or Adam "
+            f"state) (unsharded), 6.5 GB of bf16 autocast copies of the weights, 0.0 GB of activations") in why, why
+    assert "optimizer-step temporaries" not in why

@@ -238,6 +238,7 @@ def test_learner_killed_then_resume_and_stop(tmp_path, staleness):
     (["env.train.totl_num_envs=8"], "unknown config key 'env.train.totl_num_envs'; did you mean 'env.train.total_num_envs'"),
     (["env.train.env_id=PandaPickCub-v0"], "unknown env id 'PandaPickCub-v0'; did you mean 'PandaPickCube-v0'"),
     (["rollout.pipeline_stage_num=3"], "must split evenly into 3 stages"),
+    (["runner.only_eval=true"], "'runner.only_eval': true means evaluation only, which `coordinatorctl eval"),
 ])
 def test_config_errors_name_the_key(args, message, tmp_path):
     proc = subprocess.run([*CTL, "start", f"runner.logger.log_path={tmp_path}", *args], capture_output=True,

@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     for epoch, data in rollouts.items():
-        learner.receive(epoch, 0, *data)
+        learner.rollouts.receive(epoch, 0, *data)
         metrics.append(learner.train(epoch, [0]))
     update_s = time.perf_counter() - started
     if scenario == "save":

@@ -44,31 +44,31 @@ def test_receive_validates(learner):
     tm, pe, eps = fake_rollout()
     bad = dict(tm, actions=tm["actions"][:, :, :, :3])
     with pytest.raises(InvalidRequest, match=r"rollout\['actions'\]: shape \[16, 8, 1, 3\]"):
-        learner.receive(0, 0, bad, pe, eps)
+        learner.rollouts.receive(0, 0, bad, pe, eps)
     bad = dict(tm)
     bad["rewards"] = tm["rewards"].copy()
     bad["rewards"][2, 3] = np.inf
     with pytest.raises(InvalidRequest, match=r"rollout\['rewards'\]: non-finite"):
-        learner.receive(0, 0, bad, pe, eps)
+        learner.rollouts.receive(0, 0, bad, pe, eps)
     with pytest.raises(InvalidRequest, match="missing tensors"):
-        learner.receive(0, 0, {k: v for k, v in tm.items() if k != "values"}, pe, eps)
+        learner.rollouts.receive(0, 0, {k: v for k, v in tm.items() if k != "values"}, pe, eps)
     with pytest.raises(FailedPrecondition, match=r"no committed rollout from worker\(s\) \[0\]"):
         learner.train(0, [0])
     empty, pe0, _ = fake_rollout(T=0)
     with pytest.raises(InvalidRequest, match="0 time steps x 8 envs"):
-        learner.receive(0, 0, empty, pe0, eps)
+        learner.rollouts.receive(0, 0, empty, pe0, eps)
     with pytest.raises(InvalidRequest, match=r"rollout\['terminated'\]: dtype float32 where bool"):
-        learner.receive(0, 0, dict(tm, terminated=tm["terminated"].astype(np.float32)), pe, eps)
+        learner.rollouts.receive(0, 0, dict(tm, terminated=tm["terminated"].astype(np.float32)), pe, eps)
     with pytest.raises(InvalidRequest, match=r"rollout\['actions'\]: dtype uint8 where float32"):
-        learner.receive(0, 0, dict(tm, actions=tm["actions"].astype(np.uint8)), pe, eps)
+        learner.rollouts.receive(0, 0, dict(tm, actions=tm["actions"].astype(np.uint8)), pe, eps)
     # nothing was lost: a good rollout still trains
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     assert np.isfinite(learner.train(0, [0])["train/loss"])
 
 
 def test_no_checkpoint_from_non_finite_state(learner):
     tm, pe, eps = fake_rollout()
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     learner.train(0, [0])
     good = learner.save_checkpoint()
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_no_checkpoint_from_non_finite_state(learner):
 def test_train_logs_rlinf_metrics_and_checkpoints(learner, tmp_path):
     tm, pe, eps = fake_rollout()
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     m = learner.train(0, [0])
     for key in ("train/actor/policy_loss", "train/actor/approx_kl", "train/actor/clip_fraction",
                 "train/actor/clipped_ratio", "train/actor/grad_norm", "train/actor/lr", "train/actor/entropy_loss",
@@ -104,7 +104,7 @@ def test_train_logs_rlinf_metrics_and_checkpoints(learner, tmp_path):
 
 def test_resume_restores_weights_optimizer_and_counters(cfg, learner, tmp_path):
     tm, pe, eps = fake_rollout()
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     learner.train(0, [0])
     cfg.runner.resume_dir = str(tmp_path / "run")
     other = Learner(cfg, tmp_path / "run")
@@ -116,10 +116,10 @@ def test_resume_restores_weights_optimizer_and_counters(cfg, learner, tmp_path):
     assert s1.keys() == s2.keys() and all(torch.equal(s1[i]["exp_avg"], s2[i]["exp_avg"]) for i in s1)
     # both continue identically
     torch.manual_seed(3)
-    learner.receive(1, 0, *fake_rollout(seed=1))
+    learner.rollouts.receive(1, 0, *fake_rollout(seed=1))
     m1 = learner.train(1, [0])
     torch.manual_seed(3)
-    other.receive(1, 0, *fake_rollout(seed=1))
+    other.rollouts.receive(1, 0, *fake_rollout(seed=1))
     m2 = other.train(1, [0])
     assert np.isclose(m1["train/loss"], m2["train/loss"])
     other.close()
@@ -140,7 +140,7 @@ def test_update_runs_on_its_threads_and_gives_them_back(learner):
     seen, update = [], learner.trainer.update
     learner.trainer.update = lambda *a, **kw: (seen.append(torch.get_num_threads()), update(*a, **kw))[1]
     tm, pe, eps = fake_rollout()
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     learner.train(0, [0])
     assert seen == [before + 1] and torch.get_num_threads() == before
 
@@ -151,7 +151,7 @@ def test_samples_more_than_one_version_old_get_truncated_importance_weights(lear
     tm["weights_version"] = np.zeros((16, 8), np.int64)
     tm["weights_version"][:, :4] = 2  # envs 0-3 acted with the current weights, envs 4-7 two versions before
     learner.version = 2
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     seen = {}
     step = learner.trainer._step
     learner.trainer._step = lambda model, opt, rows, *rest: (seen.update(rows), step(model, opt, rows, *rest))[1]
@@ -169,7 +169,7 @@ def test_fresh_samples_train_as_plain_ppo(learner):
     tm, pe, eps = fake_rollout()
     tm["weights_version"] = np.zeros((16, 8), np.int64)
     learner.version = 1  # one version old: PPO's own ratio is the correction
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     m = learner.train(0, [0])
     assert m["rollout/stale_fraction"] == 0.0 and "train/actor/is_weight_mean" not in m
 
@@ -179,7 +179,7 @@ def test_decoupled_staleness_1_corrects_every_stale_sample(learner):
     tm, pe, eps = fake_rollout()
     tm["weights_version"] = np.zeros((16, 8), np.int64)
     learner.version = 1
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     m = learner.train(0, [0])
     assert m["rollout/stale_fraction"] == 1.0 and m["train/actor/is_weight_mean"] > 0
 
@@ -194,13 +194,13 @@ def test_critic_warmup_trains_only_the_critic_first(cfg, tmp_path):
         critic = {n for n, p in le.model.named_parameters() if any(p is q for q in le.model.critic_parameters())}
         assert critic and all(n.startswith("critic.") for n in critic)
         before = {n: p.detach().clone() for n, p in le.model.named_parameters()}
-        le.receive(0, 0, *fake_rollout())
+        le.rollouts.receive(0, 0, *fake_rollout())
         m = le.train(0, [0])
         assert m["train/critic_warmup"] == 1.0
         moved = {n for n, p in le.model.named_parameters() if not torch.equal(before[n], p)}
         assert moved and moved <= critic, moved - critic
         mid = {n: p.detach().clone() for n, p in le.model.named_parameters()}
-        le.receive(1, 0, *fake_rollout(seed=1))
+        le.rollouts.receive(1, 0, *fake_rollout(seed=1))
         m = le.train(1, [0])
         assert m["train/critic_warmup"] == 0.0
         assert any(not torch.equal(mid[n], p) for n, p in le.model.named_parameters() if n not in critic)
@@ -216,7 +216,7 @@ def _drift_from_start(cfg, tmp_path, kl_beta: float, epochs: int = 4) -> tuple[f
     le.setup(SPECS, 4)
     start = {k: v.clone() for k, v in le.model.state_dict().items()}
     for epoch in range(epochs):
-        le.receive(epoch, 0, *fake_rollout(seed=epoch))
+        le.rollouts.receive(epoch, 0, *fake_rollout(seed=epoch))
         m = le.train(epoch, [0])
         assert ("train/actor/kl_loss" in m) == (kl_beta > 0)
     tm, _, _ = fake_rollout(seed=99)
@@ -250,7 +250,7 @@ def test_kl_reference_on_resume_is_the_starting_model(cfg, tmp_path):
     le = Learner(cfg, tmp_path / "run")
     le.setup(SPECS, 4)
     start = {k: v.clone() for k, v in le.ref_model.state_dict().items()}
-    le.receive(0, 0, *fake_rollout())
+    le.rollouts.receive(0, 0, *fake_rollout())
     le.train(0, [0])
     le.close()
     cfg.runner.resume_dir = str(tmp_path / "run")
@@ -302,13 +302,13 @@ def test_forward_inputs_are_checked_against_what_the_policy_produces(learner):
     tm, pe, eps = fake_rollout()
     with pytest.raises(InvalidRequest, match=r"rollout\['fi.actions'\]: float32 \[16, 8, 7\] where float "
                                              r"\[16, 8, \*\[4\]\] was expected"):
-        learner.receive(0, 0, dict(tm, **{"fi.actions": np.zeros((16, 8, 7), np.float32)}), pe, eps)
+        learner.rollouts.receive(0, 0, dict(tm, **{"fi.actions": np.zeros((16, 8, 7), np.float32)}), pe, eps)
     with pytest.raises(InvalidRequest, match=r"unknown tensors \['fi.tokens'\]"):
-        learner.receive(0, 0, dict(tm, **{"fi.tokens": np.zeros((16, 8, 3), np.int64)}), pe, eps)
+        learner.rollouts.receive(0, 0, dict(tm, **{"fi.tokens": np.zeros((16, 8, 3), np.int64)}), pe, eps)
     with pytest.raises(InvalidRequest, match=r"rollout\['loss_mask'\]: all 128 samples are masked out"):
-        learner.receive(0, 0, dict(tm, loss_mask=np.zeros((16, 8), bool)), pe, eps)
+        learner.rollouts.receive(0, 0, dict(tm, loss_mask=np.zeros((16, 8), bool)), pe, eps)
     assert not learner.rollouts.pending
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     assert np.isfinite(learner.train(0, [0])["train/loss"])
 
 
@@ -330,11 +330,11 @@ def test_huge_finite_values_are_refused_and_training_goes_on(learner, field):
     bad[field] = tm[field].copy()
     bad[field].reshape(-1)[5] = 3e38
     with pytest.raises(InvalidRequest, match=rf"rollout\['{field}'\]: value 3e\+38 .* beyond the schema's bound"):
-        learner.receive(0, 0, bad, pe, eps)
+        learner.rollouts.receive(0, 0, bad, pe, eps)
     with pytest.raises(InvalidRequest, match=r"rollout\['last_values'\]: value 3e\+38"):
-        learner.receive(0, 0, tm, {"last_values": np.full(8, 3e38, np.float32)}, eps)
+        learner.rollouts.receive(0, 0, tm, {"last_values": np.full(8, 3e38, np.float32)}, eps)
     assert not learner.rollouts.pending
-    learner.receive(0, 0, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     m = learner.train(0, [0])
     assert all(np.isfinite(v) for v in m.values())
     assert learner.save_checkpoint().exists()
@@ -373,26 +373,26 @@ def test_rollouts_of_workers_the_run_does_not_have_are_refused(learner):
     for worker in (1, 5, 2 ** 31 - 1, -1):
         with pytest.raises(InvalidRequest, match=rf"worker_index: {worker} is not one of this run's env servers "
                                                  r"\(0\.\.0"):
-            learner.receive(0, worker, tm, pe, eps)
+            learner.rollouts.receive(0, worker, tm, pe, eps)
     assert not learner.rollouts.pending
     # the run scales up (coordinatorctl scale env 3): the new servers push before the Train that names them;
     # the learner asks the coordinator
     asked = []
     learner.rollouts.scale_probe = lambda: asked.append(1) or 3
-    learner.receive(0, 2, tm, pe, eps)
-    learner.receive(0, 1, tm, pe, eps)
+    learner.rollouts.receive(0, 2, tm, pe, eps)
+    learner.rollouts.receive(0, 1, tm, pe, eps)
     assert len(asked) == 1 and learner.rollouts.num_workers == 3
     with pytest.raises(InvalidRequest, match=r"worker_index: 3 is not one of this run's env servers \(0\.\.2"):
-        learner.receive(0, 3, tm, pe, eps)
-    learner.receive(0, 0, tm, pe, eps)
+        learner.rollouts.receive(0, 3, tm, pe, eps)
+    learner.rollouts.receive(0, 0, tm, pe, eps)
     learner.train(0, [0, 1, 2])
     # scaled down to 1: Train names the workers, and the next epoch takes only them
     learner.rollouts.scale_probe = None
-    learner.receive(1, 0, tm, pe, eps)
+    learner.rollouts.receive(1, 0, tm, pe, eps)
     learner.train(1, [0])
     assert learner.rollouts.num_workers == 1
     with pytest.raises(InvalidRequest, match="worker_index: 1"):
-        learner.receive(2, 1, tm, pe, eps)
+        learner.rollouts.receive(2, 1, tm, pe, eps)
 
 
 def test_resumed_run_logs_each_epoch_once(cfg, tmp_path):
@@ -401,7 +401,7 @@ def test_resumed_run_logs_each_epoch_once(cfg, tmp_path):
     le = Learner(cfg, tmp_path / "run")
     le.setup(SPECS, 4)
     for epoch in range(3):  # checkpoint at step 2; steps 1, 2, 3 logged; then the kill
-        le.receive(epoch, 0, *fake_rollout(seed=epoch))
+        le.rollouts.receive(epoch, 0, *fake_rollout(seed=epoch))
         le.train(epoch, [0])
     le.close()
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
@@ -410,8 +410,40 @@ def test_resumed_run_logs_each_epoch_once(cfg, tmp_path):
     le2.setup(SPECS, 4)
     try:
         assert le2.epoch == 1
-        le2.receive(2, 0, *fake_rollout(seed=2))
+        le2.rollouts.receive(2, 0, *fake_rollout(seed=2))
         le2.train(2, [0])
         assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
     finally:
         le2.close()
+
+
+def test_only_eval_learner_loads_weights_without_optimizer_state(cfg, tmp_path):
+    """runner.only_eval (what `coordinatorctl eval` sets): the checkpoint's weights, no optimizer nor Adam state,
+    and training or checkpointing refused by name."""
+    cfg.runner.save_interval = 1
+    le = Learner(cfg, tmp_path / "run")
+    le.setup(SPECS, 4)
+    le.rollouts.receive(0, 0, *fake_rollout())
+    le.train(0, [0])
+    trained = {k: v.clone() for k, v in le.state_dict().items()}
+    trained_memory = le.memory()[0]
+    le.close()
+    assert trained_memory["optimizer"] > 0
+
+    cfg.runner.resume_dir = str(tmp_path / "run")
+    cfg.runner.only_eval = True
+    ev = Learner(cfg, tmp_path / "run")
+    ev.setup(SPECS, 4)
+    try:
+        assert ev.optimizer is None and ev.epoch == 0 and ev.version == 1
+        got = ev.state_dict()
+        assert set(got) == set(trained) and all(torch.equal(got[k], trained[k]) for k in got)
+        memory = ev.memory()[0]
+        assert memory == {"parameters": trained_memory["parameters"], "optimizer": 0}
+        ev.rollouts.receive(1, 0, *fake_rollout(seed=1))
+        with pytest.raises(FailedPrecondition, match="runner.only_eval"):
+            ev.train(1, [0])
+        with pytest.raises(FailedPrecondition, match="runner.only_eval"):
+            ev.save_checkpoint()
+    finally:
+        ev.close()
