@@ -162,6 +162,31 @@ def _download_command(uid: str) -> str:
     return f"{sys.executable} -m mani_skill.utils.download_asset {uid} -y"
 
 
+def enable_gpu_physx() -> None:
+    """SAPIEN's GPU PhysX, or BackendUnavailable naming the library it lacks. SAPIEN fetches libPhysXGpu_64.so from
+    a GitHub release on first use (in no wheel); a host that cannot reach it would otherwise fail with a
+    ConnectionError traceback from inside the simulator's construction."""
+    import pathlib
+
+    from sapien import physx
+
+    if physx.is_gpu_enabled():
+        return
+    folder = pathlib.Path.home() / ".sapien" / "physx" / physx.version()
+    lib = folder / "libPhysXGpu_64.so"
+    url = f"https://github.com/sapien-sim/physx-precompiled/releases/download/{physx.version()}/linux-so.zip"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # its download notice, kept off the env side's stdout
+            physx.enable_gpu()
+    except Exception as exc:
+        state = "present but not loadable" if lib.is_file() else "missing"
+        first = str(exc).splitlines()[0][:160] if str(exc) else ""
+        raise BackendUnavailable(
+            f"maniskill: sim_backend gpu needs SAPIEN's PhysX GPU library {lib} ({state}: {type(exc).__name__}: "
+            f"{first}); SAPIEN downloads it from {url} on first use: fetch that zip where a network allows and unzip "
+            f"it into {folder}, or use sim_backend cpu") from None
+
+
 def missing_assets(env_id: str, robot_uids=None) -> list[tuple[str, list[str]]]:
     """[(download uid, missing data source ids)] for the task and its robot(s), as ManiSkill checks them."""
     import inspect
@@ -376,6 +401,8 @@ class ManiSkillBackend(SimBackend):
             raise BackendUnavailable("maniskill: sim_backend gpu needs a CUDA GPU visible to torch; this process "
                                      "has none (use sim_backend cpu or auto)")
         self.gpu = backend == "physx_cuda"
+        if self.gpu:
+            enable_gpu_physx()
         self.obs_mode, self.camera = obs_mode, camera
         self._torch = torch
         kwargs = dict(env_kwargs or {})

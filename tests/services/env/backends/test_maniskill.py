@@ -123,6 +123,28 @@ def test_maniskill_refuses_unknown_rlinf_only_and_asset_tasks_without_prompting(
 
 
 @pytest.mark.sim
+def test_gpu_simulation_without_sapiens_physx_gpu_library_names_the_file_and_the_fix(tmp_path):
+    """SAPIEN fetches libPhysXGpu_64.so from GitHub on first GPU use (it is in no wheel): a host that cannot (the
+    device machines here, as measured) gets one line naming the file, where it comes from and where it goes."""
+    out = run_in_env("maniskill", r"""
+import json, requests
+def offline(*a, **k):
+    raise requests.exceptions.ConnectionError("Failed to resolve 'github.com'")
+requests.get = offline
+from services.env.backends.base import BackendUnavailable
+from services.env.backends.maniskill import enable_gpu_physx
+try:
+    enable_gpu_physx()
+    print(json.dumps({"raised": None}))
+except BackendUnavailable as exc:
+    print(json.dumps({"raised": str(exc)}))
+""", timeout=120, HOME=str(tmp_path))
+    msg = out["raised"]
+    assert msg and f"{tmp_path}/.sapien/physx/" in msg and "libPhysXGpu_64.so (missing: ConnectionError" in msg, msg
+    assert "github.com/sapien-sim/physx-precompiled/releases/download/" in msg and "sim_backend cpu" in msg
+
+
+@pytest.mark.sim
 def test_maniskill_env_server_in_its_own_environment_passes_the_contract_checks():
     from rlfleet.simulators import conformance
 
