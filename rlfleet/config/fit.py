@@ -28,8 +28,9 @@ def check(cfg, *, inference: bool = True) -> str | None:
         return None
     fp = footprint.estimate(model, cfg.algorithm.logprob_type)
     only_eval = bool(cfg.runner.only_eval)
-    if only_eval:  # `coordinatorctl eval`: a learner that never trains holds weights only (no grads, Adam, backward)
-        fp = dataclasses.replace(fp, trainable=0, largest_unit_trainable=0, root_trainable=0, activations_per_row=0)
+    if only_eval:  # `coordinatorctl eval`: a learner that never trains or runs the policy holds its weights only
+        fp = dataclasses.replace(fp, trainable=0, largest_unit_trainable=0, root_trainable=0, activations_per_row=0,
+                                 autocast_parameters=0)
     # RL with algorithm.kl_beta > 0 keeps the starting model as the KL reference (LoRA: the base with adapters off)
     reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora and not only_eval
     rl = inference  # the RL learner is a group of ranks; supervised fine-tuning runs as one process
