@@ -202,11 +202,19 @@ def missing_assets(env_id: str, robot_uids=None) -> list[tuple[str, list[str]]]:
             robot_uids = inspect.signature(spec.cls.__init__).parameters["robot_uids"].default
         except (KeyError, TypeError, ValueError):
             robot_uids = None
+    from mani_skill.agents.registration import REGISTERED_AGENTS
+
     robots = robot_uids if isinstance(robot_uids, (list, tuple)) else [robot_uids]
-    for robot in dict.fromkeys(r for r in robots if isinstance(r, str)):
-        gone = missing(assets.DATA_GROUPS.get(robot, []))
-        if gone:
-            out.append((robot, gone))
+    for robot in robots:  # a robot uid, or an agent class (its registration names its downloads)
+        if isinstance(robot, type) and getattr(robot, "uid", None) in REGISTERED_AGENTS:
+            for uid in REGISTERED_AGENTS[robot.uid].asset_download_ids:
+                gone = missing(assets.DATA_GROUPS.get(uid, [uid]))
+                if gone and uid not in [u for u, _ in out]:
+                    out.append((uid, gone))
+        elif isinstance(robot, str):
+            gone = missing(assets.DATA_GROUPS.get(robot, []))
+            if gone and robot not in [u for u, _ in out]:
+                out.append((robot, gone))
     return out
 
 
