@@ -227,9 +227,11 @@ def download_assets(task: str | None, dry_run: bool = False) -> int:
     if task is None:
         backed = sorted(t for t, spec in registry.items() if spec.asset_download_ids)
         for t in backed:
-            gone = missing_assets(t)
-            print(f"{t}: " + ("assets present" if not gone else "missing " + ", ".join(uid for uid, _ in gone)))
-        print(f"({len(backed)} asset-backed tasks; assets live in $MS_ASSET_DIR = {where})")
+            gone = [uid for uid, _ in missing_assets(t)]
+            if t in put_on_plate_assets.TASKS and put_on_plate_assets.rlinf_missing():
+                gone.append(f"RLinf's {put_on_plate_assets.RLINF_HUB_DATASET} set (`envs assets maniskill {t}` says how)")
+            print(f"{t}: " + ("assets present" if not gone else "missing " + ", ".join(gone)))
+        print(f"({len(backed)} asset-backed tasks; ManiSkill's data folder ($MS_ASSET_DIR/data): {where})")
         return 0
     if task in RLINF_ONLY:
         print(_rlinf_message(task))

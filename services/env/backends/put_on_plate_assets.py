@@ -88,6 +88,10 @@ def _missing_rlinf() -> list[str]:
     return gone
 
 
+def rlinf_missing() -> bool:
+    return bool(_missing_rlinf())
+
+
 def _missing_maniskill() -> list[str]:
     data = maniskill_data_dir()
     return [str(data / f) for f in (ROBOT_FILE, STAGE_FILE) if not (data / f).is_file()]
