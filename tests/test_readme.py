@@ -137,6 +137,8 @@ RULES = [
     Rule("needs Docker, a cluster or a GPU (docker, docker-compose, kubectl, compose_e2e.sh, nvidia-smi)", "skip",
          lambda a: _prog(a) in ("docker", "docker-compose", "kubectl", "helm", "nvidia-smi")
          or (_prog(a) == "bash" and len(a) > 1 and a[1] == "benchmarks/compose_e2e.sh")),
+    Rule("downloads a dataset or model from the Hugging Face hub (network, GBs)", "skip",
+         lambda a: _prog(a) in ("hf", "huggingface-cli") and len(a) > 1 and a[1] == "download"),
     Rule("a --help line", "run", lambda a: a[-1] in ("--help", "-h")),
     Rule("coordinatorctl synopsis (placeholders): the subcommand's --help", "help",
          lambda a: _prog(a) == "coordinatorctl" and is_synopsis(a)),

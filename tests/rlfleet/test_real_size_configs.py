@@ -25,6 +25,7 @@ def _build(name: str, specs: dict, action_dim: int):
 
 @pytest.mark.parametrize("name, specs", [
     ("maniskill_pickcube_ppo_openvla", {"pixels": IMAGE, "state": TensorSpace((25,), "float32")}),
+    ("maniskill_put_on_plate_ppo_openvla", {"pixels": IMAGE, "state": TensorSpace((25,), "float32")}),
     ("libero_spatial_grpo_openvla_oft", {"agentview": IMAGE, "wrist": IMAGE, "state": TensorSpace((8,), "float32")}),
 ])
 def test_openvla_7b_architecture(name, specs):

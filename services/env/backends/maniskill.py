@@ -3,13 +3,16 @@
 
 - env_id: a registered ManiSkill task id (``PickCube-v1``, ``PushCube-v1``, ``StackCube-v1``,
   ``PegInsertionSide-v1``, ...). Tasks whose assets are not downloaded are refused at once, naming the download
-  command (ManiSkill would otherwise ask on stdin); RLinf's ``PutOnPlateInScene25Main-v3`` is not in the public
-  package and is refused with what to do instead.
+  command (ManiSkill would otherwise ask on stdin). RLinf's ``PutOnPlateInScene25Main-v3`` is rlfleet's own
+  implementation (services.env.backends.maniskill_put_on_plate, registered with ManiSkill's registry here) on
+  RLinf's assets (services.env.backends.put_on_plate_assets); its v1/v2 variants are refused with what to do.
 - params (``env.*.init_params``):
   ``obs_mode``: ``state`` (default) -> ``{"state": float32 [D]}``; ``rgb`` -> ``{"pixels": uint8 [H, W, 3]`` from
   the task's sensor camera (``camera``, default its first), ``"state": float32 [D]}`` = the agent's proprioception
   and the task's extra state (``agent`` and ``extra`` entries, flattened in ManiSkill's order).
-  ``image_size``: ``S`` or ``[H, W]`` (default 64) for the sensor cameras. ``control_mode``: ManiSkill's
+  ``image_size``: ``S`` or ``[H, W]`` (default 64) for the sensor cameras. The Bridge digital twins (Put*InScene*,
+  PutOnPlateInScene25Main-v3) render ManiSkill's ``rgb+segmentation`` with their background image at the
+  camera's own 640x480, resized to ``image_size`` (area interpolation). ``control_mode``: ManiSkill's
   controller (default: the task's own, ``pd_joint_delta_pos`` for the Panda tasks). ``reward_mode``:
   ``normalized_dense`` (default where the task has it, else the task's own), ``dense``, ``sparse`` or ``none``.
   ``sim_backend``: ``auto`` (default: ``gpu`` when torch sees CUDA, else ``cpu``), ``cpu`` (PhysX CPU: one
@@ -18,7 +21,9 @@
   ``env_kwargs``: more keyword arguments for the task's constructor (e.g. ``robot_uids``, ``sim_config``).
 - Resets: a seeded reset is ManiSkill's ``reset(seed=s)`` (same seed, same start, on any slot); an unseeded reset
   draws its seed from the slot's generator, itself seeded by the slot's last seed, so runs repeat. No fixed
-  initial states (``num_reset_states`` 0).
+  initial states (``num_reset_states`` 0), except PutOnPlateInScene25Main-v3, whose episode ids are its fixed
+  initial states (RLinf's ``use_fixed_reset_state_ids``). Each reset returns the slot's instruction (the task's
+  ``get_language_instruction()`` where it has one: per episode).
 - Steps: reward, success (``info["success"]``) and terminated (ManiSkill's own: success or failure) come from
   the task; ManiSkill's time limit is not applied (``max_episode_steps`` of the run config is, by VecEnv; the
   task's own limit is reported as the backend's ``max_episode_steps``).
@@ -44,11 +49,12 @@ import numpy as np
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
+from services.env.backends import put_on_plate_assets
 from services.env.backends.base import BackendUnavailable, SimBackend
 from services.env.vec_env import StepResult
 
-# RLinf's ManiSkill task ids that live only in RLinf's fork of ManiSkill (with its own assets)
-RLINF_ONLY = ("PutOnPlateInScene25Main-v3", "PutOnPlateInScene25Main-v2", "PutOnPlateInScene25Main-v1")
+# RLinf's ManiSkill task ids that rlfleet does not implement (RLinf's earlier versions of its own task)
+RLINF_ONLY = ("PutOnPlateInScene25Main-v2", "PutOnPlateInScene25Main-v1")
 INSTRUCTIONS = {  # ManiSkill ships no language; short imperative descriptions of the tabletop tasks
     "PickCube-v1": "pick up the red cube and move it to the goal",
     "PushCube-v1": "push the cube to the red and white target",
@@ -91,11 +97,11 @@ def instruction_for(env_id: str) -> str:
 
 
 def _rlinf_message(env_id: str) -> str:
-    return (f"maniskill: '{env_id}' is a task of RLinf's fork of ManiSkill (its own task code and bridge/carrot "
-            f"assets), not of the public mani-skill 3.0.1 package this environment installs. Use a public task "
-            f"(PickCube-v1, PushCube-v1, StackCube-v1, PegInsertionSide-v1, or PutCarrotOnPlateInScene-v1 after "
-            f"`python -m mani_skill.utils.download_asset bridge_v2_real2sim -y`), or run RLinf's ManiSkill as an "
-            f"external env server (cluster.external_env_addresses)")
+    return (f"maniskill: '{env_id}' is an earlier version of RLinf's task (RLinf's own task code), not of the "
+            f"public mani-skill 3.0.1 package nor of rlfleet, which implements PutOnPlateInScene25Main-v3 (on "
+            f"RLinf's assets). Use PutOnPlateInScene25Main-v3, a public task (PickCube-v1, PushCube-v1, "
+            f"PutCarrotOnPlateInScene-v1, ...), or run RLinf's ManiSkill as an external env server "
+            f"(cluster.external_env_addresses)")
 
 
 # --- host checks -----------------------------------------------------------------------------------------------
@@ -127,8 +133,14 @@ def preflight(cfg=None) -> None:
     if cfg is not None:
         for split in ("train", "eval"):
             e = cfg.env[split]
-            if e.simulator_type == "maniskill" and e.env_id in RLINF_ONLY:
+            if e.simulator_type != "maniskill":
+                continue
+            if e.env_id in RLINF_ONLY:
                 raise BackendUnavailable(_rlinf_message(e.env_id))
+            if e.env_id in put_on_plate_assets.TASKS:
+                why = put_on_plate_assets.problem(e.env_id)
+                if why:
+                    raise BackendUnavailable(why)
     problem = vulkan_problem()
     if problem:
         raise BackendUnavailable(problem)
@@ -155,6 +167,8 @@ def import_maniskill():
         raise _AssetPrompt(message)
 
     download_asset.prompt_yes_no = refuse  # never block on stdin (registration and agents call it by attribute)
+    with contextlib.redirect_stdout(sys.stderr):  # rlfleet's own RLinf task (reads its assets when made)
+        import services.env.backends.maniskill_put_on_plate  # noqa: F401  (registers it)
     return REGISTERED_ENVS
 
 
@@ -213,11 +227,19 @@ def missing_assets(env_id: str, robot_uids=None) -> list[tuple[str, list[str]]]:
             robot_uids = inspect.signature(spec.cls.__init__).parameters["robot_uids"].default
         except (KeyError, TypeError, ValueError):
             robot_uids = None
+    from mani_skill.agents.registration import REGISTERED_AGENTS
+
     robots = robot_uids if isinstance(robot_uids, (list, tuple)) else [robot_uids]
-    for robot in dict.fromkeys(r for r in robots if isinstance(r, str)):
-        gone = missing(assets.DATA_GROUPS.get(robot, []))
-        if gone:
-            out.append((robot, gone))
+    for robot in robots:  # a robot uid, or an agent class (its registration names its downloads)
+        if isinstance(robot, type) and getattr(robot, "uid", None) in REGISTERED_AGENTS:
+            for uid in REGISTERED_AGENTS[robot.uid].asset_download_ids:
+                gone = missing(assets.DATA_GROUPS.get(uid, [uid]))
+                if gone and uid not in [u for u, _ in out]:
+                    out.append((uid, gone))
+        elif isinstance(robot, str):
+            gone = missing(assets.DATA_GROUPS.get(robot, []))
+            if gone and robot not in [u for u, _ in out]:
+                out.append((robot, gone))
     return out
 
 
@@ -226,13 +248,15 @@ def download_assets(task: str | None, dry_run: bool = False) -> int:
     of what TASK (and its robot) needs and does not have, into $MS_ASSET_DIR; with no TASK, the asset-backed tasks
     and which of them miss assets. Prints one line per step; -> exit code."""
     registry = import_maniskill()
-    where = os.environ.get("MS_ASSET_DIR", "~/.maniskill/data")
+    where = str(put_on_plate_assets.maniskill_data_dir())
     if task is None:
         backed = sorted(t for t, spec in registry.items() if spec.asset_download_ids)
         for t in backed:
-            gone = missing_assets(t)
-            print(f"{t}: " + ("assets present" if not gone else "missing " + ", ".join(uid for uid, _ in gone)))
-        print(f"({len(backed)} asset-backed tasks; assets live in $MS_ASSET_DIR = {where})")
+            gone = [uid for uid, _ in missing_assets(t)]
+            if t in put_on_plate_assets.TASKS and put_on_plate_assets.rlinf_missing():
+                gone.append(f"RLinf's {put_on_plate_assets.RLINF_HUB_DATASET} set (`envs assets maniskill {t}` says how)")
+            print(f"{t}: " + ("assets present" if not gone else "missing " + ", ".join(gone)))
+        print(f"({len(backed)} asset-backed tasks; ManiSkill's data folder ($MS_ASSET_DIR/data): {where})")
         return 0
     if task in RLINF_ONLY:
         print(_rlinf_message(task))
@@ -241,8 +265,13 @@ def download_assets(task: str | None, dry_run: bool = False) -> int:
         print(f"maniskill: unknown task '{task}'{did_you_mean(task, registry)}")
         return 2
     gone = missing_assets(task)
+    rlinf = task in put_on_plate_assets.TASKS
     if not gone:
-        print(f"{task}: every asset it needs is present in {where}")
+        print(f"{task}: every asset ManiSkill downloads for it is present in {where}")
+        if rlinf:  # ... and RLinf's own set, which ManiSkill's downloader has no source for
+            lines = put_on_plate_assets.rlinf_instructions(task)
+            print("\n".join(lines))
+            return 1 if put_on_plate_assets.problem(task) else 0
         return 0
     for uid, ids in gone:
         cmd = _download_command(uid)
@@ -253,6 +282,9 @@ def download_assets(task: str | None, dry_run: bool = False) -> int:
                 print(f"{task}: the download of {uid} failed (exit {code}); where the network cannot reach ManiSkill's "
                       f"asset hosts, copy the assets into {where} from a machine that can")
                 return 1
+    if rlinf:
+        print("\n".join(put_on_plate_assets.rlinf_instructions(task)))
+        return 1 if not dry_run and put_on_plate_assets.problem(task) else 0
     return 0
 
 
@@ -300,6 +332,10 @@ def make_task(env_id: str, **kwargs):
         raise InvalidRequest(f"maniskill: unknown task '{env_id}'{did_you_mean(env_id, registry)}"
                              + f" ({len(registry)} tasks in mani-skill 3.0.1; e.g. PickCube-v1, PushCube-v1, "
                                f"StackCube-v1, PegInsertionSide-v1)")
+    if env_id in put_on_plate_assets.TASKS:
+        why = put_on_plate_assets.problem(env_id)
+        if why:
+            raise BackendUnavailable(why)
     gone = missing_assets(env_id, kwargs.get("robot_uids"))
     if gone:
         raise _assets_error(env_id, gone)
@@ -406,15 +442,18 @@ class ManiSkillBackend(SimBackend):
         self.obs_mode, self.camera = obs_mode, camera
         self._torch = torch
         kwargs = dict(env_kwargs or {})
+        spec = import_maniskill().get(env_id)
         if reward_mode is None:  # normalized_dense where the task has it (most do), else the task's own default
-            spec = import_maniskill().get(env_id)
             modes = getattr(spec.cls, "SUPPORTED_REWARD_MODES", ()) if spec else ()
             reward_mode = "normalized_dense" if not modes or "normalized_dense" in modes else modes[0]
-        kwargs.update(obs_mode=obs_mode, reward_mode=reward_mode, sim_backend=backend, render_mode=None,
-                      num_envs=num_envs if self.gpu else 1)
+        obs_modes = getattr(spec.cls, "SUPPORTED_OBS_MODES", ()) if spec else ()
+        # the Bridge digital twins: rgb with their greenscreen background, at their camera's own size
+        self.resize = obs_mode == "rgb" and "rgb" not in obs_modes and "rgb+segmentation" in obs_modes
+        kwargs.update(obs_mode="rgb+segmentation" if self.resize else obs_mode, reward_mode=reward_mode,
+                      sim_backend=backend, render_mode=None, num_envs=num_envs if self.gpu else 1)
         if control_mode is not None:
             kwargs["control_mode"] = control_mode
-        if obs_mode == "rgb":
+        if obs_mode == "rgb" and not self.resize:
             kwargs["sensor_configs"] = {**kwargs.get("sensor_configs", {}), "width": self.width, "height": self.height}
         # a renderer even for state observations: some tasks (PushT) build render shapes; SAPIEN needs Vulkan anyway
         kwargs.setdefault("render_backend", "gpu" if self.gpu else "cpu")
@@ -434,6 +473,7 @@ class ManiSkillBackend(SimBackend):
         from mani_skill.utils.registration import REGISTERED_ENVS
 
         self.instruction = instruction_for(env_id)
+        self._per_episode_text = callable(getattr(env.unwrapped, "get_language_instruction", None))
         first = self._rows(env._init_raw_obs if hasattr(env, "_init_raw_obs") else env.reset(seed=0)[0])
         obs_space = {"state": TensorSpace((first["state"].shape[1],), np.float32)}
         if obs_mode == "rgb":
@@ -441,7 +481,8 @@ class ManiSkillBackend(SimBackend):
         self.observation_space = obs_space
         self.action_space = TensorSpace.from_gym(env.single_action_space)
         self.max_episode_steps = int(REGISTERED_ENVS[env_id].max_episode_steps or 1000)
-        self.num_reset_states = 0
+        # tasks with enumerated episodes (PutOnPlateInScene25Main-v3's episode ids) offer them as fixed states
+        self.num_reset_states = int(getattr(env.unwrapped, "total_num_trials", 0) or 0)
         self._rngs = [np.random.default_rng(i) for i in range(num_envs)]
 
     # --- observations -------------------------------------------------------------------------------------
@@ -458,6 +499,11 @@ class ManiSkillBackend(SimBackend):
         if name not in sensors:
             raise InvalidRequest(f"maniskill: {self.env_id} has no camera {name!r} (cameras: {', '.join(sensors)})")
         rgb = sensors[name]["rgb"].detach().cpu().numpy()[..., :3]
+        if rgb.shape[1:3] != (self.height, self.width):
+            import cv2
+
+            rgb = np.stack([cv2.resize(np.ascontiguousarray(im, dtype=np.uint8), (self.width, self.height),
+                                       interpolation=cv2.INTER_AREA) for im in rgb])
         batch = rgb.shape[0]
         state = np.concatenate(parts, axis=1) if parts else np.zeros((batch, 0), np.float32)
         return {"state": state, "pixels": np.ascontiguousarray(rgb, dtype=np.uint8)}
@@ -469,22 +515,38 @@ class ManiSkillBackend(SimBackend):
             return int(seed) % (2 ** 31)
         return int(self._rngs[slot].integers(2 ** 31))
 
+    def _text(self, slot: int) -> str:
+        if not self._per_episode_text:
+            return self.instruction
+        env = self.envs[0] if self.gpu else self.envs[slot]
+        texts = env.unwrapped.get_language_instruction()
+        return str(texts[slot if self.gpu else 0])
+
     def reset(self, env_ids, seeds, state_ids):
-        if any(s is not None for s in state_ids):
+        if any(s is not None for s in state_ids) and not self.num_reset_states:
             raise InvalidRequest("maniskill: no fixed initial states (num_reset_states is 0)")
-        rows = []
-        for i, seed in zip(env_ids, seeds):
+        rows, texts = [], []
+        for i, seed, state in zip(env_ids, seeds, state_ids):
             s = self._seed(int(i), seed)
+            options = {} if state is None else {"episode_id": int(state)}
             if self.gpu:  # one slot at a time: a batched reset seeds one RNG for all the slots it resets
                 idx = self._torch.tensor([int(i)], device=self.envs[0].device)
-                obs, _ = self.envs[0].reset(seed=[s], options={"env_idx": idx})
+                obs, _ = self.envs[0].reset(seed=[s], options={"env_idx": idx, **options})
                 row = {k: v[int(i):int(i) + 1] for k, v in self._rows(obs).items()}
             else:
-                obs, _ = self.envs[int(i)].reset(seed=s)
+                obs, _ = self.envs[int(i)].reset(seed=s, options=options)
                 row = self._rows(obs)
             rows.append(row)
+            texts.append(self._text(int(i)))
         out = {k: np.concatenate([r[k] for r in rows]) for k in self.observation_space}
-        return out, [self.instruction] * len(env_ids)
+        return out, texts
+
+    def drawn_state_ids(self, env_ids):
+        if not self.num_reset_states:
+            return [None] * len(env_ids)
+        if self.gpu:
+            return [int(self.envs[0].unwrapped.episode_ids[int(i)]) for i in env_ids]
+        return [int(self.envs[int(i)].unwrapped.episode_ids[0]) for i in env_ids]
 
     def step(self, env_ids, actions) -> StepResult:
         if self.gpu:

@@ -87,7 +87,8 @@ from services.env.vec_env import VecEnv
 from rlfleet.wire.rpc import InvalidRequest
 from services.env.backends.base import BackendUnavailable
 out = {}
-for env_id, params in [("PushCub-v1", {}), ("PutOnPlateInScene25Main-v3", {}), ("PickSingleYCB-v1", {}),
+for env_id, params in [("PushCub-v1", {}), ("PutOnPlateInScene25Main-v2", {}), ("PutOnPlateInScene25Main-v3", {}),
+                       ("PickSingleYCB-v1", {}),
                        ("ReplicaCAD_SceneManipulation-v1", {}), ("PushCube-v1", {"obs_mode": "depth"}),
                        ("PushCube-v1", {"control_mode": "no_such_mode"}), ("PushCube-v1", {"colour": 1})]:
     t0 = time.monotonic()
@@ -103,12 +104,15 @@ print(json.dumps(out))
 @pytest.mark.sim
 def test_maniskill_refuses_unknown_rlinf_only_and_asset_tasks_without_prompting(tmp_path):
     # an empty asset folder: tasks needing downloads must be refused at once, never ask on stdin
-    out = run_in_env("maniskill", ERRORS, timeout=120, MS_ASSET_DIR=str(tmp_path))
+    out = run_in_env("maniskill", ERRORS, timeout=120, MS_ASSET_DIR=str(tmp_path), MANISKILL_ASSET_DIR="")
     kind, msg, _ = out["PushCub-v1{}"]
     assert kind == "InvalidRequest" and "unknown task 'PushCub-v1'; did you mean 'PushCube-v1'?" in msg
-    kind, msg, _ = out["PutOnPlateInScene25Main-v3{}"]
-    assert kind == "BackendUnavailable" and "RLinf's fork of ManiSkill" in msg and "mani-skill 3.0.1" in msg
-    assert "external env server" in msg
+    kind, msg, _ = out["PutOnPlateInScene25Main-v2{}"]  # RLinf's earlier versions: not implemented
+    assert kind == "BackendUnavailable" and "earlier version of RLinf's task" in msg and "mani-skill 3.0.1" in msg
+    assert "external env server" in msg and "PutOnPlateInScene25Main-v3" in msg
+    kind, msg, took = out["PutOnPlateInScene25Main-v3{}"]  # rlfleet's implementation, without its assets
+    assert kind == "BackendUnavailable" and "needs its assets" in msg and "RLinf/maniskill_assets" in msg and took < 5
+    assert "coordinatorctl envs assets maniskill PutOnPlateInScene25Main-v3" in msg
     kind, msg, took = out["PickSingleYCB-v1{}"]
     assert kind == "BackendUnavailable" and "ycb" in msg and took < 5
     assert "-m mani_skill.utils.download_asset PickSingleYCB-v1 -y" in msg
@@ -172,8 +176,14 @@ def test_preflight_refuses_rlinf_only_task_and_a_host_without_vulkan(monkeypatch
     from services.env.backends import maniskill
     from services.env.backends.base import BackendUnavailable
 
-    cfg = load_config("maniskill_pushcube_ppo_mlp", ["env.train.env_id=PutOnPlateInScene25Main-v3"])
-    with pytest.raises(BackendUnavailable, match="RLinf's fork of ManiSkill"):
+    cfg = load_config("maniskill_pushcube_ppo_mlp", ["env.train.env_id=PutOnPlateInScene25Main-v2"])
+    with pytest.raises(BackendUnavailable, match="earlier version of RLinf's task"):
+        maniskill.preflight(cfg)
+    monkeypatch.setenv("MS_ASSET_DIR", "/nonexistent/ms")
+    monkeypatch.delenv("MANISKILL_ASSET_DIR", raising=False)
+    cfg = load_config("maniskill_put_on_plate_ppo_openvla", [])
+    with pytest.raises(BackendUnavailable, match=r"needs its assets: RLinf's task assets are missing "
+                                                 r"\(/nonexistent/ms/data/carrot/more_carrot/model_db.json"):
         maniskill.preflight(cfg)
     monkeypatch.setenv("VK_ICD_FILENAMES", "/nonexistent/icd.json")
     monkeypatch.setattr(maniskill.ctypes.util, "find_library", lambda name: "libvulkan.so.1")
@@ -186,10 +196,10 @@ def test_preflight_refuses_rlinf_only_task_and_a_host_without_vulkan(monkeypatch
 def test_start_with_an_rlinf_only_task_fails_in_seconds(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start", "maniskill_pushcube_ppo_mlp",
-                           "env.train.env_id=PutOnPlateInScene25Main-v3", f"runner.logger.log_path={tmp_path}"],
+                           "env.train.env_id=PutOnPlateInScene25Main-v2", f"runner.logger.log_path={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "PutOnPlateInScene25Main-v3" in proc.stderr and "not of the public mani-skill 3.0.1" in proc.stderr
+    assert "PutOnPlateInScene25Main-v2" in proc.stderr and "not of the public mani-skill 3.0.1" in proc.stderr
     assert time.monotonic() - t0 < 30
 
 
@@ -238,7 +248,7 @@ def test_missing_apt_packages_without_root_name_the_commands(tmp_path, monkeypat
 def test_envs_assets_names_the_download_and_refuses_rlinf_only_tasks():
     """`coordinatorctl envs assets maniskill TASK` runs in ManiSkill's environment (the env side, a subprocess of
     the coordinator): it names ManiSkill's own download of what the task lacks (here --dry-run: no network), refuses
-    RLinf's fork-only task naming the way out, and a `start` of that task stops in seconds with the same fix."""
+    RLinf's earlier task versions naming the way out, and a `start` of that task stops in seconds with the same fix."""
     from tests.simenv import sim_python
 
     sim_python("maniskill")  # built (or a named skip/failure) before the CLI is timed
@@ -248,14 +258,14 @@ def test_envs_assets_names_the_download_and_refuses_rlinf_only_tasks():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "bridge_v2_real2sim" in out.stdout and "-m mani_skill.utils.download_asset PutCarrotOnPlateInScene-v1 -y" \
         in out.stdout
-    rlinf = subprocess.run([*cli, "envs", "assets", "maniskill", "PutOnPlateInScene25Main-v3"],
+    rlinf = subprocess.run([*cli, "envs", "assets", "maniskill", "PutOnPlateInScene25Main-v2"],
                            capture_output=True, text=True, timeout=300)
-    assert rlinf.returncode == 2 and "RLinf's fork of ManiSkill" in rlinf.stdout
+    assert rlinf.returncode == 2 and "earlier version of RLinf's task" in rlinf.stdout
     typo = subprocess.run([*cli, "envs", "assets", "maniskill", "PickCub-v1"], capture_output=True, text=True,
                           timeout=300)
     assert typo.returncode == 2 and "did you mean 'PickCube-v1'" in typo.stdout
     t0 = time.monotonic()
-    start = subprocess.run([*cli, "start", "maniskill_pickcube_ppo_openvla", "env.train.env_id=PutOnPlateInScene25Main-v3",
-                            "env.eval.env_id=PutOnPlateInScene25Main-v3"], capture_output=True, text=True, timeout=60)
+    start = subprocess.run([*cli, "start", "maniskill_pickcube_ppo_openvla", "env.train.env_id=PutOnPlateInScene25Main-v2",
+                            "env.eval.env_id=PutOnPlateInScene25Main-v2"], capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
-    assert start.returncode == 2 and "RLinf's fork of ManiSkill" in start.stderr and took < 5, (took, start.stderr)
+    assert start.returncode == 2 and "earlier version of RLinf's task" in start.stderr and took < 5, (took, start.stderr)
