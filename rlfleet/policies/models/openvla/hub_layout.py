@@ -49,41 +49,83 @@ def _heads_for(timm_id: str | None, fallback: int) -> int:
     return int(fallback)
 
 
-def _map_timm_vit(state: Mapping, src: str, dst: str, n_blocks: int, dino: bool) -> dict[str, torch.Tensor]:
-    """Prismatic's timm ViT keys (``src``) -> transformers' SigLIP / DINOv2 keys (``dst``)."""
-    out: dict[str, torch.Tensor] = {}
+# --- the one mapping, both ways ----------------------------------------------------------------------------------
+# A row: (the released name, this policy's name(s), how the tensor changes). Reading applies ``to_ours``, export
+# ``to_hub``; the table is the same, so each is the other's inverse.
+_CONVERT = {
+    "same": (lambda t: [t], lambda ts: ts[0]),
+    "qkv": (lambda t: list(t.chunk(3, dim=0)), lambda ts: torch.cat(ts, dim=0)),  # timm fuses q, k, v
+    "row": (lambda t: [t[0]], lambda ts: ts[0][None]),  # SigLIP's position table: timm keeps a batch dim
+    # DINOv2: timm (no_embed_class) gives the CLS token no position; transformers' table has a CLS row (zero here;
+    # export folds a non-zero one into cls_token first, the same sum the forward pass makes)
+    "patch_pos": (lambda t: [torch.cat([torch.zeros_like(t[:, :1]), t], 1)], lambda ts: ts[0][:, 1:]),
+}
+RLFLEET_HINTS = "rlfleet"  # config.json: sizes the weights cannot tell (attention heads), written by the export
+_HINTED = ("vision_heads", "dino_heads", "prompt_suffix_ids", "value_hidden_size")
+HUB_LLM, OUR_LLM = "language_model.", "llm."  # the Llama LM: the same names under each prefix
+HUB_SIGLIP_FUSED, HUB_SIGLIP_ALONE, HUB_DINO = ("vision_backbone.fused_featurizer.", "vision_backbone.featurizer.",
+                                                "vision_backbone.featurizer.")
+OUR_SIGLIP, OUR_DINO = "vision.siglip.", "vision.dino."
+PROPRIO_LAYERS = (("fc1", 0), ("fc2", 2))  # OpenVLA-OFT's ProprioProjector fc1/fc2 <-> proprio_projector.0/.2
+
+
+def _vit_rows(src: str, dst: str, n_blocks: int, dino: bool, registers: bool) -> list[tuple[str, tuple, str]]:
+    """Prismatic's timm ViT names (``src``) <-> transformers' SigLIP / DINOv2 names (``dst``)."""
     emb = f"{dst}embeddings."
     if dino:
-        out[f"{emb}patch_embeddings.projection.weight"] = state[f"{src}patch_embed.proj.weight"]
-        out[f"{emb}patch_embeddings.projection.bias"] = state[f"{src}patch_embed.proj.bias"]
-        out[f"{emb}cls_token"] = state[f"{src}cls_token"]
-        pos = state[f"{src}pos_embed"]  # patches only (timm no_embed_class): the CLS position adds nothing
-        out[f"{emb}position_embeddings"] = torch.cat([torch.zeros_like(pos[:, :1]), pos], 1)
-        if f"{src}reg_token" in state:
-            out[f"{emb}register_tokens"] = state[f"{src}reg_token"]
-        out[f"{dst}layernorm.weight"], out[f"{dst}layernorm.bias"] = state[f"{src}norm.weight"], state[f"{src}norm.bias"]
+        rows = [("patch_embed.proj.weight", f"{emb}patch_embeddings.projection.weight", "same"),
+                ("patch_embed.proj.bias", f"{emb}patch_embeddings.projection.bias", "same"),
+                ("cls_token", f"{emb}cls_token", "same"), ("pos_embed", f"{emb}position_embeddings", "patch_pos"),
+                ("norm.weight", f"{dst}layernorm.weight", "same"), ("norm.bias", f"{dst}layernorm.bias", "same")]
+        rows += [("reg_token", f"{emb}register_tokens", "same")] if registers else []
     else:
-        out[f"{emb}patch_embedding.weight"] = state[f"{src}patch_embed.proj.weight"]
-        out[f"{emb}patch_embedding.bias"] = state[f"{src}patch_embed.proj.bias"]
-        out[f"{emb}position_embedding.weight"] = state[f"{src}pos_embed"][0]
-        out[f"{dst}post_layernorm.weight"] = state[f"{src}norm.weight"]
-        out[f"{dst}post_layernorm.bias"] = state[f"{src}norm.bias"]
+        rows = [("patch_embed.proj.weight", f"{emb}patch_embedding.weight", "same"),
+                ("patch_embed.proj.bias", f"{emb}patch_embedding.bias", "same"),
+                ("pos_embed", f"{emb}position_embedding.weight", "row"),
+                ("norm.weight", f"{dst}post_layernorm.weight", "same"),
+                ("norm.bias", f"{dst}post_layernorm.bias", "same")]
+    rows = [(src + a, (b,), kind) for a, b, kind in rows]
+    att_name, out_name, n1, n2 = ("attention.", "o_proj", "norm1", "norm2") if dino else \
+        ("self_attn.", "out_proj", "layer_norm1", "layer_norm2")
     for i in range(n_blocks):
-        b = f"{src}blocks.{i}."
-        d = f"{dst}encoder.layer.{i}." if dino else f"{dst}encoder.layers.{i}."
-        att = f"{d}attention." if dino else f"{d}self_attn."
-        names = ("q_proj", "k_proj", "v_proj")
+        b, d = f"{src}blocks.{i}.", f"{dst}encoder.layer.{i}." if dino else f"{dst}encoder.layers.{i}."
+        att = d + att_name
         for kind in ("weight", "bias"):
-            for name, part in zip(names, state[f"{b}attn.qkv.{kind}"].chunk(3, dim=0)):
-                out[f"{att}{name}.{kind}"] = part
-            out[f"{att}{'o_proj' if dino else 'out_proj'}.{kind}"] = state[f"{b}attn.proj.{kind}"]
-            out[f"{d}{'norm1' if dino else 'layer_norm1'}.{kind}"] = state[f"{b}norm1.{kind}"]
-            out[f"{d}{'norm2' if dino else 'layer_norm2'}.{kind}"] = state[f"{b}norm2.{kind}"]
-            out[f"{d}mlp.fc1.{kind}"] = state[f"{b}mlp.fc1.{kind}"]
-            out[f"{d}mlp.fc2.{kind}"] = state[f"{b}mlp.fc2.{kind}"]
+            rows += [(f"{b}attn.qkv.{kind}", tuple(f"{att}{q}.{kind}" for q in ("q_proj", "k_proj", "v_proj")), "qkv"),
+                     (f"{b}attn.proj.{kind}", (f"{att}{out_name}.{kind}",), "same"),
+                     (f"{b}norm1.{kind}", (f"{d}{n1}.{kind}",), "same"),
+                     (f"{b}norm2.{kind}", (f"{d}{n2}.{kind}",), "same"),
+                     (f"{b}mlp.fc1.{kind}", (f"{d}mlp.fc1.{kind}",), "same"),
+                     (f"{b}mlp.fc2.{kind}", (f"{d}mlp.fc2.{kind}",), "same")]
         if dino:
-            out[f"{d}layer_scale1.lambda1"] = state[f"{b}ls1.scale_factor"]
-            out[f"{d}layer_scale2.lambda1"] = state[f"{b}ls2.scale_factor"]
+            rows += [(f"{b}ls1.scale_factor", (f"{d}layer_scale1.lambda1",), "same"),
+                     (f"{b}ls2.scale_factor", (f"{d}layer_scale2.lambda1",), "same")]
+    return rows
+
+
+def openvla_rows(siglip_blocks: int, dino_blocks: int | None, dino_registers: bool) -> list[tuple[str, tuple, str]]:
+    """The whole table but the LM (which keeps its names under ``HUB_LLM`` / ``OUR_LLM``): the vision backbone(s)
+    and the projector (fc1..fc3 fused, fc1..fc2 SigLIP alone)."""
+    fused = dino_blocks is not None
+    rows = _vit_rows(HUB_SIGLIP_FUSED if fused else HUB_SIGLIP_ALONE, OUR_SIGLIP, siglip_blocks, False, False)
+    if fused:
+        rows += _vit_rows(HUB_DINO, OUR_DINO, dino_blocks, True, dino_registers)
+    for i, fc in enumerate(("fc1", "fc2", "fc3") if fused else ("fc1", "fc2")):
+        rows += [(f"projector.{fc}.{kind}", (f"projector.net.{2 * i}.{kind}",), "same") for kind in ("weight", "bias")]
+    return rows
+
+
+def hub_to_ours(state: Mapping, rows) -> dict[str, torch.Tensor]:
+    out = {}
+    for hub, ours, kind in rows:
+        out.update(zip(ours, _CONVERT[kind][0](state[hub])))
+    out.update({OUR_LLM + k[len(HUB_LLM):]: v for k, v in state.items() if k.startswith(HUB_LLM)})
+    return out
+
+
+def ours_to_hub(state: Mapping, rows) -> dict[str, torch.Tensor]:
+    out = {hub: _CONVERT[kind][1]([state[o] for o in ours]) for hub, ours, kind in rows}
+    out.update({HUB_LLM + k[len(OUR_LLM):]: v for k, v in state.items() if k.startswith(OUR_LLM)})
     return out
 
 
@@ -92,7 +134,9 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
     the weights' shapes and config.json; what neither holds (attention heads of an unknown ViT) from ``fallback``
     (``actor.model.vla``)."""
     cfg = json.loads((path / "config.json").read_text())
-    fallback = {**TINY, **dict(fallback or {})}
+    # what neither the weights nor Prismatic's keys hold, as rlfleet's export records it (RLFLEET_HINTS)
+    hints = {k: v for k, v in (cfg.get(RLFLEET_HINTS) or {}).items() if k in _HINTED}
+    fallback = {**TINY, **dict(fallback or {}), **hints}
     timm_ids = list(cfg.get("timm_model_ids") or [])
     state = _read_safetensors_dir(path)
     fused = any(k.startswith("vision_backbone.fused_featurizer.") for k in state)
@@ -112,24 +156,20 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
              "llm_rms_norm_eps": float(text.get("rms_norm_eps", 1e-5)),
              "llm_rope_theta": float(text.get("rope_theta", 10000.0)), "vocab_size": vocab,
              "action_token_end": vocab - int(cfg.get("pad_to_multiple_of", 0)),
-             "n_action_bins": int(cfg.get("n_action_bins", 256)),
-             "prompt_suffix_ids": [29871] if vocab - int(cfg.get("pad_to_multiple_of", 0)) == 32000 else []}
-    mapped = _map_timm_vit(state, sig_src, "vision.siglip.", sizes["vision_layers"], dino=False)
+             "n_action_bins": int(cfg.get("n_action_bins", 256)), "value_hidden_size": int(fallback["value_hidden_size"]),
+             "prompt_suffix_ids": list(hints["prompt_suffix_ids"]) if "prompt_suffix_ids" in hints else
+             [29871] if vocab - int(cfg.get("pad_to_multiple_of", 0)) == 32000 else []}
+    dino_blocks = None
     if fused:
-        src = "vision_backbone.featurizer."
+        src = HUB_DINO
         dw = state[f"{src}patch_embed.proj.weight"]
-        sizes.update(dino_hidden_size=int(dw.shape[0]), dino_layers=_vit_blocks(state, f"{src}blocks."),
+        dino_blocks = _vit_blocks(state, f"{src}blocks.")
+        sizes.update(dino_hidden_size=int(dw.shape[0]), dino_layers=dino_blocks,
                      dino_heads=_heads_for(timm_ids[0] if timm_ids else None,
                                            fallback["dino_heads"] or fallback["vision_heads"]),
                      dino_intermediate_size=int(state[f"{src}blocks.0.mlp.fc1.weight"].shape[0]),
                      dino_registers=int(state[f"{src}reg_token"].shape[1]) if f"{src}reg_token" in state else 0)
-        mapped.update(_map_timm_vit(state, src, "vision.dino.", sizes["dino_layers"], dino=True))
-    for i, fc in enumerate(("fc1", "fc2", "fc3") if fused else ("fc1", "fc2")):
-        for kind in ("weight", "bias"):
-            mapped[f"projector.net.{2 * i}.{kind}"] = state[f"projector.{fc}.{kind}"]
-    for k, v in state.items():
-        if k.startswith("language_model."):
-            mapped["llm." + k[len("language_model."):]] = v
+    mapped = hub_to_ours(state, openvla_rows(sizes["vision_layers"], dino_blocks, bool(sizes.get("dino_registers"))))
     mapped.update(_load_oft_components(path))
     tokenizer = load_hf_tokenizer(path) if has_tokenizer_files(path) else None
     stats = _pick_stats(cfg.get("norm_stats", {}), unnorm_key, path / "config.json")
@@ -157,7 +197,7 @@ def _load_oft_components(path: Path) -> dict[str, torch.Tensor]:
     for k, v in state.items():
         name = k[len("module."):] if k.startswith("module.") else k
         layer, _, kind = name.partition(".")
-        if layer not in ("fc1", "fc2") or kind not in ("weight", "bias"):
+        if layer not in dict(PROPRIO_LAYERS) or kind not in ("weight", "bias"):
             raise ValueError(f"{files[0]}: unexpected tensor '{k}' (OpenVLA-OFT's proprio projector has fc1 and fc2)")
-        out[f"proprio_projector.{0 if layer == 'fc1' else 2}.{kind}"] = v
+        out[f"proprio_projector.{dict(PROPRIO_LAYERS)[layer]}.{kind}"] = v
     return out

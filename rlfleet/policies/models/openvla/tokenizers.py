@@ -41,6 +41,32 @@ def has_tokenizer_files(path: Path) -> bool:
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
+def byte_tokenizer_as_hf():
+    """``ByteTokenizer`` as a transformers tokenizer with the same ids (byte-level BPE without merges: byte b is id
+    3 + b; pad, bos, eos are 0, 1, 2 and never matched in text), so a model that uses it can be written with real
+    tokenizer files (tokenizer.json, tokenizer_config.json) that ``AutoTokenizer`` loads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = bytes_to_unicode()  # byte -> the printable character byte-level BPE writes it as
+    specials = {"<pad>": ByteTokenizer.pad_token_id, "<s>": ByteTokenizer.bos_token_id,
+                "</s>": ByteTokenizer.eos_token_id}
+    tok = Tokenizer(models.BPE(vocab={**specials, **{chars[b]: 3 + b for b in range(256)}}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   split_special_tokens=True)
+
+
+def save_tokenizer_files(tokenizer, path: Path) -> None:
+    """The tokenizer's files in ``path`` itself, as released checkpoints keep them (the byte tokenizer of tiny
+    models as its transformers equivalent, ``byte_tokenizer_as_hf``)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        tokenizer = byte_tokenizer_as_hf()
+    tokenizer.save_pretrained(str(path))
+
+
 def save_tokenizer(tokenizer, path: Path) -> None:
     """A checkpoint's own tokenizer goes into ``tokenizer/`` of the layout rlfleet writes (the byte tokenizer of
     tiny models needs no files)."""
