@@ -20,8 +20,16 @@ class ByteTokenizer:
 
 def load_hf_tokenizer(path: Path):
     from transformers import AutoTokenizer
+    from transformers.utils import logging
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    # never remote code: a released folder's config.json may name its own classes (auto_map, as OpenVLA's); the
+    # tokenizer needs none, and transformers then reads that config as a plain one (its warning says only that)
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    finally:
+        logging.set_verbosity(level)
 
     class _Wrapped:
         pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
