@@ -333,7 +333,7 @@ def _add_eval_parser(sub) -> None:
                                     "(report.json/report.md with 95%% intervals); --compare A B")
     q.add_argument("target", nargs="?", default=None,
                    help="run folder (its newest checkpoint), RUN/checkpoints/global_step_N, or a model folder "
-                        "(config.json + model.safetensors, as coordinatorctl export writes)")
+                        "(a released layout, as coordinatorctl export writes)")
     q.add_argument("overrides", nargs="*", help="key=value overrides, e.g. env.eval.num_episodes=200")
     q.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                    help="evaluate A and B on the same episodes and report A - B with its paired 95%% interval")

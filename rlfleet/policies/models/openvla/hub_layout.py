@@ -1,4 +1,6 @@
-"""OpenVLA's released hub layout (Prismatic's timm names, OFT's proprio projector) -> this policy's tensor names."""
+"""OpenVLA's released hub layout (Prismatic's timm names, OFT's proprio projector) <-> this policy's tensor names: one
+table, read by the loader (``load_openvla_hub_dir``) and inverted by the export (``save_openvla_hub_dir``), and checks
+of a written folder against its index and the architecture its config.json describes."""
 
 from __future__ import annotations
 
