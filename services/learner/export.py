@@ -88,6 +88,9 @@ def write_export(policy, path: str | pathlib.Path, lora: str = "merged", base: s
         tensors = load_file(str(adapters))
         save_file({peft_prefix + HUB_LLM + k[len(peft_prefix):]: v for k, v in tensors.items()}, str(adapters),
                   metadata={"format": "pt"})
+        config = json.loads((path / "adapter_config.json").read_text())
+        config["auto_mapping"] = None  # peft recorded the LM's class (Llama); the base is the whole released VLA
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if "proprio_projector.0.weight" in full:
             proj = {f"module.{fc}.{kind}": full[f"proprio_projector.{i}.{kind}"]
                     for fc, i in PROPRIO_LAYERS for kind in ("weight", "bias")}

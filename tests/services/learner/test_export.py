@@ -135,6 +135,7 @@ def test_oft_lora_in_openvlas_released_layout(tmp_path):
 
     keys = load_file(str(adapter / "adapter_model.safetensors"))
     assert keys and all(k.startswith("base_model.model.language_model.model.layers.") for k in keys)
+    assert json.loads((adapter / "adapter_config.json").read_text())["auto_mapping"] is None  # not the LM's class
     torch.manual_seed(cfg.runner.seed)
     base = build_policy(load_config(None, [*OFT, "actor.model.is_lora=false"]).actor.model, SPECS, 4, True)
     released = torch.nn.Module()
