@@ -13,7 +13,7 @@
     coordinatorctl traces RUN_DIR [--epoch N]           # one epoch's trace across the services, as a tree
     coordinatorctl eval RUN_DIR|CHECKPOINT|MODEL_DIR [--config CFG] [key=value ...] [--out DIR]
     coordinatorctl eval --compare A B [...]             # seeded evaluation reports (95% intervals); A - B paired
-    coordinatorctl export RUN_DIR [--step N] OUT [--lora merged|adapter]  # the trained policy, released layout
+    coordinatorctl export RUN_DIR [--step N] OUT [--layout upstream|rlfleet] [--lora merged|adapter]  # released layout
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def _add_eval_parser(sub) -> None:
                                     "(report.json/report.md with 95%% intervals); --compare A B")
     q.add_argument("target", nargs="?", default=None,
                    help="run folder (its newest checkpoint), RUN/checkpoints/global_step_N, or a model folder "
-                        "(config.json + model.safetensors, as coordinatorctl export writes)")
+                        "(a released layout, as coordinatorctl export writes)")
     q.add_argument("overrides", nargs="*", help="key=value overrides, e.g. env.eval.num_episodes=200")
     q.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                    help="evaluate A and B on the same episodes and report A - B with its paired 95%% interval")
@@ -359,8 +359,14 @@ class _ExportInputError(Exception):
     pass
 
 
+EXPORT_LAYOUTS = ("upstream", "rlfleet")
+
+
 def _export_target(args):
     """(checkpoint folder, run config) that `export` reads, or _ExportInputError in one line."""
+    if args.layout not in EXPORT_LAYOUTS:  # checked here, not by argparse: one line, not a usage block
+        raise _ExportInputError(f"--layout: '{args.layout}' is not one of {', '.join(EXPORT_LAYOUTS)} (upstream: the "
+                                f"model family's released layout; rlfleet: rlfleet's own save_pretrained)")
     run = pathlib.Path(args.run_dir)
     if not run.is_dir():
         raise _ExportInputError(f"{run}: no such folder (give a run folder or RUN/checkpoints/global_step_N)")
@@ -399,6 +405,9 @@ def _export_target(args):
     if model_type not in VLA_TYPES:
         raise _ExportInputError(f"{ckpt}: {model_type} policies have no released layout to export; the checkpoint "
                                 f"itself is what `coordinatorctl eval` and `coordinatorctl start --resume` take")
+    if args.layout == "upstream" and model_type == "openpi" and cfg.actor.model.openpi.get("pi05"):
+        raise _ExportInputError("π0.5 (actor.model.openpi.pi05) has no upstream layout transformers loads "
+                                "(transformers has no π0.5 class): export it with --layout rlfleet")
     if args.lora == "adapter" and not cfg.actor.model.is_lora:
         raise _ExportInputError(f"--lora adapter: the run trained without LoRA (actor.model.is_lora=false); "
                                 f"export it merged (the default)")
@@ -418,7 +427,7 @@ def _export(args) -> int:
         print(f"coordinatorctl export: {exc}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "services.learner.export", str(ckpt), str(args.out), "--config", str(config),
-           "--lora", args.lora]
+           "--lora", args.lora, "--layout", args.layout, "--max-shard-size", str(args.max_shard_size)]
     env = child_environ(sys.executable, cfg.cluster.torch_num_threads, CUDA_VISIBLE_DEVICES="")
     return subprocess.call(cmd, env=env, cwd=os.getcwd())
 
@@ -488,13 +497,28 @@ def main(argv=None) -> int:
     q.add_argument("rest", nargs=argparse.REMAINDER)
     _add_eval_parser(sub)
     q = sub.add_parser("export", help="write a run's trained policy in its model family's released layout "
-                                      "(VLA policies; LoRA merged, or --lora adapter)")
+                                      "(VLA policies; LoRA merged, or --lora adapter)",
+                       description="Write a run's trained VLA policy (its newest complete checkpoint, or --step N) to "
+                                   "OUT. Layouts: upstream (default) is the family's released layout: OpenVLA / "
+                                   "OpenVLA-OFT as openvla/openvla-7b (Prismatic's config.json and tensor names, "
+                                   "sharded safetensors with an index, tokenizer and processor files, OFT's "
+                                   "proprio_projector--N_checkpoint.pt), π0 as transformers' PI0 layout "
+                                   "(lerobot/pi0_base: lerobot's tensor names, PaliGemma-style tokenizer files); "
+                                   "the value head is not written, π0.5 is refused. rlfleet is rlfleet's own "
+                                   "save_pretrained (its tensor names, every module, π0.5 too). Both load back "
+                                   "through actor.model.model_path and coordinatorctl eval.")
     q.add_argument("run_dir", metavar="RUN_DIR", help="run folder (its newest checkpoint) or "
                                                       "RUN/checkpoints/global_step_N")
     q.add_argument("out", metavar="OUT", help="output folder (new, or empty)")
     q.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     q.add_argument("--lora", choices=("merged", "adapter"), default="merged",
-                   help="merged into the weights (default) or a peft adapter beside the base's id")
+                   help="merged into the weights (default) or a peft adapter beside the base's id (upstream "
+                        "layout: keys named as the released model's modules, language_model.*)")
+    q.add_argument("--layout", default="upstream", metavar="{upstream,rlfleet}",
+                   help="upstream (default): the model family's released layout; rlfleet: rlfleet's own "
+                        "save_pretrained layout")
+    q.add_argument("--max-shard-size", default="5GB", help="upstream layout: the largest safetensors shard, "
+                                                           "as transformers' save_pretrained takes it (default 5GB)")
     q.add_argument("--config", default=None, help="the run's config (default RUN_DIR/config.yaml)")
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides given after an option (`collect-demos CFG --episodes 2 k=v`)

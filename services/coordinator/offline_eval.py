@@ -4,7 +4,8 @@
     coordinatorctl eval --compare A B [--config CFG] [key=value ...]
 
 What is evaluated: a run folder (its newest complete checkpoint), one checkpoint, or a model folder in its family's
-released layout (what ``coordinatorctl export`` writes: config.json + model.safetensors; VLA policies). The config is the
+released layout (what ``coordinatorctl export`` writes: the family's upstream layout, e.g. openvla-7b's, or rlfleet's
+config.json + model.safetensors; VLA policies). The config is the
 run's config.yaml (a checkpoint's run is two folders up) unless ``--config`` names one; overrides apply on top
 (e.g. ``env.eval.num_episodes=200``, ``env.eval.use_fixed_reset_state_ids=true``, ``env.eval.video_episodes=4``).
 

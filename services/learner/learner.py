@@ -380,12 +380,12 @@ class Learner:
                   f"{state.get('world_size', 1)} rank(s), resumed by {self.group.world})", flush=True)
 
     # --- export -----------------------------------------------------------------------------------------------
-    def export(self, path: str | pathlib.Path, lora: str = "merged") -> pathlib.Path:
-        """The policy in its family's released layout (services/learner/export.py: LoRA merged, or with
-        ``lora="adapter"`` as a peft adapter), gathered whole on rank 0."""
+    def export(self, path: str | pathlib.Path, lora: str = "merged", layout: str = "upstream") -> pathlib.Path:
+        """The policy in its family's released layout (services/learner/export.py: ``layout`` upstream or rlfleet;
+        LoRA merged, or with ``lora="adapter"`` as a peft adapter), gathered whole on rank 0."""
         if not hasattr(self.model, "save_pretrained"):
             raise FailedPrecondition(f"{self.cfg.actor.model.model_type} policies have no released layout to export")
-        return self._run("export", {"path": str(path), "lora": lora})
+        return self._run("export", {"path": str(path), "lora": lora, "layout": layout})
 
     def _on_export(self, meta: dict, _tensors):
         from services.learner.export import write_export
@@ -399,7 +399,8 @@ class Learner:
         for attr in ("unnorm_stats", "proprio_stats", "unnorm_name"):  # what save_pretrained writes beside weights
             if hasattr(self.model, attr):
                 setattr(plain, attr, getattr(self.model, attr))
-        return write_export(plain, meta["path"], meta.get("lora", "merged"), self.cfg.actor.model.get("model_path"))
+        return write_export(plain, meta["path"], meta.get("lora", "merged"), self.cfg.actor.model.get("model_path"),
+                            layout=meta.get("layout", "upstream"), step=self.epoch + 1)
 
     def close(self) -> None:
         if self.group.is_leader:

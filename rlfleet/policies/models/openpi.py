@@ -473,6 +473,26 @@ class Pi0Policy(PolicyMixin, nn.Module):
                                                       "num_action_chunks": self.num_action_chunks}, indent=2))
         save_tokenizer(self.tokenizer, path)
 
+    def save_upstream(self, path, step: int | None = None, max_shard_size: int | str = "5GB"):
+        """Write π0 in transformers' π0 layout, the one ``lerobot/pi0_base`` is loaded from here: transformers' own
+        ``save_pretrained`` of the ``PI0ForConditionalGeneration`` (config.json with model_type pi0, safetensors
+        sharded by ``max_shard_size`` in lerobot's key names: transformers reverts the same conversion mapping its
+        loader applies), and the tokenizer's files beside it (the byte tokenizer of tiny models as real files). The
+        value head and Flow-Noise's noise head (RL-side modules, no part of π0) are not written: a load starts
+        them fresh. π0.5 has no transformers class, so no such layout."""
+        from pathlib import Path
+
+        from rlfleet.policies.models.openvla.tokenizers import save_tokenizer_files
+
+        if self.pi05:
+            raise ValueError("π0.5 (actor.model.openpi.pi05) has no upstream layout transformers loads (transformers "
+                             "has no π0.5 class): export it with --layout rlfleet")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.pi0.save_pretrained(str(path), max_shard_size=max_shard_size)
+        save_tokenizer_files(self.tokenizer, path)
+        return path
+
     @classmethod
     def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
                     logprob_type: str = "chunk_level") -> Pi0Policy:

@@ -105,7 +105,9 @@ def test_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
     (["{run}", "{full}"], "full: exists and is not empty"),
     (["{run}", "{tmp}/out"], "mlp policies have no released layout to export"),
     (["{run}/checkpoints/global_step_2", "--lora", "adapter", "{tmp}/out"], "mlp policies have no released layout"),
-], ids=["missing", "no-such-step", "out-not-empty", "mlp", "mlp-checkpoint"])
+    (["{run}", "--layout", "hub", "{tmp}/out"], "--layout: 'hub' is not one of upstream, rlfleet"),
+    (["{run}", "--layout", "rlfleet", "{tmp}/out"], "mlp policies have no released layout"),
+], ids=["missing", "no-such-step", "out-not-empty", "mlp", "mlp-checkpoint", "unknown-layout", "mlp-rlfleet-layout"])
 def test_export_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
     full = tmp_path / "full"
     full.mkdir()
@@ -119,34 +121,41 @@ def test_export_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, me
 
 @pytest.mark.slow
 def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
-    """The released layout (`coordinatorctl export`) of a briefly trained tiny VLA: the checkpoint's weights, and
-    compared with its checkpoint on the same episodes, the same outcome, episode by episode."""
+    """The released layouts (`coordinatorctl export`) of a briefly trained tiny VLA: the checkpoint's weights (the
+    upstream layout, OpenVLA's, sharded, without the value head; rlfleet's with it), and the upstream export compared
+    with its checkpoint on the same episodes: the same outcome, episode by episode."""
     name = "pandapickcube_vision_ppo_openvla_tiny"
     short = ["runner.max_epochs=1", "runner.val_check_interval=0", "env.eval.num_episodes=4",
              "env.eval.total_num_envs=4"]
     proc = ctl("start", name, f"runner.logger.log_path={tmp_path}", *short, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ckpt = tmp_path / name / "checkpoints" / "global_step_1"
-    export = tmp_path / "export"
-    proc = ctl("export", tmp_path / name, "--step", 1, export, timeout=200)
+    export, ours = tmp_path / "export", tmp_path / "export-rlfleet"
+    proc = ctl("export", tmp_path / name, "--step", 1, export, "--max-shard-size", "2MB", timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"exported {ckpt}" in proc.stdout
-    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
-    # the exported weights are the checkpoint's: the same policy built from each, tensor by tensor
+    assert f"exported {ckpt} (openvla, upstream layout" in proc.stdout
+    assert (export / "config.json").is_file() and (export / "model.safetensors.index.json").is_file()
+    assert "vision_backbone_id" in json.loads((export / "config.json").read_text())
+    proc = ctl("export", ckpt, ours, "--layout", "rlfleet", timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (ours / "model.safetensors").is_file() and (ours / "config.json").is_file()
+    # the exported weights are the checkpoint's: the same policy built from each, tensor by tensor (the upstream
+    # layout has no value head: it starts fresh)
     code = ("import sys, json, pathlib, torch; from rlfleet.config import load_config; "
             "from rlfleet.policies import build_policy; from services.learner.checkpoint import load_policy_state; "
-            "from services.learner.learner import _specs_from_json; c, e = map(pathlib.Path, sys.argv[1:3]); "
+            "from services.learner.learner import _specs_from_json; c = pathlib.Path(sys.argv[1]); "
             "st = json.loads((c / 'learner_state.json').read_text()); "
             "obs, adim = _specs_from_json(st['obs_specs']), st['action_dim']; "
             "cfg = load_config(c.parent.parent / 'config.yaml'); m = cfg.actor.model; "
-            "a = build_policy(m, obs, adim, True, cfg.algorithm.logprob_type); load_policy_state(c, a); "
-            "b = build_policy(load_config(c.parent.parent / 'config.yaml', [f'actor.model.model_path={e}']).actor.model,"
-            " obs, adim, True, cfg.algorithm.logprob_type); sa, sb = a.state_dict(), b.state_dict(); "
-            "assert set(sa) == set(sb), set(sa) ^ set(sb); "
-            "assert all(torch.equal(sa[k], sb[k]) for k in sa), [k for k in sa if not torch.equal(sa[k], sb[k])][:3]; "
+            "a = build_policy(m, obs, adim, True, cfg.algorithm.logprob_type); load_policy_state(c, a); sa = a.state_dict()\n"
+            "for e, but in zip(sys.argv[2::2], sys.argv[3::2]):\n"
+            " b = build_policy(load_config(c.parent.parent / 'config.yaml', [f'actor.model.model_path={e}']).actor.model,"
+            " obs, adim, True, cfg.algorithm.logprob_type); sb = b.state_dict()\n"
+            " assert set(sa) == set(sb), set(sa) ^ set(sb)\n"
+            " bad = [k for k in sa if not k.startswith(but) and not torch.equal(sa[k], sb[k])]; assert not bad, bad[:3]\n"
             "print('equal', len(sa))")
-    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(export)], capture_output=True, text=True,
-                          timeout=200)
+    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(export), "value_head.", str(ours), "-"],
+                          capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0 and proc.stdout.startswith("equal"), proc.stderr[-3000:]
     out = tmp_path / "cmp"
     proc = ctl("eval", "--compare", ckpt, export, "--config", tmp_path / name / "config.yaml", "--out", out,

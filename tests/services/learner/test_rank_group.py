@@ -58,7 +58,7 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path, model):
 
 
 def test_export_gathers_the_sharded_policy_on_rank_0(tmp_path):
-    """Learner.export on 2 ranks writes the released layout (save_pretrained, LoRA merged) of the whole policy:
+    """Learner.export on 2 ranks writes the released layout (upstream, OpenVLA's; LoRA merged) of the whole policy:
     loaded back through actor.model.model_path it acts like the trained (sharded, LoRA) policy."""
     from rlfleet.policies import build_policy
     from tests.services.learner.rank_scenarios import config, rollout

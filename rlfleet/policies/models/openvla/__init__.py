@@ -35,7 +35,7 @@ Modules, by role:
 - ``serving``: the hooks an engine that decodes the action tokens itself (vLLM) calls, ``lm_weight_name``
 - ``vllm_model``: the LM as a vLLM out-of-tree model class (imported only inside the vLLM environment)
 - ``checkpoint``: building from config, rlfleet's checkpoint layout (save/load), LoRA
-- ``hub_layout``: OpenVLA's released hub layout mapped key by key
+- ``hub_layout``: OpenVLA's released hub layout mapped key by key, both ways (loading and ``coordinatorctl export``)
 - ``tokenizers``: the prompt and the text tokenizers
 - ``policy``: ``OpenVLAPolicy``, the policy interface over the above
 """

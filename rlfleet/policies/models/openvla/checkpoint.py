@@ -85,27 +85,43 @@ class CheckpointMixin:
         with self.llm.disable_adapter():
             yield
 
+    def _merged_state(self) -> dict:
+        """The weights with LoRA merged into the base (this object goes on as the merged model)."""
+        llm = self.llm.merge_and_unload() if self.is_lora else self.llm
+        state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
+        state.update({k: v for k, v in self.state_dict().items() if not k.startswith("llm.")})
+        self.llm, self.is_lora = llm, False
+        return state
+
+    def _stats_entry(self) -> dict | None:
+        if not self.unnorm_stats:
+            return None
+        return {self.unnorm_name: {"action": self.unnorm_stats,
+                                   **({"proprio": self.proprio_stats} if self.proprio_stats else {})}}
+
+    def save_upstream(self, path: str | Path, step: int | None = None, max_shard_size: int | str = "5GB") -> Path:
+        """Write this model in OpenVLA's released layout (``openvla/openvla-7b``'s; OpenVLA-OFT's proprio projector
+        file), LoRA merged: ``hub_layout.save_openvla_hub_dir``, the inverse of the loader's key mapping."""
+        from rlfleet.policies.models.openvla.hub_layout import save_openvla_hub_dir
+
+        return save_openvla_hub_dir(Path(path), self._merged_state(), self.sizes, model_type=self.model_type,
+                                    tokenizer=self.tokenizer, stats=self._stats_entry(), num_images=self.num_images,
+                                    image_keys=self.image_keys, step=step, max_shard_size=max_shard_size)
+
     def save_pretrained(self, path: str | Path) -> None:
         """Write this model in the checkpoint layout ``model_path`` loads (LoRA merged into the base weights)."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        llm = self.llm.merge_and_unload() if self.is_lora else self.llm
-        state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
-        state.update({k: v for k, v in self.state_dict().items() if not k.startswith("llm.")})
+        state = self._merged_state()
         save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes,
                                                       "num_images_in_input": self.num_images,
                                                       "image_keys": self.image_keys}, indent=2))
         save_tokenizer(self.tokenizer, path)
         if self.unnorm_stats:
-            entry = {"action": self.unnorm_stats, **({"proprio": self.proprio_stats} if self.proprio_stats else {})}
-            (path / "dataset_statistics.json").write_text(json.dumps({self.unnorm_name: entry},
-                                                                     indent=1))
-        if self.is_lora:  # the adapters are merged now: this object goes on as the merged model
-            self.llm = llm
-            self.is_lora = False
+            (path / "dataset_statistics.json").write_text(json.dumps(self._stats_entry(), indent=1))
 
 
 def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapping | None = None):

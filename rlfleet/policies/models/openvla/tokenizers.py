@@ -20,8 +20,16 @@ class ByteTokenizer:
 
 def load_hf_tokenizer(path: Path):
     from transformers import AutoTokenizer
+    from transformers.utils import logging
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    # never remote code: a released folder's config.json may name its own classes (auto_map, as OpenVLA's); the
+    # tokenizer needs none, and transformers then reads that config as a plain one (its warning says only that)
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    finally:
+        logging.set_verbosity(level)
 
     class _Wrapped:
         pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -39,6 +47,32 @@ def load_hf_tokenizer(path: Path):
 
 def has_tokenizer_files(path: Path) -> bool:
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def byte_tokenizer_as_hf():
+    """``ByteTokenizer`` as a transformers tokenizer with the same ids (byte-level BPE without merges: byte b is id
+    3 + b; pad, bos, eos are 0, 1, 2 and never matched in text), so a model that uses it can be written with real
+    tokenizer files (tokenizer.json, tokenizer_config.json) that ``AutoTokenizer`` loads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = bytes_to_unicode()  # byte -> the printable character byte-level BPE writes it as
+    specials = {"<pad>": ByteTokenizer.pad_token_id, "<s>": ByteTokenizer.bos_token_id,
+                "</s>": ByteTokenizer.eos_token_id}
+    tok = Tokenizer(models.BPE(vocab={**specials, **{chars[b]: 3 + b for b in range(256)}}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   split_special_tokens=True)
+
+
+def save_tokenizer_files(tokenizer, path: Path) -> None:
+    """The tokenizer's files in ``path`` itself, as released checkpoints keep them (the byte tokenizer of tiny
+    models as its transformers equivalent, ``byte_tokenizer_as_hf``)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        tokenizer = byte_tokenizer_as_hf()
+    tokenizer.save_pretrained(str(path))
 
 
 def save_tokenizer(tokenizer, path: Path) -> None:
