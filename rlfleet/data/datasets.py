@@ -143,7 +143,7 @@ class _VideoFile:
 
         os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its whole configuration per file otherwise
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.fps, self.frames = path, fps, 0
+        self.path, self.fps, self.frames, self.bytes = path, fps, 0, 0
         self.format = "rgb24" if channels == 3 else "gray"
         self.container = av.open(str(path), "w")
         self.stream = self.container.add_stream(VIDEO_CODEC, rate=fps)
@@ -161,12 +161,14 @@ class _VideoFile:
                                                format=self.format)
             frame.pts, frame.time_base = self.frames, Fraction(1, self.fps)
             for packet in self.stream.encode(frame):
+                self.bytes += packet.size
                 self.container.mux(packet)
             self.frames += 1
         return start / self.fps, self.frames / self.fps
 
     def size_mb(self) -> float:
-        return self.path.stat().st_size / 2 ** 20 if self.path.exists() else 0.0
+        """What the encoder has produced so far (it holds back its last few frames until the file closes)."""
+        return self.bytes / 2 ** 20
 
     def close(self) -> None:
         for packet in self.stream.encode(None):
