@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.config import load_config
+from rlfleet.config import ConfigError, load_config
 from rlfleet.data.datasets import Dataset, DatasetWriter, Episode
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
@@ -118,3 +118,121 @@ def test_random_shift_moves_each_image_by_at_most_the_shift_and_leaves_the_rest(
     assert off.augment({"third_person": img})["third_person"] is img  # sft.image_shift 0: untouched
     with pytest.raises(ValueError, match="sft.image_shift"):
         load_config(None, [*TINY, "sft.image_shift=-1"])
+
+
+# A dataset written by lerobot itself (LeRobotDataset.create / add_frame / save_episode / finalize, in lerobot's own
+# environment): the image tells which way to move, as in _dataset above.
+LEROBOT_MAKES = r"""
+import json, numpy as np, torch
+torch.set_num_threads(1)
+from lerobot.datasets.lerobot_dataset import LeRobotDataset
+features = {
+    "observation.images.front": {"dtype": "video", "shape": (64, 64, 3), "names": ["height", "width", "channels"]},
+    "observation.state": {"dtype": "float32", "shape": (7,), "names": [f"joint_{i}" for i in range(7)]},
+    "action": {"dtype": "float32", "shape": (4,), "names": ["x", "y", "z", "gripper"]},
+}
+ds = LeRobotDataset.create("someone/toy", fps=10, features=features, root=ROOT, use_videos=True)
+rng = np.random.default_rng(0)
+for e in range(4):
+    for t in range(6):
+        img = np.full((64, 64, 3), 60, np.uint8)
+        img[:, :32] = 200 if e % 2 else 60
+        ds.add_frame({"observation.images.front": img, "observation.state": rng.normal(size=7).astype(np.float32),
+                      "action": np.array([1.0 if e % 2 else -1.0, 0.5, -0.5, 0.0], np.float32),
+                      "task": f"task {e % 2}"})
+    ds.save_episode()
+ds.finalize()
+print(json.dumps({"frames": ds.meta.total_frames, "episodes": ds.meta.total_episodes}))
+"""
+
+
+@pytest.fixture(scope="module")
+def lerobot_dataset(tmp_path_factory):
+    from tests.simenv import run_lerobot
+
+    root = tmp_path_factory.mktemp("lerobot") / "toy"
+    assert run_lerobot(LEROBOT_MAKES.replace("ROOT", repr(str(root)))) == {"frames": 24, "episodes": 4}
+    return root
+
+
+SFT_CLI = ["--config", "pandapickcube_vision_sft_openvla_oft_tiny", "actor.model.vla.vision_layers=1",
+           "actor.model.vla.llm_layers=1", "actor.model.num_action_chunks=2", "sft.max_steps=60",
+           "sft.batch_size=12", "sft.lr=1e-3", "cluster.learner_num_threads=1"]
+KEYS = "sft.dataset_keys={wrist: observation.images.front, state: observation.state, action: action}"
+
+
+def test_a_dataset_lerobot_writes_trains_with_sft_through_the_key_map(tmp_path, lerobot_dataset, capsys):
+    from services.learner.sft import main
+
+    d = Dataset(lerobot_dataset, {"wrist": "observation.images.front", "state": "observation.state"})
+    assert len(d) == 4 and d.action_dim == 4 and d.meta["env_id"] == "toy"
+    assert d.observation_features == {"wrist": {"dtype": "uint8", "shape": [64, 64, 3]},
+                                      "state": {"dtype": "float32", "shape": [7]}}
+    ep = d.episode(1)
+    assert ep.instruction == "task 1" and ep.length == 6 and (ep.actions[:, 0] == 1.0).all()
+    assert np.abs(ep.observations["wrist"][:, :, :32].astype(int) - 200).mean() < 4  # lerobot's video, decoded
+    assert np.abs(ep.observations["wrist"][:, :, 40:].astype(int) - 60).mean() < 4
+    torch.manual_seed(0)
+    code = main([*SFT_CLI, f"sft.dataset_path={lerobot_dataset}", f"sft.output_path={tmp_path / 'out'}", KEYS])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "sft: openvla_oft on 4 episodes (24 samples)" in out.out
+    summary = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
+    assert summary["final_loss"] < 0.5 * summary["first_loss"], summary
+    stats = json.loads((tmp_path / "out" / "dataset_statistics.json").read_text())
+    assert set(stats) == {"toy"}  # named after the dataset (no rlfleet env id in it)
+    # a key the map names that the dataset lacks: one clear line naming it and the dataset's features
+    code = main([*SFT_CLI, f"sft.dataset_path={lerobot_dataset}", "sft.dataset_keys={wrist: observation.images.top}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "'wrist' is mapped to the feature 'observation.images.top' (sft.dataset_keys), which the " \
+        "dataset does not have; its features: action, episode_index, frame_index, index, observation.images.front, " \
+        "observation.state, task_index, timestamp" in err, err
+
+
+def _fill_dataset_cache(hf_home, dataset, repo="someone/toy-demos"):
+    """The hub cache's own layout for a dataset repo: datasets--org--name/{refs/main, snapshots/<commit>/...}."""
+    import shutil
+
+    org, name = repo.split("/")
+    root = hf_home / "hub" / f"datasets--{org}--{name}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(dataset, root / "snapshots" / commit)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    return root / "snapshots" / commit
+
+
+def test_a_hub_dataset_id_reads_from_the_offline_cache(tmp_path, monkeypatch):
+    from services.learner.sft import open_dataset
+
+    _dataset(tmp_path / "d")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no folder someone/toy-demos here: the id is looked up in the cache
+    snapshot = _fill_dataset_cache(tmp_path / "hf", tmp_path / "d")
+    d = open_dataset(load_config(None, [*TINY, "sft.dataset_path=someone/toy-demos"]))
+    assert d.root == snapshot and len(d) == 3 and d.meta["env_id"] == "Toy-v0"
+    keyed = open_dataset(load_config(None, [*TINY, "sft.dataset_path=someone/toy-demos",
+                                            "sft.dataset_keys={third_person: observation.images.third_person}"]))
+    assert set(keyed.observation_features) == {"third_person"}
+    with pytest.raises(FileNotFoundError, match=r"sft.dataset_path: hub dataset 'someone/missing' is not in the hub "
+                                                r"cache .*HF_HUB_OFFLINE is set.*hf download someone/missing "
+                                                r"--repo-type dataset"):
+        open_dataset(load_config(None, [*TINY, "sft.dataset_path=someone/missing"]))
+
+
+def test_sft_names_what_is_wrong_with_the_dataset_folder(tmp_path, capsys):
+    from services.learner.sft import main
+
+    (tmp_path / "empty").mkdir()
+    assert main([*SFT_CLI, f"sft.dataset_path={tmp_path / 'empty'}"]) == 1
+    assert "no meta/info.json - not a (complete) LeRobot dataset" in capsys.readouterr().err
+    old = tmp_path / "old"
+    (old / "meta").mkdir(parents=True)
+    (old / "meta" / "episodes.jsonl").write_text("{}\n")
+    (old / "meta" / "info.json").write_text(json.dumps({"format": "rlfleet-episodes", "version": 1}))
+    assert main([*SFT_CLI, f"sft.dataset_path={old}"]) == 1
+    assert "re-collect it with `coordinatorctl collect-demos CONFIG`" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="sft.dataset_keys"):
+        load_config(None, ["sft.dataset_keys={wrist: 3}"])
