@@ -123,36 +123,56 @@ def test_random_shift_moves_each_image_by_at_most_the_shift_and_leaves_the_rest(
 # A dataset written by lerobot itself (LeRobotDataset.create / add_frame / save_episode / finalize, in lerobot's own
 # environment): the image tells which way to move, as in _dataset above.
 LEROBOT_MAKES = r"""
-import json, numpy as np, torch
+import json, pathlib, numpy as np, torch
 torch.set_num_threads(1)
 from lerobot.datasets.lerobot_dataset import LeRobotDataset
-features = {
-    "observation.images.front": {"dtype": "video", "shape": (64, 64, 3), "names": ["height", "width", "channels"]},
-    "observation.state": {"dtype": "float32", "shape": (7,), "names": [f"joint_{i}" for i in range(7)]},
-    "action": {"dtype": "float32", "shape": (4,), "names": ["x", "y", "z", "gripper"]},
-}
-ds = LeRobotDataset.create("someone/toy", fps=10, features=features, root=ROOT, use_videos=True)
-rng = np.random.default_rng(0)
-for e in range(4):
-    for t in range(6):
-        img = np.full((64, 64, 3), 60, np.uint8)
-        img[:, :32] = 200 if e % 2 else 60
-        ds.add_frame({"observation.images.front": img, "observation.state": rng.normal(size=7).astype(np.float32),
-                      "action": np.array([1.0 if e % 2 else -1.0, 0.5, -0.5, 0.0], np.float32),
-                      "task": f"task {e % 2}"})
-    ds.save_episode()
-ds.finalize()
-print(json.dumps({"frames": ds.meta.total_frames, "episodes": ds.meta.total_episodes}))
+def make(root, image_dtype):
+    features = {
+        "observation.images.front": {"dtype": image_dtype, "shape": (64, 64, 3), "names": ["height", "width", "channels"]},
+        "observation.state": {"dtype": "float32", "shape": (7,), "names": [f"joint_{i}" for i in range(7)]},
+        "action": {"dtype": "float32", "shape": (4,), "names": ["x", "y", "z", "gripper"]},
+    }
+    ds = LeRobotDataset.create("someone/toy", fps=10, features=features, root=root, use_videos=image_dtype == "video")
+    rng = np.random.default_rng(0)
+    for e in range(4):
+        for t in range(6):
+            img = np.full((64, 64, 3), 60, np.uint8)
+            img[:, :32] = 200 if e % 2 else 60
+            img[t, :, 2] = 255  # which frame this is, for the image-feature copy
+            ds.add_frame({"observation.images.front": img, "observation.state": rng.normal(size=7).astype(np.float32),
+                          "action": np.array([1.0 if e % 2 else -1.0, 0.5, -0.5, 0.0], np.float32),
+                          "task": f"task {e % 2}"})
+        ds.save_episode()
+    ds.finalize()
+    return {"frames": ds.meta.total_frames, "episodes": ds.meta.total_episodes}
+print(json.dumps({"video": make(ROOT, "video"), "image": make(ROOT + "_images", "image")}))
 """
 
 
 @pytest.fixture(scope="module")
 def lerobot_dataset(tmp_path_factory):
+    """lerobot's toy dataset with its camera as video (the path), and the same with it as PNG images (path_images)."""
     from tests.simenv import run_lerobot
 
     root = tmp_path_factory.mktemp("lerobot") / "toy"
-    assert run_lerobot(LEROBOT_MAKES.replace("ROOT", repr(str(root)))) == {"frames": 24, "episodes": 4}
+    made = run_lerobot(LEROBOT_MAKES.replace("ROOT", repr(str(root))))
+    assert made == {"video": {"frames": 24, "episodes": 4}, "image": {"frames": 24, "episodes": 4}}
     return root
+
+
+def test_lerobots_image_features_read_exactly(lerobot_dataset):
+    d = Dataset(lerobot_dataset.with_name("toy_images"))
+    assert d.features["observation.images.front"]["dtype"] == "image"
+    assert d.observation_features["front"] == {"dtype": "uint8", "shape": [64, 64, 3]}
+    ep = d.episode(3)
+    want = np.full((6, 64, 64, 3), 60, np.uint8)
+    want[:, :, :32] = 200
+    for t in range(6):
+        want[t, t, :, 2] = 255
+    np.testing.assert_array_equal(ep.observations["front"], want)  # PNG: lossless
+    video = Dataset(lerobot_dataset).episode(3)
+    np.testing.assert_array_equal(video.observations["state"], ep.observations["state"])
+    np.testing.assert_array_equal(video.actions, ep.actions)
 
 
 SFT_CLI = ["--config", "pandapickcube_vision_sft_openvla_oft_tiny", "actor.model.vla.vision_layers=1",
