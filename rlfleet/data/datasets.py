@@ -439,8 +439,8 @@ def _hwc(ft: dict) -> list[int]:
 
 class Dataset:
     """A LeRobot v3.0 dataset folder (written by :class:`DatasetWriter`, or by ``lerobot``) read as rlfleet
-    episodes. ``keys``: policy input name -> dataset feature (``action`` -> the action feature); None or empty:
-    :func:`default_keys`. ``name``: what the dataset is called where it has no env id of rlfleet's (a hub id)."""
+    episodes. ``keys``: policy input name -> dataset feature (``action`` -> the action feature); the observations
+    of :func:`default_keys` where it maps none. ``name``: what the dataset is called where it has no env id of rlfleet's (a hub id)."""
 
     def __init__(self, root: str | Path, keys: Mapping[str, str] | None = None, name: str | None = None):
         self.root = Path(root)
@@ -464,9 +464,9 @@ class Dataset:
         self.info = info
         self.features: dict[str, dict] = info.get("features", {})
         own = info.get("rlfleet") or {}
-        keys = dict(keys or {}) or default_keys(info)
+        keys = dict(keys or {})
         self.action_feature = keys.pop("action", "action")
-        self.keys = keys
+        self.keys = keys or {k: v for k, v in default_keys(info).items() if k != "action"}  # only the action mapped
         for key, feature in [*keys.items(), ("action", self.action_feature)]:
             if feature not in self.features:
                 raise ValueError(f"{self.root}: '{key}' is mapped to the feature '{feature}' (sft.dataset_keys), "

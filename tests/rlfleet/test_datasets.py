@@ -117,6 +117,7 @@ def test_the_key_map_names_the_policy_inputs(tmp_path):
     d = Dataset(tmp_path / "d", {"third_person": "observation.images.image", "action": "action"})
     assert d.observation_features == {"third_person": {"dtype": "uint8", "shape": [32, 32, 3]}}
     assert set(d.episode(0).observations) == {"third_person"}
+    assert set(Dataset(tmp_path / "d", {"action": "action"}).observation_features) == {"image", "state"}  # defaults
     with pytest.raises(ValueError, match=r"'wrist' is mapped to the feature 'observation.images.wrist' "
                                          r"\(sft.dataset_keys\), which the dataset does not have; its features: "
                                          r"action, episode_index, .*observation.images.image, observation.state"):

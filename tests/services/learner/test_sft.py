@@ -256,3 +256,43 @@ def test_sft_names_what_is_wrong_with_the_dataset_folder(tmp_path, capsys):
     assert "re-collect it with `coordinatorctl collect-demos CONFIG`" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="sft.dataset_keys"):
         load_config(None, ["sft.dataset_keys={wrist: 3}"])
+
+
+def test_rlfleet_writes_the_files_and_fields_lerobot_writes(tmp_path, lerobot_dataset):
+    """The same features written by rlfleet and by lerobot (the fixture): the same files, info.json keys, feature
+    entries and parquet columns; rlfleet adds only its own (next.reward / next.success, rlfleet/*, "rlfleet")."""
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    w = DatasetWriter(tmp_path / "ours", env_id="Toy-v0", simulator="gym", fps=10, source="test")
+    for e in range(4):
+        w.add(Episode({"front": np.full((6, 64, 64, 3), 60, np.uint8), "state": rng.normal(size=(6, 7)).astype(
+            np.float32)}, np.zeros((6, 4), np.float32), np.zeros(6, np.float32), np.zeros(6, bool), f"task {e % 2}"))
+    w.close()
+    ours, theirs = tmp_path / "ours", lerobot_dataset
+    tree = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())  # noqa: E731
+    assert tree(ours) == tree(theirs)
+    info = {r: json.loads((r / "meta" / "info.json").read_text()) for r in (ours, theirs)}
+    assert set(info[ours]) == set(info[theirs]) | {"rlfleet"}
+    for key in ("codebase_version", "chunks_size", "data_files_size_in_mb", "video_files_size_in_mb", "fps", "splits",
+                "data_path", "video_path", "total_episodes", "total_frames", "total_tasks"):
+        assert info[ours][key] == info[theirs][key], key
+    f_ours, f_theirs = info[ours]["features"], info[theirs]["features"]
+    assert set(f_ours) == set(f_theirs) | {"next.reward", "next.success"}
+    for name, ft in f_theirs.items():
+        assert (f_ours[name]["dtype"], f_ours[name]["shape"]) == (ft["dtype"], ft["shape"]), name
+    assert f_ours["observation.images.front"]["info"] == f_theirs["observation.images.front"]["info"]
+    columns = lambda path: pq.read_schema(path).names  # noqa: E731
+    data = "data/chunk-000/file-000.parquet"
+    assert set(columns(ours / data)) == set(columns(theirs / data)) | {"next.reward", "next.success"}
+    assert pq.read_schema(ours / data).field("observation.state").type == \
+        pq.read_schema(theirs / data).field("observation.state").type
+    episodes = "meta/episodes/chunk-000/file-000.parquet"
+    extra = {c for c in columns(ours / episodes) if c.startswith(("rlfleet/", "stats/next."))}
+    assert set(columns(ours / episodes)) - extra == set(columns(theirs / episodes))
+    assert set(columns(ours / "meta/tasks.parquet")) == set(columns(theirs / "meta/tasks.parquet"))
+    stats = {r: json.loads((r / "meta" / "stats.json").read_text()) for r in (ours, theirs)}
+    assert set(stats[ours]) == set(stats[theirs]) | {"next.reward", "next.success"}
+    assert set(stats[ours]["observation.images.front"]) == set(stats[theirs]["observation.images.front"])
+    assert np.asarray(stats[ours]["observation.images.front"]["mean"]).shape == \
+        np.asarray(stats[theirs]["observation.images.front"]["mean"]).shape == (3, 1, 1)
