@@ -68,3 +68,39 @@ def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: st
     if proc.returncode != 0:
         raise AssertionError(f"{simulator} subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# lerobot, to check that rlfleet's datasets are LeRobot's: its dataset code, unmodified, in an environment of its own
+# (docs/testing.md). lerobot 0.4.4 pins torch<2.11, torchvision<0.26 and torchcodec<0.11; PyPI's builds of those are
+# CUDA builds that need a matching CUDA torch, and torchvision >= 0.24 has no video decoding left, so lerobot decodes
+# video with torchcodec only. No CPU build of torchvision or torchcodec exists on PyPI for rlfleet's torch 2.13.0 CPU
+# wheel (both fail to load beside it), so this environment takes the newest CUDA trio that loads on a CPU machine
+# (torch 2.14.1, torchvision 0.29.1, torchcodec 0.17.0; local wheels on this kind of machine, about 4 GB of disk) and
+# installs lerobot itself without its pins, plus exactly what lerobot.datasets imports. torchcodec decodes with the
+# host's FFmpeg (Debian 12: FFmpeg 5.1's libraries).
+LEROBOT_ENV = environments.Environment(
+    name="lerobot",
+    pip=("torch==2.14.1", "torchvision==0.29.1", "torchcodec==0.17.0", "datasets==4.8.5", "huggingface-hub==0.35.3",
+         "accelerate==1.15.0", "jsonlines==4.0.0", "pandas==3.1.1", "numpy>=1.26,<3"),
+    no_deps=("lerobot==0.4.4",),
+    apt=("libavutil57", "libavcodec59", "libavformat59", "libavdevice59", "libavfilter8", "libswscale6",
+         "libswresample4"),
+    check="import lerobot.datasets.lerobot_dataset, torchcodec.decoders",
+    notes="lerobot 0.4.4's dataset code (no deps) on torch 2.14.1 + torchvision 0.29.1 + torchcodec 0.17.0",
+)
+
+
+def run_lerobot(code: str, timeout: float = 300.0) -> dict:
+    """Run ``code`` (which must print one JSON line last) with lerobot's python (built on first use; skipped or,
+    under ``RLFLEET_REQUIRE_ENVS=1``, failed when it cannot be built); returns the parsed JSON."""
+    try:
+        python = str(environments.ensure(LEROBOT_ENV, log=lambda *a, **k: None))
+    except environments.EnvironmentError_ as exc:
+        unavailable(f"the lerobot environment could not be built here: {str(exc).splitlines()[0]}")
+    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                          stdin=subprocess.DEVNULL, cwd=str(environments.REPO_ROOT))
+    if proc.returncode != 0:
+        raise AssertionError(f"lerobot subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

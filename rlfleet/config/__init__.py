@@ -19,7 +19,8 @@ from rlfleet.registry import UnknownName, closest, did_you_mean, unknown_message
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
 # Maps whose keys are the user's to choose.
-FREE_FORM = ("cluster.component_placement", "cluster.cpu_placement", "env.train.init_params", "env.eval.init_params")
+FREE_FORM = ("cluster.component_placement", "cluster.cpu_placement", "env.train.init_params", "env.eval.init_params",
+             "sft.dataset_keys")
 COMPONENTS = ("env", "rollout", "actor")
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")  # estimators of algorithm.kl_penalty (services/learner/ppo.py)
 # Types of keys whose default is null (the default cannot say), and of keys that may also be null.
@@ -285,6 +286,10 @@ def _check_batches(cfg: DictConfig) -> None:
         _require(cfg.sft[key] >= 1, f"sft.{key}", f"must be >= 1, got {cfg.sft[key]}")
     _require(cfg.sft.lr > 0, "sft.lr", f"must be > 0, got {cfg.sft.lr}")
     _require(cfg.sft.image_shift >= 0, "sft.image_shift", f"must be >= 0 pixels, got {cfg.sft.image_shift}")
+    _require(cfg.sft.demo_fps >= 1, "sft.demo_fps", f"must be >= 1, got {cfg.sft.demo_fps}")
+    keys = cfg.sft.dataset_keys
+    _require(isinstance(keys, DictConfig) and all(isinstance(v, str) and v for v in keys.values()),
+             "sft.dataset_keys", f"must map policy input names to dataset feature names (strings), got {keys}")
     chunk = cfg.actor.model.num_action_chunks
     _require(cfg.env.train.max_steps_per_rollout_epoch % max(chunk, 1) == 0, "env.train.max_steps_per_rollout_epoch",
              f"{cfg.env.train.max_steps_per_rollout_epoch} env steps must be a multiple of "

@@ -9,7 +9,8 @@ folder in the hub cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/h
 ``HF_HUB_OFFLINE=1`` only the cache is read; otherwise a model missing from the cache is downloaded into it. A
 model that cannot be resolved is a FileNotFoundError naming the id, the cache folder and the command that
 downloads it. :func:`resolve_model_path` is the one place every reader of ``model_path`` goes through (the VLA and
-π0 loaders, the footprint estimate, the coordinator's preflight).
+π0 loaders, the footprint estimate, the coordinator's preflight), and, with ``repo_type="dataset"``, of
+``sft.dataset_path`` (a LeRobot dataset id such as ``lerobot/pusht``: ``datasets--org--name`` in the same cache).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def _offline() -> bool:
 
 
 def resolve_model_path(model_path: str | os.PathLike | None, *, download: bool | None = None,
-                       key: str = KEY) -> str | None:
+                       key: str = KEY, repo_type: str = "model") -> str | None:
     """The local folder ``model_path`` names: itself when it is a folder, a hub id's snapshot folder in the hub
     cache (downloaded first when it is not cached, ``download`` is not False and HF_HUB_OFFLINE is not set), None
-    for None / "". Anything else: FileNotFoundError (or ValueError) saying which, naming ``key``."""
+    for None / "". Anything else: FileNotFoundError (or ValueError) saying which, naming ``key``. ``repo_type``:
+    "model", or "dataset" for a dataset id (``sft.dataset_path``)."""
     if model_path is None or str(model_path) == "":
         return None
     text = str(model_path)
@@ -60,27 +62,30 @@ def resolve_model_path(model_path: str | os.PathLike | None, *, download: bool |
     hub = parse_hub_id(text)
     if hub is None or path.exists() or text.startswith(("/", "~")):
         what = "not a folder" if path.exists() else "no such folder"
-        raise FileNotFoundError(f"{key}: {text}: {what} (give a model folder, or a hub id org/name[@revision])")
+        raise FileNotFoundError(f"{key}: {text}: {what} (give a {repo_type} folder, or a hub id "
+                                f"org/name[@revision])")
     repo_id, revision = hub
     cache = hub_cache_dir()
     local_only = _offline() or download is False
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    kind = f" --repo-type {repo_type}" if repo_type != "model" else ""
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=local_only)
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=local_only,
+                                 repo_type=repo_type)
     except HFValidationError as exc:
         raise ValueError(f"{key}: {text}: not a valid hub id ({exc})") from None
     except LocalEntryNotFoundError:
         where = f" at revision {revision}" if revision else ""
         why = "HF_HUB_OFFLINE is set, so only the cache is read" if _offline() else "not downloaded here"
         raise FileNotFoundError(
-            f"{key}: hub model '{repo_id}'{where} is not in the hub cache {cache} ({why}; no folder {text} "
+            f"{key}: hub {repo_type} '{repo_id}'{where} is not in the hub cache {cache} ({why}; no folder {text} "
             f"here either); download it where the "
-            f"network allows: hf download {repo_id}" + (f" --revision {revision}" if revision else "")
-            + f" --cache-dir {cache} (or give a local model folder)") from None
+            f"network allows: hf download {repo_id}{kind}" + (f" --revision {revision}" if revision else "")
+            + f" --cache-dir {cache} (or give a local {repo_type} folder)") from None
     except Exception as exc:  # noqa: BLE001 - unknown repo, gated repo, no network: say which id and why
-        raise FileNotFoundError(f"{key}: hub model '{repo_id}'" + (f"@{revision}" if revision else "")
+        raise FileNotFoundError(f"{key}: hub {repo_type} '{repo_id}'" + (f"@{revision}" if revision else "")
                                 + f" could not be resolved ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                                f"hub cache {cache}; download it where the network allows: hf download {repo_id} "
-                                f"--cache-dir {cache} (or give a local model folder)") from None
+                                f"hub cache {cache}; download it where the network allows: hf download {repo_id}{kind} "
+                                f"--cache-dir {cache} (or give a local {repo_type} folder)") from None

@@ -20,7 +20,8 @@ from rlfleet.registry import lookup
 ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "grpcio-health-checking==1.85.1", "grpcio-reflection==1.85.1",
                          "opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
                          "protobuf>=6.31,<8", "omegaconf>=2.3", "gymnasium>=1.0", "packaging",
-                         "pillow")  # pillow: evaluation videos
+                         "pillow",  # pillow: evaluation videos
+                         "pyarrow==25.0.1", "av==18.1.0")  # demonstration datasets (LeRobot v3.0: parquet, video)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Environment:
     setup: str | None = None            # "module:function" of shared code run with the environment's python after
                                         # pip (the env side adds its own steps when it builds a simulator's)
     check: str = ""                     # a Python statement (third-party imports only) that must run in it
+    no_deps: tuple[str, ...] = ()       # installed after the rest without their dependencies (a package whose own
+                                        # pins the environment overrides, e.g. lerobot's torch<2.11)
     python: str = "3.11"
     notes: str = ""                     # shown by `coordinatorctl envs`
 

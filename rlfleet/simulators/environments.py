@@ -53,6 +53,8 @@ def lock_key(env: Environment) -> str:
               "check": env.check}
     if env.apt_sources:  # only when set, so environments without extra apt sources keep their keys
         fields["apt_sources"] = list(env.apt_sources)
+    if env.no_deps:  # likewise
+        fields["no_deps"] = list(env.no_deps)
     blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -242,9 +244,14 @@ def _build(env: Environment, path: pathlib.Path, log, steps: tuple[str, ...] = (
         _run([uv, "venv", "--quiet", "--python", _base_python(env.python), str(path)], log, tag, sub_env)
         _run([uv, "pip", "install", "--python", str(python_of(path)), "--index-strategy", "unsafe-best-match",
               *_pip_sources(), *requirements(env)], log, tag, sub_env)
+        if env.no_deps:
+            _run([uv, "pip", "install", "--python", str(python_of(path)), "--no-deps", *_pip_sources(),
+                  *env.no_deps], log, tag, sub_env)
     else:  # no uv: the standard library's venv and pip (slower, same result)
         _run([_base_python(env.python), "-m", "venv", str(path)], log, tag, sub_env)
         _run([str(python_of(path)), "-m", "pip", "install", "-q", *requirements(env)], log, tag, sub_env)
+        if env.no_deps:
+            _run([str(python_of(path)), "-m", "pip", "install", "-q", "--no-deps", *env.no_deps], log, tag, sub_env)
     run_env = {**sub_env, "PYTHONPATH": str(REPO_ROOT)}
     if env.setup:
         _run_step(path, env.setup, log, tag, run_env)

@@ -1,4 +1,4 @@
-"""Demonstrations from a simulator's scripted expert, recorded into a dataset (rlfleet.data.datasets).
+"""Demonstrations from a simulator's scripted expert, recorded into a LeRobot v3.0 dataset (rlfleet.data.datasets).
 
 The env side of supervised fine-tuning: the same ``VecEnv`` and backend an env server hosts (so it runs from the
 simulator's own environment, as env servers do), stepped with the backend's ``expert_actions``. Episode k is reset
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - an unknown id, bad init_params, a simulator that cannot start
         print(f"collect-demos: cannot start {tr.simulator_type}:{tr.env_id}: {exc}", file=sys.stderr)
         return 1
-    writer = DatasetWriter(args.out, env_id=tr.env_id, simulator=tr.simulator_type, fps=0.0,
+    writer = DatasetWriter(args.out, env_id=tr.env_id, simulator=tr.simulator_type, fps=int(cfg.sft.demo_fps),
                            source=f"scripted expert of {tr.simulator_type}:{tr.env_id}", overwrite=True)
     print(f"collecting {n} demonstrations of {tr.simulator_type}:{tr.env_id} ({env.num_envs} envs, "
           f"{tr.max_episode_steps}-step episodes) into {args.out}", flush=True)

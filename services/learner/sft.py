@@ -26,15 +26,25 @@ import numpy as np
 import torch
 
 from rlfleet.data.datasets import Dataset
+from rlfleet.policies.hub import parse_hub_id, resolve_model_path
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 
 
 def default_paths(cfg) -> tuple[pathlib.Path, pathlib.Path]:
-    """(dataset folder, output folder) of a config's ``sft`` group."""
+    """(dataset folder or hub id, output folder) of a config's ``sft`` group."""
     base = pathlib.Path(cfg.runner.logger.log_path) / cfg.runner.experiment_name
     return (pathlib.Path(cfg.sft.dataset_path or base / "demos"), pathlib.Path(cfg.sft.output_path or base / "sft_model"))
+
+
+def open_dataset(cfg) -> Dataset:
+    """The dataset of ``sft.dataset_path`` (a folder, or a hub dataset id resolved from the Hugging Face cache, as
+    ``actor.model.model_path`` is) with the policy's inputs mapped by ``sft.dataset_keys``."""
+    path = str(default_paths(cfg)[0]) if not cfg.sft.dataset_path else str(cfg.sft.dataset_path)
+    hub = None if pathlib.Path(path).expanduser().is_dir() else parse_hub_id(path)
+    root = resolve_model_path(path, key="sft.dataset_path", repo_type="dataset") if hub else path
+    return Dataset(root, keys=dict(cfg.sft.dataset_keys or {}), name=hub[0] if hub else None)
 
 
 def chunk_samples(dataset: Dataset, chunk: int) -> tuple[dict[str, np.ndarray], np.ndarray, list[str]]:
@@ -148,15 +158,15 @@ def main(argv=None) -> int:
     # nothing else runs beside supervised fine-tuning: every core, unless cluster.learner_num_threads says otherwise
     threads = cfg.cluster.learner_num_threads
     torch.set_num_threads(int(threads) if threads is not None else max(1, len(os.sched_getaffinity(0))))
-    data_dir, out_dir = default_paths(cfg)
+    _, out_dir = default_paths(cfg)
     try:
-        dataset = Dataset(data_dir)
+        dataset = open_dataset(cfg)
         trainer = SFTTrainer(cfg, dataset, out_dir, log=lambda s: print(s, flush=True))
     except (FileNotFoundError, ValueError) as exc:
         print(f"sft: {exc}", file=sys.stderr)
         return 1
     print(f"sft: {cfg.actor.model.model_type} on {len(dataset)} episodes ({trainer.num_samples} samples) from "
-          f"{data_dir}, {cfg.sft.max_steps} steps of batch {cfg.sft.batch_size}", flush=True)
+          f"{dataset.root}, {cfg.sft.max_steps} steps of batch {cfg.sft.batch_size}", flush=True)
     summary = trainer.train()
     path = trainer.save(summary)
     print(f"sft: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['wall_time_s']:.0f}s; "

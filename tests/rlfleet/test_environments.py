@@ -18,6 +18,9 @@ def test_lock_key_follows_what_is_installed():
     assert environments.lock_key(a) == environments.lock_key(Environment(name="x", pip=("six==1.16.0",)))
     assert environments.lock_key(a) != environments.lock_key(Environment(name="x", pip=("six==1.17.0",)))
     assert environments.env_path(a, "/e").name.startswith("x-")
+    # packages installed without their dependencies count too (and an environment without any keeps its key)
+    assert environments.lock_key(Environment(name="x", pip=("six==1.16.0",), no_deps=("lerobot==0.4.4",))) != \
+        environments.lock_key(a)
 
 
 def test_registry_names_and_errors():
@@ -55,3 +58,15 @@ def test_failed_build_names_the_command_and_is_not_cached(tmp_path):
     with pytest.raises(environments.EnvironmentError_, match="no_such_module_here"):
         environments.ensure(bad, str(tmp_path), lambda *a: None)
     assert not environments.is_installed(bad, str(tmp_path))
+
+
+@pytest.mark.sim
+def test_no_deps_packages_are_installed_without_their_dependencies(tmp_path):
+    """How lerobot goes into its test environment without its torch<2.11 pin (tests/simenv.py LEROBOT_ENV)."""
+    env = Environment(name="nodeps", pip=("six",), no_deps=("python-dateutil",), check="import six")
+    lines: list[str] = []
+    python = environments.ensure(env, str(tmp_path), lines.append)
+    assert any("--no-deps" in line and "python-dateutil" in line for line in lines), lines
+    out = subprocess.run([str(python), "-c", "import dateutil; print(dateutil.__version__)"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr

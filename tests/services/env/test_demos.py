@@ -1,4 +1,4 @@
-"""Scripted-expert demonstrations through the env server's VecEnv and backend."""
+"""Scripted-expert demonstrations through the env server's VecEnv and backend, recorded as a LeRobot v3.0 dataset."""
 
 from __future__ import annotations
 
@@ -48,3 +48,7 @@ def test_cli_writes_a_vision_dataset(tmp_path, capsys):
     assert len(d) == 2 and d.meta["env_id"] == "PandaPickCubeVision-v0"
     assert d.observation_features["third_person"]["shape"] == [64, 64, 3]
     assert "wrote" in capsys.readouterr().out
+    # LeRobot v3.0 (tests/rlfleet/test_lerobot.py loads such a dataset with lerobot): cameras as videos
+    assert (d.meta["codebase_version"], d.meta["fps"]) == ("v3.0", 10)
+    assert d.features["observation.images.third_person"]["dtype"] == "video"
+    assert d.features["observation.state"]["dtype"] == "float32"
