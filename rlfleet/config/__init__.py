@@ -123,8 +123,31 @@ def _parse_override(item: str) -> DictConfig:
     return node
 
 
+def _container_clash(base, user, prefix: str = "") -> str | None:
+    """The first key where ``user`` gives a list for a mapping of ``base`` or a mapping for a list (what OmegaConf's
+    merge refuses with a bare TypeError), as 'key: a list where a mapping belongs'."""
+    if not OmegaConf.is_dict(user) or not OmegaConf.is_dict(base):
+        return None
+    for key in user:
+        if key not in base:
+            continue
+        b, u = base._get_node(key), user._get_node(key)
+        name = f"{prefix}{key}"
+        if OmegaConf.is_dict(b) and OmegaConf.is_list(u):
+            return f"'{name}': a list where a mapping belongs (e.g. {name}={{key: value}})"
+        if OmegaConf.is_list(b) and OmegaConf.is_dict(u):
+            return f"'{name}': a mapping where a list belongs (e.g. {name}=[a, b])"
+        found = _container_clash(b, u, f"{name}.")
+        if found:
+            return found
+    return None
+
+
 def _merge(cfg: DictConfig, user: DictConfig) -> DictConfig:
-    merged = OmegaConf.merge(cfg, user)
+    try:
+        merged = OmegaConf.merge(cfg, user)
+    except (TypeError, ValueError) as exc:  # ValidationError is a ValueError
+        raise ConfigError(_container_clash(cfg, user) or f"cannot merge: {exc}") from None
     for key in ("component_placement", "cpu_placement"):
         placement = OmegaConf.select(user, f"cluster.{key}")
         if placement is not None:  # a placement replaces the default one instead of adding to it

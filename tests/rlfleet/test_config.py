@@ -38,12 +38,21 @@ def test_wrong_type_and_cross_checks():
         load_config(None, ["env.eval.simulator_type=metaworld"])
 
 
-def test_free_form_maps_and_builtin_configs():
+def test_free_form_maps_and_builtin_configs(tmp_path):
     cfg = load_config("pandapickcube_vision_ppo", ["env.train.init_params.image_size=32"])
     assert cfg.env.train.init_params.image_size == 32
     assert cfg.actor.model.model_type == "cnn"
     with pytest.raises(ConfigError, match="not found"):
         load_config("no_such_config")
+    # a list given for a mapping (or the reverse) names the key, not OmegaConf's bare TypeError
+    with pytest.raises(ConfigError, match=r"'sft\.dataset_keys': a list where a mapping belongs"):
+        load_config(None, ["sft.dataset_keys=[a,b]"])
+    with pytest.raises(ConfigError, match=r"'env\.train\.init_params': a list where a mapping belongs"):
+        load_config(None, ["env.train.init_params=[1,2]"])
+    path = tmp_path / "c.yaml"
+    path.write_text("env:\n  eval:\n    init_params: [64]\n")
+    with pytest.raises(ConfigError, match=r"'env\.eval\.init_params': a list where a mapping belongs"):
+        load_config(path)
 
 
 def test_placement():
