@@ -421,6 +421,10 @@ def test_openvla_oft_hub_layout_loads_its_proprio_projector_and_refuses_an_actio
     q = build_policy(load_config(None, args).actor.model, SPECS, 4, True, "token_level")
     assert torch.equal(q.proprio_projector[0].weight, p.proprio_projector[0].weight)
     assert torch.allclose(q.proprio_q99, torch.full((7,), 2.0)) and torch.equal(q.action_query, p.action_query)
+    # saved again (an SFT output, an export), the statistics keep the key they were picked by: a run configured with
+    # the same unnorm_key loads the saved folder
+    q.save_pretrained(tmp_path / "again")
+    assert list(json.loads((tmp_path / "again" / "dataset_statistics.json").read_text())) == ["libero_spatial_no_noops"]
     obs = _obs()
     want, got = p.act(obs, True, INSTR), q.act(obs, True, INSTR)
     assert torch.equal(want.forward_inputs["action_bins"], got.forward_inputs["action_bins"])

@@ -38,6 +38,8 @@ class CheckpointMixin:
                      unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer, logprob_type=logprob_type,
                      use_proprio=model_cfg.use_proprio, proprio_stats=stats["proprio"] if stats else None,
                      extra_image_keys=list(model_cfg.extra_image_keys or ()))
+        if stats:  # kept under the key they were picked by, so save_pretrained / export write them back there
+            policy.unnorm_name = model_cfg.unnorm_key
         if model_path:
             _check_cameras(Path(model_path), policy.image_keys)
         if state is not None:
