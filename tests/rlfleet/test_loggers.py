@@ -93,6 +93,9 @@ def test_wandb_offline_run_holds_the_logged_values_and_a_restart_continues_its_i
     assert _wandb_history(first) == _finite()
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 
+    # W&B names an offline run's folder by its start time to the second: a restart (which takes seconds in a real
+    # run) within the same second would reuse the first start's folder
+    time.sleep(1.05 - time.time() % 1.0)
     resumed = MetricsLogger(run_dir, ("wandb",), LoggerOptions(project_name="p", experiment_name="exp"))
     resumed.resume_at(2)
     resumed.log(3, {"train/loss": 0.25})
