@@ -19,6 +19,17 @@ def learner_world_size(cfg) -> int:
     return nnodes * per_node
 
 
+def learner_footprint(cfg) -> footprint.Footprint:
+    """The learner's footprint of ``cfg.actor.model`` (a VLA); with ``runner.only_eval`` (`coordinatorctl eval`) a
+    learner that never trains or runs the policy: its weights only (no gradients, Adam state, autocast copies,
+    activations or optimizer temporaries)."""
+    fp = footprint.estimate(cfg.actor.model, cfg.algorithm.logprob_type)
+    if cfg.runner.only_eval:
+        fp = dataclasses.replace(fp, trainable=0, largest_unit_trainable=0, root_trainable=0, activations_per_row=0,
+                                 autocast_parameters=0)
+    return fp
+
+
 def check(cfg, *, inference: bool = True) -> str | None:
     """None when the policy copies of a local run fit where they would live; else why not, with the numbers (per
     learner rank, and the smallest number of ranks that would fit). ``inference=False``: the learner's copy only
@@ -26,11 +37,8 @@ def check(cfg, *, inference: bool = True) -> str | None:
     model = cfg.actor.model
     if model.model_type not in footprint.VLA_TYPES:
         return None
-    fp = footprint.estimate(model, cfg.algorithm.logprob_type)
+    fp = learner_footprint(cfg)
     only_eval = bool(cfg.runner.only_eval)
-    if only_eval:  # `coordinatorctl eval`: a learner that never trains or runs the policy holds its weights only
-        fp = dataclasses.replace(fp, trainable=0, largest_unit_trainable=0, root_trainable=0, activations_per_row=0,
-                                 autocast_parameters=0)
     # RL with algorithm.kl_beta > 0 keeps the starting model as the KL reference (LoRA: the base with adapters off)
     reference_copy = inference and cfg.algorithm.kl_beta > 0 and not model.is_lora and not only_eval
     rl = inference  # the RL learner is a group of ranks; supervised fine-tuning runs as one process

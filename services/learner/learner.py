@@ -149,11 +149,13 @@ class Learner:
         obs_specs, action_dim = _specs_from_json(meta["obs_specs"]), int(meta["action_dim"])
         model = build_policy(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
                              self.alg.logprob_type).to(self.device)
+        only_eval = self.cfg.runner.only_eval  # serving weights for an evaluation: no rollouts, reference, optimizer
         # the forward inputs a rollout must carry (names, per-row shapes): asked of the whole policy, before sharding
-        fi_specs = forward_input_specs(model, obs_specs, self.device) if self.group.is_leader else None
+        # (a dummy act; an evaluation's learner receives no rollouts and never runs the policy)
+        fi_specs = forward_input_specs(model, obs_specs, self.device) if self.group.is_leader and not only_eval \
+            else None
         # the KL reference is the model as built (model_path: the SFT base), also on resume: with LoRA the base
         # itself with the adapters off, else a frozen copy (sharded like the policy)
-        only_eval = self.cfg.runner.only_eval  # serving weights for an evaluation: no reference, no optimizer
         if self.alg.kl_beta > 0 and not model.trains_adapters_only and not only_eval:
             ref = copy.deepcopy(model).eval()
             for p in ref.parameters():
@@ -168,6 +170,8 @@ class Learner:
         r.obs_specs, r.action_dim = obs_specs, action_dim
         r.chunk, r.log_prob_width = self.model.num_action_chunks, self.model.log_prob_width
         r.fi_specs = fi_specs
+        if only_eval:
+            r.refusal = "runner.only_eval: this learner serves weights for an evaluation and takes no rollouts"
         if "resume" in meta:
             self._load_checkpoint(pathlib.Path(meta["resume"]))
 

@@ -67,6 +67,7 @@ class RolloutStore:
         self._probed_at = -float("inf")
         self.pending: dict[tuple[int, int], dict] = {}
         self.lock = threading.Lock()  # async mode: rollouts of epoch k+1 arrive while epoch k trains
+        self.refusal: str | None = None  # set: every rollout is refused with it (an evaluation's learner)
 
     def set_workers(self, workers: list[int]) -> None:
         """Train names the run's current workers: that is its scale from now on."""
@@ -95,6 +96,8 @@ class RolloutStore:
     def check_rollout_epoch(self, epoch: int) -> None:
         """Rollouts are accepted for the next epochs only (the one being trained and those the envs may collect
         ahead of it, algorithm.max_staleness): nothing piles up for far-off ones."""
+        if self.refusal:
+            raise FailedPrecondition(self.refusal)
         ahead = max(2, self.alg.max_staleness + 1)
         if not self.epoch < epoch <= self.epoch + ahead:
             raise InvalidRequest(f"epoch: a rollout for epoch {epoch}; this learner trained epoch {self.epoch} and "

@@ -10,6 +10,7 @@ GPU table in docs/learner-ranks.md:
 - bf16 on a tiny VLA through the learner on CUDA: log-probs recomputed as the policy acted, finite losses;
 - the start-up memory check's per-rank estimate against ``torch.cuda.max_memory_allocated`` of a real update, on a
   mid-size OpenVLA-OFT and on the real-size π0 (3.5B, a full fine-tune);
+- the learner of `coordinatorctl eval` (``runner.only_eval``) of the real-size π0: its weights only;
 - the vLLM backend on CUDA (when its environment can be built there);
 - ManiSkill's GPU simulation (``sim_backend: gpu``) stepping a batch of envs.
 """
@@ -104,6 +105,33 @@ def test_real_size_pi0_full_fine_tune_on_cuda(tmp_path):
           f"(ratio {estimate / measured:.2f}); loss {m['train/loss']:.4f}, grad norm {m['train/actor/grad_norm']:.3f}")
     assert all(v == v for v in m.values())
     assert measured <= estimate <= 2 * measured
+
+
+@pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU (CI has none: run `bash scripts/test.sh -m gpu` on one)")
+def test_evaluation_learner_of_the_real_size_pi0_holds_its_weights_only(tmp_path):
+    """`coordinatorctl eval`'s learner (runner.only_eval) of the real-size π0 on CUDA: set-up allocates the weights and
+    nothing for training (no optimizer, no Adam state); the memory check's estimate for it against the peak."""
+    from rlfleet.config import fit, load_config
+    from rlfleet.wire.spaces import TensorSpace
+    from services.learner.learner import Learner
+
+    cfg = load_config("metaworld_mt50_ppo_pi0", ["runner.only_eval=true", f"runner.logger.log_path={tmp_path}",
+                                                 "cluster.learner_num_threads=1"])
+    specs = {"corner": TensorSpace((224, 224, 3), "uint8"), "state": TensorSpace((49,), "float32")}
+    torch.cuda.reset_peak_memory_stats()
+    learner = Learner(cfg, tmp_path / "run", device="cuda")
+    try:
+        learner.setup(specs, 4)
+        measured = torch.cuda.max_memory_allocated()
+        memory = learner.memory()[0]
+    finally:
+        learner.close()
+    estimate = fit.learner_footprint(cfg).rank_bytes(1, gpu=True, rows=cfg.actor.micro_batch_size)
+    print(f"\n[gpu] π0 3.5B evaluation learner (runner.only_eval), 1 rank: max_memory_allocated {measured / 1e9:.1f} GB, "
+          f"estimate {estimate / 1e9:.1f} GB, parameters {memory['parameters'] / 1e9:.1f} GB, optimizer "
+          f"{memory['optimizer']} B")
+    assert memory["optimizer"] == 0 and learner.optimizer is None
+    assert measured <= estimate * 1.05 and estimate <= 1.5 * measured
 
 
 @pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU (CI has none: run `bash scripts/test.sh -m gpu` on one)")

@@ -440,7 +440,8 @@ def test_only_eval_learner_loads_weights_without_optimizer_state(cfg, tmp_path):
         assert set(got) == set(trained) and all(torch.equal(got[k], trained[k]) for k in got)
         memory = ev.memory()[0]
         assert memory == {"parameters": trained_memory["parameters"], "optimizer": 0}
-        ev.rollouts.receive(1, 0, *fake_rollout(seed=1))
+        with pytest.raises(FailedPrecondition, match="runner.only_eval: .* takes no rollouts"):
+            ev.rollouts.receive(1, 0, *fake_rollout(seed=1))
         with pytest.raises(FailedPrecondition, match="runner.only_eval"):
             ev.train(1, [0])
         with pytest.raises(FailedPrecondition, match="runner.only_eval"):
