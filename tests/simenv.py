@@ -56,18 +56,23 @@ def backend_python(backend: str) -> str:
         unavailable(f"the {backend} environment could not be built here: {str(exc).splitlines()[0]}")
 
 
-def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: str) -> dict:
-    """Run ``code`` (which must print one JSON line last) with the simulator environment's python (or an
-    inference backend's: ``simulator`` "backend:vllm") and the checkout on PYTHONPATH; returns the parsed JSON."""
-    python = backend_python(simulator.partition(":")[2]) if simulator.startswith("backend:") else sim_python(simulator)
-    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
-           **env_vars}
+def _run_json(what: str, python: str, code: str, timeout: float, env_vars: dict) -> dict:
+    """Run ``code`` with ``python`` (the checkout on PYTHONPATH, no stdin); -> the JSON of its last stdout line."""
+    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), **env_vars}
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
                           stdin=subprocess.DEVNULL, cwd=str(environments.REPO_ROOT))
     if proc.returncode != 0:
-        raise AssertionError(f"{simulator} subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"{what} subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: str) -> dict:
+    """Run ``code`` (which must print one JSON line last) with the simulator environment's python (or an
+    inference backend's: ``simulator`` "backend:vllm") and the checkout on PYTHONPATH; returns the parsed JSON."""
+    python = backend_python(simulator.partition(":")[2]) if simulator.startswith("backend:") else sim_python(simulator)
+    return _run_json(simulator, python, code, timeout,
+                     {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), **env_vars})
 
 
 # lerobot, to check that rlfleet's datasets are LeRobot's: its dataset code, unmodified, in an environment of its own
@@ -97,10 +102,4 @@ def run_lerobot(code: str, timeout: float = 300.0) -> dict:
         python = str(environments.ensure(LEROBOT_ENV, log=lambda *a, **k: None))
     except environments.EnvironmentError_ as exc:
         unavailable(f"the lerobot environment could not be built here: {str(exc).splitlines()[0]}")
-    env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
-                          stdin=subprocess.DEVNULL, cwd=str(environments.REPO_ROOT))
-    if proc.returncode != 0:
-        raise AssertionError(f"lerobot subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _run_json("lerobot", python, code, timeout, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
