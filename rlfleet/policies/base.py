@@ -2,7 +2,7 @@
 the inference engine (``act``) and the learner (``evaluate``), so the log-prob of an action is computed by one
 piece of code on both sides.
 
-- ``act(obs, deterministic, instructions, noise)`` -> PolicyOutput (rlfleet.wire.rollout_schema, the one output type the
+- ``act(obs, deterministic, instructions, noise)`` -> PolicyOutput (rlfleet.wire.codec, the one output type the
   inference server and the policy clients pass on too): an action chunk ``[n, chunk, action_dim]``, its log-probs
   at the configured granularity ``[n, L]``, values ``[n]`` when the model has a critic, and the ``forward_inputs``
   (per-row tensors) that ``evaluate`` needs to recompute exactly those log-probs later (sampled actions, tokens,
@@ -28,12 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlfleet.wire.rollout_schema import PolicyOutput  # the one policy-output type (wire layer: the clients receive it too)
+from rlfleet.wire.codec import PolicyOutput  # the one policy-output type (wire layer: the clients receive it too)
 
 if TYPE_CHECKING:  # torch-free at import: config validation runs in simulator environments too
     import torch
 
-    from rlfleet.wire.rollout_schema import RowNoise
+    from rlfleet.wire.codec import RowNoise
 
 LOGPROB_TYPES = ("chunk_level", "action_level", "token_level")
 

@@ -1,2 +1,2 @@
-"""Layer 1, the wire and the service runtime (codec, spaces, rpc, auth, tracing, clients, rollout schema, env
-contract): imports rlfleet.registry and rlfleet.v1 only."""
+"""Layer 1, the wire and the service runtime (codec: tensors, the rollout schema, the policy's output and its noise
+keys; spaces, rpc, auth, tracing, clients, env contract): imports rlfleet.registry and rlfleet.v1 only."""

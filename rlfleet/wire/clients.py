@@ -16,7 +16,7 @@ import numpy as np
 
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from rlfleet.wire import codec, rpc, tracing
-from rlfleet.wire.rollout_schema import PolicyOutput
+from rlfleet.wire.codec import PolicyOutput
 
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 MAX_ADDRESS_CHARS = 512

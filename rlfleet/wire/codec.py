@@ -1,18 +1,48 @@
-"""Tensor codec: numpy arrays <-> ``rlfleet.v1.Tensor`` messages, with validation of everything received.
+"""The data that crosses the wire, and its protobuf form (``rlfleet.v1`` messages), with validation of everything
+received. In sections, in this order:
 
-Decoding never trusts the sender: dtype, shape, byte size, expected shape and finiteness are checked and a
-``CodecError`` names the offending field. Servers turn it into INVALID_ARGUMENT.
+- Tensors: numpy arrays <-> ``Tensor`` / ``TensorMap`` messages (:func:`encode`, :func:`decode`, :func:`encode_map`,
+  :func:`decode_map`). Decoding never trusts the sender: dtype, shape, byte size, expected shape and finiteness are
+  checked and a ``CodecError`` names the offending field. Servers turn it into INVALID_ARGUMENT.
+- The rollout schema: one schema for what an env server pushes (``PushRollout``) and what the learner takes (below).
+- Episodes: :class:`EpisodeStat` <-> the ``EpisodeStats`` message.
+- The policy's output per step (:class:`PolicyOutput`, the one policy-output type).
+- The Act's per-row noise keys (:func:`row_keys`, :class:`RowNoise`): reproducible sampling noise, keyed per env and
+  step.
+
+A worker's epoch is a :class:`Rollout`: time-major tensors ``[T, N, ...]`` (T steps of N envs) and per-env tensors
+``[N]``, plus the episodes that ended (:class:`EpisodeStat`, the ``EpisodeStats`` message on the wire). Its tensors,
+by name:
+
+- the fixed fields of :data:`TIME_MAJOR` (dtype, and the shape after ``[T, N]``);
+- ``obs.<key>``: each observation entry, as the env's observation space says;
+- ``fi.<key>``: the forward inputs the learner needs to recompute the log-probs (the policy's ``forward_inputs``);
+- ``last_values`` (:data:`PER_ENV`): V(obs after the last step) per env, in the last chunk of the stream.
+
+Bounds: a float field's ``bound`` (and :data:`OBS_BOUND`, :data:`FI_BOUND` for the prefixed tensors) is the largest
+magnitude a value may have. They are far above anything a simulator or policy here produces (rewards are at most
+~10 per step, actions and observations are O(1) to O(100)), and far below what breaks the learner: a finite value
+of 3e38 overflows the advantages, the losses and the reward normaliser's variance (9e76, after which every reward
+scales to ~1e-38), so such a rollout is refused, naming the field, instead of poisoning every later update.
+
+The env side builds its buffers with :func:`empty_buffers`; the learner checks a pushed rollout with :func:`check`,
+which names the first field that breaks the schema. numpy and the generated protobuf code only (torch only where a
+caller hands tensors over): env servers run in simulator environments.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from rlfleet.v1 import tensor_pb2
 
+
+# --- Tensors: numpy arrays <-> Tensor / TensorMap messages, every received one checked --------------------------------
 Tensor = tensor_pb2.Tensor
 TensorMap = tensor_pb2.TensorMap
 TensorSpec = tensor_pb2.TensorSpec
@@ -149,18 +179,213 @@ def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, Ten
     return out
 
 
+# --- The rollout schema: what an env server pushes (PushRollout) and what the learner takes ---------------------------
+OBS = "obs."  # prefix of observation tensors
+FI = "fi."    # prefix of forward-input tensors
+
+
+@dataclass(frozen=True)
+class Field:
+    dtype: type
+    trailing: str        # the shape after [T, N]: "" none, "chunk,action_dim", "L" (log-prob width)
+    required: bool = True
+    doc: str = ""
+    bound: float | None = None  # float fields: the largest magnitude accepted (|x| <= bound)
+
+
+REWARD_BOUND = 1e4   # per step (a chunk's rewards summed): simulators here give at most ~10
+VALUE_BOUND = 1e8    # critic outputs: returns of REWARD_BOUND rewards over 1 / (1 - gamma) = 1000 steps, x10
+ACTION_BOUND = 1e6   # raw (unclipped) policy samples; envs clip to their O(1) bounds
+LOG_PROB_BOUND = 1e6  # |log pi(a)| of one sample at any granularity
+OBS_BOUND = 1e9      # float observation entries (obs.*): positions, velocities, forces in SI units
+FI_BOUND = 1e6       # float forward inputs (fi.*): sampled actions, noise and denoising states
+
+TIME_MAJOR: dict[str, Field] = {
+    "actions": Field(np.float32, "chunk,action_dim", doc="the action chunk each env executed", bound=ACTION_BOUND),
+    "log_probs": Field(np.float32, "L", doc="the behaviour policy's log-probs (algorithm.logprob_type)",
+                       bound=LOG_PROB_BOUND),
+    "values": Field(np.float32, "", doc="V(obs) at acting time (0 without a critic)", bound=VALUE_BOUND),
+    "rewards": Field(np.float32, "", doc="reward of the step (a chunk's rewards summed)", bound=REWARD_BOUND),
+    "terminated": Field(np.bool_, "", doc="the episode ended at this step"),
+    "truncated": Field(np.bool_, "", doc="the episode was cut at this step (time limit)"),
+    "bootstrap_values": Field(np.float32, "", doc="V(final obs) of a truncated episode's last step, else 0",
+                              bound=VALUE_BOUND),
+    "loss_mask": Field(np.bool_, "", doc="the sample trains (false after an episode ended without auto-reset); "
+                                         "at least one must be true"),
+    "weights_version": Field(np.int64, "", required=False, doc="the weights version the sample was acted with"),
+}
+PER_ENV: dict[str, Field] = {"last_values": Field(np.float32, "", doc="V(obs after the last step)",
+                                                  bound=VALUE_BOUND)}
+
+
+def bound_of(name: str) -> float | None:
+    """The largest magnitude accepted in float tensor ``name`` (None: any finite value)."""
+    f = TIME_MAJOR.get(name) or PER_ENV.get(name)
+    if f is not None:
+        return f.bound
+    if name.startswith(OBS):
+        return OBS_BOUND
+    if name.startswith(FI):
+        return FI_BOUND
+    return None
+
+
+def _check_values(name: str, v: np.ndarray) -> None:
+    """Float tensors: finite and within the field's bound, else a SchemaError naming the field and the place."""
+    if v.dtype.kind != "f" or v.size == 0:
+        return
+    finite = np.isfinite(v)
+    if not finite.all():
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise SchemaError(f"rollout['{name}']: non-finite values (first: {v[where]} at index {list(where)})")
+    bound = bound_of(name)
+    if bound is None:
+        return
+    peak = float(np.abs(v).max())
+    if peak > bound:
+        where = tuple(int(i) for i in np.argwhere(np.abs(v) > bound)[0])
+        raise SchemaError(f"rollout['{name}']: value {float(v[where]):.4g} at index {list(where)} is beyond the "
+                          f"schema's bound |x| <= {bound:g} (rlfleet/wire/codec.py)")
+
+
+@dataclass
+class EpisodeStat:
+    """The statistics of one ended episode: what env servers report (``EpisodeStats`` on the wire, converted by
+    :func:`episode_to_proto`) and the learner logs. ``env_id`` is the env's index (in evaluation results: the
+    episode's index)."""
+
+    env_id: int
+    episode_return: float
+    length: int
+    success_once: bool
+    success_at_end: bool
+    reset_state_id: int = -1
+    instruction: str = ""
+
+
+@dataclass
+class Rollout:
+    """One worker's epoch: time-major arrays [T, N, ...] plus per-env arrays [N, ...]."""
+
+    time_major: dict[str, np.ndarray]
+    per_env: dict[str, np.ndarray]
+    episodes: list = field(default_factory=list)  # EpisodeStat (env side) or EpisodeStats messages (learner)
+
+
+def empty_buffers(T: int, n: int, observation_space: Mapping) -> dict[str, np.ndarray]:
+    """The env side's buffers of an epoch: the observations and the fields whose shape the env alone decides
+    (the policy's fields are added by :func:`add_policy_buffers` once its first answer shows their shapes)."""
+    buf = {f"{OBS}{k}": np.empty((T, n, *sp.shape), dtype=sp.dtype) for k, sp in observation_space.items()}
+    buf.update(values=np.zeros((T, n), np.float32), rewards=np.empty((T, n), np.float32),
+               terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
+               bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool),
+               weights_version=np.full((T, n), -1, np.int64))
+    return buf
+
+
+def add_policy_buffers(buf: dict[str, np.ndarray], T: int, n: int, actions: np.ndarray, log_probs: np.ndarray,
+                       forward_inputs: Mapping[str, np.ndarray]) -> None:
+    """Actions, log-probs and forward inputs, shaped like the policy's first answer (rows first)."""
+    buf["actions"] = np.zeros((T, n, *actions.shape[1:]), np.float32)
+    buf["log_probs"] = np.zeros((T, n, log_probs.shape[1]), np.float32)
+    for k, v in forward_inputs.items():
+        buf[f"{FI}{k}"] = np.zeros((T, n, *v.shape[1:]), v.dtype)
+
+
+class SchemaError(ValueError):
+    """A rollout breaks the schema; the message names the field."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The per-row shape and dtype of one forward input (what the policy's ``act`` returns for one row). A pushed
+    forward input must have this shape and the same kind of dtype (float, integer, bool): the policy casts what it
+    takes to its own precision (an fp64 learner takes fp32 inputs)."""
+
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name
+
+
+def _kind(dtype) -> str:
+    return {"f": "float", "i": "integer", "u": "integer", "b": "bool"}.get(np.dtype(dtype).kind, np.dtype(dtype).name)
+
+
+def check(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray], *, obs_specs: Mapping,
+          chunk: int, action_dim: int, log_prob_width: int, logprob_type: str = "",
+          fi_specs: Mapping[str, InputSpec] | None = None) -> tuple[int, int]:
+    """Check a rollout against the schema and the policy's spaces -> (T, N). ``obs_specs``: {key: spec with
+    ``shape`` and ``dtype``}; ``fi_specs``: {key: InputSpec}, the forward inputs the policy produces (None: any
+    names and shapes)."""
+    missing = [k for k, f in TIME_MAJOR.items() if f.required and k not in time_major]
+    missing += [f"{OBS}{k}" for k in obs_specs if f"{OBS}{k}" not in time_major]
+    missing += [f"{FI}{k}" for k in (fi_specs or {}) if f"{FI}{k}" not in time_major]
+    missing += [k for k in PER_ENV if k not in per_env]
+    if missing:
+        raise SchemaError(f"rollout: missing tensors {missing}")
+    unknown = [k for k in time_major if k not in TIME_MAJOR and not k.startswith((OBS, FI))]
+    unknown += [f"{OBS}{k[len(OBS):]}" for k in time_major if k.startswith(OBS) and k[len(OBS):] not in obs_specs]
+    if fi_specs is not None:
+        unknown += [k for k in time_major if k.startswith(FI) and k[len(FI):] not in fi_specs]
+    if unknown:
+        raise SchemaError(f"rollout: unknown tensors {unknown} (the schema: {sorted(TIME_MAJOR)}, obs.*, fi.*)")
+    if time_major["rewards"].ndim != 2:
+        raise SchemaError(f"rollout['rewards']: shape {list(time_major['rewards'].shape)} where [T, N] was expected")
+    T, N = time_major["rewards"].shape
+    if T < 1 or N < 1:
+        raise SchemaError(f"rollout: {T} time steps x {N} envs; a rollout needs at least one of each")
+    trailing = {"": (), "chunk,action_dim": (chunk, action_dim), "L": (log_prob_width,)}
+    for k, f in TIME_MAJOR.items():
+        if k not in time_major:
+            continue
+        v = time_major[k]
+        if v.dtype != f.dtype:
+            raise SchemaError(f"rollout['{k}']: dtype {v.dtype.name} where {np.dtype(f.dtype).name} was expected")
+        want = (T, N, *trailing[f.trailing])
+        if v.shape != want:
+            why = f" ({logprob_type})" if k == "log_probs" and logprob_type else ""
+            raise SchemaError(f"rollout['{k}']: shape {list(v.shape)} where {list(want)} was expected{why}")
+    for k, v in time_major.items():
+        if v.shape[:2] != (T, N):
+            raise SchemaError(f"rollout['{k}']: leading shape {list(v.shape[:2])} differs from rewards' {[T, N]}")
+    if not any(k.startswith(FI) for k in time_major):
+        raise SchemaError(f"rollout: no forward inputs ({FI}*): the learner cannot recompute log-probs")
+    for k, spec in obs_specs.items():
+        arr = time_major[f"{OBS}{k}"]
+        if arr.shape[2:] != tuple(spec.shape) or arr.dtype.name != spec.dtype:
+            raise SchemaError(f"rollout['{OBS}{k}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
+                              f"[{T}, {N}, *{list(spec.shape)}] was expected")
+    for k, spec in (fi_specs or {}).items():
+        arr = time_major[f"{FI}{k}"]
+        if arr.shape[2:] != tuple(spec.shape) or _kind(arr.dtype) != _kind(spec.dtype):
+            raise SchemaError(f"rollout['{FI}{k}']: {arr.dtype.name} {list(arr.shape)} where {_kind(spec.dtype)} "
+                              f"[{T}, {N}, *{list(spec.shape)}] was expected (the forward inputs this learner's "
+                              f"policy produces)")
+    for k, v in time_major.items():
+        _check_values(k, v)
+    if not time_major["loss_mask"].any():
+        raise SchemaError(f"rollout['loss_mask']: all {T * N} samples are masked out; a rollout needs at least one "
+                          f"sample that trains")
+    for k, f in PER_ENV.items():
+        v = per_env[k]
+        if v.dtype != f.dtype:
+            raise SchemaError(f"rollout['{k}']: dtype {v.dtype.name} where {np.dtype(f.dtype).name} was expected")
+        if v.shape != (N,):
+            raise SchemaError(f"rollout['{k}']: shape {list(v.shape)} where [{N}] was expected")
+        _check_values(k, v)
+    return T, N
+
+
+# --- Episodes: EpisodeStat <-> the EpisodeStats message ---------------------------------------------------------------
 def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
-    """rlfleet.wire.rollout_schema.EpisodeStat -> EpisodeStats message."""
+    """:class:`EpisodeStat` -> EpisodeStats message."""
     return tensor_pb2.EpisodeStats(env_id=ep.env_id, length=ep.length, success_once=ep.success_once,
                                    success_at_end=ep.success_at_end, reset_state_id=ep.reset_state_id,
                                    instruction=ep.instruction, **{"return": ep.episode_return})
 
 
 def episode_from_proto(msg: tensor_pb2.EpisodeStats):
-    """EpisodeStats message -> rlfleet.wire.rollout_schema.EpisodeStat (as the message says it: the contract
-    version's defaults are for the env side's bridge to external servers to apply)."""
-    from rlfleet.wire.rollout_schema import EpisodeStat
-
+    """EpisodeStats message -> :class:`EpisodeStat` (as the message says it: the contract version's defaults are for
+    the env side's bridge to external servers to apply)."""
     return EpisodeStat(msg.env_id, float(getattr(msg, "return")), msg.length, msg.success_once, msg.success_at_end,
                        msg.reset_state_id, msg.instruction)
 
@@ -168,3 +393,108 @@ def episode_from_proto(msg: tensor_pb2.EpisodeStats):
 def episode_return(ep) -> float:
     """Return of an EpisodeStats message (field 'return', a Python keyword) or an EpisodeStat."""
     return ep.episode_return if hasattr(ep, "episode_return") else getattr(ep, "return")
+
+
+# --- The policy's output: PolicyOutput, what the policy's act returns for a batch of rows -----------------------------
+@dataclass
+class PolicyOutput:
+    """One batch of ``n`` rows. Arrays are torch tensors where a policy produced them and numpy arrays once they
+    leave the policy (``to_numpy``): what the inference server sends and the clients receive."""
+
+    actions: Any                  # [n, chunk, action_dim] float32
+    log_probs: Any                # [n, L] float32, L by algorithm.logprob_type
+    values: Any | None            # [n] float32, None when the policy has no critic
+    forward_inputs: dict[str, Any] = field(default_factory=dict)  # [n, ...] each: what evaluate() needs
+    weights_version: int = -1     # the weights that produced it (-1: not stamped, e.g. straight from a policy)
+
+    def rows(self, start: int, end: int) -> PolicyOutput:
+        """The output of rows [start, end) (one request's share of a batch)."""
+        return PolicyOutput(self.actions[start:end], self.log_probs[start:end],
+                            None if self.values is None else self.values[start:end],
+                            {k: v[start:end] for k, v in self.forward_inputs.items()}, self.weights_version)
+
+    def to_numpy(self, weights_version: int, rows: int | None = None) -> PolicyOutput:
+        """A policy's (torch) output -> the numpy output of weights ``weights_version`` (actions, log-probs and
+        values as float32), keeping the first ``rows`` rows (None: all of them; the rest is batch padding)."""
+        def numpy(t):
+            return t[:rows].detach().cpu().numpy()
+
+        def floats(t):
+            return numpy(t.float())
+
+        return PolicyOutput(floats(self.actions), floats(self.log_probs),
+                            None if self.values is None else floats(self.values),
+                            {k: numpy(v) for k, v in self.forward_inputs.items()}, weights_version)
+
+
+# --- The Act's per-row noise keys: reproducible sampling noise, keyed per env and step --------------------------------
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, elementwise on a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def _mix(key: np.ndarray, value) -> np.ndarray:
+    """Chain a value into a pseudorandom key. ``key + value`` (not a symmetric combination of two hashes, which
+    would make (seed a, epoch b) collide with (seed b, epoch a)); splitmix64 is a bijection, so keys that differ
+    before the finaliser differ after it."""
+    with np.errstate(over="ignore"):  # counters step by the golden gamma, as in SplitMix64 itself
+        return _splitmix64(key + np.asarray(value, dtype=np.uint64) * _GOLDEN)
+
+
+def row_keys(env_seeds: np.ndarray | Sequence[int], epoch: int, step: int) -> np.ndarray:
+    """uint64 noise keys for rows whose envs have these seeds (one per env, unique in the run) at (epoch, step)."""
+    seeds = np.asarray(env_seeds, dtype=np.int64).astype(np.uint64)
+    return _mix(_mix(_splitmix64(seeds), np.uint64(epoch)), np.uint64(step))
+
+
+class RowNoise:
+    """Per-row noise streams: row i's draws are a function of ``keys[i]`` and of how many draws were made before.
+
+    Each call to ``normal``/``uniform`` consumes the next block of the stream, so a policy that draws several
+    times per act (a denoising chain) gets independent numbers each time, the same ones in every run."""
+
+    def __init__(self, keys: np.ndarray | Sequence[int]):
+        self.keys = np.asarray(keys, dtype=np.uint64).reshape(-1)
+        self._calls = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _bits(self, size: int) -> np.ndarray:
+        """[n, size] uniform uint64 words for the next call."""
+        self._calls += 1
+        stream = _mix(self.keys, np.uint64(self._calls))[:, None]
+        return _mix(stream, np.arange(size, dtype=np.uint64)[None, :])
+
+    def uniform(self, shape: Sequence[int]) -> np.ndarray:
+        """float64 [n, *shape] in the open interval (0, 1)."""
+        size = int(np.prod(shape, dtype=np.int64))
+        u = ((self._bits(size) >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+        return u.reshape(len(self.keys), *shape)
+
+    def normal(self, shape: Sequence[int]) -> np.ndarray:
+        """float32 [n, *shape] standard normal draws (Box-Muller on two uniform words per number)."""
+        size = int(np.prod(shape, dtype=np.int64))
+        u = self.uniform((2, size))
+        z = np.sqrt(-2.0 * np.log(u[:, 0])) * np.cos(2.0 * np.pi * u[:, 1])
+        return z.astype(np.float32).reshape(len(self.keys), *shape)
+
+    def torch_normal(self, shape: Sequence[int], like):
+        """``normal`` as a tensor on ``like``'s device and dtype."""
+        import torch
+
+        return torch.from_numpy(self.normal(shape)).to(device=like.device, dtype=like.dtype)
+
+    def torch_uniform(self, shape: Sequence[int], like):
+        import torch
+
+        return torch.from_numpy(self.uniform(shape)).to(device=like.device, dtype=torch.float64)

@@ -20,7 +20,7 @@ import numpy as np
 from rlfleet.data import videos
 from rlfleet.wire import rpc, tracing
 from rlfleet.wire.clients import make_policy_client
-from rlfleet.wire.rollout_schema import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
+from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
 from rlfleet.wire.spaces import TensorSpace
 from services.env.policy_spaces import PolicySpaceEnv
 from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
@@ -132,7 +132,7 @@ class RolloutWorker:
 
     def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, epoch: int, step: int) -> None:
         """Ask for actions for env rows ``ids`` at (epoch, step); each row carries a noise key from its env's seed,
-        the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.wire.rollout_schema)."""
+        the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.wire.codec)."""
         policy.submit(stage, request, False, list(self.instructions[ids]),
                       row_keys(self.seed + ids.astype(np.int64), epoch, step))
 
@@ -144,7 +144,7 @@ class RolloutWorker:
         env, T, n = self.env, num_steps, self.env.num_envs
         if not self.auto_reset:
             self.reset_all(epoch)
-        buf = empty_buffers(T, n, self.observation_space)  # the rollout schema's fields (rlfleet/wire/rollout_schema.py)
+        buf = empty_buffers(T, n, self.observation_space)  # the rollout schema's fields (rlfleet/wire/codec.py)
         last_values = np.zeros(n, np.float32)
         alive = np.ones(n, bool)
         episodes: list[EpisodeStat] = []

@@ -20,7 +20,7 @@ import numpy as np
 
 from rlfleet.v1 import env_pb2
 from rlfleet.wire import codec, env_contract
-from rlfleet.wire.rollout_schema import EpisodeStat
+from rlfleet.wire.codec import EpisodeStat
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 

@@ -30,7 +30,7 @@ from rlfleet.policies.backends import BACKENDS
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.registry import UnknownName, lookup
 from rlfleet.wire import tracing
-from rlfleet.wire.rollout_schema import PolicyOutput, RowNoise
+from rlfleet.wire.codec import PolicyOutput, RowNoise
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ActRequest:
     future: Future
     t_submit: float
     trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (rlfleet.wire.tracing)
-    noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.wire.rollout_schema), or None: draw from this process's RNG
+    noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.wire.codec), or None: draw from this process's RNG
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class DynamicBatcher(InferenceBackend):
     @torch.inference_mode()
     def _forward(self, obs: dict[str, np.ndarray], deterministic: bool, instructions, keys) -> PolicyOutput:
         """One batch through the served policy copy. With ``keys`` (one per row) each row's sampling noise comes
-        from its key (rlfleet.wire.rollout_schema), so the row's action does not depend on the batch."""
+        from its key (rlfleet.wire.codec), so the row's action does not depend on the batch."""
         rows = next(iter(obs.values())).shape[0]
         block = self.batch_invariant_rows
         if block > 0 and rows % block:  # a whole number of blocks: the kernels then treat every row alike

@@ -23,7 +23,7 @@ import torch
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
-from rlfleet.wire.rollout_schema import PolicyOutput
+from rlfleet.wire.codec import PolicyOutput
 from services.inference.backends import ActRequest, BackendOptions, InferenceBackend, make_backend, policy_lock
 
 log = logging.getLogger("rlfleet.inference")
@@ -191,7 +191,7 @@ class InferenceEngine:
     def act_now(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None,
                 noise_keys=None) -> PolicyOutput:
         """Act on one batch right now (validated). With ``noise_keys`` (one per row) each row's sampling noise comes
-        from its key (rlfleet.wire.rollout_schema), so the row's action does not depend on the batch."""
+        from its key (rlfleet.wire.codec), so the row's action does not depend on the batch."""
         return self.backend.act(self._request(obs, deterministic, 0, instructions, None, noise_keys))
 
     def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0, instructions=None,

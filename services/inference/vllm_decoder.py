@@ -19,7 +19,7 @@ One thread owns vLLM's engine (vLLM is not thread-safe) and runs a loop:
   going on (the path a kill -9 of an inference server takes). Without ``on_fatal`` (tests), the update fails and
   Act requests get UNAVAILABLE until an update succeeds.
 
-Sampling noise: a row with a noise key (rlfleet.wire.rollout_schema) is sampled with vLLM's per-request seed derived from it, so
+Sampling noise: a row with a noise key (rlfleet.wire.codec) is sampled with vLLM's per-request seed derived from it, so
 its tokens do not depend on what it was batched with; vLLM's sampler is not rlfleet's, so the numbers differ from
 the ``hf`` backend's for the same key.
 """

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rlfleet.policies.models.actor_critic import RunningMeanStd
-from rlfleet.wire.rollout_schema import FI, OBS
+from rlfleet.wire.codec import FI, OBS
 from rlfleet.wire.rpc import FailedPrecondition
 from services.learner import grpo, ppo
 

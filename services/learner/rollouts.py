@@ -1,4 +1,4 @@
-"""Rollout intake: check each worker's pushed rollout against the rollout schema (rlfleet/wire/rollout_schema.py) and
+"""Rollout intake: check each worker's pushed rollout against the rollout schema (rlfleet/wire/codec.py) and
 the policy's spaces, and hold it until its epoch trains (rank 0).
 
 Only the run's workers are buffered: worker indices 0..num_workers-1, where num_workers starts at the config's
@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rlfleet.wire import rollout_schema
+from rlfleet.wire import codec
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 
 log = logging.getLogger("rlfleet.learner")
 
 
-def forward_input_specs(model, obs_specs, device="cpu") -> dict[str, rollout_schema.InputSpec] | None:
+def forward_input_specs(model, obs_specs, device="cpu") -> dict[str, codec.InputSpec] | None:
     """The forward inputs ``model`` produces per row (name -> shape, dtype), from one ``act`` on a dummy row (zero
     observations, an empty instruction). Runs outside torch's global random stream (forked), so it changes
     nothing that follows; call it on the whole (unsharded) policy."""
@@ -45,7 +45,7 @@ def forward_input_specs(model, obs_specs, device="cpu") -> dict[str, rollout_sch
     for k, v in out.forward_inputs.items():
         arr = v.detach()
         dtype = torch.float32 if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype
-        specs[k] = rollout_schema.InputSpec(tuple(arr.shape[1:]), str(torch.empty((), dtype=dtype).numpy().dtype))
+        specs[k] = codec.InputSpec(tuple(arr.shape[1:]), str(torch.empty((), dtype=dtype).numpy().dtype))
     return specs
 
 
@@ -61,7 +61,7 @@ class RolloutStore:
         self.action_dim = None
         self.chunk = 1           # actions per sample (num_action_chunks)
         self.log_prob_width = 1  # log-probs per sample
-        self.fi_specs: dict[str, rollout_schema.InputSpec] | None = None  # forward inputs the policy produces
+        self.fi_specs: dict[str, codec.InputSpec] | None = None  # forward inputs the policy produces
         self.num_workers = max(1, int(num_workers))  # the run's env servers, as far as this learner knows
         self.scale_probe: Callable[[], int | None] | None = None  # -> the coordinator's env server count
         self._probed_at = -float("inf")
@@ -111,10 +111,10 @@ class RolloutStore:
         self.check_rollout_epoch(epoch)
         self.check_worker(worker)
         try:
-            T, N = rollout_schema.check(time_major, per_env, obs_specs=self.obs_specs, chunk=self.chunk,
-                                        action_dim=self.action_dim, log_prob_width=self.log_prob_width,
-                                        logprob_type=self.alg.logprob_type, fi_specs=self.fi_specs)
-        except rollout_schema.SchemaError as exc:
+            T, N = codec.check(time_major, per_env, obs_specs=self.obs_specs, chunk=self.chunk,
+                               action_dim=self.action_dim, log_prob_width=self.log_prob_width,
+                               logprob_type=self.alg.logprob_type, fi_specs=self.fi_specs)
+        except codec.SchemaError as exc:
             raise InvalidRequest(str(exc)) from None
         with self.lock:
             self.pending[(epoch, worker)] = {"time": time_major, "env": per_env, "episodes": episodes}

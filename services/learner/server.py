@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlfleet.wire import codec, rollout_schema, rpc
+from rlfleet.wire import codec, rpc
 from rlfleet.wire.spaces import spaces_from_proto
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
@@ -50,7 +50,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 if v.ndim == 0:
                     raise rpc.InvalidRequest(f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] "
                                              f"(last_values: [N])")
-                if chunk.last and k in rollout_schema.PER_ENV:
+                if chunk.last and k in codec.PER_ENV:
                     per_env[k] = v
                     continue
                 time_major.setdefault(k, []).append(v)

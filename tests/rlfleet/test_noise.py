@@ -1,4 +1,4 @@
-"""rlfleet.wire.rollout_schema: per-row, counter-based sampling noise, and the inference engine's batch invariance built on it."""
+"""rlfleet.wire.codec: per-row, counter-based sampling noise, and the inference engine's batch invariance built on it."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import ActorCritic
-from rlfleet.wire.rollout_schema import RowNoise, row_keys
+from rlfleet.wire.codec import RowNoise, row_keys
 from rlfleet.policies.base import sample_categorical
 from rlfleet.wire.rpc import InvalidRequest
 from services.inference.engine import InferenceEngine

@@ -151,7 +151,7 @@ def test_coordinator_answers_malformed_requests_with_named_errors(cfg, tmp_path)
 
 # --- issue 25: bad inputs found by outside users (each reproduced on a standalone fleet) ---------------------------
 def _rollout(field=None, value=None, shape=None):
-    from rlfleet.wire.rollout_schema import Rollout
+    from rlfleet.wire.codec import Rollout
     from tests.services.learner.test_learner import fake_rollout
 
     tm, pe, eps = fake_rollout(T=8)

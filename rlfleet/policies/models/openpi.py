@@ -350,7 +350,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         x = self._start_noise(shape, deterministic, noise, device)
         if deterministic:
             j = torch.zeros(n, dtype=torch.long, device=device)
-        elif noise is not None:  # per-row streams (rlfleet.wire.rollout_schema): the chain's start, its noisy step, its noise
+        elif noise is not None:  # per-row streams (rlfleet.wire.codec): the chain's start, its noisy step, its noise
             j = (noise.torch_uniform((), x) * self.num_steps).long().clamp_(max=self.num_steps - 1)
         else:
             j = torch.randint(0, self.num_steps, (n,), device=device)

@@ -586,7 +586,7 @@ def _learning_record(records):
 
 def test_one_seed_gives_the_same_run_twice(tmp_path):
     """Synchronous mode repeats bit for bit per seed, with two env servers and two pipeline stages feeding one
-    dynamic batcher: sampling noise is keyed per env and step (rlfleet.wire.rollout_schema), act batches are padded so a row's
+    dynamic batcher: sampling noise is keyed per env and step (rlfleet.wire.codec), act batches are padded so a row's
     numbers do not depend on its batch companions, env seeds come from the run seed. Another seed differs."""
     args = ["runner.max_epochs=3", "runner.val_check_interval=3", "cluster.num_env_servers=2",
             "rollout.pipeline_stage_num=2"]

@@ -9,7 +9,7 @@ import torch
 
 from rlfleet.policies.backends import BACKENDS
 from rlfleet.policies.models.actor_critic import ActorCritic
-from rlfleet.wire.rollout_schema import PolicyOutput
+from rlfleet.wire.codec import PolicyOutput
 from rlfleet.wire.spaces import TensorSpace
 from services.inference import backends
 from services.inference.backends import BackendStats, InferenceBackend, make_backend

@@ -32,7 +32,7 @@ torch.set_num_threads(1)
 from rlfleet.config import load_config  # noqa: E402
 from rlfleet.wire.spaces import TensorSpace  # noqa: E402
 from rlfleet.policies import build_policy  # noqa: E402
-from rlfleet.wire.rollout_schema import EpisodeStat  # noqa: E402
+from rlfleet.wire.codec import EpisodeStat  # noqa: E402
 from services.learner import learner as learner_module  # noqa: E402
 from services.learner import sharding  # noqa: E402
 from services.learner.group import RankGroup  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 from rlfleet.data.metrics import read_metrics
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
-from rlfleet.wire.rollout_schema import EpisodeStat
+from rlfleet.wire.codec import EpisodeStat
 from services.learner.learner import Learner, latest_checkpoint, update_threads
 
 SPECS = {"state": TensorSpace((13,), "float32")}
@@ -296,7 +296,7 @@ def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
 
 # --- issue 25: inputs that used to poison or bloat the learner -------------------------------------------------
 def test_forward_inputs_are_checked_against_what_the_policy_produces(learner):
-    from rlfleet.wire.rollout_schema import InputSpec
+    from rlfleet.wire.codec import InputSpec
 
     assert learner.rollouts.fi_specs == {"actions": InputSpec((4,), "float32")}  # asked of the policy at set-up
     tm, pe, eps = fake_rollout()
@@ -343,7 +343,7 @@ def test_huge_finite_values_are_refused_and_training_goes_on(learner, field):
 def test_reward_normaliser_stays_usable_after_rewards_at_the_bound(learner):
     """Rewards of 3e38 pushed the normaliser's variance to 9e76 (every later reward scaled to ~1e-38); the largest
     reward the schema lets through leaves finite statistics, and an overflowing batch leaves them untouched."""
-    from rlfleet.wire.rollout_schema import REWARD_BOUND
+    from rlfleet.wire.codec import REWARD_BOUND
     from services.learner.batch import RewardScaler
 
     scaler = RewardScaler(0.99)

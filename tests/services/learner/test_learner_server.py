@@ -6,7 +6,7 @@ import pytest
 
 from rlfleet.wire import rpc
 from rlfleet.v1 import learner_pb2_grpc
-from rlfleet.wire.rollout_schema import Rollout
+from rlfleet.wire.codec import Rollout
 from rlfleet.wire.clients import push_rollout, rollout_chunks
 from tests.services.learner.test_learner import SPECS, fake_rollout
 
