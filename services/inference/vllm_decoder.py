@@ -1,5 +1,6 @@
-"""VLLMDecoder: the ``rollout.backend: vllm`` inference backend (services.inference.backends; no gRPC). vLLM's
-engine decodes the action tokens of token-decoding VLAs (``openvla``); rlfleet's policy code does the rest.
+"""VLLMDecoder: the ``rollout.backend: vllm`` inference backend (no gRPC), an optional implementation of
+services.inference.engine's ``InferenceBackend``. vLLM's engine decodes the action tokens of token-decoding VLAs
+(``openvla``); rlfleet's policy code does the rest.
 
 One thread owns vLLM's engine (vLLM is not thread-safe) and runs a loop:
 - an Act request is admitted as soon as it arrives: the policy embeds its rows' prompts (vision backbone,
@@ -45,7 +46,7 @@ import torch
 from rlfleet.wire import tracing
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.wire.rpc import Unavailable
-from services.inference.backends import ActRequest, BackendStats, InferenceBackend
+from services.inference.engine import ActRequest, BackendStats, InferenceBackend
 
 log = logging.getLogger("rlfleet.inference.vllm")
 

@@ -1,5 +1,5 @@
-"""rlfleet.wire.codec: tensors to and from their messages (every received one checked), and the rollout schema's
-value bounds, forward-input specs and loss mask. (Its per-row noise keys: test_noise.py.)"""
+"""rlfleet.wire.codec: tensors to and from their messages (every received one checked), the one policy-output type,
+and the rollout schema's value bounds, forward-input specs and loss mask. (Its per-row noise keys: test_noise.py.)"""
 
 import re
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlfleet.wire import codec
-from rlfleet.wire.codec import CodecError, DType, InputSpec, SchemaError
+from rlfleet.wire.codec import CodecError, DType, InputSpec, PolicyOutput, SchemaError
 from rlfleet.wire.spaces import TensorSpace
 
 
@@ -96,6 +96,18 @@ def test_a_tiny_weights_chunk_declaring_a_huge_tensor_allocates_nothing_big():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 16 << 20, peak
+
+
+def test_policy_output_from_torch_to_numpy_and_by_rows():
+    out = PolicyOutput(torch.ones(4, 1, 2, dtype=torch.float64), torch.zeros(4, 1), None,
+                       {"tokens": torch.arange(4)})
+    assert out.weights_version == -1  # straight from a policy: not stamped
+    res = out.to_numpy(5, rows=3)  # the fourth row is batch padding
+    assert res.actions.dtype == np.float32 and res.actions.shape == (3, 1, 2) and res.weights_version == 5
+    assert res.values is None and res.forward_inputs["tokens"].tolist() == [0, 1, 2]
+    part = res.rows(1, 3)
+    assert part.actions.shape == (2, 1, 2) and part.forward_inputs["tokens"].tolist() == [1, 2]
+    assert part.weights_version == 5
 
 
 # --- the rollout schema: value bounds, forward-input specs and loss mask ----------------------------------------------

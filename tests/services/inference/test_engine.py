@@ -1,5 +1,5 @@
-"""The inference backends behind one interface (services.inference.backends), the one factory that picks them by
-rollout.backend, and the one policy-output type (rlfleet.wire.acting.PolicyOutput)."""
+"""services.inference.engine: the engine acting only through the one backend interface, and the one factory that
+picks the backend by rollout.backend."""
 
 from __future__ import annotations
 
@@ -11,17 +11,15 @@ from rlfleet.policies.backends import BACKENDS
 from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.wire.codec import PolicyOutput
 from rlfleet.wire.spaces import TensorSpace
-from services.inference import backends
-from services.inference.backends import BackendStats, InferenceBackend, make_backend
-from services.inference.backends import DynamicBatcher
-from services.inference.engine import InferenceEngine
+from services.inference import engine as inference_engine
+from services.inference.engine import BackendStats, DynamicBatcher, InferenceBackend, InferenceEngine, make_backend
 from tests.conftest import small_config
 
 SPECS = {"state": TensorSpace((13,), "float32")}
 
 
 def test_every_registered_backend_has_one_implementation():
-    assert set(backends.IMPLEMENTATIONS) == set(BACKENDS)
+    assert set(inference_engine.IMPLEMENTATIONS) == set(BACKENDS)
     hf = make_backend("hf")
     assert isinstance(hf, DynamicBatcher) and isinstance(hf, InferenceBackend) and hf.name == "hf"
     with pytest.raises(ValueError, match=r"rollout.backend: unknown backend 'vlm'; did you mean 'vllm'\? \(known: hf, vllm\)"):
@@ -55,7 +53,7 @@ class Recording(InferenceBackend):
 
 
 def test_the_engine_acts_only_through_the_backend(monkeypatch):
-    monkeypatch.setitem(backends.IMPLEMENTATIONS, "hf", lambda options: Recording(options.on_fatal))
+    monkeypatch.setitem(inference_engine.IMPLEMENTATIONS, "hf", lambda options: Recording(options.on_fatal))
     fatal = []
     engine = InferenceEngine(small_config().actor.model, on_fatal=fatal.append)
     assert isinstance(engine.backend, Recording) and engine.backend.on_fatal == fatal.append
@@ -69,15 +67,3 @@ def test_the_engine_acts_only_through_the_backend(monkeypatch):
     assert info.num_parameters == sum(p.numel() for p in engine.model.parameters())
     engine.stop()
     assert engine.backend.calls == [("set_weights", 2), ("submit", 3, 0), ("submit", 3, 7), "close"]
-
-
-def test_policy_output_from_torch_to_numpy_and_by_rows():
-    out = PolicyOutput(torch.ones(4, 1, 2, dtype=torch.float64), torch.zeros(4, 1), None,
-                       {"tokens": torch.arange(4)})
-    assert out.weights_version == -1  # straight from a policy: not stamped
-    res = out.to_numpy(5, rows=3)  # the fourth row is batch padding
-    assert res.actions.dtype == np.float32 and res.actions.shape == (3, 1, 2) and res.weights_version == 5
-    assert res.values is None and res.forward_inputs["tokens"].tolist() == [0, 1, 2]
-    part = res.rows(1, 3)
-    assert part.actions.shape == (2, 1, 2) and part.forward_inputs["tokens"].tolist() == [1, 2]
-    assert part.weights_version == 5
