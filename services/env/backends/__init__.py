@@ -10,7 +10,7 @@ from rlfleet.registry import load_object, lookup
 
 # simulator -> "module:Class" implementing services.env.backends.base.SimBackend
 SIM_BACKENDS = {
-    "gym": "services.env.backends.gym:GymBackend",
+    "gym": "services.env.vec_env:GymBackend",  # the built-in backend lives with VecEnv
     "metaworld": "services.env.backends.metaworld:MetaWorldBackend",
     "libero": "services.env.backends.libero:LiberoBackend",
     "maniskill": "services.env.backends.maniskill:ManiSkillBackend",

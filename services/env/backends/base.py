@@ -9,7 +9,7 @@ those once for every backend. A backend only
   instruction texts;
 - steps some slots by ONE control step with actions that are already validated, finite and clipped to the
   declared bounds, and returns observations, rewards, terminated/truncated flags and the task's own success
-  (a :class:`services.env.interface.StepResult` with its first five fields).
+  (a :class:`services.env.vec_env.StepResult` with its first five fields).
 
 Its spaces are TensorSpace dicts, set by the backend's constructor as attributes (below).
 
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlfleet.wire.spaces import TensorSpace
-from services.env.vec_env import StepResult
+
+if TYPE_CHECKING:  # services.env.vec_env imports this module (its built-in gym backend is a SimBackend)
+    from services.env.vec_env import StepResult
 
 
 class BackendUnavailable(RuntimeError):
