@@ -1,15 +1,21 @@
-"""gRPC helpers shared by every service: server/channel construction, error mapping, readiness waits, and the
-interceptors every server and channel carries (trace context of :mod:`rlfleet.wire.tracing`), plus gRPC health
-checking and reflection on every server, and bounded request streams (:class:`StreamSlots`: reflection's, an env
-server's Step streams).
+"""What every call passes through, and the gRPC helpers every service shares.
 
-The per-call part of the run's credentials is here (the scheme, its keys, credentials and token files:
-:mod:`rlfleet.wire.auth`): a call carries the bearer for its callee's role and the caller's role and index
-(:func:`call_metadata`); the server recomputes the bearer from this process's verify keys before the call waits for
-a thread (:func:`check_caller`): no or a wrong credential is UNAUTHENTICATED, another role's credential or a role
-that does not own the method (``METHOD_ROLES``) PERMISSION_DENIED; health checks and reflection stay open
-(``OPEN_PREFIXES``). ``auth.set_identity`` hands this module the process's :class:`Identity` once, at start-up
-(none: nothing is sent or checked)."""
+Every server made here carries one interceptor (``_ServerGuard``) and every channel one (``_ClientMetadata``); they
+are the per-call part of the run's credentials and of tracing:
+
+- credentials (the scheme, its keys, credentials and token files: :mod:`rlfleet.wire.auth`): a call carries the
+  bearer for its callee's role and the caller's role and index (:func:`call_metadata`); the server recomputes the
+  bearer from this process's verify keys before the call waits for a thread (:func:`check_caller`): no or a wrong
+  credential is UNAUTHENTICATED, another role's credential or a role that does not own the method
+  (``METHOD_ROLES``) PERMISSION_DENIED; health checks and reflection stay open (``OPEN_PREFIXES``).
+  ``auth.set_identity`` hands this module the process's :class:`Identity` once, at start-up (none: nothing is sent
+  or checked).
+- trace context (providers and exporters: :mod:`rlfleet.wire.tracing`): when tracing is set up by the time a
+  channel or server is made, its calls carry the caller's W3C trace context, and each call is served inside a
+  SERVER span named by its method, child of the caller's context.
+
+Plus server/channel construction, error mapping, readiness waits, gRPC health checking and reflection on every
+server, and bounded request streams (:class:`StreamSlots`: reflection's, an env server's Step streams)."""
 
 from __future__ import annotations
 
@@ -27,10 +33,14 @@ import weakref
 from concurrent import futures
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 
+from rlfleet.wire import tracing
 from rlfleet.wire.codec import CodecError
 
 log = logging.getLogger("rlfleet.wire.rpc")
+_tracer = trace.get_tracer("rlfleet")  # OTel's proxy until tracing.setup installs the SDK's provider
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 OPTIONS = [
@@ -354,6 +364,33 @@ class _Handlers:
             return real  # no such open method today
         return cls.build(real, behavior, real.request_deserializer, real.response_serializer)
 
+    @classmethod
+    def traced(cls, real, method: str):
+        """The call served inside a SERVER span named by the method (e.g. 'rlfleet.v1.LearnerService/Train'), in
+        the caller's trace context (W3C ``traceparent`` in the metadata)."""
+        inner, name = cls.behavior(real), method.lstrip("/")
+
+        def caller_context(context):
+            return otel_context.attach(propagate.extract({k: v for k, v in context.invocation_metadata()}))
+
+        if real.response_streaming:
+            def behavior(request, context):
+                token = caller_context(context)
+                try:
+                    with _tracer.start_as_current_span(name, kind=trace.SpanKind.SERVER):
+                        yield from inner(request, context)
+                finally:
+                    otel_context.detach(token)
+        else:
+            def behavior(request, context):
+                token = caller_context(context)
+                try:
+                    with _tracer.start_as_current_span(name, kind=trace.SpanKind.SERVER):
+                        return inner(request, context)
+                finally:
+                    otel_context.detach(token)
+        return cls.build(real, behavior, real.request_deserializer, real.response_serializer)
+
 
 # --- the run's credentials on every call (the scheme, credentials and token files: rlfleet.wire.auth) -----------
 TOKEN_ENV = "RLFLEET_RUN_TOKEN"  # the run secret (coordinator, coordinatorctl) or a service's issued credential
@@ -515,10 +552,11 @@ def caller_of(context) -> Caller | None:
 
 class _ServerGuard(grpc.ServerInterceptor):
     """Runs on the server's polling thread before a call is queued for the pool: the credential check (and
-    ``on_call`` with the proven caller), reflection streams into their slots, request bytes parsed leniently."""
+    ``on_call`` with the proven caller), reflection streams into their slots, request bytes parsed leniently, and
+    (``traced``) the call served in a SERVER span in its caller's trace context."""
 
-    def __init__(self, on_call=None):
-        self.on_call = on_call
+    def __init__(self, on_call=None, traced: bool = False):
+        self.on_call, self.traced = on_call, traced
         self.reflection = StreamSlots(OPEN_STREAMS, "reflection", idle_close_s=OPEN_STREAM_IDLE_S,
                                       reclaim_idle_s=OPEN_STREAM_RECLAIM_S)
 
@@ -538,9 +576,11 @@ class _ServerGuard(grpc.ServerInterceptor):
             except Exception:  # noqa: BLE001 - a hook must not break serving
                 log.exception("on_call hook")
         handler = continuation(handler_call_details)
-        if handler is None or not method.startswith("/rlfleet."):
-            return handler
-        return _Handlers.lenient(handler)
+        if handler is None:
+            return None
+        if self.traced and not method.startswith("/grpc."):
+            handler = _Handlers.traced(handler, method)
+        return _Handlers.lenient(handler) if method.startswith("/rlfleet.") else handler
 
 
 def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *,
@@ -549,17 +589,16 @@ def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *
     whole life) plus RESERVED_THREADS for reflection streams and quick refusals; with ``max_concurrent_rpcs``,
     calls beyond it (plus the reserve) are refused with RESOURCE_EXHAUSTED instead of queueing unserved.
     Requests over ``max_receive_bytes`` are refused with RESOURCE_EXHAUSTED. Calls are checked against the run's
-    credentials (:func:`check_caller`; ``on_call(method, caller)`` runs for each accepted call on the polling thread,
-    before the call waits for a pool thread: it must be quick) and carry trace context (rlfleet.wire.tracing)."""
-    from rlfleet.wire import tracing
-
+    credentials (:func:`check_caller`; ``on_call(method, caller)`` runs for each accepted call on the polling
+    thread, before the call waits for a pool thread: it must be quick) and, when tracing is set up by now
+    (rlfleet.wire.tracing), served in a SERVER span in their caller's trace context."""
     options = [o for o in OPTIONS if o[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
     limit = None if max_concurrent_rpcs is None else max_concurrent_rpcs + RESERVED_THREADS
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_THREADS,
                                                   thread_name_prefix="grpc"),
                        options=options, maximum_concurrent_rpcs=limit,
-                       interceptors=[_ServerGuard(on_call), tracing.ServerInterceptor()])
+                       interceptors=[_ServerGuard(on_call, traced=tracing.enabled())])
 
 
 def add_health_and_reflection(server: grpc.Server, *service_names: str):
@@ -618,18 +657,19 @@ class _CallDetails(grpc.ClientCallDetails):
 
 class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                       grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the run credential and the caller's trace context to every call."""
+    """Adds the run credential (``credential``) and the caller's trace context (``traced``) to every call."""
 
-    def __init__(self, credential: bool):
-        self.credential = credential
+    def __init__(self, credential: bool, traced: bool):
+        self.credential, self.traced = credential, traced
 
     def _details(self, details):
-        from rlfleet.wire import tracing
-
         md = list(details.metadata or ())
         if self.credential:
             md += call_metadata(details.method)
-        md += tracing.inject()
+        if self.traced:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            md += carrier.items()
         return _CallDetails(details, md)
 
     def intercept_unary_unary(self, continuation, details, request):
@@ -646,8 +686,9 @@ class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 
 
 def channel(address: str, *, credential: bool = True) -> grpc.Channel:
-    """A channel whose calls carry this process's run credential and trace context, over TLS when configured
-    (``credential=False``: a peer outside the run, such as an external simulator: plaintext, no token)."""
+    """A channel whose calls carry this process's run credential and (when tracing is set up by now) trace
+    context, over TLS when configured (``credential=False``: a peer outside the run, such as an external simulator:
+    plaintext, no token)."""
     if _tls is not None and credential:
         creds = grpc.ssl_channel_credentials(
             root_certificates=_tls["ca"], private_key=_tls["key"] if _tls["client_auth"] else None,
@@ -655,7 +696,7 @@ def channel(address: str, *, credential: bool = True) -> grpc.Channel:
         raw = grpc.secure_channel(address, creds, options=OPTIONS)
     else:
         raw = grpc.insecure_channel(address, options=OPTIONS)
-    return grpc.intercept_channel(raw, _ClientMetadata(credential))
+    return grpc.intercept_channel(raw, _ClientMetadata(credential, tracing.enabled()))
 
 
 def wait_ready(address: str, timeout: float = 30.0, *, credential: bool = True) -> grpc.Channel:

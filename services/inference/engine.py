@@ -44,15 +44,16 @@ class InferenceEngine:
     def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
                  max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level",
                  batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0, weights_precision: str = "fp32",
-                 memory_budget_bytes: int | None = None, on_fatal=None):
+                 memory_budget_bytes: int | None = None, on_fatal=None, step_spans: bool = False):
         self.model_cfg = model_cfg
         # bytes a policy (two copies) may take here; None: what the device has available when the spaces arrive
         self.memory_budget_bytes = memory_budget_bytes
         self.weights_dtype = torch.bfloat16 if weights_precision == "bf16" else None
-        # how requests are acted on (rollout.backend); on_fatal: called when the backend is lost for good
+        # how requests are acted on (rollout.backend); on_fatal: called when the backend is lost for good;
+        # step_spans: a span per act batch (tracing set up, telemetry.step_spans)
         self.backend: InferenceBackend = make_backend(backend, BackendOptions(
             max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, batch_invariant_rows=batch_invariant_rows,
-            device=device, seed=seed, on_fatal=on_fatal))
+            device=device, seed=seed, on_fatal=on_fatal, step_spans=step_spans))
         self.normalize_obs = normalize_obs
         self.logprob_type = logprob_type
         self.max_batch_size = max_batch_size
