@@ -7,6 +7,10 @@ tests' fleet does), collects one epoch to warm up, then profiles a second Collec
 the env server's Collect, its Act to the inference server, the env step, and the push of the rollout to the learner.
 Prints the repository's files whose functions ran (generated protobuf code left out), in first-run order, plus the
 coordinator's side (it sends Collect: services/coordinator/coordinator.py).
+
+Tracing is on, as in a run with the default config (``telemetry.traces: file``, ``step_spans: true``; spans and
+metrics go to a temporary folder): ``tracing.setup`` runs before the profiler is installed, so the OTel SDK's
+exporter threads, started then, are not profiled; the spans and metrics the step makes on the servers' threads are.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ torch.set_num_threads(1)
 
 from rlfleet.config import load_config  # noqa: E402
 from rlfleet.v1 import env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
-from rlfleet.wire import rpc  # noqa: E402
+from rlfleet.wire import rpc, tracing  # noqa: E402
 
 
 def main() -> None:
@@ -45,10 +49,13 @@ def main() -> None:
             if path.startswith(str(ROOT)) and path not in seen:
                 seen[path] = None
 
-    threading.setprofile(profile)
     cfg = load_config(None, ["env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=8",
                              "actor.micro_batch_size=8", "actor.global_batch_size=32"])
     run = tempfile.mkdtemp()
+    assert cfg.telemetry.traces == "file" and cfg.telemetry.step_spans  # the default config's telemetry
+    os.environ.pop(tracing.TRACE_DIR_ENV, None)
+    tracing.setup("walk", 0, cfg, run)  # before the profiler: the exporters' threads are not profiled
+    threading.setprofile(profile)
     inf, inf_addr, engine, _ = inf_server.serve(cfg, "127.0.0.1:0")
     lrn, learner_addr, learner, _ = learner_server.serve(cfg, "127.0.0.1:0", run)
     env, env_addr, worker, _ = env_server.serve(cfg, "127.0.0.1:0")
@@ -81,6 +88,7 @@ def main() -> None:
     engine.stop()
     worker.close()
     learner.close()
+    tracing.shutdown()
 
 
 if __name__ == "__main__":

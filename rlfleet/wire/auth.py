@@ -1,5 +1,5 @@
-"""The run's credentials: one secret per run, a credential per service derived from it, and which role may call
-which method.
+"""The run's credentials: one secret per run and a credential per service derived from it, made and read here;
+what every call carries, and the check of it on every call served, are rlfleet.wire.rpc's.
 
 The coordinator makes the run secret (or takes ``RLFLEET_RUN_TOKEN`` when the deployment supplies one). Only the
 coordinator, ``coordinatorctl`` and the operator hold it; a service gets its own **credential**, issued from the
@@ -12,7 +12,8 @@ What a credential holds is never enough to make another role's. With H = HMAC-SH
 
     V_b      = H(S, "rlfleet/v1/verify/" + b)      a server of role b checks its callers with this
     K_a->b   = H(V_b, "from/" + a)                 role a's key toward servers of role b
-    B_a[i]->b = H(K_a->b, "index/" + i)            what service a[i] sends to a server of role b (the bearer)
+    B_a[i]->b = H(K_a->b, "index/" + i)            what service a[i] sends to a server of role b (the bearer,
+                                                   rlfleet.wire.rpc.bearer: the server recomputes it per call)
 
 A credential of role a carries V_a (to check the calls it serves) and, for each role b it calls, B_a[i]->b (bound
 to its index) or K_a->b (role-wide: it derives B with its own index). Every call carries the bearer for the
@@ -22,10 +23,14 @@ which only calls *to env servers* can be made; never a learner's, inference serv
 A bearer is seen by the server it is sent to, which is why it is per callee role: what a server sees it could
 make itself already.
 
-Each process declares its identity once (:func:`set_identity`); :mod:`rlfleet.wire.rpc` then adds the bearer, role and
-index to every call it makes and checks them on every call it serves. Health checks and reflection stay open so
-that Kubernetes probes and ``grpcurl list`` work without a credential. A process with no credential (in-process
-tests, the examples) neither sends nor checks one.
+This module makes and reads credentials: the key derivation, :func:`issue`, :func:`parse_credential`, the token
+file, :func:`metadata` for tools and tests, and the command line. Each process declares its identity once
+(:func:`set_identity`), which builds what it sends and checks against (``rpc.Identity``); what happens per call is
+:mod:`rlfleet.wire.rpc`'s: it adds the bearer, role and index to every call the process makes
+(``rpc.call_metadata``) and checks them on every call it serves (``rpc.check_caller``, with the methods each role
+owns, ``rpc.METHOD_ROLES``; ``rpc.caller_of`` in a servicer). Health checks and reflection stay open so that
+Kubernetes probes and ``grpcurl list`` work without a credential. A process with no credential (in-process tests,
+the examples) neither sends nor checks one.
 """
 
 from __future__ import annotations
@@ -37,18 +42,12 @@ import json
 import os
 import pathlib
 import secrets
-from dataclasses import dataclass, field
 
-TOKEN_ENV = "RLFLEET_RUN_TOKEN"  # the run secret (coordinator, coordinatorctl) or a service's issued credential
-TOKEN_FILE = "run_token"
-TOKEN_KEY = "authorization"  # metadata: "Bearer <bearer>"
-ROLE_KEY = "x-rlfleet-role"  # metadata: the caller's role
-INDEX_KEY = "x-rlfleet-index"  # metadata: the caller's index among its role (0 when absent)
+from rlfleet.wire import rpc
+from rlfleet.wire.rpc import MAX_INDEX, ROLES, TOKEN_ENV, TOKEN_FILE, bearer, credential_metadata
+
 CREDENTIAL_PREFIX = "rlfleet-cred1."
-
-ROLES = ("coordinator", "env", "inference", "learner", "ctl")  # ctl: coordinatorctl and operators' tools
 SERVING_ROLES = ("coordinator", "env", "inference", "learner")  # roles whose processes serve calls
-MAX_INDEX = 1 << 20
 
 # which roles each role calls: its credential holds bearers toward these only
 CALLS: dict[str, tuple[str, ...]] = {
@@ -58,42 +57,6 @@ CALLS: dict[str, tuple[str, ...]] = {
     "inference": ("coordinator",),
     "learner": ("coordinator", "inference"),
 }
-
-# the gRPC service -> the role whose servers host it (which bearer a call carries)
-SERVICE_ROLES = {
-    "rlfleet.v1.CoordinatorService": "coordinator",
-    "rlfleet.v1.EnvService": "env",
-    "rlfleet.v1.RolloutService": "env",
-    "rlfleet.v1.InferenceService": "inference",
-    "rlfleet.v1.LearnerService": "learner",
-}
-
-# methods anyone may call, credential or not (probes and discovery; they reveal nothing about the run)
-OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                 "/grpc.reflection.v1.ServerReflection/")
-
-_SERVICES = ("env", "inference", "learner")
-# calls that change a run's state, and the roles that own them; a method not listed needs any valid credential
-METHOD_ROLES: dict[str, tuple[str, ...]] = {
-    "/rlfleet.v1.CoordinatorService/Register": _SERVICES,
-    "/rlfleet.v1.CoordinatorService/Heartbeat": _SERVICES,
-    "/rlfleet.v1.CoordinatorService/Stop": ("ctl",),
-    "/rlfleet.v1.CoordinatorService/Scale": ("ctl",),
-    "/rlfleet.v1.InferenceService/UpdateWeights": ("learner",),
-    "/rlfleet.v1.InferenceService/Act": ("env", "ctl"),
-    "/rlfleet.v1.LearnerService/PushRollout": ("env",),
-    "/rlfleet.v1.LearnerService/Train": ("coordinator",),
-    "/rlfleet.v1.LearnerService/PublishWeights": ("coordinator",),
-    "/rlfleet.v1.LearnerService/LogMetrics": ("coordinator",),
-    "/rlfleet.v1.LearnerService/SaveCheckpoint": ("coordinator",),
-    "/rlfleet.v1.RolloutService/Collect": ("coordinator", "ctl"),
-    "/rlfleet.v1.RolloutService/Evaluate": ("coordinator", "ctl"),
-}
-
-
-class AuthError(RuntimeError):
-    """A call without a valid credential (args: 'UNAUTHENTICATED', message), or from a role that does not own
-    the method or with another role's credential ('PERMISSION_DENIED', message)."""
 
 
 class CredentialError(ValueError):
@@ -120,10 +83,6 @@ def _pair_key(verify_key: bytes, caller: str) -> bytes:
     return _mac(verify_key, f"from/{caller}")
 
 
-def _bearer(pair_key: bytes, index: int) -> str:
-    return _b64(_mac(pair_key, f"index/{index}"))
-
-
 def _check_role_index(role: str, index: int | None) -> None:
     if role not in ROLES:
         raise CredentialError(f"role: {role!r} is not one of {ROLES}")
@@ -141,7 +100,7 @@ def issue(secret: str, role: str, index: int | None = None) -> str:
     to = {}
     for callee in CALLS[role]:
         pair = _pair_key(_verify_key(secret, callee), role)
-        to[callee] = _b64(pair) if index is None else _bearer(pair, index)
+        to[callee] = _b64(pair) if index is None else bearer(pair, index)
     body = {"role": role, "index": index, "to": to}
     if role in SERVING_ROLES:
         body["verify"] = _b64(_verify_key(secret, role))
@@ -168,39 +127,13 @@ def parse_credential(token: str) -> dict:
         raise CredentialError(f"{TOKEN_ENV}: not a valid rlfleet credential ({type(exc).__name__})") from None
 
 
-@dataclass(frozen=True)
-class Caller:
-    """Who made a call, as its credential proves."""
-    role: str
-    index: int
-
-    def __str__(self) -> str:
-        return f"{self.role}[{self.index}]"
-
-
-@dataclass(frozen=True)
-class Identity:
-    role: str
-    index: int
-    from_secret: bool  # holds the run secret (coordinator, coordinatorctl, or a service handed the secret)
-    bearers: dict[str, str] = field(repr=False)  # callee role -> what this process sends it
-    verifiers: dict[str, bytes] = field(repr=False)  # caller role -> K_caller->self (empty: serves nothing)
-
-    def expected(self, caller: str, index: int) -> bytes | None:
-        key = self.verifiers.get(caller)
-        return None if key is None else _bearer(key, index).encode()
-
-
-_identity: Identity | None = None
-
-
-def set_identity(role: str, token: str | None, index: int = 0) -> Identity | None:
-    """Declare who this process is. ``token``: the run secret (every credential is derived from it) or a
-    credential issued for this role (and index); None: no credential, nothing sent or checked."""
-    global _identity
+def set_identity(role: str, token: str | None, index: int = 0) -> rpc.Identity | None:
+    """Declare who this process is: what its calls carry and its servers check (rlfleet.wire.rpc). ``token``: the
+    run secret (every credential is derived from it) or a credential issued for this role (and index); None: no
+    credential, nothing sent or checked."""
     _check_role_index(role, index)
     if not token:
-        _identity = None
+        rpc.use_identity(None)
         return None
     if is_credential(token):
         cred = parse_credential(token)
@@ -212,20 +145,17 @@ def set_identity(role: str, token: str | None, index: int = 0) -> Identity | Non
                                   f"{role}[{index}]")
         # index-bound: the bearers themselves; role-wide: keys toward each callee, made into this index's bearers
         bound = cred["index"] is not None
-        bearers = {callee: _b64(raw) if bound else _bearer(raw, index) for callee, raw in cred["to"].items()}
+        bearers = {callee: _b64(raw) if bound else bearer(raw, index) for callee, raw in cred["to"].items()}
         verify = cred["verify"]
         from_secret = False
     else:
-        bearers = {callee: _bearer(_pair_key(_verify_key(token, callee), role), index) for callee in CALLS[role]}
+        bearers = {callee: bearer(_pair_key(_verify_key(token, callee), role), index) for callee in CALLS[role]}
         verify = _verify_key(token, role) if role in SERVING_ROLES else None
         from_secret = True
     verifiers = {caller: _pair_key(verify, caller) for caller in ROLES} if verify is not None else {}
-    _identity = Identity(role, index, from_secret, bearers, verifiers)
-    return _identity
-
-
-def identity() -> Identity | None:
-    return _identity
+    identity = rpc.Identity(role, index, from_secret, bearers, verifiers)
+    rpc.use_identity(identity)
+    return identity
 
 
 def new_token() -> str:
@@ -256,82 +186,12 @@ def read_token(run_dir: pathlib.Path | str | None) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
-def callee_role(method: str) -> str | None:
-    """The role whose servers host ``method`` ('/rlfleet.v1.LearnerService/Train' -> 'learner')."""
-    return SERVICE_ROLES.get(method.lstrip("/").split("/", 1)[0])
-
-
-def call_metadata(method: str) -> list[tuple[str, str]]:
-    """What a call to ``method`` carries: the bearer for its callee's role, this process's role and index
-    (nothing for probes, reflection and services outside the run)."""
-    ident = _identity
-    if ident is None:
-        return []
-    bearer = ident.bearers.get(callee_role(method) or "")
-    if bearer is None:
-        return []
-    return [(TOKEN_KEY, f"Bearer {bearer}"), (ROLE_KEY, ident.role), (INDEX_KEY, str(ident.index))]
-
-
 def metadata(secret: str, role: str, index: int = 0, *, to: str) -> list[tuple[str, str]]:
     """Call metadata of ``role[index]`` toward a server of role ``to``, made from the run secret (tools, tests)."""
     _check_role_index(role, index)
     if to not in SERVING_ROLES:
         raise CredentialError(f"to: {to!r} is not one of {SERVING_ROLES}")
-    bearer = _bearer(_pair_key(_verify_key(secret, to), role), index)
-    return [(TOKEN_KEY, f"Bearer {bearer}"), (ROLE_KEY, role), (INDEX_KEY, str(index))]
-
-
-def _claim(md: dict) -> tuple[str, int]:
-    role = md.get(ROLE_KEY, "")
-    if role not in ROLES:
-        raise AuthError("UNAUTHENTICATED", f"metadata '{ROLE_KEY}': {role[:40]!r} is not one of {ROLES}")
-    text = md.get(INDEX_KEY, "0")
-    if not (text.isascii() and text.isdigit() and len(text) <= 7 and int(text) < MAX_INDEX):
-        raise AuthError("UNAUTHENTICATED", f"metadata '{INDEX_KEY}': {text[:40]!r} is not an index in "
-                                           f"0..{MAX_INDEX - 1}")
-    return role, int(text)
-
-
-def check(method: str, metadata) -> Caller | None:
-    """The proven caller of ``method``; raises AuthError(code, message) unless ``metadata`` carries a bearer
-    that this process's verify key makes for the claimed role and index, and that role owns the method.
-    None when this process checks nothing (no identity) or the method is open."""
-    ident = _identity
-    if ident is None or method.startswith(OPEN_PREFIXES):
-        return None
-    md = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
-    given = md.get(TOKEN_KEY, "")
-    if not given.startswith("Bearer ") or not ident.verifiers:
-        raise AuthError("UNAUTHENTICATED", "missing or wrong run credential (metadata "
-                                           f"'{TOKEN_KEY}: Bearer <credential>', '{ROLE_KEY}', '{INDEX_KEY}'; "
-                                           f"see `python -m rlfleet.wire.auth --help`)")
-    role, index = _claim(md)
-    bearer = given[7:].strip().encode("utf-8", "replace")
-    if not hmac.compare_digest(bearer, ident.expected(role, index)):
-        for other in ROLES:  # a valid credential of another role: say so (it is a known caller overstepping)
-            if other != role and hmac.compare_digest(bearer, ident.expected(other, index)):
-                raise AuthError("PERMISSION_DENIED", f"this credential is {other}[{index}]'s, not {role}[{index}]'s: "
-                                                     f"a service acts only in its own role")
-        raise AuthError("UNAUTHENTICATED", f"missing or wrong run credential for {role}[{index}] (metadata "
-                                           f"'{TOKEN_KEY}: Bearer <credential>'; the run secret is in "
-                                           f"<run>/{TOKEN_FILE} or {TOKEN_ENV})")
-    owners = METHOD_ROLES.get(method)
-    if owners is not None and role not in owners:
-        raise AuthError("PERMISSION_DENIED", f"{method} is accepted only from {'/'.join(owners)}, not from {role}")
-    return Caller(role, index)
-
-
-def caller_of(context) -> Caller | None:
-    """The caller of the call a servicer is serving, as the server's check proved it (None: no identity here)."""
-    if _identity is None:
-        return None
-    md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-    try:
-        role, index = _claim(md)
-    except AuthError:
-        return None
-    return Caller(role, index)
+    return credential_metadata(bearer(_pair_key(_verify_key(secret, to), role), index), role, index)
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ import threading
 
 import grpc
 import numpy as np
+from opentelemetry import propagate
 
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from rlfleet.wire import codec, rpc, tracing
@@ -167,7 +168,8 @@ class _Stream:
 
     A reader thread moves responses into a queue so that ``result`` can wait with a deadline: an inference
     server that is unreachable or stops answering costs ``timeout`` seconds and a PolicyError naming it, never a
-    wedged env server.
+    wedged env server. When tracing is set up, each request carries the asking rollout's trace context (the
+    inference server's act batch links to it).
     """
 
     _END = object()
@@ -176,6 +178,7 @@ class _Stream:
         self.address = address
         self.timeout = timeout
         self.channel = rpc.channel(address)
+        self.traced = tracing.enabled()
         connect = min(timeout, CONNECT_TIMEOUT_S)
         try:  # an unreachable address fails now, naming it, not after a whole act timeout per stage
             grpc.channel_ready_future(self.channel).result(timeout=connect)
@@ -201,9 +204,12 @@ class _Stream:
 
     def submit(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None, noise_keys=None) -> None:
         rid = next(self.ids)
+        trace_context: dict[str, str] = {}
+        if self.traced:
+            propagate.inject(trace_context)
         self.requests.put(inference_pb2.ActRequest(
             request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic,
-            instructions=list(instructions or []), trace_context=dict(tracing.inject()),
+            instructions=list(instructions or []), trace_context=trace_context,
             noise_keys=[] if noise_keys is None else np.asarray(noise_keys, np.uint64).tolist()))
         self.inflight.append((rid, next(iter(obs.values())).shape[0]))
 

@@ -1,12 +1,30 @@
-"""gRPC helpers shared by every service: server/channel construction, error mapping, readiness waits, and the
-interceptors every server and channel carries (the run's credentials of :mod:`rlfleet.wire.auth`, trace context of
-:mod:`rlfleet.wire.tracing`), plus gRPC health checking and reflection on every server, and bounded request streams
-(:class:`StreamSlots`: reflection's, an env server's Step streams)."""
+"""What every call passes through, and the gRPC helpers every service shares.
+
+Every server made here carries one interceptor (``_ServerGuard``) and every channel one (``_ClientMetadata``); they
+are the per-call part of the run's credentials and of tracing:
+
+- credentials (the scheme, its keys, credentials and token files: :mod:`rlfleet.wire.auth`): a call carries the
+  bearer for its callee's role and the caller's role and index (:func:`call_metadata`); the server recomputes the
+  bearer from this process's verify keys before the call waits for a thread (:func:`check_caller`): no or a wrong
+  credential is UNAUTHENTICATED, another role's credential or a role that does not own the method
+  (``METHOD_ROLES``) PERMISSION_DENIED; health checks and reflection stay open (``OPEN_PREFIXES``).
+  ``auth.set_identity`` hands this module the process's :class:`Identity` once, at start-up (none: nothing is sent
+  or checked).
+- trace context (providers and exporters: :mod:`rlfleet.wire.tracing`): when tracing is set up by the time a
+  channel or server is made, its calls carry the caller's W3C trace context, and each call is served inside a
+  SERVER span named by its method, child of the caller's context.
+
+Plus server/channel construction, error mapping, readiness waits, gRPC health checking and reflection on every
+server, and bounded request streams (:class:`StreamSlots`: reflection's, an env server's Step streams)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+from dataclasses import dataclass, field
 import functools
+import hashlib
+import hmac
 import inspect
 import logging
 import threading
@@ -15,11 +33,14 @@ import weakref
 from concurrent import futures
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 
-from rlfleet.wire import auth
+from rlfleet.wire import tracing
 from rlfleet.wire.codec import CodecError
 
 log = logging.getLogger("rlfleet.wire.rpc")
+_tracer = trace.get_tracer("rlfleet")  # OTel's proxy until tracing.setup installs the SDK's provider
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 OPTIONS = [
@@ -343,13 +364,199 @@ class _Handlers:
             return real  # no such open method today
         return cls.build(real, behavior, real.request_deserializer, real.response_serializer)
 
+    @classmethod
+    def traced(cls, real, method: str):
+        """The call served inside a SERVER span named by the method (e.g. 'rlfleet.v1.LearnerService/Train'), in
+        the caller's trace context (W3C ``traceparent`` in the metadata)."""
+        inner, name = cls.behavior(real), method.lstrip("/")
+
+        def caller_context(context):
+            return otel_context.attach(propagate.extract({k: v for k, v in context.invocation_metadata()}))
+
+        if real.response_streaming:
+            def behavior(request, context):
+                token = caller_context(context)
+                try:
+                    with _tracer.start_as_current_span(name, kind=trace.SpanKind.SERVER):
+                        yield from inner(request, context)
+                finally:
+                    otel_context.detach(token)
+        else:
+            def behavior(request, context):
+                token = caller_context(context)
+                try:
+                    with _tracer.start_as_current_span(name, kind=trace.SpanKind.SERVER):
+                        return inner(request, context)
+                finally:
+                    otel_context.detach(token)
+        return cls.build(real, behavior, real.request_deserializer, real.response_serializer)
+
+
+# --- the run's credentials on every call (the scheme, credentials and token files: rlfleet.wire.auth) -----------
+TOKEN_ENV = "RLFLEET_RUN_TOKEN"  # the run secret (coordinator, coordinatorctl) or a service's issued credential
+TOKEN_FILE = "run_token"  # <run>/run_token: the run secret
+TOKEN_KEY = "authorization"  # metadata: "Bearer <bearer>"
+ROLE_KEY = "x-rlfleet-role"  # metadata: the caller's role
+INDEX_KEY = "x-rlfleet-index"  # metadata: the caller's index among its role (0 when absent)
+
+ROLES = ("coordinator", "env", "inference", "learner", "ctl")  # ctl: coordinatorctl and operators' tools
+MAX_INDEX = 1 << 20
+
+# the gRPC service -> the role whose servers host it (which bearer a call carries)
+SERVICE_ROLES = {
+    "rlfleet.v1.CoordinatorService": "coordinator",
+    "rlfleet.v1.EnvService": "env",
+    "rlfleet.v1.RolloutService": "env",
+    "rlfleet.v1.InferenceService": "inference",
+    "rlfleet.v1.LearnerService": "learner",
+}
+
+# methods anyone may call, credential or not (probes and discovery; they reveal nothing about the run)
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", *REFLECTION_PREFIXES)
+
+_SERVICES = ("env", "inference", "learner")
+# calls that change a run's state, and the roles that own them; a method not listed needs any valid credential
+METHOD_ROLES: dict[str, tuple[str, ...]] = {
+    "/rlfleet.v1.CoordinatorService/Register": _SERVICES,
+    "/rlfleet.v1.CoordinatorService/Heartbeat": _SERVICES,
+    "/rlfleet.v1.CoordinatorService/Stop": ("ctl",),
+    "/rlfleet.v1.CoordinatorService/Scale": ("ctl",),
+    "/rlfleet.v1.InferenceService/UpdateWeights": ("learner",),
+    "/rlfleet.v1.InferenceService/Act": ("env", "ctl"),
+    "/rlfleet.v1.LearnerService/PushRollout": ("env",),
+    "/rlfleet.v1.LearnerService/Train": ("coordinator",),
+    "/rlfleet.v1.LearnerService/PublishWeights": ("coordinator",),
+    "/rlfleet.v1.LearnerService/LogMetrics": ("coordinator",),
+    "/rlfleet.v1.LearnerService/SaveCheckpoint": ("coordinator",),
+    "/rlfleet.v1.RolloutService/Collect": ("coordinator", "ctl"),
+    "/rlfleet.v1.RolloutService/Evaluate": ("coordinator", "ctl"),
+}
+
+
+class AuthError(RuntimeError):
+    """A call without a valid credential (args: 'UNAUTHENTICATED', message), or from a role that does not own
+    the method or with another role's credential ('PERMISSION_DENIED', message)."""
+
+
+def bearer(pair_key: bytes, index: int) -> str:
+    """B = H(K, "index/" + i), url-safe base64 without padding: what service a[i] sends to a server of role b
+    (K = K_a->b), and what that server recomputes (rlfleet.wire.auth's scheme)."""
+    mac = hmac.new(pair_key, f"index/{index}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made a call, as its credential proves."""
+    role: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.role}[{self.index}]"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """This process's side of the credentials (built once by rlfleet.wire.auth.set_identity)."""
+    role: str
+    index: int
+    from_secret: bool  # holds the run secret (coordinator, coordinatorctl, or a service handed the secret)
+    bearers: dict[str, str] = field(repr=False)  # callee role -> what this process sends it
+    verifiers: dict[str, bytes] = field(repr=False)  # caller role -> K_caller->self (empty: serves nothing)
+
+    def expected(self, caller: str, index: int) -> bytes | None:
+        key = self.verifiers.get(caller)
+        return None if key is None else bearer(key, index).encode()
+
+
+_identity: Identity | None = None
+
+
+def use_identity(identity: Identity | None) -> None:
+    """What this process's calls carry and its servers check from now on (None: nothing sent or checked)."""
+    global _identity
+    _identity = identity
+
+
+def callee_role(method: str) -> str | None:
+    """The role whose servers host ``method`` ('/rlfleet.v1.LearnerService/Train' -> 'learner')."""
+    return SERVICE_ROLES.get(method.lstrip("/").split("/", 1)[0])
+
+
+def call_metadata(method: str) -> list[tuple[str, str]]:
+    """What a call to ``method`` carries: the bearer for its callee's role, this process's role and index
+    (nothing for probes, reflection and services outside the run)."""
+    ident = _identity
+    if ident is None:
+        return []
+    token = ident.bearers.get(callee_role(method) or "")
+    return [] if token is None else credential_metadata(token, ident.role, ident.index)
+
+
+def credential_metadata(token: str, role: str, index: int) -> list[tuple[str, str]]:
+    """The metadata of a call from ``role[index]`` with bearer ``token``."""
+    return [(TOKEN_KEY, f"Bearer {token}"), (ROLE_KEY, role), (INDEX_KEY, str(index))]
+
+
+def _claim(md: dict) -> tuple[str, int]:
+    role = md.get(ROLE_KEY, "")
+    if role not in ROLES:
+        raise AuthError("UNAUTHENTICATED", f"metadata '{ROLE_KEY}': {role[:40]!r} is not one of {ROLES}")
+    text = md.get(INDEX_KEY, "0")
+    if not (text.isascii() and text.isdigit() and len(text) <= 7 and int(text) < MAX_INDEX):
+        raise AuthError("UNAUTHENTICATED", f"metadata '{INDEX_KEY}': {text[:40]!r} is not an index in "
+                                           f"0..{MAX_INDEX - 1}")
+    return role, int(text)
+
+
+def check_caller(method: str, metadata) -> Caller | None:
+    """The proven caller of ``method``; raises AuthError(code, message) unless ``metadata`` carries a bearer
+    that this process's verify key makes for the claimed role and index, and that role owns the method.
+    None when this process checks nothing (no identity) or the method is open."""
+    ident = _identity
+    if ident is None or method.startswith(OPEN_PREFIXES):
+        return None
+    md = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    given = md.get(TOKEN_KEY, "")
+    if not given.startswith("Bearer ") or not ident.verifiers:
+        raise AuthError("UNAUTHENTICATED", "missing or wrong run credential (metadata "
+                                           f"'{TOKEN_KEY}: Bearer <credential>', '{ROLE_KEY}', '{INDEX_KEY}'; "
+                                           f"see `python -m rlfleet.wire.auth --help`)")
+    role, index = _claim(md)
+    token = given[7:].strip().encode("utf-8", "replace")
+    if not hmac.compare_digest(token, ident.expected(role, index)):
+        for other in ROLES:  # a valid credential of another role: say so (it is a known caller overstepping)
+            if other != role and hmac.compare_digest(token, ident.expected(other, index)):
+                raise AuthError("PERMISSION_DENIED", f"this credential is {other}[{index}]'s, not {role}[{index}]'s: "
+                                                     f"a service acts only in its own role")
+        raise AuthError("UNAUTHENTICATED", f"missing or wrong run credential for {role}[{index}] (metadata "
+                                           f"'{TOKEN_KEY}: Bearer <credential>'; the run secret is in "
+                                           f"<run>/{TOKEN_FILE} or {TOKEN_ENV})")
+    owners = METHOD_ROLES.get(method)
+    if owners is not None and role not in owners:
+        raise AuthError("PERMISSION_DENIED", f"{method} is accepted only from {'/'.join(owners)}, not from {role}")
+    return Caller(role, index)
+
+
+def caller_of(context) -> Caller | None:
+    """The caller of the call a servicer is serving, as the server's check proved it (None: no identity here)."""
+    if _identity is None:
+        return None
+    md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    try:
+        role, index = _claim(md)
+    except AuthError:
+        return None
+    return Caller(role, index)
+
 
 class _ServerGuard(grpc.ServerInterceptor):
     """Runs on the server's polling thread before a call is queued for the pool: the credential check (and
-    ``on_call`` with the proven caller), reflection streams into their slots, request bytes parsed leniently."""
+    ``on_call`` with the proven caller), reflection streams into their slots, request bytes parsed leniently, and
+    (``traced``) the call served in a SERVER span in its caller's trace context."""
 
-    def __init__(self, on_call=None):
-        self.on_call = on_call
+    def __init__(self, on_call=None, traced: bool = False):
+        self.on_call, self.traced = on_call, traced
         self.reflection = StreamSlots(OPEN_STREAMS, "reflection", idle_close_s=OPEN_STREAM_IDLE_S,
                                       reclaim_idle_s=OPEN_STREAM_RECLAIM_S)
 
@@ -358,8 +565,8 @@ class _ServerGuard(grpc.ServerInterceptor):
         if method.startswith(REFLECTION_PREFIXES):
             return _Handlers.slotted(continuation(handler_call_details), self.reflection)
         try:
-            caller = auth.check(method, handler_call_details.invocation_metadata)
-        except auth.AuthError as exc:
+            caller = check_caller(method, handler_call_details.invocation_metadata)
+        except AuthError as exc:
             code, message = exc.args
             log.warning("refused %s: %s", method, message)
             return _Handlers.refuse(continuation(handler_call_details), code, message)
@@ -369,9 +576,11 @@ class _ServerGuard(grpc.ServerInterceptor):
             except Exception:  # noqa: BLE001 - a hook must not break serving
                 log.exception("on_call hook")
         handler = continuation(handler_call_details)
-        if handler is None or not method.startswith("/rlfleet."):
-            return handler
-        return _Handlers.lenient(handler)
+        if handler is None:
+            return None
+        if self.traced and not method.startswith("/grpc."):
+            handler = _Handlers.traced(handler, method)
+        return _Handlers.lenient(handler) if method.startswith("/rlfleet.") else handler
 
 
 def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *,
@@ -380,17 +589,16 @@ def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *
     whole life) plus RESERVED_THREADS for reflection streams and quick refusals; with ``max_concurrent_rpcs``,
     calls beyond it (plus the reserve) are refused with RESOURCE_EXHAUSTED instead of queueing unserved.
     Requests over ``max_receive_bytes`` are refused with RESOURCE_EXHAUSTED. Calls are checked against the run's
-    credentials (rlfleet.wire.auth; ``on_call(method, caller)`` runs for each accepted call on the polling thread,
-    before the call waits for a pool thread: it must be quick) and carry trace context (rlfleet.wire.tracing)."""
-    from rlfleet.wire import tracing
-
+    credentials (:func:`check_caller`; ``on_call(method, caller)`` runs for each accepted call on the polling
+    thread, before the call waits for a pool thread: it must be quick) and, when tracing is set up by now
+    (rlfleet.wire.tracing), served in a SERVER span in their caller's trace context."""
     options = [o for o in OPTIONS if o[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
     limit = None if max_concurrent_rpcs is None else max_concurrent_rpcs + RESERVED_THREADS
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_THREADS,
                                                   thread_name_prefix="grpc"),
                        options=options, maximum_concurrent_rpcs=limit,
-                       interceptors=[_ServerGuard(on_call), tracing.ServerInterceptor()])
+                       interceptors=[_ServerGuard(on_call, traced=tracing.enabled())])
 
 
 def add_health_and_reflection(server: grpc.Server, *service_names: str):
@@ -449,18 +657,19 @@ class _CallDetails(grpc.ClientCallDetails):
 
 class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                       grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the run credential and the caller's trace context to every call."""
+    """Adds the run credential (``credential``) and the caller's trace context (``traced``) to every call."""
 
-    def __init__(self, credential: bool):
-        self.credential = credential
+    def __init__(self, credential: bool, traced: bool):
+        self.credential, self.traced = credential, traced
 
     def _details(self, details):
-        from rlfleet.wire import tracing
-
         md = list(details.metadata or ())
         if self.credential:
-            md += auth.call_metadata(details.method)
-        md += tracing.inject()
+            md += call_metadata(details.method)
+        if self.traced:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            md += carrier.items()
         return _CallDetails(details, md)
 
     def intercept_unary_unary(self, continuation, details, request):
@@ -477,8 +686,9 @@ class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 
 
 def channel(address: str, *, credential: bool = True) -> grpc.Channel:
-    """A channel whose calls carry this process's run credential and trace context, over TLS when configured
-    (``credential=False``: a peer outside the run, such as an external simulator: plaintext, no token)."""
+    """A channel whose calls carry this process's run credential and (when tracing is set up by now) trace
+    context, over TLS when configured (``credential=False``: a peer outside the run, such as an external simulator:
+    plaintext, no token)."""
     if _tls is not None and credential:
         creds = grpc.ssl_channel_credentials(
             root_certificates=_tls["ca"], private_key=_tls["key"] if _tls["client_auth"] else None,
@@ -486,7 +696,7 @@ def channel(address: str, *, credential: bool = True) -> grpc.Channel:
         raw = grpc.secure_channel(address, creds, options=OPTIONS)
     else:
         raw = grpc.insecure_channel(address, options=OPTIONS)
-    return grpc.intercept_channel(raw, _ClientMetadata(credential))
+    return grpc.intercept_channel(raw, _ClientMetadata(credential, tracing.enabled()))
 
 
 def wait_ready(address: str, timeout: float = 30.0, *, credential: bool = True) -> grpc.Channel:

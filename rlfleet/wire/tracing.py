@@ -1,43 +1,43 @@
-"""OpenTelemetry for every rlfleet process: traces and metrics, exported to OTLP or to JSON-lines files.
+"""OpenTelemetry for every rlfleet process: the SDK's providers and exporters (set up once per process), and
+reading file exports back. Nothing here runs per call or per step.
+
+Instrumented code uses the OTel API itself: a module's tracer (``trace.get_tracer("rlfleet")``) and its metric
+instruments (``metrics.get_meter("rlfleet").create_histogram(...)``), made once at import; OTel's proxy tracer and
+meter bind them to the providers :func:`setup` installs, and until then they are no-ops, so in-process tests and
+tools pay nothing. The per-call trace context is :mod:`rlfleet.wire.rpc`'s: its client interceptor injects W3C
+``traceparent`` into every call's metadata and its server interceptor runs each call in a SERVER span named by the
+method, child of the caller's context. Servers, channels and the objects that make per-step spans decide once, when
+they are built, whether they trace (:func:`enabled`; ``telemetry.step_spans`` for the per-env-step and per-act-batch
+spans).
 
 One trace per training epoch: the coordinator's ``epoch`` span holds ``collect`` (one per env server) and
-``train``; trace context rides in the gRPC metadata (W3C ``traceparent``, added by :mod:`rlfleet.wire.rpc`'s
-interceptors), so the env server's Collect (``env.step`` and ``act`` spans per step, ``push_rollout``), the
-learner's PushRollout and Train (``ppo_update``, ``publish_weights``) and the inference server's UpdateWeights
-are children in the same trace. Metrics (env steps, act batch sizes, queue waits, latency histograms) go through
-the OTel metrics API.
+``train``; trace context rides in the gRPC metadata, so the env server's Collect (``env.step`` and ``act`` spans per
+step, ``push_rollout``), the inference server's ``act_batch`` spans (linked to each rollout they serve), the
+learner's PushRollout and Train (``ppo_update``, ``publish_weights``) and the inference server's UpdateWeights are
+children in the same trace. Metrics (env steps, act batch sizes, queue waits, latency histograms) go through the
+OTel metrics API.
 
 ``telemetry.traces`` picks the exporter: ``file`` writes ``<run>/traces/{spans,metrics}_<role>_<index>.jsonl``
 (one JSON object per line: OTel's own span/metrics JSON), ``otlp`` sends to ``telemetry.otlp_endpoint`` (or
-$OTEL_EXPORTER_OTLP_ENDPOINT) over gRPC, ``none`` turns both off. Until :func:`setup` runs, every call here is a
-no-op (OTel's API default), so in-process tests and tools pay nothing.
+$OTEL_EXPORTER_OTLP_ENDPOINT) over gRPC, ``none`` turns both off.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import pathlib
-import threading
 
-import grpc
-from opentelemetry import context as otel_context
-from opentelemetry import metrics, propagate, trace
+from opentelemetry import metrics, trace
 
 TRACE_DIR_ENV = "RLFLEET_TRACE_DIR"  # where file exports go (set by launchers; default <config dir>/traces)
 
 _state = {"enabled": False, "providers": [], "step_spans": False}
-_lock = threading.Lock()
-_instruments: dict[str, object] = {}
 
 
-def tracer():
-    return trace.get_tracer("rlfleet")
-
-
-def enabled() -> bool:
-    return _state["enabled"]
+def enabled(*, step_spans: bool = False) -> bool:
+    """Whether :func:`setup` installed the exporters here (``step_spans=True``: and ``telemetry.step_spans`` asks for
+    the fine-grained spans too). Asked once, when a server, channel or span-making object is built; never per call."""
+    return _state["enabled"] and (_state["step_spans"] or not step_spans)
 
 
 def setup(role: str, index: int, cfg, run_dir: str | os.PathLike | None = None) -> str:
@@ -83,11 +83,7 @@ def setup(role: str, index: int, cfg, run_dir: str | os.PathLike | None = None) 
         PeriodicExportingMetricReader(metric_exporter, export_interval_millis=interval)])
     trace.set_tracer_provider(provider)
     metrics.set_meter_provider(meter_provider)
-    with _lock:
-        _state["enabled"] = True
-        _state["step_spans"] = bool(cfg.telemetry.step_spans)
-        _state["providers"] = [provider, meter_provider]
-        _instruments.clear()
+    _state.update(enabled=True, step_spans=bool(cfg.telemetry.step_spans), providers=[provider, meter_provider])
     return where
 
 
@@ -99,108 +95,6 @@ def shutdown() -> None:
         except Exception:  # noqa: BLE001 - telemetry never fails a process
             pass
     _state["providers"] = []
-
-
-def span(name: str, **attributes):
-    """A span as the current one: ``with tracing.span("collect", epoch=3): ...`` (no-op when off)."""
-    return tracer().start_as_current_span(name, attributes={k: v for k, v in attributes.items() if v is not None})
-
-
-def step_span(name: str, parents: list[dict] | None = None, **attributes):
-    """A fine-grained span (one env step, one act batch): only with ``telemetry.step_spans``. ``parents``: trace
-    contexts carried in messages (an act batch serves several rollouts): the first is the parent, every one a
-    link."""
-    if not _state["step_spans"]:
-        return contextlib.nullcontext()
-    if not parents:
-        return span(name, **attributes)
-    contexts = [propagate.extract(p) for p in parents if p]
-    links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in contexts]
-    return tracer().start_as_current_span(name, context=contexts[0] if contexts else None, links=links,
-                                          attributes={k: v for k, v in attributes.items() if v is not None})
-
-
-def inject() -> list[tuple[str, str]]:
-    """The current trace context as gRPC metadata (empty when off or outside a span)."""
-    if not _state["enabled"]:
-        return []
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return list(carrier.items())
-
-
-def submit(pool, fn, *args, **kwargs):
-    """``pool.submit`` that carries the caller's trace context into the worker thread."""
-    return pool.submit(contextvars.copy_context().run, fn, *args, **kwargs)
-
-
-# --- metrics ---------------------------------------------------------------------------------------------------
-def _instrument(kind: str, name: str, unit: str, description: str):
-    key = f"{kind}:{name}"
-    inst = _instruments.get(key)
-    if inst is None:
-        meter = metrics.get_meter("rlfleet")
-        make = {"counter": meter.create_counter, "histogram": meter.create_histogram}[kind]
-        inst = _instruments[key] = make(name, unit=unit, description=description)
-    return inst
-
-
-def count(name: str, value: float, unit: str = "1", description: str = "", **attributes) -> None:
-    if _state["enabled"]:
-        _instrument("counter", name, unit, description).add(value, attributes)
-
-
-def record(name: str, value: float, unit: str = "1", description: str = "", **attributes) -> None:
-    if _state["enabled"]:
-        _instrument("histogram", name, unit, description).record(value, attributes)
-
-
-# --- server side: one span per RPC, child of the caller's context ------------------------------------------------
-def _wrap(behavior, method: str, response_streaming: bool):
-    def extract(context):
-        return propagate.extract({k: v for k, v in context.invocation_metadata()})
-
-    if response_streaming:
-        def stream_behavior(request, context):
-            token = otel_context.attach(extract(context))
-            try:
-                with tracer().start_as_current_span(method, kind=trace.SpanKind.SERVER):
-                    yield from behavior(request, context)
-            finally:
-                otel_context.detach(token)
-        return stream_behavior
-
-    def unary_behavior(request, context):
-        token = otel_context.attach(extract(context))
-        try:
-            with tracer().start_as_current_span(method, kind=trace.SpanKind.SERVER):
-                return behavior(request, context)
-        finally:
-            otel_context.detach(token)
-    return unary_behavior
-
-
-class ServerInterceptor(grpc.ServerInterceptor):
-    """Starts a server span per call (named by the method, e.g. 'rlfleet.v1.LearnerService/Train')."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        import grpc
-
-        handler = continuation(handler_call_details)
-        if handler is None or not _state["enabled"] or handler_call_details.method.startswith("/grpc."):
-            return handler
-        method = handler_call_details.method.lstrip("/")
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, method, True),
-                                                         handler.request_deserializer, handler.response_serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, method, False),
-                                                        handler.request_deserializer, handler.response_serializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method, True),
-                                                        handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method, False),
-                                                   handler.request_deserializer, handler.response_serializer)
 
 
 # --- reading file exports back (coordinatorctl traces, tests) ----------------------------------------------------

@@ -8,6 +8,7 @@ mean, weights republishing), ``evaluation`` (seeded evaluation), ``report`` (con
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import os
@@ -19,8 +20,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
 
-from rlfleet.wire import auth, rpc, tracing
+from rlfleet.wire import auth, rpc
 from rlfleet.config import learner_layout, to_yaml
 from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
@@ -32,6 +34,8 @@ from services.coordinator.registry import (ROLE_NAMES, HealthMonitor, Registry, 
 from services.coordinator.report import RunReport, eval_line
 
 __all__ = ["Coordinator", "RunFailed", "choose_run_dir", "install_signal_handlers"]
+
+_tracer = trace.get_tracer("rlfleet")  # the epoch's trace: epoch > collect (per env server), train
 
 
 def joint_env_spec(specs: list) -> tuple[env_pb2.EnvSpec, str | None]:
@@ -231,7 +235,8 @@ class Coordinator:
             svc, stub = calls.rollout_stub(index)
             incarnation, generation = svc.incarnation, reg.inference_generation()
             try:
-                with tracing.span("collect", **{"rlfleet.epoch": epoch, "rlfleet.env_server": index}):
+                with _tracer.start_as_current_span("collect", attributes={"rlfleet.epoch": epoch,
+                                                                          "rlfleet.env_server": index}):
                     resp = stub.Collect(rollout_pb2.CollectRequest(
                         epoch=epoch,
                         num_steps=self.cfg.env.train.max_steps_per_rollout_epoch // self.cfg.actor.model.num_action_chunks,
@@ -387,7 +392,7 @@ class Coordinator:
                     break
                 if not ahead:
                     self._apply_scale()
-                with tracing.span("epoch", **{"rlfleet.epoch": epoch}):
+                with _tracer.start_as_current_span("epoch", attributes={"rlfleet.epoch": epoch}):
                     t0 = time.perf_counter()
                     rollout = ahead.popleft()[1] if ahead else self._start_collect(pool, epoch, version)
                     results = [calls.await_(f) for f in rollout]
@@ -448,7 +453,8 @@ class Coordinator:
                 after[i].result()
             return self._collect(i, epoch, version)
 
-        return [tracing.submit(pool, collect, i) for i in range(self.registry.counts["env"])]
+        # each collection runs in the caller's context: its span is a child of the epoch's
+        return [pool.submit(contextvars.copy_context().run, collect, i) for i in range(self.registry.counts["env"])]
 
     def _train(self, learner, epoch: int, version: int, results, t0: float, t_rollout: float) -> dict[str, float]:
         """Train on epoch ``epoch`` (collected as ``results``); -> the epoch's metrics."""
@@ -465,7 +471,7 @@ class Coordinator:
                  "time/elapsed": self.elapsed()}
         t1 = time.perf_counter()
         try:
-            with tracing.span("train", **{"rlfleet.epoch": epoch}):
+            with _tracer.start_as_current_span("train", attributes={"rlfleet.epoch": epoch}):
                 resp = calls.await_(learner.Train.future(learner_pb2.TrainRequest(
                     epoch=epoch, worker_indices=list(range(reg.counts["env"])),
                     inference_addresses=reg.addresses("inference"), extra_metrics=extra),

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
+from opentelemetry import trace
 
-from rlfleet.wire import codec, rpc, tracing
+from rlfleet.wire import codec, rpc
 from rlfleet.config import env_server_config
 from rlfleet.v1 import rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls
 from services.coordinator.registry import RunFailed
+
+_tracer = trace.get_tracer("rlfleet")
 
 
 class Evaluator:
@@ -80,8 +84,9 @@ class Evaluator:
         def one(i):
             return [e for first, count in pieces(i) for e in piece(i, first, count)]
 
-        with ThreadPoolExecutor(n) as pool, tracing.span("evaluate", **{"rlfleet.step": step}):
-            futures = [tracing.submit(pool, one, i) for i in range(n) if shares[i]]
+        with (ThreadPoolExecutor(n) as pool,
+              _tracer.start_as_current_span("evaluate", attributes={"rlfleet.step": step})):
+            futures = [pool.submit(contextvars.copy_context().run, one, i) for i in range(n) if shares[i]]
             results = [f.result() for f in futures]
         eps = [e for r in results for e in r]
         self.episodes = sorted(eps, key=lambda e: e.env_id)

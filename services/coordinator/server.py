@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfleet.wire import auth, rpc
+from rlfleet.wire import rpc
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MAX_REQUEST_BYTES = 4 << 20  # a Register carries a config of a few kB; nothing else is big
@@ -16,14 +16,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     @rpc.handler
     def Register(self, request, context):
         ok = self.coord.register(request.role, request.index, request.address, request.pid, request.incarnation,
-                                 request.config_yaml, caller=auth.caller_of(context))
+                                 request.config_yaml, caller=rpc.caller_of(context))
         return coordinator_pb2.RegisterResponse(accepted=ok)
 
     @rpc.handler
     def Heartbeat(self, request, context):
         return coordinator_pb2.HeartbeatResponse(
             shutdown=self.coord.heartbeat(request.role, request.index, request.incarnation,
-                                          caller=auth.caller_of(context)))
+                                          caller=rpc.caller_of(context)))
 
     @rpc.handler
     def Status(self, request, context):

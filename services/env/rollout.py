@@ -9,6 +9,7 @@ never leaves half a rollout in a batch).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import contextlib
 from dataclasses import dataclass, field
 import logging
 import pathlib
@@ -16,9 +17,10 @@ import time
 from typing import TypeVar
 
 import numpy as np
+from opentelemetry import metrics, trace
 
 from rlfleet.data import videos
-from rlfleet.wire import rpc, tracing
+from rlfleet.wire import rpc
 from rlfleet.wire.clients import make_policy_client
 from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
 from rlfleet.wire.spaces import TensorSpace
@@ -29,6 +31,12 @@ from services.env.vec_env import VecEnvInterface, step_chunk
 _EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
 
 log = logging.getLogger(__name__)
+
+_tracer = trace.get_tracer("rlfleet")
+_meter = metrics.get_meter("rlfleet")
+_ACT_WAIT = _meter.create_histogram("rlfleet.env.act_wait", "s", "wait for an inference answer")
+_STEP_LATENCY = _meter.create_histogram("rlfleet.env.step_latency", "s", "one env step of a pipeline stage")
+_STEPS = _meter.create_counter("rlfleet.env.steps", "1", "env steps taken in rollouts")
 
 
 class StaleWeightsError(rpc.FailedPrecondition):
@@ -63,8 +71,9 @@ class RolloutWorker:
 
     def __init__(self, env: VecEnvInterface, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
                  eval_env_factory=None, group_size: int = 1, use_fixed_reset_state_ids: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, step_spans: bool = False):
         self.env = env
+        self.step_spans = step_spans  # a span per act wait and per env step (tracing set up, telemetry.step_spans)
         self.group_size = group_size
         self.use_fixed_reset_state_ids = use_fixed_reset_state_ids
         self.seed = seed
@@ -136,6 +145,12 @@ class RolloutWorker:
         policy.submit(stage, request, False, list(self.instructions[ids]),
                       row_keys(self.seed + ids.astype(np.int64), epoch, step))
 
+    def _step_span(self, name: str, stage: int, rows: int):
+        """A span for one act wait or env step of a pipeline stage (only with ``step_spans``)."""
+        if not self.step_spans:
+            return contextlib.nullcontext()
+        return _tracer.start_as_current_span(name, attributes={"rlfleet.stage": stage, "rlfleet.rows": rows})
+
     def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1,
                 should_stop=_never) -> tuple[Rollout, CollectSummary]:
         """One rollout epoch of ``num_steps`` steps per env. ``should_stop()`` is polled between steps; when it
@@ -162,11 +177,11 @@ class RolloutWorker:
                 ids = self.stages[s]
                 m = len(ids)
                 t0 = time.perf_counter()
-                with tracing.step_span("act", **{"rlfleet.stage": s, "rlfleet.rows": m}):
+                with self._step_span("act", s, m):
                     res = policy.result(s)
                 t1 = time.perf_counter()
                 wait_time += t1 - t0
-                tracing.record("rlfleet.env.act_wait", t1 - t0, "s", "wait for an inference answer", stage=s)
+                _ACT_WAIT.record(t1 - t0, {"stage": s})
                 if res.weights_version < min_weights_version:
                     raise StaleWeightsError(f"min_weights_version: inference served weights version "
                                             f"{res.weights_version}; epoch {epoch} needs version >= "
@@ -193,12 +208,12 @@ class RolloutWorker:
                 for k, v in res.forward_inputs.items():
                     buf[f"{FI}{k}"][step, ids] = v[:m]
                 t2 = time.perf_counter()
-                with tracing.step_span("env.step", **{"rlfleet.stage": s, "rlfleet.rows": m}):
+                with self._step_span("env.step", s, m):
                     out = step_chunk(env, ids, res.actions[:m])
                 dt = time.perf_counter() - t2
                 env_time += dt
-                tracing.record("rlfleet.env.step_latency", dt, "s", "one env step of a pipeline stage", stage=s)
-                tracing.count("rlfleet.env.steps", m * res.actions.shape[1], "1", "env steps taken in rollouts")
+                _STEP_LATENCY.record(dt, {"stage": s})
+                _STEPS.add(m * res.actions.shape[1])
                 buf["rewards"][step, ids] = out.rewards
                 buf["terminated"][step, ids] = out.terminated
                 buf["truncated"][step, ids] = out.truncated

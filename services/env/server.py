@@ -16,6 +16,7 @@ import threading
 import time
 
 import numpy as np
+from opentelemetry import trace
 
 from rlfleet.wire import codec, rpc, tracing
 from rlfleet.wire.clients import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
@@ -38,6 +39,7 @@ MAX_ROLLOUT_BYTES = 16 << 30  # observation bytes of one Collect's buffer
 MAX_EVAL_EPISODES = 100_000  # per Evaluate call
 
 ROLE = "env"
+_tracer = trace.get_tracer("rlfleet")
 
 
 def env_spec_proto(env: VecEnvInterface, incarnation: str = "", max_step_streams: int = MAX_STEP_STREAMS
@@ -174,7 +176,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 lambda policy: self.worker.collect(request.epoch, request.num_steps, policy,
                                                    request.min_weights_version, _should_stop(context)),
                 after_loss=self.worker.reset_all)
-            with tracing.span("push_rollout", **{"rlfleet.epoch": request.epoch}):
+            with _tracer.start_as_current_span("push_rollout", attributes={"rlfleet.epoch": request.epoch}):
                 push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation,
                              timeout=_time_left(context, margin=1.0))
         finally:
@@ -254,7 +256,8 @@ def build_worker(cfg, index: int, external_env: str | None = None,
     worker = RolloutWorker(env, cfg.rollout.pipeline_stage_num, auto_reset=train.auto_reset,
                            bootstrap_truncated=cfg.algorithm.bootstrap_truncated, eval_env_factory=eval_factory,
                            group_size=cfg.algorithm.group_size,
-                           use_fixed_reset_state_ids=train.use_fixed_reset_state_ids, seed=seed)
+                           use_fixed_reset_state_ids=train.use_fixed_reset_state_ids, seed=seed,
+                           step_spans=tracing.enabled(step_spans=True))
     return env, worker
 
 

@@ -22,6 +22,7 @@ every stream continuously; weight updates reload vLLM's language model between d
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import queue
 import threading
@@ -32,18 +33,23 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from opentelemetry import metrics, propagate, trace
 import torch
 
 from rlfleet.policies import build_policy, footprint
 from rlfleet.policies.backends import BACKENDS
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.registry import UnknownName, lookup
-from rlfleet.wire import tracing
 from rlfleet.wire.codec import PolicyOutput, RowNoise
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 
 log = logging.getLogger("rlfleet.inference")
+_tracer = trace.get_tracer("rlfleet")
+_meter = metrics.get_meter("rlfleet")
+_BATCH_ROWS = _meter.create_histogram("rlfleet.inference.batch_rows", "1", "rows per act batch")
+_QUEUE_WAIT = _meter.create_histogram("rlfleet.inference.queue_wait", "s", "time the oldest request of a batch waited")
+_FORWARD_LATENCY = _meter.create_histogram("rlfleet.inference.forward_latency", "s", "one act batch")
 
 
 # --- The backend interface: how the engine acts (what every implementation provides) ----------------------------------
@@ -57,7 +63,7 @@ class ActRequest:
     stream: int
     future: Future
     t_submit: float
-    trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (rlfleet.wire.tracing)
+    trace_context: dict = field(default_factory=dict)  # the asking rollout's trace context (W3C traceparent)
     noise_keys: np.ndarray | None = None  # [rows] uint64 (rlfleet.wire.codec), or None: draw from this process's RNG
 
 
@@ -132,6 +138,7 @@ class BackendOptions:
     device: str = "cpu"
     seed: int = 0
     on_fatal: Callable[[str], None] | None = None
+    step_spans: bool = False  # a span per act batch (hf)
 
 
 _IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -164,15 +171,16 @@ class InferenceEngine:
     def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
                  max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level",
                  batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0, weights_precision: str = "fp32",
-                 memory_budget_bytes: int | None = None, on_fatal=None):
+                 memory_budget_bytes: int | None = None, on_fatal=None, step_spans: bool = False):
         self.model_cfg = model_cfg
         # bytes a policy (two copies) may take here; None: what the device has available when the spaces arrive
         self.memory_budget_bytes = memory_budget_bytes
         self.weights_dtype = torch.bfloat16 if weights_precision == "bf16" else None
-        # how requests are acted on (rollout.backend); on_fatal: called when the backend is lost for good
+        # how requests are acted on (rollout.backend); on_fatal: called when the backend is lost for good;
+        # step_spans: a span per act batch (tracing set up, telemetry.step_spans)
         self.backend: InferenceBackend = make_backend(backend, BackendOptions(
             max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, batch_invariant_rows=batch_invariant_rows,
-            device=device, seed=seed, on_fatal=on_fatal))
+            device=device, seed=seed, on_fatal=on_fatal, step_spans=step_spans))
         self.normalize_obs = normalize_obs
         self.logprob_type = logprob_type
         self.max_batch_size = max_batch_size
@@ -355,7 +363,7 @@ class InferenceEngine:
 def _hf(options: BackendOptions) -> InferenceBackend:
     return DynamicBatcher(max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
                           batch_invariant_rows=options.batch_invariant_rows, device=options.device,
-                          on_fatal=options.on_fatal)
+                          on_fatal=options.on_fatal, step_spans=options.step_spans)
 
 
 def _vllm(options: BackendOptions) -> InferenceBackend:
@@ -384,8 +392,9 @@ class DynamicBatcher(InferenceBackend):
     name = "hf"
 
     def __init__(self, *, max_batch_size: int = 256, max_wait_ms: float = 1.0, batch_invariant_rows: int = 0,
-                 device: str = "cpu", on_fatal=None):
+                 device: str = "cpu", on_fatal=None, step_spans: bool = False):
         super().__init__(on_fatal)
+        self.step_spans = step_spans  # a span per act batch, linked to every request's trace context
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.batch_invariant_rows = batch_invariant_rows  # pad act batches to multiples of this (0: no padding)
@@ -475,6 +484,16 @@ class DynamicBatcher(InferenceBackend):
                 rows += item.rows
             self._run(batch)
 
+    def _batch_span(self, group: list[ActRequest], rows: int):
+        """A span for one act batch (only with ``step_spans``): a child of the first request's trace context, linked
+        to every request's (one batch serves several rollouts)."""
+        if not self.step_spans:
+            return contextlib.nullcontext()
+        contexts = [propagate.extract(r.trace_context) for r in group if r.trace_context]
+        links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in contexts]
+        return _tracer.start_as_current_span("act_batch", context=contexts[0] if contexts else None, links=links,
+                                             attributes={"rlfleet.rows": rows, "rlfleet.requests": len(group)})
+
     def _run(self, batch: list[ActRequest]) -> None:
         for deterministic in (False, True):
             group = [r for r in batch if r.deterministic == deterministic]
@@ -491,13 +510,11 @@ class DynamicBatcher(InferenceBackend):
                                            for r in group])
                 t0 = time.monotonic()
                 rows = sum(r.rows for r in group)
-                with tracing.step_span("act_batch", parents=[r.trace_context for r in group],
-                                       **{"rlfleet.rows": rows, "rlfleet.requests": len(group)}):
+                with self._batch_span(group, rows):
                     res = self._forward(obs, deterministic, texts, keys)
-                tracing.record("rlfleet.inference.batch_rows", rows, "1", "rows per act batch")
-                tracing.record("rlfleet.inference.queue_wait", t0 - group[0].t_submit, "s",
-                               "time the oldest request of a batch waited")
-                tracing.record("rlfleet.inference.forward_latency", time.monotonic() - t0, "s", "one act batch")
+                _BATCH_ROWS.record(rows)
+                _QUEUE_WAIT.record(t0 - group[0].t_submit)
+                _FORWARD_LATENCY.record(time.monotonic() - t0)
             except Exception as exc:  # noqa: BLE001 - delivered to each waiting stream
                 for r in group:
                     r.future.set_exception(exc)

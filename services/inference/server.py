@@ -10,7 +10,7 @@ ROLE = "inference"
 
 import numpy as np
 
-from rlfleet.wire import codec, rpc, weights
+from rlfleet.wire import codec, rpc, tracing, weights
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -70,7 +70,7 @@ def build_engine(cfg, device: str = "cpu", on_fatal=None) -> InferenceEngine:
                            device=device, logprob_type=cfg.algorithm.logprob_type,
                            batch_invariant_rows=batch_invariant_rows(cfg), backend=cfg.rollout.backend,
                            seed=cfg.runner.seed, weights_precision=cfg.rollout.weights_precision,
-                           on_fatal=on_fatal)
+                           on_fatal=on_fatal, step_spans=tracing.enabled(step_spans=True))
 
 
 def batch_invariant_rows(cfg) -> int:

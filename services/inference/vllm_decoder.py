@@ -41,14 +41,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
+from opentelemetry import metrics
 import torch
 
-from rlfleet.wire import tracing
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.wire.rpc import Unavailable
 from services.inference.engine import ActRequest, BackendStats, InferenceBackend
 
 log = logging.getLogger("rlfleet.inference.vllm")
+_FORWARD_LATENCY = metrics.get_meter("rlfleet").create_histogram(
+    "rlfleet.inference.forward_latency", "s", "one act request, admitted to decoded (vllm)")
 
 # vLLM's defaults that matter on a shared CPU host, unless the user set them: the engine runs in this process
 # (no engine-core child to lose), a KV cache of 1 GiB (tiny and 7B prompts of ~300 tokens fit many rows), and no
@@ -414,8 +416,7 @@ class VLLMDecoder(InferenceBackend):
             p.request.future.set_exception(exc)
             return
         self.rows_run += n
-        tracing.record("rlfleet.inference.forward_latency", time.monotonic() - p.t_admit, "s",
-                       "one act request, admitted to decoded (vllm)")
+        _FORWARD_LATENCY.record(time.monotonic() - p.t_admit)
         p.request.future.set_result(res)
 
 

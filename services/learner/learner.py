@@ -16,9 +16,10 @@ import pathlib
 import time
 
 import numpy as np
+from opentelemetry import metrics, trace
 import torch
 
-from rlfleet.wire import tracing, weights
+from rlfleet.wire import weights
 from rlfleet.data.loggers import LoggerOptions
 from rlfleet.data.metrics import MetricsLogger
 from rlfleet.wire.spaces import TensorSpace
@@ -34,6 +35,8 @@ from services.learner.sharding import full_state_dict, gather_buckets, local_byt
 from services.learner.trainer import Trainer
 
 log = logging.getLogger("rlfleet.learner")
+_tracer = trace.get_tracer("rlfleet")
+_TRAIN_TIME = metrics.get_meter("rlfleet").create_histogram("rlfleet.learner.train_time", "s", "one PPO/GRPO update")
 
 __all__ = ["Learner", "latest_checkpoint", "update_threads"]
 
@@ -222,17 +225,19 @@ class Learner:
         meta = {"epoch": epoch, "total": batch.T * batch.N, "use_mask": batch.use_mask, "lr": self._lr(),
                 "critic_only": epoch < self.alg.critic_warmup_epochs,
                 "trains": bool((batch.rows["mask"] > 0).any())}  # no sample trains (all masked): no step
-        with tracing.span("ppo_update", **{"rlfleet.epoch": epoch, "rlfleet.samples": int(batch.T * batch.N)}):
+        with _tracer.start_as_current_span("ppo_update", attributes={"rlfleet.epoch": epoch,
+                                                                     "rlfleet.samples": int(batch.T * batch.N)}):
             stats = self._run("train", meta, shards)
         stats.update(batch.stats)
         self.env_steps += batch.T * batch.N * self.model.num_action_chunks  # a sample is one action chunk
         train_time = time.perf_counter() - t0
-        tracing.record("rlfleet.learner.train_time", train_time, "s", "one PPO/GRPO update")
+        _TRAIN_TIME.record(train_time)
         t1 = time.perf_counter()
         self.publish_error = ""
         if inference_addresses:
             try:
-                with tracing.span("publish_weights", **{"rlfleet.weights_version": self.version}):
+                with _tracer.start_as_current_span("publish_weights",
+                                                   attributes={"rlfleet.weights_version": self.version}):
                     self.publish(inference_addresses)
             except Exception as exc:  # noqa: BLE001 - the update stands; the coordinator republishes
                 self.publish_error = str(exc)

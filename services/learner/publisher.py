@@ -10,6 +10,7 @@ that a server refuses (it restarted) is sent again in full, in a second pass.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from rlfleet.wire import rpc, tracing, weights
+from rlfleet.wire import rpc, weights
 from rlfleet.v1 import inference_pb2_grpc
 
 Gather = Callable[[list[str]], Iterator[dict[str, torch.Tensor]]]  # names -> whole tensors, a bucket at a time
@@ -85,7 +86,7 @@ class WeightPublisher:
 
         errors: dict[str, BaseException] = {}
         with ThreadPoolExecutor(len(targets)) as pool:
-            futures = {a: tracing.submit(pool, call, a) for a in targets}
+            futures = {a: pool.submit(contextvars.copy_context().run, call, a) for a in targets}  # in this trace
 
             def hand(address: str, item) -> None:
                 while not futures[address].done():  # a failed stream takes nothing more

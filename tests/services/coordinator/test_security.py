@@ -121,10 +121,10 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path):
         secret = (run / "run_token").read_text()
         env_cred = auth.issue(secret, "env", 0)  # what env[0] holds (its RLFLEET_RUN_TOKEN)
         auth.set_identity("env", env_cred, 0)
-        env_md = {to: auth.call_metadata(f"/rlfleet.v1.{svc}/x")
+        env_md = {to: rpc.call_metadata(f"/rlfleet.v1.{svc}/x")
                   for to, svc in (("coordinator", "CoordinatorService"), ("inference", "InferenceService"))}
         auth.set_identity("env", None)
-        as_learner = [(k, "learner" if k == auth.ROLE_KEY else v) for k, v in env_md["inference"]]
+        as_learner = [(k, "learner" if k == rpc.ROLE_KEY else v) for k, v in env_md["inference"]]
         with grpc.insecure_channel(addresses[coordinator_pb2.INFERENCE]) as ch:
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
             for metadata, words in ((as_learner, "env[0]'s, not learner[0]'s"),
