@@ -6,7 +6,8 @@ Starts an env server, an inference server and a learner (real gRPC servers on lo
 tests' fleet does), collects one epoch to warm up, then profiles a second Collect of one step on every thread:
 the env server's Collect, its Act to the inference server, the env step, and the push of the rollout to the learner.
 Prints the repository's files whose functions ran (generated protobuf code left out), in first-run order, plus the
-coordinator's side (it sends Collect: services/coordinator/coordinator.py).
+coordinator's side (it sends Collect: services/coordinator/coordinator.py). Episodes last 9 steps, so the profiled
+step (the 9th) ends every env's episode: the walk includes the auto-reset and the episode's statistics too.
 
 Tracing is on, as in a run with the default config (``telemetry.traces: file``, ``step_spans: true``; spans and
 metrics go to a temporary folder): ``tracing.setup`` runs before the profiler is installed, so the OTel SDK's
@@ -50,6 +51,7 @@ def main() -> None:
                 seen[path] = None
 
     cfg = load_config(None, ["env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=8",
+                             "env.train.max_episode_steps=9",
                              "actor.micro_batch_size=8", "actor.global_batch_size=32"])
     run = tempfile.mkdtemp()
     assert cfg.telemetry.traces == "file" and cfg.telemetry.step_spans  # the default config's telemetry

@@ -263,7 +263,8 @@ class VecEnv:
 
     def _reset_rows(self, ids: np.ndarray, seeds: list, states: list) -> dict[str, np.ndarray]:
         obs, instructions = self.backend.reset(ids, seeds, states)
-        drawn = self.backend.drawn_state_ids(ids)  # a fixed state the backend picked itself (seed, own stream)
+        # a fixed state the backend picked itself (seed, own stream); a backend without fixed states picked none
+        drawn = self.backend.drawn_state_ids(ids) if self.num_reset_states else [None] * len(ids)
         for j, i in enumerate(ids):
             for k, v in obs.items():
                 self._obs[k][i] = v[j]
