@@ -25,7 +25,7 @@ magnitude a value may have. They are far above anything a simulator or policy he
 of 3e38 overflows the advantages, the losses and the reward normaliser's variance (9e76, after which every reward
 scales to ~1e-38), so such a rollout is refused, naming the field, instead of poisoning every later update.
 
-The env side builds its buffers with :func:`empty_buffers`; the learner checks a pushed rollout with :func:`check`,
+The env side builds its buffers with :func:`empty_buffers`; the learner checks a pushed rollout with :func:`check_rollout`,
 which names the first field that breaks the schema. numpy and the generated protobuf code only (torch only where a
 caller hands tensors over): env servers run in simulator environments.
 """
@@ -310,7 +310,7 @@ def _kind(dtype) -> str:
     return {"f": "float", "i": "integer", "u": "integer", "b": "bool"}.get(np.dtype(dtype).kind, np.dtype(dtype).name)
 
 
-def check(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray], *, obs_specs: Mapping,
+def check_rollout(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray], *, obs_specs: Mapping,
           chunk: int, action_dim: int, log_prob_width: int, logprob_type: str = "",
           fi_specs: Mapping[str, InputSpec] | None = None) -> tuple[int, int]:
     """Check a rollout against the schema and the policy's spaces -> (T, N). ``obs_specs``: {key: spec with

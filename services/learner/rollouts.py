@@ -111,9 +111,9 @@ class RolloutStore:
         self.check_rollout_epoch(epoch)
         self.check_worker(worker)
         try:
-            T, N = codec.check(time_major, per_env, obs_specs=self.obs_specs, chunk=self.chunk,
-                               action_dim=self.action_dim, log_prob_width=self.log_prob_width,
-                               logprob_type=self.alg.logprob_type, fi_specs=self.fi_specs)
+            T, N = codec.check_rollout(time_major, per_env, obs_specs=self.obs_specs, chunk=self.chunk,
+                                       action_dim=self.action_dim, log_prob_width=self.log_prob_width,
+                                       logprob_type=self.alg.logprob_type, fi_specs=self.fi_specs)
         except codec.SchemaError as exc:
             raise InvalidRequest(str(exc)) from None
         with self.lock:

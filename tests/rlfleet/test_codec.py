@@ -125,7 +125,7 @@ def rollout(T=4, N=3):
 
 
 def check(tm, pe, fi_specs=FI):
-    return codec.check(tm, pe, obs_specs=SPECS, chunk=1, action_dim=2, log_prob_width=1, fi_specs=fi_specs)
+    return codec.check_rollout(tm, pe, obs_specs=SPECS, chunk=1, action_dim=2, log_prob_width=1, fi_specs=fi_specs)
 
 
 def test_every_bounded_field_is_documented_and_a_good_rollout_passes():
