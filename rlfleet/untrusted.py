@@ -264,3 +264,28 @@ def safetensors_header(path: str | os.PathLike, *, root: str | os.PathLike | Non
                           f"{offsets[1] - offsets[0]:,}")
         tensors[name] = entry
     return tensors
+
+
+def folder_root(folder: str | os.PathLike) -> pathlib.Path:
+    """The root a model or dataset folder's files must stay inside: the folder itself, or, for a snapshot of a
+    Hugging Face hub cache (``<cache>/models--org--name/snapshots/<commit>``, ``datasets--`` alike), the repo's
+    folder, whose ``blobs/`` the snapshot's files are symbolic links to. Not resolved (``inside`` resolves)."""
+    p = pathlib.Path(os.path.abspath(folder))
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return p.parent.parent
+    return p
+
+
+def in_folder(folder: str | os.PathLike, relative: str | os.PathLike, *, what: str = "path",
+              source: str | os.PathLike | None = None) -> pathlib.Path:
+    """``folder / relative`` for a file that ``folder``'s own metadata names (a template, an index's shard): by its
+    own parts ``relative`` stays inside ``folder`` (not absolute, no ``..`` climbing out), and, its symbolic links
+    followed, inside :func:`folder_root` (:class:`OutsideRoot` otherwise). Returns the resolved path."""
+    text = os.fspath(relative)
+    src = source or folder
+    if "\x00" in text:
+        raise OutsideRoot(src, what, "a path without NUL bytes", _short(text))
+    if os.path.isabs(text) or os.path.normpath(text).split(os.sep)[0] == "..":
+        raise OutsideRoot(src, what, f"a path inside {folder}", _short(text))
+    root = folder_root(folder)
+    return inside(root, os.path.relpath(os.path.join(os.path.abspath(folder), text), root), what=what, source=src)
