@@ -15,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlfleet.data.loggers import LOGGER_MODES, logger_backend
 from rlfleet.registry import UnknownName, closest, did_you_mean, unknown_message
+from rlfleet.untrusted import BadFile, parse_yaml, read_yaml
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
@@ -117,7 +118,10 @@ def _parse_override(item: str) -> DictConfig:
     key = key.strip().lstrip("+")
     if not re.fullmatch(r"[A-Za-z_][\w,]*(\.[A-Za-z_][\w,]*)*", key):
         raise ConfigError(f"override '{item}': '{key}' is not a dotted config key")
-    parsed = OmegaConf.create(f"v: {value}" if value.strip() else "v: ''").v if value.strip() else ""
+    try:
+        parsed = parse_yaml(f"v: {value}", f"override '{item}'", what="value")["v"] if value.strip() else ""
+    except BadFile as exc:
+        raise ConfigError(str(exc)) from None
     node = OmegaConf.create()
     OmegaConf.update(node, key, parsed, force_add=True, merge=True)
     return node
@@ -155,8 +159,52 @@ def _merge(cfg: DictConfig, user: DictConfig) -> DictConfig:
     return merged
 
 
-def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
-    """Default <- config file <- overrides; validated and resolved. Raises ConfigError naming any bad key."""
+def read_config_file(path: str | pathlib.Path, root: str | pathlib.Path | None = None) -> DictConfig:
+    """A config file as a user or a run folder supplies it, read as untrusted (rlfleet.untrusted): bounded in size,
+    plain YAML (no anchors, aliases or tags), a mapping at the top; inside ``root`` when given (a run folder's
+    ``config.yaml`` that is a symbolic link out of the folder is refused). Any problem: ConfigError naming the file,
+    the line and what was expected."""
+    try:
+        data = read_yaml(path, root=root, what="config")
+    except BadFile as exc:
+        raise ConfigError(str(exc)) from None
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level: expected a mapping of config groups, found {type(data).__name__}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{path}: key {bad[0]!r}: expected a string key")
+    if root is not None:  # rlfleet writes a run folder's config resolved: an interpolation there came from elsewhere
+        found = _interpolation(data)
+        if found:
+            raise ConfigError(f"{path}: '{found[0]}': expected a resolved value (a run folder's config.yaml is written "
+                              f"resolved), found the interpolation {found[1][:80]!r}")
+    try:
+        return OmegaConf.create(data)
+    except Exception as exc:  # noqa: BLE001 - OmegaConf's own refusals (e.g. an interpolation that does not parse)
+        raise ConfigError(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def _interpolation(node, prefix: str = "") -> tuple[str, str] | None:
+    """(key, value) of the first string in a plain YAML tree holding an OmegaConf interpolation, or None."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, str) and "${" in value:
+            return name, value
+        found = _interpolation(value, name)
+        if found:
+            return found
+    return None
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), *,
+                root: str | pathlib.Path | None = None) -> DictConfig:
+    """Default <- config file <- overrides; validated and resolved. Raises ConfigError naming any bad key.
+    ``root``: the folder the config file must stay inside (a run folder's ``config.yaml``)."""
     schema = OmegaConf.load(DEFAULT_CONFIG)
     cfg = schema.copy()
     if path is not None:
@@ -168,14 +216,18 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
         if not path.exists():
             names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
             raise ConfigError(f"config file '{path}' not found (built-in configs: {names})")
-        user = OmegaConf.load(path)
+        user = read_config_file(path, root)
         _check_keys(schema, user, str(path))
         cfg = _merge(cfg, user)
     for item in overrides:
         node = _parse_override(item)
         _check_keys(schema, node, f"override '{item}'")
         cfg = _merge(cfg, node)
-    OmegaConf.resolve(cfg)
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as exc:  # noqa: BLE001 - an interpolation that names nothing, a resolver that fails
+        raise ConfigError(f"{path or 'config'}: an interpolation does not resolve: "
+                          f"{str(exc).splitlines()[0][:200]}") from None
     validate(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg

@@ -16,10 +16,34 @@ import json
 import math
 import os
 import pathlib
+import re
 import sys
 import time
 
 from rlfleet.data.loggers import LoggerOptions, finite, open_backends
+
+# what a metric name may be when it comes from a peer (LogMetrics, Train's extra_metrics): slash-separated
+# segments of letters, digits, '_', '.', '-' (a segment never starts with '.', so no '..'), as RLinf names them
+METRIC_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*(/[A-Za-z0-9_][\w.\-]*)*")
+MAX_METRIC_NAME = 200
+MAX_METRICS_PER_RECORD = 4096
+MAX_STEP = 2 ** 48  # far beyond any run's env steps or epochs, far below what a float64 counts exactly
+
+
+def check_record(step: int, metrics: dict[str, float], field: str = "metrics") -> None:
+    """A record of metrics a peer sends (LogMetrics, Train's extra_metrics): ``step`` in [0, 2^48], at most
+    4096 metrics, each name a metric name (``eval/success_once``: no empty name, no path out of a folder such as
+    ``../../etc/x``, no spaces or control characters), each value finite. Else ValueError naming the first bad one."""
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step: {step} is outside [0, 2^48]")
+    if len(metrics) > MAX_METRICS_PER_RECORD:
+        raise ValueError(f"{field}: {len(metrics)} metrics; at most {MAX_METRICS_PER_RECORD} per record")
+    for name, value in metrics.items():
+        if len(name) > MAX_METRIC_NAME or not METRIC_NAME.fullmatch(name):
+            raise ValueError(f"{field}: {name[:80]!r} is not a metric name (slash-separated segments of letters, "
+                             f"digits, '_', '.', '-', none starting with '.', at most {MAX_METRIC_NAME} characters)")
+        if not math.isfinite(value):
+            raise ValueError(f"{field}['{name}']: {value} is not a finite number")
 
 
 def _step_of(line: str) -> int | float | None:

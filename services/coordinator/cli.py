@@ -42,7 +42,7 @@ def _start(args) -> int:
             if not (run_dir / "config.yaml").exists():
                 raise ConfigError(f"--resume: {run_dir}/config.yaml not found (is it a run folder?)")
             overrides = ([args.config] if args.config else []) + list(args.overrides)
-            cfg = load_config(run_dir / "config.yaml", overrides + [f"runner.resume_dir={run_dir}"])
+            cfg = load_config(run_dir / "config.yaml", overrides + [f"runner.resume_dir={run_dir}"], root=run_dir)
         else:
             cfg = load_config(args.config, args.overrides)
             if cfg.cluster.external_env_addresses:  # Describe them now: refuse what cannot run, name the run after it

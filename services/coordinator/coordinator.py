@@ -280,7 +280,8 @@ class Coordinator:
             self.phase = phase
         metrics.update({"eval/env_steps": float(self.env_steps), "eval/wall_time_s": self.elapsed(),
                         "env/lost_episodes": float(self.lost_episodes)})
-        self.calls.learner().LogMetrics(learner_pb2.LogMetricsRequest(step=step, metrics=metrics),
+        sent = {k: v for k, v in metrics.items() if math.isfinite(v)}  # the learner refuses NaN/inf (none = no value)
+        self.calls.learner().LogMetrics(learner_pb2.LogMetricsRequest(step=step, metrics=sent),
                                         timeout=self.cfg.cluster.rpc_timeout_s)
         self.report.eval_history.append({"step": step, **metrics})
         return metrics
@@ -351,8 +352,8 @@ class Coordinator:
             env_spec=spec, inference_addresses=reg.addresses("inference")), timeout=max(120.0, rpc_timeout))
         calls.weights_published()
         status = learner.Status(learner_pb2.LearnerStatusRequest(), timeout=rpc_timeout)
-        calls.lost_episodes = self.report.load_state()
         start_epoch = status.epoch + 1
+        calls.lost_episodes = self.report.load_state(resumed_step=start_epoch)
         self.env_steps, self.elapsed_offset = status.env_steps, status.elapsed_time_s
         version = pub.weights_version
         chunk = cfg.actor.model.num_action_chunks
@@ -369,6 +370,15 @@ class Coordinator:
             ev = self.evaluate(0)
             self.say(f"  eval @ start: {eval_line(ev)}")
             self._save_state()
+        resumed_eval = None
+        if start_epoch and runner.val_check_interval and start_epoch % runner.val_check_interval == 0 \
+                and not any(e["step"] == start_epoch for e in history):
+            # the killed run saved this checkpoint, then was cut off while evaluating it: redo that evaluation
+            self.phase = "evaluating"
+            self.say(f"  evaluating epoch {start_epoch} again (the run stopped before its evaluation ended) ...")
+            resumed_eval = self.evaluate(start_epoch)
+            self.say(f"  eval @ epoch {start_epoch}: {eval_line(resumed_eval)}")
+            self._save_state()
         self.phase = "training"
         self.t_train = time.monotonic()
         epoch = start_epoch
@@ -376,8 +386,12 @@ class Coordinator:
         pool = ThreadPoolExecutor(self.MAX_ENV_SERVERS)  # threads start as needed: room for `scale env N`
         depth = cfg.algorithm.max_staleness  # async: collections started ahead of the epoch being trained
         ahead: deque = deque()  # (epoch, futures), oldest first
+        target = runner.early_stop_success_rate
+        done = resumed_eval is not None and target is not None and resumed_eval["eval/success_once"] >= target
+        if done:
+            stop_why = f"eval success_once {resumed_eval['eval/success_once']:.1%} >= runner.early_stop_success_rate"
         try:
-            while True:
+            while not done:
                 if epoch >= runner.max_epochs:
                     stop_why = f"runner.max_epochs={runner.max_epochs} reached"
                     break
@@ -414,7 +428,6 @@ class Coordinator:
                 if runner.val_check_interval and epoch % runner.val_check_interval == 0:
                     ev = self.evaluate(epoch)
                     self.say(f"  eval @ epoch {epoch}: {eval_line(ev)}")
-                    target = runner.early_stop_success_rate
                     if target is not None and ev["eval/success_once"] >= target:
                         stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"
                         break
@@ -474,7 +487,8 @@ class Coordinator:
             with _tracer.start_as_current_span("train", attributes={"rlfleet.epoch": epoch}):
                 resp = calls.await_(learner.Train.future(learner_pb2.TrainRequest(
                     epoch=epoch, worker_indices=list(range(reg.counts["env"])),
-                    inference_addresses=reg.addresses("inference"), extra_metrics=extra),
+                    inference_addresses=reg.addresses("inference"),
+                    extra_metrics={k: v for k, v in extra.items() if math.isfinite(v)}),
                     timeout=self.cfg.cluster.collect_timeout_s))
         except grpc.RpcError as exc:
             raise RunFailed(calls.why_failed(exc, "learner Train")) from exc

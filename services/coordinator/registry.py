@@ -122,8 +122,13 @@ def config_difference(cfg, other_yaml: str) -> str:
 
     from rlfleet.config import _flatten
 
-    try:
-        other = OmegaConf.create(other_yaml)
+    from rlfleet.untrusted import BadFile, parse_yaml
+
+    try:  # a peer's text: plain YAML only (no anchors, aliases or tags), then OmegaConf
+        plain = parse_yaml(other_yaml, "config_yaml")
+        other = OmegaConf.create(plain) if isinstance(plain, dict) else None
+    except BadFile as exc:
+        raise rpc.InvalidRequest(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - YAML that does not parse is bad input, not a coordinator bug
         raise rpc.InvalidRequest(f"config_yaml: does not parse as YAML ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0]})") from None

@@ -9,6 +9,7 @@ import os
 import pathlib
 
 from rlfleet.data.intervals import rate_of
+from rlfleet.untrusted import BadFile, check_count, read_json
 
 
 def per_simulator(ev: dict) -> str:
@@ -47,15 +48,28 @@ class RunReport:
         tmp.write_text(json.dumps(state))
         tmp.replace(self.run_dir / "coordinator_state.json")
 
-    def load_state(self) -> int:
-        """Restore the eval history and restart counts of a resumed run; -> its lost-episode count."""
+    def load_state(self, resumed_step: int | None = None) -> int:
+        """Restore the eval history and restart counts of a resumed run; -> its lost-episode count.
+        ``resumed_step``: the step the run resumes from (its checkpoint's epoch + 1); evaluations of later steps
+        were of a policy that the resumed run trains again, and are dropped (as ``metrics.jsonl`` drops them).
+        The file is read as untrusted (rlfleet.untrusted): a bad one is a BadFile naming the field."""
         path = self.run_dir / "coordinator_state.json"
         if not self.cfg.runner.resume_dir or not path.exists():
             return 0
-        state = json.loads(path.read_text())
-        self.eval_history = list(state.get("eval_history", []))
-        self.prior_restarts = {k: int(v) for k, v in state.get("restarts", {}).items()}
-        return int(state.get("lost_episodes", 0))
+        state = read_json(path, root=self.run_dir, what="coordinator state")
+        history, restarts, lost = (state.get("eval_history", []), state.get("restarts", {}),
+                                   state.get("lost_episodes", 0))
+        if not isinstance(history, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("step"), int) and not isinstance(e["step"], bool)
+                and all(isinstance(v, (int, float, type(None))) and not isinstance(v, bool) for v in e.values())
+                for e in history):
+            raise BadFile(path, "eval_history", "a list of {step: int, metric: number, ...}")
+        if not isinstance(restarts, dict) or not all(isinstance(v, int) and v >= 0 for v in restarts.values()):
+            raise BadFile(path, "restarts", "a map of service role to a non-negative count", repr(restarts)[:80])
+        check_count("lost_episodes", lost, 2 ** 62, source=path)
+        self.eval_history = [e for e in history if resumed_step is None or e["step"] <= resumed_step]
+        self.prior_restarts = {str(k): int(v) for k, v in restarts.items()}
+        return int(lost)
 
     # --- console ----------------------------------------------------------------------------------------------
     def progress_line(self, epoch: int, m: dict[str, float], env_steps: int, elapsed: float, lost: int) -> str:

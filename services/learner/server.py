@@ -13,12 +13,21 @@ import numpy as np
 from rlfleet.wire import codec, rpc
 from rlfleet.wire.spaces import spaces_from_proto
 from rlfleet.config import load_service_config
+from rlfleet.data.metrics import check_record
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.learner.group import RankGroup
 from services.learner.learner import Learner
 
 ROLE = "learner"
+
+
+def _checked(check, *args) -> None:
+    """A check of a peer's values whose ValueError is the caller's bad input (INVALID_ARGUMENT)."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        raise rpc.InvalidRequest(str(exc)) from None
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
@@ -71,7 +80,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     @rpc.handler
     def Train(self, request, context):
         addresses = list(request.inference_addresses)
-        metrics = self.learner.train(request.epoch, list(request.worker_indices), dict(request.extra_metrics),
+        extra = dict(request.extra_metrics)
+        _checked(check_record, request.epoch, extra, "extra_metrics")
+        metrics = self.learner.train(request.epoch, list(request.worker_indices), extra,
                                      inference_addresses=addresses)
         return learner_pb2.TrainResponse(epoch=request.epoch, weights_version=self.learner.version,
                                          metrics=metrics, checkpoint_path=self.learner.last_checkpoint,
@@ -92,7 +103,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
     @rpc.handler
     def LogMetrics(self, request, context):
-        self.learner.log_metrics(request.step, dict(request.metrics))
+        metrics = dict(request.metrics)
+        _checked(check_record, request.step, metrics)
+        self.learner.log_metrics(request.step, metrics)
         return learner_pb2.LogMetricsResponse()
 
     @rpc.handler

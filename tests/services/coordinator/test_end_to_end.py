@@ -395,6 +395,35 @@ def test_env_server_killed_mid_evaluation_is_retried(tmp_path):
     assert [h["eval/num_episodes"] for h in summary["eval_history"]] == [40.0, 40.0]
 
 
+def test_evaluation_cut_off_by_a_kill_is_redone_on_resume(tmp_path):
+    """The checkpoint of epoch 2 is saved before its evaluation: kill -9 the coordinator (its services die with it)
+    while that evaluation runs, and --resume evaluates epoch 2 before training on, so the history has no hole."""
+    proc = start(tmp_path, "runner.max_epochs=4", "runner.val_check_interval=2", "runner.save_interval=2",
+                 "env.eval.num_episodes=400", "runner.eval_before_train=false", name="evalcut")
+    run = tmp_path / "evalcut"
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        st = wait_epoch(run, 2, proc)
+        if st.phase == "evaluating":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("no evaluation seen")
+    proc.kill()  # SIGKILL: mid-evaluation of epoch 2
+    proc.communicate()
+    assert (run / "checkpoints" / "global_step_2" / "learner_state.json").exists()
+    state = json.loads((run / "coordinator_state.json").read_text())
+    assert not any(h["step"] == 2 for h in state["eval_history"])
+    resumed = subprocess.run([*CTL, "start", "--resume", str(run), "env.eval.num_episodes=4"], capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "evaluating epoch 2 again" in resumed.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert [h["step"] for h in summary["eval_history"]] == [2, 4]
+    evals = [r["step"] for r in read_metrics(run) if "eval/success_once" in r]
+    assert evals == [2, 4]
+
+
 def test_any_gymnasium_id_trains(tmp_path):
     """A gymnasium id that is not ours (Pendulum-v1: 1-d action in [-2, 2], no success signal) runs end to end."""
     proc = subprocess.run([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",

@@ -1,0 +1,1 @@
+"""The hostile-input suite: files and peers that lie (issue 33)."""
