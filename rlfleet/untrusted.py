@@ -289,3 +289,24 @@ def in_folder(folder: str | os.PathLike, relative: str | os.PathLike, *, what: s
         raise OutsideRoot(src, what, f"a path inside {folder}", _short(text))
     root = folder_root(folder)
     return inside(root, os.path.relpath(os.path.join(os.path.abspath(folder), text), root), what=what, source=src)
+
+
+def json_lines(path: str | os.PathLike, *, max_line: int = MiB):
+    """The JSON objects of a JSON-lines file (``metrics.jsonl``, a trace export), read line by line so memory
+    stays bounded whatever the file's size: a line that is not a JSON object (cut short by a kill, say) or longer
+    than ``max_line`` bytes is skipped."""
+    with open(path, "rb") as f:
+        while True:
+            line = f.readline(max_line + 1)
+            if not line:
+                return
+            if len(line) > max_line and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):  # the rest of an overlong line
+                    line = f.readline(max_line + 1)
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record

@@ -21,6 +21,7 @@ import sys
 import time
 
 from rlfleet.data.loggers import LoggerOptions, finite, open_backends
+from rlfleet.untrusted import json_lines
 
 # what a metric name may be when it comes from a peer (LogMetrics, Train's extra_metrics): slash-separated
 # segments of letters, digits, '_', '.', '-' (a segment never starts with '.', so no '..'), as RLinf names them
@@ -103,17 +104,10 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
+    """Every record of a run's ``metrics.jsonl`` (a folder: its file), read line by line (rlfleet.untrusted)."""
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
-    if not path.exists():
+    if not path.is_file():
         return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+    return list(json_lines(path))

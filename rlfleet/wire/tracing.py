@@ -100,15 +100,12 @@ def shutdown() -> None:
 # --- reading file exports back (coordinatorctl traces, tests) ----------------------------------------------------
 def load_spans(run_dir: str | os.PathLike) -> list[dict]:
     """Every span of a run's file export (``<run>/traces/spans_*.jsonl``), as OTel's JSON objects."""
-    import json
+    from rlfleet.untrusted import json_lines
 
     out = []
     for path in sorted(pathlib.Path(run_dir, "traces").glob("spans_*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut short by a kill
+        if path.is_file() and not path.is_symlink():
+            out.extend(json_lines(path))  # line by line; a line cut short by a kill is skipped
     return out
 
 

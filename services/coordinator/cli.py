@@ -29,6 +29,7 @@ import grpc
 
 from rlfleet.wire import auth, rpc, tracing
 from rlfleet.config import ConfigError, load_config
+from rlfleet.untrusted import BadFile
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -225,7 +226,11 @@ def _find_run(args) -> tuple[str, str | None]:
                             reverse=True)
     for path in candidates:
         if path.exists():
-            info = json.loads(path.read_text())
+            from rlfleet.untrusted import read_json
+
+            info = read_json(path, max_bytes=65536, what="coordinator address file")
+            if not isinstance(info.get("pid"), int) or not isinstance(info.get("address"), str):
+                raise SystemExit(f"coordinatorctl: {path}: expected {{\"pid\": int, \"address\": str}}")
             try:
                 os.kill(info["pid"], 0)
             except OSError:
@@ -246,7 +251,9 @@ def _coordinator_stub(args):
     if config is not None and config.exists():  # a TLS run: dial it with the run's certificates
         from omegaconf import OmegaConf
 
-        rpc.configure_tls(OmegaConf.select(OmegaConf.load(config), "cluster.tls"))
+        from rlfleet.config import read_config_file
+
+        rpc.configure_tls(OmegaConf.select(read_config_file(config, root=run_dir), "cluster.tls"))
     return address, coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(address))
 
 
@@ -561,6 +568,9 @@ def main(argv=None) -> int:
     except CredentialError as exc:
         print(f"coordinatorctl {args.command}: {exc} (operator commands need the run's secret: the run folder's "
               f"run_token, not a service's credential)", file=sys.stderr)
+        return 2
+    except (ConfigError, BadFile) as exc:  # the run folder's coordinator.json or config.yaml
+        print(f"coordinatorctl {args.command}: {exc}", file=sys.stderr)
         return 2
 
 
