@@ -27,11 +27,9 @@ services/learner/sharding.py does: every transformer block a unit, then the root
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import re
-import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,16 +107,12 @@ def checkpoint_parameters(path: pathlib.Path) -> int:
 
 
 def checkpoint_tensors(path: pathlib.Path) -> dict[str, int]:
-    """{tensor name: element count} over a checkpoint directory's safetensors files, from their headers only."""
-    out: dict[str, int] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                out[name] = math.prod(int(d) for d in entry["shape"])
-    return out
+    """{tensor name: element count} over a checkpoint directory's safetensors files, from their headers only (each
+    file inside the folder, its header bounded and checked against the file's size: rlfleet.policies.model_folder)."""
+    from rlfleet.policies.model_folder import tensor_headers
+
+    names = sorted(p.name for p in path.glob("*.safetensors"))
+    return {name: math.prod(entry["shape"]) for name, entry in tensor_headers(path, names).items()}
 
 
 def _units_of_module(policy) -> list[tuple[int, int]]:
@@ -150,11 +144,13 @@ def _sizes(model_cfg) -> dict:
     if model_cfg.model_path:
         from rlfleet.policies.hub import resolve_model_path
 
-        config = pathlib.Path(resolve_model_path(model_cfg.model_path)) / "config.json"
-        if config.is_file():
-            saved = json.loads(config.read_text()).get(key)
-            if isinstance(saved, dict):
-                sizes.update({k: v for k, v in saved.items() if k in sizes and v is not None})
+        from rlfleet.policies.model_folder import check_sizes, read_config
+
+        folder = pathlib.Path(resolve_model_path(model_cfg.model_path))
+        saved = (read_config(folder, required=False) or {}).get(key)  # inside the folder, bounded
+        if isinstance(saved, dict):
+            check_sizes(saved, folder / "config.json", key)
+            sizes.update({k: v for k, v in saved.items() if k in sizes and v is not None})
     return sizes
 
 

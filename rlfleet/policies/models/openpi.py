@@ -508,16 +508,18 @@ class Pi0Policy(PolicyMixin, nn.Module):
                       add_value_head=model_cfg.add_value_head, logprob_type=logprob_type)
         if not model_cfg.model_path:
             return cls(obs_specs, action_dim, sizes=sizes, **kwargs)
-        import json
         from pathlib import Path
 
         from rlfleet.policies.hub import resolve_model_path
+        from rlfleet.policies.model_folder import (check_build_fits, check_sizes, elements, has_file, load_tensors,
+                                                   read_config, tensor_headers)
+        from rlfleet.untrusted import BadFile
 
         path = Path(resolve_model_path(model_cfg.model_path))  # a folder, or a hub id's snapshot in the hub cache
-        if not (path / "config.json").is_file():
+        if not has_file(path, "config.json"):
             raise FileNotFoundError(f"actor.model.model_path: {path} has no config.json (a π0 checkpoint directory: "
                                     f"rlfleet's layout or transformers' PI0 layout)")
-        saved = json.loads((path / "config.json").read_text())
+        saved = read_config(path)  # inside the folder, bounded
         knobs = {k: sizes[k] for k in keep if k in sizes}
         if saved.get("model_type") == "pi0":
             return cls._from_transformers_layout(path, knobs, bool(sizes.get("pi05")), obs_specs, action_dim, kwargs)
@@ -525,15 +527,21 @@ class Pi0Policy(PolicyMixin, nn.Module):
             raise ValueError(f"actor.model.model_path: {path}/config.json has model_type "
                              f"'{saved.get('model_type')}'; model_type 'openpi' loads 'openpi' (rlfleet's layout) "
                              f"or 'pi0' (transformers' PI0 layout)")
-        if not (path / "model.safetensors").is_file():
+        if not has_file(path, "model.safetensors"):
             raise FileNotFoundError(f"actor.model.model_path: {path} needs model.safetensors next to config.json "
                                     f"(rlfleet's π0 checkpoint layout, written by save_pretrained)")
-        from safetensors.torch import load_file
+        arch = saved.get("openpi", {})
+        if not isinstance(arch, dict):
+            raise BadFile(path / "config.json", "openpi", "a JSON object of sizes", type(arch).__name__)
+        check_sizes(arch, path / "config.json", "openpi")
+        headers = tensor_headers(path, ["model.safetensors"])  # checked before anything is built or read
+        tokenizer = load_hf_tokenizer(path / "tokenizer", within=path) if (path / "tokenizer").is_dir() else None
 
-        tokenizer = load_hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
-        policy = cls(obs_specs, action_dim, sizes={**saved.get("openpi", {}), **knobs}, tokenizer=tokenizer,
-                     **kwargs)
-        missing, unexpected = policy.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+        def make():
+            return cls(obs_specs, action_dim, sizes={**arch, **knobs}, tokenizer=tokenizer, **kwargs)
+        check_build_fits(make, elements(headers), path / "config.json", "openpi")
+        policy = make()
+        missing, unexpected = policy.load_state_dict(load_tensors(path, ["model.safetensors"]), strict=False)
         fresh = ("value_head.", "noise_head.")  # a fresh critic and noise head are expected on an SFT model
         missing = [k for k in missing if not k.startswith(fresh)]
         unexpected = [k for k in unexpected if not k.startswith(fresh)]
@@ -551,11 +559,43 @@ class Pi0Policy(PolicyMixin, nn.Module):
         if pi05:
             raise ValueError(f"actor.model.openpi.pi05: {path} is a transformers π0 checkpoint (model_type pi0); "
                              f"transformers has no π0.5 class, so π0.5 loads only from rlfleet's layout")
+        from rlfleet.policies.model_folder import (check_build_fits, check_sizes, elements, has_file, read_config,
+                                                   shard_names, tensor_headers)
+        from rlfleet.untrusted import BadFile
+
         tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else path
         if not has_tokenizer_files(tokenizer_dir):
             raise FileNotFoundError(f"actor.model.model_path: {path} is a transformers π0 checkpoint without its "
                                     f"tokenizer (tokenizer.json / tokenizer.model / tokenizer_config.json, PaliGemma's, "
                                     f"in the directory or in tokenizer/)")
-        model = PI0ForConditionalGeneration.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-        return cls(obs_specs, action_dim, sizes=knobs, pretrained=model, tokenizer=load_hf_tokenizer(tokenizer_dir),
+        # what transformers' from_pretrained reads, checked first: config.json (sizes bounded), the weights (safetensors
+        # only, each shard named by the index inside the folder, every header consistent), no peft adapter (it would
+        # be applied with sizes of its own), generation_config.json bounded
+        source = path / "config.json"
+        config = read_config(path)
+        check_sizes(config, source)
+        if has_file(path, "adapter_config.json"):
+            raise BadFile(path / "adapter_config.json", "file", "no peft adapter beside a transformers π0 checkpoint "
+                          "(rlfleet loads the full weights; merge the adapter into them first)")
+        read_config(path, "generation_config.json", required=False)
+        shards = shard_names(path)
+        if not shards:
+            raise FileNotFoundError(f"actor.model.model_path: {path} has no model.safetensors(.index.json) (transformers' "
+                                    f"π0 layout; rlfleet reads no pickled weights)")
+        headers = tensor_headers(path, shards)
+        from transformers import PI0Config
+
+        try:
+            pi0_config = PI0Config.from_dict(config)
+        except Exception as exc:  # noqa: BLE001 - transformers' own validation of the config's fields
+            raise BadFile(source, "config", "a transformers PI0Config", f"{type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
+        import copy
+
+        check_build_fits(lambda: PI0ForConditionalGeneration(copy.deepcopy(pi0_config)), elements(headers), source)
+        model = PI0ForConditionalGeneration.from_pretrained(str(path), config=pi0_config, local_files_only=True,
+                                                            dtype=torch.float32, use_safetensors=True,
+                                                            trust_remote_code=False)
+        return cls(obs_specs, action_dim, sizes=knobs, pretrained=model,
+                   tokenizer=load_hf_tokenizer(tokenizer_dir, within=path),
                    **kwargs)

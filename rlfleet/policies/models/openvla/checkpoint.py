@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlfleet.policies.hub import resolve_model_path
+from rlfleet.policies.model_folder import check_build_fits, check_sizes, has_file, load_tensors, read_config
 from rlfleet.policies.models.openvla.architecture import TINY
 from rlfleet.policies.models.openvla.hub_layout import _pick_stats, load_openvla_hub_dir
 from rlfleet.policies.models.openvla.tokenizers import load_hf_tokenizer, save_tokenizer
+from rlfleet.untrusted import BadFile, check_count
 
 if TYPE_CHECKING:
     from rlfleet.policies.models.openvla.policy import OpenVLAPolicy
@@ -30,14 +32,22 @@ class CheckpointMixin:
         model_path = resolve_model_path(model_cfg.model_path)  # a folder, or a hub id's snapshot in the hub cache
         if model_path:
             sizes, tokenizer, stats, state = load_checkpoint_dir(model_path, model_cfg.unnorm_key, sizes)
-        policy = cls(obs_specs, action_dim, model_type=model_cfg.model_type, sizes=sizes,
-                     num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
-                     image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
-                     add_value_head=model_cfg.add_value_head, is_lora=False,
-                     gradient_checkpointing=model_cfg.gradient_checkpointing,
-                     unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer, logprob_type=logprob_type,
-                     use_proprio=model_cfg.use_proprio, proprio_stats=stats["proprio"] if stats else None,
-                     extra_image_keys=list(model_cfg.extra_image_keys or ()))
+            if stats:
+                _check_stats_width(stats, action_dim)
+
+        def make():
+            return cls(obs_specs, action_dim, model_type=model_cfg.model_type, sizes=sizes,
+                       num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
+                       image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
+                       add_value_head=model_cfg.add_value_head, is_lora=False,
+                       gradient_checkpointing=model_cfg.gradient_checkpointing,
+                       unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer,
+                       logprob_type=logprob_type, use_proprio=model_cfg.use_proprio,
+                       proprio_stats=stats["proprio"] if stats else None,
+                       extra_image_keys=list(model_cfg.extra_image_keys or ()))
+        if state is not None:  # the sizes the folder gave must not build more than its weights fill
+            check_build_fits(make, sum(v.numel() for v in state.values()), Path(model_path) / "config.json")
+        policy = make()
         if stats:  # kept under the key they were picked by, so save_pretrained / export write them back there
             policy.unnorm_name = model_cfg.unnorm_key
         if model_path:
@@ -130,29 +140,40 @@ def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapp
     """A checkpoint directory -> (sizes, tokenizer or None, dataset statistics ``{"action", "proprio"}`` or None,
     state dict). Two
     layouts: rlfleet's (``save_pretrained``) and OpenVLA's own hub layout (``openvla/openvla-7b``: Prismatic's
-    timm key names, sharded safetensors, ``norm_stats`` in config.json), mapped key by key without remote code."""
-    from safetensors.torch import load_file
-
+    timm key names, sharded safetensors, ``norm_stats`` in config.json), mapped key by key without remote code.
+    Every file is read as model_folder reads them: inside the folder, bounded, safetensors headers checked first."""
     path = Path(path)
-    if (path / "config.json").is_file() and "vision_backbone_id" in json.loads((path / "config.json").read_text()):
+    cfg = read_config(path, required=False)
+    if cfg is not None and "vision_backbone_id" in cfg:
         return load_openvla_hub_dir(path, unnorm_key, fallback)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+    if cfg is None or not has_file(path, "model.safetensors"):
         raise FileNotFoundError(f"actor.model.model_path: {path} needs config.json and model.safetensors "
                                 f"(rlfleet's VLA checkpoint layout)")
-    cfg = json.loads((path / "config.json").read_text())
-    sizes = {**TINY, **cfg.get("vla", {})}
-    tokenizer = load_hf_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+    vla = cfg.get("vla", {})
+    if not isinstance(vla, dict):
+        raise BadFile(path / "config.json", "vla", "a JSON object of sizes", type(vla).__name__)
+    check_sizes(vla, path / "config.json", "vla")
+    sizes = {**TINY, **vla}
+    tokenizer = load_hf_tokenizer(path / "tokenizer", within=path) if (path / "tokenizer").is_dir() else None
     stats_file = path / "dataset_statistics.json"
-    stats = _pick_stats(json.loads(stats_file.read_text()) if stats_file.is_file() else {}, unnorm_key, stats_file)
-    return sizes, tokenizer, stats, load_file(str(path / "model.safetensors"))
+    stats = _pick_stats(read_config(path, stats_file.name, required=False) or {}, unnorm_key, stats_file)
+    return sizes, tokenizer, stats, load_tensors(path, ["model.safetensors"])
+
+
+def _check_stats_width(stats: Mapping, action_dim: int) -> None:
+    """The picked action statistics un-normalise ``action_dim`` dimensions."""
+    n = len(stats["action"]["q01"])
+    if n != action_dim:
+        raise BadFile(stats["source"], f"{stats['field']}.q01", f"{action_dim} values (the action's dimensions)",
+                      f"{n}")
 
 
 def _check_cameras(path: Path, image_keys: Sequence[str]) -> None:
     """A checkpoint trained on N cameras (config.json ``num_images_in_input``, OpenVLA-OFT's name) loads into a
     policy that sees N cameras: the weights alone cannot tell, the patch sequence the LM learned can."""
-    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    cfg = read_config(path, required=False) or {}
     n = cfg.get("num_images_in_input")
-    if n is not None and int(n) != len(image_keys):
+    if n is not None and check_count("num_images_in_input", n, 64, source=path / "config.json") != len(image_keys):
         trained = cfg.get("image_keys") or f"{n} cameras"
         raise ValueError(f"actor.model.model_path: {path} was trained on {n} image(s) ({trained}); this policy sees "
                          f"{len(image_keys)} ({list(image_keys)}): set actor.model.image_key and "

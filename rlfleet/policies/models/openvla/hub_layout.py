@@ -10,32 +10,64 @@ from pathlib import Path
 
 import torch
 
+from rlfleet.policies.model_folder import (check_sizes, has_file, load_pt_weights, load_tensors, read_config,
+                                           shard_names, tensor_headers)
 from rlfleet.policies.models.openvla.architecture import TINY
 from rlfleet.policies.models.openvla.tokenizers import has_tokenizer_files, load_hf_tokenizer
+from rlfleet.untrusted import BadFile, check_count, folder_root
 
 
-def _pick_stats(all_stats: Mapping, unnorm_key: str | None, where: Path):
+def _pick_stats(all_stats: Mapping, unnorm_key: str | None, where: Path, field: str = ""):
+    """The statistics stored under ``unnorm_key`` (dataset_statistics.json, or config.json's ``norm_stats``
+    where ``field`` is "norm_stats"), each checked: q01 and q99 lists of as many finite numbers, an optional
+    mask of as many booleans, for the actions and (optionally) the proprio state."""
     if not unnorm_key:
         return None
+    if not isinstance(all_stats, Mapping):
+        raise BadFile(where, field or "top level", "a JSON object of statistics by dataset", type(all_stats).__name__)
     if unnorm_key not in all_stats:
         raise KeyError(f"actor.model.unnorm_key: '{unnorm_key}' is not in {where} (has: {sorted(all_stats) or 'none'})")
     entry = all_stats[unnorm_key]
-    return {"action": entry.get("action", entry), "proprio": entry.get("proprio")}
+    name = f"{field}.{unnorm_key}" if field else unnorm_key
+    if not isinstance(entry, Mapping):
+        raise BadFile(where, name, "a JSON object of statistics", type(entry).__name__)
+    action = entry.get("action", entry)
+    _check_stats(action, where, f"{name}.action" if "action" in entry else name)
+    proprio = entry.get("proprio")
+    if proprio is not None:
+        _check_stats(proprio, where, f"{name}.proprio")
+    return {"action": action, "proprio": proprio, "source": where,
+            "field": f"{name}.action" if "action" in entry else name}
+
+
+def _check_stats(stats, where: Path, field: str, most: int = 4096) -> None:
+    import math
+
+    if not isinstance(stats, Mapping):
+        raise BadFile(where, field, "a JSON object with q01 and q99", type(stats).__name__)
+    widths = []
+    for key in ("q01", "q99"):
+        values = stats.get(key)
+        if not isinstance(values, list) or not 0 < len(values) <= most or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            raise BadFile(where, f"{field}.{key}", f"a list of 1 to {most} finite numbers", repr(values)[:80])
+        widths.append(len(values))
+    mask = stats.get("mask")
+    if mask is not None and (not isinstance(mask, list) or not all(isinstance(v, bool) for v in mask)):
+        raise BadFile(where, f"{field}.mask", "a list of booleans", repr(mask)[:80])
+    if mask is not None:
+        widths.append(len(mask))
+    if len(set(widths)) != 1:
+        raise BadFile(where, field, "q01, q99 (and mask) of the same length", f"lengths {widths}")
 
 
 def _read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a directory's safetensors (sharded with model.safetensors.index.json, or one file)."""
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        sorted(p.name for p in path.glob("*.safetensors"))
+    """All tensors of a directory's safetensors (sharded with model.safetensors.index.json, or one file), every
+    shard named by the index inside the folder and every header checked before a tensor is read."""
+    files = shard_names(path)
     if not files:
         raise FileNotFoundError(f"actor.model.model_path: no *.safetensors in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(str(path / name)))
-    return state
+    return load_tensors(path, files)
 
 
 def _vit_blocks(state: Mapping, prefix: str) -> int:
@@ -135,21 +167,49 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
     """OpenVLA's released layout -> (sizes, tokenizer, stats, state dict in this policy's names). Sizes come from
     the weights' shapes and config.json; what neither holds (attention heads of an unknown ViT) from ``fallback``
     (``actor.model.vla``)."""
-    cfg = json.loads((path / "config.json").read_text())
+    source = path / "config.json"
+    cfg = read_config(path)
+    check_sizes(cfg, source)  # text_config's heads, n_action_bins, pad_to_multiple_of, ...: bounded
     # what neither the weights nor Prismatic's keys hold, as rlfleet's export records it (RLFLEET_HINTS)
-    hints = {k: v for k, v in (cfg.get(RLFLEET_HINTS) or {}).items() if k in _HINTED}
+    hints = cfg.get(RLFLEET_HINTS) or {}
+    text = cfg.get("text_config") or {}
+    timm_ids = cfg.get("timm_model_ids") or []
+    image_sizes = cfg.get("image_sizes") or [224]
+    for name, value, kind in ((RLFLEET_HINTS, hints, dict), ("text_config", text, dict), ("timm_model_ids", timm_ids, list),
+                              ("image_sizes", image_sizes, list), ("norm_stats", cfg.get("norm_stats") or {}, dict)):
+        if not isinstance(value, kind):
+            raise BadFile(source, name, f"a JSON {'object' if kind is dict else 'array'}", type(value).__name__)
+    if not all(t is None or isinstance(t, str) for t in timm_ids):
+        raise BadFile(source, "timm_model_ids", "timm model ids (strings or null)", repr(timm_ids)[:80])
+    for size in image_sizes:
+        check_count("image_sizes", size, 8192, source=source, minimum=1)
+    hints = {k: v for k, v in hints.items() if k in _HINTED}
     fallback = {**TINY, **dict(fallback or {}), **hints}
-    timm_ids = list(cfg.get("timm_model_ids") or [])
+    for key in ("rms_norm_eps", "rope_theta"):
+        v = text.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+            raise BadFile(source, f"text_config.{key}", "a positive number", repr(v)[:80])
     state = _read_safetensors_dir(path)
+    try:
+        sizes, mapped = _sizes_and_state(cfg, state, hints, fallback, text, timm_ids, image_sizes)
+    except KeyError as exc:
+        raise BadFile(path, f"tensor {exc}", "present (OpenVLA's released layout)", "missing") from None
+    mapped.update(_load_oft_components(path))
+    tokenizer = load_hf_tokenizer(path) if has_tokenizer_files(path) else None
+    stats = _pick_stats(cfg.get("norm_stats") or {}, unnorm_key, path / "config.json", "norm_stats")
+    return sizes, tokenizer, stats, mapped
+
+
+def _sizes_and_state(cfg, state, hints, fallback, text, timm_ids, image_sizes):
+    """The sizes the weights' shapes (and config.json) give, and the state dict in this policy's names."""
     fused = any(k.startswith("vision_backbone.fused_featurizer.") for k in state)
     sig_src = "vision_backbone.fused_featurizer." if fused else "vision_backbone.featurizer."
     sig_w = state[f"{sig_src}patch_embed.proj.weight"]
-    text = cfg.get("text_config", {})
     vocab = int(state["language_model.lm_head.weight"].shape[0])
     sizes = {**TINY, "patch_size": int(sig_w.shape[-1]), "vision_hidden_size": int(sig_w.shape[0]),
              "vision_layers": _vit_blocks(state, f"{sig_src}blocks."), "vision_heads": _heads_for(timm_ids[-1] if timm_ids else None, fallback["vision_heads"]),
              "vision_intermediate_size": int(state[f"{sig_src}blocks.0.mlp.fc1.weight"].shape[0]),
-             "image_size": int((cfg.get("image_sizes") or [224])[0]), "use_dinov2": fused,
+             "image_size": int(image_sizes[0]), "use_dinov2": fused,
              "llm_hidden_size": int(state["language_model.model.embed_tokens.weight"].shape[1]),
              "llm_layers": _vit_blocks(state, "language_model.model.layers."),
              "llm_heads": int(text.get("num_attention_heads", 32)),
@@ -172,10 +232,7 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
                      dino_intermediate_size=int(state[f"{src}blocks.0.mlp.fc1.weight"].shape[0]),
                      dino_registers=int(state[f"{src}reg_token"].shape[1]) if f"{src}reg_token" in state else 0)
     mapped = hub_to_ours(state, openvla_rows(sizes["vision_layers"], dino_blocks, bool(sizes.get("dino_registers"))))
-    mapped.update(_load_oft_components(path))
-    tokenizer = load_hf_tokenizer(path) if has_tokenizer_files(path) else None
-    stats = _pick_stats(cfg.get("norm_stats", {}), unnorm_key, path / "config.json")
-    return sizes, tokenizer, stats, mapped
+    return sizes, mapped
 
 
 def _load_oft_components(path: Path) -> dict[str, torch.Tensor]:
@@ -194,7 +251,7 @@ def _load_oft_components(path: Path) -> dict[str, torch.Tensor]:
     if len(files) > 1:
         raise ValueError(f"actor.model.model_path: {path} holds {len(files)} proprio projectors "
                          f"({[f.name for f in files]}); keep the one of the checkpoint's step")
-    state = torch.load(files[0], map_location="cpu", weights_only=True)
+    state = load_pt_weights(files[0], folder_root(path))  # weights only, memory-mapped, inside the folder
     out = {}
     for k, v in state.items():
         name = k[len("module."):] if k.startswith("module.") else k
@@ -325,42 +382,34 @@ def save_openvla_hub_dir(path: Path, state: Mapping[str, torch.Tensor], sizes: M
 # --- checks of a written folder (what transformers' loaders would read) -----------------------------------------------
 def safetensors_index_problems(path: Path) -> list[str]:
     """model.safetensors.index.json against its shards: every indexed tensor is in the shard the index names,
-    every tensor of a shard is indexed, and total_size is the tensors' bytes. [] when consistent (or unsharded)."""
-    from safetensors import safe_open
-
-    index = Path(path) / "model.safetensors.index.json"
-    if not index.is_file():
-        return [] if (Path(path) / "model.safetensors").is_file() else [f"{path}: no model.safetensors(.index.json)"]
-    data = json.loads(index.read_text())
-    weight_map, problems, held, total = data["weight_map"], [], {}, 0
-    for shard in sorted(set(weight_map.values())):
-        if not (Path(path) / shard).is_file():
+    every tensor of a shard is indexed, and total_size is the tensors' bytes. [] when consistent (or unsharded).
+    Shards are read by their checked headers only (model_folder), never loaded."""
+    path = Path(path)
+    index = "model.safetensors.index.json"
+    if not has_file(path, index):
+        return [] if has_file(path, "model.safetensors") else [f"{path}: no model.safetensors(.index.json)"]
+    data = read_config(path, index)
+    problems, held, total = [], {}, 0
+    for shard in shard_names(path):  # each named inside the folder
+        if not (path / shard).is_file():
             problems.append(f"{shard}: named by the index, missing")
             continue
-        with safe_open(str(Path(path) / shard), framework="pt") as f:
-            for k in f.keys():
-                held[k] = shard
-                sl = f.get_slice(k)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
-                total += n * {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8}.get(sl.get_dtype(), 4)
+        for k, entry in tensor_headers(path, [shard]).items():
+            held[k] = shard
+            begin, end = entry["data_offsets"]
+            total += end - begin
+    weight_map = data["weight_map"]
     problems += [f"{k}: indexed in {s}, not there" for k, s in weight_map.items() if held.get(k) != s]
     problems += [f"{k}: in {s}, not indexed" for k, s in held.items() if k not in weight_map]
-    size = data.get("metadata", {}).get("total_size")
-    if size is not None and int(size) != total:
+    size = (data.get("metadata") or {}).get("total_size")
+    if size is not None and check_count("metadata.total_size", size, 1 << 50, source=path / index) != total:
         problems.append(f"metadata.total_size {size} != {total} bytes in the shards")
     return problems
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    out = {}
-    for name in sorted({p.name for p in Path(path).glob("*.safetensors")} - {"adapter_model.safetensors"}):
-        with safe_open(str(Path(path) / name), framework="pt") as f:
-            out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    return out
+    names = sorted({p.name for p in Path(path).glob("*.safetensors")} - {"adapter_model.safetensors"})
+    return {k: tuple(e["shape"]) for k, e in tensor_headers(path, names).items()}
 
 
 def openvla_hub_problems(path: Path) -> list[str]:
@@ -370,7 +419,7 @@ def openvla_hub_problems(path: Path) -> list[str]:
     other tensor. [] when it all holds."""
     path = Path(path)
     problems = safetensors_index_problems(path)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_config(path)
     for key in ("vision_backbone_id", "llm_backbone_id", "image_sizes", "n_action_bins", "norm_stats", "text_config",
                 "timm_model_ids", "use_fused_vision_backbone", "pad_to_multiple_of"):
         if key not in cfg:

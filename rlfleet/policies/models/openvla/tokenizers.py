@@ -18,9 +18,19 @@ class ByteTokenizer:
         return [3 + b for b in text.encode("utf-8")]
 
 
-def load_hf_tokenizer(path: Path):
+def load_hf_tokenizer(path: Path, *, within: Path | None = None):
+    """A checkpoint's own tokenizer (transformers' files in ``path``), never with remote code. ``within``: the model
+    folder ``path`` lies in (default ``path``): every file the tokenizer may read is checked first to be a regular
+    file inside that folder's root and bounded in size (rlfleet.policies.model_folder)."""
+    import os
+
     from transformers import AutoTokenizer
     from transformers.utils import logging
+
+    from rlfleet.policies.model_folder import check_tokenizer_folder
+
+    within = Path(within if within is not None else path)
+    check_tokenizer_folder(within, os.path.relpath(os.path.abspath(path), os.path.abspath(within)))
 
     # never remote code: a released folder's config.json may name its own classes (auto_map, as OpenVLA's); the
     # tokenizer needs none, and transformers then reads that config as a plain one (its warning says only that)
