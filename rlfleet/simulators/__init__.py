@@ -21,7 +21,8 @@ ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "grpcio-health-checking==1.85.1", "gr
                          "opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
                          "protobuf>=6.31,<8", "omegaconf>=2.3", "gymnasium>=1.0", "packaging",
                          "pillow",  # pillow: evaluation videos
-                         "pyarrow==25.0.1", "av==18.1.0")  # demonstration datasets (LeRobot v3.0: parquet, video)
+                         "pyarrow==25.0.1", "av==18.1.0",  # demonstration datasets (LeRobot v3.0: parquet, video)
+                         "cryptography>=43")  # the run's credentials (rlfleet.wire.auth: Ed25519)
 
 
 @dataclass(frozen=True)

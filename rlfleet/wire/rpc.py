@@ -4,9 +4,10 @@ Every server made here carries one interceptor (``_ServerGuard``) and every chan
 are the per-call part of the run's credentials and of tracing:
 
 - credentials (the scheme, its keys, credentials and token files: :mod:`rlfleet.wire.auth`): a call carries the
-  bearer for its callee's role and the caller's role and index (:func:`call_metadata`); the server recomputes the
-  bearer from this process's verify keys before the call waits for a thread (:func:`check_caller`): no or a wrong
-  credential is UNAUTHENTICATED, another role's credential or a role that does not own the method
+  bearer for its callee's role and the caller's role and index (:func:`call_metadata`); the server proves the
+  bearer with this process's verifier (the run's public issuing key: it checks signatures and makes none) before
+  the call waits for a thread (:func:`check_caller`): no or a wrong credential is UNAUTHENTICATED, another role's
+  or index's credential, a credential for another role's servers, or a role that does not own the method
   (``METHOD_ROLES``) PERMISSION_DENIED; health checks and reflection stay open (``OPEN_PREFIXES``).
   ``auth.set_identity`` hands this module the process's :class:`Identity` once, at start-up (none: nothing is sent
   or checked).
@@ -19,12 +20,9 @@ server, and bounded request streams (:class:`StreamSlots`: reflection's, an env 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 from dataclasses import dataclass, field
 import functools
-import hashlib
-import hmac
 import inspect
 import logging
 import threading
@@ -438,13 +436,6 @@ class AuthError(RuntimeError):
     the method or with another role's credential ('PERMISSION_DENIED', message)."""
 
 
-def bearer(pair_key: bytes, index: int) -> str:
-    """B = H(K, "index/" + i), url-safe base64 without padding: what service a[i] sends to a server of role b
-    (K = K_a->b), and what that server recomputes (rlfleet.wire.auth's scheme)."""
-    mac = hmac.new(pair_key, f"index/{index}".encode(), hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(mac).decode().rstrip("=")
-
-
 @dataclass(frozen=True)
 class Caller:
     """Who made a call, as its credential proves."""
@@ -462,11 +453,9 @@ class Identity:
     index: int
     from_secret: bool  # holds the run secret (coordinator, coordinatorctl, or a service handed the secret)
     bearers: dict[str, str] = field(repr=False)  # callee role -> what this process sends it
-    verifiers: dict[str, bytes] = field(repr=False)  # caller role -> K_caller->self (empty: serves nothing)
-
-    def expected(self, caller: str, index: int) -> bytes | None:
-        key = self.verifiers.get(caller)
-        return None if key is None else bearer(key, index).encode()
+    # checks callers' bearers (rlfleet.wire.auth.Verifier: the run's public issuing key, which signs nothing, and
+    # the bearers it has checked); None: this process serves nothing
+    verifier: object | None = field(repr=False, default=None)
 
 
 _identity: Identity | None = None
@@ -510,28 +499,30 @@ def _claim(md: dict) -> tuple[str, int]:
 
 
 def check_caller(method: str, metadata) -> Caller | None:
-    """The proven caller of ``method``; raises AuthError(code, message) unless ``metadata`` carries a bearer
-    that this process's verify key makes for the claimed role and index, and that role owns the method.
-    None when this process checks nothing (no identity) or the method is open."""
+    """The proven caller of ``method``; raises AuthError(code, message) unless ``metadata`` carries a bearer that
+    this process's verifier (rlfleet.wire.auth.Verifier) proves for the claimed role and index toward the role that
+    hosts ``method``, and that role owns the method. None when this process checks nothing (no identity) or the
+    method is open. A bearer already proven costs a lookup (the verifier remembers it)."""
     ident = _identity
     if ident is None or method.startswith(OPEN_PREFIXES):
         return None
     md = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
     given = md.get(TOKEN_KEY, "")
-    if not given.startswith("Bearer ") or not ident.verifiers:
+    if not given.startswith("Bearer ") or ident.verifier is None:
         raise AuthError("UNAUTHENTICATED", "missing or wrong run credential (metadata "
                                            f"'{TOKEN_KEY}: Bearer <credential>', '{ROLE_KEY}', '{INDEX_KEY}'; "
                                            f"see `python -m rlfleet.wire.auth --help`)")
     role, index = _claim(md)
-    token = given[7:].strip().encode("utf-8", "replace")
-    if not hmac.compare_digest(token, ident.expected(role, index)):
-        for other in ROLES:  # a valid credential of another role: say so (it is a known caller overstepping)
-            if other != role and hmac.compare_digest(token, ident.expected(other, index)):
-                raise AuthError("PERMISSION_DENIED", f"this credential is {other}[{index}]'s, not {role}[{index}]'s: "
-                                                     f"a service acts only in its own role")
-        raise AuthError("UNAUTHENTICATED", f"missing or wrong run credential for {role}[{index}] (metadata "
-                                           f"'{TOKEN_KEY}: Bearer <credential>'; the run secret is in "
-                                           f"<run>/{TOKEN_FILE} or {TOKEN_ENV})")
+    callee = callee_role(method) or ident.role
+    proof = ident.verifier.prove(given[7:].strip(), index, callee)
+    if proof.role != role or proof.index not in (None, index):
+        # a valid credential of another role or index: say so (it is a known caller overstepping)
+        theirs = f"{proof.role}[{index if proof.index is None else proof.index}]"
+        raise AuthError("PERMISSION_DENIED", f"this credential is {theirs}'s, not {role}[{index}]'s: a service acts "
+                                             f"only in its own role and index")
+    if callee not in proof.to:
+        raise AuthError("PERMISSION_DENIED", f"{role}[{index}]'s credential calls {'/'.join(proof.to)} servers, not "
+                                             f"{callee} servers")
     owners = METHOD_ROLES.get(method)
     if owners is not None and role not in owners:
         raise AuthError("PERMISSION_DENIED", f"{method} is accepted only from {'/'.join(owners)}, not from {role}")

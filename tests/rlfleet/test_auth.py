@@ -57,7 +57,7 @@ def test_roles_are_proven_not_declared():
     with pytest.raises(rpc.AuthError) as err:
         rpc.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", forged)
     assert err.value.args == ("PERMISSION_DENIED", "this credential is env[0]'s, not learner[0]'s: a service acts "
-                                                   "only in its own role")
+                                                   "only in its own role and index")
     with pytest.raises(rpc.AuthError) as err:  # honest about being env: still not the owner
         rpc.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", auth.metadata(SECRET, "env", to="inference"))
     assert err.value.args == ("PERMISSION_DENIED", "/rlfleet.v1.InferenceService/UpdateWeights is accepted only "
@@ -66,29 +66,79 @@ def test_roles_are_proven_not_declared():
                             auth.metadata(SECRET, "learner", to="inference")).role == "learner"
 
 
-def test_a_leaked_env_credential_yields_no_other_role():
-    """Everything an env credential holds (its bearers and its verify key) makes env calls and calls *to* env
-    servers; none of it is a bearer any other server accepts from another role."""
-    env_cred = auth.parse_credential(auth.issue(SECRET, "env"))  # role-wide, what a StatefulSet pod gets
-    assert set(env_cred["to"]) == {"coordinator", "inference", "learner"}
-    leaked = [env_cred["verify"], *env_cred["to"].values()]
-    # every bearer derivable from the leaked material with one more HMAC step, for any role and a few indices
-    derived = {auth._b64(k) for k in leaked}
-    for key in leaked:
-        for role in rpc.ROLES:
-            derived |= {rpc.bearer(auth._pair_key(key, role), i) for i in range(4)}
-            derived |= {rpc.bearer(key, i) for i in range(4)}
-    for server in ("coordinator", "inference", "learner"):
-        for role in ("coordinator", "inference", "learner", "ctl"):
-            for i in range(4):
-                real = dict(auth.metadata(SECRET, role, i, to=server))[rpc.TOKEN_KEY][7:]
-                assert real not in derived, (server, role, i)
+def test_a_leaked_credential_signs_only_as_itself():
+    """What a credential holds: its own signing key, the run's cert for it and (serving roles) the run's public
+    issuing key. The key signs as itself only; signing another role's or index's call with it, or toward servers
+    its cert does not name, is refused; the public key checks and never signs. (Against real servers, with every
+    derivation from every role's file: tests/hostile/test_credentials.py.)"""
+    env = auth.parse_credential(auth.issue(SECRET, "env", 1))
+    assert (env.role, env.index, env.to) == ("env", 1, ("coordinator", "inference", "learner"))
+    as_server("inference")
+
+    def md(bearer, role, index):
+        return rpc.credential_metadata(bearer, role, index)
+
+    update = "/rlfleet.v1.InferenceService/UpdateWeights"
+    for role, index, words in (("learner", 1, "env[1]'s, not learner[1]'s"), ("env", 0, "env[1]'s, not env[0]'s")):
+        with pytest.raises(rpc.AuthError) as err:  # its key, signing the other's call
+            rpc.check_caller(update, md(env.bearer(index, "inference"), role, index))
+        assert err.value.args[0] == "PERMISSION_DENIED" and words in err.value.args[1], err.value.args
+    # toward a role its cert does not name (env servers): refused there
+    as_server("env")
+    with pytest.raises(rpc.AuthError) as err:
+        rpc.check_caller("/rlfleet.v1.RolloutService/Collect", md(env.bearer(1, "env"), "env", 1))
+    assert err.value.args == ("PERMISSION_DENIED", "env[1]'s credential calls coordinator/inference/learner servers, "
+                                                   "not env servers")
+    # an inference server's credential: nothing in it signs as the learner (the tester's UpdateWeights of 2**62)
+    inf = auth.parse_credential(auth.issue(SECRET, "inference", 0))
+    assert inf.to == ("coordinator",) and inf.root is not None
+    as_server("inference")
+    for bearer in (inf.bearer(0, "inference"), auth.Credential("learner", 0, ("inference",), inf.key, inf.cert,
+                                                               None).bearer(0, "inference")):
+        with pytest.raises(rpc.AuthError) as err:
+            rpc.check_caller(update, md(bearer, "learner", 0))
+        assert err.value.args[0] in ("PERMISSION_DENIED", "UNAUTHENTICATED"), err.value.args
+    # the issuing key is the secret's alone: a cert signed with any key a credential holds is not the run's
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    for seed in (inf.root, auth._mac(inf.root, "rlfleet/v2/root")):
+        forged = auth.Credential("learner", 0, ("inference",), inf.key,
+                                 Ed25519PrivateKey.from_private_bytes(seed).sign(
+                                     auth._cert_text("learner", 0, ("inference",), auth._public(inf.key)).encode()),
+                                 None)
+        with pytest.raises(rpc.AuthError) as err:
+            rpc.check_caller(update, md(forged.bearer(0, "inference"), "learner", 0))
+        assert err.value.args[0] == "UNAUTHENTICATED" and "a cert this run did not issue" in err.value.args[1]
     # and what the env role itself may do is what its credential makes
+    auth.set_identity("env", auth.issue(SECRET, "env"), 3)  # role-wide: any index
+    pushed = rpc.call_metadata("/rlfleet.v1.LearnerService/PushRollout")
     as_server("learner")
-    auth.set_identity("env", auth.issue(SECRET, "env"), 3)
-    md = rpc.call_metadata("/rlfleet.v1.LearnerService/PushRollout")
+    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", pushed) == rpc.Caller("env", 3)
+
+
+def test_a_proven_bearer_is_remembered_per_index_and_callee():
     as_server("learner")
-    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", md) == rpc.Caller("env", 3)
+    verifier = rpc._identity.verifier
+    good = auth.metadata(SECRET, "env", 2, to="learner")
+    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", good) == rpc.Caller("env", 2)
+    assert len(verifier._seen) == 1 and len(verifier._certs) == 1
+    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", good) == rpc.Caller("env", 2)
+    assert len(verifier._seen) == 1  # the second call: a lookup
+    with pytest.raises(rpc.AuthError) as err:  # the same bearer claiming another index is checked, not looked up
+        rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", [*good[:2], (rpc.INDEX_KEY, "3")])
+    assert err.value.args[0] == "UNAUTHENTICATED"
+    with pytest.raises(rpc.AuthError):  # a good cert with a made-up call signature
+        bad = good[0][1].rsplit(".", 1)[0] + "." + auth._b64(bytes(64))
+        rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", [(rpc.TOKEN_KEY, bad), *good[1:]])
+
+
+def test_credentials_of_the_old_scheme_are_refused_by_name():
+    old = "rlfleet-cred1." + auth._b64(b'{"role":"env","index":0,"to":{},"verify":"AAAA"}')
+    assert auth.is_credential(old) and not auth.is_secret(old)
+    with pytest.raises(auth.CredentialError, match="older rlfleet .*issue it again"):
+        auth.set_identity("env", old, 0)
+    with pytest.raises(auth.CredentialError):
+        auth.issue(old, "env", 0)
 
 
 def test_issued_credentials_are_bound_to_role_and_index():
