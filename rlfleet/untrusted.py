@@ -47,6 +47,9 @@ class BadFile(ValueError):
         self.path, self.field, self.expected, self.found = str(path), field, expected, found
         super().__init__(f"{self.path}: {field}: expected {expected}" + (f", found {found}" if found else ""))
 
+    def __reduce__(self):  # picklable with its parts (torch.distributed gathers a rank's exception to the others)
+        return type(self), (self.path, self.field, self.expected, self.found)
+
 
 class OutsideRoot(BadFile):
     """A path a file or a user supplied that leaves the folder it must stay in (``..``, absolute, a symlink out)."""
@@ -122,11 +125,14 @@ def _depth(value: Any, limit: int, depth: int = 0) -> int:
 
 
 def parse_json(data: bytes | str, path: str | os.PathLike, *, what: str = "JSON",
-               expect: type | tuple[type, ...] | None = dict) -> Any:
+               expect: type | tuple[type, ...] | None = dict, allow_infinity: bool = False) -> Any:
     """JSON text from ``path`` parsed, or :class:`BadFile` naming the file, the position and what was wrong.
-    NaN and Infinity are refused (not JSON); nesting deeper than MAX_JSON_DEPTH is refused; the top level must be
-    ``expect`` (a JSON object by default)."""
+    NaN and Infinity are refused (not JSON; ``allow_infinity``: Python's ``Infinity``/``-Infinity`` are taken, for
+    files rlfleet writes with unbounded spaces' bounds); nesting deeper than MAX_JSON_DEPTH is refused; the top
+    level must be ``expect`` (a JSON object by default)."""
     def no_constant(name):
+        if allow_infinity and name in ("Infinity", "-Infinity"):
+            return float(name.replace("Infinity", "inf"))
         raise ValueError(f"{name} is not JSON")
     try:
         value = json.loads(data, parse_constant=no_constant)
@@ -144,9 +150,10 @@ def parse_json(data: bytes | str, path: str | os.PathLike, *, what: str = "JSON"
 
 
 def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, root: str | os.PathLike | None = None,
-              what: str = "JSON", expect: type | tuple[type, ...] | None = dict) -> Any:
+              what: str = "JSON", expect: type | tuple[type, ...] | None = dict, allow_infinity: bool = False) -> Any:
     """A JSON file read through :func:`read_bytes` (bounded, inside ``root``) and :func:`parse_json`."""
-    return parse_json(read_bytes(path, max_bytes, root=root, what=what), path, what=what, expect=expect)
+    return parse_json(read_bytes(path, max_bytes, root=root, what=what), path, what=what, expect=expect,
+                      allow_infinity=allow_infinity)
 
 
 def parse_yaml(text: str, path: str | os.PathLike, *, what: str = "YAML") -> Any:
