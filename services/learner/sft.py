@@ -40,9 +40,11 @@ def default_paths(cfg) -> tuple[pathlib.Path, pathlib.Path]:
 
 def open_dataset(cfg) -> Dataset:
     """The dataset of ``sft.dataset_path`` (a folder, or a hub dataset id resolved from the Hugging Face cache, as
-    ``actor.model.model_path`` is) with the policy's inputs mapped by ``sft.dataset_keys``."""
+    ``actor.model.model_path`` is) with the policy's inputs mapped by ``sft.dataset_keys``. Every file of it is read
+    as hostile until checked (``rlfleet.data.datasets.Dataset``): paths inside the dataset, footers and shapes
+    checked before anything is allocated, a bad file one line naming it, the field and what was expected."""
     path = str(default_paths(cfg)[0]) if not cfg.sft.dataset_path else str(cfg.sft.dataset_path)
-    hub = None if pathlib.Path(path).expanduser().is_dir() else parse_hub_id(path)
+    hub = None if pathlib.Path(path).expanduser().is_dir() else parse_hub_id(path, key="sft.dataset_path")
     root = resolve_model_path(path, key="sft.dataset_path", repo_type="dataset") if hub else path
     return Dataset(root, keys=dict(cfg.sft.dataset_keys or {}), name=hub[0] if hub else None)
 
@@ -162,8 +164,8 @@ def main(argv=None) -> int:
     try:
         dataset = open_dataset(cfg)
         trainer = SFTTrainer(cfg, dataset, out_dir, log=lambda s: print(s, flush=True))
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"sft: {exc}", file=sys.stderr)
+    except (FileNotFoundError, ValueError, KeyError) as exc:  # a bad file is one line naming it (rlfleet.untrusted)
+        print(f"sft: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
         return 1
     print(f"sft: {cfg.actor.model.model_type} on {len(dataset)} episodes ({trainer.num_samples} samples) from "
           f"{dataset.root}, {cfg.sft.max_steps} steps of batch {cfg.sft.batch_size}", flush=True)
