@@ -58,6 +58,7 @@ from rlfleet.wire import rpc
 from rlfleet.wire.rpc import MAX_INDEX, ROLES, TOKEN_ENV, TOKEN_FILE, AuthError, credential_metadata
 
 CREDENTIAL_PREFIX = "rlfleet-cred2."
+SECRET_FILE = "run_secret"  # <run>/run_secret: attach mode's secret when the coordinator made it (for `issue`)
 OLD_PREFIXES = ("rlfleet-cred1.",)  # credentials of the HMAC scheme (its verify keys made callers' bearers)
 BEARER_VERSION = "2"
 SERVING_ROLES = ("coordinator", "env", "inference", "learner")  # roles whose processes serve calls
@@ -304,8 +305,10 @@ def token_from_env() -> str | None:
     return token or None
 
 
-def write_token(run_dir: pathlib.Path, token: str) -> pathlib.Path:
-    path = pathlib.Path(run_dir) / TOKEN_FILE
+def write_token(run_dir: pathlib.Path, token: str, name: str = TOKEN_FILE) -> pathlib.Path:
+    """``<run_dir>/<name>``, mode 0600: the operator's credential (``run_token``, what coordinatorctl reads) or, in
+    attach mode with a secret the coordinator made, the secret (``run_secret``, for ``issue``)."""
+    path = pathlib.Path(run_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -314,12 +317,13 @@ def write_token(run_dir: pathlib.Path, token: str) -> pathlib.Path:
     return path
 
 
-def read_token(run_dir: pathlib.Path | str | None) -> str | None:
-    """The token for a run: RLFLEET_RUN_TOKEN, else ``<run_dir>/run_token``; None when neither exists."""
+def read_token(run_dir: pathlib.Path | str | None, name: str = TOKEN_FILE) -> str | None:
+    """The token for a run: RLFLEET_RUN_TOKEN, else ``<run_dir>/<name>`` (``run_token``: the operator's
+    credential); None when neither exists."""
     token = token_from_env()
     if token or run_dir is None:
         return token
-    path = pathlib.Path(run_dir) / TOKEN_FILE
+    path = pathlib.Path(run_dir) / name
     return path.read_text().strip() if path.exists() else None
 
 
@@ -347,11 +351,13 @@ def main(argv=None) -> int:
     p.add_argument("--role", default="ctl", choices=ROLES)
     p.add_argument("--index", type=int, default=None, help="issue: bind to this index (default: any)")
     p.add_argument("--to", choices=SERVING_ROLES, help="metadata: the role of the server called")
-    p.add_argument("--run-dir", default=None, help=f"read the token from RUN_DIR/{TOKEN_FILE} (else {TOKEN_ENV})")
+    p.add_argument("--run-dir", default=None, help=f"{TOKEN_ENV} unset: read RUN_DIR/{SECRET_FILE} (issue) or "
+                                                   f"RUN_DIR/{TOKEN_FILE} (metadata, as the operator)")
     args = p.parse_args(argv)
-    token = read_token(args.run_dir)
+    token = read_token(args.run_dir, SECRET_FILE if args.what == "issue" else TOKEN_FILE)
     if not token:
-        p.error(f"needs the run secret or a credential ({TOKEN_ENV} or --run-dir)")
+        p.error(f"needs the run secret (issue: {TOKEN_ENV}, or --run-dir's {SECRET_FILE} in attach mode) or the "
+                f"role's credential (metadata: {TOKEN_ENV}, or --run-dir's {TOKEN_FILE}, the operator's)")
     try:
         if args.what == "issue":
             if not is_secret(token):

@@ -392,7 +392,7 @@ class _Handlers:
 
 # --- the run's credentials on every call (the scheme, credentials and token files: rlfleet.wire.auth) -----------
 TOKEN_ENV = "RLFLEET_RUN_TOKEN"  # the run secret (coordinator, coordinatorctl) or a service's issued credential
-TOKEN_FILE = "run_token"  # <run>/run_token: the run secret
+TOKEN_FILE = "run_token"  # <run>/run_token: the operator's credential (role ctl), what coordinatorctl reads
 TOKEN_KEY = "authorization"  # metadata: "Bearer <bearer>"
 ROLE_KEY = "x-rlfleet-role"  # metadata: the caller's role
 INDEX_KEY = "x-rlfleet-index"  # metadata: the caller's index among its role (0 when absent)

@@ -54,6 +54,10 @@ def _start(args) -> int:
                 for note in preflight_external(cfg, rename=not named and cfg.runner.experiment_name == default_name):
                     print(f"  note: {note}")
             run_dir = choose_run_dir(cfg, None)
+        if cfg.runner.resume_dir and (args.resume or cfg.cluster.launcher == "local"):
+            from services.coordinator.preflight import preflight_resume
+
+            preflight_resume(cfg)  # the checkpoint checked whole: a bad file named in seconds, before any service
         if cfg.runner.only_eval:
             raise ConfigError("'runner.only_eval': true means evaluation only, which `coordinatorctl eval RUN_DIR | "
                               "CHECKPOINT | MODEL_DIR` runs (same env and inference servers, a learner that never "
@@ -374,16 +378,17 @@ def _export_target(args):
     if args.layout not in EXPORT_LAYOUTS:  # checked here, not by argparse: one line, not a usage block
         raise _ExportInputError(f"--layout: '{args.layout}' is not one of {', '.join(EXPORT_LAYOUTS)} (upstream: the "
                                 f"model family's released layout; rlfleet: rlfleet's own save_pretrained)")
+    from rlfleet.data.checkpoint_files import complete_checkpoints, is_checkpoint, verify_checkpoint
+
     run = pathlib.Path(args.run_dir)
     if not run.is_dir():
         raise _ExportInputError(f"{run}: no such folder (give a run folder or RUN/checkpoints/global_step_N)")
-    if (run / "learner_state.json").is_file():  # a checkpoint folder itself
+    if is_checkpoint(run):  # a checkpoint folder itself
         ckpt, run = run, run.parent.parent
         if args.step is not None and ckpt.name != f"global_step_{args.step}":
             raise _ExportInputError(f"--step {args.step}: {ckpt} is the checkpoint of another step")
     else:
-        done = sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "checkpoints").glob("global_step_*")
-                      if p.name.rsplit("_", 1)[1].isdigit() and (p / "learner_state.json").is_file())
+        done = complete_checkpoints(run)
         if args.step is not None:
             found = [p for n, p in done if n == args.step]
             if not found:
@@ -396,6 +401,10 @@ def _export_target(args):
         else:
             raise _ExportInputError(f"{run}: no complete checkpoint in {run / 'checkpoints'} (a run folder holds "
                                     f"checkpoints/global_step_N/learner_state.json)")
+    try:  # the checkpoint checked whole before anything else reads it (rlfleet.data.checkpoint_files)
+        verify_checkpoint(ckpt)
+    except (BadFile, OSError) as exc:
+        raise _ExportInputError(str(exc)) from None
     out = pathlib.Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise _ExportInputError(f"{out}: exists and is not empty (export writes a new or empty folder)")
@@ -561,13 +570,13 @@ def main(argv=None) -> int:
             _report_modules()
     from rlfleet.wire.auth import CredentialError
 
-    try:  # the operator's commands need the run's own secret (RLFLEET_RUN_TOKEN or the run folder's run_token)
+    try:  # the operator's commands need the operator's credential (the run folder's run_token) or the run's secret
         if args.command == "scale":
             return _scale(args)
         return _status(args) if args.command == "status" else _stop(args)
     except CredentialError as exc:
-        print(f"coordinatorctl {args.command}: {exc} (operator commands need the run's secret: the run folder's "
-              f"run_token, not a service's credential)", file=sys.stderr)
+        print(f"coordinatorctl {args.command}: {exc} (operator commands need the operator's credential, the run "
+              f"folder's run_token, or the run's secret; not a service's credential)", file=sys.stderr)
         return 2
     except (ConfigError, BadFile) as exc:  # the run folder's coordinator.json or config.yaml
         print(f"coordinatorctl {args.command}: {exc}", file=sys.stderr)

@@ -205,10 +205,12 @@ class Coordinator:
         config_path = self.run_dir / "config.yaml"
         config_path.write_text(to_yaml(self.cfg))
         if self.token and (self.local or auth.token_from_env() != self.token):
-            # the run secret, for coordinatorctl; not in attach mode when the deployment supplied it: there the run
-            # folder is a volume every service shares, and a service holds only its own credential
-            path = auth.write_token(self.run_dir, self.token)
-            if not self.local:
+            # the operator's credential (role ctl), for coordinatorctl: never the secret, which issues every role's;
+            # not in attach mode when the deployment supplied the secret: there the run folder is a volume every
+            # service shares, and a service holds only its own credential
+            auth.write_token(self.run_dir, auth.issue(self.token, "ctl"))
+            if not self.local:  # a secret made here: the operator issues the credentials of services started elsewhere
+                path = auth.write_token(self.run_dir, self.token, auth.SECRET_FILE)
                 self.say(f"  run secret: {path}; give each service started elsewhere its own credential as "
                          f"{auth.TOKEN_ENV} (`python -m rlfleet.wire.auth issue --role ROLE --run-dir {self.run_dir}`)")
         (self.run_dir / "coordinator.json").write_text(json.dumps({"address": self.address, "pid": os.getpid()}))

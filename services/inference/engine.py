@@ -156,6 +156,10 @@ def policy_lock(model) -> threading.Lock:
 
 
 # --- The core: InferenceEngine, the policy copies, weight checks, request validation ----------------------------------
+# a weights version is the learner's count of updates, one per epoch (a resumed learner goes on from its
+# checkpoint's): no run reaches 2**31 (68 years at an epoch a second); beyond it a version is made up
+MAX_WEIGHTS_VERSION = 2**31 - 1
+
 @dataclass(frozen=True)
 class InferenceInfo:
     """What the server's Describe reports."""
@@ -202,8 +206,7 @@ class InferenceEngine:
         which then becomes the served one, so an update copies only the tensors it carries, never the whole
         model. A partial update (LoRA adapters, or whatever the policy trains) must carry every tensor that
         changes in training (``sync_state_dict``); the rest never changes after the first full set."""
-        if version < self.version:
-            raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
+        self.check_version(version)
         rebuild = obs_specs is not None and (obs_specs != self.obs_specs or action_dim != self.action_dim)
         if rebuild:
             # the declared spaces decide the policy's size: check them, and the state they imply, against this
@@ -243,6 +246,17 @@ class InferenceEngine:
         self.bytes_loaded += sum(t.numel() * t.element_size() for t in state.values())
         log.info("serving weights version %d (%d tensors)", version, len(state))
         return version
+
+    def check_version(self, version: int) -> None:
+        """A weights set's version, before its tensors are read: a learner's (0..MAX_WEIGHTS_VERSION), and not older
+        than the one served (the same again is a republish). Versions go up by one per epoch, but may skip: a
+        server that missed a publish gets the next one (the learner sends it a full set), a restarted one (serving
+        none) takes the learner's current one, whatever it is."""
+        if not 0 <= version <= MAX_WEIGHTS_VERSION:
+            raise InvalidRequest(f"version: {version} is no weights version (0..{MAX_WEIGHTS_VERSION}: the learner's "
+                                 f"count of updates, one per epoch); serving {self.version}")
+        if version < self.version:
+            raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
 
     def _plan(self, obs_specs: dict[str, TensorSpace], action_dim: int):
         """Before a (re)build for new spaces: their observation row, and the two copies of the policy they imply

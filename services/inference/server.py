@@ -8,6 +8,8 @@ from __future__ import annotations
 ROLE = "inference"
 
 
+import itertools
+
 import numpy as np
 
 from rlfleet.wire import codec, rpc, tracing, weights
@@ -50,6 +52,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @rpc.handler
     def UpdateWeights(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is not None:  # a made-up or stale version is refused before the set's tensors are read
+            self.engine.check_version(first.version)
+            request_iterator = itertools.chain([first], request_iterator)
         version, state, obs_specs, action_dim, partial = weights.assemble(request_iterator)
         self.engine.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
         return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))

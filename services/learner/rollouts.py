@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rlfleet.wire import codec
-from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest, PermissionDenied
 
 log = logging.getLogger("rlfleet.learner")
 
@@ -73,6 +73,16 @@ class RolloutStore:
         """Train names the run's current workers: that is its scale from now on."""
         if workers:
             self.num_workers = max(workers) + 1
+
+    @staticmethod
+    def check_pusher(worker: int, caller) -> None:
+        """A rollout is its worker's own: the env server that pushes it is the one whose index its credential
+        proves (``caller``, rlfleet.wire.rpc.caller_of; None: no credentials in this process). Every placement has
+        one env server process per worker index (a bridge to an external simulator included: env server i bridges
+        ``cluster.external_env_addresses[i]``), so no process pushes another's rollout."""
+        if caller is not None and caller.index != worker:
+            raise PermissionDenied(f"worker_index: {caller} pushed the rollout of worker {worker}; an env server "
+                                   f"pushes only its own (worker {caller.index})")
 
     def check_worker(self, worker: int) -> None:
         """Only the run's workers' rollouts are buffered (a rollout is tens of MB: made-up indices would pile

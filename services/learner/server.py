@@ -47,6 +47,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 raise rpc.InvalidRequest("rollout: chunk after the one marked last")
             if head is None:
                 head = (chunk.epoch, chunk.worker_index, chunk.num_steps)
+                self.learner.rollouts.check_pusher(chunk.worker_index, rpc.caller_of(context))
                 self.learner.rollouts.check_rollout_epoch(chunk.epoch)  # before anything is buffered
                 self.learner.rollouts.check_worker(chunk.worker_index)
             elif (chunk.epoch, chunk.worker_index, chunk.num_steps) != head:

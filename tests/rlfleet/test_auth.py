@@ -191,10 +191,22 @@ def test_token_file_is_private(tmp_path, monkeypatch):
 
 
 def test_command_line_issues_and_prints_metadata(tmp_path, monkeypatch, capsys):
+    """issue reads the secret (attach mode's run_secret); metadata the operator's credential (run_token), which
+    issues nothing."""
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
-    auth.write_token(tmp_path, SECRET)
+    auth.write_token(tmp_path, SECRET, auth.SECRET_FILE)
+    operator = auth.issue(SECRET, "ctl")
+    auth.write_token(tmp_path, operator)
     assert auth.main(["issue", "--role", "inference", "--index", "1", "--run-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == auth.issue(SECRET, "inference", 1)
     assert auth.main(["metadata", "--to", "learner", "--run-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"{k}: {v}" for k, v in auth.metadata(SECRET, "ctl", to="learner")]
+    assert lines == [f"{k}: {v}" for k, v in auth.metadata(operator, "ctl", to="learner")]
+    (tmp_path / auth.SECRET_FILE).unlink()
+    for argv in (["issue", "--role", "learner"], ["metadata", "--role", "learner", "--to", "inference"]):
+        with pytest.raises(SystemExit):  # the operator's credential makes no other role's
+            auth.main([*argv, "--run-dir", str(tmp_path)])
+    monkeypatch.setenv(auth.TOKEN_ENV, operator)
+    with pytest.raises(SystemExit):
+        auth.main(["issue", "--role", "learner"])
+    assert "issue needs the run secret: a credential issues nothing" in capsys.readouterr().err

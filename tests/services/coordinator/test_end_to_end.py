@@ -72,8 +72,8 @@ def filmed_outcomes(run_dir, epoch: int) -> dict[int, bool]:
 
 
 def credential(run_dir, role="ctl", to="coordinator", index=0):
-    """Call metadata of ``role[index]`` toward a server of role ``to``, made from the run's secret (what
-    coordinatorctl status sends, for role ctl)."""
+    """Call metadata of ``role[index]`` toward a server of role ``to``, made from the run folder's run_token (the
+    operator's credential: what coordinatorctl status sends; role ctl only)."""
     from rlfleet.wire import auth
 
     return auth.metadata((run_dir / "run_token").read_text(), role, index, to=to)

@@ -56,8 +56,13 @@ def raw_call(ch: grpc.Channel, service, method, metadata=(), body=b""):
     return grpc.StatusCode.OK, ""
 
 
-def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path):
+SECRET = "the-run-secret-of-the-security-tests"
+
+
+def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, monkeypatch):
+    monkeypatch.setenv(auth.TOKEN_ENV, SECRET)  # the run's secret, known here (the run folder holds the operator's)
     proc = start(tmp_path, "runner.max_epochs=12", "runner.val_check_interval=0", name="sec")
+    monkeypatch.delenv(auth.TOKEN_ENV)
     run = tmp_path / "sec"
     try:
         st = wait_epoch(run, 2, proc)
@@ -110,7 +115,7 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path):
             # with a credential, a state-changing call from a role that does not own it is still refused
             with pytest.raises(grpc.RpcError) as err:
                 stub.LogMetrics(learner_pb2.LogMetricsRequest(step=1, metrics={"eval/forged": 1.0}), timeout=5,
-                                metadata=credential(run, "env", to="learner"))
+                                metadata=auth.metadata(SECRET, "env", to="learner"))
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "accepted only from coordinator, not from env" in err.value.details()
             # and an allowed read works with it
@@ -118,8 +123,7 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path):
             assert ok.weights_version >= 1
 
         # issue 25, with the credentials the run hands its env server: roles are proven, not declared
-        secret = (run / "run_token").read_text()
-        env_cred = auth.issue(secret, "env", 0)  # what env[0] holds (its RLFLEET_RUN_TOKEN)
+        env_cred = auth.issue(SECRET, "env", 0)  # what env[0] holds (its RLFLEET_RUN_TOKEN)
         auth.set_identity("env", env_cred, 0)
         env_md = {to: rpc.call_metadata(f"/rlfleet.v1.{svc}/x")
                   for to, svc in (("coordinator", "CoordinatorService"), ("inference", "InferenceService"))}
