@@ -541,6 +541,30 @@ def caller_of(context) -> Caller | None:
     return Caller(role, index)
 
 
+class _RefusalLog:
+    """The refused calls' log lines, at most ``burst`` per ``window_s`` (then one line counting the rest): a flood of
+    refused calls costs its sender, not this process's log (or the pipe it writes to)."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0):
+        self.burst, self.window_s = burst, window_s
+        self._lock = threading.Lock()
+        self._start, self._logged, self._dropped = -float("inf"), 0, 0
+
+    def log(self, method: str, message: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start >= self.window_s:
+                if self._dropped:
+                    log.warning("refused %d more calls in the last %.0fs (not logged one by one)", self._dropped,
+                                now - self._start)
+                self._start, self._logged, self._dropped = now, 0, 0
+            if self._logged >= self.burst:
+                self._dropped += 1
+                return
+            self._logged += 1
+        log.warning("refused %s: %s", method, message)
+
+
 class _ServerGuard(grpc.ServerInterceptor):
     """Runs on the server's polling thread before a call is queued for the pool: the credential check (and
     ``on_call`` with the proven caller), reflection streams into their slots, request bytes parsed leniently, and
@@ -548,6 +572,7 @@ class _ServerGuard(grpc.ServerInterceptor):
 
     def __init__(self, on_call=None, traced: bool = False):
         self.on_call, self.traced = on_call, traced
+        self.refusals = _RefusalLog()
         self.reflection = StreamSlots(OPEN_STREAMS, "reflection", idle_close_s=OPEN_STREAM_IDLE_S,
                                       reclaim_idle_s=OPEN_STREAM_RECLAIM_S)
 
@@ -559,7 +584,7 @@ class _ServerGuard(grpc.ServerInterceptor):
             caller = check_caller(method, handler_call_details.invocation_metadata)
         except AuthError as exc:
             code, message = exc.args
-            log.warning("refused %s: %s", method, message)
+            self.refusals.log(method, message)
             return _Handlers.refuse(continuation(handler_call_details), code, message)
         if caller is not None and self.on_call is not None:
             try:
