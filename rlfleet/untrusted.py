@@ -108,7 +108,13 @@ def read_bytes(path: str | os.PathLike, max_bytes: int, *, root: str | os.PathLi
     """A file's bytes, refused (before reading) when it is larger than ``max_bytes`` or leaves ``root``."""
     resolved = regular_file(path, root=root, what=what, max_bytes=max_bytes)
     with open(resolved, "rb") as f:
-        data = f.read(max_bytes + 1)
+        # read(n) allocates n bytes up front: ask for what the file holds, not for the limit
+        data = f.read(min(max_bytes, os.fstat(f.fileno()).st_size) + 1)
+        while len(data) <= max_bytes:  # it grew while we read: go on, bounded
+            more = f.read(min(max_bytes + 1 - len(data), 1 << 16))
+            if not more:
+                break
+            data += more
     if len(data) > max_bytes:  # it grew while we looked
         raise TooLarge(path, what, f"at most {max_bytes:,} bytes", "more")
     return data
