@@ -1,12 +1,14 @@
 """The run's credentials: one secret per run, kept by the coordinator, and a credential per service issued from it,
 made and read here; what every call carries, and the check of it on every call served, are rlfleet.wire.rpc's.
 
-The coordinator makes the run secret (or takes ``RLFLEET_RUN_TOKEN`` when the deployment supplies one). Only the
-coordinator, ``coordinatorctl`` and the operator hold it; a service gets its own **credential**, issued from the
-secret for its role (and index), in the same variable ``RLFLEET_RUN_TOKEN``: the local launcher issues one per
-process, ``coordinatorctl deploy`` one per compose service and one per Kubernetes role (pods of a StatefulSet share
-a template). A service given the secret itself (a hand-made deployment) issues its own credential from it, and says
-that it holds more than it needs.
+The coordinator makes the run secret (or takes ``RLFLEET_RUN_TOKEN`` when the deployment supplies one); only it
+(and a deployment that supplied the secret) holds it, and only it issues. A service gets its own **credential**,
+issued from the secret for its role (and index), in the same variable ``RLFLEET_RUN_TOKEN``: the local launcher
+issues one per process, ``coordinatorctl deploy`` one per compose service and one per Kubernetes role (pods of a
+StatefulSet share a template); the operator's (role ``ctl``, what ``coordinatorctl status|stop|scale`` send) is the
+run folder's ``run_token``. In attach mode with a secret the coordinator made, the secret is the run folder's
+``run_secret``, for ``issue``. A service given the secret itself (a hand-made deployment) issues its own credential
+from it, and says that it holds more than it needs.
 
 Signing and checking are different keys (Ed25519, RFC 8032), so what a server checks with never signs. From the
 secret S (H = HMAC-SHA256, every key's 32-byte seed derived so that issuing is deterministic)::
