@@ -38,6 +38,12 @@ def load_hf_tokenizer(path: Path, *, within: Path | None = None):
     logging.set_verbosity_error()
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - code it would have to run (auto_map), files it cannot parse: one line
+        from rlfleet.untrusted import BadFile
+
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        raise BadFile(path, "tokenizer", "files transformers' AutoTokenizer loads without running the folder's code",
+                      f"{type(exc).__name__}: {first[:160]}") from None
     finally:
         logging.set_verbosity(level)
 
