@@ -59,11 +59,26 @@ class Target:
 
 def latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path | None:
     """The newest complete checkpoint of a run folder (learner_state.json, written last, marks it complete): the
-    one the learner restores for runner.resume_dir (services/learner/checkpoint.py; services never import each
-    other)."""
-    done = [p for p in (run_dir / "checkpoints").glob("global_step_*")
-            if p.name.rsplit("_", 1)[1].isdigit() and (p / "learner_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.rsplit("_", 1)[1])) if done else None
+    one the learner restores for runner.resume_dir (both find it with rlfleet.data.checkpoint_files)."""
+    from rlfleet.data.checkpoint_files import complete_checkpoints
+
+    done = complete_checkpoints(run_dir)
+    return done[-1][1] if done else None
+
+
+def verify(target: Target):
+    """A checkpoint target's files checked whole before anything reads them (rlfleet.data.checkpoint_files: DCP
+    metadata through a restricted unpickler, shards long enough, learner_state.json and the reward normaliser's
+    header); -> what was read (None for a model folder), or EvalError in one line naming the bad file."""
+    if target.checkpoint is None:
+        return None
+    from rlfleet.data.checkpoint_files import verify_checkpoint
+    from rlfleet.untrusted import BadFile
+
+    try:
+        return verify_checkpoint(target.checkpoint)
+    except (BadFile, OSError) as exc:
+        raise EvalError(str(exc)) from None
 
 
 def resolve(path: str) -> Target:
@@ -80,7 +95,9 @@ def resolve(path: str) -> Target:
         raise EvalError(f"{p}: no such folder")
     if not p.is_dir():
         raise EvalError(f"{p}: not a folder (give a run folder, RUN/checkpoints/global_step_N or a model folder)")
-    if (p / "learner_state.json").is_file():
+    from rlfleet.data.checkpoint_files import is_checkpoint
+
+    if is_checkpoint(p):
         run = p.parent.parent
         return Target(p, "checkpoint", p, run if (run / "config.yaml").is_file() else None)
     if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():
@@ -133,18 +150,25 @@ def _flat_model(cfg) -> dict:
 
 
 def checkpoint_spaces(ckpt: pathlib.Path) -> tuple[dict, int]:
+    from rlfleet.data.checkpoint_files import read_learner_state
     from rlfleet.wire.spaces import TensorSpace
 
-    state = json.loads((ckpt / "learner_state.json").read_text())
+    state = read_learner_state(ckpt)  # checked: its fields' types and ranges
     obs = {k: TensorSpace(tuple(v[0]), v[1]) if isinstance(v, list) else TensorSpace.from_json(v)
            for k, v in state["obs_specs"].items()}
     return obs, int(state["action_dim"])
 
 
-def check_weights(cfg, target: Target) -> None:
-    """Refuse weights of another model type or shape than the config's actor.model, naming what differs."""
+def check_weights(cfg, target: Target, info=None) -> None:
+    """Refuse weights of another model type or shape than the config's actor.model, naming what differs (``info``:
+    :func:`verify`'s reading of a checkpoint target, its tensors as its metadata declares them)."""
     if target.kind == "model":
-        saved = json.loads((target.path / "config.json").read_text())
+        from rlfleet.untrusted import BadFile, read_json
+
+        try:
+            saved = read_json(target.path / "config.json", what="model config")  # (a hub snapshot links to blobs/)
+        except (BadFile, OSError) as exc:
+            raise EvalError(str(exc)) from None
         if "vision_backbone_id" in saved:  # OpenVLA's own hub layout
             saved_type = "openvla"
         else:
@@ -157,8 +181,6 @@ def check_weights(cfg, target: Target) -> None:
             raise EvalError(f"{target.path}: holds a model of type {saved_type} (its config.json), the config's "
                             f"actor.model.model_type is {want} (give the config it was trained with: --config)")
         return
-    from torch.distributed.checkpoint import FileSystemReader
-
     from rlfleet.policies import footprint
     from rlfleet.wire.rpc import InvalidRequest
 
@@ -188,8 +210,8 @@ def check_weights(cfg, target: Target) -> None:
                         f"the checkpoint's spaces: {exc}{why_differ}") from None
     if planned is None:  # built from model_path, or not plannable: the learner's load is the check
         return
-    meta = FileSystemReader(str(target.checkpoint / "state")).read_metadata().state_dict_metadata
-    saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
+    info = info if info is not None else verify(target)
+    saved = {k: shape for k, (shape, _dtype) in info.tensors.items()}
     mine = {k: tuple(shape) for k, (shape, _dtype, _p) in planned.items()}
     problems = []
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -472,9 +494,10 @@ def main(args) -> int:
         if not paths or paths[0] is None:
             raise EvalError("name what to evaluate: a run folder, RUN/checkpoints/global_step_N or a model folder")
         targets = [resolve(p) for p in paths]
+        infos = [verify(t) for t in targets]  # before anything else reads them
         cfgs = [eval_config(t, args.config, list(args.overrides)) for t in targets]
-        for cfg, t in zip(cfgs, targets):
-            check_weights(cfg, t)
+        for cfg, t, info in zip(cfgs, targets, infos):
+            check_weights(cfg, t, info)
         check_local(cfgs[0])
         if not cfgs[0].cluster.external_env_addresses:  # external env servers are Described once up
             preflight_local(cfgs[0])

@@ -7,7 +7,13 @@
 - ``learner_state.json``: epoch, weights version, env steps, wall time, spaces, world size; written last by rank
   0: its presence marks the checkpoint complete.
 
-Nothing is pickled: DCP stores tensors and plain metadata, the rest is safetensors and JSON.
+What is pickled, and how it is read back: DCP writes ``state/.metadata`` as a pickle of its metadata classes and
+stores the optimizer's hyper-parameters (``optim.param_groups.*``) with ``torch.save`` inside the ``.distcp``
+shards; tensors are torch.save'd zip records. Nothing is read with a plain ``pickle.load``: the metadata goes through
+a restricted unpickler admitting only DCP's plain metadata classes and is checked against the files it names, the
+hyper-parameters and tensors through ``torch.load(weights_only=True)`` (rlfleet.data.checkpoint_files). The rest
+is safetensors and JSON, read bounded and checked. A bad file is one line naming it
+(:class:`rlfleet.untrusted.BadFile`), never a code execution, a read outside the run folder or a hang.
 """
 
 from __future__ import annotations
@@ -20,18 +26,12 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import load_file, save_file
 
-STATE_DIR = "state"
+from rlfleet.data.checkpoint_files import (STATE_DIR, check_reward_rms, latest_checkpoint, load_state,
+                                           read_learner_state, run_folder_of)
+from rlfleet.untrusted import BadFile
 
-
-def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
-    """The newest complete checkpoint of a run folder, or None; a complete checkpoint folder itself
-    (``RUN/checkpoints/global_step_N``, what `coordinatorctl eval` may name) is its own newest."""
-    if (pathlib.Path(run_dir) / "learner_state.json").is_file():
-        return pathlib.Path(run_dir)
-    ckpts = sorted((pathlib.Path(run_dir) / "checkpoints").glob("global_step_*"),
-                   key=lambda p: int(p.name.rsplit("_", 1)[1]))
-    ckpts = [p for p in ckpts if (p / "learner_state.json").exists()]
-    return ckpts[-1] if ckpts else None
+__all__ = ["STATE_DIR", "latest_checkpoint", "load_policy_state", "load_sharded", "read_leader_files",
+           "save_sharded", "write_leader_files"]
 
 
 @contextmanager
@@ -45,42 +45,50 @@ def _quiet():
 def save_sharded(path: pathlib.Path, model, optimizer) -> None:
     """Every rank: the policy and optimizer state under ``path/state`` (collective)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / STATE_DIR))
+    try:
+        with _quiet():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / STATE_DIR))
+    except CheckpointException as exc:  # a BaseException: it would escape every `except Exception` (a hang)
+        rank, (first, _trace) = min(exc.failures.items())
+        raise OSError(f"{path / STATE_DIR}: writing the checkpoint failed on rank {rank}: "
+                      f"{type(first).__name__}: {' '.join(str(first).split())[:200]}") from None
 
 
 def load_sharded(path: pathlib.Path, model, optimizer) -> None:
-    """Every rank: load ``path/state`` into this rank's shards, whatever world size wrote it (collective)."""
-    import torch.distributed.checkpoint as dcp
+    """Every rank: load ``path/state`` into this rank's shards, whatever world size wrote it (collective). The
+    metadata and every non-tensor item are read without unpickling anything the files choose
+    (rlfleet.data.checkpoint_files); a bad file is a BadFile on every rank."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    path = pathlib.Path(path)
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
                                 f"it cannot be resumed by this version)")
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
+    root = run_folder_of(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet():
-        dcp.load({"model": model_sd}, checkpoint_id=str(path / STATE_DIR))  # every tensor of the policy
+        load_state({"model": model_sd}, path / STATE_DIR, root=root)  # every tensor of the policy
         # the optimizer's state where it has one: a parameter that never had a gradient (e.g. a VLA's vision tower
         # layer that gets none) has no Adam moments in the checkpoint and keeps the fresh ones
-        dcp.load({"optim": optim_sd}, checkpoint_id=str(path / STATE_DIR),
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        load_state({"optim": optim_sd}, path / STATE_DIR, root=root, allow_partial_load=True)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def load_policy_state(path: str | pathlib.Path, model) -> None:
     """A single process (evaluation, export): the policy's weights from a checkpoint, without its optimizer."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    sd = get_model_state_dict(model)
-    state = {"model": sd}
+    path = pathlib.Path(path)
+    if not (path / STATE_DIR).is_dir():
+        raise FileNotFoundError(f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
+                                f"it cannot be read by this version)")
+    state = {"model": get_model_state_dict(model)}
     with _quiet():
-        dcp.load(state, checkpoint_id=str(pathlib.Path(path) / STATE_DIR))
+        load_state(state, path / STATE_DIR, root=run_folder_of(path))
     set_model_state_dict(model, state["model"])
 
 
@@ -91,4 +99,18 @@ def write_leader_files(path: pathlib.Path, reward_state: dict[str, torch.Tensor]
 
 
 def read_leader_files(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
-    return load_file(str(path / "reward_rms.safetensors")), json.loads((path / "learner_state.json").read_text())
+    """The reward normaliser and learner_state.json of checkpoint ``path``, both checked before use (the
+    safetensors header and the JSON fields: rlfleet.data.checkpoint_files); a bad file is a BadFile naming it."""
+    path = pathlib.Path(path)
+    root = run_folder_of(path)
+    state = read_learner_state(path, root=root)
+    check_reward_rms(path, root=root)
+    src = path / "reward_rms.safetensors"
+    reward = load_file(str(src))
+    for k, v in reward.items():
+        if not torch.isfinite(v).all():
+            raise BadFile(src, f"tensor '{k}'", "finite values (the learner never saves others)", "NaN or infinity")
+    if float(reward["var"]) < 0 or float(reward["count"]) < 0:
+        raise BadFile(src, "var, count", "non-negative values", f"var {float(reward['var'])}, count "
+                      f"{float(reward['count'])}")
+    return reward, state

@@ -114,8 +114,10 @@ def export_checkpoint(cfg, ckpt: str | pathlib.Path, out: str | pathlib.Path, lo
     from services.learner import checkpoint
     from services.learner.learner import _specs_from_json
 
+    from rlfleet.data.checkpoint_files import verify_checkpoint
+
     ckpt = pathlib.Path(ckpt)
-    state = json.loads((ckpt / "learner_state.json").read_text())
+    state = verify_checkpoint(ckpt).state  # every file checked before anything is built or loaded
     obs_specs, action_dim = _specs_from_json(state["obs_specs"]), int(state["action_dim"])
     torch.manual_seed(cfg.runner.seed)
     policy = build_policy(cfg.actor.model, obs_specs, action_dim, cfg.algorithm.normalize_obs,

@@ -25,6 +25,8 @@ from rlfleet.data.metrics import MetricsLogger
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.data.checkpoint_files import verify_checkpoint
+from rlfleet.untrusted import BadFile
 from services.learner import checkpoint, ppo
 from services.learner.batch import Batch, RewardScaler, build_batch, split_rows
 from services.learner.checkpoint import latest_checkpoint
@@ -144,6 +146,11 @@ class Learner:
             ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
             if ckpt is None:
                 raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.cfg.runner.resume_dir}/checkpoints")
+            try:  # the whole checkpoint, before any rank builds or loads anything: a bad file named in seconds
+                verify_checkpoint(ckpt)
+            except (BadFile, OSError) as exc:
+                log.error("cannot resume from %s: %s", ckpt, exc)
+                raise FailedPrecondition(f"runner.resume_dir: {exc}") from None
             meta["resume"] = str(ckpt)
         self._run("setup", meta)
 
@@ -371,12 +378,17 @@ class Learner:
 
     def _load_checkpoint(self, path: pathlib.Path) -> None:
         """Every rank (inside set-up): the shards of the policy and optimizer (runner.only_eval: the policy's
-        alone), then the counters."""
-        if self.optimizer is None:
-            checkpoint.load_policy_state(path, self.model)
-        else:
-            checkpoint.load_sharded(path, self.model, self.optimizer)
-        reward_state, state = checkpoint.read_leader_files(path)
+        alone), then the counters. A file that cannot be read (checked and named by rlfleet.data.checkpoint_files)
+        is logged and refused as FailedPrecondition, on every rank alike."""
+        try:
+            if self.optimizer is None:
+                checkpoint.load_policy_state(path, self.model)
+            else:
+                checkpoint.load_sharded(path, self.model, self.optimizer)
+            reward_state, state = checkpoint.read_leader_files(path)
+        except (BadFile, OSError) as exc:
+            log.error("rank %d: cannot resume from %s: %s", self.group.rank, path, exc)
+            raise FailedPrecondition(f"runner.resume_dir: {exc}") from None
         if self.group.is_leader:
             self.scaler.load_state_dict(reward_state)
             # the killed run may have logged epochs after this checkpoint: they are trained (and logged) again

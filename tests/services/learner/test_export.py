@@ -16,6 +16,7 @@ from rlfleet.config import load_config
 from rlfleet.policies import build_policy
 from rlfleet.wire.spaces import TensorSpace
 from services.learner import checkpoint
+from services.learner.batch import RewardScaler
 from rlfleet.policies.models.openvla.hub_layout import openvla_hub_problems, safetensors_index_problems
 from rlfleet.policies.models.openvla.tokenizers import ByteTokenizer
 from services.learner.export import ExportError, export_checkpoint, write_export
@@ -40,7 +41,7 @@ def _trained_checkpoint(tmp_path, overrides):
     ckpt = tmp_path / "checkpoints" / "global_step_1"
     ckpt.mkdir(parents=True)
     checkpoint.save_sharded(ckpt, policy, opt)
-    checkpoint.write_leader_files(ckpt, {"mean": torch.zeros(1)}, {
+    checkpoint.write_leader_files(ckpt, RewardScaler(cfg.algorithm.gamma).state_dict(), {
         "epoch": 0, "weights_version": 1, "env_steps": 0, "elapsed_s": 0.0, "action_dim": 4,
         "obs_specs": {k: s.to_json() for k, s in SPECS.items()}, "world_size": 1})
     return cfg, policy, ckpt
