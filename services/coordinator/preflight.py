@@ -55,6 +55,27 @@ def preflight_model(cfg) -> None:
         raise ConfigError(f"'{KEY}': {str(exc).removeprefix(KEY + ': ')}") from None
 
 
+def preflight_resume(cfg):
+    """``runner.resume_dir`` (``coordinatorctl start --resume RUN``): its newest complete checkpoint checked whole
+    before any service starts (rlfleet.data.checkpoint_files.verify_checkpoint: DCP metadata through a restricted
+    unpickler, every shard it names present and long enough, learner_state.json, the reward normaliser's header,
+    nothing linked out of the run folder), so a truncated or corrupt checkpoint is named in seconds rather than by
+    the learner after every service has started. -> the checkpoint's folder, or ConfigError in one line."""
+    from rlfleet.data.checkpoint_files import latest_checkpoint, verify_checkpoint
+    from rlfleet.untrusted import BadFile
+
+    run = cfg.runner.resume_dir
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        raise ConfigError(f"'runner.resume_dir': no complete checkpoint in {run}/checkpoints (a run saves one "
+                          f"every runner.save_interval epochs and at its end; learner_state.json marks it complete)")
+    try:
+        verify_checkpoint(ckpt)
+    except (BadFile, OSError) as exc:
+        raise ConfigError(f"'runner.resume_dir': {exc}") from None
+    return ckpt
+
+
 def preflight_loggers(cfg) -> None:
     """A logger backend whose package is not installed where the learner runs (this environment, with the local
     launcher) fails the start in seconds with the exact pip commands that install it: rlfleet never changes the
