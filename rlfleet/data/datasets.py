@@ -70,6 +70,7 @@ MAX_FRAMES = 1 << 36
 MAX_DIM = 1 << 16                   # one dimension of a feature's shape
 MAX_FEATURE_ELEMENTS = 1 << 26      # elements of one feature in one frame (a 4K RGB image is 25M)
 MAX_DECODED_VIDEO_BYTES = 16 * GiB  # the frames decoded from one video file
+MAX_IMAGE_BYTES = 256 * MiB         # one image file an image feature names
 MAX_FPS = 10_000
 NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                   "uint64", "bool")
@@ -771,8 +772,6 @@ class Dataset:
         checked against its feature (numbers, as many per row as its shape holds)."""
         if self._frames is not None:
             return self._frames
-        import pyarrow as pa
-
         files = self._data_files()
         if not files:
             raise FileNotFoundError(f"{self.root}: no data/chunk-*/file-*.parquet")
@@ -858,7 +857,7 @@ class Dataset:
                 if not isinstance(item["path"], str):
                     raise BadFile(path, f"{where} path", "a file of the dataset", _short(item["path"]))
                 image_file = in_folder(self.root, item["path"], what=f"{where} path", source=path)
-                data = regular_file(image_file, what=f"{where} path", max_bytes=MAX_PARQUET_BYTES).read_bytes()
+                data = regular_file(image_file, what=f"{where} path", max_bytes=MAX_IMAGE_BYTES).read_bytes()
             try:
                 img = Image.open(io.BytesIO(data), formats=("PNG", "JPEG", "WEBP"))
                 if img.size != (W, H):

@@ -34,8 +34,8 @@ MAX_SHARDS = 100_000             # tensors named by an index
 FRESH_ELEMENTS = 1 << 26         # what a build may add to a checkpoint's tensors: fresh heads (value head, noise head)
 # files a transformers tokenizer may read from its folder
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
-                   "chat_template.jinja", "chat_template.json", "config.json")
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "config.json")
 SMALL_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "config.json",
               "chat_template.json")
 # the integer sizes a config may give, by how their key ends: (suffix, most accepted, least accepted)

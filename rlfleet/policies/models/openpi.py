@@ -580,8 +580,8 @@ class Pi0Policy(PolicyMixin, nn.Module):
         read_config(path, "generation_config.json", required=False)
         shards = shard_names(path)
         if not shards:
-            raise FileNotFoundError(f"actor.model.model_path: {path} has no model.safetensors(.index.json) (transformers' "
-                                    f"π0 layout; rlfleet reads no pickled weights)")
+            raise FileNotFoundError(f"actor.model.model_path: {path} has no model.safetensors(.index.json) "
+                                    f"(transformers' π0 layout; rlfleet reads no pickled weights)")
         headers = tensor_headers(path, shards)
         from transformers import PI0Config
 

@@ -175,8 +175,9 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
     text = cfg.get("text_config") or {}
     timm_ids = cfg.get("timm_model_ids") or []
     image_sizes = cfg.get("image_sizes") or [224]
-    for name, value, kind in ((RLFLEET_HINTS, hints, dict), ("text_config", text, dict), ("timm_model_ids", timm_ids, list),
-                              ("image_sizes", image_sizes, list), ("norm_stats", cfg.get("norm_stats") or {}, dict)):
+    for name, value, kind in ((RLFLEET_HINTS, hints, dict), ("text_config", text, dict),
+                              ("timm_model_ids", timm_ids, list), ("image_sizes", image_sizes, list),
+                              ("norm_stats", cfg.get("norm_stats") or {}, dict)):
         if not isinstance(value, kind):
             raise BadFile(source, name, f"a JSON {'object' if kind is dict else 'array'}", type(value).__name__)
     if not all(t is None or isinstance(t, str) for t in timm_ids):
