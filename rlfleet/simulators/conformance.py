@@ -15,7 +15,6 @@ It resets and steps the envs, so point it at a standalone simulator server, not 
 from __future__ import annotations
 
 import json
-import queue
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -23,9 +22,10 @@ from dataclasses import asdict, dataclass
 import grpc
 import numpy as np
 
+from rlfleet.untrusted import BadFile
 from rlfleet.wire import codec, env_contract, rpc
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
-from rlfleet.v1 import env_pb2, env_pb2_grpc
+from rlfleet.v1 import env_pb2
 
 CONTRACT_VERSION = env_contract.CURRENT
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -50,25 +50,30 @@ class CheckResult:
 
 
 class StepStream:
-    """One Step stream: send a request, read its response (in order, as the contract requires)."""
+    """One Step stream: send a request, read its response (in order, as the contract requires). Answers are read
+    no further than the requests sent (env_contract.StepCall): one nobody asked for, or a stream that ends without
+    answering, is a ContractError; ``timeout`` is the stream's deadline."""
 
-    _END = object()
-
-    def __init__(self, stub, timeout: float, metadata=None):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._call = stub.Step(iter(self._requests.get, self._END), timeout=timeout, metadata=metadata)
+    def __init__(self, client: env_contract.EnvClient, num_envs: int, timeout: float, metadata=None, source=""):
+        self._call = client.stream(timeout=timeout, metadata=metadata, source=source or "StepResponse")
+        self._num_envs = num_envs
 
     def step(self, env_ids, actions) -> env_pb2.StepResponse:
         msg = actions if isinstance(actions, codec.Tensor) else codec.encode(actions)
-        self._requests.put(env_pb2.StepRequest(env_ids=[int(i) for i in env_ids], actions=msg))
-        return next(self._call)
+        ids = [int(i) for i in env_ids]
+        self._call.send(env_pb2.StepRequest(env_ids=ids, actions=msg), len(ids) or self._num_envs)
+        try:
+            return self._call.answer()
+        except env_contract.StepStreamError as exc:
+            raise ContractError(f"the server {exc}") from None
+        except BadFile as exc:  # an answer past the limits: its counts were refused before it was parsed
+            raise ContractError(str(exc)) from None
 
     def cancel(self) -> None:
         self._call.cancel()
 
     def close(self) -> None:
-        self._requests.put(self._END)
-        self._call.cancel()
+        self._call.close()
 
 
 def _require(cond: bool, message: str) -> None:
@@ -103,15 +108,27 @@ class Checker:
         self.address, self.timeout, self.max_steps = address, timeout, max_steps
         self.rng = np.random.default_rng(seed)
         self.channel = rpc.wait_ready(address, timeout, credential=False)
-        self.stub = env_pb2_grpc.EnvServiceStub(self.channel)
-        self.spec = self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
-        self.view = env_contract.read(self.spec)
-        self.n = int(self.spec.num_envs)
-        self.obs_specs = dict(self.spec.observation_space)
+        # replies are read as bytes, their counts scanned before protobuf builds anything (env_contract.EnvClient)
+        self.env = env_contract.EnvClient(self.channel)
         self.include_close = False
         self.unusable = ""  # why the checks that reset and step cannot run (spaces that do not decode, no envs)
         self.obs_spaces: dict[str, TensorSpace] = {}
         self.action: TensorSpace | None = None
+        # claims past rlfleet's limits (rlfleet/wire/limits.py): nothing is built from such a spec (no list per
+        # env, no action batch of its shape); describe FAILs naming the claim and the other checks are SKIP
+        try:
+            self.spec = self.env.describe(timeout, source=f"{address} EnvSpec")
+            self.too_large = env_contract.limit_problems(self.spec, f"{address} EnvSpec")
+        except BadFile as exc:  # counts past the limits: not even parsed
+            self.spec, self.too_large = env_pb2.EnvSpec(), [f"{exc} ({env_contract.section('limits')})"]
+        self.view = env_contract.read(self.spec)
+        too_large = self.too_large
+        if too_large:
+            self.n, self.obs_specs, self.instructions = 0, {}, []
+            self.unusable = f"Describe claims more than rlfleet accepts ({too_large[0]})"
+            return
+        self.n = int(self.spec.num_envs)
+        self.obs_specs = dict(self.spec.observation_space)
         try:
             self.obs_spaces = spaces_from_proto(self.obs_specs)
             self.action = TensorSpace.from_proto(self.spec.action_space)
@@ -123,17 +140,25 @@ class Checker:
         self.instructions = list(self.spec.task_descriptions) or [""] * max(self.n, 0)
 
     # --- helpers ----------------------------------------------------------------------------------------------
+    def _describe(self) -> env_pb2.EnvSpec:
+        """Describe again (counts scanned before parsing: a reply past the limits is a ContractError)."""
+        try:
+            return self.env.describe(self.timeout, source=f"{self.address} EnvSpec")
+        except BadFile as exc:
+            raise ContractError(str(exc)) from None
+
     @property
     def v0(self) -> bool:
         return self.view.version == "0"
 
     def _reset(self, env_ids=(), seeds=(), states=()) -> tuple[dict[str, np.ndarray], list[str]]:
-        resp = self.stub.Reset(env_pb2.ResetRequest(env_ids=list(env_ids), seeds=list(seeds),
-                                                    reset_state_ids=list(states)), timeout=self.timeout)
         n = len(env_ids) or self.n
         try:
+            resp = self.env.reset(env_pb2.ResetRequest(env_ids=list(env_ids), seeds=list(seeds),
+                                                       reset_state_ids=list(states)), n, timeout=self.timeout,
+                                  source=f"{self.address} ResetResponse")
             obs = codec.decode_map(resp.observations, "ResetResponse.observations", specs=self.obs_specs, batch=n)
-        except codec.CodecError as exc:
+        except (codec.CodecError, BadFile) as exc:
             raise ContractError(str(exc)) from None
         _require(len(resp.instructions) in (0, n),
                  f"ResetResponse.instructions: {len(resp.instructions)} strings for {n} reset envs (one each, or none)")
@@ -221,21 +246,23 @@ class Checker:
             space = self.obs_spaces[k]
             if v.dtype.kind == "f":
                 _require(np.isfinite(v).all(), f"{what}[{k!r}]: non-finite values")
-            lo, hi = space.low.ravel(), space.high.ravel()
+            lo, hi = space.low.reshape(-1), space.high.reshape(-1)
             if v.dtype.kind == "f":  # the bounds as the entry's dtype holds them
                 with np.errstate(over="ignore"):
                     lo, hi = lo.astype(v.dtype).astype(np.float64), hi.astype(v.dtype).astype(np.float64)
-            flat = np.asarray(v, np.float64).reshape(len(v), -1)
-            out = np.flatnonzero(((flat < lo - BOUNDS_ATOL) | (flat > hi + BOUNDS_ATOL)).any(0))
+            # each element's smallest and largest value over the rows, in the entry's own dtype: no float64 copy
+            # of the whole batch (8x the bytes of a uint8 image batch)
+            rows = v.reshape(len(v), -1)
+            vmin, vmax = rows.min(0).astype(np.float64), rows.max(0).astype(np.float64)
+            out = np.flatnonzero((vmin < lo - BOUNDS_ATOL) | (vmax > hi + BOUNDS_ATOL))
             if out.size:
                 e = int(out[0])
                 raise ContractError(f"{what}[{k!r}]: element {e} (flat index; {len(out)} element(s) in all) is "
                                     f"outside its declared bounds [{lo[e]:.6g}, {hi[e]:.6g}]: values "
-                                    f"{flat[:, e].min():.6g}..{flat[:, e].max():.6g} "
-                                    f"({env_contract.section('tensors')})")
+                                    f"{vmin[e]:.6g}..{vmax[e]:.6g} ({env_contract.section('tensors')})")
 
     def _stream(self, metadata=None, timeout: float | None = None) -> StepStream:
-        return StepStream(self.stub, timeout or self.timeout, metadata)
+        return StepStream(self.env, self.n, timeout or self.timeout, metadata, f"{self.address} StepResponse")
 
     def _step_once(self, ids, actions, metadata=None) -> env_pb2.StepResponse:
         stream = self._stream(metadata)
@@ -278,8 +305,10 @@ class Checker:
     # --- checks -----------------------------------------------------------------------------------------------
     def check_describe(self) -> str:
         s, v = self.spec, self.view
+        # a claim past rlfleet's limits is named with the server's address; nothing else is decoded then
+        _require(not self.too_large, "; ".join(self.too_large))
         problems = env_contract.spec_problems(s)
-        again = self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=self.timeout)
+        again = self._describe()
         if again.incarnation != s.incarnation:
             problems.append("EnvSpec.incarnation changed between two Describe calls (it may only change when the "
                             "server restarts)")
@@ -351,7 +380,7 @@ class Checker:
         if self.v0:
             return "skip: version 0 has no instructions in Reset/Step responses (Describe's task_descriptions only)"
         _, instr = self._reset()
-        described = list(self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=self.timeout).task_descriptions)
+        described = list(self._describe().task_descriptions)
         if not instr:
             _require(not any(described), f"Reset sent no instructions, but Describe.task_descriptions is "
                      f"{described[:3]}...: a server without instructions sends none (or '') in both "
@@ -361,7 +390,7 @@ class Checker:
                  f"instructions Reset returned {instr[:2]}...: task_descriptions are each env's current instruction "
                  f"({env_contract.section('instructions')})")
         self._decode_step(self._step_once([], self._actions(self.n)), [], None)
-        described = list(self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=self.timeout).task_descriptions)
+        described = list(self._describe().task_descriptions)
         now = [self.instructions[i] for i in range(self.n)]
         _require(described == now, f"after a Step, Describe.task_descriptions {described[:2]}... differ from each "
                  f"env's current instruction {now[:2]}... ({env_contract.section('instructions')})")
@@ -498,8 +527,8 @@ class Checker:
                 self._decode_step(stream.step([], self._actions(self.n, chunk=c)), [], c)
         finally:
             stream.close()
-        what = self._expect(grpc.StatusCode.INVALID_ARGUMENT, "actions",
-                            lambda: self._step_once([], self._actions(self.n, chunk=k + 1)))
+        what = self._expect(grpc.StatusCode.INVALID_ARGUMENT, "actions",  # one row: the refusal is per request
+                            lambda: self._step_once([0], self._actions(1, chunk=k + 1)))
         _require(what is None, f"a chunk of {k + 1} sub-steps (max_action_chunk={k}): {what} "
                  f"({env_contract.section('errors')})")
         note = ""
@@ -718,7 +747,7 @@ class Checker:
                  f"{_got(code, details)}" + (" (UNKNOWN is what an uncaught exception gives)"
                                              if code == grpc.StatusCode.UNKNOWN else "")
                  + f" ({env_contract.section('errors')})")
-        spec = self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=self.timeout)
+        spec = self._describe()
         _require(spec.incarnation == self.spec.incarnation, "after INTERNAL the server restarted (a new "
                  "incarnation): a simulator failure must not take the server down")
         try:
@@ -732,14 +761,14 @@ class Checker:
     def check_close(self) -> str:
         if not self.include_close:
             return "skip: Close ends the server's envs; pass --close to check it (last)"
-        self.stub.Close(env_pb2.CloseRequest(), timeout=self.timeout)
+        self.env.close(env_pb2.CloseRequest(), timeout=self.timeout)
         fails = []
         for what, fn in (("Reset", lambda: self._reset([0])), ("Step", lambda: self._step_once([0], self._actions(1)))):
             bad = self._expect(grpc.StatusCode.FAILED_PRECONDITION, None, fn)
             if bad:
                 fails.append(f"{what} after Close: {bad}")
         try:
-            self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=self.timeout)
+            self._describe()
         except grpc.RpcError as exc:
             fails.append(f"Describe after Close must still answer; got {rpc.describe_error(exc)}")
         _require(not fails, "; ".join(fails) + f" ({env_contract.section('close')})")

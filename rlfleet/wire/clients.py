@@ -168,8 +168,9 @@ class _Stream:
 
     A reader thread moves responses into a queue so that ``result`` can wait with a deadline: an inference
     server that is unreachable or stops answering costs ``timeout`` seconds and a PolicyError naming it, never a
-    wedged env server. When tracing is set up, each request carries the asking rollout's trace context (the
-    inference server's act batch links to it).
+    wedged env server. The reader takes no more responses than requests were sent: one nobody asked for (a stream
+    that never ends) ends the stream with a PolicyError, instead of queueing without bound. When tracing is set
+    up, each request carries the asking rollout's trace context (the inference server's act batch links to it).
     """
 
     _END = object()
@@ -192,11 +193,19 @@ class _Stream:
         self.received: queue.SimpleQueue = queue.SimpleQueue()
         self.ids = itertools.count()
         self.inflight: list[tuple[int, int]] = []
+        self.sent = 0  # requests sent (counted before each is queued, so an answer never precedes its count)
         threading.Thread(target=self._read, name=f"act-{address}", daemon=True).start()
 
     def _read(self) -> None:
+        got = 0
         try:
             for resp in self.responses:
+                got += 1
+                if got > self.sent:
+                    self.received.put(PolicyError(f"inference server {self.address} sent Act response {got} for "
+                                                  f"{self.sent} requests (one response per request)"))
+                    self.responses.cancel()
+                    return
                 self.received.put(resp)
             self.received.put(PolicyError(f"inference server {self.address} closed the Act stream"))
         except grpc.RpcError as exc:
@@ -204,6 +213,7 @@ class _Stream:
 
     def submit(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None, noise_keys=None) -> None:
         rid = next(self.ids)
+        self.sent += 1
         trace_context: dict[str, str] = {}
         if self.traced:
             propagate.inject(trace_context)

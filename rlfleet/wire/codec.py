@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from rlfleet.v1 import tensor_pb2
+from rlfleet.wire import limits
 
 
 # --- Tensors: numpy arrays <-> Tensor / TensorMap messages, every received one checked --------------------------------
@@ -62,22 +63,20 @@ _NP_BY_DTYPE: dict[int, np.dtype] = {
 _DTYPE_BY_NP: dict[np.dtype, int] = {np.dtype(v).newbyteorder("="): k for k, v in _NP_BY_DTYPE.items()
                                      if k != DType.BFLOAT16}
 
-MAX_ELEMENTS = 1 << 31
+MAX_ELEMENTS = limits.MAX_TENSOR_ELEMENTS  # of one received tensor (rlfleet/wire/limits.py)
+MAX_DIMS = limits.MAX_DIMS
 
 
 class CodecError(ValueError):
     """A received tensor is malformed or not what was expected; the message names the field."""
 
 
-MAX_DIMS = 32
-
-
 def check_shape(dims: Sequence[int], name: str) -> int:
-    """A received shape: at most MAX_DIMS dimensions, none negative, at most MAX_ELEMENTS elements (counted
-    without overflow); -> the element count."""
-    dims = list(dims)
+    """A received shape: at most MAX_DIMS dimensions (counted before they are copied), none negative, at most
+    MAX_ELEMENTS elements (counted without overflow); -> the element count."""
     if len(dims) > MAX_DIMS:
-        raise CodecError(f"{name}: {len(dims)} dimensions; at most {MAX_DIMS}")
+        raise CodecError(f"{name}: {len(dims):,} dimensions; at most {MAX_DIMS}")
+    dims = list(dims)
     if any(d < 0 for d in dims):
         raise CodecError(f"{name}: negative dimension in shape {dims}")
     count = math.prod(dims)
@@ -127,14 +126,12 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
     if msg.dtype not in _NP_BY_DTYPE:
         raise CodecError(f"{name}: unknown or unset dtype {msg.dtype} "
                          f"(expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})")
+    count = check_shape(msg.shape, name)  # Python ints: [2**32, 2**32] must not wrap to 0
     dims = list(msg.shape)
-    check_shape(dims, name)
-    count = math.prod(dims)  # Python ints: [2**32, 2**32] must not wrap to 0
-    if count > MAX_ELEMENTS:
-        raise CodecError(f"{name}: {count} elements is more than the limit {MAX_ELEMENTS}")
     np_dtype = _NP_BY_DTYPE[msg.dtype]
-    if len(msg.data) != count * np_dtype.itemsize:
-        raise CodecError(f"{name}: {len(msg.data)} data bytes do not match shape {dims} of "
+    data = msg.data  # once: each access of a bytes field copies it
+    if len(data) != count * np_dtype.itemsize:  # before anything is allocated for the claimed shape
+        raise CodecError(f"{name}: {len(data)} data bytes do not match shape {dims} of "
                          f"{DType.Name(msg.dtype)} ({count * np_dtype.itemsize} bytes expected)")
     if dtype is not None:
         want = dtype if isinstance(dtype, int) and not isinstance(dtype, bool) else _DTYPE_BY_NP.get(
@@ -146,7 +143,7 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
         if len(shape) != len(dims) or any(s is not None and s != d for s, d in zip(shape, dims)):
             want = ["N" if s is None else s for s in shape]
             raise CodecError(f"{name}: shape {dims} where {want} was expected")
-    array = np.frombuffer(msg.data, dtype=np_dtype).reshape(dims)
+    array = np.frombuffer(data, dtype=np_dtype).reshape(dims)
     if finite and np_dtype.kind == "f" and not np.isfinite(array).all():
         bad = np.argwhere(~np.isfinite(array))[0].tolist()
         raise CodecError(f"{name}: non-finite value {array[tuple(bad)]} at index {bad}")
@@ -162,7 +159,11 @@ def encode_map(arrays: Mapping[str, object], out: TensorMap | None = None) -> Te
 
 def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, TensorSpec] | None = None,
                batch: int | None = None, finite: bool = False, writable: bool = False) -> dict[str, np.ndarray]:
-    """Decode a TensorMap; with ``specs``, require exactly those keys, each shaped [batch, *spec.shape]."""
+    """Decode a TensorMap; with ``specs``, require exactly those keys, each shaped [batch, *spec.shape]. At most
+    ``limits.MAX_TENSOR_MAP_ENTRIES`` entries (counted before any key is read)."""
+    if len(msg.tensors) > limits.MAX_TENSOR_MAP_ENTRIES:
+        raise CodecError(f"{name}: {len(msg.tensors):,} tensors; at most {limits.MAX_TENSOR_MAP_ENTRIES:,} "
+                         f"(rlfleet.wire.limits.MAX_TENSOR_MAP_ENTRIES)")
     if specs is not None:
         missing = sorted(set(specs) - set(msg.tensors))
         extra = sorted(set(msg.tensors) - set(specs))

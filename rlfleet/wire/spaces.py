@@ -100,11 +100,15 @@ class TensorSpace:
         return spec
 
     @classmethod
-    def from_proto(cls, spec: tensor_pb2.TensorSpec) -> TensorSpace:
-        from rlfleet.wire.codec import numpy_dtype
+    def from_proto(cls, spec: tensor_pb2.TensorSpec, name: str = "TensorSpec") -> TensorSpace:
+        """A TensorSpec received from a peer: its shape is checked (rank, sign, element count: codec.check_shape)
+        before anything is built, and per-element bounds must have one value per element. The bounds are views
+        (a bound given once costs nothing, whatever the shape). How large a space a consumer accepts is its own
+        limit (rlfleet.wire.limits; the env contract's: env_contract.limit_problems)."""
+        from rlfleet.wire.codec import check_shape, numpy_dtype
 
+        n = check_shape(spec.shape, f"{name}.shape")
         shape = tuple(int(d) for d in spec.shape)
-        n = int(np.prod(shape, dtype=np.int64))
         if spec.low_per_element or spec.high_per_element:
             if len(spec.low_per_element) != n or len(spec.high_per_element) != n:
                 raise ValueError(f"TensorSpec: low_per_element/high_per_element need {n} values for shape "
@@ -161,9 +165,13 @@ def spaces_to_proto(spaces: Mapping[str, TensorSpace]) -> dict[str, tensor_pb2.T
 
 def spaces_from_proto(specs, field: str = "observation_space") -> dict[str, TensorSpace]:
     """{name: TensorSpec} (a protobuf map) -> {name: TensorSpace}; a bad shape or dtype is a CodecError naming
-    ``field['name']``."""
+    ``field['name']``, and so are more than ``limits.MAX_OBS_ENTRIES`` entries (counted before any is read)."""
+    from rlfleet.wire import limits
     from rlfleet.wire.codec import CodecError, check_shape, numpy_dtype
 
+    if len(specs) > limits.MAX_OBS_ENTRIES:
+        raise CodecError(f"{field}: {len(specs):,} entries; at most {limits.MAX_OBS_ENTRIES:,} "
+                         f"({limits.named('MAX_OBS_ENTRIES')})")
     out = {}
     for k, v in specs.items():
         check_shape(v.shape, f"{field}['{k}']")

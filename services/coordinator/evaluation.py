@@ -19,6 +19,21 @@ from services.coordinator.registry import RunFailed
 _tracer = trace.get_tracer("rlfleet")
 
 
+def _check_episodes(resp, first: int, count: int, peer: str) -> None:
+    """An EvaluateResponse's claims, before they are counted: at most ``count`` episodes (the ones asked for),
+    each an episode index in ``[first, first + count)``, and a lost-episode count that is not negative. Refused
+    with RunFailed naming the env server, the field, the limit and the claim."""
+    if len(resp.episodes) > count:
+        raise RunFailed(f"{peer} answered Evaluate with {len(resp.episodes):,} episodes; at most {count:,} were asked "
+                        f"for (episodes {first}..{first + count - 1})")
+    bad = [e.env_id for e in resp.episodes if not first <= e.env_id < first + count]
+    if bad:
+        raise RunFailed(f"{peer} answered Evaluate with episode index {bad[0]}; the episodes asked for are "
+                        f"{first}..{first + count - 1}")
+    if resp.lost_episodes < 0:
+        raise RunFailed(f"{peer} answered Evaluate with lost_episodes {resp.lost_episodes}; a count is >= 0")
+
+
 class Evaluator:
     def __init__(self, cfg, run_dir, calls: FleetCalls, say):
         self.cfg, self.run_dir, self.calls, self.say = cfg, run_dir, calls, say
@@ -60,6 +75,7 @@ class Evaluator:
                         use_reset_state_ids=ev.use_fixed_reset_state_ids, video_episodes=ev.video_episodes,
                         video_dir=video_dir, policy_spec=calls.policy_spec),
                         timeout=self.cfg.cluster.collect_timeout_s)
+                    _check_episodes(resp, first, count, f"env[{i}] ({svc.address})")
                     calls.add_lost(resp.lost_episodes)
                     if progress is not None:
                         with calls.lock:

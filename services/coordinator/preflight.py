@@ -12,7 +12,6 @@ import grpc
 
 from rlfleet.config import ConfigError
 from rlfleet.simulators.environments import child_environ
-from rlfleet.v1 import env_pb2, env_pb2_grpc
 from rlfleet.wire import env_contract, rpc
 from services.coordinator.launcher import ENV_SIDE_COMMAND
 
@@ -124,11 +123,14 @@ def preflight_external(cfg, *, rename: bool, timeout: float = 15.0) -> list[str]
             except TimeoutError:
                 raise ConfigError(f"'cluster.{key}[{i}]': no EnvService answered at {address} within {timeout:.0f}s; "
                                   f"start the simulator first") from None
-            try:
-                spec = env_pb2_grpc.EnvServiceStub(channel).Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
+            try:  # counts scanned before the reply is parsed (docs/env-contract.md#limits)
+                spec = env_contract.EnvClient(channel).describe(timeout)
             except grpc.RpcError as exc:
                 raise ConfigError(f"'cluster.{key}[{i}]': {address} did not answer Describe: "
                                   f"{rpc.describe_error(exc)}") from None
+            except ValueError as exc:  # rlfleet.untrusted.TooLarge
+                raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {exc} "
+                                  f"({env_contract.section('limits')})") from None
             finally:
                 channel.close()
             problems = env_contract.run_problems(spec, policy_chunk=chunk)

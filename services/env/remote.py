@@ -18,21 +18,28 @@ your server"):
 - It refuses a request (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, ...): that would happen
   again on every retry, so it raises ``InvalidRequest`` with the server's own message and the run stops with it.
 
+Sizes a server claims are checked before anything is built from them (rlfleet/wire/limits.py,
+docs/env-contract.md#limits): a Describe past the limits (envs, spaces, episode length, chunk, strings) is
+refused like an unusable server, on every (re)connection; a Reset or Step reply with more rows, strings,
+final rows or episodes than the request asked for, or tensors whose shape and bytes disagree, is a malformed
+response. A Step answer is awaited at most ``call_timeout`` seconds (cluster.act_timeout_s), and an answer no
+request asked for ends the stream: one request, one response.
+
 The bridge never calls ``Close``: the simulator belongs to whoever started it, and stays usable after the run.
 """
 
 from __future__ import annotations
 
-import queue
 import time
 
 import grpc
 import numpy as np
 
+from rlfleet.untrusted import BadFile
 from rlfleet.wire import codec, env_contract, rpc
 from rlfleet.wire.rpc import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
-from rlfleet.v1 import env_pb2, env_pb2_grpc
+from rlfleet.v1 import env_pb2
 from services.env.vec_env import StepResult
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
@@ -58,27 +65,31 @@ class EnvConnectionLost(RuntimeError):
 
 
 class RemoteVecEnv:
-    _END = object()
-
     def __init__(self, address: str, timeout: float = 60.0, call_timeout: float = 60.0, *, policy_chunk: int = 1):
         self.address = address
         self.call_timeout = call_timeout
         self.policy_chunk = policy_chunk
         self.spec: env_pb2.EnvSpec | None = None
-        self._responses = None
+        self._stream: env_contract.StepCall | None = None
         self._connect(timeout)
 
     # --- connection -------------------------------------------------------------------------------------------
     def _connect(self, timeout: float) -> None:
         self.channel = rpc.wait_ready(self.address, timeout, credential=False)  # a simulator outside the run
-        self.stub = env_pb2_grpc.EnvServiceStub(self.channel)
-        spec = self.stub.Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
+        # replies are read as bytes and their counts scanned before protobuf builds anything (env_contract)
+        self.client = env_contract.EnvClient(self.channel)
+        try:
+            spec = self.client.describe(timeout=timeout)
+        except BadFile as exc:
+            raise InvalidRequest(f"external env {self.address} cannot be used: {exc} "
+                                 f"({env_contract.section('limits')})") from None
+        # sizes first, on every (re)connection: nothing is built from a spec that claims past the limits
+        problems = env_contract.limit_problems(spec) if self.spec is not None else \
+            env_contract.run_problems(spec, policy_chunk=self.policy_chunk)
+        if problems:
+            raise InvalidRequest(f"external env {self.address} cannot be used: {problems[0]}")
         if self.spec is not None:
             self._check_same(spec)
-        else:
-            problems = env_contract.run_problems(spec, policy_chunk=self.policy_chunk)
-            if problems:
-                raise InvalidRequest(f"external env {self.address} cannot be used: {problems[0]}")
         self.spec = spec
         self.view = v = env_contract.read(spec)
         self.env_id = spec.env_id
@@ -97,8 +108,8 @@ class RemoteVecEnv:
         self._open_stream()
 
     def _open_stream(self) -> None:
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._responses = self.stub.Step(iter(self._requests.get, self._END))
+        # answers are awaited with a deadline, and read no further than the requests sent (env_contract.StepCall)
+        self._stream = self.client.stream()
         self._stream_fresh = True  # no response read yet
 
     def _check_same(self, spec) -> None:
@@ -109,10 +120,9 @@ class RemoteVecEnv:
                                  f"({spec.num_envs} envs, was {old.num_envs}); restart the run")
 
     def _drop_stream(self) -> None:
-        if self._responses is not None:
-            self._requests.put(self._END)
-            self._responses.cancel()
-            self._responses = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         self.channel.close()
 
     def reconnect(self, timeout: float, log=print) -> float:
@@ -156,7 +166,9 @@ class RemoteVecEnv:
         return InvalidRequest(f"external env {self.address} refused {call}: {rpc.describe_error(exc)}{hint}")
 
     def _malformed(self, what: str, exc: Exception) -> EnvConnectionLost:
-        return EnvConnectionLost(f"external env {self.address} sent a bad {what}: {exc}", self, answered=True)
+        # a size refusal (BadFile) already starts with the message it names: "StepResponse: episodes: ..."
+        text = str(exc) if isinstance(exc, BadFile) else f"{what}: {exc}"
+        return EnvConnectionLost(f"external env {self.address} sent a bad {text}", self, answered=True)
 
     # --- the vec-env interface ---------------------------------------------------------------------------------
     def _obs(self, msg, n: int, name: str) -> dict[str, np.ndarray]:
@@ -180,12 +192,14 @@ class RemoteVecEnv:
         if states and self.view.version == "0" and any(int(s) != -1 for s in states):
             raise InvalidRequest(f"reset_state_ids: external env {self.address} implements contract version "
                                  f"{self.view.version}, which has no fixed initial states")
+        rows = ids or list(range(self.num_envs))
         try:
-            resp = self.stub.Reset(env_pb2.ResetRequest(env_ids=ids, seeds=list(seeds or []), reset_state_ids=states),
-                                   timeout=self.call_timeout)
+            resp = self.client.reset(env_pb2.ResetRequest(env_ids=ids, seeds=list(seeds or []),
+                                                          reset_state_ids=states), len(rows), timeout=self.call_timeout)
         except grpc.RpcError as exc:
             raise self._failed(exc, "Reset") from exc
-        rows = ids or list(range(self.num_envs))
+        except BadFile as exc:
+            raise self._malformed("ResetResponse", exc) from exc
         try:
             obs = self._obs(resp.observations, len(rows), "observations")
             self._instructions(resp.instructions, rows)
@@ -193,32 +207,38 @@ class RemoteVecEnv:
             raise self._malformed("ResetResponse", exc) from exc
         return obs
 
-    def _next_response(self, request: env_pb2.StepRequest) -> env_pb2.StepResponse:
-        self._requests.put(request)
+    def _next_response(self, request: env_pb2.StepRequest, n: int) -> env_pb2.StepResponse:
+        self._stream.send(request, n)
         deadline = time.monotonic() + STREAM_SLOT_WAIT_S
         while True:
             try:
-                resp = next(self._responses)
+                resp = self._stream.answer(wait=self.call_timeout)
                 self._stream_fresh = False
                 return resp
+            except TimeoutError:
+                self._stream.cancel()
+                raise EnvConnectionLost(f"external env {self.address} did not answer a Step within "
+                                        f"{self.call_timeout:.0f}s (cluster.act_timeout_s)", self,
+                                        answered=True) from None
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self._stream_fresh \
                         and time.monotonic() < deadline:  # our own cancelled stream may still hold the slot
                     time.sleep(0.2)
                     self._open_stream()
-                    self._requests.put(request)
+                    self._stream.send(request, n)
                     continue
                 raise self._failed(exc, "Step") from exc
-            except StopIteration:
-                raise EnvConnectionLost(f"external env {self.address} ended the Step stream without answering",
-                                        self, answered=True) from None
+            except env_contract.StepStreamError as exc:
+                raise EnvConnectionLost(f"external env {self.address} {exc}", self, answered=True) from None
+            except BadFile as exc:  # an answer past the limits (read_reply)
+                raise self._malformed("StepResponse", exc) from exc
 
     def step(self, env_ids, actions) -> StepResult:
         ids = [int(i) for i in env_ids]
         actions = np.clip(np.asarray(actions, np.float32), self._act_low, self._act_high)  # the contract: in bounds
-        resp = self._next_response(env_pb2.StepRequest(env_ids=ids, actions=codec.encode(actions)))
         rows_ids = ids or list(range(self.num_envs))
         n = len(rows_ids)
+        resp = self._next_response(env_pb2.StepRequest(env_ids=ids, actions=codec.encode(actions)), n)
         per = [n] if actions.ndim == len(self.action_space.shape) + 1 else [n, actions.shape[1]]
         try:
             out = StepResult.from_proto(resp, per, self.obs_specs, self.view, instruction_of=self._instruction_of,
