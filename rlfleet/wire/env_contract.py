@@ -14,7 +14,11 @@ its documented default, and what changed meaning between versions is read by the
                EpisodeStats.reset_state_id (absent then) reads as -1.
 
 The env side's bridge to external servers, `coordinatorctl start`'s check of external servers and the conformance kit
-(rlfleet.simulators.conformance) all read specs through this module, so they agree on every version.
+(rlfleet.simulators.conformance) all read specs through this module, so they agree on every version. They also
+read a server's replies through it (:class:`EnvClient`): bytes first, whose counts are scanned against
+rlfleet/wire/limits.py before protobuf parses them, then :func:`limit_problems` (a Describe) or
+:func:`check_reply` (a Reset or Step reply), so a server that claims absurd sizes costs a one-line refusal, not
+the memory its claim describes (docs/env-contract.md#limits).
 """
 
 from __future__ import annotations
