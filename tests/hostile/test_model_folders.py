@@ -88,7 +88,7 @@ MEASURE = r"""
 import json, resource, sys, time, tracemalloc, torch
 torch.set_num_threads(1)
 from rlfleet.config import load_config
-from rlfleet.policies import build_policy
+from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.spaces import TensorSpace
 specs = {"third_person": TensorSpace((32, 32, 3), "uint8"), "state": TensorSpace((7,), "float32")}
 good, bad, tiny = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
