@@ -162,6 +162,32 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, root:
                       allow_infinity=allow_infinity)
 
 
+_LOADER = None
+
+
+def _plain_loader():
+    """PyYAML's SafeLoader read the way OmegaConf reads configs: ``1e-5`` is a float (YAML 1.2; PyYAML alone
+    reads it as a string), dates stay strings."""
+    global _LOADER
+    if _LOADER is None:
+        import re
+
+        import yaml
+
+        class PlainLoader(yaml.SafeLoader):
+            pass
+
+        PlainLoader.yaml_implicit_resolvers = {
+            first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+        PlainLoader.add_implicit_resolver(
+            "tag:yaml.org,2002:float",
+            re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+            list("-+0123456789."))
+        _LOADER = PlainLoader
+    return _LOADER
+
+
 def parse_yaml(text: str, path: str | os.PathLike, *, what: str = "YAML") -> Any:
     """YAML text parsed by PyYAML's safe loader, refusing anchors/aliases (an alias bomb expands exponentially;
     rlfleet never writes them) and any tag outside the plain YAML types (``!!python/object`` and friends).
@@ -180,7 +206,7 @@ def parse_yaml(text: str, path: str | os.PathLike, *, what: str = "YAML") -> Any
                 tag = (handle or "") + (suffix or "")
                 if not (handle == "!!" and suffix in {"str", "int", "float", "bool", "null", "map", "seq"}):
                     raise BadFile(path, where(token.start_mark), "plain YAML values (no tags)", f"the tag '{tag}'")
-        return yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader, tags refused above
+        return yaml.load(text, Loader=_plain_loader())  # noqa: S506 - a SafeLoader, tags refused above
     except BadFile:
         raise
     except yaml.MarkedYAMLError as exc:

@@ -80,6 +80,14 @@ def test_a_users_own_config_may_interpolate_but_not_carry_tags(tmp_path):
     assert not (tmp_path / "MARKER").exists()
 
 
+def test_plain_yaml_reads_numbers_and_dates_as_omegaconf_does(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("actor:\n  optim:\n    lr: 1e-5\nrunner:\n  experiment_name: 2026-11-26\n")
+    loaded = load_config(cfg, ["algorithm.gamma=9.5e-1"])
+    assert loaded.actor.optim.lr == 1e-5 and loaded.algorithm.gamma == 0.95
+    assert loaded.runner.experiment_name == "2026-11-26"
+
+
 def test_register_refuses_config_text_with_aliases_or_tags():
     from services.coordinator.registry import config_difference
 
