@@ -57,15 +57,6 @@ class Target:
         return f"{run}-{self.checkpoint.name}"
 
 
-def latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path | None:
-    """The newest complete checkpoint of a run folder (learner_state.json, written last, marks it complete): the
-    one the learner restores for runner.resume_dir (both find it with rlfleet.data.checkpoint_files)."""
-    from rlfleet.data.checkpoint_files import complete_checkpoints
-
-    done = complete_checkpoints(run_dir)
-    return done[-1][1] if done else None
-
-
 def verify(target: Target):
     """A checkpoint target's files checked whole before anything reads them (rlfleet.data.checkpoint_files: DCP
     metadata through a restricted unpickler, shards long enough, learner_state.json and the reward normaliser's
@@ -95,7 +86,7 @@ def resolve(path: str) -> Target:
         raise EvalError(f"{p}: no such folder")
     if not p.is_dir():
         raise EvalError(f"{p}: not a folder (give a run folder, RUN/checkpoints/global_step_N or a model folder)")
-    from rlfleet.data.checkpoint_files import is_checkpoint
+    from rlfleet.data.checkpoint_files import is_checkpoint, latest_checkpoint  # the learner's own finding
 
     if is_checkpoint(p):
         run = p.parent.parent
