@@ -173,8 +173,12 @@ REPLY_LIES = {
     "step_more_rows": "observations['state']: shape [3, 4] where [2, 4] was expected",
     "step_episodes_1e5": "StepResponse: episodes (count): expected at most 2 (one per ended row; 2 rows were "
                          "stepped), found 100,000",
-    "step_never_ends": "sent a StepResponse no request asked for",
 }
+# a Step stream that answers without end: answers carry no request id, so an answer is known to be unasked only when
+# it arrives with no request outstanding; one that arrives just after the client's next request is taken as that
+# request's answer. What holds whatever the timing: at most one answer is read per request (memory bounded), the
+# client never hangs, and where the flood is seen it is named
+FLOOD = {"step_never_ends": "sent a StepResponse no request asked for"}
 BRIDGE_ONLY = {"step_silent": "did not answer a Step within 3s (cluster.act_timeout_s)"}
 
 # every client process caps its own address space (set here, not by a preexec_fn: forking a process that runs
@@ -389,3 +393,15 @@ def test_the_evaluator_refuses_more_episodes_than_it_asked_for():
         _check_episodes(resp, 10, 4, "env[0] (127.0.0.1:1)")
     with pytest.raises(RunFailed, match=r"episode index 10; the episodes asked for are 11..15"):
         _check_episodes(resp, 11, 5, "env[0] (127.0.0.1:1)")
+
+
+@pytest.mark.parametrize("liar", list(FLOOD), indirect=True)
+@pytest.mark.parametrize("client", ["check-env", "bridge"])
+def test_a_step_stream_that_never_ends_costs_bounded_memory_and_no_hang(liar, client, baseline):
+    out, seconds, peak = (check_env if client == "check-env" else bridge)(liar)
+    assert "Traceback" not in out and "MemoryError" not in out, out[-3000:]
+    named = [line for line in out.splitlines() if FLOOD["step_never_ends"] in line]
+    assert named or "no error" in out or " passed, " in out, out[-3000:]
+    assert seconds < SECONDS, (seconds, out[-2000:])
+    assert peak - baseline[client] < GROWTH_MB, (peak, baseline)
+    print(f"{client} flooded: {seconds:.2f}s, peak {peak:.0f} MB, {'named' if named else 'paired with requests'}")
