@@ -30,7 +30,7 @@ def test_config_difference_names_the_key():
 
     from rlfleet.wire.rpc import InvalidRequest
 
-    for bad, why in (("cluster: [unclosed", "config_yaml: does not parse as YAML"),
+    for bad, why in (("cluster: [unclosed", "config_yaml: line 1 column 19: expected valid YAML"),
                      ("- a list", "config_yaml: is not a mapping")):
         with pytest.raises(InvalidRequest, match=why.replace("[", r"\[")):
             config_difference(cfg, bad)

@@ -23,7 +23,7 @@ build(sys.argv[1])
 from rlfleet.config import load_config
 from rlfleet.simulators.conformance import StepStream
 from rlfleet.v1 import env_pb2, env_pb2_grpc
-from rlfleet.wire import codec, rpc
+from rlfleet.wire import codec, env_contract, rpc
 from services.env.server import serve_env_only
 cfg = load_config("maniskill_put_on_plate_ppo_openvla", [
     "env.train.total_num_envs=2", "env.train.max_episode_steps=20", "env.train.max_steps_per_rollout_epoch=20",
@@ -54,7 +54,7 @@ out["same_seed_same_image"] = bool(np.array_equal(px[0], px[1]))
 bg = vec.backend.envs[0].unwrapped.sel["bg"].item()
 name = list(BACKGROUNDS)[bg]
 out["corner"] = [px[0, 0, 0].tolist(), [round(0.7 * c) for c in BACKGROUNDS[name]]]
-stream = StepStream(stub, 120)
+stream = StepStream(env_contract.EnvClient(channel), 2, 120)
 zeros = np.zeros((2, 7), np.float32)
 t = time.monotonic()
 steps = [stream.step([0, 1], zeros) for _ in range(3)]
