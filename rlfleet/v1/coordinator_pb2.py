@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/coordinator.proto\x12\nrlfleet.v1\"\x88\x01\n\x0fRegisterRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x13\n\x0b\x63onfig_yaml\x18\x06 \x01(\t\"$\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"%\n\x11HeartbeatResponse\x12\x10\n\x08shutdown\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x9b\x01\n\rServiceStatus\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x1c\n\x14last_heartbeat_age_s\x18\x07 \x01(\x01\"\xac\x02\n\tRunStatus\x12\x17\n\x0f\x65xperiment_name\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\r\n\x05phase\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x12\n\nmax_epochs\x18\x05 \x01(\x03\x12\x11\n\tenv_steps\x18\x06 \x01(\x03\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\x12<\n\x0clast_metrics\x18\x08 \x03(\x0b\x32&.rlfleet.v1.RunStatus.LastMetricsEntry\x12+\n\x08services\x18\t \x03(\x0b\x32\x19.rlfleet.v1.ServiceStatus\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\" \n\x0cStopResponse\x12\x10\n\x08stopping\x18\x01 \x01(\x08\"=\n\x0cScaleRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"A\n\rScaleResponse\x12\x10\n\x08previous\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x45NV\x10\x01\x12\r\n\tINFERENCE\x10\x02\x12\x0b\n\x07LEARNER\x10\x03\x32\xda\x02\n\x12\x43oordinatorService\x12\x45\n\x08Register\x12\x1b.rlfleet.v1.RegisterRequest\x1a\x1c.rlfleet.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.rlfleet.v1.HeartbeatRequest\x1a\x1d.rlfleet.v1.HeartbeatResponse\x12:\n\x06Status\x12\x19.rlfleet.v1.StatusRequest\x1a\x15.rlfleet.v1.RunStatus\x12\x39\n\x04Stop\x12\x17.rlfleet.v1.StopRequest\x1a\x18.rlfleet.v1.StopResponse\x12<\n\x05Scale\x12\x18.rlfleet.v1.ScaleRequest\x1a\x19.rlfleet.v1.ScaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/coordinator.proto\x12\nrlfleet.v1\"\x88\x01\n\x0fRegisterRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x13\n\x0b\x63onfig_yaml\x18\x06 \x01(\t\"$\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"%\n\x11HeartbeatResponse\x12\x10\n\x08shutdown\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x9b\x01\n\rServiceStatus\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x1c\n\x14last_heartbeat_age_s\x18\x07 \x01(\x01\"\xc0\x02\n\tRunStatus\x12\x17\n\x0f\x65xperiment_name\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\r\n\x05phase\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x12\n\nmax_epochs\x18\x05 \x01(\x03\x12\x11\n\tenv_steps\x18\x06 \x01(\x03\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\x12<\n\x0clast_metrics\x18\x08 \x03(\x0b\x32&.rlfleet.v1.RunStatus.LastMetricsEntry\x12+\n\x08services\x18\t \x03(\x0b\x32\x19.rlfleet.v1.ServiceStatus\x12\x12\n\nbottleneck\x18\n \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\" \n\x0cStopResponse\x12\x10\n\x08stopping\x18\x01 \x01(\x08\"=\n\x0cScaleRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.rlfleet.v1.Role\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"A\n\rScaleResponse\x12\x10\n\x08previous\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x45NV\x10\x01\x12\r\n\tINFERENCE\x10\x02\x12\x0b\n\x07LEARNER\x10\x03\x32\xda\x02\n\x12\x43oordinatorService\x12\x45\n\x08Register\x12\x1b.rlfleet.v1.RegisterRequest\x1a\x1c.rlfleet.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.rlfleet.v1.HeartbeatRequest\x1a\x1d.rlfleet.v1.HeartbeatResponse\x12:\n\x06Status\x12\x19.rlfleet.v1.StatusRequest\x1a\x15.rlfleet.v1.RunStatus\x12\x39\n\x04Stop\x12\x17.rlfleet.v1.StopRequest\x1a\x18.rlfleet.v1.StopResponse\x12<\n\x05Scale\x12\x18.rlfleet.v1.ScaleRequest\x1a\x19.rlfleet.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNSTATUS_LASTMETRICSENTRY']._loaded_options = None
   _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1021
-  _globals['_ROLE']._serialized_end=1086
+  _globals['_ROLE']._serialized_start=1041
+  _globals['_ROLE']._serialized_end=1106
   _globals['_REGISTERREQUEST']._serialized_start=45
   _globals['_REGISTERREQUEST']._serialized_end=181
   _globals['_REGISTERRESPONSE']._serialized_start=183
@@ -48,17 +48,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVICESTATUS']._serialized_start=366
   _globals['_SERVICESTATUS']._serialized_end=521
   _globals['_RUNSTATUS']._serialized_start=524
-  _globals['_RUNSTATUS']._serialized_end=824
-  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_start=774
-  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_end=824
-  _globals['_STOPREQUEST']._serialized_start=826
-  _globals['_STOPREQUEST']._serialized_end=855
-  _globals['_STOPRESPONSE']._serialized_start=857
-  _globals['_STOPRESPONSE']._serialized_end=889
-  _globals['_SCALEREQUEST']._serialized_start=891
-  _globals['_SCALEREQUEST']._serialized_end=952
-  _globals['_SCALERESPONSE']._serialized_start=954
-  _globals['_SCALERESPONSE']._serialized_end=1019
-  _globals['_COORDINATORSERVICE']._serialized_start=1089
-  _globals['_COORDINATORSERVICE']._serialized_end=1435
+  _globals['_RUNSTATUS']._serialized_end=844
+  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_start=794
+  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_end=844
+  _globals['_STOPREQUEST']._serialized_start=846
+  _globals['_STOPREQUEST']._serialized_end=875
+  _globals['_STOPRESPONSE']._serialized_start=877
+  _globals['_STOPRESPONSE']._serialized_end=909
+  _globals['_SCALEREQUEST']._serialized_start=911
+  _globals['_SCALEREQUEST']._serialized_end=972
+  _globals['_SCALERESPONSE']._serialized_start=974
+  _globals['_SCALERESPONSE']._serialized_end=1039
+  _globals['_COORDINATORSERVICE']._serialized_start=1109
+  _globals['_COORDINATORSERVICE']._serialized_end=1455
 # @@protoc_insertion_point(module_scope)

@@ -79,7 +79,7 @@ class ServiceStatus(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., restarts: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("experiment_name", "run_dir", "phase", "epoch", "max_epochs", "env_steps", "elapsed_s", "last_metrics", "services")
+    __slots__ = ("experiment_name", "run_dir", "phase", "epoch", "max_epochs", "env_steps", "elapsed_s", "last_metrics", "services", "bottleneck")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class RunStatus(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     LAST_METRICS_FIELD_NUMBER: _ClassVar[int]
     SERVICES_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
     experiment_name: str
     run_dir: str
     phase: str
@@ -105,7 +106,8 @@ class RunStatus(_message.Message):
     elapsed_s: float
     last_metrics: _containers.ScalarMap[str, float]
     services: _containers.RepeatedCompositeFieldContainer[ServiceStatus]
-    def __init__(self, experiment_name: _Optional[str] = ..., run_dir: _Optional[str] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., max_epochs: _Optional[int] = ..., env_steps: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ...) -> None: ...
+    bottleneck: str
+    def __init__(self, experiment_name: _Optional[str] = ..., run_dir: _Optional[str] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., max_epochs: _Optional[int] = ..., env_steps: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., bottleneck: _Optional[str] = ...) -> None: ...
 
 class StopRequest(_message.Message):
     __slots__ = ("reason",)

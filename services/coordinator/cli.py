@@ -273,6 +273,8 @@ def _status(args) -> int:
     for key in ("env/success_once", "env/return", "train/actor/policy_loss", "train/critic/value_loss"):
         if key in st.last_metrics:
             print(f"  {key} = {st.last_metrics[key]:.4f}")
+    if st.bottleneck:  # empty before the first epoch and from a coordinator older than the field
+        print(f"  bottleneck: {st.bottleneck}")
     names = {1: "env", 2: "inference", 3: "learner"}
     for s in st.services:
         print(f"  {names.get(s.role, s.role)}[{s.index}] {s.address} pid {s.pid} "

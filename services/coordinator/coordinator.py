@@ -26,6 +26,7 @@ from rlfleet.wire import auth, rpc
 from rlfleet.config import learner_layout, to_yaml
 from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
+from services.coordinator.bottleneck import FleetShape
 from services.coordinator.calls import RETRYABLE, FleetCalls
 from services.coordinator.evaluation import Evaluator
 from services.coordinator.launcher import make_launcher
@@ -161,9 +162,14 @@ class Coordinator:
         st = coordinator_pb2.RunStatus(
             experiment_name=self.cfg.runner.experiment_name, run_dir=str(self.run_dir), phase=self.phase,
             epoch=self.epoch, max_epochs=self.cfg.runner.max_epochs, env_steps=self.env_steps,
-            elapsed_s=self.elapsed(), last_metrics={k: v for k, v in self.last_metrics.items() if math.isfinite(v)})
+            elapsed_s=self.elapsed(), last_metrics={k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
+            bottleneck=self.report.bottleneck_line)
         self.registry.add_status(st)
         return st
+
+    def fleet_shape(self) -> FleetShape:
+        """The run's shape as the bottleneck's advice needs it, with the server counts of now (`scale env N`)."""
+        return FleetShape.from_config(self.cfg, self.registry.counts["env"], self.registry.counts["inference"])
 
     def request_scale(self, role: int, count: int) -> tuple[int, str]:
         """`coordinatorctl scale env N`: takes effect at the next epoch boundary. -> (current count, message)."""
@@ -423,9 +429,12 @@ class Coordinator:
                         ahead.append((nxt, self._start_collect(pool, nxt, max(version, nxt - depth), after)))
                     metrics = self._train(learner, epoch, version, results, t0, t_rollout)
                 version = int(metrics["train/weights_version"])
+                bottleneck = self.report.note_epoch(epoch, metrics, self.fleet_shape())
                 if epoch % runner.progress_interval == 0:
                     self.say(self.report.progress_line(epoch, metrics, self.env_steps, self.elapsed(),
                                                        self.lost_episodes))
+                if bottleneck:
+                    self.say(bottleneck)
                 epoch += 1
                 if runner.val_check_interval and epoch % runner.val_check_interval == 0:
                     ev = self.evaluate(epoch)

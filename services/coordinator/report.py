@@ -10,6 +10,7 @@ import pathlib
 
 from rlfleet.data.intervals import rate_of
 from rlfleet.untrusted import BadFile, check_count, read_json
+from services.coordinator.bottleneck import WINDOW, BottleneckWindow, FleetShape
 
 
 def per_simulator(ev: dict) -> str:
@@ -36,6 +37,8 @@ class RunReport:
         self.eval_history: list[dict] = []
         self.prior_restarts: dict[str, int] = {}  # from the run's earlier parts (--resume)
         self._env_seen: dict[str, float] = {}  # latest env/* metrics, for progress lines
+        self.bottleneck = BottleneckWindow()  # the last epochs' timings -> which part limits the run
+        self._said_bottleneck: tuple[str, int] | None = None  # (part, epoch) last printed on the console
 
     def say(self, text: str, verbose: bool = False) -> None:
         if not self.quiet and not (verbose and os.environ.get("RLFLEET_VERBOSE", "0") == "0"):
@@ -90,6 +93,24 @@ class RunReport:
                 f" | kl {f('train/actor/approx_kl', '.4f')}"
                 + (f" | lost {lost}" if lost else ""))
 
+    # --- the bottleneck (services/coordinator/bottleneck.py) ---------------------------------------------------
+    def note_epoch(self, epoch: int, metrics: dict[str, float], shape: FleetShape) -> str | None:
+        """Add an epoch's metrics to the bottleneck window; -> a console line when the verdict is worth saying:
+        once the window is full, then only when the limiting part changes, at most once per window of epochs
+        (the console stays quiet otherwise; `coordinatorctl status` always has the current line)."""
+        d = self.bottleneck.add(metrics, shape)
+        if not d.line or not self.bottleneck.full:
+            return None
+        said = self._said_bottleneck
+        if said is not None and (said[0] == d.part or epoch - said[1] < WINDOW):
+            return None
+        self._said_bottleneck = (d.part, epoch)
+        return f"  bottleneck: {d.line}"
+
+    @property
+    def bottleneck_line(self) -> str:
+        return self.bottleneck.diagnosis.line
+
     # --- end of run -------------------------------------------------------------------------------------------
     def write_summary(self, *, env_id: str, epochs: int, env_steps: int, train_time: float, stop_why: str,
                       final: dict | None, ckpt: str, lost_episodes: int, restarts: dict[str, int],
@@ -110,6 +131,9 @@ class RunReport:
             "eval_history": self.eval_history, "lost_episodes": lost_episodes, "restarts": restarts,
             "last_train_metrics": {k: v for k, v in last_metrics.items() if math.isfinite(v)},
             "checkpoint": ckpt, "learning_curve": str(curve) if curve else None,
+            # over the last epochs of this run (part of it when resumed); null before any epoch's timings
+            "bottleneck": self.bottleneck_line or None,
+            "bottleneck_detail": self.bottleneck.diagnosis.as_dict() if self.bottleneck_line else None,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.say("")
@@ -122,6 +146,9 @@ class RunReport:
         else:
             self.say("no final evaluation (run stopped early)")
         self.say(f"{epochs} epochs, {env_steps} env steps, {train_time:.0f}s of training")
+        if self.bottleneck_line:
+            d = self.bottleneck.diagnosis
+            self.say(f"bottleneck (last {d.epochs} epoch{'s' if d.epochs != 1 else ''}): {d.line}")
         from rlfleet.data.loggers import logger_backend
 
         folders = "".join(f"{logger_backend(name).folder}/, "

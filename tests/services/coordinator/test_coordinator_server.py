@@ -1,6 +1,6 @@
 """The coordinator's gRPC server in-process, over real gRPC on loopback, with the run's credentials: Register checks
 its claim (fields and who is making it), a stop while an attach-mode coordinator waits for its services ends the
-wait, and heartbeats that wait for a busy server's threads still count."""
+wait, heartbeats that wait for a busy server's threads still count, and Status carries the bottleneck line."""
 
 from __future__ import annotations
 
@@ -167,3 +167,16 @@ def test_heartbeats_waiting_for_a_busy_coordinator_still_count(coordinator):
     finally:
         gate.set()
     assert all(not b.result().shutdown for b in beats) and len([f.result() for f in busy]) == 64
+
+
+def test_status_carries_the_bottleneck_line(coordinator):
+    """Status's bottleneck: empty before any epoch's timings, then the line over the recent epochs
+    (services/coordinator/bottleneck.py), with the advice for this run's shape."""
+    coord, stub = coordinator("cluster.num_env_servers=2")
+    assert stub.Status(coordinator_pb2.StatusRequest(), timeout=10, metadata=md()).bottleneck == ""
+    for epoch in range(3):
+        coord.report.note_epoch(epoch, {"time/step": 1.0, "time/rollout": 0.8, "time/env": 0.6,
+                                        "time/inference_wait": 0.1, "time/train_rpc": 0.2}, coord.fleet_shape())
+    line = stub.Status(coordinator_pb2.StatusRequest(), timeout=10, metadata=md()).bottleneck
+    assert line.startswith("env stepping takes 75% of the rollout (60% of the epoch)")
+    assert "cluster.num_env_servers=3" in line  # two configured: one more
