@@ -58,8 +58,9 @@ Then:
 1. Async, and the learner waits for data less than ``ASYNC_HIDDEN`` of the epoch: **the learner** limits.
 2. Otherwise the candidates are, as shares of the epoch: env stepping, the inference wait, the wire (Act + rollout
    push; only when reported), the rest of the rollout, and in sync mode the learner (update + weight sync). The
-   largest limits if it takes at least ``DOMINANT`` of the epoch; else the run is **balanced**. The runner-up is
-   named when it takes at least ``RUNNER_UP`` too.
+   largest limits if it takes at least ``DOMINANT`` of the epoch and leads the next by ``MARGIN``; else the run is
+   **balanced** (the line lists the parts; in sync mode with a learner of ``RUNNER_UP`` or more it suggests async).
+   The runner-up is named when it takes at least ``RUNNER_UP`` too.
 3. The advice follows the part and the shape: env stepping -> more env servers (with one stage and a real wait,
    or a second stage); inference wait with one stage -> a second stage, with more -> more inference servers (or a
    larger ``rollout.max_batch_size`` when it is below the rows in flight); wire -> one host (shared memory) or more
@@ -76,6 +77,7 @@ import math
 
 WINDOW = 5  # epochs averaged
 DOMINANT = 0.30  # a part limits the run when it is the largest and takes at least this share of the epoch
+MARGIN = 0.05  # ... and leads the next part by at least this share of the epoch (else: balanced)
 RUNNER_UP = 0.20  # a second part worth naming
 ASYNC_HIDDEN = 0.15  # async: the learner waits for data less than this share of the epoch -> the learner limits
 STAGE_WAIT = 0.15  # one stage: a wait this large (share of the rollout) is worth a second stage
@@ -213,11 +215,15 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
     (part, top), (second, runner) = ranked[0], ranked[1]
     wait_note = (f" (the learner waits {_pct(shares['learner_waits_for_data'])} of the epoch for it)"
                  if asynchronous else "")
-    if top < DOMINANT:
+    if top < DOMINANT or top - runner < MARGIN:
         listed = ", ".join(f"{names[k]} {_pct(v)}" for k, v in ranked if v >= 0.05)
-        return done("balanced", f"no single part limits: {listed} of the epoch"
-                    + (f"; the learner waits {_pct(shares['learner_waits_for_data'])} of it for data"
-                       if asynchronous else ""))
+        if asynchronous:
+            hint = f"; the learner waits {_pct(shares['learner_waits_for_data'])} of it for data"
+        elif shares["learner"] >= RUNNER_UP:
+            hint = f": algorithm.max_staleness=1 would overlap the learner's {_pct(shares['learner'])} with collection"
+        else:
+            hint = ""
+        return done("balanced", f"no single part limits: {listed} of the epoch{hint}")
     then = f"; next: {names[second]} ({_pct(runner)} of the epoch)" if runner >= RUNNER_UP else ""
 
     def of_rollout(key: str) -> str:  # 'X% of the rollout (Y% of the epoch)'; in async mode the two are one

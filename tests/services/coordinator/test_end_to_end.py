@@ -607,6 +607,35 @@ def test_async_collects_ahead_while_training(tmp_path, depth):
     assert summary["epochs"] == 8 and summary["final_eval"]["eval/num_episodes"] == 4
 
 
+
+@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
+def test_bottleneck_line_in_status_console_and_summary(tmp_path, staleness):
+    """A live run's `coordinatorctl status` has a "bottleneck: ..." line (services/coordinator/bottleneck.py), the
+    console says it once a window of epochs is in, and summary.json and the end-of-run summary carry it."""
+    from services.coordinator.bottleneck import WINDOW
+
+    proc = start(tmp_path, "runner.max_epochs=1000", "runner.val_check_interval=0",
+                 f"algorithm.max_staleness={staleness}", name="diagnosed")
+    run = tmp_path / "diagnosed"
+    wait_epoch(run, WINDOW + 2, proc)
+    status_out = subprocess.run([*CTL, "status", str(run)], capture_output=True, text=True, timeout=30)
+    assert status_out.returncode == 0, status_out.stderr
+    lines = [ln.strip() for ln in status_out.stdout.splitlines() if ln.strip().startswith("bottleneck: ")]
+    assert len(lines) == 1, status_out.stdout
+    stop = subprocess.run([*CTL, "stop", str(run)], capture_output=True, text=True, timeout=30)
+    assert stop.returncode == 0, stop.stderr
+    code, out = finish(proc)
+    assert code == 0, out
+    print(status_out.stdout, out, sep="\n")  # what a user sees (pytest -s)
+    summary = json.loads((run / "summary.json").read_text())
+    detail = summary["bottleneck_detail"]
+    assert summary["bottleneck"] and detail["line"] == summary["bottleneck"] and detail["epochs"] == WINDOW
+    assert detail["part"] in {"env", "inference", "learner", "rest", "wire", "balanced"}
+    assert all(0 <= v <= 1 for v in detail["shares"].values())
+    assert f"bottleneck (last {WINDOW} epochs): {summary['bottleneck']}" in out
+    assert sum(ln.startswith("  bottleneck: ") for ln in out.splitlines()) >= 1  # said once the window filled
+
+
 def _learning_record(records):
     """A run's metrics without the wall-clock ones (the only things two runs of one seed may differ in)."""
     timed = ("time/", "wall_time", "per_s")
