@@ -22,10 +22,13 @@ Per epoch, the coordinator and the learner log (seconds, one epoch):
                      more stages make it shorter; the envs' stepping and this wait never overlap each other.
 ``time/train_rpc``   the learner's Train RPC: ``time/train`` (batch build + PPO/GRPO update) + ``time/weight_sync``
                      (publishing the new weights to every inference server) + logging and checkpoints.
-``time/wire/act_s``  (when the services report it) on the slowest env server, its Act path's encoding of requests
-                     and decoding of replies. Requests are encoded outside both times above; replies are decoded
-                     inside ``time/inference_wait``, so this share and the wait's may overlap by the decode.
-``time/wire/rollout_s``  the PushRollout's encode on the env server + decode on the learner (inside the Collect RPC).
+``time/wire/act_s``  (when the services report it) on the slowest env server, the CPU seconds its Act path spent
+                     building/serialising requests and parsing/decoding replies. Some of it runs on gRPC's threads
+                     (serialising a request as the stream sends it) and replies are decoded inside
+                     ``time/inference_wait``, so it may overlap the wait and even the stepping: the rest below is
+                     clamped at 0, and the wire's share is an upper bound on what removing it would save.
+``time/wire/rollout_s``  the PushRollout's encode on the env server (inside the Collect RPC) + decode on the learner
+                     (inside it too when the learner decodes as the stream arrives, else inside ``time/train``).
 ``time/wire/weights_s``  the learner's serialisation of a publish (inside ``time/weight_sync``).
 ``wire/{act,rollout,weights}_bytes`` and ``wire/*_shm_bytes``: the bytes per epoch, and those through shared memory.
 
