@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from rlfleet.v1 import inference_pb2 as rlfleet_dot_v1_dot_inference__pb2
+from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,11 @@ class InferenceServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_inference__pb2.DescribeInferenceRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_inference__pb2.InferenceInfo.FromString,
                 _registered_method=True)
+        self.SharedMemory = channel.unary_unary(
+                '/rlfleet.v1.InferenceService/SharedMemory',
+                request_serializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryOffer.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryAnswer.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -75,6 +81,14 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SharedMemory(self, request, context):
+        """Whether this server reads tensors the caller (an env server's Act stream, the learner's UpdateWeights) places in
+        shared memory: yes when both run on one host and the server can read the offer's probe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=rlfleet_dot_v1_dot_inference__pb2.DescribeInferenceRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_inference__pb2.InferenceInfo.SerializeToString,
+            ),
+            'SharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharedMemory,
+                    request_deserializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryOffer.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class InferenceService:
             '/rlfleet.v1.InferenceService/Describe',
             rlfleet_dot_v1_dot_inference__pb2.DescribeInferenceRequest.SerializeToString,
             rlfleet_dot_v1_dot_inference__pb2.InferenceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.InferenceService/SharedMemory',
+            rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryOffer.SerializeToString,
+            rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from rlfleet.v1 import learner_pb2 as rlfleet_dot_v1_dot_learner__pb2
+from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -64,6 +65,11 @@ class LearnerServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_learner__pb2.SaveCheckpointRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_learner__pb2.SaveCheckpointResponse.FromString,
                 _registered_method=True)
+        self.SharedMemory = channel.unary_unary(
+                '/rlfleet.v1.LearnerService/SharedMemory',
+                request_serializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryOffer.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryAnswer.FromString,
+                _registered_method=True)
 
 
 class LearnerServiceServicer:
@@ -111,6 +117,14 @@ class LearnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SharedMemory(self, request, context):
+        """Whether this learner reads PushRollout tensors the caller places in shared memory (one host; the offer's probe
+        read).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +157,11 @@ def add_LearnerServiceServicer_to_server(servicer, server):
                     servicer.SaveCheckpoint,
                     request_deserializer=rlfleet_dot_v1_dot_learner__pb2.SaveCheckpointRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_learner__pb2.SaveCheckpointResponse.SerializeToString,
+            ),
+            'SharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharedMemory,
+                    request_deserializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryOffer.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +326,33 @@ class LearnerService:
             '/rlfleet.v1.LearnerService/SaveCheckpoint',
             rlfleet_dot_v1_dot_learner__pb2.SaveCheckpointRequest.SerializeToString,
             rlfleet_dot_v1_dot_learner__pb2.SaveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.LearnerService/SharedMemory',
+            rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryOffer.SerializeToString,
+            rlfleet_dot_v1_dot_tensor__pb2.SharedMemoryAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ class CollectRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., learner_address: _Optional[str] = ..., min_weights_version: _Optional[int] = ..., policy_spec: _Optional[_Union[_env_pb2.EnvSpec, _Mapping]] = ...) -> None: ...
 
 class CollectResponse(_message.Message):
-    __slots__ = ("epoch", "env_steps", "episodes", "rollout_time_s", "env_time_s", "inference_wait_s", "weights_version", "lost_episodes")
+    __slots__ = ("epoch", "env_steps", "episodes", "rollout_time_s", "env_time_s", "inference_wait_s", "weights_version", "lost_episodes", "wire_act_s", "act_bytes", "act_shm_bytes", "wire_rollout_s", "rollout_bytes", "rollout_shm_bytes")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,12 @@ class CollectResponse(_message.Message):
     INFERENCE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOST_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_ACT_S_FIELD_NUMBER: _ClassVar[int]
+    ACT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACT_SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_ROLLOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     env_steps: int
     episodes: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.EpisodeStats]
@@ -42,7 +48,13 @@ class CollectResponse(_message.Message):
     inference_wait_s: float
     weights_version: int
     lost_episodes: int
-    def __init__(self, epoch: _Optional[int] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., rollout_time_s: _Optional[float] = ..., env_time_s: _Optional[float] = ..., inference_wait_s: _Optional[float] = ..., weights_version: _Optional[int] = ..., lost_episodes: _Optional[int] = ...) -> None: ...
+    wire_act_s: float
+    act_bytes: int
+    act_shm_bytes: int
+    wire_rollout_s: float
+    rollout_bytes: int
+    rollout_shm_bytes: int
+    def __init__(self, epoch: _Optional[int] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[_Iterable[_Union[_tensor_pb2.EpisodeStats, _Mapping]]] = ..., rollout_time_s: _Optional[float] = ..., env_time_s: _Optional[float] = ..., inference_wait_s: _Optional[float] = ..., weights_version: _Optional[int] = ..., lost_episodes: _Optional[int] = ..., wire_act_s: _Optional[float] = ..., act_bytes: _Optional[int] = ..., act_shm_bytes: _Optional[int] = ..., wire_rollout_s: _Optional[float] = ..., rollout_bytes: _Optional[int] = ..., rollout_shm_bytes: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("num_episodes", "seed", "first_episode", "deterministic", "inference_addresses", "use_reset_state_ids", "video_episodes", "video_dir", "policy_spec")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/tensor.proto\x12\nrlfleet.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.rlfleet.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x84\x01\n\tTensorMap\x12\x33\n\x07tensors\x18\x01 \x03(\x0b\x32\".rlfleet.v1.TensorMap.TensorsEntry\x1a\x42\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor:\x02\x38\x01\"\x8b\x01\n\nTensorSpec\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.rlfleet.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0b\n\x03low\x18\x03 \x01(\x01\x12\x0c\n\x04high\x18\x04 \x01(\x01\x12\x17\n\x0flow_per_element\x18\x05 \x03(\x01\x12\x18\n\x10high_per_element\x18\x06 \x03(\x01\"\x99\x01\n\x0c\x45pisodeStats\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\x05\x12\x0e\n\x06return\x18\x02 \x01(\x01\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x14\n\x0csuccess_once\x18\x04 \x01(\x08\x12\x16\n\x0esuccess_at_end\x18\x05 \x01(\x08\x12\x16\n\x0ereset_state_id\x18\x06 \x01(\x03\x12\x13\n\x0binstruction\x18\x07 \x01(\t*\x88\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\x08\n\x04INT8\x10\x07\x12\t\n\x05UINT8\x10\x08\x12\x08\n\x04\x42OOL\x10\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/tensor.proto\x12\nrlfleet.v1\"n\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.rlfleet.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12%\n\x06shared\x18\x04 \x01(\x0b\x32\x15.rlfleet.v1.SharedRef\"e\n\tSharedRef\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x0b\n\x03key\x18\x06 \x01(\x0c\"G\n\x11SharedMemoryOffer\x12\x0c\n\x04host\x18\x01 \x01(\t\x12$\n\x05probe\x18\x02 \x01(\x0b\x32\x15.rlfleet.v1.SharedRef\"D\n\x12SharedMemoryAnswer\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\"\x84\x01\n\tTensorMap\x12\x33\n\x07tensors\x18\x01 \x03(\x0b\x32\".rlfleet.v1.TensorMap.TensorsEntry\x1a\x42\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor:\x02\x38\x01\"\x8b\x01\n\nTensorSpec\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.rlfleet.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0b\n\x03low\x18\x03 \x01(\x01\x12\x0c\n\x04high\x18\x04 \x01(\x01\x12\x17\n\x0flow_per_element\x18\x05 \x03(\x01\x12\x18\n\x10high_per_element\x18\x06 \x03(\x01\"\x99\x01\n\x0c\x45pisodeStats\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\x05\x12\x0e\n\x06return\x18\x02 \x01(\x01\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x14\n\x0csuccess_once\x18\x04 \x01(\x08\x12\x16\n\x0esuccess_at_end\x18\x05 \x01(\x08\x12\x16\n\x0ereset_state_id\x18\x06 \x01(\x03\x12\x13\n\x0binstruction\x18\x07 \x01(\t*\x88\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\x08\n\x04INT8\x10\x07\x12\t\n\x05UINT8\x10\x08\x12\x08\n\x04\x42OOL\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORMAP_TENSORSENTRY']._loaded_options = None
   _globals['_TENSORMAP_TENSORSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=546
-  _globals['_DTYPE']._serialized_end=682
+  _globals['_DTYPE']._serialized_start=831
+  _globals['_DTYPE']._serialized_end=967
   _globals['_TENSOR']._serialized_start=39
-  _globals['_TENSOR']._serialized_end=110
-  _globals['_TENSORMAP']._serialized_start=113
-  _globals['_TENSORMAP']._serialized_end=245
-  _globals['_TENSORMAP_TENSORSENTRY']._serialized_start=179
-  _globals['_TENSORMAP_TENSORSENTRY']._serialized_end=245
-  _globals['_TENSORSPEC']._serialized_start=248
-  _globals['_TENSORSPEC']._serialized_end=387
-  _globals['_EPISODESTATS']._serialized_start=390
-  _globals['_EPISODESTATS']._serialized_end=543
+  _globals['_TENSOR']._serialized_end=149
+  _globals['_SHAREDREF']._serialized_start=151
+  _globals['_SHAREDREF']._serialized_end=252
+  _globals['_SHAREDMEMORYOFFER']._serialized_start=254
+  _globals['_SHAREDMEMORYOFFER']._serialized_end=325
+  _globals['_SHAREDMEMORYANSWER']._serialized_start=327
+  _globals['_SHAREDMEMORYANSWER']._serialized_end=395
+  _globals['_TENSORMAP']._serialized_start=398
+  _globals['_TENSORMAP']._serialized_end=530
+  _globals['_TENSORMAP_TENSORSENTRY']._serialized_start=464
+  _globals['_TENSORMAP_TENSORSENTRY']._serialized_end=530
+  _globals['_TENSORSPEC']._serialized_start=533
+  _globals['_TENSORSPEC']._serialized_end=672
+  _globals['_EPISODESTATS']._serialized_start=675
+  _globals['_EPISODESTATS']._serialized_end=828
 # @@protoc_insertion_point(module_scope)

@@ -31,14 +31,50 @@ UINT8: DType
 BOOL: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "shared")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared: SharedRef
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedRef, _Mapping]] = ...) -> None: ...
+
+class SharedRef(_message.Message):
+    __slots__ = ("pid", "fd", "offset", "length", "generation", "key")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    offset: int
+    length: int
+    generation: int
+    key: bytes
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class SharedMemoryOffer(_message.Message):
+    __slots__ = ("host", "probe")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    probe: SharedRef
+    def __init__(self, host: _Optional[str] = ..., probe: _Optional[_Union[SharedRef, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryAnswer(_message.Message):
+    __slots__ = ("accepted", "reason", "host")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    host: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class TensorMap(_message.Message):
     __slots__ = ("tensors",)

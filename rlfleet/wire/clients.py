@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 import itertools
 import queue
 import re
 import threading
+import time
 
 import grpc
 import numpy as np
 from opentelemetry import propagate
 
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
-from rlfleet.wire import codec, rpc, tracing
+from rlfleet.wire import codec, rpc, shm, tracing
 from rlfleet.wire.codec import PolicyOutput
 
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
@@ -51,13 +53,68 @@ def check_address(address: str, name: str) -> str:
     return address
 
 
+# --- The wire's share of a call, and the shared-memory handshake --------------------------------------------------------
+@dataclass
+class WireStats:
+    """What a path's messages cost the process that sends them: CPU seconds building and serialising them (and
+    parsing and decoding the answers, for Act), bytes of serialised messages, bytes handed over in shared memory."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    shm_bytes: int = 0
+
+    def __add__(self, other: WireStats) -> WireStats:
+        return WireStats(self.seconds + other.seconds, self.bytes + other.bytes, self.shm_bytes + other.shm_bytes)
+
+    def __sub__(self, other: WireStats) -> WireStats:
+        return WireStats(self.seconds - other.seconds, self.bytes - other.bytes, self.shm_bytes - other.shm_bytes)
+
+
+def offer_shared_memory(method, timeout: float) -> tuple[bool, str]:
+    """Offer shared memory to a server through its ``SharedMemory`` method (a stub's callable): -> (accepted, why
+    not). A server that predates it (UNIMPLEMENTED), or any failure, means inline bytes."""
+    why = shm.unavailable()
+    if why:
+        return False, why
+    try:
+        with shm.offer() as offer:
+            answer = method(offer, timeout=max(timeout, 0.001))
+    except grpc.RpcError as exc:
+        return False, rpc.describe_error(exc)
+    except OSError as exc:  # no memfd here after all
+        return False, str(exc)
+    return answer.accepted, answer.reason
+
+
+def timed_messages(stats: WireStats, messages: Iterator, shared=lambda m: 0) -> Iterator[bytes]:
+    """``messages`` serialised, the time to build and serialise each one and their bytes added to ``stats``."""
+    while True:
+        t0 = time.perf_counter()
+        msg = next(messages, None)
+        if msg is None:
+            return
+        data = msg.SerializeToString()
+        stats.seconds += time.perf_counter() - t0
+        stats.bytes += len(data)
+        stats.shm_bytes += shared(msg)
+        yield data
+
+
 # --- Client side of the learner's PushRollout: a worker's rollout as a stream of time-sliced chunks (was clients/learner.py)
 CHUNK_BYTES = 4 << 20
 
 
 def rollout_chunks(rollout, epoch: int, worker_index: int, incarnation: str,
-                   chunk_bytes: int = CHUNK_BYTES) -> Iterator[learner_pb2.RolloutChunk]:
+                   chunk_bytes: int = CHUNK_BYTES, *, arena=None) -> Iterator[learner_pb2.RolloutChunk]:
+    """The rollout's chunks; with ``arena`` (a learner that accepted shared memory) one chunk of handles."""
     T = next(iter(rollout.time_major.values())).shape[0]
+    if arena is not None:
+        chunk = learner_pb2.RolloutChunk(epoch=epoch, worker_index=worker_index, worker_incarnation=incarnation,
+                                         t_start=0, num_steps=T, last=True)
+        codec.encode_map({**rollout.time_major, **rollout.per_env}, chunk.data, arena=arena)
+        chunk.episodes.extend(codec.episode_to_proto(e) for e in rollout.episodes)
+        yield chunk
+        return
     per_step = sum(v[0].nbytes for v in rollout.time_major.values())
     step = max(1, chunk_bytes // max(per_step, 1))
     for t0 in range(0, T, step):
@@ -109,17 +166,29 @@ def learner_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
 
 
 def push_rollout(address: str, rollout, epoch: int, worker_index: int, incarnation: str,
-                 timeout: float = 300.0) -> learner_pb2.PushRolloutResponse:
+                 timeout: float = 300.0, *, arena=None, stats: WireStats | None = None
+                 ) -> learner_pb2.PushRolloutResponse:
     """Stream a rollout to the learner within ``timeout`` seconds. The learner's refusal or absence comes back as
     the matching rlfleet.wire.rpc error, naming the learner's address and carrying its message: INVALID_ARGUMENT,
     FAILED_PRECONDITION and RESOURCE_EXHAUSTED as the learner said them, a deadline as Cancelled, anything
-    else (unreachable, a learner failure) as Unavailable."""
-    import grpc
+    else (unreachable, a learner failure) as Unavailable.
 
-    stub = learner_pb2_grpc.LearnerServiceStub(_channel(address))
+    ``arena`` (an ``rlfleet.wire.shm.Arena`` of this process): offered to the learner first; when it accepts, the
+    rollout's tensors go by shared-memory handle (those in the arena's buffers without a copy) and the arena is
+    released when the call ends. ``stats`` (a WireStats) gets the push's serialisation time and bytes."""
+    ch = _channel(address)
+    stub = learner_pb2_grpc.LearnerServiceStub(ch)
+    stats = stats if stats is not None else WireStats()
+    use = None
+    if arena is not None:
+        ok, _ = offer_shared_memory(stub.SharedMemory, min(timeout, CONNECT_TIMEOUT_S))
+        use = arena if ok else None
+    push = ch.stream_unary("/rlfleet.v1.LearnerService/PushRollout", request_serializer=None,
+                           response_deserializer=learner_pb2.PushRolloutResponse.FromString)
+    chunks = rollout_chunks(rollout, epoch, worker_index, incarnation, arena=use)
     try:
-        return stub.PushRollout(rollout_chunks(rollout, epoch, worker_index, incarnation),
-                                timeout=max(timeout, 0.001), wait_for_ready=True)
+        return push(timed_messages(stats, chunks, lambda c: codec.shared_bytes(c.data)), timeout=max(timeout, 0.001),
+                    wait_for_ready=True)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         why = f"the learner at {address} did not take the rollout of epoch {epoch}: {rpc.describe_error(exc)}"
@@ -132,6 +201,9 @@ def push_rollout(address: str, rollout, epoch: int, worker_index: int, incarnati
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise rpc.Cancelled(f"{why} (the caller's deadline, or {timeout:.0f}s, passed)") from None
         raise rpc.Unavailable(why) from None
+    finally:
+        if arena is not None:
+            arena.release()  # the learner has copied what it keeps, or the call is over
 
 
 # --- Policy clients used by the rollout worker: the same interface over gRPC or in-process (was clients/policy.py)
@@ -175,7 +247,7 @@ class _Stream:
 
     _END = object()
 
-    def __init__(self, address: str, timeout: float):
+    def __init__(self, address: str, timeout: float, shared_memory: bool = True):
         self.address = address
         self.timeout = timeout
         self.channel = rpc.channel(address)
@@ -188,13 +260,32 @@ class _Stream:
             raise PolicyError(f"inference server {address} did not answer within {connect:.0f}s (unreachable; "
                               f"no connection)") from None
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
+        # observations by shared-memory handle when the server is on this host and reads this process's segments
+        self.arena = None
+        self.shared_memory_why = "not offered"
+        if shared_memory:
+            ok, self.shared_memory_why = offer_shared_memory(self.stub.SharedMemory, connect)
+            self.arena = shm.Arena("act", slots=2) if ok else None
+        self.wire = WireStats()  # requests built and serialised, replies decoded (this stream's caller's thread)
+        self.parse_s = 0.0       # replies parsed (the reader thread)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.responses = self.stub.Act(iter(self.requests.get, self._END), wait_for_ready=True)
+        act = self.channel.stream_stream("/rlfleet.v1.InferenceService/Act", request_serializer=None,
+                                         response_deserializer=self._parse)
+        self.responses = act(iter(self.requests.get, self._END), wait_for_ready=True)
         self.received: queue.SimpleQueue = queue.SimpleQueue()
         self.ids = itertools.count()
         self.inflight: list[tuple[int, int]] = []
         self.sent = 0  # requests sent (counted before each is queued, so an answer never precedes its count)
         threading.Thread(target=self._read, name=f"act-{address}", daemon=True).start()
+
+    def _parse(self, data: bytes) -> inference_pb2.ActResponse:
+        t0 = time.perf_counter()
+        msg = inference_pb2.ActResponse.FromString(data)
+        self.parse_s += time.perf_counter() - t0
+        return msg
+
+    def stats(self) -> WireStats:
+        return WireStats(self.wire.seconds + self.parse_s, self.wire.bytes, self.wire.shm_bytes)
 
     def _read(self) -> None:
         got = 0
@@ -213,14 +304,23 @@ class _Stream:
 
     def submit(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None, noise_keys=None) -> None:
         rid = next(self.ids)
-        self.sent += 1
         trace_context: dict[str, str] = {}
         if self.traced:
             propagate.inject(trace_context)
-        self.requests.put(inference_pb2.ActRequest(
-            request_id=rid, observations=codec.encode_map(obs), deterministic=deterministic,
-            instructions=list(instructions or []), trace_context=trace_context,
-            noise_keys=[] if noise_keys is None else np.asarray(noise_keys, np.uint64).tolist()))
+        t0 = time.perf_counter()
+        try:
+            req = inference_pb2.ActRequest(
+                request_id=rid, observations=codec.encode_map(obs, arena=self.arena), deterministic=deterministic,
+                instructions=list(instructions or []), trace_context=trace_context,
+                noise_keys=[] if noise_keys is None else np.asarray(noise_keys, np.uint64).tolist())
+        except shm.Abandoned as exc:  # the server took neither of the last two requests' observations
+            raise PolicyError(f"inference server {self.address}: {exc}") from None
+        data = req.SerializeToString()
+        self.wire.seconds += time.perf_counter() - t0
+        self.wire.bytes += len(data)
+        self.wire.shm_bytes += codec.shared_bytes(req.observations)
+        self.sent += 1
+        self.requests.put(data)
         self.inflight.append((rid, next(iter(obs.values())).shape[0]))
 
     def result(self, action_dim: int | None) -> PolicyOutput:
@@ -235,6 +335,9 @@ class _Stream:
             raise resp
         if resp.request_id != rid:
             raise PolicyError(f"inference server {self.address} answered request {resp.request_id}, expected {rid}")
+        if self.arena is not None and not self.inflight:  # answered: the server is done with every request's segment
+            self.arena.release()
+        t0 = time.perf_counter()
         try:
             res = PolicyOutput(codec.decode(resp.actions, "actions", dtype=np.float32),
                                codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
@@ -243,29 +346,37 @@ class _Stream:
                                codec.decode_map(resp.forward_inputs, "forward_inputs"), resp.weights_version)
         except codec.CodecError as exc:
             raise PolicyError(f"inference server {self.address}: {exc}") from exc
+        finally:
+            self.wire.seconds += time.perf_counter() - t0
         return _check_result(res, n, action_dim)
 
     def close(self) -> None:
         self.requests.put(self._END)
         self.responses.cancel()
         self.channel.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 class GrpcPolicyClient:
     """Stage s talks to inference server s % len(addresses) over its own stream."""
 
     def __init__(self, addresses: list[str], num_stages: int, action_dim: int | None = None,
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, shared_memory: bool = True):
         if not addresses:
             raise PolicyError("no inference server address given")
         self.action_dim = action_dim
         self.streams: list[_Stream] = []
         try:
             for s in range(num_stages):
-                self.streams.append(_Stream(addresses[s % len(addresses)], timeout))
+                self.streams.append(_Stream(addresses[s % len(addresses)], timeout, shared_memory))
         except BaseException:
             self.close()
             raise
+
+    def wire_stats(self) -> WireStats:
+        """The Act streams' wire cost so far (all stages)."""
+        return sum((s.stats() for s in self.streams), WireStats())
 
     def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None,
                noise_keys=None) -> None:
@@ -292,6 +403,9 @@ class LocalPolicyClient:
                noise_keys=None) -> None:
         self.pending[stage].append((obs, deterministic, instructions, noise_keys))
 
+    def wire_stats(self) -> WireStats:
+        return WireStats()  # no wire
+
     def result(self, stage: int) -> PolicyOutput:
         obs, deterministic, instructions, noise_keys = self.pending[stage].pop(0)
         n = next(iter(obs.values())).shape[0]
@@ -301,8 +415,10 @@ class LocalPolicyClient:
         pass
 
 
-def make_policy_client(target, num_stages: int, action_dim: int | None = None, timeout: float = 120.0):
-    """target: a list of inference addresses (gRPC) or an InferenceEngine (in-process)."""
+def make_policy_client(target, num_stages: int, action_dim: int | None = None, timeout: float = 120.0,
+                       shared_memory: bool = True):
+    """target: a list of inference addresses (gRPC; ``shared_memory``: observations by shared-memory handle to a
+    server on this host that accepts them) or an InferenceEngine (in-process)."""
     if isinstance(target, (list, tuple)):
-        return GrpcPolicyClient(list(target), num_stages, action_dim, timeout)
+        return GrpcPolicyClient(list(target), num_stages, action_dim, timeout, shared_memory)
     return LocalPolicyClient(target, num_stages, action_dim)

@@ -101,27 +101,51 @@ def numpy_dtype(dtype: int, name: str = "dtype") -> np.dtype:
                          f"(expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})") from None
 
 
-def encode(array, out: Tensor | None = None) -> Tensor:
-    """Encode an array-like (numpy, torch on CPU, python scalars/lists) into a Tensor message."""
+def _wire_array(array) -> tuple[int, np.ndarray]:
+    """An array-like -> (its DType, a C-contiguous little-endian array of its values)."""
     if hasattr(array, "detach"):  # torch.Tensor
         array = array.detach().cpu().numpy()
     array = np.asarray(array)
     dtype = dtype_of(array)
-    msg = out if out is not None else Tensor()
+    # (ascontiguousarray makes a 0-d array 1-d: the shape stays the caller's)
+    return dtype, np.ascontiguousarray(array, dtype=_NP_BY_DTYPE[dtype]).reshape(array.shape)
+
+
+def _fill(msg: Tensor, dtype: int, array: np.ndarray, ref=None) -> Tensor:
     msg.dtype = dtype
     msg.shape[:] = array.shape
-    msg.data = np.ascontiguousarray(array, dtype=_NP_BY_DTYPE[dtype]).tobytes()
+    if ref is None:
+        msg.data = array.tobytes()
+        msg.ClearField("shared")
+    else:
+        msg.data = b""
+        msg.shared.CopyFrom(ref)
     return msg
 
 
+def encode(array, out: Tensor | None = None, *, arena=None) -> Tensor:
+    """Encode an array-like (numpy, torch on CPU, python scalars/lists) into a Tensor message. ``arena`` (an
+    ``rlfleet.wire.shm.Arena``, given only toward a receiver that accepted shared memory): an array of at least
+    ``arena.min_bytes`` goes into shared memory and the message carries its handle (``shared``)."""
+    dtype, array = _wire_array(array)
+    msg = out if out is not None else Tensor()
+    ref = None
+    if arena is not None and array.nbytes >= arena.min_bytes:
+        ref = arena.pack([array])[1][0]
+    return _fill(msg, dtype, array, ref)
+
+
 def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | None = None,
-           dtype: int | np.dtype | str | None = None, finite: bool = False, writable: bool = False) -> np.ndarray:
+           dtype: int | np.dtype | str | None = None, finite: bool = False, writable: bool = False,
+           shm=None) -> np.ndarray:
     """Decode and validate a Tensor message.
 
     shape: expected shape; ``None`` entries are free (e.g. the batch dimension).
     dtype: expected dtype (DType enum value or numpy dtype).
     finite: reject NaN/inf (float dtypes only).
     writable: return a private, writable copy instead of a read-only view of the message bytes.
+    shm: an ``rlfleet.wire.shm.Reader`` where this call takes shared-memory handles (``shared``): the bytes are
+    checked and copied out of the sender's segment (a private array); without one a handle is refused.
     """
     if msg.dtype not in _NP_BY_DTYPE:
         raise CodecError(f"{name}: unknown or unset dtype {msg.dtype} "
@@ -129,8 +153,15 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
     count = check_shape(msg.shape, name)  # Python ints: [2**32, 2**32] must not wrap to 0
     dims = list(msg.shape)
     np_dtype = _NP_BY_DTYPE[msg.dtype]
-    data = msg.data  # once: each access of a bytes field copies it
-    if len(data) != count * np_dtype.itemsize:  # before anything is allocated for the claimed shape
+    shared = msg.HasField("shared")
+    data = b"" if shared else msg.data  # once: each access of a bytes field copies it
+    if shared:
+        if msg.data:
+            raise CodecError(f"{name}: both data and a shared-memory handle (shared); a tensor has one or the other")
+        if shm is None:
+            raise CodecError(f"{name}.shared: a shared-memory handle where inline bytes (data) are expected (no "
+                             f"shared-memory handshake for this call, or cluster.shared_memory: off)")
+    elif len(data) != count * np_dtype.itemsize:  # before anything is allocated for the claimed shape
         raise CodecError(f"{name}: {len(data)} data bytes do not match shape {dims} of "
                          f"{DType.Name(msg.dtype)} ({count * np_dtype.itemsize} bytes expected)")
     if dtype is not None:
@@ -143,22 +174,40 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
         if len(shape) != len(dims) or any(s is not None and s != d for s, d in zip(shape, dims)):
             want = ["N" if s is None else s for s in shape]
             raise CodecError(f"{name}: shape {dims} where {want} was expected")
-    array = np.frombuffer(data, dtype=np_dtype).reshape(dims)
+    if shared:  # a private copy, read only once every check of the handle passed
+        array = shm.read(msg.shared, np_dtype, count, name).reshape(dims)
+        writable = False
+    else:
+        array = np.frombuffer(data, dtype=np_dtype).reshape(dims)
     if finite and np_dtype.kind == "f" and not np.isfinite(array).all():
         bad = np.argwhere(~np.isfinite(array))[0].tolist()
         raise CodecError(f"{name}: non-finite value {array[tuple(bad)]} at index {bad}")
     return array.copy() if writable else array
 
 
-def encode_map(arrays: Mapping[str, object], out: TensorMap | None = None) -> TensorMap:
+def encode_map(arrays: Mapping[str, object], out: TensorMap | None = None, *, arena=None) -> TensorMap:
+    """Encode named arrays; with ``arena`` (see :func:`encode`) those of at least ``arena.min_bytes`` go into one
+    shared-memory message together."""
     msg = out if out is not None else TensorMap()
-    for key, value in arrays.items():
-        encode(value, msg.tensors[key])
+    wire = {key: _wire_array(value) for key, value in arrays.items()}
+    refs: dict[str, object] = {}
+    if arena is not None:
+        big = [k for k, (_, a) in wire.items() if a.nbytes >= arena.min_bytes]
+        if big:
+            refs = dict(zip(big, arena.pack([wire[k][1] for k in big])[1]))
+    for key, (dtype, array) in wire.items():
+        _fill(msg.tensors[key], dtype, array, refs.get(key))
     return msg
 
 
+def shared_bytes(msg: TensorMap) -> int:
+    """Bytes a TensorMap's tensors carry by shared-memory handle."""
+    return sum(t.shared.length for t in msg.tensors.values() if t.HasField("shared"))
+
+
 def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, TensorSpec] | None = None,
-               batch: int | None = None, finite: bool = False, writable: bool = False) -> dict[str, np.ndarray]:
+               batch: int | None = None, finite: bool = False, writable: bool = False,
+               shm=None) -> dict[str, np.ndarray]:
     """Decode a TensorMap; with ``specs``, require exactly those keys, each shaped [batch, *spec.shape]. At most
     ``limits.MAX_TENSOR_MAP_ENTRIES`` entries (counted before any key is read)."""
     if len(msg.tensors) > limits.MAX_TENSOR_MAP_ENTRIES:
@@ -176,7 +225,7 @@ def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, Ten
         if specs is not None:
             spec = specs[key]
             kwargs = {"shape": [batch, *spec.shape], "dtype": spec.dtype}
-        out[key] = decode(tensor, f"{name}[{key!r}]", finite=finite, writable=writable, **kwargs)
+        out[key] = decode(tensor, f"{name}[{key!r}]", finite=finite, writable=writable, shm=shm, **kwargs)
     return out
 
 
@@ -273,10 +322,13 @@ class Rollout:
     episodes: list = field(default_factory=list)  # EpisodeStat (env side) or EpisodeStats messages (learner)
 
 
-def empty_buffers(T: int, n: int, observation_space: Mapping) -> dict[str, np.ndarray]:
+def empty_buffers(T: int, n: int, observation_space: Mapping, alloc=None) -> dict[str, np.ndarray]:
     """The env side's buffers of an epoch: the observations and the fields whose shape the env alone decides
-    (the policy's fields are added by :func:`add_policy_buffers` once its first answer shows their shapes)."""
-    buf = {f"{OBS}{k}": np.empty((T, n, *sp.shape), dtype=sp.dtype) for k, sp in observation_space.items()}
+    (the policy's fields are added by :func:`add_policy_buffers` once its first answer shows their shapes).
+    ``alloc``: {name: (shape, dtype)} -> {name: array}, where the observation buffers are to live (a shared-memory
+    arena's :meth:`~rlfleet.wire.shm.Arena.buffers`; None: ordinary memory)."""
+    layout = {f"{OBS}{k}": ((T, n, *sp.shape), np.dtype(sp.dtype)) for k, sp in observation_space.items()}
+    buf = alloc(layout) if alloc is not None else {k: np.empty(s, dtype=d) for k, (s, d) in layout.items()}
     buf.update(values=np.zeros((T, n), np.float32), rewards=np.empty((T, n), np.float32),
                terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
                bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool),

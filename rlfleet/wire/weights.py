@@ -16,12 +16,13 @@ from rlfleet.v1 import inference_pb2, tensor_pb2
 CHUNK_BYTES = 1 << 20
 
 
-def _tensor_bytes(t: torch.Tensor) -> tuple[int, bytes]:
+def _tensor_array(t: torch.Tensor) -> tuple[int, np.ndarray]:
+    """A tensor's DType and its values as a C-contiguous numpy array (bfloat16: the raw 16-bit words)."""
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
-        return DType.BFLOAT16, t.view(torch.int16).numpy().tobytes()
+        return DType.BFLOAT16, t.view(torch.int16).numpy().view(np.uint16)
     arr = t.numpy()
-    return codec.dtype_of(arr), arr.tobytes()
+    return codec.dtype_of(arr), arr
 
 
 def obs_specs_to_proto(obs_specs: dict[str, TensorSpace]) -> dict[str, tensor_pb2.TensorSpec]:
@@ -30,16 +31,29 @@ def obs_specs_to_proto(obs_specs: dict[str, TensorSpace]) -> dict[str, tensor_pb
 
 
 def iter_chunks(state: dict[str, torch.Tensor], version: int, *, obs_specs: dict[str, TensorSpace] | None = None,
-                action_dim: int | None = None, partial: bool = False,
-                chunk_bytes: int = CHUNK_BYTES) -> Iterator[inference_pb2.WeightsChunk]:
+                action_dim: int | None = None, partial: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                arena=None, abandon=None) -> Iterator[inference_pb2.WeightsChunk]:
+    """The chunks of weights set ``state``. ``arena`` (an ``rlfleet.wire.shm.Arena``, toward a server that accepted
+    shared memory): the tensors of at least ``arena.min_bytes`` go into one shared-memory segment together, one
+    chunk of a handle each (``abandon()`` true: stop waiting for the segment's previous bucket to be taken)."""
+    arrays = {name: _tensor_array(tensor) for name, tensor in state.items()}
+    refs = {}
+    if arena is not None:
+        big = [name for name, (_, a) in arrays.items() if a.nbytes >= arena.min_bytes]
+        if big:
+            refs = dict(zip(big, arena.pack([arrays[n][1] for n in big], abandon=abandon)[1]))
     first = True
     for name, tensor in state.items():
-        dtype, data = _tensor_bytes(tensor)
+        dtype, arr = arrays[name]
+        data = b"" if name in refs else arr.tobytes()
         for offset in range(0, max(len(data), 1), chunk_bytes):
             msg = inference_pb2.WeightsChunk(version=version, name=name, offset=offset, partial=partial)
             msg.data.dtype = dtype
             msg.data.shape[:] = list(tensor.shape)
-            msg.data.data = data[offset:offset + chunk_bytes]
+            if name in refs:
+                msg.data.shared.CopyFrom(refs[name])
+            else:
+                msg.data.data = data[offset:offset + chunk_bytes]
             if first and obs_specs is not None:
                 for k, spec in obs_specs_to_proto(obs_specs).items():
                     msg.observation_space[k].CopyFrom(spec)
@@ -62,8 +76,9 @@ def _check_coverage(name: str, spans: list[tuple[int, int]], nbytes: int) -> Non
         raise CodecError(f"weights['{name}']: bytes [{pos}, {nbytes}) were never sent")
 
 
-def assemble(chunks: Iterable[inference_pb2.WeightsChunk]):
-    """-> (version, state_dict, obs_specs | None, action_dim | None, partial). Validates every chunk."""
+def assemble(chunks: Iterable[inference_pb2.WeightsChunk], shm=None):
+    """-> (version, state_dict, obs_specs | None, action_dim | None, partial). Validates every chunk. ``shm``: an
+    ``rlfleet.wire.shm.Reader`` where the set may come by shared-memory handle (a whole tensor per chunk)."""
     buffers: dict[str, tuple[int, list[int], bytearray]] = {}
     spans: dict[str, list[tuple[int, int]]] = {}  # byte ranges received per tensor: coverage, not a byte count
     version = None
@@ -95,20 +110,30 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk]):
         bdtype, bshape, _, pieces = buffers[chunk.name]
         if (bdtype, bshape) != (dtype, shape):
             raise CodecError(f"weights['{chunk.name}']: chunks disagree on dtype/shape")
-        end = chunk.offset + len(chunk.data.data)
+        if chunk.data.HasField("shared"):  # the whole tensor, copied out of the sender's segment
+            if chunk.offset != 0:
+                raise CodecError(f"weights['{chunk.name}']: a shared-memory chunk at offset {chunk.offset}; it holds "
+                                 f"the whole tensor (offset 0)")
+            data = codec.decode(chunk.data, f"weights['{chunk.name}']", shm=shm).reshape(-1).view(np.uint8)
+        else:
+            data = chunk.data.data
+        end = chunk.offset + len(data)
         if chunk.offset < 0 or end > nbytes:
             raise CodecError(f"weights['{chunk.name}']: bytes [{chunk.offset}, {end}) outside the tensor's {nbytes}")
-        pieces.append((chunk.offset, chunk.data.data))
+        pieces.append((chunk.offset, data))
         spans[chunk.name].append((chunk.offset, end))
     if version is None:
         raise CodecError("weights: empty stream")
     state = {}
     for name, (dtype, shape, nbytes, pieces) in buffers.items():
         _check_coverage(name, spans[name], nbytes)
-        buf = bytearray(nbytes)
-        for offset, data in pieces:
-            buf[offset:offset + len(data)] = data
-        arr = np.frombuffer(bytes(buf), dtype=codec.numpy_dtype(dtype)).reshape(shape)
-        t = torch.from_numpy(arr.copy())
+        if len(pieces) == 1 and isinstance(pieces[0][1], np.ndarray):  # from shared memory: already a private copy
+            buf = pieces[0][1]
+        else:
+            buf = bytearray(nbytes)
+            for offset, data in pieces:
+                buf[offset:offset + len(data)] = data
+        arr = np.frombuffer(buf, dtype=codec.numpy_dtype(dtype)).reshape(shape)
+        t = torch.from_numpy(arr)
         state[name] = t.view(torch.bfloat16) if dtype == DType.BFLOAT16 else t
     return version, state, obs_specs, action_dim, partial

@@ -488,6 +488,14 @@ class Coordinator:
         extra = {"time/rollout": t_rollout, "rollout/env_steps_per_s": steps / t_rollout,
                  "time/env": max(r.env_time_s for r in results),
                  "time/inference_wait": max(r.inference_wait_s for r in results),
+                 # the wire's share (docs/architecture.md#shared-memory-on-one-host): the slowest env server's Act
+                 # and push encoding (the learner adds its decoding of the pushes), bytes summed over env servers
+                 "time/wire/act_s": max(r.wire_act_s for r in results),
+                 "time/wire/rollout_s": max(r.wire_rollout_s for r in results),
+                 "wire/act_bytes": float(sum(r.act_bytes for r in results)),
+                 "wire/act_shm_bytes": float(sum(r.act_shm_bytes for r in results)),
+                 "wire/rollout_bytes": float(sum(r.rollout_bytes for r in results)),
+                 "wire/rollout_shm_bytes": float(sum(r.rollout_shm_bytes for r in results)),
                  "env/lost_episodes": float(self.lost_episodes),
                  "env/lost_episodes_epoch": float(lost_epoch),
                  # weights versions the learner is ahead of the oldest sample it trains on (0 when synchronous)

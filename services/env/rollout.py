@@ -21,7 +21,7 @@ from opentelemetry import metrics, trace
 
 from rlfleet.data import videos
 from rlfleet.wire import rpc
-from rlfleet.wire.clients import make_policy_client
+from rlfleet.wire.clients import WireStats, make_policy_client
 from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
 from rlfleet.wire.spaces import TensorSpace
 from services.env.policy_spaces import PolicySpaceEnv
@@ -60,6 +60,13 @@ class CollectSummary:
     env_time_s: float = 0.0
     inference_wait_s: float = 0.0
     weights_version: int = -1
+    act_wire: WireStats = field(default_factory=WireStats)  # the Act streams' share of the wire in this epoch
+
+
+def _wire_stats(policy) -> WireStats:
+    """A policy client's wire cost so far (none for one that has no wire)."""
+    stats = getattr(policy, "wire_stats", None)
+    return stats() if stats is not None else WireStats()
 
 
 def _unwrapped(env: VecEnvInterface) -> VecEnvInterface:
@@ -152,14 +159,17 @@ class RolloutWorker:
         return _tracer.start_as_current_span(name, attributes={"rlfleet.stage": stage, "rlfleet.rows": rows})
 
     def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1,
-                should_stop=_never) -> tuple[Rollout, CollectSummary]:
+                should_stop=_never, buffers=None) -> tuple[Rollout, CollectSummary]:
         """One rollout epoch of ``num_steps`` steps per env. ``should_stop()`` is polled between steps; when it
-        says so the collection ends with ``Cancelled`` (the caller went away, or its deadline passed)."""
+        says so the collection ends with ``Cancelled`` (the caller went away, or its deadline passed).
+        ``buffers``: where the observation buffers live ({name: (shape, dtype)} -> arrays; a shared-memory arena's
+        ``buffers``, so that the push hands them over without a copy), None: ordinary memory."""
         t_start = time.perf_counter()
         env, T, n = self.env, num_steps, self.env.num_envs
+        wire0 = _wire_stats(policy)
         if not self.auto_reset:
             self.reset_all(epoch)
-        buf = empty_buffers(T, n, self.observation_space)  # the rollout schema's fields (rlfleet/wire/codec.py)
+        buf = empty_buffers(T, n, self.observation_space, buffers)  # the rollout schema's fields (rlfleet/wire/codec.py)
         last_values = np.zeros(n, np.float32)
         alive = np.ones(n, bool)
         episodes: list[EpisodeStat] = []
@@ -238,7 +248,7 @@ class RolloutWorker:
         rollout = Rollout(buf, {"last_values": last_values}, episodes)
         chunk = buf["actions"].shape[2] if "actions" in buf else 1
         summary = CollectSummary(epoch, T * n * chunk, episodes, time.perf_counter() - t_start, env_time, wait_time,
-                                 -1 if version is None else version)
+                                 -1 if version is None else version, _wire_stats(policy) - wire0)
         return rollout, summary
 
     # --- evaluation ---------------------------------------------------------------------------------------------
@@ -337,9 +347,10 @@ T = TypeVar("T")
 
 class PolicyRunner:
     def __init__(self, worker: RolloutWorker, index: int, *, act_timeout_s: float = 120.0,
-                 reconnect_timeout_s: float = 120.0):
+                 reconnect_timeout_s: float = 120.0, shared_memory: bool = True):
         self.worker, self.index = worker, index
         self.act_timeout_s, self.reconnect_timeout_s = act_timeout_s, reconnect_timeout_s
+        self.shared_memory = shared_memory  # observations by handle to inference servers on this host
         self._policy = None  # Act streams kept open across calls: (addresses, stages, action width) -> client
         self._policy_key = None
 
@@ -348,7 +359,8 @@ class PolicyRunner:
         key = (tuple(addresses), stages, self.worker.action_dim)
         if self._policy_key != key:
             self.drop_policy()
-            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim, self.act_timeout_s)
+            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim, self.act_timeout_s,
+                                              self.shared_memory)
             self._policy_key = key
         return self._policy
 

@@ -18,9 +18,9 @@ import time
 import numpy as np
 from opentelemetry import trace
 
-from rlfleet.wire import codec, rpc, tracing
+from rlfleet.wire import codec, rpc, shm, tracing
 from rlfleet.wire.clients import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
-from rlfleet.wire.clients import check_address, learner_reachable, push_rollout
+from rlfleet.wire.clients import WireStats, check_address, learner_reachable, push_rollout
 from rlfleet.config import env_server_config
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, setup_process
@@ -122,9 +122,13 @@ def _should_stop(context, margin: float = 2.0):
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, worker: RolloutWorker, index: int, incarnation: str, *, act_timeout_s: float = 120.0,
-                 reconnect_timeout_s: float = 120.0):
+                 reconnect_timeout_s: float = 120.0, shared_memory: bool = True):
         self.worker, self.index, self.incarnation = worker, index, incarnation
-        self.runner = PolicyRunner(worker, index, act_timeout_s=act_timeout_s, reconnect_timeout_s=reconnect_timeout_s)
+        self.runner = PolicyRunner(worker, index, act_timeout_s=act_timeout_s, reconnect_timeout_s=reconnect_timeout_s,
+                                   shared_memory=shared_memory)
+        # the rollout's observation buffers live in a shared-memory segment of this process: a learner on this host
+        # that accepts handles copies them from there (no encoding here); any other gets them inline
+        self.rollout_arena = shm.Arena("rollout", slots=1) if shared_memory and not shm.unavailable() else None
         self.lock = threading.Lock()
         self._policy_spec = None  # (the last policy_spec, its spaces): spaces are built once per policy spec
 
@@ -171,21 +175,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._use_policy_spec(request)
             # an unreachable learner fails the call now, not after a whole rollout and the push's wait
             learner_reachable(request.learner_address, min(LEARNER_CONNECT_TIMEOUT_S, _time_left(context)))
+            arena = self.rollout_arena
             (rollout, summary), lost = self.runner.run(
                 request.inference_addresses,
                 lambda policy: self.worker.collect(request.epoch, request.num_steps, policy,
-                                                   request.min_weights_version, _should_stop(context)),
+                                                   request.min_weights_version, _should_stop(context),
+                                                   buffers=arena.buffers if arena is not None else None),
                 after_loss=self.worker.reset_all)
+            pushed = WireStats()
             with _tracer.start_as_current_span("push_rollout", attributes={"rlfleet.epoch": request.epoch}):
                 push_rollout(request.learner_address, rollout, request.epoch, self.index, self.incarnation,
-                             timeout=_time_left(context, margin=1.0))
+                             timeout=_time_left(context, margin=1.0), arena=arena, stats=pushed)
         finally:
             self.lock.release()
+        act = summary.act_wire
         return rollout_pb2.CollectResponse(
             epoch=summary.epoch, env_steps=summary.env_steps,
             episodes=[codec.episode_to_proto(e) for e in summary.episodes], rollout_time_s=summary.rollout_time_s,
             env_time_s=summary.env_time_s, inference_wait_s=summary.inference_wait_s,
-            weights_version=summary.weights_version, lost_episodes=lost)
+            weights_version=summary.weights_version, lost_episodes=lost,
+            wire_act_s=act.seconds, act_bytes=act.bytes, act_shm_bytes=act.shm_bytes,
+            wire_rollout_s=pushed.seconds, rollout_bytes=pushed.bytes, rollout_shm_bytes=pushed.shm_bytes)
 
     @rpc.handler
     def Describe(self, request, context):
@@ -276,7 +286,8 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, ext
         names.append(rpc.service_name(env_pb2, "EnvService"))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(
         worker, index, runtime.incarnation, act_timeout_s=cfg.cluster.act_timeout_s,
-        reconnect_timeout_s=cfg.cluster.external_env_reconnect_timeout_s), server)
+        reconnect_timeout_s=cfg.cluster.external_env_reconnect_timeout_s,
+        shared_memory=cfg.cluster.shared_memory != "off"), server)
     rpc.add_health_and_reflection(server, *names)
     runtime.address = rpc.bind(server, address)
     server.start()

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from rlfleet.wire import codec, rpc, tracing, weights
+from rlfleet.wire import codec, rpc, shm, tracing, weights
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -20,9 +20,10 @@ from services.inference.engine import InferenceEngine
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, engine: InferenceEngine, max_rows_per_request: int = 4096):
+    def __init__(self, engine: InferenceEngine, max_rows_per_request: int = 4096, shared_memory: bool = True):
         self.engine = engine
         self.max_rows = max_rows_per_request
+        self.shared_memory = shared_memory  # read observations and weights by handle from callers on this host
 
     def _check_rows(self, req) -> None:
         """Refuse an oversized request before decoding it (a million rows would block every other stream)."""
@@ -32,12 +33,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                          f"{self.max_rows} (rollout.max_rows_per_request)")
 
     @rpc.handler
+    def SharedMemory(self, request, context):
+        return shm.answer(request, self.shared_memory)
+
+    @rpc.handler
     def Act(self, request_iterator, context):
         stream = self.engine.open_stream()
+        reader = shm.Reader() if self.shared_memory else None  # this stream's mappings, dropped when it ends
         try:
             for req in request_iterator:
                 self._check_rows(req)
-                obs = codec.decode_map(req.observations, "observations")
+                obs = codec.decode_map(req.observations, "observations", shm=reader)
                 result = self.engine.submit(obs, req.deterministic, stream, list(req.instructions),
                                             dict(req.trace_context), list(req.noise_keys)).result()
                 resp = inference_pb2.ActResponse(
@@ -49,6 +55,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 yield resp
         finally:
             self.engine.close_stream()
+            if reader is not None:
+                reader.close()
 
     @rpc.handler
     def UpdateWeights(self, request_iterator, context):
@@ -56,7 +64,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if first is not None:  # a made-up or stale version is refused before the set's tensors are read
             self.engine.check_version(first.version)
             request_iterator = itertools.chain([first], request_iterator)
-        version, state, obs_specs, action_dim, partial = weights.assemble(request_iterator)
+        reader = shm.Reader() if self.shared_memory else None
+        try:
+            version, state, obs_specs, action_dim, partial = weights.assemble(request_iterator, shm=reader)
+        finally:
+            if reader is not None:
+                reader.close()
         self.engine.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
         return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
 
@@ -107,7 +120,8 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, dev
     streams = cfg.rollout.max_act_streams
     server = rpc.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(engine, cfg.rollout.max_rows_per_request), server)
+        InferenceServicer(engine, cfg.rollout.max_rows_per_request, cfg.cluster.shared_memory != "off"),
+        server)
     rpc.add_health_and_reflection(server, rpc.service_name(inference_pb2, "InferenceService"))
     bound = rpc.bind(server, address)
     server.start()

@@ -84,7 +84,7 @@ class Learner:
         self.rollouts = RolloutStore(cfg.algorithm, cfg.cluster.num_env_servers)
         self.scaler = RewardScaler(cfg.algorithm.gamma)
         self.trainer = Trainer(cfg, self.group)
-        self.publisher = WeightPublisher()
+        self.publisher = WeightPublisher(shared_memory=cfg.cluster.shared_memory != "off")
         self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends),
                                     LoggerOptions.from_runner(cfg.runner)) \
             if self.group.is_leader else None
@@ -250,8 +250,14 @@ class Learner:
                 self.publish_error = str(exc)
                 log.warning("publishing weights version %d failed: %s", self.version, exc)
         metrics = self._metrics(batch, stats)
+        wire = self.publisher.last_wire if inference_addresses else None
         metrics.update({"time/train": train_time, "time/weight_sync": time.perf_counter() - t1,
                         "train/weight_sync_bytes": float(self.last_sync_bytes),
+                        # the publish's share of the wire: serialising it (every server), bytes in messages and
+                        # through shared memory
+                        "time/wire/weights_s": wire.seconds if wire else 0.0,
+                        "wire/weights_bytes": float(wire.bytes if wire else 0),
+                        "wire/weights_shm_bytes": float(wire.shm_bytes if wire else 0),
                         "env/env_steps": float(self.env_steps), "train/weights_version": float(self.version),
                         "train/learner_ranks": float(self.group.world)})
         metrics.update(extra_metrics or {})

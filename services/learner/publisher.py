@@ -6,30 +6,38 @@ bucket only once every stream has taken the previous one: rank 0 holds its shard
 whole model twice. A server that holds a full set from this learner (``synced``) gets only the tensors that change
 in training (LoRA: the adapters and the value head); any other gets the full set with the spaces. A partial update
 that a server refuses (it restarted) is sent again in full, in a second pass.
+
+A server on this host that accepts shared memory (its ``SharedMemory`` handshake, asked at each publish) gets each
+bucket as handles into a ring of two segments of this process (``rlfleet.wire.shm``): a segment is rewritten only
+once the server has copied the bucket before last, so rank 0 still holds about two buckets, never the set.
 """
 
 from __future__ import annotations
 
 import contextvars
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
 
-from rlfleet.wire import rpc, weights
-from rlfleet.v1 import inference_pb2_grpc
+from rlfleet.wire import rpc, shm, weights
+from rlfleet.wire.clients import WireStats, offer_shared_memory, timed_messages
+from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
 Gather = Callable[[list[str]], Iterator[dict[str, torch.Tensor]]]  # names -> whole tensors, a bucket at a time
 _DONE = object()
 
 
 class WeightPublisher:
-    def __init__(self, timeout: float = 120.0):
+    def __init__(self, timeout: float = 120.0, shared_memory: bool = True):
         self.timeout = timeout
+        self.shared_memory = shared_memory  # offer shared memory to servers on this host (cluster.shared_memory)
         self.synced: set[str] = set()  # inference servers holding a full weights set from this learner
         self.last_bytes = 0            # bytes of the last publish per server (the largest)
+        self.last_wire = WireStats()   # the last publish's serialisation, over every server
 
     def publish(self, addresses: list[str], version: int, gather: Gather, full_names: list[str],
                 partial_names: list[str], obs_specs, action_dim: int) -> int:
@@ -38,6 +46,7 @@ class WeightPublisher:
         if not addresses:
             raise rpc.InvalidRequest("inference_addresses: empty")
         targets = {a: a in self.synced for a in addresses}  # address -> partial?
+        self.last_wire = WireStats()
         sent, errors = self._pass(targets, version, gather, full_names, partial_names, obs_specs, action_dim)
         refused = [a for a, exc in errors.items() if targets[a] and isinstance(exc, grpc.RpcError)
                    and exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)]
@@ -67,22 +76,37 @@ class WeightPublisher:
         queues = {a: queue.Queue(maxsize=1) for a in targets}
         sizes = dict.fromkeys(targets, 0)
 
-        def requests(address: str):
+        wire = {a: WireStats() for a in targets}
+        ended = {a: threading.Event() for a in targets}
+
+        def requests(address: str, arena):
             partial, first = targets[address], True
             while (bucket := queues[address].get()) is not _DONE:
                 part = {k: v for k, v in bucket.items() if k in partial_set} if partial else bucket
                 sizes[address] += sum(t.numel() * t.element_size() for t in part.values())
                 kw = {"partial": True} if partial else (
                     {"obs_specs": obs_specs, "action_dim": action_dim} if first else {})
-                yield from weights.iter_chunks(part, version, **kw)
+                yield from weights.iter_chunks(part, version, arena=arena, abandon=ended[address].is_set, **kw)
                 first = first and not part
 
         def call(address: str) -> None:
-            with rpc.channel(address) as ch:
-                stub = inference_pb2_grpc.InferenceServiceStub(ch)
-                # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until it has
-                # registered, and has the weights republished; waiting here would hold up Train
-                stub.UpdateWeights(requests(address), timeout=self.timeout)
+            arena = None
+            try:
+                with rpc.channel(address) as ch:
+                    stub = inference_pb2_grpc.InferenceServiceStub(ch)
+                    if self.shared_memory and offer_shared_memory(stub.SharedMemory, min(self.timeout, 10.0))[0]:
+                        arena = shm.Arena("weights", slots=2)
+                    update = ch.stream_unary("/rlfleet.v1.InferenceService/UpdateWeights", request_serializer=None,
+                                             response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
+                    # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until it has
+                    # registered, and has the weights republished; waiting here would hold up Train
+                    update(timed_messages(wire[address], requests(address, arena),
+                                          lambda c: c.data.shared.length if c.data.HasField("shared") else 0),
+                           timeout=self.timeout)
+            finally:
+                ended[address].set()
+                if arena is not None:
+                    arena.close()
 
         errors: dict[str, BaseException] = {}
         with ThreadPoolExecutor(len(targets)) as pool:
@@ -111,4 +135,5 @@ class WeightPublisher:
                     fut.result()
                 except Exception as exc:  # noqa: BLE001 - reported per server
                     errors[a] = exc
+        self.last_wire = sum(wire.values(), self.last_wire)
         return {a: sizes[a] for a in targets if a not in errors}, errors

@@ -8,9 +8,12 @@ Rank 0 serves gRPC, registers and heartbeats; the other ranks serve nothing and 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
-from rlfleet.wire import codec, rpc
+from rlfleet.wire import codec, rpc, shm
 from rlfleet.wire.spaces import spaces_from_proto
 from rlfleet.config import load_service_config
 from rlfleet.data.metrics import check_record
@@ -30,13 +33,32 @@ def _checked(check, *args) -> None:
         raise rpc.InvalidRequest(str(exc)) from None
 
 
+WIRE_EPOCHS = 64  # epochs whose PushRollout decode time is kept until their Train
+
+
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
-    def __init__(self, learner: Learner):
+    def __init__(self, learner: Learner, shared_memory: bool = True):
         self.learner = learner
+        self.shared_memory = shared_memory  # read pushed tensors by handle from env servers on this host
+        self.decode_s: dict[int, float] = {}  # epoch -> seconds its pushes spent decoding (time/wire/rollout_s)
+        self.decode_lock = threading.Lock()
+
+    @rpc.handler
+    def SharedMemory(self, request, context):
+        return shm.answer(request, self.shared_memory)
 
     @rpc.handler
     def PushRollout(self, request_iterator, context):
+        reader = shm.Reader() if self.shared_memory else None  # dropped when the push ends, however it ends
+        try:
+            return self._push(request_iterator, context, reader)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _push(self, request_iterator, context, reader):
         time_major: dict[str, list[np.ndarray]] = {}
+        decode_s = 0.0
         per_env: dict[str, np.ndarray] = {}
         episodes = []
         head = None
@@ -54,7 +76,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 raise rpc.InvalidRequest("rollout: chunks disagree on epoch/worker_index/num_steps")
             if chunk.t_start != expect_t:
                 raise rpc.InvalidRequest(f"rollout: chunk starts at t={chunk.t_start}, expected t={expect_t}")
-            data = codec.decode_map(chunk.data, "rollout")
+            t0 = time.perf_counter()
+            data = codec.decode_map(chunk.data, "rollout", shm=reader)  # by handle: copied out, private
+            decode_s += time.perf_counter() - t0
             steps = None
             for k, v in data.items():
                 if v.ndim == 0:
@@ -74,8 +98,14 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             raise rpc.InvalidRequest("rollout: stream ended without a chunk marked last; discarded")
         if expect_t != head[2]:
             raise rpc.InvalidRequest(f"rollout: received {expect_t} of {head[2]} time steps")
-        T, N = self.learner.rollouts.receive(head[0], head[1], {k: np.concatenate(v) for k, v in time_major.items()},
-                                             per_env, episodes)
+        t0 = time.perf_counter()  # one chunk read from shared memory is already a private array: kept as it is
+        rollout = {k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v) for k, v in time_major.items()}
+        decode_s += time.perf_counter() - t0
+        T, N = self.learner.rollouts.receive(head[0], head[1], rollout, per_env, episodes)
+        with self.decode_lock:
+            self.decode_s[head[0]] = self.decode_s.get(head[0], 0.0) + decode_s
+            while len(self.decode_s) > WIRE_EPOCHS:
+                self.decode_s.pop(min(self.decode_s))
         return learner_pb2.PushRolloutResponse(num_steps=T, num_envs=N)
 
     @rpc.handler
@@ -83,6 +113,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         addresses = list(request.inference_addresses)
         extra = dict(request.extra_metrics)
         _checked(check_record, request.epoch, extra, "extra_metrics")
+        with self.decode_lock:  # the rollout's share of the wire: the env servers' side (the coordinator's) + ours
+            learner_side = self.decode_s.pop(request.epoch, 0.0)
+        extra["time/wire/rollout_s"] = extra.get("time/wire/rollout_s", 0.0) + learner_side
         metrics = self.learner.train(request.epoch, list(request.worker_indices), extra,
                                      inference_addresses=addresses)
         return learner_pb2.TrainResponse(epoch=request.epoch, weights_version=self.learner.version,
@@ -138,7 +171,8 @@ def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | No
     if coordinator:  # a scale-up's new env servers push before a Train names them: ask the coordinator
         learner.rollouts.scale_probe = lambda: env_server_count(coordinator, cfg.cluster.rpc_timeout_s)
     server = rpc.make_server(max_workers=16)
-    learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(learner), server)
+    learner_pb2_grpc.add_LearnerServiceServicer_to_server(
+        LearnerServicer(learner, cfg.cluster.shared_memory != "off"), server)
     rpc.add_health_and_reflection(server, rpc.service_name(learner_pb2, "LearnerService"))
     bound = rpc.bind(server, address)
     server.start()
