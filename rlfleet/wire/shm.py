@@ -60,7 +60,9 @@ KEY_BYTES = 16
 HEADER_BYTES = 64   # magic 8 | key 16 | generation u64 @24 | acked u64 @32 | capacity u64 @40 | pid u64 @48 | 8 free
 _GEN, _ACKED, _CAPACITY, _PID = 24, 32, 40, 48
 ALIGN = 64
-MIN_BYTES = 64 << 10  # arrays smaller than this travel inline: a handle costs more than copying them
+# arrays smaller than this travel inline (a handle costs more than copying them); RLFLEET_SHM_MIN_BYTES overrides it
+# for a process and its children (tests send everything by handle with 0)
+MIN_BYTES = int(os.environ.get("RLFLEET_SHM_MIN_BYTES", 64 << 10))
 MAX_SEGMENT_BYTES = 1 << 40  # a reader refuses to map a "segment" larger than this
 MAX_MAPPINGS = 16   # segments one reader keeps mapped (a stream's ring of two, a weights set's...)
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1)
@@ -208,8 +210,9 @@ class Arena:
     requests, a weights set's buckets), plus optional buffers (:meth:`buffers`) whose arrays are sent without a copy.
     ``shm_bytes`` counts the bytes handed out in handles."""
 
-    def __init__(self, kind: str, slots: int = 2, min_bytes: int = MIN_BYTES):
-        self.kind, self.min_bytes = kind, int(min_bytes)
+    def __init__(self, kind: str, slots: int = 2, min_bytes: int | None = None):
+        self.kind = kind
+        self.min_bytes = MIN_BYTES if min_bytes is None else int(min_bytes)
         self.ring: list[Segment | None] = [None] * max(1, slots)
         self.next = 0
         self.buffer: Segment | None = None
@@ -298,8 +301,8 @@ class Arena:
 
 # --- The reader's side -------------------------------------------------------------------------------------------------
 class _Mapped:
-    def __init__(self, mm: mmap.mmap, key: bytes, size: int, name: str):
-        self.mm, self.key, self.size, self.name = mm, key, size, name
+    def __init__(self, mm: mmap.mmap, key: bytes, size: int, link: str):
+        self.mm, self.key, self.size, self.link = mm, key, size, link
 
     def generation(self) -> int:
         return struct.unpack_from("<Q", self.mm, _GEN)[0]
@@ -368,10 +371,16 @@ class Reader:
     def _mapping(self, ref: SharedRef, name: str) -> _Mapped:
         where = (ref.pid, ref.fd)
         m = self.maps.get(where)
-        if m is not None and hmac.compare_digest(m.key, ref.key):
-            self.maps.move_to_end(where)
-            return m
-        if m is not None:  # the writer put another segment at that fd (or the handle is forged): look again
+        if m is not None:
+            # still the writer's segment at that fd (each segment's name is unique): a dead writer's, or a replaced
+            # one, is dropped at once and looked up again (and named, when gone)
+            try:
+                alive = os.readlink(f"/proc/{ref.pid}/fd/{ref.fd}") == m.link
+            except OSError:
+                alive = False
+            if alive and hmac.compare_digest(m.key, ref.key):
+                self.maps.move_to_end(where)
+                return m
             self._drop(where)
         m = self._open(ref.pid, ref.fd, name)
         if not hmac.compare_digest(m.key, ref.key):

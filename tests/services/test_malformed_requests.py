@@ -20,6 +20,9 @@ def tensors():
     yield codec.Tensor(dtype=codec.DType.FLOAT32, shape=[-1], data=b"")
     yield codec.encode(np.full((1, 4), np.nan, np.float32))
     yield codec.encode(np.zeros((3,), np.int64))
+    # a shared-memory handle no one was offered: pid 1's stdin, a huge offset, no key (issue 34)
+    yield codec.Tensor(dtype=codec.DType.FLOAT32, shape=[1, 4], shared=tensor_pb2.SharedRef(
+        pid=1, fd=0, offset=2**63, length=16, generation=1, key=b"k" * 16))
 
 def mutations(desc, depth=0):
     """(label, message) with one field set to an edge value."""

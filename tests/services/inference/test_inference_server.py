@@ -1,5 +1,6 @@
 """InferenceService over real gRPC: batching across streams, hot weight swap, bad input."""
 
+import os
 import queue
 import threading
 
@@ -236,3 +237,134 @@ def test_a_policy_that_would_not_fit_the_memory_budget_is_resource_exhausted(inf
     assert not built  # neither set got as far as building a policy
     _, resp = publish(addr, 3)  # a policy that fits is served
     assert resp.version == 3 and engine.version == 3 and len(built) == 1
+
+
+# --- issue 34: observations and weights by shared-memory handle from a caller on this host ------------------------------
+def _act(addr, obs, keys, shared_memory):
+    client = GrpcPolicyClient([addr], 1, action_dim=4, shared_memory=shared_memory)
+    try:
+        if client.streams[0].arena is not None:
+            client.streams[0].arena.min_bytes = 0  # every observation by handle, however small
+        out = []
+        for _ in range(3):  # the stream's ring of two segments, then the first again
+            client.submit(0, obs, deterministic=False, noise_keys=keys)
+            out.append(client.result(0))
+        return out, client.wire_stats(), client.streams[0].arena is not None
+    finally:
+        client.close()
+
+
+def test_act_through_shared_memory_gives_the_grpc_path_bits(inference):
+    addr, _ = inference
+    publish(addr, 1)
+    obs = {"state": np.random.default_rng(0).normal(size=(6, 13)).astype(np.float32)}
+    keys = np.arange(6, dtype=np.uint64) * 7919
+    shared, shared_wire, used = _act(addr, obs, keys, True)
+    inline, inline_wire, unused = _act(addr, obs, keys, False)
+    assert used and not unused
+    assert shared_wire.shm_bytes == 3 * obs["state"].nbytes and inline_wire.shm_bytes == 0
+    assert inline_wire.bytes > shared_wire.bytes + 3 * obs["state"].nbytes - 200  # the handle replaced the bytes
+    for a, b in zip(shared, inline):
+        assert a.actions.tobytes() == b.actions.tobytes() and a.log_probs.tobytes() == b.log_probs.tobytes()
+        assert a.values.tobytes() == b.values.tobytes() and a.weights_version == b.weights_version == 1
+    from rlfleet.wire import shm
+
+    assert shm.segments_of() == []  # the clients closed: no segment open or mapped in this process (server included)
+
+
+def test_weights_through_shared_memory_are_the_grpc_path_bits(inference, monkeypatch):
+    from rlfleet.wire import shm
+    from services.learner.publisher import WeightPublisher
+
+    addr, engine = inference
+    monkeypatch.setattr(shm, "MIN_BYTES", 0)  # every tensor by handle
+    torch.manual_seed(3)
+    model = ActorCritic(SPECS, 4, hidden_dims=[64, 64], init_log_std=-0.5)
+    state = model.state_dict()
+    names = list(state)
+
+    def gather(wanted):  # two buckets: the ring's two segments
+        yield {n: state[n] for n in wanted[:3]}
+        yield {n: state[n] for n in wanted[3:]}
+
+    for version, shared_memory in ((1, True), (2, False)):
+        pub = WeightPublisher(shared_memory=shared_memory)
+        pub.publish([addr], version, gather, names, names, SPECS, 4)
+        assert (pub.last_wire.shm_bytes > 0) == shared_memory
+        assert pub.last_wire.shm_bytes == (sum(t.numel() * t.element_size() for t in state.values())
+                                           if shared_memory else 0)
+        served = engine.model.state_dict()
+        assert engine.version == version
+        for n in names:
+            assert served[n].dtype == state[n].dtype and served[n].numpy().tobytes() == state[n].numpy().tobytes(), n
+    assert shm.segments_of() == []
+
+
+def test_forged_observation_handles_are_invalid_argument_naming_the_field(inference, tmp_path):
+    from rlfleet.v1 import tensor_pb2
+    from rlfleet.wire import shm
+
+    addr, _ = inference
+    publish(addr, 1)
+    arena = shm.Arena("forger", slots=1, min_bytes=0)
+    good = codec.encode_map({"state": np.zeros((2, 13), np.float32)}, arena=arena).tensors["state"]
+    held = tmp_path / "held.bin"
+    held.write_bytes(bytes(4096))
+
+    def act_with(**fields) -> grpc.RpcError:
+        t = codec.Tensor()
+        t.CopyFrom(good)
+        for k, v in fields.items():
+            setattr(t.shared, k, v)
+        req = inference_pb2.ActRequest(request_id=0)
+        req.observations.tensors["state"].CopyFrom(t)
+        stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Act(iter([req])))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        return err.value.details()
+
+    try:
+        assert "observations['state'].shared.key: does not match" in act_with(key=bytes(16))
+        with open(held, "rb") as f:  # a file the server's process has open (the server runs in this process)
+            assert (f"observations['state'].shared.fd: fd {f.fileno()} of process {os.getpid()} is not an rlfleet "
+                    f"shared-memory segment") in act_with(fd=f.fileno())
+        assert "observations['state'].shared.offset: bytes [" in act_with(offset=1 << 30)
+        assert "observations['state'].shared.generation: 7, the segment is at generation 1 (a stale handle" in \
+            act_with(generation=7)
+        other = os.memfd_create("not-ours")
+        try:
+            assert "is not an rlfleet shared-memory segment" in act_with(fd=other)
+        finally:
+            os.close(other)
+    finally:
+        arena.close()
+
+
+def test_a_server_with_shared_memory_off_takes_inline_bytes_only(cfg):
+    from rlfleet.wire import shm
+    from services.inference import server
+
+    cfg.cluster.shared_memory = "off"
+    srv, addr, engine, _ = server.serve(cfg, "127.0.0.1:0")
+    try:
+        publish(addr, 1)
+        client = GrpcPolicyClient([addr], 1, action_dim=4)  # offers; the server declines
+        assert client.streams[0].arena is None
+        assert client.streams[0].shared_memory_why == "cluster.shared_memory is off"
+        client.submit(0, {"state": np.zeros((2, 13), np.float32)})
+        assert client.result(0).actions.shape == (2, 1, 4)
+        client.close()
+        arena = shm.Arena("unasked", slots=1, min_bytes=0)
+        req = inference_pb2.ActRequest(request_id=0,
+                                       observations=codec.encode_map({"state": np.zeros((2, 13), np.float32)},
+                                                                     arena=arena))
+        with pytest.raises(grpc.RpcError) as err:
+            list(inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr)).Act(iter([req])))
+        arena.close()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "observations['state'].shared: a shared-memory handle where inline bytes (data) are expected" in \
+            err.value.details()
+    finally:
+        srv.stop(0)
+        engine.stop()

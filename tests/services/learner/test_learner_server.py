@@ -300,3 +300,51 @@ def test_rollouts_for_workers_the_run_does_not_have_are_refused_before_buffering
         srv.stop(0)
         coord.server.stop(0)
         learner.close()
+
+
+# --- issue 34: a rollout by shared-memory handle from an env server on this host ----------------------------------------
+def test_push_rollout_through_shared_memory_gives_the_grpc_path_bits(fleet, learner_stub):
+    from rlfleet.wire import shm
+    from rlfleet.wire.clients import WireStats
+
+    _, learner = learner_stub
+    tm, pe, eps = fake_rollout(T=40)
+    arena = shm.Arena("rollout", slots=1, min_bytes=0)
+    # the observations in the arena's buffers (as the env server keeps them), the rest copied into its ring
+    buf = arena.buffers({"obs.state": (tm["obs.state"].shape, np.float32)})["obs.state"]
+    buf[:] = tm["obs.state"]
+    tm["obs.state"] = buf
+    got = {}
+    for epoch, use in ((0, None), (1, arena)):
+        stats = WireStats()
+        push_rollout(fleet.learner_addr, Rollout(tm, pe, eps), epoch, 0, "inc", arena=use, stats=stats)
+        got[epoch] = learner.rollouts.pending.pop((epoch, 0))
+        assert (stats.shm_bytes > 0) == (use is not None) and stats.bytes > 0
+    assert got[1]["time"].keys() == got[0]["time"].keys() == tm.keys()
+    for k in tm:
+        a, b = got[1]["time"][k], got[0]["time"][k]
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes() == tm[k].tobytes(), k
+    assert got[1]["episodes"] == got[0]["episodes"] == eps
+    # what the learner keeps is its own copy: the env server may rewrite its buffers once the push returned
+    kept = got[1]["time"]["obs.state"].copy()
+    tm["obs.state"][:] = 0
+    assert np.array_equal(got[1]["time"]["obs.state"], kept)
+    arena.close()
+    del buf, tm  # the last views of the buffers (this test's): unmapped with them
+    assert shm.segments_of() == []  # and the learner dropped its mappings when the push ended
+
+
+def test_forged_rollout_handles_are_invalid_argument_naming_the_field(fleet, learner_stub):
+    from rlfleet.wire import shm
+
+    stub, learner = learner_stub
+    tm, pe, eps = fake_rollout(T=8)
+    arena = shm.Arena("forger", slots=1, min_bytes=0)
+    (chunk,) = rollout_chunks(Rollout(tm, pe, eps), 0, 0, "inc", arena=arena)
+    chunk.data.tensors["obs.state"].shared.key = bytes(16)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushRollout(iter([chunk]))
+    arena.close()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rollout['obs.state'].shared.key: does not match the key of segment" in err.value.details()
+    assert not learner.rollouts.pending
