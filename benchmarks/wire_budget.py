@@ -1096,7 +1096,8 @@ def main(argv=None) -> None:
         comp = compression_study(frames)
         comp_block = compression_table(comp, frames.shape)
     cmd = "python -m benchmarks.wire_budget " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = [f"Measured {machine}; command: `{cmd.strip()}`.", ""]
+    end_load = os.getloadavg()
+    out = [f"Measured {machine}, {end_load[0]:.2f} / {end_load[1]:.2f} at the end; command: `{cmd.strip()}`.", ""]
     if rows:
         out += [table(rows), ""]
     if shm_note:
