@@ -84,7 +84,10 @@ class Learner:
         self.rollouts = RolloutStore(cfg.algorithm, cfg.cluster.num_env_servers)
         self.scaler = RewardScaler(cfg.algorithm.gamma)
         self.trainer = Trainer(cfg, self.group)
-        self.publisher = WeightPublisher(shared_memory=cfg.cluster.shared_memory != "off")
+        # each weights stream has the deadline of the coordinator's PublishWeights (a real-size first set takes
+        # minutes: building the served copies, tens of GB of fp32 weights)
+        self.publisher = WeightPublisher(timeout=max(120.0, float(cfg.cluster.rpc_timeout_s)),
+                                         shared_memory=cfg.cluster.shared_memory != "off")
         self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends),
                                     LoggerOptions.from_runner(cfg.runner)) \
             if self.group.is_leader else None
