@@ -476,8 +476,8 @@ def _check_runtime(cfg: DictConfig) -> None:
     alg = cfg.algorithm
     _require(cfg.cluster.launcher in ("local", "attach"), "cluster.launcher",
              f"'{cfg.cluster.launcher}' is not one of local, attach")
-    _require(cfg.cluster.shared_memory in ("auto", "off"), "cluster.shared_memory",
-             f"'{cfg.cluster.shared_memory}' is not one of auto, off")
+    _require(cfg.cluster.shared_memory in ("auto", "inline"), "cluster.shared_memory",
+             f"'{cfg.cluster.shared_memory}' is not one of auto, inline")
     tls = cfg.cluster.tls
     if tls.cert_file or tls.key_file or tls.client_auth:
         _require(bool(tls.cert_file and tls.key_file and tls.ca_file), "cluster.tls",

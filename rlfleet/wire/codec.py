@@ -160,7 +160,7 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
             raise CodecError(f"{name}: both data and a shared-memory handle (shared); a tensor has one or the other")
         if shm is None:
             raise CodecError(f"{name}.shared: a shared-memory handle where inline bytes (data) are expected (no "
-                             f"shared-memory handshake for this call, or cluster.shared_memory: off)")
+                             f"shared-memory handshake for this call, or cluster.shared_memory: inline)")
     elif len(data) != count * np_dtype.itemsize:  # before anything is allocated for the claimed shape
         raise CodecError(f"{name}: {len(data)} data bytes do not match shape {dims} of "
                          f"{DType.Name(msg.dtype)} ({count * np_dtype.itemsize} bytes expected)")

@@ -26,7 +26,7 @@ an Act answer, a PushRollout reply). The env server's rollout buffers can live i
 
 Host identity (:func:`host_identity`): the boot id, the pid namespace and the uid; the handshake's probe proves the
 rest (that the receiver may open the sender's fds). Where any of it fails (another host, a container of its own,
-``cluster.shared_memory: off``, no memfd), the peers use inline bytes.
+``cluster.shared_memory: inline``, no memfd), the peers use inline bytes.
 
 numpy and the generated protobuf code only: env servers run in simulator environments.
 """
@@ -453,7 +453,7 @@ def answer(request: tensor_pb2.SharedMemoryOffer, enabled: bool) -> tensor_pb2.S
     pid namespace, uid) and its probe reads back."""
     missing = unavailable()
     here = "" if missing else host_identity()
-    why = "cluster.shared_memory is off" if not enabled else missing
+    why = "cluster.shared_memory: inline" if not enabled else missing
     if not why and request.host != here:
         why = "the sender is on another host, pid namespace or uid"
     if not why:

@@ -324,7 +324,7 @@ def test_the_handshake_accepts_a_sender_on_this_host_only():
         yes = shm.answer(offer, enabled=True)
         assert yes.accepted and yes.reason == "" and yes.host == shm.host_identity()
         off = shm.answer(offer, enabled=False)
-        assert not off.accepted and off.reason == "cluster.shared_memory is off"
+        assert not off.accepted and off.reason == "cluster.shared_memory: inline"
         elsewhere = tensor_pb2.SharedMemoryOffer()
         elsewhere.CopyFrom(offer)
         elsewhere.host = "another-boot-id/pidns:1/uid:0"

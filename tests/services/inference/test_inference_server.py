@@ -345,13 +345,13 @@ def test_a_server_with_shared_memory_off_takes_inline_bytes_only(cfg):
     from rlfleet.wire import shm
     from services.inference import server
 
-    cfg.cluster.shared_memory = "off"
+    cfg.cluster.shared_memory = "inline"
     srv, addr, engine, _ = server.serve(cfg, "127.0.0.1:0")
     try:
         publish(addr, 1)
         client = GrpcPolicyClient([addr], 1, action_dim=4)  # offers; the server declines
         assert client.streams[0].arena is None
-        assert client.streams[0].shared_memory_why == "cluster.shared_memory is off"
+        assert client.streams[0].shared_memory_why == "cluster.shared_memory: inline"
         client.submit(0, {"state": np.zeros((2, 13), np.float32)})
         assert client.result(0).actions.shape == (2, 1, 4)
         client.close()
