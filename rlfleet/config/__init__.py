@@ -476,7 +476,8 @@ def _check_runtime(cfg: DictConfig) -> None:
     alg = cfg.algorithm
     _require(cfg.cluster.launcher in ("local", "attach"), "cluster.launcher",
              f"'{cfg.cluster.launcher}' is not one of local, attach")
-    _require(cfg.cluster.shared_memory in ("auto", "inline"), "cluster.shared_memory",
+    # ("off", as a string set by code or quoted in YAML, is read as inline; unquoted, YAML makes it false)
+    _require(cfg.cluster.shared_memory in ("auto", "inline", "off"), "cluster.shared_memory",
              f"'{cfg.cluster.shared_memory}' is not one of auto, inline")
     tls = cfg.cluster.tls
     if tls.cert_file or tls.key_file or tls.client_auth:

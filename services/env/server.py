@@ -287,7 +287,7 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, ext
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(
         worker, index, runtime.incarnation, act_timeout_s=cfg.cluster.act_timeout_s,
         reconnect_timeout_s=cfg.cluster.external_env_reconnect_timeout_s,
-        shared_memory=cfg.cluster.shared_memory != "inline"), server)
+        shared_memory=cfg.cluster.shared_memory == "auto"), server)
     rpc.add_health_and_reflection(server, *names)
     runtime.address = rpc.bind(server, address)
     server.start()

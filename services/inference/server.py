@@ -120,7 +120,7 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, dev
     streams = cfg.rollout.max_act_streams
     server = rpc.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(engine, cfg.rollout.max_rows_per_request, cfg.cluster.shared_memory != "inline"),
+        InferenceServicer(engine, cfg.rollout.max_rows_per_request, cfg.cluster.shared_memory == "auto"),
         server)
     rpc.add_health_and_reflection(server, rpc.service_name(inference_pb2, "InferenceService"))
     bound = rpc.bind(server, address)

@@ -87,7 +87,7 @@ class Learner:
         # each weights stream has the deadline of the coordinator's PublishWeights (a real-size first set takes
         # minutes: building the served copies, tens of GB of fp32 weights)
         self.publisher = WeightPublisher(timeout=max(120.0, float(cfg.cluster.rpc_timeout_s)),
-                                         shared_memory=cfg.cluster.shared_memory != "inline")
+                                         shared_memory=cfg.cluster.shared_memory == "auto")
         self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends),
                                     LoggerOptions.from_runner(cfg.runner)) \
             if self.group.is_leader else None

@@ -172,7 +172,7 @@ def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | No
         learner.rollouts.scale_probe = lambda: env_server_count(coordinator, cfg.cluster.rpc_timeout_s)
     server = rpc.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(
-        LearnerServicer(learner, cfg.cluster.shared_memory != "inline"), server)
+        LearnerServicer(learner, cfg.cluster.shared_memory == "auto"), server)
     rpc.add_health_and_reflection(server, rpc.service_name(learner_pb2, "LearnerService"))
     bound = rpc.bind(server, address)
     server.start()
