@@ -392,13 +392,16 @@ def _server_main(kind: str, spec: dict, conn) -> None:
             version, state, _, _, _ = weights.assemble(chunks(), **shm_kw(r))
             if r is not None:
                 r.close()
+            t1 = _cpu()
             for name, tensor in state.items():  # the engine's check before it loads a set
                 if tensor.is_floating_point():
                     bool(torch.isfinite(tensor).all())
+            check = _cpu() - t1
             decode = _cpu() - t0 - waited[0]
             nt = len(state)
             del state
-            st["calls"].append({"cpu": time.process_time() - c0, "decode": decode, "wall": time.perf_counter() - w0})
+            st["calls"].append({"cpu": time.process_time() - c0, "decode": decode, "check": check,
+                                "wall": time.perf_counter() - w0})
             return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=nt)
 
         handler = grpc.stream_unary_rpc_method_handler(
@@ -857,7 +860,9 @@ def measure_weights(case: Case, model: Model, which: str, dtype: str | None, qui
         "full set"
     held = dtype or "fp32, as the learner holds it"
     shared = _med(c["shm_bytes"][w:]) * scale
-    note = f"{kind}, {len(tensors)} tensors, {held}; GPU: one epoch's training at {epoch_envs} envs ({steps:,} env steps)"
+    check = 1e3 * _med([x["check"] for x in calls]) * scale
+    note = (f"{kind}, {len(tensors)} tensors, {held}; decode includes the engine's finiteness check, "
+            f"{check:,.0f} ms; GPU: one epoch's training at {epoch_envs} envs ({steps:,} env steps)")
     if shared:
         note += f"; {shared / 1e9:,.2f} GB by handle"
     if scale > 1:
@@ -870,24 +875,56 @@ def measure_weights(case: Case, model: Model, which: str, dtype: str | None, qui
 
 
 # --- compression of rendered frames ------------------------------------------------------------------------------
-def render_frames(envs: int, steps: int, image_size: int, seed: int = 0) -> np.ndarray:
-    """[steps, envs, 2, S, S, 3] uint8: third_person and wrist of PandaPickCubeVision-v0 under random actions
-    (auto-reset at the 50-step time limit), consecutive steps of each env."""
-    import gymnasium as gym
+FRAME_SOURCES = {"panda": ("gym", "PandaPickCubeVision-v0"), "libero": ("libero", "libero_spatial")}
 
-    import services.env.envs  # noqa: F401  (registers the ids)
 
-    frames = np.empty((steps, envs, 2, image_size, image_size, 3), np.uint8)
-    for e in range(envs):
-        env = gym.make("PandaPickCubeVision-v0", image_size=image_size)
-        env.action_space.seed(seed + e)
-        obs, _ = env.reset(seed=seed + e)
-        for t in range(steps):
-            frames[t, e, 0], frames[t, e, 1] = obs["third_person"], obs["wrist"]
-            obs, _, term, trunc, _ = env.step(env.action_space.sample())
-            if term or trunc:
-                obs, _ = env.reset()
-        env.close()
+def render_frames(source: str, envs: int, steps: int, image_size: int, seed: int = 0) -> np.ndarray:
+    """[steps, envs, cameras, S, S, 3] uint8: each camera of ``source``'s simulator (its backend, as the env server
+    steps it, in the simulator's own environment) under uniformly random actions, consecutive steps of each env
+    (a slot whose episode ends is reset and goes on)."""
+    import subprocess
+    import tempfile
+
+    from services.env.environment import python_for
+
+    sim, env_id = FRAME_SOURCES[source]
+    python = python_for(sim)
+    if python == sys.executable:
+        return _render_here(sim, env_id, envs, steps, image_size, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "frames.npy")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([python, "-m", "benchmarks.wire_budget", "--render",
+                               f"{sim},{env_id},{envs},{steps},{image_size},{seed},{out}"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise RuntimeError(f"rendering {env_id} in the {sim} environment failed: {done.stderr[-2000:]}")
+        return np.load(out)
+
+
+def _render_here(sim: str, env_id: str, envs: int, steps: int, image_size: int, seed: int) -> np.ndarray:
+    from services.env.vec_env import make_backend
+
+    backend = make_backend(sim, env_id, envs, {"image_size": image_size})
+    cams = sorted(k for k, sp in backend.observation_space.items()
+                  if len(sp.shape) == 3 and np.dtype(sp.dtype) == np.uint8)
+    ids = np.arange(envs)
+    obs, _ = backend.reset(ids, [seed + i for i in range(envs)], [None] * envs)
+    obs = {k: np.array(obs[k]) for k in cams}
+    space = backend.action_space
+    rng = np.random.default_rng(seed)
+    frames = np.empty((steps, envs, len(cams), *backend.observation_space[cams[0]].shape), np.uint8)
+    for t in range(steps):
+        for c, k in enumerate(cams):
+            frames[t, :, c] = obs[k]
+        res = backend.step(ids, rng.uniform(space.low, space.high, (envs, *space.shape)).astype(np.float32))
+        obs = {k: np.array(res.obs[k]) for k in cams}
+        done = ids[np.asarray(res.terminated) | np.asarray(res.truncated)]
+        if done.size:
+            again, _ = backend.reset(done, [None] * done.size, [None] * done.size)
+            for k in cams:
+                obs[k][done] = again[k]
+    backend.close()
     return frames
 
 
@@ -1029,7 +1066,15 @@ def main(argv=None) -> None:
                          "(default: docs/wire-budget.md)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (4 envs, 32 px, tiny models): a smoke run")
     ap.add_argument("--frames", default="8,60", help="compression: envs,steps of rendered frames")
+    ap.add_argument("--frames-from", default="panda",
+                    help=f"compression: comma-separated frame sources of {', '.join(FRAME_SOURCES)} (libero renders in "
+                         f"its own environment, ~1 GB per env)")
+    ap.add_argument("--render", default=None, help=argparse.SUPPRESS)  # internal: frames in a simulator's environment
     args = ap.parse_args(argv)
+    if args.render:
+        sim, env_id, e, t, size, seed, out = args.render.split(",")
+        np.save(out, _render_here(sim, env_id, int(e), int(t), int(size), int(seed)))
+        return
     only = set(args.only.split(","))
     image = 32 if args.quick else 224
     envs = [4] if args.quick else [int(x) for x in args.envs.split(",")]
@@ -1088,13 +1133,19 @@ def main(argv=None) -> None:
                                             envs[0], tr))
     comp_block = ""
     if "compression" in only:
-        e, t = (2, 12) if args.quick else (int(x) for x in args.frames.split(","))
-        size = 64 if args.quick else 224
-        t0 = time.perf_counter()
-        frames = render_frames(e, t, size)
-        print(f"[compression] rendered {frames.shape} in {time.perf_counter() - t0:.1f} s", flush=True)
-        comp = compression_study(frames)
-        comp_block = compression_table(comp, frames.shape)
+        sources = ["panda"] if args.quick else args.frames_from.split(",")
+        blocks = []
+        for source in sources:
+            e, t = (2, 12) if args.quick else (int(x) for x in args.frames.split(","))
+            if source == "libero" and not args.quick:
+                e = min(e, 2)  # robosuite: ~1 GB and a slow software renderer per env
+            size = 64 if args.quick else 224
+            t0 = time.perf_counter()
+            frames = render_frames(source, e, t, size)
+            print(f"[compression] {source}: rendered {frames.shape} in {time.perf_counter() - t0:.1f} s", flush=True)
+            blocks.append(f"{FRAME_SOURCES[source][1]}, " + compression_table(compression_study(frames), frames.shape))
+            del frames
+        comp_block = "\n\n".join(blocks)
     cmd = "python -m benchmarks.wire_budget " + " ".join(argv if argv is not None else sys.argv[1:])
     end_load = os.getloadavg()
     out = [f"Measured {machine}, {end_load[0]:.2f} / {end_load[1]:.2f} at the end; command: `{cmd.strip()}`.", ""]
