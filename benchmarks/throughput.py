@@ -133,9 +133,10 @@ def in_process(cfg, epochs: int) -> float | None:
     T = cfg.env.train.max_steps_per_rollout_epoch
     worker.collect(0, T, policy)  # warm-up
     t0 = time.perf_counter()
-    for e in range(epochs):
-        worker.collect(e, T, policy)
-    rate = epochs * T * env.num_envs / (time.perf_counter() - t0)
+    steps = 0
+    for e in range(epochs):  # env steps as the pipeline counts them (a sample of a chunked policy is chunk env steps)
+        steps += worker.collect(e, T, policy)[1].env_steps
+    rate = steps / (time.perf_counter() - t0)
     worker.close()
     return rate
 
