@@ -52,7 +52,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 PARTS = ("preflight", "oft-fleet", "oft-inproc", "mlp", "pi0-fleet")
 # seconds each part may take at most (GPU / --cpu), and the least a part needs to be started at all
-CAPS = {"preflight": (60, 120), "oft-fleet": (300, 240), "oft-inproc": (90, 120), "mlp": (90, 150),
+CAPS = {"preflight": (40, 120), "oft-fleet": (320, 240), "oft-inproc": (80, 120), "mlp": (60, 150),
         "pi0-fleet": (240, 240)}
 MINIMUM = {"preflight": 20, "oft-fleet": 150, "oft-inproc": 40, "mlp": 40, "pi0-fleet": 150}
 ENV_SERVERS = (8, 2)  # GPU / --cpu
@@ -252,6 +252,15 @@ def _gpu_processes() -> list[tuple[int, float]]:
     return list(found.items())
 
 
+def _gpu_memory_gib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return round(min(float(v) for v in out) / 1024, 1) if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 def _which(cmd: str) -> str | None:
     import shutil
 
@@ -379,6 +388,7 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
     with open(out_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     arrivals: dict[int, float] = {}
+    status = ""
     rss: dict[int, tuple[str, float]] = {}
     roles: dict[int, str] = {}
     how = "ended by itself"
@@ -405,6 +415,7 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
                 break
             if stop_after_epochs is not None and len(arrivals) >= stop_after_epochs:
                 how = f"stopped after epoch {max(arrivals)}'s metrics (final evaluation and checkpoint not run)"
+                status = _status(run_dir, env)
                 break
             if time.time() >= deadline:
                 how = f"killed at its deadline ({deadline - t_start:.0f}s) after {len(arrivals)} epoch(s)"
@@ -424,7 +435,11 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
             except ValueError:
                 pass
     records = [r for r in _metrics(run_dir) if "time/rollout" in r]
+    said = [line.split("bottleneck", 1)[1].lstrip(" :") for line in (status + "\n" + text).splitlines()
+            if line.strip().startswith("bottleneck")]
+    said = [b.split("): ", 1)[1] if b.startswith("(") and "): " in b else b for b in said]  # "(last 3 epochs): ..."
     result = {"command": "coordinatorctl start " + " ".join(cmd_overrides), "how": how,
+              "bottleneck": said[0] if said else None, "status": status,
               "wall_s": round(t_end - t_start, 1), "services_up_s": services_up,
               "first_epoch_logged_s": round(arrivals[min(arrivals)] - t_start, 1) if arrivals else None,
               "returncode": proc.returncode, "epochs": records,
@@ -433,7 +448,8 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
     measured = records[1:] if len(records) >= 2 else records
     result["measured_epochs"] = [int(r["step"]) for r in measured]
     if measured:
-        result.update(_summarise(records, measured))
+        evals = [r for r in _metrics(run_dir) if isinstance(r.get("time/eval"), (int, float))]
+        result.update(_summarise(records, measured, evals))
     t0 = arrivals.get(min(arrivals)) if len(arrivals) >= 2 else None
     t1 = arrivals.get(max(arrivals)) if len(arrivals) >= 2 else None
     result["gpu_epochs"] = gpu.window(t0, t1)
@@ -451,6 +467,15 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
     elif len(records) < (stop_after_epochs or 0):
         result["log_tail"] = _service_tails(part_dir, run_dir)
     return result
+
+
+def _status(run_dir: pathlib.Path, env: dict) -> str:
+    """`coordinatorctl status RUN_DIR` of the running part (its bottleneck line among the rest), or ''."""
+    try:
+        return subprocess.run([sys.executable, "-m", "services.coordinator.cli", "status", str(run_dir)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _per_role(values: dict[int, tuple[str, float]]) -> dict:
@@ -475,7 +500,7 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _summarise(records: list[dict], measured: list[dict]) -> dict:
+def _summarise(records: list[dict], measured: list[dict], evals: list[dict] = ()) -> dict:
     """Medians over the ``measured`` epochs: env steps/s of the rollout (`rollout/env_steps_per_s`, Collect on every
     env server, the rollout's trip to the learner included) and of the whole epoch (an epoch's env steps over the
     time from one rollout's end to the next: `time/elapsed` of consecutive records, so update, weight sync and the
@@ -488,6 +513,8 @@ def _summarise(records: list[dict], measured: list[dict]) -> dict:
         if cur in measured and all(isinstance(r.get(k), (int, float)) for r in (prev, cur)
                                    for k in ("time/elapsed", "env/env_steps")):
             steps, dt = cur["env/env_steps"] - prev["env/env_steps"], cur["time/elapsed"] - prev["time/elapsed"]
+            # an evaluation between the two rollouts (after epoch prev's update) is not the epoch's work
+            dt -= sum(e.get("time/eval", 0.0) for e in evals if prev["step"] <= e.get("step", -1) < cur["step"])
             if steps > 0 and dt > 0:
                 whole.append(steps / dt)
                 sizes.append(steps)
@@ -783,8 +810,8 @@ def table(report: dict) -> str:
              f"{_f(pre.get(raw_n))} in {ENV_SERVERS[report['cpu']]}.", ""]
     lines += ["| part | model | where | env servers x envs | steps measured | env steps/s (rollout) | "
               "env steps/s (whole epoch) | services up (s) | first epoch logged (s) | GPU busy (epochs) | "
-              "GPU memory peak, GiB (learner / inference / all) | host peak RSS, GiB (learner / inference / env "
-              "server) | ended |",
+              "GPU memory peak, GiB (learner / inference / env servers / all) | host peak RSS, GiB (learner / inference / "
+              "env server) | ended |",
               "|" + "---|" * 13]
     for name in ("oft-fleet", "oft-inproc", "pi0-fleet", "mlp"):
         r = parts.get(name)
@@ -815,15 +842,18 @@ def table(report: dict) -> str:
             f"{_f(r.get('rollout_env_steps_per_s'), '{:,.1f}')} | {_f(r.get('epoch_env_steps_per_s'), '{:,.1f}')} | "
             f"{_f(r.get('services_up_s'), '{:.0f}')} | {_f(r.get('first_epoch_logged_s'), '{:.0f}')} | "
             f"{_f(g.get('gpu_busy'), '{:.0%}')} | {_gib(gm.get('learner', {}).get('max_mib'))} / "
-            f"{_gib(gm.get('inference', {}).get('max_mib'))} / {_gib(g.get('gpu_memory_peak_mib'))} | "
+            f"{_gib(gm.get('inference', {}).get('max_mib'))} / {_gib(gm.get('env', {}).get('sum_mib'))} / "
+            f"{_gib((r.get('gpu_whole_part') or {}).get('gpu_memory_peak_mib'))} | "
             f"{_gib(rss.get('learner', {}).get('max_mib'))} / {_gib(rss.get('inference', {}).get('max_mib'))} / "
             f"{_gib(rss.get('env', {}).get('max_mib'))} | {r.get('how', '')}, {_f(r.get('wall_s'), '{:.0f}')} s"
             + (" (failed: see gpu_fleet.json log_tail)" if r.get("log_tail") else "") + " |")
     # phase times
     keys = sorted({k for r in parts.values() if isinstance(r, dict) for k in (r.get("time_median_s") or {})})
     if keys:
-        lines += ["", "Phase times, median seconds per measured epoch (`time/*` of metrics.jsonl; the wire's share = "
-                  "the `time/wire/*` seconds over `time/step`, where the run logs them):", "",
+        lines += ["", "Phase times, median seconds per measured epoch (`time/*` of metrics.jsonl; `time/epoch`: from "
+                  "one rollout's end to the next, evaluations left out; wire share: the `time/wire/*` seconds over "
+                  "`time/epoch`, where the run logs them; its act seconds are partly on gRPC threads, overlapping):",
+                  "",
                   "| part | " + " | ".join(f"`{k}`" for k in keys) + " | wire share |",
                   "|" + "---|" * (len(keys) + 2)]
         for name in ("oft-fleet", "pi0-fleet", "mlp"):
@@ -833,6 +863,10 @@ def table(report: dict) -> str:
                 continue
             lines.append(f"| {name} | " + " | ".join(_f(t.get(k), "{:.3f}") for k in keys) + " | "
                          + _f(r.get("wire_share"), "{:.0%}", "not logged") + " |")
+    said = [(n, parts[n]["bottleneck"]) for n in ("oft-fleet", "pi0-fleet", "mlp") if (parts.get(n) or {}).get("bottleneck")]
+    if said:
+        lines += ["", "The run's own bottleneck line (`coordinatorctl status`, at the last measured epoch):", ""]
+        lines += [f"- {n}: {b}" for n, b in said]
     inproc, fleet = parts.get("oft-inproc") or {}, parts.get("oft-fleet") or {}
     if inproc.get("env_steps_per_s") and fleet.get("rollout_env_steps_per_s"):
         lines += ["", f"oft-fleet's rollout / the in-process loop: "
@@ -907,6 +941,8 @@ def main() -> int:
     report = {"mode": "cpu" if args.cpu else "gpu", "cpu": bool(args.cpu), "date": time.strftime("%Y-%m-%d %H:%M"),
               "budget_s": budget, "parts": {}, "host": platform.node()}
     gpu = GpuSampler().start()
+    if not args.cpu and args.gpu_gib is None:  # the preflight says it too; a call without the preflight asks here
+        args.gpu_gib = _gpu_memory_gib()
     report["gpu_memory_idle_mib"] = None
     deadline_all = t_begin + budget
 

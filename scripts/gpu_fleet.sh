@@ -10,7 +10,7 @@
 # packages (as root), makes a venv that sees the machine's own packages (the machine's python3 is itself a venv,
 # so --system-site-packages alone would not see its torch: a .pth adds its site-packages), installs the carried
 # wheels into it with pip --no-index --find-links .whl, sets MUJOCO_GL=egl and runs benchmarks/gpu_fleet.py with the
-# seconds left of TOTAL_S (default 530: the command ends inside 9 minutes; each part has its own hard deadline).
+# seconds left of TOTAL_S (default 535: the command ends inside 9 minutes; each part has its own hard deadline).
 # Results: $OUT/gpu_fleet.json, $OUT/gpu_fleet.md, and this command's whole output in $OUT/gpu_fleet.log.
 set -uo pipefail
 T0=$(date +%s)
@@ -19,7 +19,7 @@ INSTALL_ONLY=
 [ "${1:-}" = "--install-only" ] && { INSTALL_ONLY=1; shift; }
 OUT=${OUT:-$PWD/gpu_fleet_out}
 mkdir -p "$OUT"
-TOTAL_S=${TOTAL_S:-530}
+TOTAL_S=${TOTAL_S:-535}
 PY=${PYTHON:-python3}
 VENV=${GPU_VENV:-/tmp/gpu_fleet_venv}
 REQ=scripts/gpu_requirements.txt
@@ -27,7 +27,9 @@ REQ=scripts/gpu_requirements.txt
 say() { echo "[gpu_fleet.sh $(($(date +%s) - T0))s] $*"; }
 
 # --- GL: Debian's loader packages, unpacked over / (the device README's recipe; root only) ------------------------
-if [ -z "$INSTALL_ONLY" ] && [ -d .gl ] && [ "$(id -u)" = 0 ]; then
+# only where a GPU driver is (GL_UNPACK=1 forces it): unpacked over / they replace this machine's own GL libraries
+if [ -z "$INSTALL_ONLY" ] && [ -d .gl ] && [ "$(id -u)" = 0 ] \
+   && { [ "${GL_UNPACK:-}" = 1 ] || command -v nvidia-smi >/dev/null; }; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done
   ldconfig
   say "unpacked $(ls .gl/*.deb | wc -l) GL packages"
@@ -79,7 +81,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 "$VENV/bin/python" -c 'import sys, torch, transformers, peft, grpc, google.protobuf as pb, mujoco
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.cuda.is_available()}), transformers {transformers.__version__}, peft {peft.__version__}, grpcio {grpc.__version__}, protobuf {pb.__version__}, mujoco {mujoco.__version__}")'
 left=$((TOTAL_S - ($(date +%s) - T0)))
-budget=$((left - 20))  # the script's own margin: its last part's results are written as it ends
+budget=$((left - 15))  # the script's own margin: its last part's results are written as it ends
 say "benchmarks/gpu_fleet.py with ${budget}s (parts: ${PARTS:-all})"
 timeout -k 5 $((left - 5)) "$VENV/bin/python" -m benchmarks.gpu_fleet --out "$OUT" --budget-s "$budget" \
   ${PARTS:+--parts "$PARTS"} "$@"

@@ -4,9 +4,11 @@ only on what is GPU-specific), and the real-size configs it starts on a GPU, che
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,3 +98,76 @@ def test_weights_streams_get_the_publish_deadline(tmp_path):
             assert learner.publisher.timeout == expected
         finally:
             learner.close()
+
+
+FAKE_NVIDIA_SMI = r"""
+# a stand-in for nvidia-smi: the outputs of the queries benchmarks/gpu_fleet.py makes
+import os, sys, time
+args = " ".join(sys.argv[1:])
+
+
+def pids(module):
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                if module in open(f"/proc/{e}/cmdline", "rb").read().decode(errors="replace"):
+                    out.append(int(e))
+            except OSError:
+                pass
+    return out
+
+
+if "utilization.gpu" in args and "-lms" in args:
+    i = 0
+    while True:
+        print(f"{40 + i % 20}, {20000 + 10 * i}", flush=True)
+        i += 1
+        time.sleep(0.25)
+elif "--query-compute-apps" in args:
+    for p in pids("services.learner.server"):
+        print(f"{p}, 36000")
+    for p in pids("services.inference.server"):
+        print(f"{p}, 31000")
+elif "-q" in args and "PIDS" in args:
+    print("==============NVSMI LOG==============\n\nGPU 00000000:00:07.0\n    Processes")
+    for p in pids("services.env.server"):
+        print(f"        GPU instance ID                   : N/A\n        Process ID                        : {p}\n"
+              f"            Type                          : G\n            Name                          : python\n"
+              f"            Used GPU Memory               : 420 MiB")
+elif "memory.total" in args:
+    print("NVIDIA H100 80GB HBM3, 81559, 580.159.04" if "name" in args else "81559")
+else:
+    sys.exit(f"stand-in nvidia-smi: {args}")
+"""
+
+
+def test_gpu_sampling_reads_nvidia_smi(tmp_path, monkeypatch):
+    """The GPU-only readings, through a stand-in nvidia-smi answering the queries the GPU run makes: utilization
+    and memory every 250 ms, each process's memory (compute processes, and the env servers' EGL contexts from
+    `-q -d PIDS`) attributed to its service, and the GPU's memory."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!{sys.executable}\n" + FAKE_NVIDIA_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    learner = subprocess.Popen([*sleeper, "services.learner.server"])
+    env = subprocess.Popen([*sleeper, "services.env.server"])
+    sampler = gpu_fleet.GpuSampler()
+    try:
+        assert sampler.available
+        sampler.start()
+        t0 = time.time()
+        time.sleep(3.0)
+        window = sampler.window(t0, time.time())
+        assert gpu_fleet._role(learner.pid) == "learner" and gpu_fleet._role(env.pid) == "env"
+    finally:
+        sampler.stop()
+        for proc in (learner, env):
+            proc.kill()
+            proc.wait()
+    assert window["gpu_samples"] >= 4 and 0.4 <= window["gpu_busy"] <= 0.6 and window["gpu_memory_peak_mib"] >= 20000
+    assert sampler.apps[learner.pid] == 36000 and sampler.apps[env.pid] == 420
+    assert gpu_fleet._gpu_memory_gib() == 79.6
