@@ -448,8 +448,7 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
     measured = records[1:] if len(records) >= 2 else records
     result["measured_epochs"] = [int(r["step"]) for r in measured]
     if measured:
-        evals = [r for r in _metrics(run_dir) if isinstance(r.get("time/eval"), (int, float))]
-        result.update(_summarise(records, measured, evals))
+        result.update(_summarise(records, measured))
     t0 = arrivals.get(min(arrivals)) if len(arrivals) >= 2 else None
     t1 = arrivals.get(max(arrivals)) if len(arrivals) >= 2 else None
     result["gpu_epochs"] = gpu.window(t0, t1)
@@ -500,28 +499,26 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _summarise(records: list[dict], measured: list[dict], evals: list[dict] = ()) -> dict:
-    """Medians over the ``measured`` epochs: env steps/s of the rollout (`rollout/env_steps_per_s`, Collect on every
-    env server, the rollout's trip to the learner included) and of the whole epoch (an epoch's env steps over the
-    time from one rollout's end to the next: `time/elapsed` of consecutive records, so update, weight sync and the
-    coordinator's calls included), and every `time/*` key the run logged."""
+def _summarise(records: list[dict], measured: list[dict]) -> dict:
+    """Medians over the ``measured`` epochs: env steps/s of the rollout (`rollout/env_steps_per_s`: Collect on every
+    env server, the rollout's trip to the learner included) and of the whole epoch (its env steps over `time/epoch` =
+    `time/rollout` + `time/train` + `time/weight_sync`, the synchronous loop's epoch without the coordinator's few
+    milliseconds), and every `time/*` key the run logged."""
     keys = sorted({k for r in measured for k in r if k.startswith("time/") and k != "time/elapsed"})
     times = {k: _median(measured, k) for k in keys}
     out: dict = {"rollout_env_steps_per_s": _median(measured, "rollout/env_steps_per_s"), "time_median_s": times}
-    whole, sizes = [], []
-    for prev, cur in zip(records, records[1:]):
-        if cur in measured and all(isinstance(r.get(k), (int, float)) for r in (prev, cur)
-                                   for k in ("time/elapsed", "env/env_steps")):
-            steps, dt = cur["env/env_steps"] - prev["env/env_steps"], cur["time/elapsed"] - prev["time/elapsed"]
-            # an evaluation between the two rollouts (after epoch prev's update) is not the epoch's work
-            dt -= sum(e.get("time/eval", 0.0) for e in evals if prev["step"] <= e.get("step", -1) < cur["step"])
-            if steps > 0 and dt > 0:
-                whole.append(steps / dt)
-                sizes.append(steps)
+    whole, sizes, epochs = [], [], []
+    for r in measured:
+        parts = [r.get(k) for k in ("time/rollout", "time/train", "time/weight_sync")]
+        if all(isinstance(v, (int, float)) for v in parts) and isinstance(r.get("rollout/env_steps_per_s"), (int, float)):
+            steps = r["rollout/env_steps_per_s"] * r["time/rollout"]
+            whole.append(steps / sum(parts))
+            sizes.append(steps)
+            epochs.append(sum(parts))
     if whole:
         out["epoch_env_steps_per_s"] = statistics.median(whole)
-        out["env_steps_per_epoch"] = statistics.median(sizes)
-        times["time/epoch"] = statistics.median(s / w for s, w in zip(sizes, whole))
+        out["env_steps_per_epoch"] = round(statistics.median(sizes))
+        times["time/epoch"] = statistics.median(epochs)
     wire = {k: v for k, v in times.items() if k.startswith("time/wire/") and v is not None}
     if wire and times.get("time/epoch"):
         out["wire_share"] = sum(wire.values()) / times["time/epoch"]
@@ -850,8 +847,8 @@ def table(report: dict) -> str:
     # phase times
     keys = sorted({k for r in parts.values() if isinstance(r, dict) for k in (r.get("time_median_s") or {})})
     if keys:
-        lines += ["", "Phase times, median seconds per measured epoch (`time/*` of metrics.jsonl; `time/epoch`: from "
-                  "one rollout's end to the next, evaluations left out; wire share: the `time/wire/*` seconds over "
+        lines += ["", "Phase times, median seconds per measured epoch (`time/*` of metrics.jsonl; `time/epoch`: "
+                  "`time/rollout` + `time/train` + `time/weight_sync`; wire share: the `time/wire/*` seconds over "
                   "`time/epoch`, where the run logs them; its act seconds are partly on gRPC threads, overlapping):",
                   "",
                   "| part | " + " | ".join(f"`{k}`" for k in keys) + " | wire share |",

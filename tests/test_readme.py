@@ -134,9 +134,10 @@ RULES = [
     Rule("the test suite (scripts/test.sh, pytest): far too long here, and CI runs it", "skip",
          lambda a: (a[:2] == ("bash", "scripts/test.sh")) or (_prog(a) in ("python", "python3") and a[1:3] == ("-m", "pytest"))),
     Rule("a training run (scripts/run.sh)", "skip", lambda a: a[:2] == ("bash", "scripts/run.sh")),
-    Rule("needs Docker, a cluster or a GPU (docker, docker-compose, kubectl, compose_e2e.sh, nvidia-smi)", "skip",
+    Rule("needs Docker, a cluster or a GPU (docker, docker-compose, kubectl, compose_e2e.sh, nvidia-smi, "
+         "gpu_fleet.sh)", "skip",
          lambda a: _prog(a) in ("docker", "docker-compose", "kubectl", "helm", "nvidia-smi")
-         or (_prog(a) == "bash" and len(a) > 1 and a[1] == "benchmarks/compose_e2e.sh")),
+         or (_prog(a) == "bash" and len(a) > 1 and a[1] in ("benchmarks/compose_e2e.sh", "scripts/gpu_fleet.sh"))),
     Rule("downloads a dataset or model from the Hugging Face hub (network, GBs)", "skip",
          lambda a: _prog(a) in ("hf", "huggingface-cli") and len(a) > 1 and a[1] == "download"),
     Rule("a --help line", "run", lambda a: a[-1] in ("--help", "-h")),
