@@ -23,8 +23,11 @@ TOTAL_S=${TOTAL_S:-535}
 PY=${PYTHON:-python3}
 VENV=${GPU_VENV:-/tmp/gpu_fleet_venv}
 REQ=scripts/gpu_requirements.txt
-[ -n "$INSTALL_ONLY" ] || exec > >(tee -a "$OUT/gpu_fleet.log") 2>&1
 say() { echo "[gpu_fleet.sh $(($(date +%s) - T0))s] $*"; }
+if [ -z "$INSTALL_ONLY" ] && [ -z "${GPU_FLEET_TEED:-}" ]; then  # the whole output into $OUT/gpu_fleet.log as well
+  GPU_FLEET_TEED=1 bash "$0" "$@" 2>&1 | tee -a "$OUT/gpu_fleet.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 # --- GL: Debian's loader packages, unpacked over / (the device README's recipe; root only) ------------------------
 # only where a GPU driver is (GL_UNPACK=1 forces it): unpacked over / they replace this machine's own GL libraries
