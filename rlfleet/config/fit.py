@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlfleet.config import learner_layout
+from rlfleet.config import learner_layout, parse_placement
 from rlfleet.policies import footprint
 
 GB = footprint.GB
@@ -17,6 +17,24 @@ def learner_world_size(cfg) -> int:
     ``cluster.learner_world_size`` CPU ranks)."""
     nnodes, per_node = learner_layout(cfg)
     return nnodes * per_node
+
+
+def shared_gpu(cfg) -> tuple[int | None, int]:
+    """(GPU, inference servers on it) for the GPU that holds a learner rank and the most inference servers, as the
+    placement puts them (each server acts on the first GPU of its slice of the rollout range, a learner rank on its
+    GPU of the actor range: RLinf's collocated `actor,rollout: 0`); (None, 0) where no GPU holds both."""
+    cl = cfg.cluster
+    placement = parse_placement(cl.component_placement, cl.num_nodes * cl.num_gpus_per_node)
+    learner, ranks, n = set(placement["actor"]), placement["rollout"], int(cl.num_inference_servers)
+    counts: dict[int, int] = {}
+    for i in range(n):
+        mine = ranks[i * (len(ranks) // n):(i + 1) * (len(ranks) // n)] if ranks and len(ranks) >= n else ranks
+        if mine and mine[0] in learner:
+            counts[mine[0]] = counts.get(mine[0], 0) + 1
+    if not counts:
+        return None, 0
+    gpu = max(counts, key=lambda g: (counts[g], -g))
+    return gpu, counts[gpu]
 
 
 def learner_footprint(cfg) -> footprint.Footprint:
@@ -51,8 +69,10 @@ def check(cfg, *, inference: bool = True) -> str | None:
     kw = dict(gpu=on_gpu, reference_copy=reference_copy, rows=rows)
     parts = fp.rank_parts(world, **kw)
     per_rank = sum(parts.values())
-    # on GPUs each service and each learner rank has a device of its own; on one host they all share its RAM
-    need = max(inference, per_rank) if on_gpu else servers * inference + world * per_rank
+    # on GPUs each learner rank and each inference server has its device, unless the placement puts both on one
+    # (then they add up there); on one host they all share its RAM
+    gpu, sharing = shared_gpu(cfg) if on_gpu and rl else (None, 0)
+    need = (max(inference, per_rank + sharing * inference) if on_gpu else servers * inference + world * per_rank)
     if need <= have:
         return None
     copies = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
@@ -75,11 +95,18 @@ def check(cfg, *, inference: bool = True) -> str | None:
     learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / GB:.1f} GB for "
                f"{'one rank' if world == 1 else 'each rank'}")
     total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / GB:.1f} GB together"
+    if sharing:
+        total = (f"; GPU {gpu} holds a learner rank and {sharing} inference server{'s' if sharing > 1 else ''} "
+                 f"(cluster.component_placement): {per_rank / GB:.1f} + {sharing * inference / GB:.1f} GB")
     hint = ""
     if rl:
         fit = footprint.smallest_fitting_world(fp, have, on_gpu=on_gpu, others=servers * inference, **kw)
         if on_gpu and inference > have:
             hint = " An inference server's copies alone do not fit one GPU."
+        elif sharing and per_rank <= have:
+            hint = (f" Apart they fit: give the inference server{'s' if sharing > 1 else ''} a GPU of {'their' if sharing > 1 else 'its'} own "
+                    f"(cluster.component_placement, e.g. {{'env,rollout': 1, actor: 0}}), or lower what the learner "
+                    f"holds.")
         elif fit is not None and fit != world:
             each = fp.rank_bytes(fit, **kw)
             hint = (f" {fit} ranks need {each / GB:.1f} GB each: place the actor on {fit} GPUs "

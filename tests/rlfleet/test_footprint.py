@@ -200,3 +200,26 @@ def test_an_evaluation_learner_counts_weights_only(pi0, monkeypatch):
     assert "optimizer-step temporaries" not in why and "autocast" not in why
     _on(monkeypatch, GPUS, 4 * fp.parameters + 1)  # the inference server's two bf16 copies are as large: both fit
     assert fit.check(ev) is None
+
+
+def test_a_learner_rank_and_an_inference_server_on_one_gpu_add_up(monkeypatch):
+    """RLinf's collocated placement (`actor,rollout: 0`) puts the learner's rank and the inference server's copies on
+    one GPU: the check adds them up there, says so, and says that apart they would fit."""
+    one_gpu = ["cluster.num_gpus_per_node=1", "cluster.component_placement={'actor,rollout': 0}",
+               "actor.micro_batch_size=4"]
+    shared = load_config("metaworld_mt50_ppo_pi0", one_gpu)
+    apart = load_config("metaworld_mt50_ppo_pi0", ["cluster.num_gpus_per_node=2", "actor.micro_batch_size=4",
+                                                   "cluster.component_placement={'env,rollout': 1, actor: 0}"])
+    assert fit.shared_gpu(shared) == (0, 1) and fit.shared_gpu(apart) == (None, 0)
+    # the default placement on 8 GPUs: the inference server acts on GPU 0, which holds rank 0 too
+    assert fit.shared_gpu(load_config("metaworld_mt50_ppo_pi0", ["cluster.num_gpus_per_node=8"])) == (0, 1)
+    _on(monkeypatch, "the smallest of 1 GPU(s)", 75e9)
+    assert fit.check(apart) is None  # 66.4 GB and 14.1 GB, each on its GPU
+    why = fit.check(shared)
+    assert ("= 66.4 GB for one rank; GPU 0 holds a learner rank and 1 inference server (cluster.component_placement): "
+            "66.4 + 14.1 GB; that is 80.4 GB where the smallest of 1 GPU(s) has 75.0 GB. Apart they fit") in why
+    _on(monkeypatch, "the smallest of 1 GPU(s)", 85e9)
+    assert fit.check(shared) is None
+    expert = load_config("metaworld_mt50_ppo_pi0", [*one_gpu, "actor.model.openpi.train_expert_only=true"])
+    _on(monkeypatch, "the smallest of 1 GPU(s)", 40e9)
+    assert fit.check(expert) is None  # the action expert trains: 18.8 + 14.1 GB
