@@ -193,12 +193,16 @@ class Segment:
                          generation=self.generation if generation is None else generation, key=self.key)
 
     def close(self) -> None:
-        if self.fd < 0:
+        if getattr(self, "fd", -1) < 0:
             return
         with contextlib.suppress(BufferError):  # arrays still view it (rollout buffers): unmapped when they go
             self.mm.close()
         os.close(self.fd)
         self.fd = -1
+
+    def __del__(self):  # an arena dropped without close (a servicer of a stopped server): no fd outlives it
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def _aligned(n: int) -> int:

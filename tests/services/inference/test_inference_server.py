@@ -255,7 +255,10 @@ def _act(addr, obs, keys, shared_memory):
 
 
 def test_act_through_shared_memory_gives_the_grpc_path_bits(inference):
+    from rlfleet.wire import shm
+
     addr, _ = inference
+    before = set(shm.segments_of())  # (other tests' servers in this process may still hold theirs)
     publish(addr, 1)
     obs = {"state": np.random.default_rng(0).normal(size=(6, 13)).astype(np.float32)}
     keys = np.arange(6, dtype=np.uint64) * 7919
@@ -267,9 +270,8 @@ def test_act_through_shared_memory_gives_the_grpc_path_bits(inference):
     for a, b in zip(shared, inline):
         assert a.actions.tobytes() == b.actions.tobytes() and a.log_probs.tobytes() == b.log_probs.tobytes()
         assert a.values.tobytes() == b.values.tobytes() and a.weights_version == b.weights_version == 1
-    from rlfleet.wire import shm
-
-    assert shm.segments_of() == []  # the clients closed: no segment open or mapped in this process (server included)
+    # the clients closed: none of their segments is open or mapped in this process (the server's streams included)
+    assert set(shm.segments_of()) <= before
 
 
 def test_weights_through_shared_memory_are_the_grpc_path_bits(inference, monkeypatch):
@@ -277,6 +279,7 @@ def test_weights_through_shared_memory_are_the_grpc_path_bits(inference, monkeyp
     from services.learner.publisher import WeightPublisher
 
     addr, engine = inference
+    before = set(shm.segments_of())
     monkeypatch.setattr(shm, "MIN_BYTES", 0)  # every tensor by handle
     torch.manual_seed(3)
     model = ActorCritic(SPECS, 4, hidden_dims=[64, 64], init_log_std=-0.5)
@@ -297,7 +300,7 @@ def test_weights_through_shared_memory_are_the_grpc_path_bits(inference, monkeyp
         assert engine.version == version
         for n in names:
             assert served[n].dtype == state[n].dtype and served[n].numpy().tobytes() == state[n].numpy().tobytes(), n
-    assert shm.segments_of() == []
+    assert set(shm.segments_of()) <= before  # the publisher closed its ring, the server dropped its mappings
 
 
 def test_forged_observation_handles_are_invalid_argument_naming_the_field(inference, tmp_path):

@@ -308,6 +308,7 @@ def test_push_rollout_through_shared_memory_gives_the_grpc_path_bits(fleet, lear
     from rlfleet.wire.clients import WireStats
 
     _, learner = learner_stub
+    before = set(shm.segments_of())  # (other tests' servers in this process may still hold theirs)
     tm, pe, eps = fake_rollout(T=40)
     arena = shm.Arena("rollout", slots=1, min_bytes=0)
     # the observations in the arena's buffers (as the env server keeps them), the rest copied into its ring
@@ -331,7 +332,7 @@ def test_push_rollout_through_shared_memory_gives_the_grpc_path_bits(fleet, lear
     assert np.array_equal(got[1]["time"]["obs.state"], kept)
     arena.close()
     del buf, tm  # the last views of the buffers (this test's): unmapped with them
-    assert shm.segments_of() == []  # and the learner dropped its mappings when the push ended
+    assert set(shm.segments_of()) <= before  # and the learner dropped its mappings when the push ended
 
 
 def test_forged_rollout_handles_are_invalid_argument_naming_the_field(fleet, learner_stub):
