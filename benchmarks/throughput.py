@@ -6,9 +6,10 @@
                   simulators of the main environment (the others' environments carry no model code)
   pipeline S=1    env server (from the simulator's environment), inference server and learner as separate processes
   pipeline S=2    over gRPC on loopback, with rollout.pipeline_stage_num = 1 and 2; timed = Collect RPCs, including
-                  the trajectories' trip to the learner
+                  the trajectories' trip to the learner. The services use shared memory on one host by default
+                  (cluster.shared_memory: auto); --shared-memory off measures the plain gRPC path, both measures both
 
-    python benchmarks/throughput.py [--epochs 5] [--only panda-state,metaworld-reach,...]
+    python benchmarks/throughput.py [--epochs 5] [--only panda-state,metaworld-reach,...] [--shared-memory auto|off|both]
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ CASES = {
                      "env.train.max_steps_per_rollout_epoch=16", "actor.model.model_type=cnn",
                      "env.train.init_params={image_size: 64}", "actor.global_batch_size=256",
                      "actor.micro_batch_size=128"],
+    # the tiny OpenVLA-OFT (it resizes to its 64 px) on two 224 px cameras: the wire carries 301 KB per env step
+    "panda-vision-oft-224": ["env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=8",
+                             "env.train.max_steps_per_rollout_epoch=32", "actor.model.model_type=openvla_oft",
+                             "actor.model.num_action_chunks=4", "actor.model.image_key=third_person",
+                             "actor.model.extra_image_keys=[wrist]", "env.train.init_params={image_size: 224}",
+                             "actor.global_batch_size=64", "actor.micro_batch_size=32"],
     "panda-vision-openvla": ["env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=8",
                              "env.train.max_steps_per_rollout_epoch=16", "actor.model.model_type=openvla",
                              "actor.model.image_key=third_person", "env.train.init_params={image_size: 64}",
@@ -152,8 +159,10 @@ def _spawn(module: str, config: str, extra=(), python: str = sys.executable) -> 
     raise RuntimeError(f"{module} did not start")
 
 
-def pipeline(cfg, stages: int, epochs: int) -> float:
+def pipeline(cfg, stages: int, epochs: int, shared_memory: str | None = None) -> float:
     cfg.rollout.pipeline_stage_num = stages
+    if shared_memory is not None:
+        cfg.cluster.shared_memory = shared_memory
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.yaml")
         with open(path, "w") as f:
@@ -186,6 +195,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=5, help="timed rollout epochs per measurement")
     ap.add_argument("--only", default=None, help=f"comma-separated cases of {', '.join(CASES)}")
+    ap.add_argument("--shared-memory", default="auto", choices=("auto", "off", "both"),
+                    help="cluster.shared_memory for the pipeline (both: auto, then off in columns of their own)")
     ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)  # internal: raw_sim in a simulator environment
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--raw-actions", default="random", choices=RAW_ACTIONS, help=argparse.SUPPRESS)
@@ -205,18 +216,28 @@ def main() -> None:
               f"{args.epochs} epochs ...", flush=True)
         raw = raw_sim(cfg, T * args.epochs)
         local = in_process(load_config(None, overrides), args.epochs)
-        s1 = pipeline(load_config(None, overrides), 1, args.epochs)
-        s2 = pipeline(load_config(None, overrides), 2, args.epochs)
-        rows.append((cfg.env.train.simulator_type, cfg.env.train.env_id, n, raw, local, s1, s2))
+        first = "auto" if args.shared_memory == "both" else args.shared_memory
+        s1 = pipeline(load_config(None, overrides), 1, args.epochs, first)
+        s2 = pipeline(load_config(None, overrides), 2, args.epochs, first)
+        off = None
+        if args.shared_memory == "both":
+            off = (pipeline(load_config(None, overrides), 1, args.epochs, "off"),
+                   pipeline(load_config(None, overrides), 2, args.epochs, "off"))
+        rows.append((name, cfg.env.train.simulator_type, cfg.env.train.env_id, n, raw, local, s1, s2, off))
+    both = args.shared_memory == "both"
     print()
-    print("| simulator | env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 | S=2 / in-process | S=2 / raw |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for sim, env_id, n, raw, local, s1, s2 in rows:
+    extra = " S=1, gRPC only | S=2, gRPC only | S=1 / in-process, gRPC only |" if both else ""
+    print("| case | simulator | env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 "
+          f"| S=1 / in-process | S=2 / in-process | S=2 / raw |{extra}")
+    print("|---" * (11 + 3 * both) + "|")
+    for name, sim, env_id, n, raw, local, s1, s2, off in rows:
         loc = f"{local:,.0f}" if local else "-"
-        ratio = f"{s2 / local:.2f}" if local else "-"
-        print(f"| {sim} | {env_id} | {n} | {raw:,.0f} | {loc} | {s1:,.0f} | {s2:,.0f} | {ratio} | {s2 / raw:.2f} |")
-    print("\n(env steps/s; pipeline = 3 processes over gRPC on loopback; in-process needs torch, so only for "
-          "simulators of the main environment)")
+        ratio = lambda x: f"{x / local:.2f}" if local else "-"  # noqa: E731
+        more = f" {off[0]:,.0f} | {off[1]:,.0f} | {ratio(off[0])} |" if off else ""
+        print(f"| {name} | {sim} | {env_id} | {n} | {raw:,.0f} | {loc} | {s1:,.0f} | {s2:,.0f} | {ratio(s1)} "
+              f"| {ratio(s2)} | {s2 / raw:.2f} |{more}")
+    print(f"\n(env steps/s; pipeline = 3 processes over gRPC on loopback, cluster.shared_memory: {args.shared_memory}; "
+          "in-process needs torch, so only for simulators of the main environment)")
 
 
 if __name__ == "__main__":
