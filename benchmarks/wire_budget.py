@@ -35,6 +35,7 @@ a multi-GB rollout) are measured on a slice and scaled linearly; the row says so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -680,20 +681,45 @@ def _client_weights(spec: dict, address: str) -> dict:
 _CLIENTS = {"act": _client_act, "rollout": _client_rollout, "weights": _client_weights}
 
 
+MALLOC = {"mmap": 0}  # --malloc-mmap-threshold-mb: glibc's thresholds for the measured processes (0: its defaults)
+
+
+@contextlib.contextmanager
+def _malloc_env():
+    """glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ in the environment of the processes started inside
+    (read by glibc when a process starts): allocations below the threshold come from the heap and freed memory stays
+    there, instead of each large buffer being a fresh mmap that faults its pages in and is unmapped when freed."""
+    mb = MALLOC["mmap"]
+    saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    if mb:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(mb << 20)
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(2 * mb << 20)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _run_pair(kind: str, spec: dict, timeout: float = 900.0) -> tuple[dict, dict]:
     """Start the receiving server, then the sending client, each in a fresh process -> (client, server) results."""
     ctx = mp.get_context("spawn")
     s_conn, s_child = ctx.Pipe()
     c_conn, c_child = ctx.Pipe()
     srv = ctx.Process(target=_server_main, args=(kind, spec, s_child), daemon=True)
-    srv.start()
+    with _malloc_env():
+        srv.start()
     cli = None
     try:
         if not s_conn.poll(120):
             raise RuntimeError(f"{kind} server did not start")
         address = s_conn.recv()
         cli = ctx.Process(target=_client_main, args=(kind, spec, address, c_child), daemon=True)
-        cli.start()
+        with _malloc_env():
+            cli.start()
         if not c_conn.poll(timeout):
             raise RuntimeError(f"{kind} client did not finish within {timeout:.0f}s")
         client = c_conn.recv()
@@ -867,7 +893,8 @@ def measure_weights(case: Case, model: Model, which: str, dtype: str | None, qui
         note += f"; {shared / 1e9:,.2f} GB by handle"
     if scale > 1:
         note += f"; measured on {taken_bytes / 1e9:.2f} GB ({len(taken)} tensors), x{scale:.1f}"
-    return Row("UpdateWeights", case.label.split(",")[0] + f" ({held.split(',')[0]})", "-", total,
+    short = ("LoRA r32 adapters" if model.lora else "trained set") if which == "partial" else "full set"
+    return Row("UpdateWeights", f"{case.label.split(',')[0]}, {short}, {held.split(',')[0]}", "-", total,
                _med(c["msgs"][w:]) * scale, **stages, transfer=cpu_c + cpu_s - sum(stages.values()), wall=wall,
                transport=transport,
                cpu_send=cpu_c, cpu_recv=cpu_s, peak_send=c["peak_mb"], peak_recv=s["peak_mb"], gpu_ms=gpu,
@@ -1015,12 +1042,29 @@ def table(rows: list[Row]) -> str:
     lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r.path}{' (shm)' if r.transport == 'shm' else ''} | {r.what} | {r.envs} "
+            f"| {r.path}{'' if r.transport == 'grpc' else f' ({r.transport})'} | {r.what} | {r.envs} "
             f"| {_fmt(r.nbytes / 1e6, 3 if r.nbytes < 1e6 else 1)} | {_fmt(r.msgs, 0)} | {_fmt(r.encode)} "
             f"| {_fmt(r.serialise)} | {_fmt(r.transfer)} | {_fmt(r.parse)} | {_fmt(r.decode)} | {_fmt(r.wall)} "
             f"| {_fmt(r.cpu_send)} / {_fmt(r.cpu_recv)} | {r.peak_send:,.0f} / {r.peak_recv:,.0f} "
             f"| {_fmt(r.gpu_ms)} | {100 * r.wall / r.gpu_ms:.0f}% | {r.saturates:,.0f} | {r.note} |")
     return "\n".join(lines)
+
+
+def summary_table(rows: list[Row]) -> str:
+    """gRPC against shared memory, row by row (rows measured over both transports): what the receiver and the
+    sender spend, the wall time and the saturation, and how much more the receiver can take in."""
+    pairs: dict[tuple, dict] = {}
+    for r in rows:
+        pairs.setdefault((r.path, r.what, r.envs), {})[r.transport] = r
+    lines = ["| path | model, env | envs | wall ms gRPC / shm | CPU ms send, gRPC / shm | CPU ms recv, gRPC / shm "
+             "| saturates at, gRPC / shm (env steps/s) | capacity, shm / gRPC |", "|---" * 8 + "|"]
+    for (path, what, envs), by in pairs.items():
+        if {"grpc", "shm"} <= set(by):
+            g, m = by["grpc"], by["shm"]
+            lines.append(f"| {path} | {what} | {envs} | {_fmt(g.wall)} / {_fmt(m.wall)} "
+                         f"| {_fmt(g.cpu_send)} / {_fmt(m.cpu_send)} | {_fmt(g.cpu_recv)} / {_fmt(m.cpu_recv)} "
+                         f"| {g.saturates:,.0f} / {m.saturates:,.0f} | {m.saturates / g.saturates:.1f}x |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def compression_table(rows: list[dict], frames_shape) -> str:
@@ -1064,6 +1108,9 @@ def main(argv=None) -> None:
     ap.add_argument("--markdown", nargs="?", const=str(ROOT / "docs" / "wire-budget.md"), default=None,
                     help="also write the tables into this file, between its wire-budget markers "
                          "(default: docs/wire-budget.md)")
+    ap.add_argument("--malloc-mmap-threshold-mb", type=int, default=0,
+                    help="glibc's mmap (and 2x trim) threshold for the measured processes, in MB (0: glibc's "
+                         "defaults); their rows are marked")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (4 envs, 32 px, tiny models): a smoke run")
     ap.add_argument("--frames", default="8,60", help="compression: envs,steps of rendered frames")
     ap.add_argument("--frames-from", default="panda",
@@ -1071,6 +1118,7 @@ def main(argv=None) -> None:
                          f"its own environment, ~1 GB per env)")
     ap.add_argument("--render", default=None, help=argparse.SUPPRESS)  # internal: frames in a simulator's environment
     args = ap.parse_args(argv)
+    MALLOC["mmap"] = args.malloc_mmap_threshold_mb
     if args.render:
         sim, env_id, e, t, size, seed, out = args.render.split(",")
         np.save(out, _render_here(sim, env_id, int(e), int(t), int(size), int(seed)))
@@ -1105,6 +1153,9 @@ def main(argv=None) -> None:
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
 
         def add(row: Row) -> None:
+            if MALLOC["mmap"]:
+                row.transport = f"{'gRPC' if row.transport == 'grpc' else row.transport}, glibc mmap threshold " \
+                                f"{MALLOC['mmap']} MB"
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
         for case in picked:
@@ -1151,6 +1202,9 @@ def main(argv=None) -> None:
     out = [f"Measured {machine}, {end_load[0]:.2f} / {end_load[1]:.2f} at the end; command: `{cmd.strip()}`.", ""]
     if rows:
         out += [table(rows), ""]
+        summary = summary_table(rows)
+        if summary:
+            out += ["gRPC against shared memory, from the rows above:", "", summary, ""]
     if shm_note:
         out += [f"shm: {shm_note}.", ""]
     if comp_block:
