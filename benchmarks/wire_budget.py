@@ -957,8 +957,12 @@ def _render_here(sim: str, env_id: str, envs: int, steps: int, image_size: int, 
 
 def codecs() -> dict:
     """name -> (compress, decompress) over bytes-like objects, single-threaded."""
-    import lz4.block
-    import zstandard
+    try:
+        import lz4.block
+        import zstandard
+    except ImportError as exc:
+        raise SystemExit(f"the compression study needs lz4 and zstandard ({exc.name} is missing): "
+                         f"pip install -e '.[compression]', or --only act,rollout,weights") from None
 
     out = {"lz4": (lambda b: lz4.block.compress(b, store_size=True), lz4.block.decompress)}
     for level in (1, 3):
