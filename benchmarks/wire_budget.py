@@ -45,7 +45,6 @@ import pathlib
 import platform
 import queue
 import sys
-import threading
 import time
 
 os.environ.setdefault("MUJOCO_GL", "egl")
@@ -202,7 +201,6 @@ def model_for(case: Case, quick: bool, image_size: int) -> Model:
 
     from rlfleet.config import load_config
     from rlfleet.policies import build_policy
-    from rlfleet.wire.codec import OBS  # noqa: F401  (the schema's names)
 
     torch.set_num_threads(1)
     specs = _specs(case)
@@ -807,8 +805,8 @@ def measure_rollout(case: Case, model: Model, n: int, quick: bool, cap: int, tra
     per_step = n * _per_sample_bytes(case, model)
     T_slice = max(1, min(T, cap // per_step))
     scale = T / T_slice
-    spec = {"shm": transport == "shm", "T": T_slice, "n": n, "obs": case.obs, "reply": model.reply, "chunk": model.chunk,
-            "action_dim": case.action_dim, "log_prob_width": model.log_prob_width, "instruction": case.instruction,
+    spec = {"shm": transport == "shm", "T": T_slice, "n": n, "obs": case.obs, "reply": model.reply,
+            "chunk": model.chunk, "action_dim": case.action_dim, "log_prob_width": model.log_prob_width, "instruction": case.instruction,
             "warmup": 1, "reps": 1 if quick else 2}
     c, s = _run_pair("rollout", spec)
     w = spec["warmup"]
@@ -861,13 +859,15 @@ def measure_weights(case: Case, model: Model, which: str, dtype: str | None, qui
     tensors = model.sync if which == "partial" else model.state
     if dtype is not None:
         tensors = [(n, s, dtype if t in ("float32", "float64") else t) for n, s, t in tensors]
-    bytes_of = lambda t: int(np.prod(t[1], dtype=np.int64)) * torch.empty((), dtype=getattr(torch, t[2])).element_size()  # noqa: E731
+    def bytes_of(t) -> int:
+        return int(np.prod(t[1], dtype=np.int64)) * torch.empty((), dtype=getattr(torch, t[2])).element_size()
+
     total = sum(bytes_of(t) for t in tensors)
     taken = _slice(tensors, cap, bytes_of)
     taken_bytes = sum(bytes_of(t) for t in taken)
     scale = total / taken_bytes
-    spec = {"shm": transport == "shm", "tensors": taken, "obs": case.obs, "action_dim": case.action_dim, "bucket_mb": model.bucket_mb,
-            "partial": which == "partial", "warmup": 0 if scale > 1 else 1, "reps": 1 if quick else 2}
+    spec = {"shm": transport == "shm", "tensors": taken, "obs": case.obs, "action_dim": case.action_dim,
+            "bucket_mb": model.bucket_mb, "partial": which == "partial", "warmup": 0 if scale > 1 else 1, "reps": 1 if quick else 2}
     c, s = _run_pair("weights", spec)
     w = spec["warmup"]
     ms = lambda xs: 1e3 * _med(xs[w:]) * scale  # noqa: E731

@@ -23,7 +23,8 @@ def test_quick_mode_prints_every_row(tmp_path):
 
     transports = ["grpc"] if shm_available() else ["grpc", "shm"]
     page = tmp_path / "wire-budget.md"
-    page.write_text("# prose above\n\n<!-- wire-budget:begin -->\nSTALE-TABLE\n<!-- wire-budget:end -->\n\nprose below\n")
+    page.write_text("# prose above\n\n<!-- wire-budget:begin -->\nSTALE-TABLE\n<!-- wire-budget:end -->\n\n"
+                    "prose below\n")
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "benchmarks.wire_budget", "--quick", "--markdown", str(page),
                           "--transport", "both" if "shm" in transports else "grpc"],
