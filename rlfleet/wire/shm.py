@@ -244,12 +244,12 @@ class Arena:
                 slot = self.next
                 self.next = (self.next + 1) % len(self.ring)
                 seg = self.ring[slot]
+                if seg is not None:  # its last message taken first, whether it is reused or replaced
+                    seg.wait_taken(abandon, timeout)
                 if seg is None or seg.capacity < total:
-                    if seg is not None:  # a reader still mapping the old one keeps it alive for itself
+                    if seg is not None:  # (a reader still mapping it keeps it for itself until it is done)
                         seg.close()
                     seg = self.ring[slot] = Segment(max(total + total // 4, 1 << 20), self.kind)
-                else:
-                    seg.wait_taken(abandon, timeout)
                 gen = seg.begin()
                 for i, offset in copies:
                     seg.write(offset, arrays[i])
@@ -267,12 +267,12 @@ class Arena:
             sizes = {k: int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for k, (shape, dt) in layout.items()}
             total = sum(_aligned(n) for n in sizes.values())
             seg = self.buffer
+            if seg is not None:
+                seg.wait_taken(abandon, timeout)
             if seg is None or seg.capacity < total:
                 if seg is not None:
                     seg.close()
                 seg = self.buffer = Segment(max(total, ALIGN), f"{self.kind}-buffers")
-            else:
-                seg.wait_taken(abandon, timeout)
             seg.begin()
             seg.released = True  # nobody was handed this generation yet
             out, offset = {}, 0

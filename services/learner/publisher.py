@@ -80,13 +80,17 @@ class WeightPublisher:
         ended = {a: threading.Event() for a in targets}
 
         def requests(address: str, arena):
+            """The set's chunks, serialised; ``wire[address]`` counts building and serialising them (not the wait
+            for the next bucket's gather)."""
             partial, first = targets[address], True
             while (bucket := queues[address].get()) is not _DONE:
                 part = {k: v for k, v in bucket.items() if k in partial_set} if partial else bucket
                 sizes[address] += sum(t.numel() * t.element_size() for t in part.values())
                 kw = {"partial": True} if partial else (
                     {"obs_specs": obs_specs, "action_dim": action_dim} if first else {})
-                yield from weights.iter_chunks(part, version, arena=arena, abandon=ended[address].is_set, **kw)
+                yield from timed_messages(
+                    wire[address], weights.iter_chunks(part, version, arena=arena, abandon=ended[address].is_set, **kw),
+                    lambda c: c.data.shared.length if c.data.HasField("shared") else 0)
                 first = first and not part
 
         def call(address: str) -> None:
@@ -100,9 +104,7 @@ class WeightPublisher:
                                              response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
                     # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until it has
                     # registered, and has the weights republished; waiting here would hold up Train
-                    update(timed_messages(wire[address], requests(address, arena),
-                                          lambda c: c.data.shared.length if c.data.HasField("shared") else 0),
-                           timeout=self.timeout)
+                    update(requests(address, arena), timeout=self.timeout)
             finally:
                 ended[address].set()
                 if arena is not None:
