@@ -272,6 +272,8 @@ class _Stream:
         act = self.channel.stream_stream("/rlfleet.v1.InferenceService/Act", request_serializer=None,
                                          response_deserializer=self._parse)
         self.responses = act(iter(self.requests.get, self._END), wait_for_ready=True)
+        if self.arena is not None:  # a request waiting for a segment gives up with the stream, or after the timeout
+            self.arena.abandon, self.arena.timeout = self.responses.done, timeout
         self.received: queue.SimpleQueue = queue.SimpleQueue()
         self.ids = itertools.count()
         self.inflight: list[tuple[int, int]] = []

@@ -222,12 +222,16 @@ class Arena:
         self.buffer: Segment | None = None
         self.shm_bytes = 0
         self.lock = threading.Lock()
+        self.abandon: Callable[[], bool] | None = None  # the owner's "the reader's call is over" (default of pack)
+        self.timeout = 300.0                            # the longest pack waits for a reader to take a segment
 
     def pack(self, arrays: Sequence[np.ndarray], *, abandon: Callable[[], bool] | None = None,
-             timeout: float = 300.0) -> tuple[int | None, list[SharedRef]]:
+             timeout: float | None = None) -> tuple[int | None, list[SharedRef]]:
         """Handles for ``arrays`` (C-contiguous, little-endian): those that lie in the buffers as they are, the
         others copied into the ring's next segment (grown when too small; reused once its reader took the previous
         message). -> (the ring slot used or None, one handle per array)."""
+        abandon = abandon or self.abandon
+        timeout = self.timeout if timeout is None else timeout
         with self.lock:
             refs: list[SharedRef | None] = [None] * len(arrays)
             copies, total = [], 0
