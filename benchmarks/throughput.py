@@ -7,9 +7,9 @@
   pipeline S=1    env server (from the simulator's environment), inference server and learner as separate processes
   pipeline S=2    over gRPC on loopback, with rollout.pipeline_stage_num = 1 and 2; timed = Collect RPCs, including
                   the trajectories' trip to the learner. The services use shared memory on one host by default
-                  (cluster.shared_memory: auto); --shared-memory off measures the plain gRPC path, both measures both
+                  (cluster.shared_memory: auto); --shared-memory inline measures the plain gRPC path, both measures both
 
-    python benchmarks/throughput.py [--epochs 5] [--only panda-state,metaworld-reach,...] [--shared-memory auto|off|both]
+    python benchmarks/throughput.py [--epochs 5] [--only panda-state,metaworld-reach,...] [--shared-memory auto|inline|both]
 """
 
 from __future__ import annotations
@@ -195,8 +195,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=5, help="timed rollout epochs per measurement")
     ap.add_argument("--only", default=None, help=f"comma-separated cases of {', '.join(CASES)}")
-    ap.add_argument("--shared-memory", default="auto", choices=("auto", "off", "both"),
-                    help="cluster.shared_memory for the pipeline (both: auto, then off in columns of their own)")
+    ap.add_argument("--shared-memory", default="auto", choices=("auto", "inline", "both"),
+                    help="cluster.shared_memory for the pipeline (both: auto, then inline in columns of their own)")
     ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)  # internal: raw_sim in a simulator environment
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--raw-actions", default="random", choices=RAW_ACTIONS, help=argparse.SUPPRESS)
@@ -221,8 +221,8 @@ def main() -> None:
         s2 = pipeline(load_config(None, overrides), 2, args.epochs, first)
         off = None
         if args.shared_memory == "both":
-            off = (pipeline(load_config(None, overrides), 1, args.epochs, "off"),
-                   pipeline(load_config(None, overrides), 2, args.epochs, "off"))
+            off = (pipeline(load_config(None, overrides), 1, args.epochs, "inline"),
+                   pipeline(load_config(None, overrides), 2, args.epochs, "inline"))
         rows.append((name, cfg.env.train.simulator_type, cfg.env.train.env_id, n, raw, local, s1, s2, off))
     both = args.shared_memory == "both"
     print()
