@@ -1,5 +1,5 @@
 """VLLMDecoder: the ``rollout.backend: vllm`` inference backend (no gRPC), an optional implementation of
-services.inference.engine's ``InferenceBackend``. vLLM's engine decodes the action tokens of token-decoding VLAs
+services.inference.backend's ``InferenceBackend``. vLLM's engine decodes the action tokens of token-decoding VLAs
 (``openvla``); rlfleet's policy code does the rest.
 
 One thread owns vLLM's engine (vLLM is not thread-safe) and runs a loop:
@@ -46,7 +46,7 @@ import torch
 
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.wire.rpc import Unavailable
-from services.inference.engine import ActRequest, BackendStats, InferenceBackend
+from services.inference.backend import ActRequest, BackendStats, InferenceBackend
 
 log = logging.getLogger("rlfleet.inference.vllm")
 _FORWARD_LATENCY = metrics.get_meter("rlfleet").create_histogram(

@@ -1,5 +1,6 @@
-"""services.inference.engine: the engine acting only through the one backend interface, and the one factory that
-picks the backend by rollout.backend."""
+"""services.inference.engine: the engine acting only through the one backend interface
+(services.inference.backend), and the one factory (services.inference.factory) that picks the backend by
+rollout.backend."""
 
 from __future__ import annotations
 
@@ -11,19 +12,22 @@ from rlfleet.policies.backends import BACKENDS
 from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.wire.codec import PolicyOutput
 from rlfleet.wire.spaces import TensorSpace
-from services.inference import engine as inference_engine
-from services.inference.engine import BackendStats, DynamicBatcher, InferenceBackend, InferenceEngine, make_backend
+from services.inference import factory
+from services.inference.backend import BackendStats, InferenceBackend
+from services.inference.batcher import DynamicBatcher
+from services.inference.engine import InferenceEngine
+from services.inference.factory import make_inference_backend
 from tests.conftest import small_config
 
 SPECS = {"state": TensorSpace((13,), "float32")}
 
 
 def test_every_registered_backend_has_one_implementation():
-    assert set(inference_engine.IMPLEMENTATIONS) == set(BACKENDS)
-    hf = make_backend("hf")
+    assert set(factory.IMPLEMENTATIONS) == set(BACKENDS)
+    hf = make_inference_backend("hf")
     assert isinstance(hf, DynamicBatcher) and isinstance(hf, InferenceBackend) and hf.name == "hf"
     with pytest.raises(ValueError, match=r"rollout.backend: unknown backend 'vlm'; did you mean 'vllm'\? \(known: hf, vllm\)"):
-        make_backend("vlm")
+        make_inference_backend("vlm")
     with pytest.raises(ValueError, match="unknown backend 'tgi'"):
         InferenceEngine(small_config().actor.model, backend="tgi")
 
@@ -53,7 +57,7 @@ class Recording(InferenceBackend):
 
 
 def test_the_engine_acts_only_through_the_backend(monkeypatch):
-    monkeypatch.setitem(inference_engine.IMPLEMENTATIONS, "hf", lambda options: Recording(options.on_fatal))
+    monkeypatch.setitem(factory.IMPLEMENTATIONS, "hf", lambda options: Recording(options.on_fatal))
     fatal = []
     engine = InferenceEngine(small_config().actor.model, on_fatal=fatal.append)
     assert isinstance(engine.backend, Recording) and engine.backend.on_fatal == fatal.append
