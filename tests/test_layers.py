@@ -116,3 +116,119 @@ def test_every_simulator_has_its_env_side_entry_and_nothing_else():
 
     assert set(SIM_BACKENDS) == set(SIMULATORS)
     assert set(PREFLIGHTS) <= set(SIMULATORS) and set(FINISH_STEPS) <= set(SIMULATORS)
+
+
+# --- import circles -----------------------------------------------------------------------------------------------
+def _first_party() -> dict[str, pathlib.Path]:
+    """Every first-party module by its dotted name (a package by its ``__init__``), the generated rlfleet/v1 left out."""
+    out = {}
+    for top in ("rlfleet", "services"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[:2] == ("rlfleet", "v1"):
+                continue
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _module_edges(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[str, int]]:
+    """(first-party module imported, line) for every import statement of the file, wherever it is: at the top, in a
+    function (lazy), under ``if TYPE_CHECKING:``. ``from pkg import x`` goes to the submodule ``pkg.x`` when there is
+    one, else to ``pkg`` itself; a relative import is resolved against the file's package."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def owner(module: str) -> str | None:  # the module itself, or the first-party module that defines the name
+        while module and module not in known:
+            module = module.rpartition(".")[0]
+        return module or None
+
+    edges = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [owner(a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [owner(f"{module}.{a.name}") if f"{module}.{a.name}" in known else owner(module)
+                       for a in node.names]
+        else:
+            continue
+        edges += [(t, node.lineno) for t in targets if t is not None and t != name]
+    return edges
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circles():
+    """No two first-party modules (rlfleet/ and services/, generated rlfleet/v1 aside) import each other, directly or
+    through others. Every import statement counts, wherever it is in the file: at the top, inside a function (a lazy
+    import still makes the two modules depend on each other) and under ``if TYPE_CHECKING:`` (a type is a
+    dependency too). ``from pkg import x`` is an edge to the submodule ``pkg.x`` when there is one, else to ``pkg``;
+    relative imports are resolved.
+
+    Packages: an edge is what a file imports by name, so a submodule that imports its package (``import pkg``, or a
+    name that ``pkg/__init__.py`` defines) depends on the ``__init__``. The parent packages that Python runs first
+    when any submodule is imported are no edge: that order is the interpreter's, not a dependency the code chose. So a
+    package ``__init__`` that re-exports its submodules is fine as long as none of them imports the ``__init__``
+    back; one that does is a circle (the submodule would run against a half-initialised package).
+
+    A circle is fixed by moving the shared piece down a layer (to a module both import), never by hiding an import.
+    Self-imports are ignored."""
+    known = _first_party()
+    graph: dict[str, set[str]] = {name: set() for name in known}
+    lines: dict[tuple[str, str], int] = {}
+    for name, path in known.items():
+        for target, line in _module_edges(name, path, known):
+            graph[name].add(target)
+            lines.setdefault((name, target), line)
+    report = []
+    for component in _circles(graph):
+        members = set(component)
+        imports = [f"    {known[a].relative_to(ROOT)}:{lines[a, b]} imports {b}"
+                   for a in component for b in sorted(graph[a] & members)]
+        report.append(f"circle of {len(component)}: {', '.join(component)}\n" + "\n".join(imports))
+    assert not report, "import circles:\n" + "\n".join(report)

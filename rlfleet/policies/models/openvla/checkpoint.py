@@ -7,7 +7,7 @@ import json
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from rlfleet.policies.hub import resolve_model_path
 from rlfleet.policies.model_folder import check_build_fits, check_sizes, has_file, load_tensors, read_config
@@ -16,8 +16,7 @@ from rlfleet.policies.models.openvla.hub_layout import _pick_stats, load_openvla
 from rlfleet.policies.models.openvla.tokenizers import load_hf_tokenizer, save_tokenizer
 from rlfleet.untrusted import BadFile, check_count
 
-if TYPE_CHECKING:
-    from rlfleet.policies.models.openvla.policy import OpenVLAPolicy
+_Policy = TypeVar("_Policy", bound="CheckpointMixin")  # the policy class that mixes this in (OpenVLAPolicy)
 
 
 class CheckpointMixin:
@@ -25,8 +24,8 @@ class CheckpointMixin:
     ``OpenVLAPolicy``."""
 
     @classmethod
-    def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
-                    logprob_type: str = "token_level") -> OpenVLAPolicy:
+    def from_config(cls: type[_Policy], model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
+                    logprob_type: str = "token_level") -> _Policy:
         sizes = {k: (list(v) if k == "prompt_suffix_ids" else v) for k, v in model_cfg.vla.items()}
         tokenizer, stats, state = None, None, None
         model_path = resolve_model_path(model_cfg.model_path)  # a folder, or a hub id's snapshot in the hub cache
