@@ -1,0 +1,70 @@
+"""The typed config views (rlfleet.config.views) and the configuration page generated from the schema's comments
+(rlfleet.config.docs)."""
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlfleet.config import CONFIG_DIR, ConfigError, config_from_yaml, load_config, to_yaml
+from rlfleet.config.schema import comments, schema_keys
+from rlfleet.config.views import (VIEWS, CoordinatorView, EnvView, InferenceView, LearnerView, build_view,
+                                  field_docs, learner_view)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_builtin_config_gives_valid_views(path):
+    cfg = load_config(path)
+    for cls in VIEWS:
+        view = build_view(cls, cfg)
+        assert dataclasses.is_dataclass(view)
+    lv = learner_view(cfg)
+    assert lv.algorithm.gamma == cfg.algorithm.gamma and lv.micro_batch_size == cfg.actor.micro_batch_size
+    assert lv.model.model_type == cfg.actor.model.model_type
+    assert build_view(InferenceView, cfg).max_batch_size == cfg.rollout.max_batch_size
+    assert build_view(EnvView, cfg).pipeline_stage_num == cfg.rollout.pipeline_stage_num
+    assert build_view(CoordinatorView, cfg).total_num_envs == cfg.env.train.total_num_envs
+
+
+def test_views_are_frozen_and_typed():
+    view = learner_view(config_from_yaml(to_yaml(load_config(None, ["algorithm.gamma=1"]))))
+    assert view.algorithm.gamma == 1.0 and isinstance(view.algorithm.gamma, float)  # an int where a float belongs
+    assert view.logger_backends == ("tensorboard",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.seed = 2  # type: ignore[misc]
+    with pytest.raises(Exception):  # the policy's sub-tree is read-only too
+        view.model.hidden_dims = [4]
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("algorithm.gamma", "high", "float"),
+    ("actor.micro_batch_size", 1.5, "int"),
+    ("runner.logger.logger_backends", "tensorboard", "list of str"),
+    ("algorithm.normalize_obs", 1, "bool"),
+    ("runner.resume_dir", 3, "str or null"),
+])
+def test_wrong_type_refused_naming_the_key(key, value, expected):
+    cfg = load_config()
+    OmegaConf.update(cfg, key, value)  # what a hand-edited run folder's config.yaml could hold
+    cls = next(c for c in VIEWS if any(k == key for _, _, k, _ in field_docs(c)))
+    with pytest.raises(ConfigError, match=rf"'{key}' = .* has the wrong type \(expected {expected}\)"):
+        build_view(cls, cfg)
+
+
+def test_missing_key_refused():
+    cfg = load_config()
+    del cfg.rollout["max_batch_size"]
+    with pytest.raises(ConfigError, match="'rollout.max_batch_size': missing"):
+        build_view(InferenceView, cfg)
+
+
+def test_every_field_names_a_schema_key_and_its_comment():
+    known = comments()
+    for cls in VIEWS:
+        for name, kind, key, doc in field_docs(cls):
+            assert key in known, (cls.__name__, name, key)
+            assert doc and (doc == known[key] or not known[key]), (cls.__name__, name)  # a group: its own doc
+            assert kind
+    assert all(k.comment for k in schema_keys() if not k.group)  # every value key of the schema has its comment
+    with pytest.raises(TypeError):
+        build_view(dict, load_config())
