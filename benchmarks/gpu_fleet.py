@@ -599,11 +599,11 @@ def child_render(args) -> dict:
     import numpy as np
 
     from rlfleet.config import load_config
-    from services.env.vec_env import make_backend
+    from services.env.backends import make_sim_backend
 
     tr = load_config(None, vla_overrides("oft", args.cpu, fleet=True)).env.train
     t0 = time.perf_counter()
-    backend = make_backend(tr.simulator_type, tr.env_id, 1, dict(tr.init_params))
+    backend = make_sim_backend(tr.simulator_type, tr.env_id, 1, dict(tr.init_params))
     backend.reset(np.arange(1), [0], [None])
     out = {"first_render_s": round(time.perf_counter() - t0, 2),
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

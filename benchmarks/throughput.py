@@ -30,7 +30,7 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlfleet.simulators import environments  # noqa: E402
-from rlfleet.wire import rpc  # noqa: E402
+from rlfleet.wire import channels  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
 from rlfleet.simulators import get_simulator  # noqa: E402
 from services.env.environment import python_for  # noqa: E402
@@ -90,14 +90,14 @@ def _raw_here(cfg, steps_per_env: int, actions: str = "random") -> float:
     """Env steps/s of backend.step alone. ``actions``: "random" (uniform over the action space) or "expert" (the
     backend's scripted expert, computed outside the timed calls: the contact-rich grasp-and-lift steps a solved task
     makes, which cost a physics engine more than random flailing does)."""
-    from services.env.vec_env import make_backend
+    from services.env.backends import make_sim_backend
 
     if actions not in RAW_ACTIONS:
         raise ValueError(f"raw actions: '{actions}' is not one of {list(RAW_ACTIONS)}")
 
     tr = cfg.env.train
     n = tr.total_num_envs
-    backend = make_backend(tr.simulator_type, tr.env_id, n, dict(tr.init_params))
+    backend = make_sim_backend(tr.simulator_type, tr.env_id, n, dict(tr.init_params))
     ids = np.arange(n)
     backend.reset(ids, list(range(n)), [None] * n)
     space = backend.action_space
@@ -175,9 +175,9 @@ def pipeline(cfg, stages: int, epochs: int, shared_memory: str | None = None) ->
             procs.append(p)
             p, env = _spawn("services.env.server", path, python=python_for(cfg.env.train.simulator_type))
             procs.append(p)
-            rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(env))
+            rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(env))
             spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-            lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(learner))
+            lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(learner))
             lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[inf]))
             req = rollout_pb2.CollectRequest(epoch=0, num_steps=cfg.env.train.max_steps_per_rollout_epoch,
                                              inference_addresses=[inf], learner_address=learner)

@@ -286,7 +286,7 @@ def _server_main(kind: str, spec: dict, conn) -> None:
     import grpc
 
     from rlfleet.v1 import inference_pb2, learner_pb2
-    from rlfleet.wire import codec, rpc
+    from rlfleet.wire import channels, codec, servers
 
     base = _status_mb("VmRSS")
     st: dict[str, list] = {"parse": [], "serialise": [], "decode": [], "encode": [], "cpu": [], "calls": []}
@@ -416,9 +416,9 @@ def _server_main(kind: str, spec: dict, conn) -> None:
             lambda request, context: shm.answer(request, True),
             request_deserializer=tensor_pb2.SharedMemoryOffer.FromString,
             response_serializer=tensor_pb2.SharedMemoryAnswer.SerializeToString)
-    server = rpc.make_server(max_workers=4)
+    server = servers.make_server(max_workers=4)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, methods),))
-    address = rpc.bind(server, "127.0.0.1:0")
+    address = servers.bind(server, "127.0.0.1:0")
     server.start()
     conn.send(address)
     conn.recv()  # the client is done
@@ -462,7 +462,7 @@ def _client_act(spec: dict, address: str) -> dict:
     import grpc
 
     from rlfleet.v1 import inference_pb2
-    from rlfleet.wire import codec, rpc
+    from rlfleet.wire import channels, codec, servers
     from rlfleet.wire.clients import _check_result
     from rlfleet.wire.codec import PolicyOutput, row_keys
 
@@ -471,7 +471,7 @@ def _client_act(spec: dict, address: str) -> dict:
     instructions = [spec["instruction"]] * n
     st: dict[str, list] = {"encode": [], "serialise": [], "parse": [], "decode": [], "wall": [], "cpu": [],
                            "req_bytes": [], "resp_bytes": [], "shm_bytes": []}
-    channel = rpc.channel(address)
+    channel = channels.channel(address)
     grpc.channel_ready_future(channel).result(timeout=30)
     arena, kw = None, {}
     if spec.get("shm"):  # as rlfleet.wire.clients._Stream: observations into a ring of two segments
@@ -525,13 +525,13 @@ def _client_rollout(spec: dict, address: str) -> dict:
     import grpc
 
     from rlfleet.v1 import learner_pb2
-    from rlfleet.wire import codec, rpc
+    from rlfleet.wire import channels, codec, servers
     from rlfleet.wire.clients import rollout_chunks
 
     T, n, rng = spec["T"], spec["n"], np.random.default_rng(0)
     tm = {f"{codec.OBS}{k}": _fill((T, n, *shape), dtype, rng) for k, (shape, dtype) in spec["obs"].items()}
     arena, kw = None, {}
-    channel = rpc.channel(address)
+    channel = channels.channel(address)
     grpc.channel_ready_future(channel).result(timeout=30)
     if spec.get("shm"):  # as the env server: the observation buffers live in the arena's segment
         from rlfleet.wire import shm
@@ -930,9 +930,9 @@ def render_frames(source: str, envs: int, steps: int, image_size: int, seed: int
 
 
 def _render_here(sim: str, env_id: str, envs: int, steps: int, image_size: int, seed: int) -> np.ndarray:
-    from services.env.vec_env import make_backend
+    from services.env.backends import make_sim_backend
 
-    backend = make_backend(sim, env_id, envs, {"image_size": image_size})
+    backend = make_sim_backend(sim, env_id, envs, {"image_size": image_size})
     cams = sorted(k for k, sp in backend.observation_space.items()
                   if len(sp.shape) == 3 and np.dtype(sp.dtype) == np.uint8)
     ids = np.arange(envs)

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, fit_check, pad_observations
-from services.env.vec_env import StepResult, VecEnvInterface
+from services.env.backends.base import StepResult
+from services.env.vec_env_interface import VecEnvInterface
 
 
 class PolicySpaceEnv:

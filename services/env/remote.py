@@ -1,4 +1,4 @@
-"""RemoteVecEnv: the vec-env interface (services.env.vec_env) over an external simulator's EnvService (gRPC).
+"""RemoteVecEnv: the vec-env interface (services.env.vec_env_interface) over an external simulator's EnvService (gRPC).
 
 A bridge process (``python -m services.env.server --external-env HOST:PORT``) runs the rollout worker in front of
 any simulator that implements ``rlfleet.v1.EnvService``, in any language, of any contract version
@@ -36,11 +36,11 @@ import grpc
 import numpy as np
 
 from rlfleet.untrusted import BadFile
-from rlfleet.wire import codec, env_contract, rpc
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire import channels, codec, env_contract
+from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2
-from services.env.vec_env import StepResult
+from services.env.backends.base import StepResult
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -75,7 +75,7 @@ class RemoteVecEnv:
 
     # --- connection -------------------------------------------------------------------------------------------
     def _connect(self, timeout: float) -> None:
-        self.channel = rpc.wait_ready(self.address, timeout, credential=False)  # a simulator outside the run
+        self.channel = channels.wait_ready(self.address, timeout, credential=False)  # a simulator outside the run
         # replies are read as bytes and their counts scanned before protobuf builds anything (env_contract)
         self.client = env_contract.EnvClient(self.channel)
         try:
@@ -143,7 +143,7 @@ class RemoteVecEnv:
                 if waited >= timeout:
                     raise EnvConnectionLost(f"external env {self.address} has been down for {waited:.0f}s "
                                             f"(cluster.external_env_reconnect_timeout_s={timeout:.0f}); last error: "
-                                            f"{exc if isinstance(exc, TimeoutError) else rpc.describe_error(exc)}") from None
+                                            f"{exc if isinstance(exc, TimeoutError) else channels.describe_error(exc)}") from None
                 if waited - last_say >= 5.0:
                     log(f"external env {self.address} is down ({waited:.0f}s); retrying until {timeout:.0f}s",
                         flush=True)
@@ -156,14 +156,14 @@ class RemoteVecEnv:
         that a retry would meet again: the run stops with the server's message)."""
         code = exc.code()
         if code in LOST_CODES:
-            return EnvConnectionLost(f"external env {self.address}: {call}: {rpc.describe_error(exc)}", self,
+            return EnvConnectionLost(f"external env {self.address}: {call}: {channels.describe_error(exc)}", self,
                                      answered=code in CRASH_CODES)
         hint = ""
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             hint = " (was it closed? rlfleet never calls Close; restart the simulator)"
         elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             hint = f" (another client holds its Step streams; a bridge needs one: {env_contract.section('streams')})"
-        return InvalidRequest(f"external env {self.address} refused {call}: {rpc.describe_error(exc)}{hint}")
+        return InvalidRequest(f"external env {self.address} refused {call}: {channels.describe_error(exc)}{hint}")
 
     def _malformed(self, what: str, exc: Exception) -> EnvConnectionLost:
         # a size refusal (BadFile) already starts with the message it names: "StepResponse: episodes: ..."

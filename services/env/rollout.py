@@ -26,7 +26,7 @@ from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers
 from rlfleet.wire.spaces import TensorSpace
 from services.env.policy_spaces import PolicySpaceEnv
 from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
-from services.env.vec_env import VecEnvInterface, step_chunk
+from services.env.vec_env_interface import VecEnvInterface, step_chunk
 
 _EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
 
@@ -74,7 +74,7 @@ def _unwrapped(env: VecEnvInterface) -> VecEnvInterface:
 
 
 class RolloutWorker:
-    """The rollout loop in front of ``env`` (any VecEnvInterface: services.env.vec_env)."""
+    """The rollout loop in front of ``env`` (any VecEnvInterface: services.env.vec_env_interface)."""
 
     def __init__(self, env: VecEnvInterface, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
                  eval_env_factory=None, group_size: int = 1, use_fixed_reset_state_ids: bool = False,

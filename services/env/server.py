@@ -18,7 +18,8 @@ import time
 import numpy as np
 from opentelemetry import trace
 
-from rlfleet.wire import codec, rpc, shm, tracing
+from rlfleet.errors import Cancelled, FailedPrecondition, InvalidRequest
+from rlfleet.wire import codec, servers, shm, status, streams, tracing
 from rlfleet.wire.clients import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
 from rlfleet.wire.clients import WireStats, check_address, learner_reachable, push_rollout
 from rlfleet.config import env_server_config
@@ -26,7 +27,7 @@ from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, setup_process
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.env.vec_env import VecEnvInterface
+from services.env.vec_env_interface import VecEnvInterface
 from services.env.rollout import PolicyRunner
 from services.env.remote import EnvConnectionLost
 from services.env.rollout import RolloutWorker
@@ -65,13 +66,13 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self.max_step_streams = max_step_streams
         # a stream that waits for its caller's next step longer than step_idle_reclaim_s keeps its slot until a
         # newcomer finds every slot taken; then it is closed (DEADLINE_EXCEEDED) and the newcomer served
-        self._streams = rpc.StreamSlots(max_step_streams, "Step", reclaim_idle_s=step_idle_reclaim_s)
+        self._streams = streams.StreamSlots(max_step_streams, "Step", reclaim_idle_s=step_idle_reclaim_s)
 
-    @rpc.handler
+    @status.handler
     def Describe(self, request, context):
         return env_spec_proto(self.env, self.incarnation, self.max_step_streams)
 
-    @rpc.handler
+    @status.handler
     def Reset(self, request, context):
         ids = list(request.env_ids)
         obs = self.env.reset(ids, list(request.seeds), list(request.reset_state_ids))
@@ -79,17 +80,17 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         return env_pb2.ResetResponse(observations=codec.encode_map(obs),
                                      instructions=[self.env.instructions[i] for i in rows])
 
-    @rpc.handler
+    @status.handler
     def Step(self, request_iterator, context):
         with self._streams.stream(request_iterator, context) as requests:  # ResourceExhausted when all are busy
             for req in requests:
                 actions = codec.decode(req.actions, "actions", dtype=np.float32)
                 yield self.env.step(list(req.env_ids), actions).to_proto()
 
-    @rpc.handler
+    @status.handler
     def Close(self, request, context):
         if not self.owns_env:
-            raise rpc.FailedPrecondition("these envs belong to a running rollout worker; they close when the "
+            raise FailedPrecondition("these envs belong to a running rollout worker; they close when the "
                                          "env server shuts down")
         self.env.close()
         return env_pb2.CloseResponse()
@@ -146,7 +147,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.worker.use_policy_spaces(*self._policy_spec[1])
         except ValueError as exc:
             own = self.worker.own_env
-            raise rpc.InvalidRequest(f"policy_spec: env[{self.index}] ({own.simulator}:{own.env_id}) cannot act in "
+            raise InvalidRequest(f"policy_spec: env[{self.index}] ({own.simulator}:{own.env_id}) cannot act in "
                                      f"the run's policy spaces: {exc}") from None
 
     def _acquire(self, context) -> None:
@@ -154,20 +155,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         left = context.time_remaining()
         no_deadline = left is None or left > 1e6  # gRPC reports "no deadline" as a huge number
         if not self.lock.acquire(timeout=-1 if no_deadline else max(0.0, left)):
-            raise rpc.Cancelled("another Collect/Evaluate was still running when the deadline passed")
+            raise Cancelled("another Collect/Evaluate was still running when the deadline passed")
 
-    @rpc.handler
+    @status.handler
     def Collect(self, request, context):
         if not 1 <= request.num_steps <= MAX_COLLECT_STEPS:
-            raise rpc.InvalidRequest(f"num_steps: {request.num_steps} is not in 1..{MAX_COLLECT_STEPS}")
+            raise InvalidRequest(f"num_steps: {request.num_steps} is not in 1..{MAX_COLLECT_STEPS}")
         row_bytes = sum(int(np.prod(sp.shape)) * np.dtype(sp.dtype).itemsize
                         for sp in self.worker.observation_space.values()) * self.worker.env.num_envs
         if request.num_steps * row_bytes > MAX_ROLLOUT_BYTES:
-            raise rpc.InvalidRequest(f"num_steps: {request.num_steps} steps of these observations need "
+            raise InvalidRequest(f"num_steps: {request.num_steps} steps of these observations need "
                                      f"{request.num_steps * row_bytes / 2**30:.1f} GiB; at most "
                                      f"{MAX_ROLLOUT_BYTES / 2**30:.0f} GiB per Collect")
         if not request.inference_addresses:
-            raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
+            raise InvalidRequest("inference_addresses: at least one inference server is needed")
         _check_addresses(request.inference_addresses)
         check_address(request.learner_address, "learner_address")
         self._acquire(context)
@@ -197,23 +198,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             wire_act_s=act.seconds, act_bytes=act.bytes, act_shm_bytes=act.shm_bytes,
             wire_rollout_s=pushed.seconds, rollout_bytes=pushed.bytes, rollout_shm_bytes=pushed.shm_bytes)
 
-    @rpc.handler
+    @status.handler
     def Describe(self, request, context):
         return env_spec_proto(self.worker.own_env, self.incarnation)
 
-    @rpc.handler
+    @status.handler
     def Evaluate(self, request, context):
         if not 0 < request.num_episodes <= MAX_EVAL_EPISODES:
-            raise rpc.InvalidRequest(f"num_episodes: {request.num_episodes} is not in 1..{MAX_EVAL_EPISODES}")
+            raise InvalidRequest(f"num_episodes: {request.num_episodes} is not in 1..{MAX_EVAL_EPISODES}")
         if not 0 <= request.seed < 2 ** 31:  # episode i is seeded seed + i
-            raise rpc.InvalidRequest(f"seed: {request.seed} is not in [0, 2**31)")
+            raise InvalidRequest(f"seed: {request.seed} is not in [0, 2**31)")
         if request.first_episode < 0:
-            raise rpc.InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
+            raise InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
         if not request.inference_addresses:
-            raise rpc.InvalidRequest("inference_addresses: at least one inference server is needed")
+            raise InvalidRequest("inference_addresses: at least one inference server is needed")
         _check_addresses(request.inference_addresses)
         if request.video_episodes < 0 or (request.video_episodes and not request.video_dir):
-            raise rpc.InvalidRequest(f"video_episodes: {request.video_episodes} needs a video_dir and must be >= 0")
+            raise InvalidRequest(f"video_episodes: {request.video_episodes} needs a video_dir and must be >= 0")
         t0 = time.perf_counter()
         self._acquire(context)
         episode_ids = list(range(request.first_episode, request.first_episode + request.num_episodes))
@@ -277,19 +278,19 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, ext
     if external_env and len(cfg.cluster.external_eval_env_addresses) > index:
         external_eval = str(cfg.cluster.external_eval_env_addresses[index])
     env, worker = build_worker(cfg, index, external_env, external_eval)
-    server = rpc.make_server(max_workers=16)
+    server = servers.make_server(max_workers=16)
     runtime = ServiceRuntime("env", index, server, "", coordinator, cfg.cluster.heartbeat_interval_s,
                              cfg.cluster.heartbeat_timeout_s)
-    names = [rpc.service_name(rollout_pb2, "RolloutService")]
+    names = [servers.service_name(rollout_pb2, "RolloutService")]
     if not external_env:
         env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, runtime.incarnation), server)
-        names.append(rpc.service_name(env_pb2, "EnvService"))
+        names.append(servers.service_name(env_pb2, "EnvService"))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(
         worker, index, runtime.incarnation, act_timeout_s=cfg.cluster.act_timeout_s,
         reconnect_timeout_s=cfg.cluster.external_env_reconnect_timeout_s,
         shared_memory=cfg.cluster.shared_memory == "auto"), server)
-    rpc.add_health_and_reflection(server, *names)
-    runtime.address = rpc.bind(server, address)
+    servers.add_health_and_reflection(server, *names)
+    runtime.address = servers.bind(server, address)
     server.start()
     return server, runtime.address, worker, runtime
 
@@ -299,10 +300,10 @@ def serve_env_only(cfg, address: str, split: str = "train"):
     `coordinatorctl check-env`."""
     e = cfg.env[split]
     env = VecEnv(**env_kwargs(cfg, split, e.total_num_envs, e.seed, e.auto_reset if split == "train" else True))
-    server = rpc.make_server(max_workers=16)
+    server = servers.make_server(max_workers=16)
     env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, owns_env=True), server)
-    rpc.add_health_and_reflection(server, rpc.service_name(env_pb2, "EnvService"))
-    bound = rpc.bind(server, address)
+    servers.add_health_and_reflection(server, servers.service_name(env_pb2, "EnvService"))
+    bound = servers.bind(server, address)
     server.start()
     return server, bound, env
 
@@ -331,7 +332,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - a simulator that cannot start: say why in one line
         from services.env.backends.base import BackendUnavailable
 
-        if isinstance(exc, (BackendUnavailable, rpc.InvalidRequest, EnvConnectionLost, TimeoutError)):
+        if isinstance(exc, (BackendUnavailable, InvalidRequest, EnvConnectionLost, TimeoutError)):
             raise SystemExit(f"rlfleet env[{args.index}]: cannot start the simulator: {exc}") from None
         raise
     if args.external_env:  # the simulator this bridge serves is the external one, not env.train's

@@ -20,10 +20,9 @@ import subprocess
 
 import numpy as np
 
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
-from services.env.backends.base import BackendUnavailable, SimBackend
-from services.env.vec_env import StepResult
+from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
 
 RTX_MARKERS = ("RTX", "L40", "L4", "A10", "A40", "A6000", "A5000", "A4000", "T4", "Quadro")
 

@@ -37,12 +37,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import unknown_message
-from services.env.backends.base import BackendUnavailable, SimBackend
+from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
 from services.env.backends.libero_files import ASSET_DIRS, ensure_official_config, installed_flavour
-from services.env.vec_env import StepResult
 
 # suite -> (the LIBERO benchmarks whose tasks it holds, episode limit used by published LIBERO results / RLinf)
 SUITES: dict[str, tuple[tuple[str, ...], int]] = {

@@ -46,12 +46,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
 from services.env.backends import put_on_plate_assets
-from services.env.backends.base import BackendUnavailable, SimBackend
-from services.env.vec_env import StepResult
+from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
 
 # RLinf's ManiSkill task ids that rlfleet does not implement (RLinf's earlier versions of its own task)
 RLINF_ONLY = ("PutOnPlateInScene25Main-v2", "PutOnPlateInScene25Main-v1")

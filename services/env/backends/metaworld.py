@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
-from services.env.backends.base import BackendUnavailable, SimBackend
-from services.env.vec_env import StepResult
+from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
 
 BENCHMARKS = ("MT10", "MT25", "MT50", "ML10", "ML25", "ML45")
 INSTRUCTIONS = {  # Meta-World ships no language; short imperative descriptions of the MT10 tasks

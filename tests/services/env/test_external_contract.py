@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlfleet.wire import rpc
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.wire import channels
+from rlfleet.errors import InvalidRequest
 from rlfleet.v1 import env_pb2, env_pb2_grpc, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.env.vec_env import VecEnvInterface
+from services.env.vec_env_interface import VecEnvInterface
 from services.env.remote import MAX_SIMULATOR_FAULTS, RemoteVecEnv
 from tests.conftest import Fleet, small_config
 
@@ -87,9 +87,9 @@ def cfg8():
 
 
 def _collect(fleet, num_steps=12):
-    rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+    rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
     spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-    learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+    learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
         learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
     return rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=num_steps, inference_addresses=[fleet.inf_addr],
                                                     learner_address=fleet.learner_addr), timeout=120)

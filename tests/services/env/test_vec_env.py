@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from services.env.vec_env import VecEnv
 
 
@@ -117,7 +117,7 @@ def test_one_vec_env_interface():
     """VecEnv, PolicySpaceEnv (and RemoteVecEnv: test_external_contract) implement VecEnvInterface with explicit
     members (no __getattr__ passthrough); a chunk steps through step_chunk into one result per row."""
     from rlfleet.wire.spaces import TensorSpace
-    from services.env.vec_env import VecEnvInterface, step_chunk
+    from services.env.vec_env_interface import VecEnvInterface, step_chunk
     from services.env.policy_spaces import PolicySpaceEnv
     from services.env.remote import RemoteVecEnv
 
