@@ -1,7 +1,9 @@
 """Layer 5, the top of the shared code (may import every layer). Run configuration: OmegaConf YAML with RLinf's groups and key names, validated against the embedded default.
 
-The embedded default (``rlfleet/configs/pandapickcube_ppo.yaml``) is the schema: a user config or a ``key=value``
-override may only set keys that exist there (free-form maps excepted), with a value of a compatible type.
+The embedded default (``rlfleet/configs/pandapickcube_ppo.yaml``), with each policy family's size group merged in
+(``actor.model.vla``, ``actor.model.openpi``: a YAML beside the family's module, :func:`default_schema`), is the
+schema: a user config or a ``key=value`` override may only set keys that exist there (free-form maps excepted), with
+a value of a compatible type.
 A misspelled key is an error naming it and the closest valid key.
 """
 
@@ -24,15 +26,14 @@ FREE_FORM = ("cluster.component_placement", "cluster.cpu_placement", "env.train.
              "sft.dataset_keys")
 COMPONENTS = ("env", "rollout", "actor")
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")  # estimators of algorithm.kl_penalty (services/learner/ppo.py)
-# Types of keys whose default is null (the default cannot say), and of keys that may also be null.
+# Types of keys whose default is null (the default cannot say), and of keys that may also be null (a policy
+# family's own keys: its entry's ``nullable``, rlfleet.policies.families; :func:`nullable_types` has both).
 NULLABLE_TYPES = {
     "cluster.envs_dir": str, "runner.early_stop_success_rate": float, "runner.resume_dir": str,
     "algorithm.clip_ratio_c": float, "algorithm.huber_delta": float, "algorithm.target_kl": float,
     "algorithm.value_clip": float, "runner.max_env_steps": int, "runner.max_wall_time_s": float,
     "algorithm.filter_rewards": list, "actor.model.image_key": str, "actor.model.model_path": str,
-    "actor.model.unnorm_key": str, "actor.model.vla.dino_hidden_size": int, "actor.model.vla.dino_layers": int,
-    "actor.model.vla.dino_heads": int, "actor.model.vla.dino_intermediate_size": int,
-    "actor.model.vla.action_token_end": int, "sft.dataset_path": str, "sft.output_path": str,
+    "actor.model.unnorm_key": str, "sft.dataset_path": str, "sft.output_path": str,
     "telemetry.otlp_endpoint": str, "cluster.tls.cert_file": str, "cluster.tls.key_file": str,
     "cluster.tls.ca_file": str, "rollout.batch_invariant_rows": int, "cluster.learner_num_threads": int,
     "runner.logger.wandb_mode": str, "runner.logger.swanlab_mode": str,
@@ -74,11 +75,41 @@ def _suggest(path: str, known: Iterable[str]) -> str:
     return did_you_mean(path, (), close=close or "")
 
 
-def _type_ok(default, value, key: str = "") -> bool:
+def nullable_types() -> dict[str, type]:
+    """NULLABLE_TYPES and every policy family's nullable keys (``actor.model.<group>.<key>``)."""
+    from rlfleet.policies.families import nullable_keys
+
+    return {**NULLABLE_TYPES, **nullable_keys()}
+
+
+def schema_sources() -> list[tuple[str, pathlib.Path]]:
+    """(prefix, YAML file) of every part of the schema: the embedded default at "" and each policy family's size
+    group at ``actor.model.<group>`` (its YAML beside the family's module, named by its entry in
+    rlfleet.policies.families). Readers of the schema's text (its comments) read every file."""
+    from rlfleet.policies.families import size_groups, sizes_path
+
+    return [("", DEFAULT_CONFIG), *((f"actor.model.{group}", sizes_path(family.sizes_file))
+                                    for group, family in size_groups().items())]
+
+
+def default_schema() -> DictConfig:
+    """The schema: the embedded default with each policy family's size group merged in (:func:`schema_sources`)."""
+    schema = OmegaConf.create()
+    for prefix, path in schema_sources():
+        part = OmegaConf.load(path)
+        if prefix:
+            OmegaConf.update(schema, prefix, part, force_add=True, merge=False)
+        else:
+            schema = part
+    return schema
+
+
+def _type_ok(default, value, key: str = "", nullable: dict | None = None) -> bool:
+    nullable = NULLABLE_TYPES if nullable is None else nullable
     if value is None:
-        return default is None or key in NULLABLE_TYPES
+        return default is None or key in nullable
     if default is None:
-        want = NULLABLE_TYPES.get(key)
+        want = nullable.get(key)
         if want is None:
             return True
         default = want() if want is not str else ""
@@ -96,12 +127,13 @@ def _type_ok(default, value, key: str = "") -> bool:
 def _check_keys(schema: DictConfig, user: DictConfig, source: str) -> None:
     known = _flatten(schema)
     known_groups = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
+    nullable = nullable_types()
     for path, value in _flatten(user).items():
         if path in known:
-            if not _type_ok(known[path], value, path):
-                want = NULLABLE_TYPES.get(path, type(known[path]))
+            if not _type_ok(known[path], value, path, nullable):
+                want = nullable.get(path, type(known[path]))
                 raise ConfigError(f"{source}: '{path}' = {value!r} has the wrong type (expected "
-                                  f"{want.__name__}{' or null' if path in NULLABLE_TYPES else ''}"
+                                  f"{want.__name__}{' or null' if path in nullable else ''}"
                                   + (f", like the default {known[path]!r})" if known[path] is not None else ")"))
             continue
         if any(path.startswith(f + ".") for f in FREE_FORM):
@@ -205,7 +237,7 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
                 root: str | pathlib.Path | None = None) -> DictConfig:
     """Default <- config file <- overrides; validated and resolved. Raises ConfigError naming any bad key.
     ``root``: the folder the config file must stay inside (a run folder's ``config.yaml``)."""
-    schema = OmegaConf.load(DEFAULT_CONFIG)
+    schema = default_schema()
     cfg = schema.copy()
     if path is not None:
         path = pathlib.Path(path)
@@ -447,24 +479,19 @@ def _check_model(cfg: DictConfig) -> None:
 
     _require(alg.logprob_type in LOGPROB_TYPES, "algorithm.logprob_type",
              f"'{alg.logprob_type}' is not one of {', '.join(LOGPROB_TYPES)}")
-    from rlfleet.policies import POLICIES
+    from rlfleet.policies.families import FAMILIES, OPTION_KEYS
 
-    _require(cfg.actor.model.model_type in POLICIES, "actor.model.model_type",
-             unknown_message("model_type", cfg.actor.model.model_type, POLICIES))
-    _require(cfg.actor.model.num_action_chunks >= 1, "actor.model.num_action_chunks",
-             f"must be >= 1, got {cfg.actor.model.num_action_chunks}")
-    _require(cfg.actor.model.num_action_chunks == 1 or cfg.actor.model.model_type != "openvla",
-             "actor.model.num_action_chunks", "model_type openvla decodes one action per call; chunks need "
-             "openvla_oft")
-    _require(not cfg.actor.model.use_proprio or cfg.actor.model.model_type == "openvla_oft",
-             "actor.model.use_proprio", f"the proprio projector is OpenVLA-OFT's; model_type is "
-             f"'{cfg.actor.model.model_type}'")
-    _require(not cfg.actor.model.extra_image_keys or cfg.actor.model.model_type == "openvla_oft",
-             "actor.model.extra_image_keys", f"more than one camera is OpenVLA-OFT's; model_type is "
-             f"'{cfg.actor.model.model_type}'")
-    _require(not cfg.actor.model.is_lora or cfg.actor.model.model_type in ("openvla", "openvla_oft"),
-             "actor.model.is_lora", f"LoRA adapters are built for model_type openvla and openvla_oft, not "
-             f"'{cfg.actor.model.model_type}' (it trains its full weights)")
+    model = cfg.actor.model
+    _require(model.model_type in FAMILIES, "actor.model.model_type",
+             unknown_message("model_type", model.model_type, FAMILIES))
+    _require(model.num_action_chunks >= 1, "actor.model.num_action_chunks",
+             f"must be >= 1, got {model.num_action_chunks}")
+    family = FAMILIES[model.model_type]
+    for key, (unused, what) in OPTION_KEYS.items():  # an optional key only the families taking it may set
+        if key not in family.options and model.get(key) not in (unused, None):
+            takers = [f.model_type for f in FAMILIES.values() if key in f.options]
+            _require(False, f"actor.model.{key}", f"{what} is for model_type {' and '.join(takers) or 'none'}, "
+                     f"not '{model.model_type}'")
     _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",
              f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu")
     _require(cfg.actor.optim.lr_schedule in ("constant", "linear"), "actor.optim.lr_schedule",

@@ -53,7 +53,7 @@ def check(cfg, *, inference: bool = True) -> str | None:
     learner rank, and the smallest number of ranks that would fit). ``inference=False``: the learner's copy only
     (supervised fine-tuning, one process)."""
     model = cfg.actor.model
-    if model.model_type not in footprint.VLA_TYPES:
+    if not footprint.is_vla(model.model_type):  # (a family without a footprint function: no check)
         return None
     fp = learner_footprint(cfg)
     only_eval = bool(cfg.runner.only_eval)
@@ -115,9 +115,11 @@ def check(cfg, *, inference: bool = True) -> str | None:
                     f"run would need {(servers * inference + fit * each) / GB:.1f} GB: set "
                     f"cluster.learner_world_size={fit}.")
         elif fit is None:
-            smaller = ("set actor.model.openpi.train_expert_only=true" if model.model_type == "openpi" else
-                       "set actor.model.is_lora=true" if model.gradient_checkpointing else
-                       "set actor.model.gradient_checkpointing=true")
+            from omegaconf import OmegaConf
+
+            lighter = footprint.get_family(model.model_type).lighter  # its ways to train less, the first one first
+            unset = [o for o in lighter if str(OmegaConf.select(cfg, o.split("=")[0])).lower() != o.split("=")[1]]
+            smaller = f"set {(unset or lighter or ('actor.model.gradient_checkpointing=true',))[0]}"
             floor = fp.rank_parts(2, **kw)  # what does not shrink with more ranks
             floor = floor["gathered"] + floor["autocast"] + floor["activations"]
             hint = (f" No number of ranks fits: the gathered units and activations alone are {floor / GB:.1f} GB per "

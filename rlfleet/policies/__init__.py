@@ -1,6 +1,8 @@
 """Layer 4 (imports layers 0-3 only). Policies by ``actor.model.model_type``: the one registry the inference engine and the learner build from.
 
-Each entry names the class implementing :mod:`rlfleet.policies.base` (``act`` / ``evaluate``).
+Each family is one entry of :data:`rlfleet.policies.families.FAMILIES` (``POLICIES`` is that table): the class
+implementing :mod:`rlfleet.policies.base` (``act`` / ``evaluate``), imported when a policy is built, and what the
+config, the footprint, the inference backends, export and evaluation need to know of it.
 """
 
 from __future__ import annotations
@@ -8,14 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from rlfleet.policies.base import LOGPROB_TYPES, PolicyEval, PolicyOutput, log_prob_width, reduce_log_probs
+from rlfleet.policies.families import FAMILIES
 
-POLICIES = {
-    "mlp": "rlfleet.policies.models.actor_critic:ActorCritic",
-    "cnn": "rlfleet.policies.models.actor_critic:ActorCritic",
-    "openvla": "rlfleet.policies.models.openvla:OpenVLAPolicy",
-    "openvla_oft": "rlfleet.policies.models.openvla:OpenVLAPolicy",
-    "openpi": "rlfleet.policies.models.openpi:Pi0Policy",
-}
+POLICIES = FAMILIES
 
 
 def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
@@ -24,11 +21,11 @@ def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: 
     from rlfleet.registry import UnknownName, load_object, lookup
 
     try:
-        ref = lookup(POLICIES, model_cfg.model_type, "model_type")
+        family = lookup(FAMILIES, model_cfg.model_type, "model_type")
     except UnknownName as exc:
         raise ValueError(str(exc)) from None
-    policy = load_object(ref).from_config(model_cfg, obs_specs, action_dim, normalize_obs,
-                                                          logprob_type)
+    policy = load_object(family.module).from_config(model_cfg, obs_specs, action_dim, normalize_obs,
+                                                    logprob_type)
     if model_cfg.get("precision", "fp32") == "bf16":
         import torch
 
@@ -36,5 +33,5 @@ def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: 
     return policy
 
 
-__all__ = ["LOGPROB_TYPES", "POLICIES", "PolicyEval", "PolicyOutput", "build_policy", "log_prob_width",
+__all__ = ["FAMILIES", "LOGPROB_TYPES", "POLICIES", "PolicyEval", "PolicyOutput", "build_policy", "log_prob_width",
            "reduce_log_probs"]

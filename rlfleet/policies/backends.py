@@ -1,6 +1,6 @@
-"""Inference backends by ``rollout.backend``: the one place that says which backends exist, which policies each
-serves and which Python environment its inference server runs in (torch-free: the coordinator and config
-validation import it).
+"""Inference backends by ``rollout.backend``: the one place that says which backends exist and which Python
+environment its inference server runs in; which policies each serves is in the families' entries
+(rlfleet.policies.families). Torch-free: the coordinator and config validation import it.
 
 - ``hf``: the policy's own ``act`` (transformers / torch) behind rlfleet's dynamic batcher, in the main environment.
 - ``vllm``: token-decoding VLAs (``openvla``) decoded by vLLM's engine (continuous batching, paged KV cache): the
@@ -13,31 +13,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfleet.policies.families import FAMILIES, served_by
 from rlfleet.registry import lookup
 from rlfleet.simulators import INFERENCE_ENVIRONMENTS, Environment
+
 
 @dataclass(frozen=True)
 class Backend:
     name: str
     environment: Environment | None   # None: the main environment
-    model_types: tuple[str, ...]      # actor.model.model_type values it serves
     description: str
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """actor.model.model_type values it serves: the families whose entry names it (rlfleet.policies.families)."""
+        return served_by(self.name)
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("hf", None, ("mlp", "cnn", "openvla", "openvla_oft", "openpi"),
-            "the policy's own act() behind rlfleet's dynamic batcher"),
-    Backend("vllm", INFERENCE_ENVIRONMENTS["vllm"], ("openvla",),
+    Backend("hf", None, "the policy's own act() behind rlfleet's dynamic batcher"),
+    Backend("vllm", INFERENCE_ENVIRONMENTS["vllm"],
             "vLLM's engine decodes the action tokens (continuous batching over every Act stream)"),
 )}
-
-# why a model type has no vLLM path (shown in the config error)
-WHY_NOT_VLLM = {
-    "openvla_oft": "OpenVLA-OFT decodes its whole chunk in one bidirectional forward, which vLLM's causal "
-                   "scheduler does not run",
-    "openpi": "π0 generates actions by flow matching, not by decoding tokens",
-    "mlp": "a Gaussian MLP decodes no tokens", "cnn": "a Gaussian CNN decodes no tokens",
-}
 
 
 def get_backend(name: str) -> Backend:
@@ -48,7 +45,8 @@ def check_backend(name: str, model_type: str) -> str | None:
     """None when ``name`` serves ``model_type``, else the reason it does not."""
     backend = get_backend(name)
     if model_type not in backend.model_types:
-        why = WHY_NOT_VLLM.get(model_type, "") if name == "vllm" else ""
+        family = FAMILIES.get(model_type)
+        why = family.why_not.get(name, "") if family is not None else ""
         return (f"backend '{name}' does not serve model_type '{model_type}'" + (f" ({why})" if why else "")
                 + f"; it serves {', '.join(backend.model_types)}")
     return None

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlfleet.wire.rpc import MAX_MESSAGE_BYTES
+from rlfleet.policies.families import get_family, is_vla  # noqa: F401 - is_vla: which families are checked
+from rlfleet.registry import load_object
+from rlfleet.wire.limits import MAX_MESSAGE_BYTES
 from rlfleet.wire.spaces import TensorSpace
 
-VLA_TYPES = ("openvla", "openvla_oft", "openpi")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 GB = 1e9
 ACTION_DIM = 7  # action dimensions assumed by the activation estimate (the env's are not in the config): arm + gripper
@@ -133,14 +134,14 @@ def _units_of_module(policy) -> list[tuple[int, int]]:
 
 
 def _sizes(model_cfg) -> dict:
-    """The architecture the activation estimate reads: the config's ``vla`` / ``openpi`` sizes, or those that
-    rlfleet's checkpoint layout records in its config.json."""
-    key = "openpi" if model_cfg.model_type == "openpi" else "vla"
-    if model_cfg.model_type == "openpi":
-        from rlfleet.policies.models.openpi import TINY
-    else:
-        from rlfleet.policies.models.openvla import TINY
-    sizes = {**TINY, **dict(model_cfg[key])}
+    """The architecture the activation estimate reads: the config's size group of the family (``vla``,
+    ``openpi``: its entry's ``sizes_group``, over the group's defaults), or those that rlfleet's checkpoint layout
+    records in its config.json under the group's name."""
+    family = get_family(model_cfg.model_type)
+    key = family.sizes_group
+    if key is None:
+        return {}
+    sizes = {**family.defaults(), **dict(model_cfg.get(key) or {})}
     if model_cfg.model_path:
         from rlfleet.policies.hub import resolve_model_path
 
@@ -165,7 +166,8 @@ def _stack(tokens: int, layers: int, hidden: int, inter: int, e: int, checkpoint
 
 def activation_bytes(model_cfg, sizes: dict | None = None) -> int:
     """Bytes of activations one micro-batch row keeps for the learner's backward: an estimate from the config, not
-    a measurement (:func:`_stack` per transformer stack; e = 2 with ``precision: bf16``, else 4). A stack in which
+    a measurement (:func:`_stack` per transformer stack; e = 2 with ``precision: bf16``, else 4), by the family's
+    footprint function (its entry's ``footprint``; 0 for a family without one). A stack in which
     nothing trains keeps none (no gradient flows into it: LoRA's frozen vision backbone, π0's VLM with
     ``train_expert_only``). Left out as small: embeddings, projector, heads, the action logits.
 
@@ -178,23 +180,38 @@ def activation_bytes(model_cfg, sizes: dict | None = None) -> int:
       num_denoise_steps with Flow-Noise), plus the prefix keys and values each pass attends to. rlfleet does not
       checkpoint π0, so ``gradient_checkpointing`` changes nothing here.
     """
-    s = sizes or _sizes(model_cfg)
+    family = get_family(model_cfg.model_type)
+    if family.footprint is None:
+        return 0
     e = 2 if model_cfg.get("precision", "fp32") == "bf16" else 4
-    images = 1 + len(model_cfg.extra_image_keys or ())
-    patches = (int(s["image_size"]) // int(s["patch_size"])) ** 2
-    if model_cfg.model_type == "openpi":
-        vlm_trains = not s.get("train_expert_only")
-        prefix = images * patches + int(model_cfg.max_prompt_tokens)
-        total = 0
-        if vlm_trains:
-            total += _stack(images * patches, int(s["vision_layers"]), int(s["vision_hidden_size"]),
-                            int(s["vision_intermediate_size"]), e)
-            total += _stack(prefix, int(s["vlm_layers"]), int(s["vlm_hidden_size"]), int(s["vlm_intermediate_size"]), e)
-        passes = int(s["num_denoise_steps"]) if s.get("noise_method") == "flow_noise" else 1
-        total += _stack(passes * (int(model_cfg.num_action_chunks) + 1), int(s["expert_layers"]),
-                        int(s["expert_hidden_size"]), int(s["expert_intermediate_size"]), e)
-        total += passes * prefix * int(s["vlm_layers"]) * 2 * int(s["head_dim"]) * e  # one key/value head
-        return total
+    return int(load_object(family.footprint)(model_cfg, sizes or _sizes(model_cfg), e))
+
+
+def _images_patches(model_cfg, s: dict) -> tuple[int, int]:
+    """(cameras, patches per camera) of a VLA's input."""
+    return 1 + len(model_cfg.extra_image_keys or ()), (int(s["image_size"]) // int(s["patch_size"])) ** 2
+
+
+def openpi_activations(model_cfg, s: dict, e: int) -> int:
+    """openpi's entry in :func:`activation_bytes`."""
+    images, patches = _images_patches(model_cfg, s)
+    vlm_trains = not s.get("train_expert_only")
+    prefix = images * patches + int(model_cfg.max_prompt_tokens)
+    total = 0
+    if vlm_trains:
+        total += _stack(images * patches, int(s["vision_layers"]), int(s["vision_hidden_size"]),
+                        int(s["vision_intermediate_size"]), e)
+        total += _stack(prefix, int(s["vlm_layers"]), int(s["vlm_hidden_size"]), int(s["vlm_intermediate_size"]), e)
+    passes = int(s["num_denoise_steps"]) if s.get("noise_method") == "flow_noise" else 1
+    total += _stack(passes * (int(model_cfg.num_action_chunks) + 1), int(s["expert_layers"]),
+                    int(s["expert_hidden_size"]), int(s["expert_intermediate_size"]), e)
+    total += passes * prefix * int(s["vlm_layers"]) * 2 * int(s["head_dim"]) * e  # one key/value head
+    return total
+
+
+def openvla_activations(model_cfg, s: dict, e: int) -> int:
+    """openvla's and openvla_oft's entry in :func:`activation_bytes`."""
+    images, patches = _images_patches(model_cfg, s)
     total = 0
     if not model_cfg.is_lora:  # LoRA trains adapters in the Llama only: the vision backbone keeps nothing
         total += _stack(images * patches, int(s["vision_layers"]), int(s["vision_hidden_size"]),
@@ -241,7 +258,7 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
             root = n - sum(units.values())
             return Footprint(n, trained(n), unit, trained(unit), root, trained(root), activations, precision,
                              n if frozen_kept else trained(n))
-    sizes = model_cfg.openpi if model_cfg.model_type == "openpi" else model_cfg.vla
+    sizes = model_cfg[get_family(model_cfg.model_type).sizes_group]
     size = int(sizes.image_size)
     specs = {k: TensorSpace((size, size, 3), "uint8") for k in [model_cfg.image_key or "image",
                                                           *(model_cfg.extra_image_keys or ())]}

@@ -380,29 +380,12 @@ def _export_target(args):
     if args.layout not in EXPORT_LAYOUTS:  # checked here, not by argparse: one line, not a usage block
         raise _ExportInputError(f"--layout: '{args.layout}' is not one of {', '.join(EXPORT_LAYOUTS)} (upstream: the "
                                 f"model family's released layout; rlfleet: rlfleet's own save_pretrained)")
-    from rlfleet.data.checkpoint_files import complete_checkpoints, is_checkpoint, verify_checkpoint
+    from rlfleet.data.checkpoint_files import CheckpointNotFound, find_checkpoint, verify_checkpoint
 
-    run = pathlib.Path(args.run_dir)
-    if not run.is_dir():
-        raise _ExportInputError(f"{run}: no such folder (give a run folder or RUN/checkpoints/global_step_N)")
-    if is_checkpoint(run):  # a checkpoint folder itself
-        ckpt, run = run, run.parent.parent
-        if args.step is not None and ckpt.name != f"global_step_{args.step}":
-            raise _ExportInputError(f"--step {args.step}: {ckpt} is the checkpoint of another step")
-    else:
-        done = complete_checkpoints(run)
-        if args.step is not None:
-            found = [p for n, p in done if n == args.step]
-            if not found:
-                raise _ExportInputError(f"--step {args.step}: no complete checkpoint global_step_{args.step} in "
-                                        f"{run / 'checkpoints'} (complete ones: "
-                                        f"{', '.join(str(n) for n, _ in done) or 'none'})")
-            ckpt = found[0]
-        elif done:
-            ckpt = done[-1][1]
-        else:
-            raise _ExportInputError(f"{run}: no complete checkpoint in {run / 'checkpoints'} (a run folder holds "
-                                    f"checkpoints/global_step_N/learner_state.json)")
+    try:
+        ckpt, run = find_checkpoint(args.run_dir, args.step)
+    except CheckpointNotFound as exc:
+        raise _ExportInputError(str(exc)) from None
     try:  # the checkpoint checked whole before anything else reads it (rlfleet.data.checkpoint_files)
         verify_checkpoint(ckpt)
     except (BadFile, OSError) as exc:
@@ -417,15 +400,20 @@ def _export_target(args):
         cfg = load_config(config)
     except ConfigError as exc:
         raise _ExportInputError(f"config error: {exc}") from None
-    from rlfleet.policies.footprint import VLA_TYPES
+    from omegaconf import OmegaConf
+
+    from rlfleet.policies.families import get_family
 
     model_type = cfg.actor.model.model_type
-    if model_type not in VLA_TYPES:
+    family = get_family(model_type)  # what the family's entry says of its export
+    if not family.export_layouts:
         raise _ExportInputError(f"{ckpt}: {model_type} policies have no released layout to export; the checkpoint "
                                 f"itself is what `coordinatorctl eval` and `coordinatorctl start --resume` take")
-    if args.layout == "upstream" and model_type == "openpi" and cfg.actor.model.openpi.get("pi05"):
-        raise _ExportInputError("π0.5 (actor.model.openpi.pi05) has no upstream layout transformers loads "
-                                "(transformers has no π0.5 class): export it with --layout rlfleet")
+    if args.layout not in family.export_layouts:
+        raise _ExportInputError(f"--layout {args.layout}: {model_type} exports as {', '.join(family.export_layouts)}")
+    refused = family.upstream_refused_by
+    if args.layout == "upstream" and refused and OmegaConf.select(cfg.actor.model, refused[0]):
+        raise _ExportInputError(refused[1])
     if args.lora == "adapter" and not cfg.actor.model.is_lora:
         raise _ExportInputError(f"--lora adapter: the run trained without LoRA (actor.model.is_lora=false); "
                                 f"export it merged (the default)")

@@ -141,13 +141,10 @@ def _flat_model(cfg) -> dict:
 
 
 def checkpoint_spaces(ckpt: pathlib.Path) -> tuple[dict, int]:
-    from rlfleet.data.checkpoint_files import read_learner_state
-    from rlfleet.wire.spaces import TensorSpace
+    from rlfleet.data.checkpoint_files import read_learner_state, specs_from_json
 
     state = read_learner_state(ckpt)  # checked: its fields' types and ranges
-    obs = {k: TensorSpace(tuple(v[0]), v[1]) if isinstance(v, list) else TensorSpace.from_json(v)
-           for k, v in state["obs_specs"].items()}
-    return obs, int(state["action_dim"])
+    return specs_from_json(state["obs_specs"]), int(state["action_dim"])
 
 
 def check_weights(cfg, target: Target, info=None) -> None:
@@ -165,9 +162,10 @@ def check_weights(cfg, target: Target, info=None) -> None:
         else:
             saved_type = saved.get("model_type")
         want = cfg.actor.model.model_type
-        family = {"openpi": {"openpi", "pi0"}, "openvla": {"openvla", "openvla_oft"},
-                  "openvla_oft": {"openvla", "openvla_oft"}}  # layouts its loader takes (it checks the rest)
-        ok = family.get(want, {want})
+        from rlfleet.policies.families import FAMILIES
+
+        family = FAMILIES.get(want)  # the layouts its loader takes (its entry's ``loads``; it checks the rest)
+        ok = set(family.loads) if family is not None and family.loads else {want}
         if saved_type not in ok:
             raise EvalError(f"{target.path}: holds a model of type {saved_type} (its config.json), the config's "
                             f"actor.model.model_type is {want} (give the config it was trained with: --config)")

@@ -93,11 +93,13 @@ def build_engine(cfg, device: str = "cpu", on_fatal=None) -> InferenceEngine:
 
 
 def batch_invariant_rows(cfg) -> int:
-    """rollout.batch_invariant_rows, with null resolved: 32 for the MLP policy (padding is nearly free there), 0 for
-    image and VLA policies (padding costs real compute)."""
+    """rollout.batch_invariant_rows, with null resolved by the policy family's entry: 32 for the MLP policy
+    (padding is nearly free there), 0 for image and VLA policies (padding costs real compute)."""
     rows = cfg.rollout.batch_invariant_rows
     if rows is None:
-        return 32 if cfg.actor.model.model_type == "mlp" else 0
+        from rlfleet.policies.families import get_family
+
+        return get_family(cfg.actor.model.model_type).batch_invariant_rows
     return int(rows)
 
 

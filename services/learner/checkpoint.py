@@ -26,8 +26,9 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlfleet.data.checkpoint_files import (STATE_DIR, check_reward_rms, latest_checkpoint, load_state,
-                                           read_learner_state, run_folder_of)
+from rlfleet.data.checkpoint_files import (STATE_DIR, check_reward_rms, latest_checkpoint, read_learner_state,
+                                           run_folder_of)
+from rlfleet.data.dcp_files import load_state
 from rlfleet.untrusted import BadFile
 
 __all__ = ["STATE_DIR", "latest_checkpoint", "load_policy_state", "load_sharded", "read_leader_files",

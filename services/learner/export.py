@@ -110,22 +110,19 @@ def export_checkpoint(cfg, ckpt: str | pathlib.Path, out: str | pathlib.Path, lo
     (any world size saved it: DCP reshards), write it."""
     import torch
 
+    from rlfleet.data.checkpoint_files import specs_from_json, step_of, verify_checkpoint
     from rlfleet.policies import build_policy
     from services.learner import checkpoint
-    from services.learner.learner import _specs_from_json
-
-    from rlfleet.data.checkpoint_files import verify_checkpoint
 
     ckpt = pathlib.Path(ckpt)
     state = verify_checkpoint(ckpt).state  # every file checked before anything is built or loaded
-    obs_specs, action_dim = _specs_from_json(state["obs_specs"]), int(state["action_dim"])
+    obs_specs, action_dim = specs_from_json(state["obs_specs"]), int(state["action_dim"])
     torch.manual_seed(cfg.runner.seed)
     policy = build_policy(cfg.actor.model, obs_specs, action_dim, cfg.algorithm.normalize_obs,
                           cfg.algorithm.logprob_type)
     checkpoint.load_policy_state(ckpt, policy)
-    step = ckpt.name.rsplit("_", 1)[-1]
     return write_export(policy, out, lora, base=cfg.actor.model.get("model_path"), layout=layout,
-                        step=int(step) if step.isdigit() else None, max_shard_size=max_shard_size)
+                        step=step_of(ckpt), max_shard_size=max_shard_size)
 
 
 def main(argv=None) -> int:

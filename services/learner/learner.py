@@ -25,7 +25,9 @@ from rlfleet.data.metrics import MetricsLogger
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
-from rlfleet.data.checkpoint_files import verify_checkpoint
+from rlfleet.data.checkpoint_files import checkpoint_dir, verify_checkpoint
+from rlfleet.data.checkpoint_files import specs_from_json as _specs_from_json
+from rlfleet.data.checkpoint_files import specs_to_json as _specs_to_json
 from rlfleet.untrusted import BadFile
 from services.learner import checkpoint, ppo
 from services.learner.batch import Batch, RewardScaler, build_batch, split_rows
@@ -52,16 +54,6 @@ def update_threads(cfg, local_ranks: int = 1) -> int:
     if cfg.algorithm.max_staleness > 0:
         return max(1, int(cfg.cluster.torch_num_threads))
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
-
-
-def _specs_to_json(obs_specs: dict[str, TensorSpace]) -> dict:
-    return {k: s.to_json() for k, s in obs_specs.items()}
-
-
-def _specs_from_json(data: dict) -> dict[str, TensorSpace]:
-    """TensorSpace.to_json's form, or [shape, dtype] (checkpoints written before bounds were kept)."""
-    return {k: TensorSpace(tuple(v[0]), v[1]) if isinstance(v, list) else TensorSpace.from_json(v)
-            for k, v in data.items()}
 
 
 class Learner:
@@ -358,7 +350,7 @@ class Learner:
                 if v.is_floating_point() and not torch.isfinite(v).all():
                     raise FailedPrecondition(f"not saving a checkpoint: 'reward_rms.{k}' holds non-finite values "
                                              f"(last good checkpoint: {self.last_checkpoint or 'none'})")
-        path = self.run_dir / "checkpoints" / f"global_step_{self.epoch + 1}"
+        path = checkpoint_dir(self.run_dir, self.epoch + 1)
         return self._run("save", {"path": str(path)})
 
     def _on_save(self, meta: dict, _tensors) -> pathlib.Path:
