@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rlfleet.wire import rpc, weights  # noqa: E402
+from rlfleet.wire import channels, weights  # noqa: E402
 from rlfleet.wire.clients import GrpcPolicyClient, _Stream  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
 from rlfleet.wire.spaces import TensorSpace  # noqa: E402
@@ -82,7 +82,7 @@ class Server:
 
     def update(self, state, version, **kw) -> float:
         t0 = time.perf_counter()
-        with rpc.channel(self.address) as ch:
+        with channels.channel(self.address) as ch:
             inference_pb2_grpc.InferenceServiceStub(ch).UpdateWeights(
                 weights.iter_chunks(state, version, **kw), timeout=120, wait_for_ready=True)
         return time.perf_counter() - t0

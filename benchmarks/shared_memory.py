@@ -34,7 +34,7 @@ CAMERAS = ("third_person", "wrist")
 def serve() -> None:
     """The receiving process: InferenceService.Act and LearnerService.PushRollout as the servers decode them."""
     from rlfleet.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
-    from rlfleet.wire import codec, rpc, shm
+    from rlfleet.wire import codec, servers, shm
 
     decode_s: list[float] = []
 
@@ -81,10 +81,10 @@ def serve() -> None:
             decode_s.clear()
             return out
 
-    server = rpc.make_server(max_workers=4)
+    server = servers.make_server(max_workers=4)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(Inference(), server)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(Learner(), server)
-    print(rpc.bind(server, "127.0.0.1:0"), flush=True)
+    print(servers.bind(server, "127.0.0.1:0"), flush=True)
     server.start()
     sys.stdin.readline()
     server.stop(0)
@@ -92,9 +92,9 @@ def serve() -> None:
 
 def _receiver_decode(address: str) -> list[float]:
     from rlfleet.v1 import learner_pb2, learner_pb2_grpc
-    from rlfleet.wire import rpc
+    from rlfleet.wire import channels
 
-    with rpc.channel(address) as ch:
+    with channels.channel(address) as ch:
         st = learner_pb2_grpc.LearnerServiceStub(ch).Status(learner_pb2.LearnerStatusRequest(), timeout=30)
     return json.loads(st.last_checkpoint)
 

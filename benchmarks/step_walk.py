@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 
 from rlfleet.config import load_config  # noqa: E402
 from rlfleet.v1 import env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
-from rlfleet.wire import rpc, tracing  # noqa: E402
+from rlfleet.wire import channels, tracing  # noqa: E402
 
 
 def main() -> None:
@@ -61,8 +61,8 @@ def main() -> None:
     inf, inf_addr, engine, _ = inf_server.serve(cfg, "127.0.0.1:0")
     lrn, learner_addr, learner, _ = learner_server.serve(cfg, "127.0.0.1:0", run)
     env, env_addr, worker, _ = env_server.serve(cfg, "127.0.0.1:0")
-    rs = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(env_addr))
-    learner_pb2_grpc.LearnerServiceStub(rpc.channel(learner_addr)).PublishWeights(learner_pb2.PublishWeightsRequest(
+    rs = rollout_pb2_grpc.RolloutServiceStub(channels.channel(env_addr))
+    learner_pb2_grpc.LearnerServiceStub(channels.channel(learner_addr)).PublishWeights(learner_pb2.PublishWeightsRequest(
         env_spec=rs.Describe(env_pb2.DescribeEnvRequest()), inference_addresses=[inf_addr]), timeout=60)
 
     def collect(epoch: int, steps: int) -> None:  # what the coordinator's Coordinator._collect sends

@@ -8,7 +8,7 @@ with tiny hidden sizes acts on two rows. Parameter counts, the LoRA rank-32 adap
 from the real architecture built on PyTorch's meta device.
 
 Every path runs through a real gRPC server on loopback, the sender and the receiver each in a fresh process of its
-own (rlfleet.wire.rpc servers and channels, the project's messages and codec):
+own (rlfleet.wire.servers and rlfleet.wire.channels, the project's messages and codec):
 
   act       Act (bidi stream, one request in flight), as rlfleet.wire.clients._Stream sends it and the inference
             server answers it: N rows of observations, instructions and noise keys; the reply's actions, log-probs,
@@ -286,7 +286,7 @@ def _server_main(kind: str, spec: dict, conn) -> None:
     import grpc
 
     from rlfleet.v1 import inference_pb2, learner_pb2
-    from rlfleet.wire import channels, codec, servers
+    from rlfleet.wire import codec, servers
 
     base = _status_mb("VmRSS")
     st: dict[str, list] = {"parse": [], "serialise": [], "decode": [], "encode": [], "cpu": [], "calls": []}
@@ -462,7 +462,7 @@ def _client_act(spec: dict, address: str) -> dict:
     import grpc
 
     from rlfleet.v1 import inference_pb2
-    from rlfleet.wire import channels, codec, servers
+    from rlfleet.wire import channels, codec
     from rlfleet.wire.clients import _check_result
     from rlfleet.wire.codec import PolicyOutput, row_keys
 
@@ -525,7 +525,7 @@ def _client_rollout(spec: dict, address: str) -> dict:
     import grpc
 
     from rlfleet.v1 import learner_pb2
-    from rlfleet.wire import channels, codec, servers
+    from rlfleet.wire import channels, codec
     from rlfleet.wire.clients import rollout_chunks
 
     T, n, rng = spec["T"], spec["n"], np.random.default_rng(0)

@@ -315,7 +315,7 @@ MAX_OBS_ROW_BYTES = MAX_MESSAGE_BYTES  # one observation row must fit one Act re
 def observation_row_bytes(obs_specs: dict[str, TensorSpace], name: str = "observation_space") -> int:
     """Bytes of one observation row of the declared spaces; refused (InvalidRequest naming ``name``) beyond what
     one Act request can carry, so that nothing is built for spaces no request could ever fill."""
-    from rlfleet.wire.rpc import InvalidRequest
+    from rlfleet.errors import InvalidRequest
 
     total, sizes = 0, {}
     for k, s in obs_specs.items():
@@ -340,7 +340,7 @@ def planned_state(model_cfg, obs_specs: dict[str, TensorSpace], action_dim: int,
     import torch
 
     from rlfleet.policies import build_policy
-    from rlfleet.wire.rpc import InvalidRequest
+    from rlfleet.errors import InvalidRequest
 
     if model_cfg.get("model_path"):
         return None
@@ -403,7 +403,7 @@ def check_fits(need: int, what: str, device: str | torch.device = "cpu", budget:
     what :func:`free_bytes` says is left on ``device``)."""
     import torch
 
-    from rlfleet.wire.rpc import ResourceExhausted
+    from rlfleet.errors import ResourceExhausted
 
     have = budget if budget is not None else free_bytes(device)
     if have is not None and need > have:

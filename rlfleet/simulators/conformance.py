@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from rlfleet.untrusted import BadFile
-from rlfleet.wire import codec, env_contract, rpc
+from rlfleet.wire import channels, codec, env_contract
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2
 
@@ -107,7 +107,7 @@ class Checker:
     def __init__(self, address: str, timeout: float = 60.0, max_steps: int = 2000, seed: int = 1234):
         self.address, self.timeout, self.max_steps = address, timeout, max_steps
         self.rng = np.random.default_rng(seed)
-        self.channel = rpc.wait_ready(address, timeout, credential=False)
+        self.channel = channels.wait_ready(address, timeout, credential=False)
         # replies are read as bytes, their counts scanned before protobuf builds anything (env_contract.EnvClient)
         self.env = env_contract.EnvClient(self.channel)
         self.include_close = False
@@ -562,7 +562,7 @@ class Checker:
         try:
             self._reset([0], states=[-1])
         except grpc.RpcError as exc:
-            fails.append(f"reset_state_ids=[-1] (none) must be accepted, got {rpc.describe_error(exc)}")
+            fails.append(f"reset_state_ids=[-1] (none) must be accepted, got {channels.describe_error(exc)}")
         expect("a state id below -1 ([-2])", lambda: self._reset([0], states=[-2]))
         expect("2 reset_state_ids for 1 env", lambda: self._reset([0], states=[-1, -1]))
         if m == 0:
@@ -711,7 +711,7 @@ class Checker:
                 s.step([0], self._actions(1))
             except grpc.RpcError as exc:
                 raise ContractError(f"stream {k + 1} was refused while no other stream of this kit was open "
-                                    f"({rpc.describe_error(exc)}): an abandoned or closed stream must free its slot "
+                                    f"({channels.describe_error(exc)}): an abandoned or closed stream must free its slot "
                                     f"({env_contract.section('streams')})") from None
             s.cancel()
         deadline = time.monotonic() + 10.0
@@ -723,7 +723,7 @@ class Checker:
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
                     raise ContractError(f"after {cap + 2} abandoned Step streams a new stream failed: "
-                                        f"{rpc.describe_error(exc)} (an abandoned stream must free its slot)") from None
+                                        f"{channels.describe_error(exc)} (an abandoned stream must free its slot)") from None
                 time.sleep(0.2)
             finally:
                 s.close()
@@ -755,7 +755,7 @@ class Checker:
             self._decode_step(self._step_once([], self._actions(self.n)), [], None)
         except grpc.RpcError as exc:
             raise ContractError(f"after INTERNAL, Reset of every env and a Step must work; got "
-                                f"{rpc.describe_error(exc)} ({env_contract.section('errors')})") from None
+                                f"{channels.describe_error(exc)} ({env_contract.section('errors')})") from None
         return f"INTERNAL {details[:60]!r}; the server went on (Reset, Step)"
 
     def check_close(self) -> str:
@@ -770,7 +770,7 @@ class Checker:
         try:
             self._describe()
         except grpc.RpcError as exc:
-            fails.append(f"Describe after Close must still answer; got {rpc.describe_error(exc)}")
+            fails.append(f"Describe after Close must still answer; got {channels.describe_error(exc)}")
         _require(not fails, "; ".join(fails) + f" ({env_contract.section('close')})")
         return "Reset and Step after Close refused with FAILED_PRECONDITION; Describe answers"
 
@@ -802,7 +802,7 @@ class Checker:
                     if closed is not None and not any(r.status == PASS and r.name != "describe" for r in results):
                         raise ServerClosed(closed) from None
                     status, detail = FAIL, (f"the server was closed during the checks: {closed}" if closed else
-                                            f"unexpected error: {rpc.describe_error(exc)}")
+                                            f"unexpected error: {channels.describe_error(exc)}")
             result = CheckResult(name, status, detail, time.perf_counter() - t0)
             results.append(result)
             if log:
@@ -856,7 +856,7 @@ def main(argv=None) -> int:
               f"({exc}); restart it to check it")
         return 2
     except grpc.RpcError as exc:
-        print(f"check-env: {args.address} did not answer Describe: {rpc.describe_error(exc)}")
+        print(f"check-env: {args.address} did not answer Describe: {channels.describe_error(exc)}")
         return 2
     failed = [r for r in results if r.status == FAIL]
     if args.json:

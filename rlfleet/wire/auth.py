@@ -1,5 +1,5 @@
 """The run's credentials: one secret per run, kept by the coordinator, and a credential per service issued from it,
-made and read here; what every call carries, and the check of it on every call served, are rlfleet.wire.rpc's.
+made and read here; what every call carries, and the check of it on every call served, are rlfleet.wire.callers'.
 
 The coordinator makes the run secret (or takes ``RLFLEET_RUN_TOKEN`` when the deployment supplies one); only it
 (and a deployment that supplied the secret) holds it, and only it issues. A service gets its own **credential**,
@@ -24,7 +24,7 @@ secret S (H = HMAC-SHA256, every key's 32-byte seed derived so that issuing is d
 A credential holds its role, index, K, the cert and R's signature (plus R.pub for roles that serve). A server checks
 a bearer with R.pub alone: the cert is R's, the call signature is K's for the claimed role, index and the callee's
 role, the claimed role and index are the cert's, and the callee's role is one the cert names; a bearer checked once
-is remembered (rlfleet.wire.rpc), so the per-call cost is a lookup. Nothing in a credential signs for another role,
+is remembered (rlfleet.wire.callers), so the per-call cost is a lookup. Nothing in a credential signs for another role,
 another index (for an index-bound one) or toward a role its cert does not name, and R.pub verifies only: making a
 cert needs R, which only the secret yields. A bearer is seen by the servers it is sent to (of role b); it is good
 only toward servers of role b, as the caller it names.
@@ -32,9 +32,9 @@ only toward servers of role b, as the caller it names.
 This module makes and reads credentials: the key derivation, :func:`issue`, :func:`parse_credential`,
 :class:`Verifier` (the check of a bearer), the token file, :func:`metadata` for tools and tests, and the command
 line. Each process declares its identity once (:func:`set_identity`), which builds what it sends and checks against
-(``rpc.Identity``); what happens per call is :mod:`rlfleet.wire.rpc`'s: it adds the bearer, role and index to every
-call the process makes (``rpc.call_metadata``) and checks them on every call it serves (``rpc.check_caller``, with
-the methods each role owns, ``rpc.METHOD_ROLES``; ``rpc.caller_of`` in a servicer). Health checks and reflection
+(``callers.Identity``); what happens per call is :mod:`rlfleet.wire.callers`': it adds the bearer, role and index to every
+call the process makes (``callers.call_metadata``) and checks them on every call it serves (``callers.check_caller``, with
+the methods each role owns, ``callers.METHOD_ROLES``; ``callers.caller_of`` in a servicer). Health checks and reflection
 stay open so that Kubernetes probes and ``grpcurl list`` work without a credential. A process with no credential
 (in-process tests, the examples) neither sends nor checks one.
 """
@@ -56,8 +56,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from rlfleet.wire import rpc
-from rlfleet.wire.rpc import MAX_INDEX, ROLES, TOKEN_ENV, TOKEN_FILE, AuthError, credential_metadata
+from rlfleet.wire import callers
+from rlfleet.errors import AuthError
+from rlfleet.wire.callers import MAX_INDEX, ROLES, TOKEN_ENV, TOKEN_FILE, credential_metadata
 
 CREDENTIAL_PREFIX = "rlfleet-cred2."
 SECRET_FILE = "run_secret"  # <run>/run_secret: attach mode's secret when the coordinator made it (for `issue`)
@@ -234,7 +235,7 @@ class Verifier:
     def _check(self, token: str, index: int, callee: str) -> Proof:
         def wrong(why: str):
             return AuthError("UNAUTHENTICATED", f"missing or wrong run credential ({why}; the metadata "
-                                                f"'{rpc.TOKEN_KEY}: Bearer <bearer>' comes from this run's "
+                                                f"'{callers.TOKEN_KEY}: Bearer <bearer>' comes from this run's "
                                                 f"credential, `python -m rlfleet.wire.auth --help`)")
 
         parts = token.split(".")
@@ -269,19 +270,19 @@ class Verifier:
         return proof
 
 
-def _identity_from(cred: Credential, role: str, index: int, from_secret: bool) -> rpc.Identity:
+def _identity_from(cred: Credential, role: str, index: int, from_secret: bool) -> callers.Identity:
     bearers = {callee: cred.bearer(index, callee) for callee in cred.to}
     verifier = Verifier(cred.root) if cred.root is not None else None
-    return rpc.Identity(role, index, from_secret, bearers, verifier)
+    return callers.Identity(role, index, from_secret, bearers, verifier)
 
 
-def set_identity(role: str, token: str | None, index: int = 0) -> rpc.Identity | None:
-    """Declare who this process is: what its calls carry and its servers check (rlfleet.wire.rpc). ``token``: the
+def set_identity(role: str, token: str | None, index: int = 0) -> callers.Identity | None:
+    """Declare who this process is: what its calls carry and its servers check (rlfleet.wire.callers). ``token``: the
     run secret (this process then issues its own credential from it) or a credential issued for this role (and
     index); None: no credential, nothing sent or checked."""
     _check_role_index(role, index)
     if not token:
-        rpc.use_identity(None)
+        callers.use_identity(None)
         return None
     if is_credential(token):
         cred = parse_credential(token)
@@ -294,7 +295,7 @@ def set_identity(role: str, token: str | None, index: int = 0) -> rpc.Identity |
         identity = _identity_from(cred, role, index, False)
     else:
         identity = _identity_from(parse_credential(issue(token, role, index)), role, index, True)
-    rpc.use_identity(identity)
+    callers.use_identity(identity)
     return identity
 
 

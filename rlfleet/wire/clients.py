@@ -18,7 +18,8 @@ import numpy as np
 from opentelemetry import propagate
 
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
-from rlfleet.wire import codec, rpc, shm, tracing
+from rlfleet.errors import Cancelled, FailedPrecondition, InvalidRequest, ResourceExhausted, Unavailable
+from rlfleet.wire import channels, codec, shm, tracing
 from rlfleet.wire.codec import PolicyOutput
 
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
@@ -29,7 +30,7 @@ def check_address(address: str, name: str) -> str:
     """A peer address a request names (``host:port``, ``[v6]:port``, ``dns:``/``ipv4:``/``ipv6:`` targets,
     ``unix:`` paths): refused with InvalidRequest naming ``name`` when it cannot be one, before anything waits on
     it."""
-    from rlfleet.wire.rpc import InvalidRequest
+    from rlfleet.errors import InvalidRequest
 
     shown = repr(address[:60]) + ("..." if len(address) > 60 else "")
     if not address:
@@ -80,7 +81,7 @@ def offer_shared_memory(method, timeout: float) -> tuple[bool, str]:
         with shm.offer() as offer:
             answer = method(offer, timeout=max(timeout, 0.001))
     except grpc.RpcError as exc:
-        return False, rpc.describe_error(exc)
+        return False, channels.describe_error(exc)
     except OSError as exc:  # no memfd here after all
         return False, str(exc)
     return answer.accepted, answer.reason
@@ -138,7 +139,7 @@ _channels_lock = threading.Lock()
 def _channel(address: str):
     """A channel to the learner at ``address``, kept across epochs: a connected one costs nothing to check."""
     with _channels_lock:
-        ch = _channels.pop(address, None) or rpc.channel(address)
+        ch = _channels.pop(address, None) or channels.channel(address)
         _channels[address] = ch
         while len(_channels) > MAX_CHANNELS:
             _channels.popitem(last=False)[1].close()
@@ -153,7 +154,7 @@ def _drop_channel(address: str) -> None:
 
 
 def learner_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """Raise rpc.Unavailable naming ``address`` when no learner accepts a connection there within ``timeout``
+    """Raise Unavailable naming ``address`` when no learner accepts a connection there within ``timeout``
     (checked before a rollout is collected for it, so that an unreachable learner costs seconds, not a rollout)."""
     import grpc
 
@@ -161,7 +162,7 @@ def learner_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         grpc.channel_ready_future(_channel(address)).result(timeout=max(timeout, 0.0))
     except grpc.FutureTimeoutError:
         _drop_channel(address)
-        raise rpc.Unavailable(f"learner_address: no learner answered at {address} within {timeout:.0f}s "
+        raise Unavailable(f"learner_address: no learner answered at {address} within {timeout:.0f}s "
                               f"(unreachable)") from None
 
 
@@ -169,7 +170,7 @@ def push_rollout(address: str, rollout, epoch: int, worker_index: int, incarnati
                  timeout: float = 300.0, *, arena=None, stats: WireStats | None = None
                  ) -> learner_pb2.PushRolloutResponse:
     """Stream a rollout to the learner within ``timeout`` seconds. The learner's refusal or absence comes back as
-    the matching rlfleet.wire.rpc error, naming the learner's address and carrying its message: INVALID_ARGUMENT,
+    the matching rlfleet.errors error, naming the learner's address and carrying its message: INVALID_ARGUMENT,
     FAILED_PRECONDITION and RESOURCE_EXHAUSTED as the learner said them, a deadline as Cancelled, anything
     else (unreachable, a learner failure) as Unavailable.
 
@@ -191,23 +192,23 @@ def push_rollout(address: str, rollout, epoch: int, worker_index: int, incarnati
                     wait_for_ready=True)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
-        why = f"the learner at {address} did not take the rollout of epoch {epoch}: {rpc.describe_error(exc)}"
+        why = f"the learner at {address} did not take the rollout of epoch {epoch}: {channels.describe_error(exc)}"
         if code == grpc.StatusCode.INVALID_ARGUMENT:
-            raise rpc.InvalidRequest(why) from None
+            raise InvalidRequest(why) from None
         if code == grpc.StatusCode.FAILED_PRECONDITION:
-            raise rpc.FailedPrecondition(why) from None
+            raise FailedPrecondition(why) from None
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            raise rpc.ResourceExhausted(why) from None
+            raise ResourceExhausted(why) from None
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise rpc.Cancelled(f"{why} (the caller's deadline, or {timeout:.0f}s, passed)") from None
-        raise rpc.Unavailable(why) from None
+            raise Cancelled(f"{why} (the caller's deadline, or {timeout:.0f}s, passed)") from None
+        raise Unavailable(why) from None
     finally:
         if arena is not None:
             arena.release()  # the learner has copied what it keeps, or the call is over
 
 
 # --- Policy clients used by the rollout worker: the same interface over gRPC or in-process (was clients/policy.py)
-class PolicyError(rpc.Unavailable):
+class PolicyError(Unavailable):
     """The inference side failed, could not be reached, or returned something unusable (a server answers the
     caller whose request needed it with UNAVAILABLE, naming the inference server's address)."""
 
@@ -250,7 +251,7 @@ class _Stream:
     def __init__(self, address: str, timeout: float, shared_memory: bool = True):
         self.address = address
         self.timeout = timeout
-        self.channel = rpc.channel(address)
+        self.channel = channels.channel(address)
         self.traced = tracing.enabled()
         connect = min(timeout, CONNECT_TIMEOUT_S)
         try:  # an unreachable address fails now, naming it, not after a whole act timeout per stage
@@ -302,7 +303,7 @@ class _Stream:
                 self.received.put(resp)
             self.received.put(PolicyError(f"inference server {self.address} closed the Act stream"))
         except grpc.RpcError as exc:
-            self.received.put(PolicyError(f"inference server {self.address}: {rpc.describe_error(exc)}"))
+            self.received.put(PolicyError(f"inference server {self.address}: {channels.describe_error(exc)}"))
 
     def submit(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None, noise_keys=None) -> None:
         rid = next(self.ids)

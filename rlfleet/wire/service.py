@@ -14,7 +14,7 @@ import uuid
 
 import grpc
 
-from rlfleet.wire import rpc
+from rlfleet.wire import channels
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("rlfleet.wire.service")
@@ -135,9 +135,9 @@ def setup_process(args, cfg, role: str) -> None:
         print(f"rlfleet {role}[{args.index}]: note: {auth.TOKEN_ENV} holds the run secret, from which every role's "
               f"credential can be made; give this service only its own (`python -m rlfleet.wire.auth issue --role "
               f"{role}`, what coordinatorctl start and deploy do)", file=sys.stderr, flush=True)
-    from rlfleet.wire import rpc as _rpc
+    from rlfleet.wire import tls
 
-    _rpc.configure_tls(cfg.cluster.tls)
+    tls.configure_tls(cfg.cluster.tls)
     # part of a run: traces next to its config (the run folder) unless RLFLEET_TRACE_DIR says; a standalone server
     # (no coordinator) exports only where RLFLEET_TRACE_DIR or an OTLP endpoint says
     tracing.setup(role, args.index, cfg, os.path.dirname(os.path.abspath(args.config)) if args.coordinator else None)
@@ -190,7 +190,7 @@ class ServiceRuntime:
         self.server.stop(grace=1.0).wait(2.0)
 
     def _heartbeat_loop(self) -> None:
-        ch = rpc.channel(self.coordinator)
+        ch = channels.channel(self.coordinator)
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
         role = ROLES[self.role]
         registered, last_ok = False, time.monotonic()
@@ -227,7 +227,7 @@ class ServiceRuntime:
                     limit = max(limit, self.SLOW_COORDINATOR_FACTOR * self.timeout)
                 if time.monotonic() - last_ok > limit:
                     print(f"rlfleet {self.role}[{self.index}]: coordinator {self.coordinator} unreachable for "
-                          f"{time.monotonic() - last_ok:.0f}s ({rpc.describe_error(exc)}); shutting down", flush=True)
+                          f"{time.monotonic() - last_ok:.0f}s ({channels.describe_error(exc)}); shutting down", flush=True)
                     self.stop_event.set()
                     return
             self.stop_event.wait(self.interval)

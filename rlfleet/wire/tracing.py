@@ -4,11 +4,11 @@ reading file exports back. Nothing here runs per call or per step.
 Instrumented code uses the OTel API itself: a module's tracer (``trace.get_tracer("rlfleet")``) and its metric
 instruments (``metrics.get_meter("rlfleet").create_histogram(...)``), made once at import; OTel's proxy tracer and
 meter bind them to the providers :func:`setup` installs, and until then they are no-ops, so in-process tests and
-tools pay nothing. The per-call trace context is :mod:`rlfleet.wire.rpc`'s: its client interceptor injects W3C
-``traceparent`` into every call's metadata and its server interceptor runs each call in a SERVER span named by the
-method, child of the caller's context. Servers, channels and the objects that make per-step spans decide once, when
-they are built, whether they trace (:func:`enabled`; ``telemetry.step_spans`` for the per-env-step and per-act-batch
-spans).
+tools pay nothing. The per-call trace context is the interceptors': the channels' (:mod:`rlfleet.wire.channels`)
+inject W3C ``traceparent`` into every call's metadata and the servers' (:mod:`rlfleet.wire.servers`) run each call in
+a SERVER span named by the method, child of the caller's context. Servers, channels and the objects that make
+per-step spans decide once, when they are built, whether they trace (:func:`enabled`; ``telemetry.step_spans`` for
+the per-env-step and per-act-batch spans).
 
 One trace per training epoch: the coordinator's ``epoch`` span holds ``collect`` (one per env server) and
 ``train``; trace context rides in the gRPC metadata, so the env server's Collect (``env.step`` and ``act`` spans per

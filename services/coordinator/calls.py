@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from rlfleet.wire import rpc
+from rlfleet.wire import channels
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 from services.coordinator.registry import Registry, RunFailed, Service
 
@@ -39,11 +39,11 @@ class FleetCalls:
 
     def learner(self):
         svc = self.registry.wait("learner", 0, 30)
-        return learner_pb2_grpc.LearnerServiceStub(rpc.channel(svc.address))
+        return learner_pb2_grpc.LearnerServiceStub(channels.channel(svc.address))
 
     def rollout_stub(self, index: int) -> tuple[Service, object]:
         svc = self.registry.wait("env", index, self.cfg.cluster.startup_timeout_s)
-        return svc, rollout_pb2_grpc.RolloutServiceStub(rpc.channel(svc.address))
+        return svc, rollout_pb2_grpc.RolloutServiceStub(channels.channel(svc.address))
 
     def settle(self, svc: Service, incarnation: str, generation: tuple | None = None) -> None:
         """After a failed call: wait (up to ``patience``) until the monitor has noticed whether ``svc`` died or
@@ -84,7 +84,7 @@ class FleetCalls:
                     if self.fate.fatal:
                         raise RunFailed(self.fate.fatal) from exc
                     if reg.inference_generation() == generation or time.monotonic() >= deadline:
-                        raise RunFailed(f"republishing weights failed: {rpc.describe_error(exc)}") from exc
+                        raise RunFailed(f"republishing weights failed: {channels.describe_error(exc)}") from exc
 
     def weights_published(self) -> None:
         """The learner has just published to the current set of inference servers."""
@@ -100,7 +100,7 @@ class FleetCalls:
         deadline = time.monotonic() + min(self.patience, self.cfg.cluster.heartbeat_timeout_s)
         while not self.fate.fatal and time.monotonic() < deadline and exc.code() in RETRYABLE:
             time.sleep(0.1)
-        return self.fate.fatal or f"{what} failed: {rpc.describe_error(exc)}"
+        return self.fate.fatal or f"{what} failed: {channels.describe_error(exc)}"
 
     def await_(self, future):
         """Wait for a future (thread pool or gRPC) while watching for a fatal service death."""

@@ -27,7 +27,7 @@ import sys
 import rlfleet  # noqa: F401  (sets gRPC's log verbosity before grpc is imported)
 import grpc
 
-from rlfleet.wire import auth, rpc, tracing
+from rlfleet.wire import auth, channels, tls, tracing
 from rlfleet.config import ConfigError, load_config
 from rlfleet.untrusted import BadFile
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -78,7 +78,7 @@ def _start(args) -> int:
         return 2
     token = auth.token_from_env() or auth.new_token()  # a deployment may hand one in; else a fresh one per run
     auth.set_identity("coordinator", token)
-    rpc.configure_tls(cfg.cluster.tls)
+    tls.configure_tls(cfg.cluster.tls)
     try:
         where = tracing.setup("coordinator", 0, cfg, run_dir)
     except SystemExit as exc:
@@ -98,7 +98,7 @@ def _start(args) -> int:
         print(f"\ncoordinatorctl: run failed: {exc}", file=sys.stderr)
         code = 1
     except grpc.RpcError as exc:
-        print(f"\ncoordinatorctl: run failed: {coord.fatal or rpc.describe_error(exc)}", file=sys.stderr)
+        print(f"\ncoordinatorctl: run failed: {coord.fatal or channels.describe_error(exc)}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         print("\ncoordinatorctl: interrupted; shutting down", file=sys.stderr)
@@ -257,8 +257,8 @@ def _coordinator_stub(args):
 
         from rlfleet.config import read_config_file
 
-        rpc.configure_tls(OmegaConf.select(read_config_file(config, root=run_dir), "cluster.tls"))
-    return address, coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(address))
+        tls.configure_tls(OmegaConf.select(read_config_file(config, root=run_dir), "cluster.tls"))
+    return address, coordinator_pb2_grpc.CoordinatorServiceStub(channels.channel(address))
 
 
 def _status(args) -> int:
@@ -266,7 +266,7 @@ def _status(args) -> int:
     try:
         st = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
     except grpc.RpcError as exc:
-        print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
+        print(f"coordinatorctl: {address}: {channels.describe_error(exc)}", file=sys.stderr)
         return 1
     print(f"{st.experiment_name}: {st.phase}, epoch {st.epoch + 1}/{st.max_epochs}, {st.env_steps} env steps, "
           f"{st.elapsed_s:.0f}s  ({st.run_dir})")
@@ -290,7 +290,7 @@ def _scale(args) -> int:
     try:
         reply = stub.Scale(coordinator_pb2.ScaleRequest(role=coordinator_pb2.ENV, count=args.count), timeout=10)
     except grpc.RpcError as exc:
-        print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
+        print(f"coordinatorctl: {address}: {channels.describe_error(exc)}", file=sys.stderr)
         return 1
     print(reply.message)
     return 0
@@ -301,7 +301,7 @@ def _stop(args) -> int:
     try:
         stub.Stop(coordinator_pb2.StopRequest(reason="coordinatorctl stop"), timeout=5)
     except grpc.RpcError as exc:
-        print(f"coordinatorctl: {address}: {rpc.describe_error(exc)}", file=sys.stderr)
+        print(f"coordinatorctl: {address}: {channels.describe_error(exc)}", file=sys.stderr)
         return 1
     print(f"stop requested at {address}; the run finishes its current epoch, saves a checkpoint and shuts down")
     return 0

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from rlfleet.wire import auth, rpc
+from rlfleet.errors import FailedPrecondition, InvalidRequest, PermissionDenied
+from rlfleet.wire import auth, channels
 from rlfleet.config import learner_layout, to_yaml
 from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
@@ -141,10 +142,10 @@ class Coordinator:
             return
         name = ROLE_NAMES.get(role, f"role {role}")
         if (caller.role, caller.index) != (name, index):
-            raise rpc.PermissionDenied(f"{caller} cannot {what} as {name}[{index}]: a service speaks only for itself")
+            raise PermissionDenied(f"{caller} cannot {what} as {name}[{index}]: a service speaks only for itself")
 
     def heard(self, method: str, caller) -> None:
-        """rpc.make_server's on_call: a heartbeat (or registration) arrived from ``caller``."""
+        """servers.make_server's on_call: a heartbeat (or registration) arrived from ``caller``."""
         if method.endswith(("/Heartbeat", "/Register")) and method.startswith("/rlfleet.v1.CoordinatorService/"):
             self.registry.heard(caller.role, caller.index)
 
@@ -174,12 +175,12 @@ class Coordinator:
     def request_scale(self, role: int, count: int) -> tuple[int, str]:
         """`coordinatorctl scale env N`: takes effect at the next epoch boundary. -> (current count, message)."""
         if ROLE_NAMES.get(role) != "env":
-            raise rpc.InvalidRequest(f"role: only env servers scale during a run, not {ROLE_NAMES.get(role, role)}")
+            raise InvalidRequest(f"role: only env servers scale during a run, not {ROLE_NAMES.get(role, role)}")
         if self.cfg.cluster.external_env_addresses:
-            raise rpc.FailedPrecondition("cluster.external_env_addresses: env servers bridging external simulators "
+            raise FailedPrecondition("cluster.external_env_addresses: env servers bridging external simulators "
                                          "are fixed by that list")
         if not 1 <= count <= self.MAX_ENV_SERVERS:
-            raise rpc.InvalidRequest(f"count: {count} is not in 1..{self.MAX_ENV_SERVERS}")
+            raise InvalidRequest(f"count: {count} is not in 1..{self.MAX_ENV_SERVERS}")
         self.pending_scale = count
         current = self.registry.counts["env"]
         per, steps = self.envs_per_server, self.cfg.env.train.max_steps_per_rollout_epoch
@@ -257,7 +258,7 @@ class Coordinator:
                 return resp
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or self.fate.fatal:
-                    raise RunFailed(f"env[{index}] Collect failed: {rpc.describe_error(exc)}"
+                    raise RunFailed(f"env[{index}] Collect failed: {channels.describe_error(exc)}"
                                     + (f"\n  {self.fate.fatal}" if self.fate.fatal else "")) from exc
                 # did the server die? the monitor notices a process exit at once, a hung server by its heartbeats
                 calls.settle(svc, incarnation, generation)
@@ -269,10 +270,10 @@ class Coordinator:
                     continue
                 if calls.same(svc, incarnation):
                     raise RunFailed(f"env[{index}] Collect failed and the server is still up: "
-                                    f"{rpc.describe_error(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
+                                    f"{channels.describe_error(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
                 # it died mid-rollout: its partial episodes are dropped (never sent to the learner) and counted
                 self._lost(epoch, self.envs_per_server)
-                self.say(f"  ! env[{index}] lost mid-rollout ({rpc.describe_error(exc).splitlines()[0]}); "
+                self.say(f"  ! env[{index}] lost mid-rollout ({channels.describe_error(exc).splitlines()[0]}); "
                          f"{self.envs_per_server} partial episodes dropped, collecting again after restart")
 
     def _lost(self, epoch: int, n: int) -> None:

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 
-from rlfleet.wire import codec, rpc
+from rlfleet.wire import channels, codec
 from rlfleet.config import env_server_config
 from rlfleet.v1 import rollout_pb2
 from services.coordinator.calls import RETRYABLE, FleetCalls
@@ -89,7 +89,7 @@ class Evaluator:
                     if not calls.same(svc, incarnation):
                         lost = min(count, per_server)
                         calls.add_lost(lost)
-                        self.say(f"  ! env[{i}] lost mid-evaluation ({rpc.describe_error(exc).splitlines()[0]}); "
+                        self.say(f"  ! env[{i}] lost mid-evaluation ({channels.describe_error(exc).splitlines()[0]}); "
                                  f"{lost} episodes in flight lost, evaluating its share again after restart")
                         continue
                     if calls.registry.inference_generation() == generation:

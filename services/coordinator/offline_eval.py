@@ -171,7 +171,7 @@ def check_weights(cfg, target: Target, info=None) -> None:
                             f"actor.model.model_type is {want} (give the config it was trained with: --config)")
         return
     from rlfleet.policies import footprint
-    from rlfleet.wire.rpc import InvalidRequest
+    from rlfleet.errors import InvalidRequest
 
     obs, action_dim = checkpoint_spaces(target.checkpoint)
     why_differ = ""
@@ -240,13 +240,13 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
     """Start the services, load the target's weights into the inference servers (through the learner), evaluate
     env.eval's episodes, write report.json / report.md into ``out``; -> the report."""
     from rlfleet.v1 import env_pb2, learner_pb2
-    from rlfleet.wire import auth, rpc
+    from rlfleet.wire import auth, tls
     from services.coordinator.coordinator import Coordinator, RunFailed, joint_env_spec
     from services.coordinator.registry import RunStopped
     from services.coordinator.server import serve
 
     auth.set_identity("coordinator", token)
-    rpc.configure_tls(cfg.cluster.tls)
+    tls.configure_tls(cfg.cluster.tls)
     coord = Coordinator(cfg, out, quiet=quiet, token=token)
     server = serve(coord, cfg.cluster.coordinator_address)
     say, reg, calls = coord.say, coord.registry, coord.calls
@@ -465,7 +465,7 @@ def main(args) -> int:
 
     import grpc
 
-    from rlfleet.wire import auth, rpc
+    from rlfleet.wire import auth, channels
     from services.coordinator.launcher import check_local
     from services.coordinator.preflight import preflight_local
     from services.coordinator.registry import RunFailed
@@ -515,7 +515,7 @@ def main(args) -> int:
         print(f"\ncoordinatorctl eval: failed: {exc}", file=sys.stderr)
         return 1
     except grpc.RpcError as exc:
-        print(f"\ncoordinatorctl eval: failed: {rpc.describe_error(exc)}", file=sys.stderr)
+        print(f"\ncoordinatorctl eval: failed: {channels.describe_error(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ncoordinatorctl eval: interrupted", file=sys.stderr)

@@ -12,7 +12,7 @@ import grpc
 
 from rlfleet.config import ConfigError
 from rlfleet.simulators.environments import child_environ
-from rlfleet.wire import env_contract, rpc
+from rlfleet.wire import channels, env_contract
 from services.coordinator.launcher import ENV_SIDE_COMMAND
 
 
@@ -119,7 +119,7 @@ def preflight_external(cfg, *, rename: bool, timeout: float = 15.0) -> list[str]
         for i, address in enumerate(cfg.cluster[key]):
             address = str(address)
             try:
-                channel = rpc.wait_ready(address, timeout, credential=False)
+                channel = channels.wait_ready(address, timeout, credential=False)
             except TimeoutError:
                 raise ConfigError(f"'cluster.{key}[{i}]': no EnvService answered at {address} within {timeout:.0f}s; "
                                   f"start the simulator first") from None
@@ -127,7 +127,7 @@ def preflight_external(cfg, *, rename: bool, timeout: float = 15.0) -> list[str]
                 spec = env_contract.EnvClient(channel).describe(timeout)
             except grpc.RpcError as exc:
                 raise ConfigError(f"'cluster.{key}[{i}]': {address} did not answer Describe: "
-                                  f"{rpc.describe_error(exc)}") from None
+                                  f"{channels.describe_error(exc)}") from None
             except ValueError as exc:  # rlfleet.untrusted.TooLarge
                 raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {exc} "
                                   f"({env_contract.section('limits')})") from None

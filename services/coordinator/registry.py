@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from rlfleet.wire import rpc
+from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire.service import CANNOT_START  # a service that failed before serving: not restarted
 from rlfleet.v1 import coordinator_pb2
 
@@ -78,20 +78,20 @@ _INCARNATION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 def check_address(address: str) -> None:
     """Raise InvalidRequest unless ``address`` is host:port that others can dial (host name, IPv4 or [IPv6])."""
     if len(address) > MAX_ADDRESS:
-        raise rpc.InvalidRequest(f"address: {len(address)} characters; a host:port has at most {MAX_ADDRESS}")
+        raise InvalidRequest(f"address: {len(address)} characters; a host:port has at most {MAX_ADDRESS}")
     shown = repr(address[:80])
     host, sep, port = address.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        raise rpc.InvalidRequest(f"address: {shown} is not host:port with a port in 1..65535")
+        raise InvalidRequest(f"address: {shown} is not host:port with a port in 1..65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise rpc.InvalidRequest(f"address: {shown} does not bracket an IPv6 address") from None
+            raise InvalidRequest(f"address: {shown} does not bracket an IPv6 address") from None
         return
     labels = host.split(".")
     if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
-        raise rpc.InvalidRequest(f"address: {shown}: {host[:80]!r} is not a host name, IPv4 or [IPv6] address")
+        raise InvalidRequest(f"address: {shown}: {host[:80]!r} is not a host name, IPv4 or [IPv6] address")
 
 
 def check_claim(role: int, index: int, address: str | None = None, pid: int = 1, incarnation: str = "x",
@@ -99,21 +99,21 @@ def check_claim(role: int, index: int, address: str | None = None, pid: int = 1,
     """A Register request's claim, field by field, before anything of it is believed (INVALID_ARGUMENT);
     ``address`` None: only the role and index."""
     if role not in ROLE_NAMES:
-        raise rpc.InvalidRequest(f"role: {role} is not one of ENV, INFERENCE, LEARNER")
+        raise InvalidRequest(f"role: {role} is not one of ENV, INFERENCE, LEARNER")
     if index < 0:
-        raise rpc.InvalidRequest(f"index: {index} is negative")
+        raise InvalidRequest(f"index: {index} is negative")
     if address is None:
         return
     check_address(address)
     if pid <= 0:
-        raise rpc.InvalidRequest(f"pid: {pid} is not a process id")
+        raise InvalidRequest(f"pid: {pid} is not a process id")
     if not _INCARNATION.match(incarnation):
-        raise rpc.InvalidRequest(f"incarnation: {incarnation[:80]!r} is not 1-64 characters of [A-Za-z0-9._-]")
+        raise InvalidRequest(f"incarnation: {incarnation[:80]!r} is not 1-64 characters of [A-Za-z0-9._-]")
     if not config_yaml.strip():
-        raise rpc.InvalidRequest("config_yaml: empty; a service registers with the run config it was started with "
+        raise InvalidRequest("config_yaml: empty; a service registers with the run config it was started with "
                                  "(the coordinator compares it with its own)")
     if len(config_yaml) > MAX_CONFIG_YAML:
-        raise rpc.InvalidRequest(f"config_yaml: {len(config_yaml)} characters; at most {MAX_CONFIG_YAML}")
+        raise InvalidRequest(f"config_yaml: {len(config_yaml)} characters; at most {MAX_CONFIG_YAML}")
 
 
 def config_difference(cfg, other_yaml: str) -> str:
@@ -128,12 +128,12 @@ def config_difference(cfg, other_yaml: str) -> str:
         plain = parse_yaml(other_yaml, "config_yaml")
         other = OmegaConf.create(plain) if isinstance(plain, dict) else None
     except BadFile as exc:
-        raise rpc.InvalidRequest(str(exc)) from None
+        raise InvalidRequest(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - YAML that does not parse is bad input, not a coordinator bug
-        raise rpc.InvalidRequest(f"config_yaml: does not parse as YAML ({type(exc).__name__}: "
+        raise InvalidRequest(f"config_yaml: does not parse as YAML ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0]})") from None
     if not isinstance(other, DictConfig):
-        raise rpc.InvalidRequest("config_yaml: is not a mapping of config groups")
+        raise InvalidRequest("config_yaml: is not a mapping of config groups")
     mine, theirs = _flatten(cfg), _flatten(other)
     for key in sorted(set(mine) | set(theirs)):
         if key in LOCAL_KEYS:
@@ -165,12 +165,12 @@ class Registry:
         name = ROLE_NAMES.get(role)
         svc = self.services.get((name, index))
         if svc is None:
-            raise rpc.InvalidRequest(f"role/index: this run has no {name or role}[{index}] "
+            raise InvalidRequest(f"role/index: this run has no {name or role}[{index}] "
                                      f"(expects {self.counts})")
         if config_yaml:
             diff = config_difference(self.cfg, config_yaml)
             if diff:
-                raise rpc.FailedPrecondition(f"{name}[{index}] was started with a different config: {diff}")
+                raise FailedPrecondition(f"{name}[{index}] was started with a different config: {diff}")
         with self.lock:
             svc.address, svc.pid, svc.incarnation = address, pid, incarnation
             svc.last_heartbeat, svc.alive = time.monotonic(), True

@@ -40,7 +40,7 @@ def preflight_errors(cfg) -> list[str]:
 
     from rlfleet.config import env_server_config
     from rlfleet.registry import load_object
-    from rlfleet.wire.rpc import InvalidRequest
+    from rlfleet.errors import InvalidRequest
 
     errors: list[str] = []
     servers = {}  # each distinct env-server config (env.per_server gives some servers other simulators)

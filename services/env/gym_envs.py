@@ -4,7 +4,7 @@ is made), and ``make_gym_env``, which the gym backend and the coordinator's pref
 from __future__ import annotations
 
 
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from rlfleet.registry import did_you_mean
 
 _ENTRY = "services.env.envs.panda_pick_cube"

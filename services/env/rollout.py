@@ -20,7 +20,6 @@ import numpy as np
 from opentelemetry import metrics, trace
 
 from rlfleet.data import videos
-from rlfleet.wire import rpc
 from rlfleet.wire.clients import WireStats, make_policy_client
 from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
 from rlfleet.wire.spaces import TensorSpace
@@ -39,11 +38,11 @@ _STEP_LATENCY = _meter.create_histogram("rlfleet.env.step_latency", "s", "one en
 _STEPS = _meter.create_counter("rlfleet.env.steps", "1", "env steps taken in rollouts")
 
 
-class StaleWeightsError(rpc.FailedPrecondition):
+class StaleWeightsError(errors.FailedPrecondition):
     """The inference servers serve older weights than the request needs (``min_weights_version``)."""
 
 
-class Cancelled(rpc.Cancelled):
+class Cancelled(errors.Cancelled):
     """The caller went away or the deadline passed; the worker stopped between steps."""
 
 
@@ -387,7 +386,7 @@ class PolicyRunner:
                 self.drop_policy()
                 faults += exc.answered
                 if faults > MAX_SIMULATOR_FAULTS:
-                    raise rpc.InvalidRequest(f"{exc} (simulator failure {faults} in one call; after "
+                    raise errors.InvalidRequest(f"{exc} (simulator failure {faults} in one call; after "
                                              f"{MAX_SIMULATOR_FAULTS} the run stops)") from None
                 if not restarting:
                     print(f"env[{self.index}]: {exc}; its {exc.env.num_envs} episodes in flight are lost", flush=True)

@@ -72,7 +72,7 @@ class InferenceBackend(abc.ABC):
     @abc.abstractmethod
     def set_weights(self, policy, version: int) -> None:
         """Serve ``policy`` (a policy copy that now holds weights ``version``) from now on: work in flight
-        finishes on the copy it started on. Raises (e.g. rlfleet.wire.rpc.Unavailable) when it cannot serve it."""
+        finishes on the copy it started on. Raises (e.g. rlfleet.errors.Unavailable) when it cannot serve it."""
 
     @abc.abstractmethod
     def submit(self, request: ActRequest) -> None:

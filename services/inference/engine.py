@@ -21,7 +21,7 @@ import torch
 
 from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.codec import PolicyOutput
-from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from services.inference.backend import ActRequest, BackendOptions, InferenceBackend, policy_lock
 from services.inference.factory import make_inference_backend

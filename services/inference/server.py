@@ -12,7 +12,8 @@ import itertools
 
 import numpy as np
 
-from rlfleet.wire import codec, rpc, shm, tracing, weights
+from rlfleet.errors import InvalidRequest
+from rlfleet.wire import codec, servers, shm, status, tracing, weights
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -29,14 +30,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         """Refuse an oversized request before decoding it (a million rows would block every other stream)."""
         for key, t in req.observations.tensors.items():
             if t.shape and t.shape[0] > self.max_rows:
-                raise rpc.InvalidRequest(f"observations['{key}']: {t.shape[0]} rows in one request; at most "
+                raise InvalidRequest(f"observations['{key}']: {t.shape[0]} rows in one request; at most "
                                          f"{self.max_rows} (rollout.max_rows_per_request)")
 
-    @rpc.handler
+    @status.handler
     def SharedMemory(self, request, context):
         return shm.answer(request, self.shared_memory)
 
-    @rpc.handler
+    @status.handler
     def Act(self, request_iterator, context):
         stream = self.engine.open_stream()
         reader = shm.Reader() if self.shared_memory else None  # this stream's mappings, dropped when it ends
@@ -58,7 +59,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if reader is not None:
                 reader.close()
 
-    @rpc.handler
+    @status.handler
     def UpdateWeights(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is not None:  # a made-up or stale version is refused before the set's tensors are read
@@ -73,7 +74,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.engine.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
         return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
 
-    @rpc.handler
+    @status.handler
     def Describe(self, request, context):
         info = self.engine.info()  # (vllm: batches are engine steps, rows the rows decoded in each)
         return inference_pb2.InferenceInfo(
@@ -120,12 +121,12 @@ def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, dev
     engine = build_engine(cfg, device, on_fatal=_exit_for_restart)
     engine.start()
     streams = cfg.rollout.max_act_streams
-    server = rpc.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
+    server = servers.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
         InferenceServicer(engine, cfg.rollout.max_rows_per_request, cfg.cluster.shared_memory == "auto"),
         server)
-    rpc.add_health_and_reflection(server, rpc.service_name(inference_pb2, "InferenceService"))
-    bound = rpc.bind(server, address)
+    servers.add_health_and_reflection(server, servers.service_name(inference_pb2, "InferenceService"))
+    bound = servers.bind(server, address)
     server.start()
     runtime = ServiceRuntime("inference", index, server, bound, coordinator,
                              cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)

@@ -45,7 +45,7 @@ from opentelemetry import metrics
 import torch
 
 from rlfleet.policies.models.actor_critic import to_torch_obs
-from rlfleet.wire.rpc import Unavailable
+from rlfleet.errors import Unavailable
 from services.inference.backend import ActRequest, BackendStats, InferenceBackend
 
 log = logging.getLogger("rlfleet.inference.vllm")

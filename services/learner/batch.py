@@ -17,7 +17,7 @@ import torch
 
 from rlfleet.policies.models.actor_critic import RunningMeanStd
 from rlfleet.wire.codec import FI, OBS
-from rlfleet.wire.rpc import FailedPrecondition
+from rlfleet.errors import FailedPrecondition
 from services.learner import grpo, ppo
 
 

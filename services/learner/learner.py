@@ -24,7 +24,7 @@ from rlfleet.data.loggers import LoggerOptions
 from rlfleet.data.metrics import MetricsLogger
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy, footprint
-from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.data.checkpoint_files import checkpoint_dir, verify_checkpoint
 from rlfleet.data.checkpoint_files import specs_from_json as _specs_from_json
 from rlfleet.data.checkpoint_files import specs_to_json as _specs_to_json
@@ -140,7 +140,7 @@ class Learner:
         if self.cfg.runner.resume_dir:
             ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
             if ckpt is None:
-                raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.cfg.runner.resume_dir}/checkpoints")
+                raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.view.resume_dir}/checkpoints")
             try:  # the whole checkpoint, before any rank builds or loads anything: a bad file named in seconds
                 verify_checkpoint(ckpt)
             except (BadFile, OSError) as exc:
@@ -406,7 +406,7 @@ class Learner:
         """The policy in its family's released layout (services/learner/export.py: ``layout`` upstream or rlfleet;
         LoRA merged, or with ``lora="adapter"`` as a peft adapter), gathered whole on rank 0."""
         if not hasattr(self.model, "save_pretrained"):
-            raise FailedPrecondition(f"{self.cfg.actor.model.model_type} policies have no released layout to export")
+            raise FailedPrecondition(f"{self.view.model.model_type} policies have no released layout to export")
         return self._run("export", {"path": str(path), "lora": lora, "layout": layout})
 
     def _on_export(self, meta: dict, _tensors):

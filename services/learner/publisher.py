@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from rlfleet.wire import rpc, shm, weights
+from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.wire import channels, shm, weights
 from rlfleet.wire.clients import WireStats, offer_shared_memory, timed_messages
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
@@ -44,7 +45,7 @@ class WeightPublisher:
         """Send weights ``version`` to every server in ``addresses``; -> bytes sent per server (the largest).
         Raises FailedPrecondition naming the first server that failed (the update itself stands)."""
         if not addresses:
-            raise rpc.InvalidRequest("inference_addresses: empty")
+            raise InvalidRequest("inference_addresses: empty")
         targets = {a: a in self.synced for a in addresses}  # address -> partial?
         self.last_wire = WireStats()
         sent, errors = self._pass(targets, version, gather, full_names, partial_names, obs_specs, action_dim)
@@ -63,8 +64,8 @@ class WeightPublisher:
             self.synced.discard(a)
         if errors:
             address, exc = next(iter(errors.items()))
-            why = rpc.describe_error(exc) if isinstance(exc, grpc.RpcError) else str(exc)
-            raise rpc.FailedPrecondition(f"weight update to inference server {address} failed: {why}")
+            why = channels.describe_error(exc) if isinstance(exc, grpc.RpcError) else str(exc)
+            raise FailedPrecondition(f"weight update to inference server {address} failed: {why}")
         self.last_bytes = max(sent.values(), default=0)
         return self.last_bytes
 
@@ -96,7 +97,7 @@ class WeightPublisher:
         def call(address: str) -> None:
             arena = None
             try:
-                with rpc.channel(address) as ch:
+                with channels.channel(address) as ch:
                     stub = inference_pb2_grpc.InferenceServiceStub(ch)
                     if self.shared_memory and offer_shared_memory(stub.SharedMemory, min(self.timeout, 10.0))[0]:
                         arena = shm.Arena("weights", slots=2)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rlfleet.wire import codec
-from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest, PermissionDenied
+from rlfleet.errors import FailedPrecondition, InvalidRequest, PermissionDenied
 
 log = logging.getLogger("rlfleet.learner")
 
@@ -77,7 +77,7 @@ class RolloutStore:
     @staticmethod
     def check_pusher(worker: int, caller) -> None:
         """A rollout is its worker's own: the env server that pushes it is the one whose index its credential
-        proves (``caller``, rlfleet.wire.rpc.caller_of; None: no credentials in this process). Every placement has
+        proves (``caller``, rlfleet.wire.callers.caller_of; None: no credentials in this process). Every placement has
         one env server process per worker index (a bridge to an external simulator included: env server i bridges
         ``cluster.external_env_addresses[i]``), so no process pushes another's rollout."""
         if caller is not None and caller.index != worker:

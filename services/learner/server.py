@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from rlfleet.wire import codec, rpc, shm
+from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.wire import callers, channels, codec, servers, shm, status
 from rlfleet.wire.spaces import spaces_from_proto
 from rlfleet.config import load_service_config
 from rlfleet.data.metrics import check_record
@@ -30,7 +31,7 @@ def _checked(check, *args) -> None:
     try:
         check(*args)
     except ValueError as exc:
-        raise rpc.InvalidRequest(str(exc)) from None
+        raise InvalidRequest(str(exc)) from None
 
 
 WIRE_EPOCHS = 64  # epochs whose PushRollout decode time is kept until their Train
@@ -43,11 +44,11 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         self.decode_s: dict[int, float] = {}  # epoch -> seconds its pushes spent decoding (time/wire/rollout_s)
         self.decode_lock = threading.Lock()
 
-    @rpc.handler
+    @status.handler
     def SharedMemory(self, request, context):
         return shm.answer(request, self.shared_memory)
 
-    @rpc.handler
+    @status.handler
     def PushRollout(self, request_iterator, context):
         reader = shm.Reader() if self.shared_memory else None  # dropped when the push ends, however it ends
         try:
@@ -66,23 +67,23 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         complete = False
         for chunk in request_iterator:
             if complete:
-                raise rpc.InvalidRequest("rollout: chunk after the one marked last")
+                raise InvalidRequest("rollout: chunk after the one marked last")
             if head is None:
                 head = (chunk.epoch, chunk.worker_index, chunk.num_steps)
-                self.learner.rollouts.check_pusher(chunk.worker_index, rpc.caller_of(context))
+                self.learner.rollouts.check_pusher(chunk.worker_index, callers.caller_of(context))
                 self.learner.rollouts.check_rollout_epoch(chunk.epoch)  # before anything is buffered
                 self.learner.rollouts.check_worker(chunk.worker_index)
             elif (chunk.epoch, chunk.worker_index, chunk.num_steps) != head:
-                raise rpc.InvalidRequest("rollout: chunks disagree on epoch/worker_index/num_steps")
+                raise InvalidRequest("rollout: chunks disagree on epoch/worker_index/num_steps")
             if chunk.t_start != expect_t:
-                raise rpc.InvalidRequest(f"rollout: chunk starts at t={chunk.t_start}, expected t={expect_t}")
+                raise InvalidRequest(f"rollout: chunk starts at t={chunk.t_start}, expected t={expect_t}")
             t0 = time.perf_counter()
             data = codec.decode_map(chunk.data, "rollout", shm=reader)  # by handle: copied out, private
             decode_s += time.perf_counter() - t0
             steps = None
             for k, v in data.items():
                 if v.ndim == 0:
-                    raise rpc.InvalidRequest(f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] "
+                    raise InvalidRequest(f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] "
                                              f"(last_values: [N])")
                 if chunk.last and k in codec.PER_ENV:
                     per_env[k] = v
@@ -90,14 +91,14 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 time_major.setdefault(k, []).append(v)
                 steps = v.shape[0] if steps is None else steps
                 if v.shape[0] != steps:
-                    raise rpc.InvalidRequest(f"rollout['{k}']: {v.shape[0]} time steps in a chunk of {steps}")
+                    raise InvalidRequest(f"rollout['{k}']: {v.shape[0]} time steps in a chunk of {steps}")
             expect_t += steps or 0
             episodes.extend(codec.episode_from_proto(e) for e in chunk.episodes)
             complete = chunk.last
         if head is None or not complete:
-            raise rpc.InvalidRequest("rollout: stream ended without a chunk marked last; discarded")
+            raise InvalidRequest("rollout: stream ended without a chunk marked last; discarded")
         if expect_t != head[2]:
-            raise rpc.InvalidRequest(f"rollout: received {expect_t} of {head[2]} time steps")
+            raise InvalidRequest(f"rollout: received {expect_t} of {head[2]} time steps")
         t0 = time.perf_counter()  # one chunk read from shared memory is already a private array: kept as it is
         rollout = {k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v) for k, v in time_major.items()}
         decode_s += time.perf_counter() - t0
@@ -108,7 +109,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 self.decode_s.pop(min(self.decode_s))
         return learner_pb2.PushRolloutResponse(num_steps=T, num_envs=N)
 
-    @rpc.handler
+    @status.handler
     def Train(self, request, context):
         addresses = list(request.inference_addresses)
         extra = dict(request.extra_metrics)
@@ -122,33 +123,33 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                                          metrics=metrics, checkpoint_path=self.learner.last_checkpoint,
                                          publish_error=self.learner.publish_error)
 
-    @rpc.handler
+    @status.handler
     def PublishWeights(self, request, context):
         spec = request.env_spec
         if request.HasField("env_spec"):
             if len(spec.action_space.shape) != 1:
-                raise rpc.InvalidRequest(f"env_spec.action_space: shape {list(spec.action_space.shape)} is not 1-D")
+                raise InvalidRequest(f"env_spec.action_space: shape {list(spec.action_space.shape)} is not 1-D")
             self.learner.setup(spaces_from_proto(spec.observation_space, "env_spec.observation_space"), int(spec.action_space.shape[0]))
         if self.learner.model is None:
-            raise rpc.FailedPrecondition("env_spec: required on the first PublishWeights")
+            raise FailedPrecondition("env_spec: required on the first PublishWeights")
         # a full set: PublishWeights starts a run or follows an inference server's restart
         self.learner.publish(list(request.inference_addresses), full=True)
         return learner_pb2.PublishWeightsResponse(weights_version=self.learner.version)
 
-    @rpc.handler
+    @status.handler
     def LogMetrics(self, request, context):
         metrics = dict(request.metrics)
         _checked(check_record, request.step, metrics)
         self.learner.log_metrics(request.step, metrics)
         return learner_pb2.LogMetricsResponse()
 
-    @rpc.handler
+    @status.handler
     def SaveCheckpoint(self, request, context):
         if self.learner.model is None:
-            raise rpc.FailedPrecondition("nothing to save: the learner has no policy yet")
+            raise FailedPrecondition("nothing to save: the learner has no policy yet")
         return learner_pb2.SaveCheckpointResponse(path=str(self.learner.save_checkpoint()))
 
-    @rpc.handler
+    @status.handler
     def Status(self, request, context):
         le = self.learner
         return learner_pb2.LearnerStatus(epoch=le.epoch, weights_version=le.version, env_steps=le.env_steps,
@@ -157,7 +158,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
 def env_server_count(coordinator: str, timeout: float = 10.0) -> int | None:
     """How many env servers the run has now (the coordinator's registry; None: it lists none)."""
-    with rpc.channel(coordinator) as ch:
+    with channels.channel(coordinator) as ch:
         status = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(),
                                                                          timeout=min(timeout, 10.0))
     envs = [s.index for s in status.services if s.role == coordinator_pb2.ENV]
@@ -170,11 +171,11 @@ def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | No
     learner = Learner(cfg, run_dir, device, group)
     if coordinator:  # a scale-up's new env servers push before a Train names them: ask the coordinator
         learner.rollouts.scale_probe = lambda: env_server_count(coordinator, cfg.cluster.rpc_timeout_s)
-    server = rpc.make_server(max_workers=16)
+    server = servers.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(
         LearnerServicer(learner, cfg.cluster.shared_memory == "auto"), server)
-    rpc.add_health_and_reflection(server, rpc.service_name(learner_pb2, "LearnerService"))
-    bound = rpc.bind(server, address)
+    servers.add_health_and_reflection(server, servers.service_name(learner_pb2, "LearnerService"))
+    bound = servers.bind(server, address)
     server.start()
     runtime = ServiceRuntime("learner", index, server, bound, coordinator, cfg.cluster.heartbeat_interval_s,
                              cfg.cluster.heartbeat_timeout_s)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from rlfleet.wire.rpc import FailedPrecondition
+from rlfleet.errors import FailedPrecondition
 from services.learner import ppo
 from services.learner.group import RankGroup
 from services.learner.sharding import full_tensor

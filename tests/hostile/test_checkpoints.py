@@ -308,7 +308,7 @@ def test_the_learner_reports_a_bad_checkpoint_by_name_over_grpc(run, case, caplo
     learner logs it."""
     from rlfleet.config import load_config
     from rlfleet.v1 import env_pb2, learner_pb2, learner_pb2_grpc
-    from rlfleet.wire import rpc
+    from rlfleet.wire import channels
     from rlfleet.wire.spaces import TensorSpace, spaces_to_proto
     from services.learner import server as learner_server
 
@@ -328,7 +328,7 @@ def test_the_learner_reports_a_bad_checkpoint_by_name_over_grpc(run, case, caplo
     cfg = load_config(run / "config.yaml", [f"runner.resume_dir={run}"])
     server, address, learner, _runtime = learner_server.serve(cfg, "127.0.0.1:0", str(run))
     try:
-        stub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(address))
+        stub = learner_pb2_grpc.LearnerServiceStub(channels.channel(address))
         t0 = time.monotonic()
         with caplog.at_level("ERROR", logger="rlfleet.learner"), pytest.raises(grpc.RpcError) as err:
             stub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec), timeout=60)

@@ -16,7 +16,8 @@ import pytest
 
 from rlfleet.config import ConfigError, load_config, to_yaml
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc
-from rlfleet.wire import rpc
+from rlfleet.errors import InvalidRequest
+from rlfleet.wire import channels
 
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -94,7 +95,7 @@ def test_register_refuses_config_text_with_aliases_or_tags():
     cfg = load_config(None)
     assert config_difference(cfg, to_yaml(cfg)) == ""
     for text, why in ((BOMB, "without anchors or aliases"), ("runner: !!python/name:os.system\n", "no tags")):
-        with pytest.raises(rpc.InvalidRequest, match=why):
+        with pytest.raises(InvalidRequest, match=why):
             config_difference(cfg, text)
 
 
@@ -123,7 +124,7 @@ def learner_stub(cfg, tmp_path):
     from services.learner import server as learner_server
 
     server, address, learner, _ = learner_server.serve(cfg, "127.0.0.1:0", str(tmp_path / "run"))
-    yield learner_pb2_grpc.LearnerServiceStub(rpc.channel(address)), tmp_path / "run"
+    yield learner_pb2_grpc.LearnerServiceStub(channels.channel(address)), tmp_path / "run"
     server.stop(0)
     learner.close()
 

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2, inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
-from rlfleet.wire import auth, rpc
+from rlfleet.wire import auth, callers
 from tests.services.coordinator.test_end_to_end import CTL, start, wait_epoch
 from tests.services.coordinator.test_security import SERVICES, raw_call
 
@@ -45,8 +45,8 @@ def method_path(svc, method) -> str:
 
 def served_by(role: str, path: str) -> bool:
     """Whether a call from ``role`` (its own credential, honestly) to ``path`` passes the credential check."""
-    callee = rpc.callee_role(path)
-    owners = rpc.METHOD_ROLES.get(path)
+    callee = callers.callee_role(path)
+    owners = callers.METHOD_ROLES.get(path)
     return callee in auth.CALLS[role] and (owners is None or role in owners)
 
 
@@ -73,8 +73,8 @@ def forgeries(token: str, target: str, index: int, callee: str) -> dict[str, lis
     as the run secret, and the old HMAC scheme's recipe (a verify key -> the caller's bearer)."""
     cred = auth.parse_credential(token)
     own = cred.index if cred.index is not None else index
-    out = {"its own bearer, relabelled": rpc.credential_metadata(cred.bearer(own, callee), target, index),
-           "its key under its cert": rpc.credential_metadata(
+    out = {"its own bearer, relabelled": callers.credential_metadata(cred.bearer(own, callee), target, index),
+           "its key under its cert": callers.credential_metadata(
                auth.Credential(target, index, (callee,), cred.key, cred.cert, None).bearer(index, callee),
                target, index)}
     seeds = {"its key": cred.key.private_bytes_raw()}
@@ -87,14 +87,14 @@ def forgeries(token: str, target: str, index: int, callee: str) -> dict[str, lis
         # the reported attack on the old scheme: a verify key V_b -> K = H(V_b, from/a) -> B = H(K, index/i)
         pair = hmac.new(m, f"from/{target}".encode(), "sha256").digest()
         old = auth._b64(hmac.new(pair, f"index/{index}".encode(), "sha256").digest())
-        out[f"value {i}, the old scheme's recipe"] = rpc.credential_metadata(old, target, index)
+        out[f"value {i}, the old scheme's recipe"] = callers.credential_metadata(old, target, index)
         text = m.decode("ascii", "replace")
         if auth.is_secret(text) and text.strip():
             out[f"value {i} as the run secret"] = auth.metadata(text, target, index, to=callee)
     for name, seed in seeds.items():  # each seed as an issuing key: a cert for itself as the target
         issuer = Ed25519PrivateKey.from_private_bytes(seed)
         cert = issuer.sign(auth._cert_text(target, index, (callee,), auth._public(issuer)).encode())
-        out[f"{name}, issuing itself"] = rpc.credential_metadata(
+        out[f"{name}, issuing itself"] = callers.credential_metadata(
             auth.Credential(target, index, (callee,), issuer, cert, None).bearer(index, callee), target, index)
     return out
 
@@ -113,7 +113,7 @@ STOLEN = {"learner": [("inference", "/rlfleet.v1.InferenceService/UpdateWeights"
 
 def call(channels, path: str, metadata) -> tuple[grpc.StatusCode, str]:
     """``path`` called on the server of its role (channels: role -> a channel to it) -> (status code, details)."""
-    callee = rpc.callee_role(path)
+    callee = callers.callee_role(path)
     svc_name, method_name = path.strip("/").split("/")
     svc = next(s for s in SERVICE_DESCRIPTORS[callee] if s.full_name == svc_name)
     return raw_call(channels[callee], svc, svc.methods_by_name[method_name], metadata)
@@ -172,16 +172,16 @@ def test_no_leaked_credential_acts_as_another_role_or_fails_the_run(tmp_path, mo
                         assert code == grpc.StatusCode.PERMISSION_DENIED, (role, path, code, details)
                         tried += 1
                         # and claiming any other role with it
-                        for other in rpc.ROLES:
+                        for other in callers.ROLES:
                             if other != role:
-                                forged = [*md[:1], (rpc.ROLE_KEY, other), md[2]]
+                                forged = [*md[:1], (callers.ROLE_KEY, other), md[2]]
                                 code, details = call(channels, path, forged)
                                 assert code == grpc.StatusCode.PERMISSION_DENIED, (role, other, path, code)
                                 assert f"this credential is {role}[0]'s, not {other}[0]'s" in details
         assert tried > 50, tried
         # an index-bound credential signing as another index of its role
         env_cred = auth.parse_credential(held["env"])
-        md = rpc.credential_metadata(env_cred.bearer(1, "learner"), "env", 1)
+        md = callers.credential_metadata(env_cred.bearer(1, "learner"), "env", 1)
         code, details = call(channels, "/rlfleet.v1.LearnerService/PushRollout", md)
         assert code == grpc.StatusCode.PERMISSION_DENIED and "env[0]'s, not env[1]'s" in details, details
 
@@ -201,7 +201,7 @@ def test_no_leaked_credential_acts_as_another_role_or_fails_the_run(tmp_path, mo
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
             for md, words in ((auth.metadata(held["inference"], "inference", 0, to="inference"),
                                "inference[0]'s credential calls coordinator servers, not inference servers"),
-                              (rpc.credential_metadata(inf.bearer(0, "inference"), "learner", 0),
+                              (callers.credential_metadata(inf.bearer(0, "inference"), "learner", 0),
                                "this credential is inference[0]'s, not learner[0]'s")):
                 with pytest.raises(grpc.RpcError) as err:
                     stub.UpdateWeights(iter([inference_pb2.WeightsChunk(version=2 ** 62)]), timeout=5, metadata=md)

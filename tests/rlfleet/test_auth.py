@@ -1,9 +1,10 @@
-"""rlfleet.wire.auth: credentials per role and index; rlfleet.wire.rpc: which calls pass the check (no processes,
+"""rlfleet.wire.auth: credentials per role and index; rlfleet.wire.callers: which calls pass the check (no processes,
 no gRPC)."""
 
 import pytest
 
-from rlfleet.wire import auth, rpc
+from rlfleet.errors import AuthError
+from rlfleet.wire import auth, callers
 
 SECRET = "s3cret-of-the-run"
 
@@ -20,32 +21,32 @@ def as_server(role, *, issued=True):
 
 def test_no_identity_checks_nothing():
     auth.set_identity("env", None)
-    assert rpc.check_caller("/rlfleet.v1.LearnerService/Train", []) is None
-    assert rpc.call_metadata("/rlfleet.v1.LearnerService/Train") == []
+    assert callers.check_caller("/rlfleet.v1.LearnerService/Train", []) is None
+    assert callers.call_metadata("/rlfleet.v1.LearnerService/Train") == []
 
 
 def test_owning_role_with_its_own_credential_passes():
     as_server("learner")
-    caller = rpc.check_caller("/rlfleet.v1.LearnerService/Train", auth.metadata(SECRET, "coordinator", to="learner"))
+    caller = callers.check_caller("/rlfleet.v1.LearnerService/Train", auth.metadata(SECRET, "coordinator", to="learner"))
     assert (caller.role, caller.index) == ("coordinator", 0)
     # a read: any role's valid credential
-    assert rpc.check_caller("/rlfleet.v1.LearnerService/Status",
+    assert callers.check_caller("/rlfleet.v1.LearnerService/Status",
                             auth.metadata(SECRET, "ctl", to="learner")).role == "ctl"
-    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout",
-                            auth.metadata(SECRET, "env", 7, to="learner")) == rpc.Caller("env", 7)
+    assert callers.check_caller("/rlfleet.v1.LearnerService/PushRollout",
+                            auth.metadata(SECRET, "env", 7, to="learner")) == callers.Caller("env", 7)
 
 
 def test_missing_or_wrong_credentials_are_unauthenticated():
     as_server("learner")
     good = auth.metadata(SECRET, "coordinator", to="learner")
-    for bad in ([], [(rpc.TOKEN_KEY, SECRET)], [(rpc.TOKEN_KEY, f"Bearer {SECRET}"), (rpc.ROLE_KEY, "coordinator")],
+    for bad in ([], [(callers.TOKEN_KEY, SECRET)], [(callers.TOKEN_KEY, f"Bearer {SECRET}"), (callers.ROLE_KEY, "coordinator")],
                 auth.metadata("another-run", "coordinator", to="learner"),
                 auth.metadata(SECRET, "coordinator", to="inference"),  # the bearer for another callee role
-                [*good[:2], (rpc.INDEX_KEY, "1")],  # index 0's bearer claiming index 1
-                [*good[:2], (rpc.INDEX_KEY, "-1")], [*good[:2], (rpc.INDEX_KEY, "9" * 40)],
-                [good[0], (rpc.ROLE_KEY, "root"), good[2]], [(rpc.TOKEN_KEY, "Bearer \u00e9"), *good[1:]]):
-        with pytest.raises(rpc.AuthError) as err:
-            rpc.check_caller("/rlfleet.v1.LearnerService/Train", bad)
+                [*good[:2], (callers.INDEX_KEY, "1")],  # index 0's bearer claiming index 1
+                [*good[:2], (callers.INDEX_KEY, "-1")], [*good[:2], (callers.INDEX_KEY, "9" * 40)],
+                [good[0], (callers.ROLE_KEY, "root"), good[2]], [(callers.TOKEN_KEY, "Bearer \u00e9"), *good[1:]]):
+        with pytest.raises(AuthError) as err:
+            callers.check_caller("/rlfleet.v1.LearnerService/Train", bad)
         assert err.value.args[0] == "UNAUTHENTICATED", bad
 
 
@@ -53,16 +54,16 @@ def test_roles_are_proven_not_declared():
     """The reported attacks: an env credential claiming learner for UpdateWeights, or Register as the learner."""
     as_server("inference")
     forged = auth.metadata(SECRET, "env", 0, to="inference")
-    forged[1] = (rpc.ROLE_KEY, "learner")
-    with pytest.raises(rpc.AuthError) as err:
-        rpc.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", forged)
+    forged[1] = (callers.ROLE_KEY, "learner")
+    with pytest.raises(AuthError) as err:
+        callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", forged)
     assert err.value.args == ("PERMISSION_DENIED", "this credential is env[0]'s, not learner[0]'s: a service acts "
                                                    "only in its own role and index")
-    with pytest.raises(rpc.AuthError) as err:  # honest about being env: still not the owner
-        rpc.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", auth.metadata(SECRET, "env", to="inference"))
+    with pytest.raises(AuthError) as err:  # honest about being env: still not the owner
+        callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", auth.metadata(SECRET, "env", to="inference"))
     assert err.value.args == ("PERMISSION_DENIED", "/rlfleet.v1.InferenceService/UpdateWeights is accepted only "
                                                    "from learner, not from env")
-    assert rpc.check_caller("/rlfleet.v1.InferenceService/UpdateWeights",
+    assert callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights",
                             auth.metadata(SECRET, "learner", to="inference")).role == "learner"
 
 
@@ -76,17 +77,17 @@ def test_a_leaked_credential_signs_only_as_itself():
     as_server("inference")
 
     def md(bearer, role, index):
-        return rpc.credential_metadata(bearer, role, index)
+        return callers.credential_metadata(bearer, role, index)
 
     update = "/rlfleet.v1.InferenceService/UpdateWeights"
     for role, index, words in (("learner", 1, "env[1]'s, not learner[1]'s"), ("env", 0, "env[1]'s, not env[0]'s")):
-        with pytest.raises(rpc.AuthError) as err:  # its key, signing the other's call
-            rpc.check_caller(update, md(env.bearer(index, "inference"), role, index))
+        with pytest.raises(AuthError) as err:  # its key, signing the other's call
+            callers.check_caller(update, md(env.bearer(index, "inference"), role, index))
         assert err.value.args[0] == "PERMISSION_DENIED" and words in err.value.args[1], err.value.args
     # toward a role its cert does not name (env servers): refused there
     as_server("env")
-    with pytest.raises(rpc.AuthError) as err:
-        rpc.check_caller("/rlfleet.v1.RolloutService/Collect", md(env.bearer(1, "env"), "env", 1))
+    with pytest.raises(AuthError) as err:
+        callers.check_caller("/rlfleet.v1.RolloutService/Collect", md(env.bearer(1, "env"), "env", 1))
     assert err.value.args == ("PERMISSION_DENIED", "env[1]'s credential calls coordinator/inference/learner servers, "
                                                    "not env servers")
     # an inference server's credential: nothing in it signs as the learner (the tester's UpdateWeights of 2**62)
@@ -95,8 +96,8 @@ def test_a_leaked_credential_signs_only_as_itself():
     as_server("inference")
     for bearer in (inf.bearer(0, "inference"), auth.Credential("learner", 0, ("inference",), inf.key, inf.cert,
                                                                None).bearer(0, "inference")):
-        with pytest.raises(rpc.AuthError) as err:
-            rpc.check_caller(update, md(bearer, "learner", 0))
+        with pytest.raises(AuthError) as err:
+            callers.check_caller(update, md(bearer, "learner", 0))
         assert err.value.args[0] in ("PERMISSION_DENIED", "UNAUTHENTICATED"), err.value.args
     # the issuing key is the secret's alone: a cert signed with any key a credential holds is not the run's
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -106,30 +107,30 @@ def test_a_leaked_credential_signs_only_as_itself():
                                  Ed25519PrivateKey.from_private_bytes(seed).sign(
                                      auth._cert_text("learner", 0, ("inference",), auth._public(inf.key)).encode()),
                                  None)
-        with pytest.raises(rpc.AuthError) as err:
-            rpc.check_caller(update, md(forged.bearer(0, "inference"), "learner", 0))
+        with pytest.raises(AuthError) as err:
+            callers.check_caller(update, md(forged.bearer(0, "inference"), "learner", 0))
         assert err.value.args[0] == "UNAUTHENTICATED" and "a cert this run did not issue" in err.value.args[1]
     # and what the env role itself may do is what its credential makes
     auth.set_identity("env", auth.issue(SECRET, "env"), 3)  # role-wide: any index
-    pushed = rpc.call_metadata("/rlfleet.v1.LearnerService/PushRollout")
+    pushed = callers.call_metadata("/rlfleet.v1.LearnerService/PushRollout")
     as_server("learner")
-    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", pushed) == rpc.Caller("env", 3)
+    assert callers.check_caller("/rlfleet.v1.LearnerService/PushRollout", pushed) == callers.Caller("env", 3)
 
 
 def test_a_proven_bearer_is_remembered_per_index_and_callee():
     as_server("learner")
-    verifier = rpc._identity.verifier
+    verifier = callers._identity.verifier
     good = auth.metadata(SECRET, "env", 2, to="learner")
-    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", good) == rpc.Caller("env", 2)
+    assert callers.check_caller("/rlfleet.v1.LearnerService/PushRollout", good) == callers.Caller("env", 2)
     assert len(verifier._seen) == 1 and len(verifier._certs) == 1
-    assert rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", good) == rpc.Caller("env", 2)
+    assert callers.check_caller("/rlfleet.v1.LearnerService/PushRollout", good) == callers.Caller("env", 2)
     assert len(verifier._seen) == 1  # the second call: a lookup
-    with pytest.raises(rpc.AuthError) as err:  # the same bearer claiming another index is checked, not looked up
-        rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", [*good[:2], (rpc.INDEX_KEY, "3")])
+    with pytest.raises(AuthError) as err:  # the same bearer claiming another index is checked, not looked up
+        callers.check_caller("/rlfleet.v1.LearnerService/PushRollout", [*good[:2], (callers.INDEX_KEY, "3")])
     assert err.value.args[0] == "UNAUTHENTICATED"
-    with pytest.raises(rpc.AuthError):  # a good cert with a made-up call signature
+    with pytest.raises(AuthError):  # a good cert with a made-up call signature
         bad = good[0][1].rsplit(".", 1)[0] + "." + auth._b64(bytes(64))
-        rpc.check_caller("/rlfleet.v1.LearnerService/PushRollout", [(rpc.TOKEN_KEY, bad), *good[1:]])
+        callers.check_caller("/rlfleet.v1.LearnerService/PushRollout", [(callers.TOKEN_KEY, bad), *good[1:]])
 
 
 def test_credentials_of_the_old_scheme_are_refused_by_name():
@@ -153,20 +154,20 @@ def test_issued_credentials_are_bound_to_role_and_index():
         auth.issue(bound, "env", 0)  # a credential cannot issue others
     ident = auth.set_identity("env", bound, 2)
     assert not ident.from_secret
-    assert rpc.call_metadata("/rlfleet.v1.InferenceService/Act") == auth.metadata(SECRET, "env", 2, to="inference")
+    assert callers.call_metadata("/rlfleet.v1.InferenceService/Act") == auth.metadata(SECRET, "env", 2, to="inference")
     # a callee it has no business with: nothing sent (refused there)
-    assert rpc.call_metadata("/rlfleet.v1.RolloutService/Collect") == []
-    assert rpc.call_metadata("/grpc.health.v1.Health/Check") == []
+    assert callers.call_metadata("/rlfleet.v1.RolloutService/Collect") == []
+    assert callers.call_metadata("/grpc.health.v1.Health/Check") == []
     # given the secret itself (a hand-made deployment), a service derives the same credential and says it holds more
     ident = auth.set_identity("env", SECRET, 2)
     assert ident.from_secret
-    assert rpc.call_metadata("/rlfleet.v1.InferenceService/Act") == auth.metadata(SECRET, "env", 2, to="inference")
+    assert callers.call_metadata("/rlfleet.v1.InferenceService/Act") == auth.metadata(SECRET, "env", 2, to="inference")
 
 
 def test_probes_stay_open():
     as_server("learner")
-    assert rpc.check_caller("/grpc.health.v1.Health/Check", []) is None
-    assert rpc.check_caller("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", []) is None
+    assert callers.check_caller("/grpc.health.v1.Health/Check", []) is None
+    assert callers.check_caller("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", []) is None
 
 
 def test_every_owned_method_exists():
@@ -175,10 +176,10 @@ def test_every_owned_method_exists():
 
     real = {f"/{s.full_name}/{m.name}" for mod in (coordinator_pb2, inference_pb2, learner_pb2, rollout_pb2)
             for s in mod.DESCRIPTOR.services_by_name.values() for m in s.methods}
-    assert set(rpc.METHOD_ROLES) <= real, set(rpc.METHOD_ROLES) - real
+    assert set(callers.METHOD_ROLES) <= real, set(callers.METHOD_ROLES) - real
     services = {s.full_name for mod in (coordinator_pb2, env_pb2, inference_pb2, learner_pb2, rollout_pb2)
                 for s in mod.DESCRIPTOR.services_by_name.values()}
-    assert set(rpc.SERVICE_ROLES) == services  # every service's calls carry a bearer
+    assert set(callers.SERVICE_ROLES) == services  # every service's calls carry a bearer
 
 
 def test_token_file_is_private(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 import pytest
 
 from rlfleet.wire.clients import check_address
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:50051", "localhost:1", "learner-0.learner.ns.svc:7000", "[::1]:9",

@@ -8,7 +8,7 @@ from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.wire.codec import RowNoise, row_keys
 from rlfleet.policies.base import sample_categorical
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from services.inference.engine import InferenceEngine
 
 from tests.conftest import small_config

@@ -1,4 +1,4 @@
-"""rlfleet.wire.rpc's server guard over real gRPC on loopback: reflection streams bounded and timed out so that they
+"""rlfleet.wire.servers' guard over real gRPC on loopback: reflection streams bounded and timed out so that they
 never take the threads a service needs, request bytes that are no message and calls without a credential answered
 with named statuses, the receive limit, and StreamSlots' reclaim of idle streams."""
 
@@ -13,7 +13,8 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet.wire import auth, rpc
+from rlfleet.errors import ResourceExhausted
+from rlfleet.wire import auth, channels, servers, streams
 from rlfleet.v1 import coordinator_pb2
 
 SECRET = "rpc-test-secret"
@@ -36,15 +37,15 @@ class Toy:
 
 
 def serve(max_workers=2, max_concurrent_rpcs=None, **kw):
-    server = rpc.make_server(max_workers=max_workers, max_concurrent_rpcs=max_concurrent_rpcs, **kw)
+    server = servers.make_server(max_workers=max_workers, max_concurrent_rpcs=max_concurrent_rpcs, **kw)
     toy = Toy()
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("rlfleet.v1.CoordinatorService", {
         "Status": grpc.unary_unary_rpc_method_handler(toy.status, coordinator_pb2.StatusRequest.FromString,
                                                       coordinator_pb2.RunStatus.SerializeToString),
         "Register": grpc.unary_unary_rpc_method_handler(toy.register, coordinator_pb2.RegisterRequest.FromString,
                                                         coordinator_pb2.RegisterResponse.SerializeToString)})])
-    rpc.add_health_and_reflection(server, "rlfleet.v1.CoordinatorService")
-    address = rpc.bind(server, "127.0.0.1:0")
+    servers.add_health_and_reflection(server, "rlfleet.v1.CoordinatorService")
+    address = servers.bind(server, "127.0.0.1:0")
     server.start()
     return server, address
 
@@ -58,7 +59,7 @@ def credentials():
 
 @pytest.fixture
 def quick_idle(monkeypatch):
-    monkeypatch.setattr(rpc, "OPEN_STREAM_IDLE_S", 1.5)
+    monkeypatch.setattr(servers, "OPEN_STREAM_IDLE_S", 1.5)
 
 
 def status(ch, md, timeout=2.0):
@@ -122,10 +123,10 @@ def test_idle_reflection_streams_never_take_the_services_threads(credentials, qu
             worst = max(status(ch, credentials) for _ in range(20))
             assert worst < 1.0
             refused = [o for o in flood.outcomes if o[0] == "RESOURCE_EXHAUSTED"]
-            assert len(refused) == 40 - rpc.OPEN_STREAMS and max(t for _, t in refused) < 2.0
-            time.sleep(rpc.OPEN_STREAM_IDLE_S + 1.0)
+            assert len(refused) == 40 - servers.OPEN_STREAMS and max(t for _, t in refused) < 2.0
+            time.sleep(servers.OPEN_STREAM_IDLE_S + 1.0)
             outcomes = Counter(name for name, _ in flood.outcomes)
-            assert outcomes == {"RESOURCE_EXHAUSTED": 40 - rpc.OPEN_STREAMS, "DEADLINE_EXCEEDED": rpc.OPEN_STREAMS}
+            assert outcomes == {"RESOURCE_EXHAUSTED": 40 - servers.OPEN_STREAMS, "DEADLINE_EXCEEDED": servers.OPEN_STREAMS}
             assert "rlfleet.v1.CoordinatorService" in list_services(address)
             assert status(ch, credentials) < 1.0
     finally:
@@ -136,9 +137,9 @@ def test_idle_reflection_streams_never_take_the_services_threads(credentials, qu
 def test_a_newcomer_reclaims_an_idle_reflection_slot(credentials):
     """Every slot held by streams idle past OPEN_STREAM_RECLAIM_S: `grpcurl list` is still answered."""
     server, address = serve()
-    flood = IdleReflection(address, rpc.OPEN_STREAMS)
+    flood = IdleReflection(address, servers.OPEN_STREAMS)
     try:
-        time.sleep(rpc.OPEN_STREAM_RECLAIM_S + 0.5)
+        time.sleep(servers.OPEN_STREAM_RECLAIM_S + 0.5)
         assert "grpc.health.v1.Health" in list_services(address)
         time.sleep(0.5)
         assert [name for name, _ in flood.outcomes] == ["DEADLINE_EXCEEDED"]  # the one whose slot was taken
@@ -174,7 +175,7 @@ def test_bytes_that_are_no_message_get_named_statuses(credentials):
 def test_requests_over_the_receive_limit_are_refused(credentials):
     server, address = serve(max_receive_bytes=1 << 20)
     try:
-        with grpc.insecure_channel(address, options=rpc.OPTIONS) as ch:
+        with grpc.insecure_channel(address, options=channels.OPTIONS) as ch:
             call = ch.unary_unary(REGISTER)
             with pytest.raises(grpc.RpcError) as err:
                 call(coordinator_pb2.RegisterRequest(address="x" * (2 << 20)).SerializeToString(), timeout=10,
@@ -196,7 +197,7 @@ def test_on_call_sees_proven_callers_before_the_pool(credentials):
             status_call = ch.unary_unary(STATUS, coordinator_pb2.StatusRequest.SerializeToString,
                                          coordinator_pb2.RunStatus.FromString)
             busy = [status_call.future(coordinator_pb2.StatusRequest(), timeout=15, metadata=credentials)
-                    for _ in range(1 + rpc.RESERVED_THREADS)]  # every thread of the pool
+                    for _ in range(1 + servers.RESERVED_THREADS)]  # every thread of the pool
             time.sleep(0.5)
             queued = ch.unary_unary(REGISTER).future(
                 coordinator_pb2.RegisterRequest(address="h:1").SerializeToString(), timeout=15,
@@ -214,7 +215,7 @@ def test_on_call_sees_proven_callers_before_the_pool(credentials):
 
 def test_stream_slots_reclaim_only_idle_streams():
     """StreamSlots on its own: a busy stream is never reclaimed; one idle past reclaim_idle_s is, for a newcomer."""
-    slots = rpc.StreamSlots(1, "Test", reclaim_idle_s=0.3)
+    slots = streams.StreamSlots(1, "Test", reclaim_idle_s=0.3)
 
     class Context:
         cancelled = False
@@ -225,7 +226,7 @@ def test_stream_slots_reclaim_only_idle_streams():
     q: queue.Queue = queue.Queue()
     first_ctx = Context()
     first = slots.admit(iter(q.get, None), first_ctx)
-    with pytest.raises(rpc.ResourceExhausted):  # not waiting for a request: busy, not idle
+    with pytest.raises(ResourceExhausted):  # not waiting for a request: busy, not idle
         slots.admit(iter([]), Context())
     waiter = threading.Thread(target=lambda: next(first, None), daemon=True)
     waiter.start()  # now it waits for its caller

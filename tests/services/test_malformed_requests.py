@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor as FD
 
-from rlfleet.wire import codec, rpc
+from rlfleet.wire import channels, codec
 from rlfleet.v1 import (coordinator_pb2, env_pb2, inference_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2,
                         rollout_pb2_grpc, tensor_pb2)
 
@@ -119,9 +119,9 @@ def _fuzz(targets, fill=lambda m, msg, label: None, skip=()):
 
 
 def test_fleet_services_answer_malformed_requests_with_named_errors(fleet):
-    rs = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+    rs = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
     spec = rs.Describe(env_pb2.DescribeEnvRequest())
-    learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+    learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
         learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
 
     def fill(m, msg, label):  # reach past the "no inference server given" check
@@ -169,14 +169,14 @@ def _rollout(field=None, value=None, shape=None):
 def _push(fleet, rollout, worker=0):
     from rlfleet.wire.clients import rollout_chunks
 
-    stub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+    stub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
     stub.PushRollout(rollout_chunks(rollout, 0, worker, "issue25"), timeout=30)
 
 
 def _collect(fleet, **fields):
     req = {"epoch": 0, "num_steps": 4, "inference_addresses": [fleet.inf_addr], "learner_address": fleet.learner_addr,
            **fields}
-    rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr)).Collect(rollout_pb2.CollectRequest(**req),
+    rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr)).Collect(rollout_pb2.CollectRequest(**req),
                                                                              timeout=30)
 
 
@@ -191,11 +191,11 @@ def _huge_space(fleet, to):
         spec = env_pb2.EnvSpec()
         spec.observation_space["state"].CopyFrom(huge)
         spec.action_space.CopyFrom(tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[4]))
-        learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+        learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
             learner_pb2.PublishWeightsRequest(env_spec=spec), timeout=30)
     else:
         state = ActorCritic({"state": TensorSpace((13,), "float32")}, 4, hidden_dims=[8]).state_dict()
-        inference_pb2_grpc.InferenceServiceStub(rpc.channel(fleet.inf_addr)).UpdateWeights(
+        inference_pb2_grpc.InferenceServiceStub(channels.channel(fleet.inf_addr)).UpdateWeights(
             weights.iter_chunks(state, 7, obs_specs={"state": TensorSpace((2 ** 31,), "float32")}, action_dim=4),
             timeout=30)
 
@@ -249,8 +249,8 @@ def test_issue_25_inputs_get_named_statuses_and_lose_nothing(fleet, monkeypatch)
 
     monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)
     monkeypatch.setattr(policy_client, "CONNECT_TIMEOUT_S", 2.0)
-    rs = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
-    lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+    rs = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
+    lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
     wrong = []
     for i, (what, call, code, text) in enumerate(ISSUE_25):
         if i == 2:  # the policy's spaces from here on (after the two space cases)
@@ -318,5 +318,5 @@ def test_bytes_that_are_no_message_get_invalid_argument(fleet, cfg, tmp_path):
         server.stop(0)
     assert calls > 20
     assert not bad, "\n".join(map(str, bad))
-    rs = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+    rs = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
     assert rs.Describe(env_pb2.DescribeEnvRequest()).num_envs > 0  # still serving

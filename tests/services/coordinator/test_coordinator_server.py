@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from rlfleet.wire import auth, rpc
+from rlfleet.wire import auth, callers
 from rlfleet.config import to_yaml
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.coordinator import Coordinator
@@ -104,7 +104,7 @@ def test_a_service_speaks_only_for_itself(coordinator):
         code, details = code_of(call, request, timeout=10, metadata=metadata)
         assert code == grpc.StatusCode.PERMISSION_DENIED and "speaks only for itself" in details, (code, details)
     forged = md("env")
-    forged[1] = (rpc.ROLE_KEY, "learner")  # claiming the role with env's bearer
+    forged[1] = (callers.ROLE_KEY, "learner")  # claiming the role with env's bearer
     code, details = code_of(stub.Register, register_request(coord, role=coordinator_pb2.LEARNER), timeout=10,
                             metadata=forged)
     assert code == grpc.StatusCode.PERMISSION_DENIED and "env[0]'s, not learner[0]'s" in details

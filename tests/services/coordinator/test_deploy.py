@@ -125,7 +125,8 @@ def test_each_container_gets_its_own_credential_not_the_run_secret(tmp_path, mon
     """The run secret goes to the coordinator only; compose gives each service a credential for its role and
     index, Kubernetes one per role (a StatefulSet's pods share a template); none of them is the secret, and what
     an env container holds is refused where the learner's is needed."""
-    from rlfleet.wire import auth, rpc
+    from rlfleet.errors import AuthError
+    from rlfleet.wire import auth, callers
 
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     cfg = load_config(None, GPU_RUN)
@@ -158,11 +159,11 @@ def test_each_container_gets_its_own_credential_not_the_run_secret(tmp_path, mon
     # an env pod's credential, claiming the learner at an inference server: refused
     try:
         auth.set_identity("env", secrets[f"{run}-env-credential"], 1)
-        md = [(k, "learner" if k == rpc.ROLE_KEY else v)
-              for k, v in rpc.call_metadata("/rlfleet.v1.InferenceService/Act")]
+        md = [(k, "learner" if k == callers.ROLE_KEY else v)
+              for k, v in callers.call_metadata("/rlfleet.v1.InferenceService/Act")]
         auth.set_identity("inference", secrets[f"{run}-inference-credential"], 0)
-        with pytest.raises(rpc.AuthError) as err:
-            rpc.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", md)
+        with pytest.raises(AuthError) as err:
+            callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", md)
         assert err.value.args[0] == "PERMISSION_DENIED"
     finally:
         auth.set_identity("env", None)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from rlfleet.wire import rpc
+from rlfleet.wire import channels
 from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -81,7 +81,7 @@ def credential(run_dir, role="ctl", to="coordinator", index=0):
 
 def status(run_dir):
     info = json.loads((run_dir / "coordinator.json").read_text())
-    with rpc.channel(info["address"]) as ch:
+    with channels.channel(info["address"]) as ch:
         return coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(), timeout=5,
                                                                       metadata=credential(run_dir))
 

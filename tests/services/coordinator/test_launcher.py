@@ -28,7 +28,7 @@ def test_config_difference_names_the_key():
     assert diff.startswith("'env.train.total_num_envs' is 128 there, 64 here")
     import pytest
 
-    from rlfleet.wire.rpc import InvalidRequest
+    from rlfleet.errors import InvalidRequest
 
     for bad, why in (("cluster: [unclosed", "config_yaml: line 1 column 19: expected valid YAML"),
                      ("- a list", "config_yaml: is not a mapping")):

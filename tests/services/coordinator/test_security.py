@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet.wire import auth, rpc
+from rlfleet.wire import auth, callers, servers
 from rlfleet.config import load_config, to_yaml
 from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import (coordinator_pb2, coordinator_pb2_grpc, env_pb2, inference_pb2, inference_pb2_grpc,
@@ -125,10 +125,10 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, m
         # issue 25, with the credentials the run hands its env server: roles are proven, not declared
         env_cred = auth.issue(SECRET, "env", 0)  # what env[0] holds (its RLFLEET_RUN_TOKEN)
         auth.set_identity("env", env_cred, 0)
-        env_md = {to: rpc.call_metadata(f"/rlfleet.v1.{svc}/x")
+        env_md = {to: callers.call_metadata(f"/rlfleet.v1.{svc}/x")
                   for to, svc in (("coordinator", "CoordinatorService"), ("inference", "InferenceService"))}
         auth.set_identity("env", None)
-        as_learner = [(k, "learner" if k == rpc.ROLE_KEY else v) for k, v in env_md["inference"]]
+        as_learner = [(k, "learner" if k == callers.ROLE_KEY else v) for k, v in env_md["inference"]]
         with grpc.insecure_channel(addresses[coordinator_pb2.INFERENCE]) as ch:
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
             for metadata, words in ((as_learner, "env[0]'s, not learner[0]'s"),
@@ -186,7 +186,7 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, m
 
 def test_idle_reflection_streams_leave_a_live_run_untouched(tmp_path):
     """40 idle reflection streams against each of the four servers of a live run, twice over (the first wave is
-    closed for idleness after rpc.OPEN_STREAM_IDLE_S): valid calls are answered at once throughout, every
+    closed for idleness after servers.OPEN_STREAM_IDLE_S): valid calls are answered at once throughout, every
     service's heartbeat stays fresh, nothing restarts, the run finishes. Before: 40 against the coordinator
     alone failed the run ('learner[0] died: sent no heartbeat for 15s'), 20 made a valid Status time out."""
     from tests.rlfleet.test_rpc import IdleReflection
@@ -200,10 +200,10 @@ def test_idle_reflection_streams_leave_a_live_run_untouched(tmp_path):
         addresses = {s.role: s.address for s in st.services}
         targets = [coord, *addresses.values()]
         learner = learner_pb2_grpc.LearnerServiceStub(grpc.insecure_channel(addresses[coordinator_pb2.LEARNER]))
-        worst, ages, t_end = 0.0, [], time.monotonic() + 2 * rpc.OPEN_STREAM_IDLE_S + 4
+        worst, ages, t_end = 0.0, [], time.monotonic() + 2 * servers.OPEN_STREAM_IDLE_S + 4
         floods.append([IdleReflection(a, 40) for a in targets])
         while time.monotonic() < t_end and proc.poll() is None:
-            if len(floods) == 1 and time.monotonic() > t_end - rpc.OPEN_STREAM_IDLE_S - 1:
+            if len(floods) == 1 and time.monotonic() > t_end - servers.OPEN_STREAM_IDLE_S - 1:
                 floods.append([IdleReflection(a, 40) for a in targets])  # the second wave
             t0 = time.monotonic()
             st = coordinator_pb2_grpc.CoordinatorServiceStub(grpc.insecure_channel(coord)).Status(
@@ -229,7 +229,7 @@ def test_idle_reflection_streams_leave_a_live_run_untouched(tmp_path):
     assert ages and max(ages) < 3.0, max(ages)  # heartbeats every cluster.heartbeat_interval_s (1 s)
     for outcomes in first:  # per server: OPEN_STREAMS held (then closed idle), the rest refused at once
         names = sorted(name for name, _ in outcomes)
-        assert names.count("RESOURCE_EXHAUSTED") >= 40 - rpc.OPEN_STREAMS, names
+        assert names.count("RESOURCE_EXHAUSTED") >= 40 - servers.OPEN_STREAMS, names
         assert names.count("DEADLINE_EXCEEDED") >= 1, names
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] >= epochs > 10 and not summary["restarts"]

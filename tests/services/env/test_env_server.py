@@ -6,13 +6,13 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet.wire import codec, rpc
+from rlfleet.wire import channels, codec, servers
 from rlfleet.v1 import env_pb2, env_pb2_grpc
 
 
 @pytest.fixture
 def env_stub(fleet):
-    ch = rpc.channel(fleet.env_addr)
+    ch = channels.channel(fleet.env_addr)
     yield env_pb2_grpc.EnvServiceStub(ch)
     ch.close()
 
@@ -77,9 +77,9 @@ def test_rollout_worker_in_front_of_external_env(cfg, tmp_path, fleet):
     try:
         from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
-        rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(bridge.env_addr))
+        rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(bridge.env_addr))
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-        lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(bridge.learner_addr))
+        lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(bridge.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[bridge.inf_addr]))
         resp = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=6, inference_addresses=[bridge.inf_addr],
                                                         learner_address=bridge.learner_addr))
@@ -126,7 +126,7 @@ def test_close_is_refused_while_a_rollout_worker_owns_the_envs(env_stub):
 def _rollout_stub(addr):
     from rlfleet.v1 import rollout_pb2_grpc
 
-    return rollout_pb2_grpc.RolloutServiceStub(rpc.channel(addr))
+    return rollout_pb2_grpc.RolloutServiceStub(channels.channel(addr))
 
 
 def test_unreachable_inference_fails_collect_in_time_and_the_server_recovers(tmp_path):
@@ -148,7 +148,7 @@ def test_unreachable_inference_fails_collect_in_time_and_the_server_recovers(tmp
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert "127.0.0.1:1" in err.value.details() and "did not answer within 2s" in err.value.details()
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-        learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+        learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
             learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
         ok = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
                                                       learner_address=fleet.learner_addr), timeout=30)
@@ -168,7 +168,7 @@ def test_evaluate_is_bounded_and_cancellable(fleet):
     _expect_invalid(lambda: rstub.Evaluate(rollout_pb2.EvaluateRequest(
         num_episodes=2, seed=-1, inference_addresses=[fleet.inf_addr])), "seed: -1 is not in [0, 2**31)")
     spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-    learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+    learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
         learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:  # 100k episodes would take hours: the deadline stops it
@@ -199,11 +199,11 @@ def test_collect_and_evaluate_in_the_policy_spaces_of_a_run_over_several_simulat
     first dimensions; Describe still reports the server's own spaces; a policy_spec it cannot fit is refused."""
     from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
-    rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+    rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
     own = rstub.Describe(env_pb2.DescribeEnvRequest())
     own_state, own_action = own.observation_space["state"].shape[0], own.action_space.shape[0]
     joint = _joint_spec(own, own_state + 5, own_action + 3)
-    lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+    lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
     lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=joint, inference_addresses=[fleet.inf_addr]))
     # the policy's extra action dimensions must not reach the simulator: record what it is stepped with
     stepped = []
@@ -245,7 +245,7 @@ def _published(fleet):
 
     rstub = _rollout_stub(fleet.env_addr)
     spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-    learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)).PublishWeights(
+    learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
         learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
     return rstub
 
@@ -314,9 +314,9 @@ def test_a_learner_that_never_answers_costs_the_caller_its_deadline_not_the_work
             release.wait(120)  # takes the rollout, never answers
             return learner_pb2.PushRolloutResponse()
 
-    stuck = rpc.make_server(max_workers=4)
+    stuck = servers.make_server(max_workers=4)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(Stuck(), stuck)
-    stuck_addr = rpc.bind(stuck, "127.0.0.1:0")
+    stuck_addr = servers.bind(stuck, "127.0.0.1:0")
     stuck.start()
     try:
         rstub = _published(fleet)

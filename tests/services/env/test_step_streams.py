@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet.wire import auth, codec, rpc
+from rlfleet.wire import auth, codec, servers
 from rlfleet.v1 import env_pb2, env_pb2_grpc
 from services.env.server import EnvServicer, env_kwargs
 from services.env.vec_env import VecEnv
@@ -24,10 +24,10 @@ RECLAIM_S = 1.0
 def env_server(cfg):
     auth.set_identity("env", auth.issue(SECRET, "env", 0), 0)
     env = VecEnv(**env_kwargs(cfg, "train", 2, 0, True))
-    server = rpc.make_server(max_workers=8)
+    server = servers.make_server(max_workers=8)
     env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, owns_env=True, step_idle_reclaim_s=RECLAIM_S),
                                                   server)
-    address = rpc.bind(server, "127.0.0.1:0")
+    address = servers.bind(server, "127.0.0.1:0")
     server.start()
     ch = grpc.insecure_channel(address)
     stub = env_pb2_grpc.EnvServiceStub(ch)

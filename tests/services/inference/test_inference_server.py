@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.wire import codec, rpc, weights
+from rlfleet.wire import channels, codec, weights
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -21,7 +21,7 @@ SPECS = {"state": TensorSpace((13,), "float32")}
 def publish(addr, version, seed=0, log_std=-0.5):
     torch.manual_seed(seed)
     m = ActorCritic(SPECS, 4, hidden_dims=[64, 64], init_log_std=log_std)
-    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    stub = inference_pb2_grpc.InferenceServiceStub(channels.channel(addr))
     return m, stub.UpdateWeights(weights.iter_chunks(m.state_dict(), version, obs_specs=SPECS, action_dim=4))
 
 
@@ -111,7 +111,7 @@ def test_hot_swap_keeps_in_flight_requests(inference):
 
 
 def _act_error(addr, obs):
-    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    stub = inference_pb2_grpc.InferenceServiceStub(channels.channel(addr))
     q = queue.SimpleQueue()
     q.put(inference_pb2.ActRequest(request_id=0, observations=codec.encode_map(obs)))
     q.put(None)
@@ -130,7 +130,7 @@ def test_bad_observations_are_invalid_argument(inference):
     e = _act_error(addr, {"pixels": np.zeros((2, 13), np.float32)})
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "keys ['pixels']" in e.details()
     # stale weights are refused, the server keeps serving
-    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    stub = inference_pb2_grpc.InferenceServiceStub(channels.channel(addr))
     publish(addr, 5)
     with pytest.raises(grpc.RpcError) as err:
         publish(addr, 3)
@@ -184,7 +184,7 @@ def test_many_concurrent_streams_are_all_served(cfg):
 def _update_with_spaces(addr, specs, version=1):
     """UpdateWeights declaring ``specs`` with a small (mismatched) state: what an outside user sent."""
     m = ActorCritic(SPECS, 4, hidden_dims=[64, 64])
-    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    stub = inference_pb2_grpc.InferenceServiceStub(channels.channel(addr))
     return stub.UpdateWeights(weights.iter_chunks(m.state_dict(), version, obs_specs=specs, action_dim=4), timeout=30)
 
 
@@ -207,7 +207,7 @@ def test_declared_spaces_are_checked_before_anything_is_built(inference):
     assert time.monotonic() - t0 < 10
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024  # KiB: nothing was built
     # still serving the earlier weights
-    stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+    stub = inference_pb2_grpc.InferenceServiceStub(channels.channel(addr))
     assert stub.Describe(inference_pb2.DescribeInferenceRequest()).weights_version == 1
     client = GrpcPolicyClient([addr], 1, action_dim=4)
     client.submit(0, {"state": np.zeros((2, 13), np.float32)})
@@ -321,7 +321,7 @@ def test_forged_observation_handles_are_invalid_argument_naming_the_field(infere
             setattr(t.shared, k, v)
         req = inference_pb2.ActRequest(request_id=0)
         req.observations.tensors["state"].CopyFrom(t)
-        stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+        stub = inference_pb2_grpc.InferenceServiceStub(channels.channel(addr))
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Act(iter([req])))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
@@ -363,7 +363,7 @@ def test_a_server_with_shared_memory_off_takes_inline_bytes_only(cfg):
                                        observations=codec.encode_map({"state": np.zeros((2, 13), np.float32)},
                                                                      arena=arena))
         with pytest.raises(grpc.RpcError) as err:
-            list(inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr)).Act(iter([req])))
+            list(inference_pb2_grpc.InferenceServiceStub(channels.channel(addr)).Act(iter([req])))
         arena.close()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "observations['state'].shared: a shared-memory handle where inline bytes (data) are expected" in \

@@ -51,7 +51,7 @@ from rlfleet.config import load_config
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
-from rlfleet.wire.rpc import Unavailable
+from rlfleet.errors import Unavailable
 from services.inference.engine import InferenceEngine
 
 cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", ["rollout.backend=vllm"])

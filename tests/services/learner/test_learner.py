@@ -10,7 +10,7 @@ import torch
 
 from rlfleet.data.metrics import read_metrics
 from rlfleet.wire.spaces import TensorSpace
-from rlfleet.wire.rpc import FailedPrecondition, InvalidRequest
+from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire.codec import EpisodeStat
 from services.learner.learner import Learner, latest_checkpoint, update_threads
 

@@ -4,7 +4,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet.wire import rpc
+from rlfleet.wire import channels, servers
 from rlfleet.v1 import learner_pb2_grpc
 from rlfleet.wire.codec import Rollout
 from rlfleet.wire.clients import push_rollout, rollout_chunks
@@ -14,7 +14,7 @@ from tests.services.learner.test_learner import SPECS, fake_rollout
 @pytest.fixture
 def learner_stub(fleet):
     fleet.learner.setup(SPECS, 4)
-    return learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr)), fleet.learner
+    return learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)), fleet.learner
 
 
 def test_push_rollout_in_chunks_commits(fleet, learner_stub):
@@ -54,11 +54,11 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
                        "actor.model.image_feature_dim=32")
     fleet = Fleet(cfg, tmp_path / "run")
     try:
-        rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+        rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
         assert list(spec.observation_space["wrist"].shape) == [32, 32, 3]
         assert spec.task_descriptions[0] == "pick up the red cube and lift it"
-        lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+        lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
         rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
                                                  learner_address=fleet.learner_addr))
@@ -101,9 +101,9 @@ def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, log
                        *[o for v in variant for o in options[v]])
     fleet = Fleet(cfg, tmp_path / "run")
     try:
-        rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+        rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-        lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+        lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
         rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
                                                  learner_address=fleet.learner_addr))
@@ -136,9 +136,9 @@ def test_grpo_groups_share_a_start_and_train_without_a_critic(tmp_path):
                        "actor.global_batch_size=80", "algorithm.filter_rewards=[-1000.0, 1000.0]")
     fleet = Fleet(cfg, tmp_path / "run")
     try:
-        rstub = rollout_pb2_grpc.RolloutServiceStub(rpc.channel(fleet.env_addr))
+        rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
-        lstub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(fleet.learner_addr))
+        lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
         for epoch in range(2):
             rstub.Collect(rollout_pb2.CollectRequest(epoch=epoch, num_steps=10, inference_addresses=[fleet.inf_addr],
@@ -260,9 +260,9 @@ class _FakeCoordinator:
                 st.services.add(role=coordinator_pb2.LEARNER, index=0, address="127.0.0.1:8999")
                 return st
 
-        self.server = rpc.make_server(max_workers=2)
+        self.server = servers.make_server(max_workers=2)
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(Servicer(), self.server)
-        self.address = rpc.bind(self.server, "127.0.0.1:0")
+        self.address = servers.bind(self.server, "127.0.0.1:0")
         self.server.start()
 
 
@@ -279,7 +279,7 @@ def test_rollouts_for_workers_the_run_does_not_have_are_refused_before_buffering
     try:
         learner.setup(SPECS, 4)
         learner.rollouts.PROBE_INTERVAL_S = 0.0
-        stub = learner_pb2_grpc.LearnerServiceStub(rpc.channel(addr))
+        stub = learner_pb2_grpc.LearnerServiceStub(channels.channel(addr))
         big = Rollout(*fake_rollout(T=64))
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         for worker in (1, 7, 40, 2 ** 31 - 1):

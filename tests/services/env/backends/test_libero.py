@@ -17,7 +17,7 @@ def _run(code: str, timeout: float = 240.0, **env_vars: str) -> dict:
 
 BACKEND = r"""
 import json, numpy as np
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from services.env.backends.libero import LiberoBackend
 
 out = {}

@@ -84,7 +84,7 @@ def test_maniskill_backend_in_its_own_environment():
 ERRORS = r"""
 import json, time
 from services.env.vec_env import VecEnv
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 from services.env.backends.base import BackendUnavailable
 out = {}
 for env_id, params in [("PushCub-v1", {}), ("PutOnPlateInScene25Main-v2", {}), ("PutOnPlateInScene25Main-v3", {}),

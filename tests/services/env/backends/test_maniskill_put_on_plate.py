@@ -23,7 +23,7 @@ build(sys.argv[1])
 from rlfleet.config import load_config
 from rlfleet.simulators.conformance import StepStream
 from rlfleet.v1 import env_pb2, env_pb2_grpc
-from rlfleet.wire import codec, env_contract, rpc
+from rlfleet.wire import channels, codec, env_contract
 from services.env.server import serve_env_only
 cfg = load_config("maniskill_put_on_plate_ppo_openvla", [
     "env.train.total_num_envs=2", "env.train.max_episode_steps=20", "env.train.max_steps_per_rollout_epoch=20",
@@ -31,7 +31,7 @@ cfg = load_config("maniskill_put_on_plate_ppo_openvla", [
     "env.train.init_params.env_kwargs.obj_set=all", "actor.global_batch_size=40", "actor.micro_batch_size=40"])
 server, address, vec = serve_env_only(cfg, "127.0.0.1:0")
 out = {"start_s": time.monotonic() - t0}
-channel = rpc.wait_ready(address, 30, credential=False)
+channel = channels.wait_ready(address, 30, credential=False)
 stub = env_pb2_grpc.EnvServiceStub(channel)
 spec = stub.Describe(env_pb2.DescribeEnvRequest(), timeout=30)
 out["spec"] = {"obs": {k: list(v.shape) for k, v in spec.observation_space.items()},

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.sim
 CODE = r"""
 import json, numpy as np
 from services.env.vec_env import VecEnv
-from rlfleet.wire.rpc import InvalidRequest
+from rlfleet.errors import InvalidRequest
 import mujoco
 out = {"mujoco": mujoco.__version__}
 a = VecEnv("MT10", 4, max_episode_steps=8, simulator="metaworld")
