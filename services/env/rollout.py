@@ -19,6 +19,7 @@ from typing import TypeVar
 import numpy as np
 from opentelemetry import metrics, trace
 
+from rlfleet import errors
 from rlfleet.data import videos
 from rlfleet.wire.clients import WireStats, make_policy_client
 from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
