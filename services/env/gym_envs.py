@@ -1,5 +1,11 @@
 """gymnasium ids: rlfleet's built-in envs registered by entry point (the env classes are imported only when an env
-is made), and ``make_gym_env``, which the gym backend and the coordinator's preflight check both use."""
+is made), and ``make_gym_env``, which the gym backend and the coordinator's preflight check both use.
+
+Each env has an id in gymnasium's ``rlfleet`` namespace (``rlfleet/PandaPickCube-v0``, what a user of another RL
+library writes) and its earlier plain id (``PandaPickCube-v0``, what rlfleet's configs say); both make the same
+env. Registering imports only gymnasium, rlfleet.errors and rlfleet.registry (no gRPC, no torch, no protobuf), so
+``import services.env.envs`` then ``gymnasium.make("rlfleet/PandaPickCube-v0")`` works in a Python environment
+that holds gymnasium, mujoco and numpy (tests/rlfleet/test_environments.py checks the import closure)."""
 
 from __future__ import annotations
 
@@ -8,7 +14,11 @@ from rlfleet.errors import InvalidRequest
 from rlfleet.registry import did_you_mean
 
 _ENTRY = "services.env.envs.panda_pick_cube"
-BUILT_IN = {"PandaPickCube-v0": f"{_ENTRY}:PandaPickCubeEnv", "PandaPickCubeVision-v0": f"{_ENTRY}:PandaPickCubeVisionEnv"}
+NAMESPACE = "rlfleet"
+_CLASSES = {"PandaPickCube-v0": "PandaPickCubeEnv", "PandaPickCubeVision-v0": "PandaPickCubeVisionEnv"}
+# id -> entry point: each env under the namespace and under its plain id
+BUILT_IN = {f"{prefix}{env_id}": f"{_ENTRY}:{cls}" for env_id, cls in _CLASSES.items()
+            for prefix in (f"{NAMESPACE}/", "")}
 
 
 def register_built_in() -> None:
