@@ -140,7 +140,7 @@ class Learner:
         if self.cfg.runner.resume_dir:
             ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
             if ckpt is None:
-                raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.view.resume_dir}/checkpoints")
+                raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.cfg.runner.resume_dir}/checkpoints")
             try:  # the whole checkpoint, before any rank builds or loads anything: a bad file named in seconds
                 verify_checkpoint(ckpt)
             except (BadFile, OSError) as exc:
@@ -406,7 +406,7 @@ class Learner:
         """The policy in its family's released layout (services/learner/export.py: ``layout`` upstream or rlfleet;
         LoRA merged, or with ``lora="adapter"`` as a peft adapter), gathered whole on rank 0."""
         if not hasattr(self.model, "save_pretrained"):
-            raise FailedPrecondition(f"{self.view.model.model_type} policies have no released layout to export")
+            raise FailedPrecondition(f"{self.cfg.actor.model.model_type} policies have no released layout to export")
         return self._run("export", {"path": str(path), "lora": lora, "layout": layout})
 
     def _on_export(self, meta: dict, _tensors):

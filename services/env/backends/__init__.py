@@ -26,20 +26,20 @@ SIM_BACKENDS = {
 # simulator -> "module:function(cfg)" raising BackendUnavailable on a host that cannot run it. A preflight imports
 # no simulator package: it runs in the main environment, before the simulator's own is built.
 PREFLIGHTS = {
-    "libero": "services.env.backends.libero:preflight",
-    "maniskill": "services.env.backends.maniskill:preflight",
-    "behavior": "services.env.backends.behavior:preflight",
+    "libero": "services.env.backends.libero_setup:preflight",
+    "maniskill": "services.env.backends.maniskill_setup:preflight",
+    "behavior": "services.env.backends.behavior_setup:preflight",
 }
 
 # simulator -> "module:function()" steps run with its environment's python once pip and the registry's check pass
 FINISH_STEPS = {
     "libero": ("services.env.backends.libero_setup:setup",),
-    "maniskill": ("services.env.backends.maniskill:check_install",),
+    "maniskill": ("services.env.backends.maniskill_setup:check_install",),
 }
 
 # simulator -> "module:function(task, dry_run) -> exit code" fetching a task's assets (`coordinatorctl envs assets`)
 ASSETS = {
-    "maniskill": "services.env.backends.maniskill:download_assets",
+    "maniskill": "services.env.backends.maniskill_setup:download_assets",
 }
 
 

