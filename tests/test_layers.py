@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = {"registry": 0, "untrusted": 0, "v1": 1, "wire": 1, "data": 2, "simulators": 3, "policies": 4, "config": 5, "configs": 5}
+LAYERS = {"registry": 0, "untrusted": 0, "errors": 0, "v1": 1, "wire": 1, "data": 2, "simulators": 3, "policies": 4, "config": 5, "configs": 5}
 
 
 def _modules(folder: pathlib.Path):
