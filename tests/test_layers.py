@@ -72,6 +72,53 @@ def test_services_never_import_each_other(service):
     assert not wrong, "\n".join(wrong)
 
 
+# A service's transport modules are the ones whose job is gRPC: its face (each server.py translates calls into calls
+# on its core), its clients of peers that the core calls through, and the command line that sets up a process's
+# transport (credentials, TLS) and reports failed calls. Everything else in services/ is core: it raises
+# rlfleet.errors types (a server.py maps them to status codes through rlfleet.wire.status) and never imports gRPC,
+# the generated stubs or rlfleet.wire's gRPC machinery (GRPC_WIRE) itself.
+TRANSPORT = {
+    "services/coordinator/server.py", "services/env/server.py", "services/inference/server.py",
+    "services/learner/server.py",
+    "services/coordinator/calls.py",  # the coordinator's calls into the fleet (and external env servers' Describe)
+    "services/coordinator/cli.py",  # coordinatorctl: a client of the coordinator, the process's TLS
+    "services/coordinator/offline_eval.py",  # coordinatorctl eval: the process's TLS, failed calls reported
+    "services/env/remote.py",  # the bridge to an external simulator's EnvService
+    "services/learner/publisher.py",  # weights to the inference servers
+}
+# rlfleet.wire's gRPC machinery (the typed clients in rlfleet.wire.clients, which raise rlfleet.errors, are not)
+GRPC_WIRE = {"rlfleet.wire.channels", "rlfleet.wire.servers", "rlfleet.wire.status", "rlfleet.wire.streams",
+             "rlfleet.wire.tls"}
+
+
+def _transport_imports(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        for name in names:
+            top = name.split(".")[0]
+            if top == "grpc" or top.startswith("grpc_") or name in GRPC_WIRE or \
+                    (name.startswith("rlfleet.v1.") and name.endswith("_grpc")):
+                out.append(f"{name} (line {node.lineno})")
+    return out
+
+
+def test_no_service_core_imports_grpc():
+    """Only the transport modules (TRANSPORT) import gRPC or rlfleet.wire's gRPC machinery; a core that needs a
+    call's status code, a channel or a server gets it through its service's transport module."""
+    cores = [p for p in sorted((ROOT / "services").rglob("*.py")) if str(p.relative_to(ROOT)) not in TRANSPORT]
+    assert len(cores) > 30 and all((ROOT / t).is_file() for t in TRANSPORT)
+    wrong = [f"{p.relative_to(ROOT)} imports {m}" for p in cores for m in _transport_imports(ast.parse(p.read_text()))]
+    assert not wrong, "\n".join(wrong)
+    # and the check sees what it is meant to see
+    assert _transport_imports(ast.parse("import grpc\nfrom rlfleet.wire import servers, codec")) == \
+        ["grpc (line 1)", "rlfleet.wire.servers (line 2)"]
+
+
 COORDINATOR_PREPARES = r"""
 import json, sys
 from rlfleet.config import ConfigError, load_config

@@ -1,6 +1,10 @@
 """The coordinator's calls into the fleet, with what a failed call means: stubs for the current incarnation of a
 service, waiting for the health monitor to notice a death, republishing weights after inference restarts, and
-the lost-episode count. Shared by the run loop (collect, train) and the evaluator."""
+the lost-episode count. Shared by the run loop (collect, train) and the evaluator.
+
+This is the coordinator's transport module: the core (coordinator.py, evaluation.py, preflight.py) calls peers
+through it and never imports gRPC. A failed call reaches the core as :data:`CallFailed`, which it reads only
+through :func:`retryable` and :func:`describe`; the status codes stay here."""
 
 from __future__ import annotations
 
@@ -9,12 +13,36 @@ import time
 
 import grpc
 
-from rlfleet.wire import channels
+from rlfleet.wire import channels, env_contract
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 from services.coordinator.registry import Registry, RunFailed, Service
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+
+# a call into the fleet that failed, as the core catches it (gRPC's own error; read it through the two below)
+CallFailed = grpc.RpcError
+
+
+def retryable(exc: CallFailed) -> bool:
+    """Whether the call may have failed because its service died or restarted (then it is worth settling)."""
+    return exc.code() in RETRYABLE
+
+
+def describe(exc: CallFailed) -> str:
+    """A failed call in one line: its status code's name and the details."""
+    return channels.describe_error(exc)
+
+
+def describe_external(address: str, timeout: float):
+    """The EnvSpec of the env server at ``address`` outside the run (no credential). TimeoutError when nothing
+    answers within ``timeout``; CallFailed when it does not answer Describe; ValueError (rlfleet.untrusted.TooLarge)
+    for a reply past the limits, whose counts are scanned before it is parsed (docs/env-contract.md#limits)."""
+    channel = channels.wait_ready(address, timeout, credential=False)
+    try:
+        return env_contract.EnvClient(channel).describe(timeout)
+    finally:
+        channel.close()
 
 
 class FleetCalls:
@@ -95,10 +123,10 @@ class FleetCalls:
             self.weights_generation = ()
         self.ensure_inference_weights()
 
-    def why_failed(self, exc: grpc.RpcError, what: str) -> str:
+    def why_failed(self, exc: CallFailed, what: str) -> str:
         """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""
         deadline = time.monotonic() + min(self.patience, self.cfg.cluster.heartbeat_timeout_s)
-        while not self.fate.fatal and time.monotonic() < deadline and exc.code() in RETRYABLE:
+        while not self.fate.fatal and time.monotonic() < deadline and retryable(exc):
             time.sleep(0.1)
         return self.fate.fatal or f"{what} failed: {channels.describe_error(exc)}"
 

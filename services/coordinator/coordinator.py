@@ -19,16 +19,15 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 from opentelemetry import trace
 
 from rlfleet.errors import FailedPrecondition, InvalidRequest, PermissionDenied
-from rlfleet.wire import auth, channels
+from rlfleet.wire import auth
 from rlfleet.config import learner_layout, to_yaml
 from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
 from services.coordinator.bottleneck import FleetShape
-from services.coordinator.calls import RETRYABLE, FleetCalls
+from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
 from services.coordinator.evaluation import Evaluator
 from services.coordinator.launcher import make_launcher
 from services.coordinator.registry import (ROLE_NAMES, HealthMonitor, Registry, RunFailed, RunFate, RunStopped,
@@ -145,7 +144,7 @@ class Coordinator:
             raise PermissionDenied(f"{caller} cannot {what} as {name}[{index}]: a service speaks only for itself")
 
     def heard(self, method: str, caller) -> None:
-        """servers.make_server's on_call: a heartbeat (or registration) arrived from ``caller``."""
+        """rlfleet.wire.servers.make_server's on_call: a heartbeat (or registration) arrived from ``caller``."""
         if method.endswith(("/Heartbeat", "/Register")) and method.startswith("/rlfleet.v1.CoordinatorService/"):
             self.registry.heard(caller.role, caller.index)
 
@@ -256,9 +255,9 @@ class Coordinator:
                     self._lost(epoch, resp.lost_episodes)
                     self.say(f"  ! env[{index}]: its external simulator restarted; {resp.lost_episodes} episodes lost")
                 return resp
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or self.fate.fatal:
-                    raise RunFailed(f"env[{index}] Collect failed: {channels.describe_error(exc)}"
+            except CallFailed as exc:
+                if not retryable(exc) or self.fate.fatal:
+                    raise RunFailed(f"env[{index}] Collect failed: {describe(exc)}"
                                     + (f"\n  {self.fate.fatal}" if self.fate.fatal else "")) from exc
                 # did the server die? the monitor notices a process exit at once, a hung server by its heartbeats
                 calls.settle(svc, incarnation, generation)
@@ -270,10 +269,10 @@ class Coordinator:
                     continue
                 if calls.same(svc, incarnation):
                     raise RunFailed(f"env[{index}] Collect failed and the server is still up: "
-                                    f"{channels.describe_error(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
+                                    f"{describe(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
                 # it died mid-rollout: its partial episodes are dropped (never sent to the learner) and counted
                 self._lost(epoch, self.envs_per_server)
-                self.say(f"  ! env[{index}] lost mid-rollout ({channels.describe_error(exc).splitlines()[0]}); "
+                self.say(f"  ! env[{index}] lost mid-rollout ({describe(exc).splitlines()[0]}); "
                          f"{self.envs_per_server} partial episodes dropped, collecting again after restart")
 
     def _lost(self, epoch: int, n: int) -> None:
@@ -443,7 +442,7 @@ class Coordinator:
                     if target is not None and ev["eval/success_once"] >= target:
                         stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"
                         break
-        except grpc.RpcError as exc:
+        except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "a service call")) from exc
         finally:
             for _, futures in ahead:  # a collection started ahead is not trained on: let it end, do not wait
@@ -510,7 +509,7 @@ class Coordinator:
                     inference_addresses=reg.addresses("inference"),
                     extra_metrics={k: v for k, v in extra.items() if math.isfinite(v)}),
                     timeout=self.cfg.cluster.collect_timeout_s))
-        except grpc.RpcError as exc:
+        except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "learner Train")) from exc
         if resp.publish_error:
             self.say(f"  ! weights {resp.weights_version} did not reach every inference server "

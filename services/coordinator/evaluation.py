@@ -6,14 +6,13 @@ import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 from opentelemetry import trace
 
-from rlfleet.wire import channels, codec
+from rlfleet.wire import codec
 from rlfleet.config import env_server_config
 from rlfleet.v1 import rollout_pb2
-from services.coordinator.calls import RETRYABLE, FleetCalls
+from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
 from services.coordinator.registry import RunFailed
 
 _tracer = trace.get_tracer("rlfleet")
@@ -82,14 +81,14 @@ class Evaluator:
                             done[0] += len(resp.episodes)
                             progress(done[0], total)
                     return list(resp.episodes)
-                except grpc.RpcError as exc:
-                    if exc.code() not in RETRYABLE or calls.fate.fatal:
+                except CallFailed as exc:
+                    if not retryable(exc) or calls.fate.fatal:
                         raise
                     calls.settle(svc, incarnation, generation)
                     if not calls.same(svc, incarnation):
                         lost = min(count, per_server)
                         calls.add_lost(lost)
-                        self.say(f"  ! env[{i}] lost mid-evaluation ({channels.describe_error(exc).splitlines()[0]}); "
+                        self.say(f"  ! env[{i}] lost mid-evaluation ({describe(exc).splitlines()[0]}); "
                                  f"{lost} episodes in flight lost, evaluating its share again after restart")
                         continue
                     if calls.registry.inference_generation() == generation:

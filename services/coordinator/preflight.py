@@ -8,11 +8,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import grpc
-
 from rlfleet.config import ConfigError
 from rlfleet.simulators.environments import child_environ
-from rlfleet.wire import channels, env_contract
+from rlfleet.wire import env_contract
+from services.coordinator.calls import CallFailed, describe, describe_external
 from services.coordinator.launcher import ENV_SIDE_COMMAND
 
 
@@ -118,21 +117,17 @@ def preflight_external(cfg, *, rename: bool, timeout: float = 15.0) -> list[str]
     for key in ("external_env_addresses", "external_eval_env_addresses"):
         for i, address in enumerate(cfg.cluster[key]):
             address = str(address)
-            try:
-                channel = channels.wait_ready(address, timeout, credential=False)
+            try:  # counts scanned before the reply is parsed (docs/env-contract.md#limits)
+                spec = describe_external(address, timeout)
             except TimeoutError:
                 raise ConfigError(f"'cluster.{key}[{i}]': no EnvService answered at {address} within {timeout:.0f}s; "
                                   f"start the simulator first") from None
-            try:  # counts scanned before the reply is parsed (docs/env-contract.md#limits)
-                spec = env_contract.EnvClient(channel).describe(timeout)
-            except grpc.RpcError as exc:
+            except CallFailed as exc:
                 raise ConfigError(f"'cluster.{key}[{i}]': {address} did not answer Describe: "
-                                  f"{channels.describe_error(exc)}") from None
+                                  f"{describe(exc)}") from None
             except ValueError as exc:  # rlfleet.untrusted.TooLarge
                 raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {exc} "
                                   f"({env_contract.section('limits')})") from None
-            finally:
-                channel.close()
             problems = env_contract.run_problems(spec, policy_chunk=chunk)
             if problems:
                 raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {problems[0]}")
