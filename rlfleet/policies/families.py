@@ -32,7 +32,7 @@ OPTION_KEYS = {
     "num_action_chunks": (1, "an action chunk per call"),
     "use_proprio": (False, "a proprio projector"),
     "extra_image_keys": ([], "more than one camera"),
-    "is_lora": (False, "LoRA adapters"),
+    "is_lora": (False, "training LoRA adapters"),
 }
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent  # rlfleet/: where relative ``sizes_file`` paths start
 
@@ -58,6 +58,22 @@ class Family:
     upstream_refused_by: tuple[str, str] | None = None  # (actor.model key, reason): true rules out --layout upstream
     loads: tuple[str, ...] = ()         # config.json model types of model folders its loader takes (eval)
     batch_invariant_rows: int = 0       # rollout.batch_invariant_rows when null (padding cost: 0 for big models)
+
+    def export_refusal(self, model_cfg, layout: str) -> str | None:
+        """None when `coordinatorctl export --layout LAYOUT` writes this family (with this ``actor.model``), else
+        why not, in one line."""
+        if not self.export_layouts:
+            return (f"{self.model_type} policies have no released layout to export; the checkpoint itself is what "
+                    f"`coordinatorctl eval` and `coordinatorctl start --resume` take")
+        if layout not in self.export_layouts:
+            return f"--layout {layout}: {self.model_type} exports as {', '.join(self.export_layouts)}"
+        if layout == "upstream" and self.upstream_refused_by:
+            from omegaconf import OmegaConf
+
+            key, why = self.upstream_refused_by
+            if OmegaConf.select(model_cfg, key):
+                return why
+        return None
 
     def defaults(self) -> dict:
         """The size group's defaults (its YAML), {} without one."""

@@ -400,20 +400,11 @@ def _export_target(args):
         cfg = load_config(config)
     except ConfigError as exc:
         raise _ExportInputError(f"config error: {exc}") from None
-    from omegaconf import OmegaConf
-
     from rlfleet.policies.families import get_family
 
-    model_type = cfg.actor.model.model_type
-    family = get_family(model_type)  # what the family's entry says of its export
-    if not family.export_layouts:
-        raise _ExportInputError(f"{ckpt}: {model_type} policies have no released layout to export; the checkpoint "
-                                f"itself is what `coordinatorctl eval` and `coordinatorctl start --resume` take")
-    if args.layout not in family.export_layouts:
-        raise _ExportInputError(f"--layout {args.layout}: {model_type} exports as {', '.join(family.export_layouts)}")
-    refused = family.upstream_refused_by
-    if args.layout == "upstream" and refused and OmegaConf.select(cfg.actor.model, refused[0]):
-        raise _ExportInputError(refused[1])
+    why = get_family(cfg.actor.model.model_type).export_refusal(cfg.actor.model, args.layout)  # its entry says
+    if why:
+        raise _ExportInputError(f"{ckpt}: {why}" if why.startswith(cfg.actor.model.model_type) else why)
     if args.lora == "adapter" and not cfg.actor.model.is_lora:
         raise _ExportInputError(f"--lora adapter: the run trained without LoRA (actor.model.is_lora=false); "
                                 f"export it merged (the default)")
