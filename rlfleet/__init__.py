@@ -3,8 +3,10 @@
 This package holds what the services share, by layer; a layer imports only the layers before it (checked by
 tests/test_layers.py; docs/architecture.md draws it):
 
-0. ``rlfleet.registry``: the lookup every registry uses (imports nothing of rlfleet);
-1. ``rlfleet.wire`` (with the generated ``rlfleet.v1``): codec, spaces, rpc, auth, tracing, the service runtime,
+0. ``rlfleet.registry``: the lookup every registry uses, and ``rlfleet.errors``: the typed errors the cores raise
+   (both import nothing of rlfleet);
+1. ``rlfleet.wire`` (with the generated ``rlfleet.v1``): codec, spaces, servers and channels (and what every call
+   passes through: callers, status, streams, tls), auth, tracing, the service runtime,
    each service's client, the rollout schema and the env contract;
 2. ``rlfleet.data``: datasets, videos, metrics, intervals;
 3. ``rlfleet.simulators``: the simulator registry (data only), their Python environments, the conformance kit;

@@ -31,7 +31,7 @@ from rlfleet.untrusted import BadFile, TooLarge, check_count
 
 MiB = 1 << 20
 
-#: the gRPC message limit of rlfleet's channels and servers (``rlfleet.wire.limits.MAX_MESSAGE_BYTES``): a Reset of
+#: the gRPC message limit of rlfleet's channels and servers (rlfleet.wire.channels, rlfleet.wire.servers): a Reset of
 #: every env answers them all in one message, and a Step request carries one action row per stepped env
 MAX_MESSAGE_BYTES = 256 * MiB
 
