@@ -15,7 +15,7 @@ import grpc
 
 from rlfleet.wire import channels, env_contract
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
-from services.coordinator.registry import Registry, RunFailed, Service
+from services.coordinator.service_registry import Registry, RunFailed, Service
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)

@@ -30,7 +30,7 @@ from services.coordinator.bottleneck import FleetShape
 from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
 from services.coordinator.evaluation import Evaluator
 from services.coordinator.launcher import make_launcher
-from services.coordinator.registry import (ROLE_NAMES, HealthMonitor, Registry, RunFailed, RunFate, RunStopped,
+from services.coordinator.service_registry import (ROLE_NAMES, HealthMonitor, Registry, RunFailed, RunFate, RunStopped,
                                            check_claim)
 from services.coordinator.report import RunReport, eval_line
 

@@ -13,7 +13,7 @@ from rlfleet.wire import codec
 from rlfleet.config import env_server_config
 from rlfleet.v1 import rollout_pb2
 from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
-from services.coordinator.registry import RunFailed
+from services.coordinator.service_registry import RunFailed
 
 _tracer = trace.get_tracer("rlfleet")
 

@@ -242,7 +242,7 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
     from rlfleet.v1 import env_pb2, learner_pb2
     from rlfleet.wire import auth, tls
     from services.coordinator.coordinator import Coordinator, RunFailed, joint_env_spec
-    from services.coordinator.registry import RunStopped
+    from services.coordinator.service_registry import RunStopped
     from services.coordinator.server import serve
 
     auth.set_identity("coordinator", token)
@@ -294,7 +294,7 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
 
 
 def _check_env_spaces(spec, target: Target) -> None:
-    from services.coordinator.registry import RunFailed
+    from services.coordinator.service_registry import RunFailed
     from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 
     obs, action_dim = checkpoint_spaces(target.checkpoint)
@@ -468,7 +468,7 @@ def main(args) -> int:
     from rlfleet.wire import auth, channels
     from services.coordinator.launcher import check_local
     from services.coordinator.preflight import preflight_local
-    from services.coordinator.registry import RunFailed
+    from services.coordinator.service_registry import RunFailed
 
     def say(text):
         if not args.quiet:

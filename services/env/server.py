@@ -21,7 +21,8 @@ from opentelemetry import trace
 from rlfleet.errors import Cancelled, FailedPrecondition, InvalidRequest
 from rlfleet.wire import codec, servers, shm, status, streams, tracing
 from rlfleet.wire.clients import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
-from rlfleet.wire.clients import WireStats, check_address, learner_reachable, push_rollout
+from rlfleet.wire.addresses import check_address
+from rlfleet.wire.clients import WireStats, learner_reachable, push_rollout
 from rlfleet.config import env_server_config
 from rlfleet.config import load_service_config
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, setup_process
@@ -108,11 +109,6 @@ def _time_left(context, margin: float = 0.0, default: float = PUSH_TIMEOUT_S) ->
     return max(0.0, min(default, left - margin))
 
 
-def _check_addresses(addresses) -> None:
-    for i, address in enumerate(addresses):
-        check_address(address, f"inference_addresses[{i}]")
-
-
 def _should_stop(context, margin: float = 2.0):
     """Stop between steps when the caller has gone or its deadline is about to pass."""
     def check() -> bool:
@@ -169,7 +165,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                      f"{MAX_ROLLOUT_BYTES / 2**30:.0f} GiB per Collect")
         if not request.inference_addresses:
             raise InvalidRequest("inference_addresses: at least one inference server is needed")
-        _check_addresses(request.inference_addresses)
+        for i, address in enumerate(request.inference_addresses):
+            check_address(address, f"inference_addresses[{i}]")
         check_address(request.learner_address, "learner_address")
         self._acquire(context)
         try:
@@ -212,7 +209,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
         if not request.inference_addresses:
             raise InvalidRequest("inference_addresses: at least one inference server is needed")
-        _check_addresses(request.inference_addresses)
+        for i, address in enumerate(request.inference_addresses):
+            check_address(address, f"inference_addresses[{i}]")
         if request.video_episodes < 0 or (request.video_episodes and not request.video_dir):
             raise InvalidRequest(f"video_episodes: {request.video_episodes} needs a video_dir and must be >= 0")
         t0 = time.perf_counter()

@@ -90,7 +90,7 @@ def test_plain_yaml_reads_numbers_and_dates_as_omegaconf_does(tmp_path):
 
 
 def test_register_refuses_config_text_with_aliases_or_tags():
-    from services.coordinator.registry import config_difference
+    from services.coordinator.service_registry import config_difference
 
     cfg = load_config(None)
     assert config_difference(cfg, to_yaml(cfg)) == ""

@@ -385,7 +385,7 @@ def test_an_inference_stream_that_never_ends_is_cut_at_the_first_unasked_answer(
 
 def test_the_evaluator_refuses_more_episodes_than_it_asked_for():
     from services.coordinator.evaluation import _check_episodes
-    from services.coordinator.registry import RunFailed
+    from services.coordinator.service_registry import RunFailed
 
     resp = rollout_pb2.EvaluateResponse(episodes=[tensor_pb2.EpisodeStats(env_id=10 + i) for i in range(5)])
     _check_episodes(resp, 10, 5, "env[0] (127.0.0.1:1)")

@@ -15,7 +15,7 @@ from rlfleet.config import to_yaml
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.coordinator import Coordinator
 from services.coordinator.launcher import AttachLauncher
-from services.coordinator.registry import HealthMonitor
+from services.coordinator.service_registry import HealthMonitor
 from services.coordinator.server import serve
 from tests.conftest import small_config
 
@@ -66,10 +66,10 @@ def test_register_checks_its_claim_field_by_field(coordinator):
     cases = {
         "empty config_yaml": (dict(config_yaml=""), grpc.StatusCode.INVALID_ARGUMENT, "config_yaml: empty"),
         "'::not an address::'": (dict(address="::not an address::"), grpc.StatusCode.INVALID_ARGUMENT,
-                                 "is not host:port"),
+                                 "is not an address (host:port"),
         "3 kB address": (dict(address="a" * 3000 + ":1"), grpc.StatusCode.INVALID_ARGUMENT, "3002 characters"),
         "50 MB address": (dict(address="a" * (50 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
-        "no port": (dict(address="127.0.0.1"), grpc.StatusCode.INVALID_ARGUMENT, "is not host:port"),
+        "no port": (dict(address="127.0.0.1"), grpc.StatusCode.INVALID_ARGUMENT, "is not an address (host:port"),
         "port 0": (dict(address="127.0.0.1:0"), grpc.StatusCode.INVALID_ARGUMENT, "port in 1..65535"),
         "bad IPv6": (dict(address="[::zz]:5"), grpc.StatusCode.INVALID_ARGUMENT, "IPv6"),
         "host with spaces": (dict(address="a b:5"), grpc.StatusCode.INVALID_ARGUMENT, "not a host name"),

@@ -1,7 +1,7 @@
 """Placement -> CUDA_VISIBLE_DEVICES per process, and the coordinator's config comparison (no processes)."""
 
 from rlfleet.config import load_config, to_yaml
-from services.coordinator.registry import config_difference
+from services.coordinator.service_registry import config_difference
 from services.coordinator.launcher import LocalLauncher
 
 

@@ -25,7 +25,7 @@ from rlfleet.v1 import coordinator_pb2
 from services.coordinator import deploy
 from services.coordinator.launcher import AGENT, LocalLauncher
 from services.coordinator.plan import process_plan
-from services.coordinator.registry import HealthMonitor, Registry, RunFate
+from services.coordinator.service_registry import HealthMonitor, Registry, RunFate
 from tests.services.coordinator import rank_probe
 from tests.services.coordinator.test_deploy import k8s_docs
 

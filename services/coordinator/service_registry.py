@@ -8,7 +8,6 @@ either of them records that the run cannot go on.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import threading
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.wire.addresses import check_address
 from rlfleet.wire.service import CANNOT_START  # a service that failed before serving: not restarted
 from rlfleet.v1 import coordinator_pb2
 
@@ -69,29 +69,8 @@ class Service:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
-MAX_ADDRESS = 261  # a 253-character host name, ':' and a port (or a bracketed IPv6 address)
 MAX_CONFIG_YAML = 1 << 20
-_HOST_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 _INCARNATION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
-
-def check_address(address: str) -> None:
-    """Raise InvalidRequest unless ``address`` is host:port that others can dial (host name, IPv4 or [IPv6])."""
-    if len(address) > MAX_ADDRESS:
-        raise InvalidRequest(f"address: {len(address)} characters; a host:port has at most {MAX_ADDRESS}")
-    shown = repr(address[:80])
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        raise InvalidRequest(f"address: {shown} is not host:port with a port in 1..65535")
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise InvalidRequest(f"address: {shown} does not bracket an IPv6 address") from None
-        return
-    labels = host.split(".")
-    if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
-        raise InvalidRequest(f"address: {shown}: {host[:80]!r} is not a host name, IPv4 or [IPv6] address")
 
 
 def check_claim(role: int, index: int, address: str | None = None, pid: int = 1, incarnation: str = "x",
@@ -104,7 +83,7 @@ def check_claim(role: int, index: int, address: str | None = None, pid: int = 1,
         raise InvalidRequest(f"index: {index} is negative")
     if address is None:
         return
-    check_address(address)
+    check_address(address, "address")
     if pid <= 0:
         raise InvalidRequest(f"pid: {pid} is not a process id")
     if not _INCARNATION.match(incarnation):

@@ -1,8 +1,8 @@
-"""Peer addresses named in requests (rlfleet/wire/clients.py)."""
+"""Peer addresses named in requests and registrations (rlfleet/wire/addresses.py)."""
 
 import pytest
 
-from rlfleet.wire.clients import check_address
+from rlfleet.wire.addresses import check_address
 from rlfleet.errors import InvalidRequest
 
 
