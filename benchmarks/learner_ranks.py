@@ -62,13 +62,14 @@ def worker(out: pathlib.Path, model: str, epochs: int, publish: list[int]) -> No
     torch.set_num_threads(1)
     from rlfleet.config import to_yaml
     from services.learner.group import RankGroup
+    from rlfleet.config.views import learner_view
     from services.learner.learner import Learner
     from tests.services.learner.rank_scenarios import config, rollout
 
     name, extra, _ = MODELS[model]
     cfg, specs, action_dim = config(name, out, extra)
     group = RankGroup.from_environ(timeout_s=600, heartbeat_timeout_s=60)
-    learner = Learner(cfg, out / "run", group=group)
+    learner = Learner(learner_view(cfg), out / "run", group=group)
     if not group.is_leader:
         learner.follow()
         learner.close()

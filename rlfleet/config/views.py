@@ -324,3 +324,12 @@ def field_docs(cls, prefix: str = "") -> list[tuple[str, str, str, str]]:
         else:
             out.append((f.name, _type_name(hint), key, f.metadata.get("doc") or comment(key)))
     return out
+
+
+def service_view(cls: type[V], cfg) -> V:
+    """A service's view at start-up (its ``server.py``): a config that does not give it exits the process with
+    ``config error: ...`` naming the key, as a config that does not load does (``load_service_config``)."""
+    try:
+        return build_view(cls, cfg)
+    except ConfigError as exc:
+        raise SystemExit(f"config error: {exc}") from None

@@ -20,6 +20,7 @@ from opentelemetry import metrics, trace
 import torch
 
 from rlfleet.wire import weights
+from rlfleet.config.views import LearnerView
 from rlfleet.data.loggers import LoggerOptions
 from rlfleet.data.metrics import MetricsLogger
 from rlfleet.wire.spaces import TensorSpace
@@ -45,21 +46,25 @@ _TRAIN_TIME = metrics.get_meter("rlfleet").create_histogram("rlfleet.learner.tra
 __all__ = ["Learner", "latest_checkpoint", "update_threads"]
 
 
-def update_threads(cfg, local_ranks: int = 1) -> int:
+def update_threads(view: LearnerView, local_ranks: int = 1) -> int:
     """Torch threads of the update (cluster.learner_num_threads; null: in sync mode nothing else runs while the
     learner trains, so its ranks share every core this process may use; in async mode the envs are collecting
     beside it)."""
-    if cfg.cluster.learner_num_threads is not None:
-        return int(cfg.cluster.learner_num_threads)
-    if cfg.algorithm.max_staleness > 0:
-        return max(1, int(cfg.cluster.torch_num_threads))
+    if view.learner_num_threads is not None:
+        return view.learner_num_threads
+    if view.algorithm.max_staleness > 0:
+        return max(1, view.torch_num_threads)
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
 
 
 class Learner:
-    def __init__(self, cfg, run_dir: str | pathlib.Path, device: str = "cpu", group: RankGroup | None = None):
-        self.cfg = cfg
-        self.alg = cfg.algorithm
+    def __init__(self, view: LearnerView, run_dir: str | pathlib.Path, device: str = "cpu",
+                 group: RankGroup | None = None):
+        if not isinstance(view, LearnerView):
+            raise TypeError(f"Learner takes the learner's config view (rlfleet.config.views.learner_view), "
+                            f"not {type(view).__name__}")
+        self.view = view
+        self.alg = view.algorithm
         self.run_dir = pathlib.Path(run_dir)
         self.group = group or RankGroup(device=device)
         self.device = self.group.device
@@ -73,18 +78,19 @@ class Learner:
         self.elapsed_s = 0.0     # training wall time, as measured by the coordinator (restored on resume)
         self.last_checkpoint = ""
         self.publish_error = ""
-        self.rollouts = RolloutStore(cfg.algorithm, cfg.cluster.num_env_servers)
-        self.scaler = RewardScaler(cfg.algorithm.gamma)
-        self.trainer = Trainer(cfg, self.group)
+        self.rollouts = RolloutStore(view.algorithm, view.num_env_servers)
+        self.scaler = RewardScaler(view.algorithm.gamma)
+        self.trainer = Trainer(view, self.group)
         # each weights stream has the deadline of the coordinator's PublishWeights (a real-size first set takes
         # minutes: building the served copies, tens of GB of fp32 weights)
-        self.publisher = WeightPublisher(timeout=max(120.0, float(cfg.cluster.rpc_timeout_s)),
-                                         shared_memory=cfg.cluster.shared_memory == "auto")
-        self.logger = MetricsLogger(self.run_dir, tuple(cfg.runner.logger.logger_backends),
-                                    LoggerOptions.from_runner(cfg.runner)) \
+        self.publisher = WeightPublisher(timeout=max(120.0, view.rpc_timeout_s),
+                                         shared_memory=view.shared_memory == "auto")
+        options = LoggerOptions(project_name=view.project_name, experiment_name=view.experiment_name,
+                                wandb_mode=view.wandb_mode, swanlab_mode=view.swanlab_mode)
+        self.logger = MetricsLogger(self.run_dir, view.logger_backends, options) \
             if self.group.is_leader else None
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.group.distributed else 1
-        self.update_threads = update_threads(cfg, local_ranks)
+        self.update_threads = update_threads(view, local_ranks)
         self._batch: Batch | None = None
 
     @property
@@ -129,18 +135,18 @@ class Learner:
         # the spaces decide the policy's size: refuse what could never be served or would not fit this host's
         # memory before any rank builds it (rlfleet.wire.weights)
         footprint.observation_row_bytes(obs_specs, "env_spec.observation_space")
-        planned = footprint.planned_state(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
+        planned = footprint.planned_state(self.view.model, obs_specs, action_dim, self.alg.normalize_obs,
                                         self.alg.logprob_type, "env_spec.observation_space")
         if planned is not None:
             spaces = ", ".join(f"{k}{list(s.shape)}" for k, s in obs_specs.items())
             footprint.check_fits(footprint.state_bytes(planned), f"env_spec.observation_space: a "
-                               f"{self.cfg.actor.model.model_type} policy for spaces {spaces} (action "
+                               f"{self.view.model.model_type} policy for spaces {spaces} (action "
                                f"{action_dim}-D)")
         meta = {"obs_specs": _specs_to_json(obs_specs), "action_dim": int(action_dim)}
-        if self.cfg.runner.resume_dir:
-            ckpt = latest_checkpoint(self.cfg.runner.resume_dir)
+        if self.view.resume_dir:
+            ckpt = latest_checkpoint(self.view.resume_dir)
             if ckpt is None:
-                raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.cfg.runner.resume_dir}/checkpoints")
+                raise FailedPrecondition(f"runner.resume_dir: no checkpoint in {self.view.resume_dir}/checkpoints")
             try:  # the whole checkpoint, before any rank builds or loads anything: a bad file named in seconds
                 verify_checkpoint(ckpt)
             except (BadFile, OSError) as exc:
@@ -150,11 +156,11 @@ class Learner:
         self._run("setup", meta)
 
     def _on_setup(self, meta: dict, _tensors) -> None:
-        torch.manual_seed(self.cfg.runner.seed)  # the same initial weights on every rank
+        torch.manual_seed(self.view.seed)  # the same initial weights on every rank
         obs_specs, action_dim = _specs_from_json(meta["obs_specs"]), int(meta["action_dim"])
-        model = build_policy(self.cfg.actor.model, obs_specs, action_dim, self.alg.normalize_obs,
+        model = build_policy(self.view.model, obs_specs, action_dim, self.alg.normalize_obs,
                              self.alg.logprob_type).to(self.device)
-        only_eval = self.cfg.runner.only_eval  # serving weights for an evaluation: no rollouts, reference, optimizer
+        only_eval = self.view.only_eval  # serving weights for an evaluation: no rollouts, reference, optimizer
         # the forward inputs a rollout must carry (names, per-row shapes): asked of the whole policy, before sharding
         # (a dummy act; an evaluation's learner receives no rollouts and never runs the policy)
         fi_specs = forward_input_specs(model, obs_specs, self.device) if self.group.is_leader and not only_eval \
@@ -169,7 +175,7 @@ class Learner:
         self.model = shard_policy(model, self.group)
         if not only_eval:
             self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad],
-                                              lr=self.cfg.actor.optim.lr, eps=self.cfg.actor.optim.adam_eps)
+                                              lr=self.view.lr, eps=self.view.adam_eps)
         self.obs_specs, self.action_dim = obs_specs, action_dim
         r = self.rollouts
         r.obs_specs, r.action_dim = obs_specs, action_dim
@@ -203,9 +209,9 @@ class Learner:
     # --- rollouts (rank 0) ------------------------------------------------------------------------------------
     # --- training -------------------------------------------------------------------------------------------
     def _lr(self) -> float:
-        lr = self.cfg.actor.optim.lr
-        if self.cfg.actor.optim.lr_schedule == "linear":
-            lr *= max(0.0, 1.0 - (self.epoch + 1) / self.cfg.runner.max_epochs)
+        lr = self.view.lr
+        if self.view.lr_schedule == "linear":
+            lr *= max(0.0, 1.0 - (self.epoch + 1) / self.view.max_epochs)
         return lr
 
     def train(self, epoch: int, workers: list[int], extra_metrics: dict[str, float] | None = None,
@@ -257,7 +263,7 @@ class Learner:
                         "train/learner_ranks": float(self.group.world)})
         metrics.update(extra_metrics or {})
         self.elapsed_s = metrics.get("time/elapsed", self.elapsed_s)
-        if (epoch + 1) % self.cfg.runner.save_interval == 0:
+        if (epoch + 1) % self.view.save_interval == 0:
             self.save_checkpoint()
         self.logger.log(epoch + 1, metrics)
         self._batch = None
@@ -322,7 +328,7 @@ class Learner:
         full_names = list(self.model.state_dict())
         partial_names = list(self.model.sync_state_dict())
 
-        bucket = int(self.cfg.actor.weights_bucket_mb * 2 ** 20)
+        bucket = int(self.view.weights_bucket_mb * 2 ** 20)
 
         def gather(names: list[str]):
             self.group.command("gather", {"names": names, "bucket": bucket})
@@ -406,7 +412,7 @@ class Learner:
         """The policy in its family's released layout (services/learner/export.py: ``layout`` upstream or rlfleet;
         LoRA merged, or with ``lora="adapter"`` as a peft adapter), gathered whole on rank 0."""
         if not hasattr(self.model, "save_pretrained"):
-            raise FailedPrecondition(f"{self.cfg.actor.model.model_type} policies have no released layout to export")
+            raise FailedPrecondition(f"{self.view.model.model_type} policies have no released layout to export")
         return self._run("export", {"path": str(path), "lora": lora, "layout": layout})
 
     def _on_export(self, meta: dict, _tensors):
@@ -415,13 +421,13 @@ class Learner:
         state = full_state_dict(self.model, self.group.is_leader)
         if not self.group.is_leader:
             return None
-        plain = build_policy(self.cfg.actor.model, self.obs_specs, self.action_dim, self.alg.normalize_obs,
+        plain = build_policy(self.view.model, self.obs_specs, self.action_dim, self.alg.normalize_obs,
                              self.alg.logprob_type)
         plain.load_state_dict(state)
         for attr in ("unnorm_stats", "proprio_stats", "unnorm_name"):  # what save_pretrained writes beside weights
             if hasattr(self.model, attr):
                 setattr(plain, attr, getattr(self.model, attr))
-        return write_export(plain, meta["path"], meta.get("lora", "merged"), self.cfg.actor.model.get("model_path"),
+        return write_export(plain, meta["path"], meta.get("lora", "merged"), self.view.model.get("model_path"),
                             layout=meta.get("layout", "upstream"), step=self.epoch + 1)
 
     def close(self) -> None:

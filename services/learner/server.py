@@ -17,6 +17,7 @@ from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire import callers, channels, codec, servers, shm, status
 from rlfleet.wire.spaces import spaces_from_proto
 from rlfleet.config import load_service_config
+from rlfleet.config.views import LearnerView, service_view
 from rlfleet.data.metrics import check_record
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
@@ -167,18 +168,20 @@ def env_server_count(coordinator: str, timeout: float = 10.0) -> int | None:
 
 def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None, device: str = "cpu",
           group: RankGroup | None = None):
-    """Rank 0's gRPC face (a group of one unless ``group`` says otherwise)."""
-    learner = Learner(cfg, run_dir, device, group)
+    """Rank 0's gRPC face (a group of one unless ``group`` says otherwise); ``cfg``: the run config or the
+    learner's view of it."""
+    view = cfg if isinstance(cfg, LearnerView) else service_view(LearnerView, cfg)
+    learner = Learner(view, run_dir, device, group)
     if coordinator:  # a scale-up's new env servers push before a Train names them: ask the coordinator
-        learner.rollouts.scale_probe = lambda: env_server_count(coordinator, cfg.cluster.rpc_timeout_s)
+        learner.rollouts.scale_probe = lambda: env_server_count(coordinator, view.rpc_timeout_s)
     server = servers.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(
-        LearnerServicer(learner, cfg.cluster.shared_memory == "auto"), server)
+        LearnerServicer(learner, view.shared_memory == "auto"), server)
     servers.add_health_and_reflection(server, servers.service_name(learner_pb2, "LearnerService"))
     bound = servers.bind(server, address)
     server.start()
-    runtime = ServiceRuntime("learner", index, server, bound, coordinator, cfg.cluster.heartbeat_interval_s,
-                             cfg.cluster.heartbeat_timeout_s)
+    runtime = ServiceRuntime("learner", index, server, bound, coordinator, view.heartbeat_interval_s,
+                             view.heartbeat_timeout_s)
     return server, bound, learner, runtime
 
 
@@ -187,14 +190,15 @@ def main(argv=None) -> int:
     parser.add_argument("--run-dir", required=True, help="where metrics, TensorBoard events and checkpoints go")
     args = parser.parse_args(argv)
     cfg = load_service_config(args)
+    view = service_view(LearnerView, cfg)  # built and checked once, before anything starts
     setup_process(args, cfg, ROLE)
-    group = RankGroup.from_environ(cfg.cluster.learner_collective_timeout_s, cfg.cluster.heartbeat_timeout_s)
+    group = RankGroup.from_environ(view.learner_collective_timeout_s, view.heartbeat_timeout_s)
     if not group.is_leader:  # a follower: no gRPC, rank 0's commands until it says stop
-        learner = Learner(cfg, args.run_dir, group=group)
+        learner = Learner(view, args.run_dir, group=group)
         learner.follow()
         learner.close()
         return 0
-    server, bound, learner, runtime = serve(cfg, args.address, args.run_dir, args.index, args.coordinator,
+    server, bound, learner, runtime = serve(view, args.address, args.run_dir, args.index, args.coordinator,
                                             pick_device(), group)
     code = runtime.serve_until_stopped(cfg, args)
     learner.close()

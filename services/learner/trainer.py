@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from rlfleet.config.views import LearnerView
 from rlfleet.errors import FailedPrecondition
 from services.learner import ppo
 from services.learner.group import RankGroup
@@ -34,8 +35,8 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 class Trainer:
     """Runs the update on this rank's rows; the model (sharded or not) and its optimizer are the learner's."""
 
-    def __init__(self, cfg, group: RankGroup):
-        self.cfg, self.alg, self.group = cfg, cfg.algorithm, group
+    def __init__(self, view: LearnerView, group: RankGroup):
+        self.view, self.alg, self.group = view, view.algorithm, group
         self.device = group.device
 
     # --- micro batches in lockstep ----------------------------------------------------------------------------
@@ -51,7 +52,7 @@ class Trainer:
     def log_probs(self, model, rows: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         """``model``'s log-probs of the sampled actions of local rows ``ids`` (no grad, micro batched)."""
         out = []
-        for idx, real in self.lockstep(ids, self.cfg.actor.micro_batch_size):
+        for idx, real in self.lockstep(ids, self.view.micro_batch_size):
             with model.precision():
                 lp = _at_least_fp32(model.evaluate(*self._inputs(rows, idx)).log_probs)
             if real:
@@ -83,7 +84,7 @@ class Trainer:
         """Minibatch PPO/GRPO steps over this rank's ``rows`` (with 'index': their ids among the ``total`` rows
         of the whole batch). ``critic_only`` (critic warm-up): the loss is the value loss alone and only the
         critic's own modules step. ``ref_model``: the KL reference (None with LoRA: the policy, adapters off)."""
-        alg, actor = self.alg, self.cfg.actor
+        alg = self.alg
         rows = {k: v.to(self.device) for k, v in rows.items()}
         local = len(rows["index"])
         stats: dict[str, float] = {}
@@ -98,10 +99,10 @@ class Trainer:
         for g in optimizer.param_groups:
             g["lr"] = lr
         weight = rows["mask"] if use_mask else torch.ones_like(rows["mask"])
-        gen = torch.Generator().manual_seed(int(self.cfg.runner.seed) * 1_000_003 + epoch)
+        gen = torch.Generator().manual_seed(self.view.seed * 1_000_003 + epoch)
         sums: dict[str, float] = {}
         steps, first_diff, stop = 0, float("nan"), False
-        gbs = actor.global_batch_size
+        gbs = self.view.global_batch_size
         for _ in range(alg.update_epoch):
             perm = torch.randperm(total, generator=gen)
             pos = torch.empty(total, dtype=torch.int64)
@@ -149,7 +150,7 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         acc = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in STAT_KEYS}
         first = torch.zeros((), dtype=torch.float64, device=self.device)
-        for idx, real in self.lockstep(ids, self.cfg.actor.micro_batch_size):
+        for idx, real in self.lockstep(ids, self.view.micro_batch_size):
             w = weight[idx] * (1.0 if real else 0.0)
             adv = rows["advantages"][idx]
             if alg.normalize_advantages:

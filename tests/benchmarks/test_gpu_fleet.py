@@ -90,10 +90,11 @@ def test_weights_streams_get_the_publish_deadline(tmp_path):
     """A real-size first weights set takes minutes: each UpdateWeights stream gets the coordinator's PublishWeights
     deadline, max(120 s, cluster.rpc_timeout_s), not a fixed 120 s."""
     from rlfleet.config import load_config
+    from rlfleet.config.views import learner_view
     from services.learner.learner import Learner
 
     for value, expected in ((60, 120.0), (900, 900.0)):
-        learner = Learner(load_config(None, [f"cluster.rpc_timeout_s={value}"]), tmp_path / str(value))
+        learner = Learner(learner_view(load_config(None, [f"cluster.rpc_timeout_s={value}"])), tmp_path / str(value))
         try:
             assert learner.publisher.timeout == expected
         finally:

@@ -113,13 +113,14 @@ def test_evaluation_learner_of_the_real_size_pi0_holds_its_weights_only(tmp_path
     nothing for training (no optimizer, no Adam state); the memory check's estimate for it against the peak."""
     from rlfleet.config import fit, load_config
     from rlfleet.wire.spaces import TensorSpace
+    from rlfleet.config.views import learner_view
     from services.learner.learner import Learner
 
     cfg = load_config("metaworld_mt50_ppo_pi0", ["runner.only_eval=true", f"runner.logger.log_path={tmp_path}",
                                                  "cluster.learner_num_threads=1"])
     specs = {"corner": TensorSpace((224, 224, 3), "uint8"), "state": TensorSpace((49,), "float32")}
     torch.cuda.reset_peak_memory_stats()
-    learner = Learner(cfg, tmp_path / "run", device="cuda")
+    learner = Learner(learner_view(cfg), tmp_path / "run", device="cuda")
     try:
         learner.setup(specs, 4)
         measured = torch.cuda.max_memory_allocated()

@@ -36,6 +36,7 @@ from rlfleet.wire.codec import EpisodeStat  # noqa: E402
 from services.learner import learner as learner_module  # noqa: E402
 from services.learner import sharding  # noqa: E402
 from services.learner.group import RankGroup  # noqa: E402
+from rlfleet.config.views import learner_view  # noqa: E402
 from services.learner.learner import Learner  # noqa: E402
 
 IMAGE = TensorSpace((32, 32, 3), "uint8")
@@ -125,7 +126,7 @@ def main(argv: list[str]) -> int:
             return model
         learner_module.shard_policy = unsynced
     group = RankGroup.from_environ(timeout_s=120, heartbeat_timeout_s=float(opts.get("hb", 30)))
-    learner = Learner(cfg, out / "run", group=group)
+    learner = Learner(learner_view(cfg), out / "run", group=group)
     if not group.is_leader:
         learner.follow()
         learner.close()

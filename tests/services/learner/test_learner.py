@@ -1,6 +1,7 @@
 """Learner core: rollout validation, a PPO update, checkpoint round trip (weights + optimizer state)."""
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -12,6 +13,7 @@ from rlfleet.data.metrics import read_metrics
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire.codec import EpisodeStat
+from rlfleet.config.views import learner_view
 from services.learner.learner import Learner, latest_checkpoint, update_threads
 
 SPECS = {"state": TensorSpace((13,), "float32")}
@@ -34,7 +36,7 @@ def fake_rollout(T=16, N=8, seed=0):
 @pytest.fixture
 def learner(cfg, tmp_path):
     cfg.runner.save_interval = 1
-    le = Learner(cfg, tmp_path / "run")
+    le = Learner(learner_view(cfg), tmp_path / "run")
     le.setup(SPECS, 4)
     yield le
     le.close()
@@ -107,7 +109,7 @@ def test_resume_restores_weights_optimizer_and_counters(cfg, learner, tmp_path):
     learner.rollouts.receive(0, 0, tm, pe, eps)
     learner.train(0, [0])
     cfg.runner.resume_dir = str(tmp_path / "run")
-    other = Learner(cfg, tmp_path / "run")
+    other = Learner(learner_view(cfg), tmp_path / "run")
     other.setup(SPECS, 4)
     assert (other.epoch, other.version, other.env_steps) == (0, 1, 128)
     for k, v in learner.model.state_dict().items():
@@ -127,11 +129,11 @@ def test_resume_restores_weights_optimizer_and_counters(cfg, learner, tmp_path):
 
 def test_update_threads_follow_the_mode(cfg, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
-    assert update_threads(cfg) == 3  # sync: nothing else runs during the update
+    assert update_threads(learner_view(cfg)) == 3  # sync: nothing else runs during the update
     cfg.algorithm.max_staleness = 1
-    assert update_threads(cfg) == cfg.cluster.torch_num_threads  # async: the envs collect beside it
+    assert update_threads(learner_view(cfg)) == cfg.cluster.torch_num_threads  # async: the envs collect beside it
     cfg.cluster.learner_num_threads = 2
-    assert update_threads(cfg) == 2
+    assert update_threads(learner_view(cfg)) == 2
 
 
 def test_update_runs_on_its_threads_and_gives_them_back(learner):
@@ -146,7 +148,7 @@ def test_update_runs_on_its_threads_and_gives_them_back(learner):
 
 
 def test_samples_more_than_one_version_old_get_truncated_importance_weights(learner):
-    learner.alg.importance_weight_cap = 1.5
+    learner.trainer.alg = dataclasses.replace(learner.alg, importance_weight_cap=1.5)
     tm, pe, eps = fake_rollout()
     tm["weights_version"] = np.zeros((16, 8), np.int64)
     tm["weights_version"][:, :4] = 2  # envs 0-3 acted with the current weights, envs 4-7 two versions before
@@ -175,7 +177,7 @@ def test_fresh_samples_train_as_plain_ppo(learner):
 
 
 def test_decoupled_staleness_1_corrects_every_stale_sample(learner):
-    learner.alg.decoupled_staleness = 1
+    learner.trainer.alg = dataclasses.replace(learner.alg, decoupled_staleness=1)
     tm, pe, eps = fake_rollout()
     tm["weights_version"] = np.zeros((16, 8), np.int64)
     learner.version = 1
@@ -188,7 +190,7 @@ def test_critic_warmup_trains_only_the_critic_first(cfg, tmp_path):
     """algorithm.critic_warmup_epochs=1: epoch 0 moves the critic's own modules and nothing else (the actor, its
     log std and the observation normaliser's consumers hold still); epoch 1 trains everything."""
     cfg.algorithm.critic_warmup_epochs = 1
-    le = Learner(cfg, tmp_path / "run")
+    le = Learner(learner_view(cfg), tmp_path / "run")
     le.setup(SPECS, 4)
     try:
         critic = {n for n, p in le.model.named_parameters() if any(p is q for q in le.model.critic_parameters())}
@@ -212,7 +214,7 @@ def _drift_from_start(cfg, tmp_path, kl_beta: float, epochs: int = 4) -> tuple[f
     """Mean |log p - log p_start| of the sampled actions after ``epochs`` updates with algorithm.kl_beta."""
     cfg.algorithm.kl_beta = kl_beta
     cfg.actor.optim.lr = 3e-3
-    le = Learner(cfg, tmp_path / f"run_beta{kl_beta}")
+    le = Learner(learner_view(cfg), tmp_path / f"run_beta{kl_beta}")
     le.setup(SPECS, 4)
     start = {k: v.clone() for k, v in le.model.state_dict().items()}
     for epoch in range(epochs):
@@ -247,14 +249,14 @@ def test_kl_reference_on_resume_is_the_starting_model(cfg, tmp_path):
     """On --resume the reference is the model the run started from (as built), not the restored checkpoint."""
     cfg.algorithm.kl_beta = 1.0
     cfg.runner.save_interval = 1
-    le = Learner(cfg, tmp_path / "run")
+    le = Learner(learner_view(cfg), tmp_path / "run")
     le.setup(SPECS, 4)
     start = {k: v.clone() for k, v in le.ref_model.state_dict().items()}
     le.rollouts.receive(0, 0, *fake_rollout())
     le.train(0, [0])
     le.close()
     cfg.runner.resume_dir = str(tmp_path / "run")
-    le2 = Learner(cfg, tmp_path / "run")
+    le2 = Learner(learner_view(cfg), tmp_path / "run")
     le2.setup(SPECS, 4)
     try:
         assert all(torch.equal(start[k], v) for k, v in le2.ref_model.state_dict().items())
@@ -271,7 +273,7 @@ def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
     cfg = load_config("pandapickcube_vision_grpo_openvla_oft_tiny",
                       ["algorithm.kl_beta=0.1", "actor.model.vla.image_size=32", "actor.model.lora_rank=4"])
     specs = {"third_person": TensorSpace((32, 32, 3), "uint8"), "state": TensorSpace((7,), "float32")}
-    le = Learner(cfg, tmp_path / "run")
+    le = Learner(learner_view(cfg), tmp_path / "run")
     try:
         le.setup(specs, 4)
         assert le.ref_model is None and le.model.trains_adapters_only
@@ -398,7 +400,7 @@ def test_rollouts_of_workers_the_run_does_not_have_are_refused(learner):
 def test_resumed_run_logs_each_epoch_once(cfg, tmp_path):
     """A kill after epochs past the last checkpoint: --resume trains them again, metrics.jsonl holds them once."""
     cfg.runner.save_interval = 2
-    le = Learner(cfg, tmp_path / "run")
+    le = Learner(learner_view(cfg), tmp_path / "run")
     le.setup(SPECS, 4)
     for epoch in range(3):  # checkpoint at step 2; steps 1, 2, 3 logged; then the kill
         le.rollouts.receive(epoch, 0, *fake_rollout(seed=epoch))
@@ -406,7 +408,7 @@ def test_resumed_run_logs_each_epoch_once(cfg, tmp_path):
     le.close()
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
     cfg.runner.resume_dir = str(tmp_path / "run")
-    le2 = Learner(cfg, tmp_path / "run")
+    le2 = Learner(learner_view(cfg), tmp_path / "run")
     le2.setup(SPECS, 4)
     try:
         assert le2.epoch == 1
@@ -421,7 +423,7 @@ def test_only_eval_learner_loads_weights_without_optimizer_state(cfg, tmp_path):
     """runner.only_eval (what `coordinatorctl eval` sets): the checkpoint's weights, no optimizer nor Adam state,
     and training or checkpointing refused by name."""
     cfg.runner.save_interval = 1
-    le = Learner(cfg, tmp_path / "run")
+    le = Learner(learner_view(cfg), tmp_path / "run")
     le.setup(SPECS, 4)
     le.rollouts.receive(0, 0, *fake_rollout())
     le.train(0, [0])
@@ -432,7 +434,7 @@ def test_only_eval_learner_loads_weights_without_optimizer_state(cfg, tmp_path):
 
     cfg.runner.resume_dir = str(tmp_path / "run")
     cfg.runner.only_eval = True
-    ev = Learner(cfg, tmp_path / "run")
+    ev = Learner(learner_view(cfg), tmp_path / "run")
     ev.setup(SPECS, 4)
     try:
         assert ev.optimizer is None and ev.epoch == 0 and ev.version == 1
