@@ -68,3 +68,25 @@ def test_every_field_names_a_schema_key_and_its_comment():
     assert all(k.comment for k in schema_keys() if not k.group)  # every value key of the schema has its comment
     with pytest.raises(TypeError):
         build_view(dict, load_config())
+
+
+def test_configuration_page_reference_is_in_step_with_the_schema():
+    from rlfleet.config import docs
+
+    page = docs.PAGE.read_text()
+    assert docs.BEGIN in page and docs.END in page
+    assert not docs.stale(), (f"docs/configuration.md's reference is out of step with the schema's comments "
+                              f"(rlfleet/configs/pandapickcube_ppo.yaml and the size YAMLs): run `{docs.FIX}`")
+    for key in schema_keys():  # every key, its default and its comment
+        if not key.group:
+            assert f"| `{key.path}` |" in page, key.path
+    assert "| `rollout` |" in page and "| `actor` |" in page  # the glossary above the block
+
+
+def test_stale_page_detected(tmp_path):
+    from rlfleet.config import docs
+
+    page = tmp_path / "configuration.md"
+    page.write_text(docs.PAGE.read_text().replace("| `algorithm.gamma` |", "| `algorithm.gama` |"))
+    assert docs.stale(page)
+    assert docs.main(["--check"]) == 0
