@@ -27,6 +27,7 @@ named (the learner, export, evaluation and the CLI), :func:`specs_from_json` the
 
 This module is torch-free (the coordinator's CLI imports it): the DCP part (.metadata, the shards) is
 :mod:`rlfleet.data.dcp_files`, imported inside the functions that need it; its names are reachable from here too.
+The folder's names and the limits of what it may hold, which both use, are :mod:`rlfleet.data.checkpoint_layout`.
 """
 
 from __future__ import annotations
@@ -37,26 +38,11 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.untrusted import MiB, BadFile, TooLarge, check_count, inside, read_json, safetensors_header
-
-STATE_DIR = "state"
-METADATA_FILE = ".metadata"
-LEARNER_STATE = "learner_state.json"
-REWARD_RMS = "reward_rms.safetensors"
-STEP_PREFIX = "global_step_"
-
-MAX_METADATA_BYTES = 256 * MiB   # a 7B policy with its Adam state over 64 ranks writes ~20 MB
-MAX_LEARNER_STATE_BYTES = 16 * MiB
-MAX_ENTRIES = 1 << 24            # state dict entries, stored items, chunks of one tensor
-MAX_BYTES_ITEM = 1 * MiB         # one non-tensor item (an optimizer hyper-parameter: a few hundred bytes)
-MAX_TENSOR_DIMS = 16
-MAX_SPACE_ELEMENTS = 1 << 31
-MAX_OBS_ENTRIES = 256
-MAX_ACTION_DIM = 1 << 16
-MAX_ENVS = 1 << 24
-MAX_WORKERS = 1 << 16
-SPACE_DTYPES = ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16",
-                "float32", "float64")
+from rlfleet.data.checkpoint_layout import (LEARNER_STATE, MAX_ACTION_DIM, MAX_BYTES_ITEM, MAX_ENVS,
+                                            MAX_LEARNER_STATE_BYTES, MAX_OBS_ENTRIES, MAX_SPACE_ELEMENTS,
+                                            MAX_TENSOR_DIMS, MAX_WORKERS, REWARD_RMS, SPACE_DTYPES, STATE_DIR,
+                                            STEP_PREFIX, is_int)
+from rlfleet.untrusted import BadFile, TooLarge, check_count, inside, read_json, safetensors_header
 
 
 # --- finding checkpoints -------------------------------------------------------------------------------------------
@@ -154,10 +140,6 @@ def specs_from_json(data: dict) -> dict:
             for k, v in data.items()}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 # --- the leader's files --------------------------------------------------------------------------------------------
 def _number(state: dict, key: str, src, lo: float, hi: float) -> float:
     v = state.get(key)
@@ -176,7 +158,7 @@ def _space(name: str, value: Any, src) -> None:
         raise BadFile(src, what, "{shape, dtype, low, high}", repr(value)[:80])
     shape = value["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or \
-            not all(_is_int(d) and d >= 0 for d in shape):
+            not all(is_int(d) and d >= 0 for d in shape):
         raise BadFile(src, f"{what}.shape", f"at most {MAX_TENSOR_DIMS} non-negative integers", repr(shape)[:80])
     n = math.prod(shape)
     check_count(f"{what} elements", n, MAX_SPACE_ELEMENTS, source=src)

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
-from rlfleet.data.checkpoint_files import (MAX_ENTRIES, MAX_METADATA_BYTES, MAX_TENSOR_DIMS, METADATA_FILE, STATE_DIR,
-                                           _is_int)
+from rlfleet.data.checkpoint_layout import (MAX_ENTRIES, MAX_METADATA_BYTES, MAX_TENSOR_DIMS, METADATA_FILE,
+                                            STATE_DIR, is_int)
 from rlfleet.untrusted import BadFile, OutsideRoot, TooLarge, check_count, inside, regular_file
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -57,7 +57,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 # --- .metadata -----------------------------------------------------------------------------------------------------
 def _size(v, src, what: str) -> tuple[int, ...]:
-    if type(v) is not torch.Size or len(v) > MAX_TENSOR_DIMS or not all(_is_int(d) and d >= 0 for d in v):
+    if type(v) is not torch.Size or len(v) > MAX_TENSOR_DIMS or not all(is_int(d) and d >= 0 for d in v):
         raise BadFile(src, what, f"a torch.Size of at most {MAX_TENSOR_DIMS} non-negative ints", repr(v)[:80])
     return tuple(v)
 
@@ -120,7 +120,7 @@ def _check_metadata(md: Any, src: pathlib.Path, state_dir: pathlib.Path) -> Meta
         if type(rel) is not str or not rel or "/" in rel or "\\" in rel or rel in (".", "..") or \
                 rel.startswith(".") or "\x00" in rel:
             raise OutsideRoot(src, f"{name}.relative_path", f"a plain file name in {state_dir}", repr(rel)[:120])
-        if not (_is_int(start) and _is_int(length) and start >= 0 and length >= 0):
+        if not (is_int(start) and is_int(length) and start >= 0 and length >= 0):
             raise BadFile(src, f"{name} offset/length", "non-negative integers", f"{start!r}, {length!r}"[:80])
         if getattr(info, "transform_descriptors", None):
             raise BadFile(src, f"{name}.transform_descriptors", "none (rlfleet writes no stream transforms)",
