@@ -170,13 +170,28 @@ class EnvView:
 
 # --- the coordinator ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class CoordinatorView:
-    """What the coordinator's epoch loop reads: the budget (``runner``), the rollout's shape, evaluation, and the
-    cluster's timeouts. (Launching services needs the whole resolved config, which the coordinator writes to the run
-    folder for them.)"""
+class CoordinatorEval:
+    """``env.eval`` as the coordinator asks the env servers for an evaluation."""
 
+    num_episodes: int
+    total_num_envs: int
+    seed: int
+    deterministic: bool
+    use_fixed_reset_state_ids: bool
+    video_episodes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorView:
+    """What the coordinator's core reads: the budget (``runner``), the rollout's shape, evaluation, and the
+    cluster's timeouts. (It also holds the whole resolved run config, but only to hand it on: it writes it to the
+    run folder for the services it starts, and compares a registering service's config with it.)"""
+
+    eval: CoordinatorEval = _split_field("eval")
     experiment_name: str = _key("runner.experiment_name")
     log_path: str = _key("runner.logger.log_path")
+    logger_backends: tuple[str, ...] = _key("runner.logger.logger_backends")
+    resume_dir: str | None = _key("runner.resume_dir")
     max_epochs: int = _key("runner.max_epochs")
     max_env_steps: int | None = _key("runner.max_env_steps")
     max_wall_time_s: float | None = _key("runner.max_wall_time_s")
@@ -189,8 +204,6 @@ class CoordinatorView:
     env_id: str = _key("env.train.env_id")
     total_num_envs: int = _key("env.train.total_num_envs")
     max_steps_per_rollout_epoch: int = _key("env.train.max_steps_per_rollout_epoch")
-    eval_num_episodes: int = _key("env.eval.num_episodes")
-    eval_total_num_envs: int = _key("env.eval.total_num_envs")
     num_action_chunks: int = _key("actor.model.num_action_chunks")
     pipeline_stage_num: int = _key("rollout.pipeline_stage_num")
     max_staleness: int = _key("algorithm.max_staleness")

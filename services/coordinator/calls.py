@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from rlfleet.config.views import CoordinatorView
 from rlfleet.wire import channels, env_contract
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 from services.coordinator.service_registry import Registry, RunFailed, Service
@@ -46,13 +47,13 @@ def describe_external(address: str, timeout: float):
 
 
 class FleetCalls:
-    def __init__(self, cfg, registry: Registry, local: bool):
-        self.cfg = cfg
+    def __init__(self, view: CoordinatorView, registry: Registry, local: bool):
+        self.view = view
         self.registry = registry
         self.fate = registry.fate
         # how long a failed call waits for the monitor to notice a death: a local launcher sees process exits at
         # once; in attach mode only missing heartbeats tell
-        self.patience = 3.0 if local else cfg.cluster.heartbeat_timeout_s + 5
+        self.patience = 3.0 if local else view.heartbeat_timeout_s + 5
         self.lock = threading.Lock()
         self.lost_episodes = 0
         self.weights_lock = threading.Lock()
@@ -70,7 +71,7 @@ class FleetCalls:
         return learner_pb2_grpc.LearnerServiceStub(channels.channel(svc.address))
 
     def rollout_stub(self, index: int) -> tuple[Service, object]:
-        svc = self.registry.wait("env", index, self.cfg.cluster.startup_timeout_s)
+        svc = self.registry.wait("env", index, self.view.startup_timeout_s)
         return svc, rollout_pb2_grpc.RolloutServiceStub(channels.channel(svc.address))
 
     def settle(self, svc: Service, incarnation: str, generation: tuple | None = None) -> None:
@@ -91,7 +92,7 @@ class FleetCalls:
         """After inference restarts: wait for every server, then have the learner republish the current weights.
         A server that dies under the republish (the monitor has not noticed yet) is waited for and tried again."""
         reg = self.registry
-        deadline = time.monotonic() + self.cfg.cluster.startup_timeout_s
+        deadline = time.monotonic() + self.view.startup_timeout_s
         with self.weights_lock:
             while True:
                 for i in range(reg.counts["inference"]):
@@ -125,7 +126,7 @@ class FleetCalls:
 
     def why_failed(self, exc: CallFailed, what: str) -> str:
         """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""
-        deadline = time.monotonic() + min(self.patience, self.cfg.cluster.heartbeat_timeout_s)
+        deadline = time.monotonic() + min(self.patience, self.view.heartbeat_timeout_s)
         while not self.fate.fatal and time.monotonic() < deadline and retryable(exc):
             time.sleep(0.1)
         return self.fate.fatal or f"{what} failed: {channels.describe_error(exc)}"

@@ -23,7 +23,8 @@ from opentelemetry import trace
 
 from rlfleet.errors import FailedPrecondition, InvalidRequest, PermissionDenied
 from rlfleet.wire import auth
-from rlfleet.config import learner_layout, to_yaml
+from rlfleet.config import env_server_config, learner_layout, to_yaml
+from rlfleet.config.views import CoordinatorView, build_view
 from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
 from services.coordinator.bottleneck import FleetShape
@@ -97,16 +98,21 @@ class Coordinator:
     MAX_ENV_SERVERS = 256
 
     def __init__(self, cfg, run_dir: pathlib.Path, *, quiet: bool = False, token: str | None = None):
+        # the run config, only handed on: written to the run folder for the services, given to the launcher and
+        # compared with a registering service's; the coordinator reads its own keys through its view, built (and
+        # checked) once here
         self.cfg = cfg
+        self.view = view = build_view(CoordinatorView, cfg)
         self.token = token  # the run credential, handed to the services this coordinator starts
         self.run_dir = run_dir
-        self.local = cfg.cluster.launcher == "local"
-        self.report = RunReport(cfg, run_dir, quiet)
+        self.local = view.launcher == "local"
+        self.report = RunReport(view, run_dir, quiet)
         self.say = self.report.say
         self.fate = RunFate()
         self.registry = Registry(cfg, self.fate, self.say, f" (see {run_dir / 'logs'})" if self.local else "")
-        self.calls = FleetCalls(cfg, self.registry, self.local)
-        self.evaluator = Evaluator(cfg, run_dir, self.calls, self.say)
+        self.calls = FleetCalls(view, self.registry, self.local)
+        eval_simulator = (lambda i: env_server_config(cfg, i).env.eval.simulator_type) if cfg.env.per_server else None
+        self.evaluator = Evaluator(view, run_dir, self.calls, self.say, eval_simulator)
         self.launcher = None  # set in start_services (make_launcher)
         self.phase = "starting"
         self.epoch = -1
@@ -115,9 +121,9 @@ class Coordinator:
         self.elapsed_offset = 0.0
         self.t_train = None
         self.address = ""
-        self.env_id = cfg.env.train.env_id  # replaced by what the env servers describe
+        self.env_id = view.env_id  # replaced by what the env servers describe
         # envs per env server are fixed by the config; `coordinatorctl scale env N` changes the server count
-        self.envs_per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
+        self.envs_per_server = view.total_num_envs // view.num_env_servers
         self.pending_scale: int | None = None
         self.lost_by_epoch: dict[int, int] = {}  # episodes lost while collecting each epoch
 
@@ -160,8 +166,8 @@ class Coordinator:
 
     def status(self) -> coordinator_pb2.RunStatus:
         st = coordinator_pb2.RunStatus(
-            experiment_name=self.cfg.runner.experiment_name, run_dir=str(self.run_dir), phase=self.phase,
-            epoch=self.epoch, max_epochs=self.cfg.runner.max_epochs, env_steps=self.env_steps,
+            experiment_name=self.view.experiment_name, run_dir=str(self.run_dir), phase=self.phase,
+            epoch=self.epoch, max_epochs=self.view.max_epochs, env_steps=self.env_steps,
             elapsed_s=self.elapsed(), last_metrics={k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
             bottleneck=self.report.bottleneck_line)
         self.registry.add_status(st)
@@ -175,14 +181,14 @@ class Coordinator:
         """`coordinatorctl scale env N`: takes effect at the next epoch boundary. -> (current count, message)."""
         if ROLE_NAMES.get(role) != "env":
             raise InvalidRequest(f"role: only env servers scale during a run, not {ROLE_NAMES.get(role, role)}")
-        if self.cfg.cluster.external_env_addresses:
+        if self.view.external_env_addresses:
             raise FailedPrecondition("cluster.external_env_addresses: env servers bridging external simulators "
                                          "are fixed by that list")
         if not 1 <= count <= self.MAX_ENV_SERVERS:
             raise InvalidRequest(f"count: {count} is not in 1..{self.MAX_ENV_SERVERS}")
         self.pending_scale = count
         current = self.registry.counts["env"]
-        per, steps = self.envs_per_server, self.cfg.env.train.max_steps_per_rollout_epoch
+        per, steps = self.envs_per_server, self.view.max_steps_per_rollout_epoch
         message = (f"env servers {current} -> {count} from the next epoch: {per} envs each, {count * per} train "
                    f"envs, {count * per * steps} env steps per epoch (actor.global_batch_size is unchanged: more "
                    f"or fewer minibatches per epoch)")
@@ -226,7 +232,7 @@ class Coordinator:
         try:
             self.launcher.prepare(log=self.say)
         except EnvironmentError_ as exc:
-            raise RunFailed(f"the {self.cfg.env.train.simulator_type} simulator environment could not be "
+            raise RunFailed(f"the {self.view.simulator_type} simulator environment could not be "
                             f"built:\n{exc}") from None
         self.launcher.start_all()
         if not self.local:
@@ -234,7 +240,7 @@ class Coordinator:
                      f"{self.registry.counts}")
         HealthMonitor(self.registry, self.launcher, self.cfg, self.run_dir, self.say).start()
         for (role, index) in list(self.registry.services):
-            self.registry.wait(role, index, self.cfg.cluster.startup_timeout_s, stoppable=True)
+            self.registry.wait(role, index, self.view.startup_timeout_s, stoppable=True)
 
     # --- one epoch's parts ------------------------------------------------------------------------------------
     def _collect(self, index: int, epoch: int, min_version: int) -> rollout_pb2.CollectResponse:
@@ -247,10 +253,10 @@ class Coordinator:
                                                                           "rlfleet.env_server": index}):
                     resp = stub.Collect(rollout_pb2.CollectRequest(
                         epoch=epoch,
-                        num_steps=self.cfg.env.train.max_steps_per_rollout_epoch // self.cfg.actor.model.num_action_chunks,
+                        num_steps=self.view.max_steps_per_rollout_epoch // self.view.num_action_chunks,
                         inference_addresses=reg.addresses("inference"), learner_address=reg.addresses("learner")[0],
                         min_weights_version=min_version, policy_spec=self.calls.policy_spec),
-                        timeout=self.cfg.cluster.collect_timeout_s)
+                        timeout=self.view.collect_timeout_s)
                 if resp.lost_episodes:
                     self._lost(epoch, resp.lost_episodes)
                     self.say(f"  ! env[{index}]: its external simulator restarted; {resp.lost_episodes} episodes lost")
@@ -290,7 +296,7 @@ class Coordinator:
                         "env/lost_episodes": float(self.lost_episodes)})
         sent = {k: v for k, v in metrics.items() if math.isfinite(v)}  # the learner refuses NaN/inf (none = no value)
         self.calls.learner().LogMetrics(learner_pb2.LogMetricsRequest(step=step, metrics=sent),
-                                        timeout=self.cfg.cluster.rpc_timeout_s)
+                                        timeout=self.view.rpc_timeout_s)
         self.report.eval_history.append({"step": step, **metrics})
         return metrics
 
@@ -308,7 +314,7 @@ class Coordinator:
                 self.launcher.start("env", i)
             try:
                 for i in range(old, target):
-                    reg.wait("env", i, self.cfg.cluster.startup_timeout_s)
+                    reg.wait("env", i, self.view.startup_timeout_s)
             except RunFailed as exc:
                 self.fate.check()
                 self.say(f"  ! scaling up did not complete ({exc}); staying at {old} env servers")
@@ -329,21 +335,21 @@ class Coordinator:
 
     # --- the run ----------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        cfg, runner, reg, calls = self.cfg, self.cfg.runner, self.registry, self.calls
+        view, reg, calls = self.view, self.registry, self.calls
         t_setup = time.monotonic()
-        self.say(f"rlfleet: {runner.experiment_name} -> {self.run_dir}")
-        nnodes, per_node = learner_layout(cfg)
+        self.say(f"rlfleet: {view.experiment_name} -> {self.run_dir}")
+        nnodes, per_node = learner_layout(self.cfg)
         ranks = f" of {nnodes * per_node} ranks" if nnodes * per_node > 1 else ""
         ranks += f" on {nnodes} nodes" if nnodes > 1 else ""
         self.say(f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s), "
-                 f"1 learner{ranks} ({cfg.cluster.launcher} launcher, coordinator at {self.address})")
+                 f"1 learner{ranks} ({view.launcher} launcher, coordinator at {self.address})")
         try:
             self.start_services()
         except RunStopped as exc:  # `coordinatorctl stop` (or a signal) before every service had registered
             self.phase = "stopped"
             self.say(f"stopped before training: {exc}")
             return {"stopped": str(exc), "epochs": 0}
-        rpc_timeout = cfg.cluster.rpc_timeout_s
+        rpc_timeout = view.rpc_timeout_s
         spec, joint = joint_env_spec([calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(),
                                                                          timeout=rpc_timeout)
                                       for i in range(reg.counts["env"])])
@@ -351,7 +357,7 @@ class Coordinator:
             self.say(joint)
             calls.policy_spec = spec
         self.env_id = spec.env_id
-        if cfg.cluster.external_env_addresses and not cfg.cluster.external_eval_env_addresses:
+        if view.external_env_addresses and not view.external_eval_env_addresses:
             self.say("  note: evaluation runs on the external training simulators (no "
                      "cluster.external_eval_env_addresses): env.eval's env_id, init_params and total_num_envs do not "
                      "apply, and training episodes restart after each evaluation")
@@ -364,22 +370,22 @@ class Coordinator:
         calls.lost_episodes = self.report.load_state(resumed_step=start_epoch)
         self.env_steps, self.elapsed_offset = status.env_steps, status.elapsed_time_s
         version = pub.weights_version
-        chunk = cfg.actor.model.num_action_chunks
-        batch = cfg.env.train.total_num_envs * cfg.env.train.max_steps_per_rollout_epoch // chunk
+        chunk = view.num_action_chunks
+        batch = view.total_num_envs * view.max_steps_per_rollout_epoch // chunk
         self.say(f"  services up in {time.monotonic() - t_setup:.1f}s; env {spec.env_id}: "
-                 f"{cfg.env.train.total_num_envs} envs x {cfg.env.train.max_steps_per_rollout_epoch} steps"
+                 f"{view.total_num_envs} envs x {view.max_steps_per_rollout_epoch} steps"
                  + (f" in chunks of {chunk}" if chunk > 1 else "") + f" = {batch} samples/epoch, "
-                 f"{cfg.rollout.pipeline_stage_num} pipeline stage(s)"
+                 f"{view.pipeline_stage_num} pipeline stage(s)"
                  + (f"; resumed at epoch {start_epoch}, {self.env_steps} env steps" if start_epoch else ""))
         history = self.report.eval_history
-        if runner.eval_before_train and start_epoch == 0 and not any(e["step"] == 0 for e in history):
+        if view.eval_before_train and start_epoch == 0 and not any(e["step"] == 0 for e in history):
             self.phase = "evaluating"
-            self.say(f"  evaluating the initial policy ({cfg.env.eval.num_episodes} episodes) ...")
+            self.say(f"  evaluating the initial policy ({view.eval.num_episodes} episodes) ...")
             ev = self.evaluate(0)
             self.say(f"  eval @ start: {eval_line(ev)}")
             self._save_state()
         resumed_eval = None
-        if start_epoch and runner.val_check_interval and start_epoch % runner.val_check_interval == 0 \
+        if start_epoch and view.val_check_interval and start_epoch % view.val_check_interval == 0 \
                 and not any(e["step"] == start_epoch for e in history):
             # the killed run saved this checkpoint, then was cut off while evaluating it: redo that evaluation
             self.phase = "evaluating"
@@ -392,22 +398,22 @@ class Coordinator:
         epoch = start_epoch
         stop_why = "budget reached"
         pool = ThreadPoolExecutor(self.MAX_ENV_SERVERS)  # threads start as needed: room for `scale env N`
-        depth = cfg.algorithm.max_staleness  # async: collections started ahead of the epoch being trained
+        depth = view.max_staleness  # async: collections started ahead of the epoch being trained
         ahead: deque = deque()  # (epoch, futures), oldest first
-        target = runner.early_stop_success_rate
+        target = view.early_stop_success_rate
         done = resumed_eval is not None and target is not None and resumed_eval["eval/success_once"] >= target
         if done:
-            stop_why = f"eval success_once {resumed_eval['eval/success_once']:.1%} >= runner.early_stop_success_rate"
+            stop_why = f"eval success_once {resumed_eval['eval/success_once']:.1%} >= view.early_stop_success_rate"
         try:
             while not done:
-                if epoch >= runner.max_epochs:
-                    stop_why = f"runner.max_epochs={runner.max_epochs} reached"
+                if epoch >= view.max_epochs:
+                    stop_why = f"view.max_epochs={view.max_epochs} reached"
                     break
-                if runner.max_env_steps is not None and self.env_steps >= runner.max_env_steps:
-                    stop_why = f"runner.max_env_steps={runner.max_env_steps} reached"
+                if view.max_env_steps is not None and self.env_steps >= view.max_env_steps:
+                    stop_why = f"view.max_env_steps={view.max_env_steps} reached"
                     break
-                if runner.max_wall_time_s is not None and self.elapsed() >= runner.max_wall_time_s:
-                    stop_why = f"runner.max_wall_time_s={runner.max_wall_time_s} reached"
+                if view.max_wall_time_s is not None and self.elapsed() >= view.max_wall_time_s:
+                    stop_why = f"view.max_wall_time_s={view.max_wall_time_s} reached"
                     break
                 if self.fate.stop_event.is_set():
                     stop_why = self.fate.stop_reason or "stopped"
@@ -423,24 +429,24 @@ class Coordinator:
                         # epoch k+d is collected after k+d-1 on each env server, with weights >= k+d-depth: its
                         # samples are at most `depth` versions old when it trains
                         nxt = epoch + 1 + len(ahead)
-                        if nxt >= runner.max_epochs:
+                        if nxt >= view.max_epochs:
                             break
                         after = ahead[-1][1] if ahead else None
                         ahead.append((nxt, self._start_collect(pool, nxt, max(version, nxt - depth), after)))
                     metrics = self._train(learner, epoch, version, results, t0, t_rollout)
                 version = int(metrics["train/weights_version"])
                 bottleneck = self.report.note_epoch(epoch, metrics, self.fleet_shape())
-                if epoch % runner.progress_interval == 0:
+                if epoch % view.progress_interval == 0:
                     self.say(self.report.progress_line(epoch, metrics, self.env_steps, self.elapsed(),
                                                        self.lost_episodes))
                 if bottleneck:
                     self.say(bottleneck)
                 epoch += 1
-                if runner.val_check_interval and epoch % runner.val_check_interval == 0:
+                if view.val_check_interval and epoch % view.val_check_interval == 0:
                     ev = self.evaluate(epoch)
                     self.say(f"  eval @ epoch {epoch}: {eval_line(ev)}")
                     if target is not None and ev["eval/success_once"] >= target:
-                        stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"
+                        stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= view.early_stop_success_rate"
                         break
         except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "a service call")) from exc
@@ -456,13 +462,13 @@ class Coordinator:
         final = None
         if not interrupted:
             if history and history[-1]["step"] == epoch \
-                    and history[-1]["eval/num_episodes"] >= cfg.env.eval.num_episodes:
+                    and history[-1]["eval/num_episodes"] >= view.eval.num_episodes:
                 final = history[-1]
             else:
-                self.say(f"final evaluation: {cfg.env.eval.num_episodes} episodes ...")
+                self.say(f"final evaluation: {view.eval.num_episodes} episodes ...")
                 final = self.evaluate(epoch)
         ckpt = learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(),
-                                      timeout=cfg.cluster.collect_timeout_s).path if epoch > 0 else ""
+                                      timeout=view.collect_timeout_s).path if epoch > 0 else ""
         self._save_state()
         return self.report.write_summary(
             env_id=self.env_id, epochs=epoch, env_steps=self.env_steps, train_time=train_time, stop_why=stop_why,
@@ -508,7 +514,7 @@ class Coordinator:
                     epoch=epoch, worker_indices=list(range(reg.counts["env"])),
                     inference_addresses=reg.addresses("inference"),
                     extra_metrics={k: v for k, v in extra.items() if math.isfinite(v)}),
-                    timeout=self.cfg.cluster.collect_timeout_s))
+                    timeout=self.view.collect_timeout_s))
         except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "learner Train")) from exc
         if resp.publish_error:
@@ -528,7 +534,7 @@ class Coordinator:
         self.registry.shutting_down = True
         self.phase = "stopped"
         if any(s.alive for s in list(self.registry.services.values())):
-            time.sleep(min(2.0, self.cfg.cluster.heartbeat_interval_s * 1.5))  # let heartbeats carry the word
+            time.sleep(min(2.0, self.view.heartbeat_interval_s * 1.5))  # let heartbeats carry the word
         if self.launcher is not None:
             self.launcher.stop_all()
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from opentelemetry import trace
 
 from rlfleet.wire import codec
-from rlfleet.config import env_server_config
+from rlfleet.config.views import CoordinatorView
 from rlfleet.v1 import rollout_pb2
 from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
 from services.coordinator.service_registry import RunFailed
@@ -34,8 +35,12 @@ def _check_episodes(resp, first: int, count: int, peer: str) -> None:
 
 
 class Evaluator:
-    def __init__(self, cfg, run_dir, calls: FleetCalls, say):
-        self.cfg, self.run_dir, self.calls, self.say = cfg, run_dir, calls, say
+    def __init__(self, view: CoordinatorView, run_dir, calls: FleetCalls, say,
+                 eval_simulator: Callable[[int], str] | None = None):
+        """``eval_simulator(i)``: env server i's evaluation simulator, in a run over several simulators
+        (env.per_server; None otherwise)."""
+        self.view, self.run_dir, self.calls, self.say = view, run_dir, calls, say
+        self.eval_simulator = eval_simulator
         self.episodes: list = []  # the last evaluation's EpisodeStats, in episode order
         self.episode_simulators: dict[int, str] = {}
 
@@ -46,12 +51,12 @@ class Evaluator:
         EpisodeStats' env_id is the episode index). ``video_dir``: where videos go (default
         <run>/videos/eval_epochNNNN). ``progress(done, total)``: called as episodes finish; each server's share
         is then asked for in pieces of its eval envs, so that progress is seen during a long evaluation."""
-        ev, calls = self.cfg.env.eval, self.calls
+        ev, calls = self.view.eval, self.calls
         total = num_episodes or ev.num_episodes
         n = calls.registry.counts["env"]
         shares = [len(a) for a in np.array_split(np.arange(total), n)]
         firsts = np.cumsum([0] + shares[:-1])
-        per_server = max(1, ev.total_num_envs // self.cfg.cluster.num_env_servers)  # fixed per server
+        per_server = max(1, ev.total_num_envs // self.view.num_env_servers)  # fixed per server
         if video_dir is None:
             video_dir = str(self.run_dir / "videos" / f"eval_epoch{step:04d}") if ev.video_episodes else ""
         elif not ev.video_episodes:
@@ -64,7 +69,7 @@ class Evaluator:
             return [(int(firsts[i]) + k, min(size, shares[i] - k)) for k in range(0, shares[i], size)]
 
         def piece(i, first, count):
-            for _ in range(self.cfg.cluster.max_restarts + 1):
+            for _ in range(self.view.max_restarts + 1):
                 svc, stub = calls.rollout_stub(i)
                 incarnation, generation = svc.incarnation, calls.registry.inference_generation()
                 try:
@@ -73,7 +78,7 @@ class Evaluator:
                         deterministic=ev.deterministic, inference_addresses=calls.registry.addresses("inference"),
                         use_reset_state_ids=ev.use_fixed_reset_state_ids, video_episodes=ev.video_episodes,
                         video_dir=video_dir, policy_spec=calls.policy_spec),
-                        timeout=self.cfg.cluster.collect_timeout_s)
+                        timeout=self.view.collect_timeout_s)
                     _check_episodes(resp, first, count, f"env[{i}] ({svc.address})")
                     calls.add_lost(resp.lost_episodes)
                     if progress is not None:
@@ -94,7 +99,7 @@ class Evaluator:
                     if calls.registry.inference_generation() == generation:
                         raise
                     calls.ensure_inference_weights()  # an inference server restarted: evaluate again
-            raise RunFailed(f"env[{i}] evaluation failed {self.cfg.cluster.max_restarts + 1} times")
+            raise RunFailed(f"env[{i}] evaluation failed {self.view.max_restarts + 1} times")
 
         def one(i):
             return [e for first, count in pieces(i) for e in piece(i, first, count)]
@@ -107,9 +112,9 @@ class Evaluator:
         self.episodes = sorted(eps, key=lambda e: e.env_id)
         self.episode_simulators = {}  # episode index -> simulator, in a run over several simulators
         by_sim = {}  # a run over several simulators (env.per_server): success per simulator too
-        if self.cfg.env.per_server:
+        if self.eval_simulator is not None:
             for i, r in zip([i for i in range(n) if shares[i]], results):
-                sim = env_server_config(self.cfg, i).env.eval.simulator_type
+                sim = self.eval_simulator(i)
                 by_sim.setdefault(f"eval/{sim}/success_once", []).extend(e.success_once for e in r)
                 self.episode_simulators.update({e.env_id: sim for e in r})
         return {**{k: float(np.mean(v)) for k, v in by_sim.items() if v},

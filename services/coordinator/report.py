@@ -8,6 +8,7 @@ import math
 import os
 import pathlib
 
+from rlfleet.config.views import CoordinatorView
 from rlfleet.data.intervals import rate_of
 from rlfleet.untrusted import BadFile, check_count, read_json
 from services.coordinator.bottleneck import WINDOW, BottleneckWindow, FleetShape
@@ -32,8 +33,8 @@ def eval_line(ev: dict) -> str:
             f"{n} episodes" + per_simulator(ev))
 
 class RunReport:
-    def __init__(self, cfg, run_dir: pathlib.Path, quiet: bool = False):
-        self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
+    def __init__(self, view: CoordinatorView | None, run_dir: pathlib.Path, quiet: bool = False):
+        self.view, self.run_dir, self.quiet = view, run_dir, quiet
         self.eval_history: list[dict] = []
         self.prior_restarts: dict[str, int] = {}  # from the run's earlier parts (--resume)
         self._env_seen: dict[str, float] = {}  # latest env/* metrics, for progress lines
@@ -57,7 +58,7 @@ class RunReport:
         were of a policy that the resumed run trains again, and are dropped (as ``metrics.jsonl`` drops them).
         The file is read as untrusted (rlfleet.untrusted): a bad one is a BadFile naming the field."""
         path = self.run_dir / "coordinator_state.json"
-        if not self.cfg.runner.resume_dir or not path.exists():
+        if not self.view.resume_dir or not path.exists():
             return 0
         state = read_json(path, root=self.run_dir, what="coordinator state")
         history, restarts, lost = (state.get("eval_history", []), state.get("restarts", {}),
@@ -84,7 +85,7 @@ class RunReport:
             v = m.get(key)
             return format(v, fmt) if v is not None and math.isfinite(v) else "-"
 
-        budget = self.cfg.runner.max_env_steps
+        budget = self.view.max_env_steps
         return (f"epoch {epoch + 1:4d} | steps {env_steps / 1000:7.1f}k"
                 + (f"/{budget / 1000:.0f}k" if budget else "")
                 + f" | {f('rollout/env_steps_per_s', '5.0f')} env steps/s | {elapsed:5.0f}s"
@@ -123,7 +124,7 @@ class RunReport:
             self.say(f"  ! learning curve not drawn: {type(exc).__name__}: {exc}")
             curve = None
         summary = {
-            "experiment_name": self.cfg.runner.experiment_name, "run_dir": str(self.run_dir),
+            "experiment_name": self.view.experiment_name, "run_dir": str(self.run_dir),
             "env_id": env_id, "epochs": epochs, "env_steps": env_steps,
             "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
             "final_eval": dict(final or {}),
@@ -152,7 +153,7 @@ class RunReport:
         from rlfleet.data.loggers import logger_backend
 
         folders = "".join(f"{logger_backend(name).folder}/, "
-                          for name in dict.fromkeys(self.cfg.runner.logger.logger_backends))
+                          for name in dict.fromkeys(self.view.logger_backends))
         self.say(f"run files: {self.run_dir}  (summary.json, metrics.jsonl, {folders}checkpoints/, "
                  f"learning_curve.png, config.yaml, logs/)")
         if ckpt:

@@ -100,11 +100,12 @@ def test_register_refuses_config_text_with_aliases_or_tags():
 
 
 def test_coordinator_state_of_a_run_folder_is_checked(tmp_path):
+    from rlfleet.config.views import coordinator_view
     from services.coordinator.report import RunReport
     from rlfleet.untrusted import BadFile
 
     cfg = load_config(None, [f"runner.resume_dir={tmp_path}"])
-    report = RunReport(cfg, tmp_path, quiet=True)
+    report = RunReport(coordinator_view(cfg), tmp_path, quiet=True)
     state = tmp_path / "coordinator_state.json"
     state.write_text(json.dumps({"lost_episodes": 3, "restarts": {"env[0]": 1},
                                  "eval_history": [{"step": 2, "eval/success_once": 0.5},

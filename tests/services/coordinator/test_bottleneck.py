@@ -231,9 +231,10 @@ def test_console_says_the_verdict_once_the_window_fills_then_only_when_it_change
 
 
 def test_summary_carries_the_line(tmp_path):
+    from rlfleet.config.views import coordinator_view
     from tests.conftest import small_config
 
-    report = RunReport(small_config(), tmp_path, quiet=True)
+    report = RunReport(coordinator_view(small_config()), tmp_path, quiet=True)
     summary = report.write_summary(env_id="x", epochs=0, env_steps=0, train_time=0.0, stop_why="test", final=None,
                                    ckpt="", lost_episodes=0, restarts={}, last_metrics={})
     assert summary["bottleneck"] is None  # no epoch: nothing to say
