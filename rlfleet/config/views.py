@@ -346,3 +346,9 @@ def service_view(cls: type[V], cfg) -> V:
         return build_view(cls, cfg)
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from None
+
+
+def as_view(cls: type[V], config_or_view) -> V:
+    """``config_or_view`` if it is already a ``cls``, else ``cls`` built from that run config (build_view): for the
+    services' build functions, which their ``main`` calls with the view and tests and benchmarks with a config."""
+    return config_or_view if isinstance(config_or_view, cls) else build_view(cls, config_or_view)

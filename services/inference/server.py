@@ -15,6 +15,7 @@ import numpy as np
 from rlfleet.errors import InvalidRequest
 from rlfleet.wire import codec, servers, shm, status, tracing, weights
 from rlfleet.config import load_service_config
+from rlfleet.config.views import InferenceView, as_view, service_view
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine import InferenceEngine
@@ -83,25 +84,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             mean_batch_rows=info.mean_batch_rows)
 
 
-def build_engine(cfg, device: str = "cpu", on_fatal=None) -> InferenceEngine:
-    """The engine the config describes; ``on_fatal`` is called when its backend is lost for good (vllm)."""
-    return InferenceEngine(cfg.actor.model, normalize_obs=cfg.algorithm.normalize_obs,
-                           max_batch_size=cfg.rollout.max_batch_size, max_wait_ms=cfg.rollout.max_wait_ms,
-                           device=device, logprob_type=cfg.algorithm.logprob_type,
-                           batch_invariant_rows=batch_invariant_rows(cfg), backend=cfg.rollout.backend,
-                           seed=cfg.runner.seed, weights_precision=cfg.rollout.weights_precision,
+def build_engine(view: InferenceView, device: str = "cpu", on_fatal=None) -> InferenceEngine:
+    """The engine the inference view describes (or the run config: its view is built); ``on_fatal`` is called when
+    its backend is lost for good (vllm)."""
+    view = as_view(InferenceView, view)
+    return InferenceEngine(view.model, normalize_obs=view.normalize_obs,
+                           max_batch_size=view.max_batch_size, max_wait_ms=view.max_wait_ms,
+                           device=device, logprob_type=view.logprob_type,
+                           batch_invariant_rows=batch_invariant_rows(view), backend=view.backend,
+                           seed=view.seed, weights_precision=view.weights_precision,
                            on_fatal=on_fatal, step_spans=tracing.enabled(step_spans=True))
 
 
-def batch_invariant_rows(cfg) -> int:
+def batch_invariant_rows(view: InferenceView) -> int:
     """rollout.batch_invariant_rows, with null resolved by the policy family's entry: 32 for the MLP policy
     (padding is nearly free there), 0 for image and VLA policies (padding costs real compute)."""
-    rows = cfg.rollout.batch_invariant_rows
-    if rows is None:
+    view = as_view(InferenceView, view)
+    if view.batch_invariant_rows is None:
         from rlfleet.policies.families import get_family
 
-        return get_family(cfg.actor.model.model_type).batch_invariant_rows
-    return int(rows)
+        return get_family(view.model.model_type).batch_invariant_rows
+    return view.batch_invariant_rows
 
 
 def _exit_for_restart(why: str) -> None:
@@ -116,32 +119,35 @@ def _exit_for_restart(why: str) -> None:
     os._exit(3)
 
 
-def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
-    """Start serving; returns (grpc server, bound address, engine, runtime)."""
-    engine = build_engine(cfg, device, on_fatal=_exit_for_restart)
+def serve(view: InferenceView, address: str, index: int = 0, coordinator: str | None = None, device: str = "cpu"):
+    """Start serving the inference view (or the run config: its view is built); returns (grpc server, bound
+    address, engine, runtime)."""
+    view = as_view(InferenceView, view)
+    engine = build_engine(view, device, on_fatal=_exit_for_restart)
     engine.start()
-    streams = cfg.rollout.max_act_streams
+    streams = view.max_act_streams
     server = servers.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(engine, cfg.rollout.max_rows_per_request, cfg.cluster.shared_memory == "auto"),
+        InferenceServicer(engine, view.max_rows_per_request, view.shared_memory == "auto"),
         server)
     servers.add_health_and_reflection(server, servers.service_name(inference_pb2, "InferenceService"))
     bound = servers.bind(server, address)
     server.start()
     runtime = ServiceRuntime("inference", index, server, bound, coordinator,
-                             cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
+                             view.heartbeat_interval_s, view.heartbeat_timeout_s)
     return server, bound, engine, runtime
 
 
 def main(argv=None) -> int:
     args = common_args("rlfleet batched inference server").parse_args(argv)
     cfg = load_service_config(args)
+    view = service_view(InferenceView, cfg)  # built and checked once, before anything starts
     setup_process(args, cfg, ROLE)
-    np.random.seed(cfg.runner.seed + 1000 + args.index)
+    np.random.seed(view.seed + 1000 + args.index)
     import torch
 
-    torch.manual_seed(cfg.runner.seed + 1000 + args.index)
-    server, bound, engine, runtime = serve(cfg, args.address, args.index, args.coordinator, pick_device())
+    torch.manual_seed(view.seed + 1000 + args.index)
+    server, bound, engine, runtime = serve(view, args.address, args.index, args.coordinator, pick_device())
     code = runtime.serve_until_stopped(cfg, args)
     engine.stop()
     return code
