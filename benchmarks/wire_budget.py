@@ -112,13 +112,12 @@ def _tiny(cfg, image_size: int):
     from omegaconf import OmegaConf
 
     m = cfg.actor.model
-    key = "openpi" if m.model_type == "openpi" else "vla"
-    if key == "openpi":
-        from rlfleet.policies.models.openpi import TINY
-    else:
-        from rlfleet.policies.models.openvla.architecture import TINY
+    from rlfleet.policies.families import get_family
+
+    family = get_family(m.model_type)
+    key = family.sizes_group  # the family's size group (vla, openpi) and its tiny defaults
     real = dict(m[key])
-    sizes = dict(TINY)
+    sizes = family.defaults()
     for k in ("patch_size", "max_state_dim", "max_action_dim", "num_denoise_steps", "noise_level", "noise_method",
               "pi05"):
         if k in real:
@@ -176,7 +175,9 @@ def flops(model_cfg, parts: dict, cameras: int, action_dim: int) -> tuple[float,
     Llama over those + 1 proprio token + the prompt + chunk x action_dim action queries + 2. pi0: SigLIP over the
     patches, the Gemma VLM over patches + prompt, the action expert over chunk + 1 tokens per denoising step (all of
     them to act, one in training: Flow-SDE's evaluate). Training: TRAIN_FACTOR x that forward."""
-    key = "openpi" if model_cfg.model_type == "openpi" else "vla"
+    from rlfleet.policies.families import get_family
+
+    key = get_family(model_cfg.model_type).sizes_group
     s = model_cfg[key]
     patches = (int(s.image_size) // int(s.patch_size)) ** 2
     prompt = int(model_cfg.max_prompt_tokens)

@@ -490,8 +490,8 @@ def _check_model(cfg: DictConfig) -> None:
     for key, (unused, what) in OPTION_KEYS.items():  # an optional key only the families taking it may set
         if key not in family.options and model.get(key) not in (unused, None):
             takers = [f.model_type for f in FAMILIES.values() if key in f.options]
-            _require(False, f"actor.model.{key}", f"{what} is for model_type {' and '.join(takers) or 'none'}, "
-                     f"not '{model.model_type}'")
+            _require(False, f"actor.model.{key}", f"{what} is for model_type {' and '.join(takers) or 'none'}; "
+                     f"model_type is '{model.model_type}'")
     _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",
              f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu")
     _require(cfg.actor.optim.lr_schedule in ("constant", "linear"), "actor.optim.lr_schedule",

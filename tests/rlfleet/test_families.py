@@ -38,7 +38,7 @@ def test_a_new_family_is_one_entry(toy, tmp_path):
     with pytest.raises(ConfigError, match="'actor.model.toy.width' = 'x' has the wrong type \\(expected int or null"):
         load_config(None, ["actor.model.toy.width=x"])
     with pytest.raises(ConfigError, match="'actor.model.is_lora': training LoRA adapters is for model_type openvla and "
-                                          "openvla_oft, not 'toy'"):
+                                          "openvla_oft; model_type is 'toy'"):
         load_config(None, ["actor.model.model_type=toy", "actor.model.is_lora=true"])
     assert load_config(None, ["actor.model.model_type=toy", "actor.model.num_action_chunks=2"])  # in its options
     # the footprint: a family with a footprint function is checked before a run, by its function

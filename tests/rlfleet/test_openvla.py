@@ -153,7 +153,7 @@ def test_a_vla_needs_an_image_and_openvla_no_chunks():
         build_policy(cfg.actor.model, {"state": TensorSpace((7,), "float32")}, 4, True, "token_level")
     from rlfleet.config import ConfigError
 
-    with pytest.raises(ConfigError, match="an action chunk per call is for model_type openvla_oft and openpi, not .openvla."):
+    with pytest.raises(ConfigError, match="an action chunk per call is for model_type openvla_oft and openpi; model_type is 'openvla'"):
         load_config(None, ["actor.model.model_type=openvla", "actor.model.num_action_chunks=4",
                            "actor.global_batch_size=128", "actor.micro_batch_size=128"])
 
