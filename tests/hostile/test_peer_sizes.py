@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from rlfleet.v1 import env_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, tensor_pb2
-from rlfleet.wire import codec, env_contract, limits
+from rlfleet.wire import channels, codec, env_contract, limits
 from tests.rlfleet.test_conformance import ROOT, _serve, example
 
 F32, U8 = tensor_pb2.FLOAT32, tensor_pb2.UINT8
@@ -340,7 +340,8 @@ def test_the_codec_compares_claimed_bytes_before_it_allocates():
             codec.decode(tensor_pb2.Tensor(dtype=tensor_pb2.FLOAT64, shape=shape, data=bytes(16)), "obs")
         assert str(err.value).startswith("obs: "), err.value
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024  # KiB
-    assert limits.MAX_MESSAGE_BYTES == limits.MAX_MESSAGE_BYTES  # the limit the channels themselves enforce
+    # the limit the channels themselves enforce
+    assert ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES) in channels.OPTIONS
 
 
 class FloodingInference(inference_pb2_grpc.InferenceServiceServicer):
