@@ -27,10 +27,29 @@ V = TypeVar("V")
 _MISSING = object()
 
 
+class _FieldMeta(Mapping):
+    """A view field's metadata: ``key``, the config key it is read from, and ``doc``, the schema's comment on that
+    key, read from the YAML when first asked for (a service that never asks does not parse the schema's text)."""
+
+    def __init__(self, key: str, doc: str = ""):
+        self._items = {"key": key, "doc": doc}
+
+    def __getitem__(self, name: str):
+        if name == "doc":
+            return comment(self._items["key"]) or self._items["doc"]
+        return self._items[name]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 def _key(path: str, doc: str = "") -> Any:
     """A view field read from config key ``path``; its doc is the schema's comment on that key (``doc`` for a group
     the schema does not comment)."""
-    return dataclasses.field(metadata={"key": path, "doc": comment(path) or doc})
+    return dataclasses.field(metadata=_FieldMeta(path, doc))
 
 
 _MODEL_DOC = "the policy family's own config (actor.model: model_type and that family's keys), read-only"
@@ -140,7 +159,7 @@ class EnvSplit:
 
 
 def _split_field(split: str) -> Any:
-    return dataclasses.field(metadata={"key": f"env.{split}", "doc": comment(f"env.{split}") or f"env.{split}"})
+    return _key(f"env.{split}", f"env.{split}: one split of the env group")
 
 
 @dataclasses.dataclass(frozen=True)

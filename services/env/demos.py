@@ -96,6 +96,7 @@ def collect_demonstrations(env: VecEnv, writer: DatasetWriter, num_episodes: int
 
 def main(argv=None) -> int:
     from rlfleet.config import load_cli_config
+    from rlfleet.config.views import env_view
     from services.env.server import env_kwargs
 
     p = argparse.ArgumentParser(description="record scripted-expert demonstrations of env.train into a dataset")
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     args, cfg = load_cli_config(p, argv)
     n = int(args.episodes or cfg.sft.num_demos)
     tr = cfg.env.train
-    kwargs = env_kwargs(cfg, "train", max(1, min(tr.total_num_envs, n)), cfg.sft.demo_seed, False)
+    kwargs = env_kwargs(env_view(cfg), "train", max(1, min(tr.total_num_envs, n)), cfg.sft.demo_seed, False)
     try:
         env = VecEnv(**kwargs)
     except Exception as exc:  # noqa: BLE001 - an unknown id, bad init_params, a simulator that cannot start

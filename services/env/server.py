@@ -25,6 +25,7 @@ from rlfleet.wire.addresses import check_address
 from rlfleet.wire.clients import WireStats, learner_reachable, push_rollout
 from rlfleet.config import env_server_config
 from rlfleet.config import load_service_config
+from rlfleet.config.views import EnvView, as_view, build_view, service_view
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, setup_process
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -231,73 +232,82 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                             eval_time_s=time.perf_counter() - t0, lost_episodes=lost)
 
 
-def env_kwargs(cfg, split: str, num_envs: int, seed: int, auto_reset: bool) -> dict:
-    """VecEnv arguments for env.{split} of the config."""
-    e = cfg.env[split]
+def env_kwargs(view: EnvView, split: str, num_envs: int, seed: int, auto_reset: bool) -> dict:
+    """VecEnv arguments for env.{split} of the env view (or of the run config: its view is built)."""
+    view = as_view(EnvView, view)
+    e = view.train if split == "train" else view.eval
     return dict(env_id=e.env_id, num_envs=num_envs, max_episode_steps=e.max_episode_steps, auto_reset=auto_reset,
-                ignore_terminations=e.ignore_terminations if split == "train" else False,
+                ignore_terminations=view.ignore_terminations if split == "train" else False,
                 init_params=dict(e.init_params), seed=seed, simulator=e.simulator_type)
 
 
-def build_worker(cfg, index: int, external_env: str | None = None,
+def build_worker(view: EnvView, index: int, external_env: str | None = None,
                  external_eval_env: str | None = None) -> tuple[object, RolloutWorker]:
-    """The env (built-in VecEnv, or an external EnvService) and the rollout worker in front of it."""
-    n_servers = cfg.cluster.num_env_servers
-    train, ev = cfg.env.train, cfg.env.eval
+    """The env (built-in VecEnv, or an external EnvService) and the rollout worker in front of it, as this env
+    server's view says (or the run config: its view is built)."""
+    view = as_view(EnvView, view)
+    n_servers = view.num_env_servers
+    train, ev = view.train, view.eval
     per_server = train.total_num_envs // n_servers
-    seed = train.seed + 10_000 * cfg.runner.seed + index * per_server
+    seed = train.seed + 10_000 * view.seed + index * per_server
     if external_env:
         from services.env.remote import RemoteVecEnv
 
-        chunk = cfg.actor.model.num_action_chunks  # a server whose max_action_chunk is shorter is refused here
-        env = RemoteVecEnv(external_env, call_timeout=cfg.cluster.act_timeout_s, policy_chunk=chunk)
+        chunk = view.num_action_chunks  # a server whose max_action_chunk is shorter is refused here
+        env = RemoteVecEnv(external_env, call_timeout=view.act_timeout_s, policy_chunk=chunk)
         if env.num_envs != per_server:
             raise SystemExit(f"config error: the external env at {external_env} hosts {env.num_envs} envs; "
                              f"env.train.total_num_envs / cluster.num_env_servers = {per_server}")
         if external_eval_env:  # connected (and checked) now: an unusable server is refused before the first epoch
-            eval_env = RemoteVecEnv(external_eval_env, call_timeout=cfg.cluster.act_timeout_s, policy_chunk=chunk)
+            eval_env = RemoteVecEnv(external_eval_env, call_timeout=view.act_timeout_s, policy_chunk=chunk)
             eval_factory = lambda: eval_env  # noqa: E731
         else:
             eval_factory = lambda: env  # noqa: E731 - the external sim serves both (the coordinator said so)
     else:
-        env = VecEnv(**env_kwargs(cfg, "train", per_server, seed, train.auto_reset))
-        eval_factory = lambda: VecEnv(**env_kwargs(cfg, "eval", ev.total_num_envs // n_servers, ev.seed, False))  # noqa: E731
-    worker = RolloutWorker(env, cfg.rollout.pipeline_stage_num, auto_reset=train.auto_reset,
-                           bootstrap_truncated=cfg.algorithm.bootstrap_truncated, eval_env_factory=eval_factory,
-                           group_size=cfg.algorithm.group_size,
+        env = VecEnv(**env_kwargs(view, "train", per_server, seed, view.auto_reset))
+        eval_factory = lambda: VecEnv(  # noqa: E731
+            **env_kwargs(view, "eval", ev.total_num_envs // n_servers, ev.seed, False))
+    worker = RolloutWorker(env, view.pipeline_stage_num, auto_reset=view.auto_reset,
+                           bootstrap_truncated=view.bootstrap_truncated, eval_env_factory=eval_factory,
+                           group_size=view.group_size,
                            use_fixed_reset_state_ids=train.use_fixed_reset_state_ids, seed=seed,
                            step_spans=tracing.enabled(step_spans=True))
     return env, worker
 
 
-def serve(cfg, address: str, index: int = 0, coordinator: str | None = None, external_env: str | None = None):
-    cfg = env_server_config(cfg, index)
+def serve(view: EnvView, address: str, index: int = 0, coordinator: str | None = None,
+          external_env: str | None = None):
+    """Start env server ``index``: ``view`` is its view (of ``env_server_config(cfg, index)``), or the run config
+    (that server's view is built from it)."""
+    if not isinstance(view, EnvView):
+        view = build_view(EnvView, env_server_config(view, index))
     external_eval = None
-    if external_env and len(cfg.cluster.external_eval_env_addresses) > index:
-        external_eval = str(cfg.cluster.external_eval_env_addresses[index])
-    env, worker = build_worker(cfg, index, external_env, external_eval)
+    if external_env and len(view.external_eval_env_addresses) > index:
+        external_eval = view.external_eval_env_addresses[index]
+    env, worker = build_worker(view, index, external_env, external_eval)
     server = servers.make_server(max_workers=16)
-    runtime = ServiceRuntime("env", index, server, "", coordinator, cfg.cluster.heartbeat_interval_s,
-                             cfg.cluster.heartbeat_timeout_s)
+    runtime = ServiceRuntime("env", index, server, "", coordinator, view.heartbeat_interval_s,
+                             view.heartbeat_timeout_s)
     names = [servers.service_name(rollout_pb2, "RolloutService")]
     if not external_env:
         env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, runtime.incarnation), server)
         names.append(servers.service_name(env_pb2, "EnvService"))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(
-        worker, index, runtime.incarnation, act_timeout_s=cfg.cluster.act_timeout_s,
-        reconnect_timeout_s=cfg.cluster.external_env_reconnect_timeout_s,
-        shared_memory=cfg.cluster.shared_memory == "auto"), server)
+        worker, index, runtime.incarnation, act_timeout_s=view.act_timeout_s,
+        reconnect_timeout_s=view.external_env_reconnect_timeout_s,
+        shared_memory=view.shared_memory == "auto"), server)
     servers.add_health_and_reflection(server, *names)
     runtime.address = servers.bind(server, address)
     server.start()
     return server, runtime.address, worker, runtime
 
 
-def serve_env_only(cfg, address: str, split: str = "train"):
+def serve_env_only(view: EnvView, address: str, split: str = "train"):
     """A standalone EnvService (no rollout worker): what an external simulator looks like, for tests and
-    `coordinatorctl check-env`."""
-    e = cfg.env[split]
-    env = VecEnv(**env_kwargs(cfg, split, e.total_num_envs, e.seed, e.auto_reset if split == "train" else True))
+    `coordinatorctl check-env`. ``view``: the env view (or the run config: its view is built)."""
+    view = as_view(EnvView, view)
+    e = view.train if split == "train" else view.eval
+    env = VecEnv(**env_kwargs(view, split, e.total_num_envs, e.seed, view.auto_reset if split == "train" else True))
     server = servers.make_server(max_workers=16)
     env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, owns_env=True), server)
     servers.add_health_and_reflection(server, servers.service_name(env_pb2, "EnvService"))
@@ -315,9 +325,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     run_cfg = load_service_config(args)  # the run's config (registration compares it with the coordinator's)
     cfg = env_server_config(run_cfg, args.index)  # with this server's own simulator (env.per_server)
+    view = service_view(EnvView, cfg)  # built and checked once, before anything starts
     setup_process(args, cfg, ROLE)
     if args.env_only:
-        server, bound, env = serve_env_only(cfg, args.address)
+        server, bound, env = serve_env_only(view, args.address)
         print(f"rlfleet EnvService ({env.simulator}:{env.env_id}, {env.num_envs} envs) on {bound}", flush=True)
         try:
             server.wait_for_termination()
@@ -326,7 +337,7 @@ def main(argv=None) -> int:
         env.close()
         return 0
     try:
-        server, bound, worker, runtime = serve(cfg, args.address, args.index, args.coordinator, args.external_env)
+        server, bound, worker, runtime = serve(view, args.address, args.index, args.coordinator, args.external_env)
     except Exception as exc:  # noqa: BLE001 - a simulator that cannot start: say why in one line
         from services.env.backends.base import BackendUnavailable
 
@@ -338,8 +349,8 @@ def main(argv=None) -> int:
         print(f"rlfleet env[{args.index}]: bridge to the external env {args.external_env}: {own.simulator}:"
               f"{own.env_id}, {own.num_envs} envs, env contract version {own.contract_version}", flush=True)
     else:
-        print(f"rlfleet env[{args.index}]: {cfg.env.train.simulator_type}:{cfg.env.train.env_id} in {sys.prefix} "
-              f"({_versions(cfg.env.train.simulator_type)})", flush=True)
+        print(f"rlfleet env[{args.index}]: {view.train.simulator_type}:{view.train.env_id} in {sys.prefix} "
+              f"({_versions(view.train.simulator_type)})", flush=True)
     code = runtime.serve_until_stopped(run_cfg, args)
     worker.close()
     return code
