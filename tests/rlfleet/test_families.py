@@ -149,3 +149,24 @@ def test_export_does_not_import_the_learner():
     tree = ast.parse(pathlib.Path("services/learner/export.py").read_text())
     names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "services.learner.learner" not in names
+
+
+def test_a_learner_trains_the_toy_family(toy, tmp_path):
+    """The learner builds the toy family from its entry, trains one PPO step on a rollout and checkpoints it."""
+    from rlfleet.config.views import learner_view
+    from services.learner.learner import Learner
+    from tests.conftest import small_config
+    from tests.services.learner.test_learner import SPECS, fake_rollout
+
+    cfg = small_config("actor.model.model_type=toy", "runner.save_interval=1")
+    le = Learner(learner_view(cfg), tmp_path / "run")
+    try:
+        le.setup(SPECS, 4)
+        assert isinstance(le.model, ToyPolicy)
+        tm, pe, eps = fake_rollout()
+        le.rollouts.receive(0, 0, tm, pe, eps)
+        metrics = le.train(0, [0])
+        assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+        assert (tmp_path / "run" / "checkpoints" / "global_step_1" / "learner_state.json").is_file()
+    finally:
+        le.close()
