@@ -123,6 +123,29 @@ class LearnerView:
     heartbeat_timeout_s: float = _key("cluster.heartbeat_timeout_s")
 
 
+@dataclasses.dataclass(frozen=True)
+class SftView:
+    """What supervised fine-tuning (``services/learner/sft.py``, ``coordinatorctl sft``) needs: the ``sft`` group,
+    the policy it builds and the keys of the update it shares with the learner."""
+
+    model: DictConfig = _key("actor.model", _MODEL_DOC)
+    normalize_obs: bool = _key("algorithm.normalize_obs")
+    logprob_type: str = _key("algorithm.logprob_type")
+    max_grad_norm: float = _key("algorithm.max_grad_norm")
+    adam_eps: float = _key("actor.optim.adam_eps")
+    seed: int = _key("runner.seed")
+    experiment_name: str = _key("runner.experiment_name")
+    log_path: str = _key("runner.logger.log_path")
+    learner_num_threads: int | None = _key("cluster.learner_num_threads")
+    dataset_path: str | None = _key("sft.dataset_path")
+    dataset_keys: Mapping[str, Any] = _key("sft.dataset_keys")
+    lr: float = _key("sft.lr")
+    max_steps: int = _key("sft.max_steps")
+    batch_size: int = _key("sft.batch_size")
+    image_shift: int = _key("sft.image_shift")
+    output_path: str | None = _key("sft.output_path")
+
+
 # --- the inference servers (RLinf's ``rollout`` component) --------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class InferenceView:
@@ -239,7 +262,7 @@ class CoordinatorView:
     heartbeat_timeout_s: float = _key("cluster.heartbeat_timeout_s")
 
 
-VIEWS = (LearnerView, InferenceView, EnvView, CoordinatorView)
+VIEWS = (LearnerView, SftView, InferenceView, EnvView, CoordinatorView)
 
 
 # --- building -----------------------------------------------------------------------------------------------------

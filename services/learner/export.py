@@ -104,10 +104,12 @@ def write_export(policy, path: str | pathlib.Path, lora: str = "merged", base: s
     return path
 
 
-def export_checkpoint(cfg, ckpt: str | pathlib.Path, out: str | pathlib.Path, lora: str = "merged",
+def export_checkpoint(view, ckpt: str | pathlib.Path, out: str | pathlib.Path, lora: str = "merged",
                       layout: str = "upstream", max_shard_size: int | str = "5GB") -> pathlib.Path:
     """One process on the CPU: build the run's policy for the checkpoint's spaces, load the checkpoint's weights
-    (any world size saved it: DCP reshards), write it."""
+    (any world size saved it: DCP reshards), write it. ``view``: the learner's view of the run config (or the run
+    config: its view is built)."""
+    from rlfleet.config.views import LearnerView, as_view
     import torch
 
     from rlfleet.data.checkpoint_files import specs_from_json, step_of, verify_checkpoint
@@ -117,11 +119,12 @@ def export_checkpoint(cfg, ckpt: str | pathlib.Path, out: str | pathlib.Path, lo
     ckpt = pathlib.Path(ckpt)
     state = verify_checkpoint(ckpt).state  # every file checked before anything is built or loaded
     obs_specs, action_dim = specs_from_json(state["obs_specs"]), int(state["action_dim"])
-    torch.manual_seed(cfg.runner.seed)
-    policy = build_policy(cfg.actor.model, obs_specs, action_dim, cfg.algorithm.normalize_obs,
-                          cfg.algorithm.logprob_type)
+    view = as_view(LearnerView, view)
+    torch.manual_seed(view.seed)
+    policy = build_policy(view.model, obs_specs, action_dim, view.algorithm.normalize_obs,
+                          view.algorithm.logprob_type)
     checkpoint.load_policy_state(ckpt, policy)
-    return write_export(policy, out, lora, base=cfg.actor.model.get("model_path"), layout=layout,
+    return write_export(policy, out, lora, base=view.model.get("model_path"), layout=layout,
                         step=step_of(ckpt), max_shard_size=max_shard_size)
 
 

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from rlfleet.config.views import SftView, as_view, service_view
 from rlfleet.data.datasets import Dataset
 from rlfleet.policies.hub import parse_hub_id, resolve_model_path
 from rlfleet.wire.spaces import TensorSpace
@@ -32,21 +33,23 @@ from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
 
 
-def default_paths(cfg) -> tuple[pathlib.Path, pathlib.Path]:
-    """(dataset folder or hub id, output folder) of a config's ``sft`` group."""
-    base = pathlib.Path(cfg.runner.logger.log_path) / cfg.runner.experiment_name
-    return (pathlib.Path(cfg.sft.dataset_path or base / "demos"), pathlib.Path(cfg.sft.output_path or base / "sft_model"))
+def default_paths(view: SftView) -> tuple[pathlib.Path, pathlib.Path]:
+    """(dataset folder or hub id, output folder) of the ``sft`` group (the SFT view, or a run config)."""
+    view = as_view(SftView, view)
+    base = pathlib.Path(view.log_path) / view.experiment_name
+    return (pathlib.Path(view.dataset_path or base / "demos"), pathlib.Path(view.output_path or base / "sft_model"))
 
 
-def open_dataset(cfg) -> Dataset:
+def open_dataset(view: SftView) -> Dataset:
     """The dataset of ``sft.dataset_path`` (a folder, or a hub dataset id resolved from the Hugging Face cache, as
     ``actor.model.model_path`` is) with the policy's inputs mapped by ``sft.dataset_keys``. Every file of it is read
     as hostile until checked (``rlfleet.data.datasets.Dataset``): paths inside the dataset, footers and shapes
     checked before anything is allocated, a bad file one line naming it, the field and what was expected."""
-    path = str(default_paths(cfg)[0]) if not cfg.sft.dataset_path else str(cfg.sft.dataset_path)
+    view = as_view(SftView, view)
+    path = str(default_paths(view)[0]) if not view.dataset_path else view.dataset_path
     hub = None if pathlib.Path(path).expanduser().is_dir() else parse_hub_id(path, key="sft.dataset_path")
     root = resolve_model_path(path, key="sft.dataset_path", repo_type="dataset") if hub else path
-    return Dataset(root, keys=dict(cfg.sft.dataset_keys or {}), name=hub[0] if hub else None)
+    return Dataset(root, keys=dict(view.dataset_keys), name=hub[0] if hub else None)
 
 
 def chunk_samples(dataset: Dataset, chunk: int) -> tuple[dict[str, np.ndarray], np.ndarray, list[str]]:
@@ -66,28 +69,31 @@ def chunk_samples(dataset: Dataset, chunk: int) -> tuple[dict[str, np.ndarray], 
 
 
 class SFTTrainer:
-    """Behaviour cloning of ``cfg.actor.model`` on one dataset; ``train()`` then ``save()``."""
+    """Behaviour cloning of the view's policy (``actor.model``) on one dataset; ``train()`` then ``save()``."""
 
-    def __init__(self, cfg, dataset: Dataset, output: pathlib.Path, device: str = "cpu", log=print):
-        self.cfg, self.dataset, self.output, self.log = cfg, dataset, pathlib.Path(output), log
+    def __init__(self, view: SftView, dataset: Dataset, output: pathlib.Path, device: str = "cpu", log=print):
+        if not isinstance(view, SftView):
+            raise TypeError(f"SFTTrainer takes the SFT config view (rlfleet.config.views.SftView), "
+                            f"not {type(view).__name__}")
+        self.view, self.dataset, self.output, self.log = view, dataset, pathlib.Path(output), log
         self.device = torch.device(device)
         feats = dataset.observation_features
         self.obs_specs = {k: TensorSpace(tuple(v["shape"]), v["dtype"]) for k, v in feats.items()}
-        torch.manual_seed(cfg.runner.seed)
-        self.policy = build_policy(cfg.actor.model, self.obs_specs, dataset.action_dim, cfg.algorithm.normalize_obs,
-                                   cfg.algorithm.logprob_type).to(self.device)
+        torch.manual_seed(view.seed)
+        self.policy = build_policy(view.model, self.obs_specs, dataset.action_dim, view.normalize_obs,
+                                   view.logprob_type).to(self.device)
         if not hasattr(self.policy, "save_pretrained"):
-            raise ValueError(f"actor.model.model_type '{cfg.actor.model.model_type}' has no checkpoint layout for "
+            raise ValueError(f"actor.model.model_type '{view.model.model_type}' has no checkpoint layout for "
                              f"actor.model.model_path; supervised fine-tuning supports the VLA model types")
         stats = dataset.action_statistics()
         if hasattr(self.policy, "set_action_statistics"):  # un-normalise with the demonstrations' own statistics
-            proprio = dataset.observation_statistics("state") if cfg.actor.model.use_proprio else None
+            proprio = dataset.observation_statistics("state") if view.model.use_proprio else None
             self.policy.set_action_statistics(stats, name=dataset.meta["env_id"], proprio=proprio)
         self.image_keys = sorted(k for k, spec in self.obs_specs.items() if spec.is_image)  # what image_shift moves
         self.obs, self.actions, self.instructions = chunk_samples(dataset, self.policy.num_action_chunks)
         self.optimizer = torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad],
-                                          lr=cfg.sft.lr, eps=cfg.actor.optim.adam_eps)
-        self.rng = np.random.default_rng(cfg.runner.seed)
+                                          lr=view.lr, eps=view.adam_eps)
+        self.rng = np.random.default_rng(view.seed)
 
     @property
     def num_samples(self) -> int:
@@ -96,7 +102,7 @@ class SFTTrainer:
     def augment(self, obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Random-shift augmentation (``sft.image_shift`` = s > 0): every image (uint8 [B, H, W, C]) is padded by
         s pixels on each side, repeating its edge, and cropped back to H x W at an offset drawn per sample."""
-        s = int(self.cfg.sft.image_shift)
+        s = self.view.image_shift
         if s <= 0:
             return obs
         out = dict(obs)
@@ -118,12 +124,12 @@ class SFTTrainer:
             raise FloatingPointError(f"behaviour-cloning loss is {loss.item()} (rows {rows[:4].tolist()}...)")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.algorithm.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.view.max_grad_norm)
         self.optimizer.step()
         return float(loss.item())
 
     def train(self) -> dict:
-        sft = self.cfg.sft
+        sft = self.view
         self.output.mkdir(parents=True, exist_ok=True)
         self.policy.train()
         t0 = time.perf_counter()
@@ -146,7 +152,7 @@ class SFTTrainer:
     def save(self, summary: dict) -> pathlib.Path:
         self.policy.save_pretrained(self.output)
         (self.output / "sft_summary.json").write_text(json.dumps(
-            {**summary, "dataset": str(self.dataset.root), "model_type": self.cfg.actor.model.model_type}, indent=1))
+            {**summary, "dataset": str(self.dataset.root), "model_type": self.view.model.model_type}, indent=1))
         return self.output
 
 
@@ -157,18 +163,19 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="run config (YAML or built-in name)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     _, cfg = load_cli_config(p, argv)
+    view = service_view(SftView, cfg)
     # nothing else runs beside supervised fine-tuning: every core, unless cluster.learner_num_threads says otherwise
-    threads = cfg.cluster.learner_num_threads
-    torch.set_num_threads(int(threads) if threads is not None else max(1, len(os.sched_getaffinity(0))))
-    _, out_dir = default_paths(cfg)
+    threads = view.learner_num_threads
+    torch.set_num_threads(threads if threads is not None else max(1, len(os.sched_getaffinity(0))))
+    _, out_dir = default_paths(view)
     try:
-        dataset = open_dataset(cfg)
-        trainer = SFTTrainer(cfg, dataset, out_dir, log=lambda s: print(s, flush=True))
+        dataset = open_dataset(view)
+        trainer = SFTTrainer(view, dataset, out_dir, log=lambda s: print(s, flush=True))
     except (FileNotFoundError, ValueError, KeyError) as exc:  # a bad file is one line naming it (rlfleet.untrusted)
         print(f"sft: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
         return 1
-    print(f"sft: {cfg.actor.model.model_type} on {len(dataset)} episodes ({trainer.num_samples} samples) from "
-          f"{dataset.root}, {cfg.sft.max_steps} steps of batch {cfg.sft.batch_size}", flush=True)
+    print(f"sft: {view.model.model_type} on {len(dataset)} episodes ({trainer.num_samples} samples) from "
+          f"{dataset.root}, {view.max_steps} steps of batch {view.batch_size}", flush=True)
     summary = trainer.train()
     path = trainer.save(summary)
     print(f"sft: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['wall_time_s']:.0f}s; "

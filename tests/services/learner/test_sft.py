@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlfleet.config import ConfigError, load_config
+from rlfleet.config.views import SftView, build_view
 from rlfleet.data.datasets import Dataset, DatasetWriter, Episode
 from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
@@ -59,7 +60,7 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, proprio):
     d = _dataset(tmp_path / "d")
     TINY_ = [*TINY, f"actor.model.use_proprio={str(proprio).lower()}"]
     cfg = load_config(None, [*TINY_, "sft.max_steps=80", "sft.batch_size=12", "sft.lr=1e-3"])
-    trainer = SFTTrainer(cfg, d, tmp_path / "out", log=lambda s: None)
+    trainer = SFTTrainer(build_view(SftView, cfg), d, tmp_path / "out", log=lambda s: None)
     summary = trainer.train()
     assert summary["final_loss"] < 0.5 * summary["first_loss"], summary
     path = trainer.save(summary)
@@ -88,7 +89,7 @@ def test_pi0_flow_matching_sft_round_trips_through_model_path(tmp_path):
     args = ["actor.model.model_type=openpi", "actor.model.num_action_chunks=2", "algorithm.logprob_type=chunk_level",
             "env.train.max_steps_per_rollout_epoch=16", "actor.micro_batch_size=64", "actor.global_batch_size=128"]
     cfg = load_config(None, [*args, "sft.max_steps=25", "sft.batch_size=8", "sft.lr=1e-3"])
-    trainer = SFTTrainer(cfg, d, tmp_path / "out", log=lambda s: None)
+    trainer = SFTTrainer(build_view(SftView, cfg), d, tmp_path / "out", log=lambda s: None)
     summary = trainer.train()
     assert summary["final_loss"] < summary["first_loss"], summary
     path = trainer.save(summary)
@@ -103,7 +104,7 @@ def test_pi0_flow_matching_sft_round_trips_through_model_path(tmp_path):
 def test_random_shift_moves_each_image_by_at_most_the_shift_and_leaves_the_rest(tmp_path):
     d = _dataset(tmp_path / "d", episodes=2, T=4)
     cfg = load_config(None, [*TINY, "sft.image_shift=3"])
-    trainer = SFTTrainer(cfg, d, tmp_path / "out", log=lambda s: None)
+    trainer = SFTTrainer(build_view(SftView, cfg), d, tmp_path / "out", log=lambda s: None)
     img = np.zeros((16, 64, 64, 3), np.uint8)
     img[:, 30, 30] = 255  # one bright pixel per image, away from the edges
     state = np.arange(16 * 7, dtype=np.float32).reshape(16, 7)
@@ -114,7 +115,7 @@ def test_random_shift_moves_each_image_by_at_most_the_shift_and_leaves_the_rest(
     assert all(len(w) == 1 for w in where)  # the pixel moved, it was not blurred or lost
     offsets = np.array([w[0] - [30, 30] for w in where])
     assert np.abs(offsets).max() <= 3 and len({tuple(o) for o in offsets}) > 1  # drawn per sample, within the shift
-    off = SFTTrainer(load_config(None, TINY), d, tmp_path / "out2", log=lambda s: None)
+    off = SFTTrainer(build_view(SftView, load_config(None, TINY)), d, tmp_path / "out2", log=lambda s: None)
     assert off.augment({"third_person": img})["third_person"] is img  # sft.image_shift 0: untouched
     with pytest.raises(ValueError, match="sft.image_shift"):
         load_config(None, [*TINY, "sft.image_shift=-1"])
