@@ -90,3 +90,26 @@ def test_stale_page_detected(tmp_path):
     page.write_text(docs.PAGE.read_text().replace("| `algorithm.gamma` |", "| `algorithm.gama` |"))
     assert docs.stale(page)
     assert docs.main(["--check"]) == 0
+
+
+def test_a_service_refuses_a_wrong_type_at_start_up_naming_the_key(tmp_path):
+    """What a service's ``main`` does with a config whose value its view cannot take: exit before anything starts,
+    naming the key (as ``load_service_config`` does for a config that does not load)."""
+    from rlfleet.config.views import SftView, service_view
+
+    cfg = load_config()
+    OmegaConf.update(cfg, "rollout.max_wait_ms", "soon")
+    with pytest.raises(SystemExit, match=r"config error: 'rollout\.max_wait_ms' = 'soon' has the wrong type"):
+        service_view(InferenceView, cfg)
+    assert service_view(LearnerView, cfg).seed == cfg.runner.seed  # a key the learner does not read is not its concern
+    assert service_view(SftView, cfg).max_steps == cfg.sft.max_steps
+
+
+def test_cores_take_their_view_not_the_config(tmp_path):
+    import torch
+
+    from services.learner.learner import Learner
+
+    torch.set_num_threads(1)
+    with pytest.raises(TypeError, match="learner_view"):
+        Learner(load_config(), tmp_path / "run")
