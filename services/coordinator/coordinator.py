@@ -238,7 +238,7 @@ class Coordinator:
         if not self.local:
             self.say(f"waiting for services to register at {self.address} (cluster.launcher=attach): "
                      f"{self.registry.counts}")
-        HealthMonitor(self.registry, self.launcher, self.cfg, self.run_dir, self.say).start()
+        HealthMonitor(self.registry, self.launcher, self.view, self.run_dir, self.say).start()
         for (role, index) in list(self.registry.services):
             self.registry.wait(role, index, self.view.startup_timeout_s, stoppable=True)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from rlfleet.config.views import CoordinatorView, as_view
 from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire.addresses import check_address
 from rlfleet.wire.service import CANNOT_START  # a service that failed before serving: not restarted
@@ -226,14 +227,16 @@ class Registry:
 class HealthMonitor:
     """Restart env and inference servers that exited or went silent; fail the run if the learner dies."""
 
-    def __init__(self, registry: Registry, launcher, cfg, run_dir, say):
-        self.registry, self.launcher, self.cfg, self.run_dir, self.say = registry, launcher, cfg, run_dir, say
+    def __init__(self, registry: Registry, launcher, view: CoordinatorView, run_dir, say):
+        """``view``: the coordinator's view (or the run config: its view is built)."""
+        self.registry, self.launcher, self.run_dir, self.say = registry, launcher, run_dir, say
+        self.view = as_view(CoordinatorView, view)
 
     def start(self) -> None:
         threading.Thread(target=self._loop, name="monitor", daemon=True).start()
 
     def _loop(self) -> None:
-        reg, timeout = self.registry, self.cfg.cluster.heartbeat_timeout_s
+        reg, timeout = self.registry, self.view.heartbeat_timeout_s
         while not reg.shutting_down:
             time.sleep(0.2)
             dead: list[tuple[Service, str]] = []
@@ -263,7 +266,7 @@ class HealthMonitor:
             svc.alive = False
             svc.ready.clear()
         name = f"{svc.role}[{svc.index}]"
-        limit = self.cfg.cluster.max_restarts
+        limit = self.view.max_restarts
         if svc.role == "learner":  # it holds the training state: the run stops, --resume continues it
             self.registry.fate.fail(f"{name} died: {why}\n  resume with: coordinatorctl start --resume {self.run_dir}")
             return
