@@ -1,6 +1,6 @@
 """The shape of the code (docs/architecture.md): rlfleet's layers import only lower layers, no shared module names
-env-side code (by import or by string), the services never import each other, and the coordinator process never
-loads a simulator backend."""
+env-side code (by import or by string), the services never import each other, the coordinator process never
+loads a simulator backend, and no first-party module imports itself back through others (no import circles)."""
 
 from __future__ import annotations
 
