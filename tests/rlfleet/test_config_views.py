@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from rlfleet.config import CONFIG_DIR, ConfigError, config_from_yaml, load_config, to_yaml
+from rlfleet.config import CONFIG_DIR, ConfigError, config_from_yaml, env_server_config, load_config, to_yaml
 from rlfleet.config.schema import comments, schema_keys
 from rlfleet.config.views import (VIEWS, CoordinatorView, EnvView, InferenceView, LearnerView, build_view,
                                   field_docs, learner_view)
@@ -24,6 +24,9 @@ def test_every_builtin_config_gives_valid_views(path):
     assert build_view(InferenceView, cfg).max_batch_size == cfg.rollout.max_batch_size
     assert build_view(EnvView, cfg).pipeline_stage_num == cfg.rollout.pipeline_stage_num
     assert build_view(CoordinatorView, cfg).total_num_envs == cfg.env.train.total_num_envs
+    for index in range(cfg.cluster.num_env_servers):  # each env server's own view (env.per_server)
+        server = env_server_config(cfg, index)
+        assert build_view(EnvView, server).train.simulator_type == server.env.train.simulator_type
 
 
 def test_views_are_frozen_and_typed():
