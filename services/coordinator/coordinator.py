@@ -407,7 +407,7 @@ class Coordinator:
         try:
             while not done:
                 if epoch >= view.max_epochs:
-                    stop_why = f"view.max_epochs={view.max_epochs} reached"
+                    stop_why = f"runner.max_epochs={view.max_epochs} reached"
                     break
                 if view.max_env_steps is not None and self.env_steps >= view.max_env_steps:
                     stop_why = f"view.max_env_steps={view.max_env_steps} reached"
