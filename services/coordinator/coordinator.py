@@ -403,17 +403,17 @@ class Coordinator:
         target = view.early_stop_success_rate
         done = resumed_eval is not None and target is not None and resumed_eval["eval/success_once"] >= target
         if done:
-            stop_why = f"eval success_once {resumed_eval['eval/success_once']:.1%} >= view.early_stop_success_rate"
+            stop_why = f"eval success_once {resumed_eval['eval/success_once']:.1%} >= runner.early_stop_success_rate"
         try:
             while not done:
                 if epoch >= view.max_epochs:
                     stop_why = f"runner.max_epochs={view.max_epochs} reached"
                     break
                 if view.max_env_steps is not None and self.env_steps >= view.max_env_steps:
-                    stop_why = f"view.max_env_steps={view.max_env_steps} reached"
+                    stop_why = f"runner.max_env_steps={view.max_env_steps} reached"
                     break
                 if view.max_wall_time_s is not None and self.elapsed() >= view.max_wall_time_s:
-                    stop_why = f"view.max_wall_time_s={view.max_wall_time_s} reached"
+                    stop_why = f"runner.max_wall_time_s={view.max_wall_time_s} reached"
                     break
                 if self.fate.stop_event.is_set():
                     stop_why = self.fate.stop_reason or "stopped"
@@ -446,7 +446,7 @@ class Coordinator:
                     ev = self.evaluate(epoch)
                     self.say(f"  eval @ epoch {epoch}: {eval_line(ev)}")
                     if target is not None and ev["eval/success_once"] >= target:
-                        stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= view.early_stop_success_rate"
+                        stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"
                         break
         except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "a service call")) from exc
