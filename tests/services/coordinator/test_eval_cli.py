@@ -143,9 +143,9 @@ def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
     # layout has no value head: it starts fresh)
     code = ("import sys, json, pathlib, torch; from rlfleet.config import load_config; "
             "from rlfleet.policies import build_policy; from services.learner.checkpoint import load_policy_state; "
-            "from services.learner.learner import _specs_from_json; c = pathlib.Path(sys.argv[1]); "
+            "from rlfleet.data.checkpoint_files import specs_from_json; c = pathlib.Path(sys.argv[1]); "
             "st = json.loads((c / 'learner_state.json').read_text()); "
-            "obs, adim = _specs_from_json(st['obs_specs']), st['action_dim']; "
+            "obs, adim = specs_from_json(st['obs_specs']), st['action_dim']; "
             "cfg = load_config(c.parent.parent / 'config.yaml'); m = cfg.actor.model; "
             "a = build_policy(m, obs, adim, True, cfg.algorithm.logprob_type); load_policy_state(c, a); sa = a.state_dict()\n"
             "for e, but in zip(sys.argv[2::2], sys.argv[3::2]):\n"
