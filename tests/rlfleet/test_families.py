@@ -88,8 +88,8 @@ def test_unregistered_family_is_unknown():
 @pytest.mark.parametrize("group, module", [("vla", "rlfleet.policies.models.openvla"),
                                            ("openpi", "rlfleet.policies.models.openpi")])
 def test_size_yaml_is_the_modules_defaults(group, module):
-    """A family's size YAML (the config's defaults) and its module's TINY (what a partial sizes dict falls back to)
-    say the same."""
+    """A family's size YAML is the one place its defaults are written: the config's group and its module's TINY
+    (what a partial sizes dict falls back to) both read it."""
     import importlib
 
     family = next(f for f in FAMILIES.values() if f.sizes_group == group)

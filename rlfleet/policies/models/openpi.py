@@ -41,13 +41,11 @@ from torch.nn import functional as F
 
 from rlfleet.policies.models.openvla import ByteTokenizer, has_tokenizer_files, load_hf_tokenizer, save_tokenizer
 from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
+from rlfleet.policies.families import FAMILIES
 
-# actor.model.openpi defaults: a tiny π0 that runs on CPU
-TINY = dict(image_size=32, patch_size=16, vision_hidden_size=64, vision_layers=1, vision_heads=2,
-            vision_intermediate_size=128, vlm_hidden_size=128, vlm_layers=2, vlm_heads=2, vlm_intermediate_size=256,
-            expert_hidden_size=64, expert_layers=2, expert_intermediate_size=128, head_dim=32, vocab_size=512,
-            max_state_dim=32, max_action_dim=32, num_denoise_steps=4, noise_level=0.5, train_expert_only=False,
-            value_hidden_size=128, pi05=False, noise_method="flow_sde", noise_std_min=0.05, noise_std_max=0.2)
+# actor.model.openpi defaults: a tiny π0 that runs on CPU, written once, in the family's size YAML (openpi_sizes.yaml
+# beside this module; its entry in rlfleet.policies.families names it)
+TINY = FAMILIES["openpi"].defaults()
 NOISE_METHODS = ("flow_sde", "flow_noise")
 STATE_BINS = 256  # π0.5's discretised state
 

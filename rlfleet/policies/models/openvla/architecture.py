@@ -9,17 +9,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rlfleet.policies.families import FAMILIES
 from rlfleet.policies.models.openvla.tokenizers import PROMPT, ByteTokenizer
 
 SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
-# actor.model.vla defaults: a tiny model (a few million parameters) that runs on CPU
-TINY = dict(image_size=64, patch_size=16, vision_hidden_size=128, vision_layers=2, vision_heads=4,
-            vision_intermediate_size=256, use_dinov2=False, dino_hidden_size=None, dino_layers=None, dino_heads=None,
-            dino_intermediate_size=None, dino_registers=0, llm_hidden_size=256, llm_layers=2, llm_heads=4,
-            llm_kv_heads=4, llm_intermediate_size=512, llm_rms_norm_eps=1e-6, llm_rope_theta=10000.0,
-            vocab_size=1024, action_token_end=None, prompt_suffix_ids=(), n_action_bins=256, value_hidden_size=256)
+# actor.model.vla defaults: a tiny model (a few million parameters) that runs on CPU, written once, in the family's
+# size YAML (sizes.yaml in this package; its entry in rlfleet.policies.families names it)
+TINY = FAMILIES["openvla"].defaults()
 
 
 class VisionBackbone(nn.Module):
