@@ -55,8 +55,9 @@ def main(argv=None) -> int:
     results = {
         "same caller (every call of a service)": per_call_us(lambda i: callers.check_caller(method, same), args.calls),
         "a caller not seen before": per_call_us(lambda i: callers.check_caller(method, fresh[i]), n_fresh, repeats=1),
-        "a known cert, a new index (role-wide)": per_call_us(lambda i: callers.check_caller(method, same_cert[i]),
-                                                             n_fresh, repeats=1),
+        "a known cert, a new index (role-wide)": per_call_us(
+            lambda i: callers.check_caller(method, same_cert[i]), n_fresh, repeats=1
+        ),
         "garbage bearer (refused)": per_call_us(refused, args.calls),
     }
     results.update(grpc_round_trip(secret, min(args.calls, 3000)))
@@ -89,7 +90,8 @@ def grpc_round_trip(secret: str, n: int) -> dict[str, float]:
                 for _ in range(200):  # warm up
                     stub.Status(learner_pb2.LearnerStatusRequest(), metadata=md, timeout=5)
                 out[label] = per_call_us(
-                    lambda i: stub.Status(learner_pb2.LearnerStatusRequest(), metadata=md, timeout=5), n, repeats=3)
+                    lambda i: stub.Status(learner_pb2.LearnerStatusRequest(), metadata=md, timeout=5), n, repeats=3
+                )
         finally:
             server.stop(0)
     return out

@@ -22,10 +22,13 @@ sys.path.insert(0, str(ROOT))
 
 from rlfleet.data.metrics import read_metrics  # noqa: E402
 
-COLUMNS = [("env/reward", "reward/step", "{:.4f}"), ("train/actor/entropy_loss", "entropy", "{:.2f}"),
-           ("train/actor/approx_kl", "approx_kl", "{:.4f}"),
-           ("train/actor/first_logprob_abs_diff", "logp gap", "{:.1e}"),
-           ("rollout/env_steps_per_s", "env steps/s", "{:.0f}")]
+COLUMNS = [
+    ("env/reward", "reward/step", "{:.4f}"),
+    ("train/actor/entropy_loss", "entropy", "{:.2f}"),
+    ("train/actor/approx_kl", "approx_kl", "{:.4f}"),
+    ("train/actor/first_logprob_abs_diff", "logp gap", "{:.1e}"),
+    ("rollout/env_steps_per_s", "env steps/s", "{:.0f}"),
+]
 
 
 def main() -> int:
@@ -44,9 +47,17 @@ def main() -> int:
             base = pathlib.Path(args.out) / f"{backend}-s{seed}"
             run = base / args.config
             if not (args.reuse and (run / "summary.json").is_file()):
-                cmd = [sys.executable, "-m", "services.coordinator.cli", "start", args.config,
-                       f"rollout.backend={backend}", f"runner.seed={seed}", f"runner.logger.log_path={base}",
-                       *args.overrides]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "services.coordinator.cli",
+                    "start",
+                    args.config,
+                    f"rollout.backend={backend}",
+                    f"runner.seed={seed}",
+                    f"runner.logger.log_path={base}",
+                    *args.overrides,
+                ]
                 print("$", " ".join(cmd), flush=True)
                 if subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=dict(os.environ)).returncode:
                     print(f"run failed: {run}/logs", file=sys.stderr)
@@ -58,7 +69,7 @@ def main() -> int:
     for (backend, seed), run in runs.items():
         rows = [r for r in read_metrics(run) if "train/loss" in r]
         for start in range(0, len(rows), args.block):
-            block = rows[start:start + args.block]
+            block = rows[start : start + args.block]
             cells = []
             for key, _, fmt in COLUMNS:
                 vals = [r[key] for r in block if key in r]
@@ -77,8 +88,10 @@ def main() -> int:
     for (backend, seed), run in runs.items():
         s = json.loads((run / "summary.json").read_text())
         ev = s.get("final_eval", {})
-        print(f"| {backend} | {seed} | {ev.get('eval/success_once', float('nan')):.2f} | "
-              f"{ev.get('eval/return', float('nan')):.2f} | {s.get('train_wall_time_s', 0):.0f} |")
+        print(
+            f"| {backend} | {seed} | {ev.get('eval/success_once', float('nan')):.2f} | "
+            f"{ev.get('eval/return', float('nan')):.2f} | {s.get('train_wall_time_s', 0):.0f} |"
+        )
     return 0
 
 

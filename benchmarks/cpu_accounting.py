@@ -23,8 +23,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rlfleet.data.metrics import read_metrics  # noqa: E402
 from time_to_success import raw_all_cores  # noqa: E402
+
+from rlfleet.data.metrics import read_metrics  # noqa: E402
 
 STEPS = 1024  # the report's unit: core-ms per this many env steps (one epoch of the default run)
 
@@ -62,13 +63,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds after the start before the window opens")
     ap.add_argument("--window", type=float, default=20.0, help="seconds measured")
-    ap.add_argument("--raw", type=float, default=None,
-                    help="the raw simulator's env steps/s on all cores (default: measured after the run)")
+    ap.add_argument(
+        "--raw",
+        type=float,
+        default=None,
+        help="the raw simulator's env steps/s on all cores (default: measured after the run)",
+    )
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for coordinatorctl start")
     args = ap.parse_args()
     log_path = pathlib.Path(tempfile.mkdtemp(prefix="rlfleet-cpu-"))
-    cmd = [sys.executable, "-m", "services.coordinator.cli", "start", "--quiet", "runner.val_check_interval=0",
-           "runner.max_env_steps=10000000", f"runner.logger.log_path={log_path}", *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.coordinator.cli",
+        "start",
+        "--quiet",
+        "runner.val_check_interval=0",
+        "runner.max_env_steps=10000000",
+        f"runner.logger.log_path={log_path}",
+        *args.overrides,
+    ]
     print("$ coordinatorctl start " + " ".join(cmd[5:]), flush=True)
     run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, "MUJOCO_GL": "egl"})
     try:
@@ -91,8 +105,10 @@ def main() -> None:
         raise SystemExit("no training epoch finished inside the window: lengthen --window")
     cores = os.cpu_count() or 1
     per = lambda seconds: seconds / steps * STEPS * 1000  # noqa: E731 - core-ms per STEPS env steps
-    print(f"\n{epochs1 - epochs0} epochs, {steps:,.0f} env steps in {wall:.1f} s: {steps / wall:,.0f} env steps/s "
-          f"(the window's rate; epochs finishing at its edges make it +-1 epoch)")
+    print(
+        f"\n{epochs1 - epochs0} epochs, {steps:,.0f} env steps in {wall:.1f} s: {steps / wall:,.0f} env steps/s "
+        f"(the window's rate; epochs finishing at its edges make it +-1 epoch)"
+    )
     print(f"\n| process | core-ms per {STEPS:,} env steps | share |")
     print("|---|---|---|")
     total = sum(end[p] - start[p] for p in procs)
@@ -104,12 +120,16 @@ def main() -> None:
     expert = raw_all_cores(cores, args.overrides, "expert")
     sim = cores / args.raw * STEPS * 1000
     budget = sim / 0.6
-    print(f"\nraw simulator on {cores} cores: {args.raw:,.0f} env steps/s, i.e. {sim:,.0f} core-ms per {STEPS:,} "
-          f"steps; a whole loop at 60% of it may spend {budget:,.0f} core-ms per {STEPS:,} steps in all, "
-          f"{budget - sim:,.0f} of them outside the simulator; this run spent {per(total):,.0f}.")
+    print(
+        f"\nraw simulator on {cores} cores: {args.raw:,.0f} env steps/s, i.e. {sim:,.0f} core-ms per {STEPS:,} "
+        f"steps; a whole loop at 60% of it may spend {budget:,.0f} core-ms per {STEPS:,} steps in all, "
+        f"{budget - sim:,.0f} of them outside the simulator; this run spent {per(total):,.0f}."
+    )
     if expert:
-        print(f"the same steps with the scripted expert's actions (grasping and lifting, as a solved task does): "
-              f"{expert:,.0f} env steps/s, {cores / expert * STEPS * 1000:,.0f} core-ms per {STEPS:,} steps.")
+        print(
+            f"the same steps with the scripted expert's actions (grasping and lifting, as a solved task does): "
+            f"{expert:,.0f} env steps/s, {cores / expert * STEPS * 1000:,.0f} core-ms per {STEPS:,} steps."
+        )
 
 
 if __name__ == "__main__":

@@ -52,15 +52,29 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 PARTS = ("preflight", "oft-fleet", "oft-inproc", "mlp", "pi0-fleet")
 # seconds each part may take at most (GPU / --cpu), and the least a part needs to be started at all
-CAPS = {"preflight": (40, 120), "oft-fleet": (320, 240), "oft-inproc": (80, 120), "mlp": (60, 150),
-        "pi0-fleet": (240, 240)}
+CAPS = {
+    "preflight": (40, 120),
+    "oft-fleet": (320, 240),
+    "oft-inproc": (80, 120),
+    "mlp": (60, 150),
+    "pi0-fleet": (240, 240),
+}
 MINIMUM = {"preflight": 20, "oft-fleet": 150, "oft-inproc": 40, "mlp": 40, "pi0-fleet": 150}
 ENV_SERVERS = (8, 2)  # GPU / --cpu
 EPOCHS = (4, 2)  # VLA fleet epochs (GPU / --cpu): the first carries the warm-up, the others are measured
 # the 2-core CPU machine's figures of the default run (README.md, docs/benchmarks.md: seeds 1-12, sync)
-TWO_CORES = {"to50_s": 18, "to50_steps": 59_000, "to90_s": 20, "to90_steps": 64_000, "to95_median_s": 22,
-             "to95_worst_s": 27, "to95_median_steps": 67_000, "to95_worst_steps": 87_000, "env_steps_per_s": 3_542,
-             "seed1_to95_steps": 36_000}
+TWO_CORES = {
+    "to50_s": 18,
+    "to50_steps": 59_000,
+    "to90_s": 20,
+    "to90_steps": 64_000,
+    "to95_median_s": 22,
+    "to95_worst_s": 27,
+    "to95_median_steps": 67_000,
+    "to95_worst_steps": 87_000,
+    "env_steps_per_s": 3_542,
+    "seed1_to95_steps": 36_000,
+}
 REAL = {"oft": "libero_spatial_grpo_openvla_oft", "pi0": "metaworld_mt50_ppo_pi0"}
 
 
@@ -110,25 +124,48 @@ def vla_overrides(family: str, cpu: bool, fleet: bool, gpu_gib: float | None = N
     size = 64 if cpu else 224
     envs, steps = (8, 16) if cpu else (64, 16)
     servers = ENV_SERVERS[cpu] if fleet else 1
-    out = ["env.train.env_id=PandaPickCubeVision-v0", "env.eval.env_id=PandaPickCubeVision-v0",
-           f"env.train.init_params={{image_size: {size}}}", f"env.eval.init_params={{image_size: {size}}}",
-           f"env.train.total_num_envs={envs}", "env.train.max_episode_steps=48",
-           f"env.train.max_steps_per_rollout_epoch={steps}", "env.eval.max_episode_steps=48",
-           f"env.eval.total_num_envs={servers}", f"env.eval.num_episodes={servers}",
-           "algorithm.update_epoch=1", "actor.model.precision=bf16", "rollout.weights_precision=bf16",
-           "actor.model.max_prompt_tokens=64", f"cluster.num_env_servers={servers}"]
+    out = [
+        "env.train.env_id=PandaPickCubeVision-v0",
+        "env.eval.env_id=PandaPickCubeVision-v0",
+        f"env.train.init_params={{image_size: {size}}}",
+        f"env.eval.init_params={{image_size: {size}}}",
+        f"env.train.total_num_envs={envs}",
+        "env.train.max_episode_steps=48",
+        f"env.train.max_steps_per_rollout_epoch={steps}",
+        "env.eval.max_episode_steps=48",
+        f"env.eval.total_num_envs={servers}",
+        f"env.eval.num_episodes={servers}",
+        "algorithm.update_epoch=1",
+        "actor.model.precision=bf16",
+        "rollout.weights_precision=bf16",
+        "actor.model.max_prompt_tokens=64",
+        f"cluster.num_env_servers={servers}",
+    ]
     if family == "oft":
-        out += ["actor.model.model_type=openvla_oft", "actor.model.num_action_chunks=8",
-                "actor.model.image_key=third_person", "actor.model.extra_image_keys=[wrist]",
-                "actor.model.add_value_head=true", "actor.model.is_lora=true", "actor.model.lora_rank=32",
-                "actor.model.gradient_checkpointing=true", "algorithm.logprob_type=token_level",
-                "actor.optim.lr=2.0e-5", "actor.micro_batch_size=8", f"actor.global_batch_size={envs * steps // 8}"]
+        out += [
+            "actor.model.model_type=openvla_oft",
+            "actor.model.num_action_chunks=8",
+            "actor.model.image_key=third_person",
+            "actor.model.extra_image_keys=[wrist]",
+            "actor.model.add_value_head=true",
+            "actor.model.is_lora=true",
+            "actor.model.lora_rank=32",
+            "actor.model.gradient_checkpointing=true",
+            "algorithm.logprob_type=token_level",
+            "actor.optim.lr=2.0e-5",
+            "actor.micro_batch_size=8",
+            f"actor.global_batch_size={envs * steps // 8}",
+        ]
     else:
         full = cpu or (gpu_gib or 0) >= PI0_FULL_GIB
-        out += ["actor.model.model_type=openpi", "actor.model.num_action_chunks=8",
-                "algorithm.logprob_type=chunk_level", "actor.optim.lr=1.0e-5",
-                f"actor.micro_batch_size={8 if cpu else 4 if full else 16}",
-                f"actor.global_batch_size={envs * steps // 8}"]
+        out += [
+            "actor.model.model_type=openpi",
+            "actor.model.num_action_chunks=8",
+            "algorithm.logprob_type=chunk_level",
+            "actor.optim.lr=1.0e-5",
+            f"actor.micro_batch_size={8 if cpu else 4 if full else 16}",
+            f"actor.global_batch_size={envs * steps // 8}",
+        ]
         if not full:
             out.append("actor.model.openpi.train_expert_only=true")
     if not cpu:  # the real-size architecture first, so that the knobs above (train_expert_only) stay
@@ -136,30 +173,52 @@ def vla_overrides(family: str, cpu: bool, fleet: bool, gpu_gib: float | None = N
     return out
 
 
-def fleet_overrides(name: str, cpu: bool, log_path: pathlib.Path, budget_s: float, env_on_gpu: bool = False) -> list[str]:
+def fleet_overrides(
+    name: str, cpu: bool, log_path: pathlib.Path, budget_s: float, env_on_gpu: bool = False
+) -> list[str]:
     """Run-control overrides of a fleet part: its folder, no evaluation before the end (the part is stopped after its
     last epoch's metrics, so neither the final evaluation nor the checkpoint costs its budget), GPU placement (env
     servers on no GPU, as RLinf's collocated `actor,rollout: 0`; ``env_on_gpu``: on GPU 0 too, where the preflight
     found that EGL renders only there)."""
-    out = [f"runner.experiment_name={name}", f"runner.logger.log_path={log_path}",
-           f"runner.max_wall_time_s={max(30, int(budget_s))}", "runner.save_interval=100000",
-           "runner.val_check_interval=0", "runner.logger.logger_backends=[]",
-           "cluster.rpc_timeout_s=900", "cluster.act_timeout_s=600", "cluster.startup_timeout_s=300",
-           "cluster.heartbeat_timeout_s=120"]
+    out = [
+        f"runner.experiment_name={name}",
+        f"runner.logger.log_path={log_path}",
+        f"runner.max_wall_time_s={max(30, int(budget_s))}",
+        "runner.save_interval=100000",
+        "runner.val_check_interval=0",
+        "runner.logger.logger_backends=[]",
+        "cluster.rpc_timeout_s=900",
+        "cluster.act_timeout_s=600",
+        "cluster.startup_timeout_s=300",
+        "cluster.heartbeat_timeout_s=120",
+    ]
     if not cpu:  # the inference server and the learner share GPU 0; env servers render through EGL on it
         placement = "{'actor,rollout,env': 0}" if env_on_gpu else "{'actor,rollout': 0}"
-        out += ["cluster.num_gpus_per_node=1", f"cluster.component_placement={placement}",
-                "cluster.torch_num_threads=4"]
+        out += [
+            "cluster.num_gpus_per_node=1",
+            f"cluster.component_placement={placement}",
+            "cluster.torch_num_threads=4",
+        ]
     return out
 
 
 def mlp_overrides(cpu: bool, log_path: pathlib.Path, budget_s: float) -> list[str]:
-    out = ["runner.experiment_name=mlp", f"runner.logger.log_path={log_path}", "runner.seed=1",
-           f"cluster.num_env_servers={ENV_SERVERS[cpu]}", "runner.early_stop_success_rate=0.95",
-           f"runner.max_wall_time_s={max(20, int(budget_s) - 25)}", "runner.logger.logger_backends=[]"]
+    out = [
+        "runner.experiment_name=mlp",
+        f"runner.logger.log_path={log_path}",
+        "runner.seed=1",
+        f"cluster.num_env_servers={ENV_SERVERS[cpu]}",
+        "runner.early_stop_success_rate=0.95",
+        f"runner.max_wall_time_s={max(20, int(budget_s) - 25)}",
+        "runner.logger.logger_backends=[]",
+    ]
     if cpu:  # a few epochs: the run's mechanics, not its learning
-        out += ["runner.max_epochs=4", "runner.val_check_interval=2", "env.eval.num_episodes=8",
-                "env.eval.total_num_envs=8"]
+        out += [
+            "runner.max_epochs=4",
+            "runner.val_check_interval=2",
+            "env.eval.num_episodes=8",
+            "env.eval.total_num_envs=8",
+        ]
     else:  # as benchmarks/time_to_success.py runs it: 100 seeded episodes every 5 epochs
         out += ["runner.val_check_interval=5"]
     return out
@@ -180,9 +239,12 @@ class GpuSampler:
     def start(self) -> GpuSampler:
         if not self.available:
             return self
-        self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
-                                       "--format=csv,noheader,nounits", "-lms", "250"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-lms", "250"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._apps, daemon=True).start()
         return self
@@ -216,8 +278,11 @@ class GpuSampler:
         got = [s for s in self.samples if t0 <= s[0] <= t1]
         if not got:
             return {}
-        return {"gpu_busy": statistics.fmean(s[1] for s in got) / 100.0, "gpu_samples": len(got),
-                "gpu_memory_peak_mib": max(s[2] for s in got)}
+        return {
+            "gpu_busy": statistics.fmean(s[1] for s in got) / 100.0,
+            "gpu_samples": len(got),
+            "gpu_memory_peak_mib": max(s[2] for s in got),
+        }
 
     def idle_memory(self) -> float | None:
         return self.samples[-1][2] if self.samples else None
@@ -228,8 +293,12 @@ def _gpu_processes() -> list[tuple[int, float]]:
     `nvidia-smi -q -d PIDS`, graphics ones too (the env servers' EGL contexts)."""
     found: dict[int, float] = {}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
         for line in out.splitlines():
             try:
                 pid, mib = (p.strip() for p in line.split(","))
@@ -254,8 +323,12 @@ def _gpu_processes() -> list[tuple[int, float]]:
 
 def _gpu_memory_gib() -> float | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.split()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.split()
         return round(min(float(v) for v in out) / 1024, 1) if out else None
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
@@ -301,8 +374,11 @@ def _role(pid: int) -> str | None:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return None
-    for module, role in (("services.learner.server", "learner"), ("services.inference.server", "inference"),
-                         ("services.env.server", "env")):
+    for module, role in (
+        ("services.learner.server", "learner"),
+        ("services.inference.server", "inference"),
+        ("services.env.server", "env"),
+    ):
         if module in cmd:
             return role
     return None
@@ -338,7 +414,8 @@ def _kill_group(proc: subprocess.Popen, others: list[int] = ()) -> None:
     session of its own), then wait until they are gone, so the next part finds the GPU's memory free."""
     others = [*others, *_descendants(proc.pid)]
     for kill in [lambda: os.killpg(proc.pid, signal.SIGKILL)] + [
-            (lambda p=p: os.kill(p, signal.SIGKILL)) for p in others]:
+        (lambda p=p: os.kill(p, signal.SIGKILL)) for p in others
+    ]:
         try:
             kill()
         except (ProcessLookupError, PermissionError):
@@ -367,8 +444,14 @@ def _tail(path: pathlib.Path, chars: int = 2500) -> str:
         return ""
 
 
-def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline: float, gpu: GpuSampler,
-              stop_after_epochs: int | None) -> dict:
+def run_fleet(
+    name: str,
+    cmd_overrides: list[str],
+    work: pathlib.Path,
+    deadline: float,
+    gpu: GpuSampler,
+    stop_after_epochs: int | None,
+) -> dict:
     """`coordinatorctl start` with ``cmd_overrides`` (its own process group), watched until it ends, until
     ``stop_after_epochs`` epochs have logged their metrics (then the group is killed: the final evaluation and
     checkpoint are not measured), or until ``deadline`` (time.time(); killed, reported)."""
@@ -408,9 +491,11 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
                     arrivals[int(rec["step"])] = time.time()
                     if len(arrivals) == 1:
                         cpu_first = _cpu_times()
-                    log(f"{name}: epoch {int(rec['step'])} logged after {time.time() - t_start:.0f}s "
+                    log(
+                        f"{name}: epoch {int(rec['step'])} logged after {time.time() - t_start:.0f}s "
                         f"(rollout {rec.get('rollout/env_steps_per_s', 0):.1f} env steps/s, step "
-                        f"{rec.get('time/step', 0):.2f}s)")
+                        f"{rec.get('time/step', 0):.2f}s)"
+                    )
             if not alive:
                 break
             if stop_after_epochs is not None and len(arrivals) >= stop_after_epochs:
@@ -435,15 +520,24 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
             except ValueError:
                 pass
     records = [r for r in _metrics(run_dir) if "time/rollout" in r]
-    said = [line.split("bottleneck", 1)[1].lstrip(" :") for line in (status + "\n" + text).splitlines()
-            if line.strip().startswith("bottleneck")]
+    said = [
+        line.split("bottleneck", 1)[1].lstrip(" :")
+        for line in (status + "\n" + text).splitlines()
+        if line.strip().startswith("bottleneck")
+    ]
     said = [b.split("): ", 1)[1] if b.startswith("(") and "): " in b else b for b in said]  # "(last 3 epochs): ..."
-    result = {"command": "coordinatorctl start " + " ".join(cmd_overrides), "how": how,
-              "bottleneck": said[0] if said else None, "status": status,
-              "wall_s": round(t_end - t_start, 1), "services_up_s": services_up,
-              "first_epoch_logged_s": round(arrivals[min(arrivals)] - t_start, 1) if arrivals else None,
-              "returncode": proc.returncode, "epochs": records,
-              "epoch_logged_at_s": {str(k): round(v - t_start, 1) for k, v in sorted(arrivals.items())}}
+    result = {
+        "command": "coordinatorctl start " + " ".join(cmd_overrides),
+        "how": how,
+        "bottleneck": said[0] if said else None,
+        "status": status,
+        "wall_s": round(t_end - t_start, 1),
+        "services_up_s": services_up,
+        "first_epoch_logged_s": round(arrivals[min(arrivals)] - t_start, 1) if arrivals else None,
+        "returncode": proc.returncode,
+        "epochs": records,
+        "epoch_logged_at_s": {str(k): round(v - t_start, 1) for k, v in sorted(arrivals.items())},
+    }
     # the measured epochs: all but the first (its inference and update carry the warm-up), when there are two or more
     measured = records[1:] if len(records) >= 2 else records
     result["measured_epochs"] = [int(r["step"]) for r in measured]
@@ -453,8 +547,9 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
     t1 = arrivals.get(max(arrivals)) if len(arrivals) >= 2 else None
     result["gpu_epochs"] = gpu.window(t0, t1)
     result["gpu_whole_part"] = gpu.window(t_start, t_end)
-    result["gpu_memory_per_process_mib"] = _per_role({pid: (roles.get(pid, "?"), mib) for pid, mib in gpu.apps.items()
-                                                      if pid in roles})
+    result["gpu_memory_per_process_mib"] = _per_role(
+        {pid: (roles.get(pid, "?"), mib) for pid, mib in gpu.apps.items() if pid in roles}
+    )
     result["host_peak_rss_mib"] = _per_role(rss)
     if cpu_first is not None and t1 is not None:
         busy, total = cpu1[0] - cpu_first[0], cpu1[1] - cpu_first[1]
@@ -471,8 +566,14 @@ def run_fleet(name: str, cmd_overrides: list[str], work: pathlib.Path, deadline:
 def _status(run_dir: pathlib.Path, env: dict) -> str:
     """`coordinatorctl status RUN_DIR` of the running part (its bottleneck line among the rest), or ''."""
     try:
-        return subprocess.run([sys.executable, "-m", "services.coordinator.cli", "status", str(run_dir)], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run(
+            [sys.executable, "-m", "services.coordinator.cli", "status", str(run_dir)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -510,7 +611,9 @@ def _summarise(records: list[dict], measured: list[dict]) -> dict:
     whole, sizes, epochs = [], [], []
     for r in measured:
         parts = [r.get(k) for k in ("time/rollout", "time/train", "time/weight_sync")]
-        if all(isinstance(v, (int, float)) for v in parts) and isinstance(r.get("rollout/env_steps_per_s"), (int, float)):
+        if all(isinstance(v, (int, float)) for v in parts) and isinstance(
+            r.get("rollout/env_steps_per_s"), (int, float)
+        ):
             steps = r["rollout/env_steps_per_s"] * r["time/rollout"]
             whole.append(steps / sum(parts))
             sizes.append(steps)
@@ -537,13 +640,26 @@ def child_preflight(args) -> dict:
         out["torch"] = torch.__version__
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            out["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2 ** 30, 1),
-                          "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda}
+            out["gpu"] = {
+                "name": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}",
+                "cuda": torch.version.cuda,
+            }
     except Exception as exc:  # noqa: BLE001 - reported
         out["torch_error"] = repr(exc)
     versions = {}
-    for mod in ("mujoco", "gymnasium", "transformers", "peft", "grpc", "google.protobuf", "omegaconf",
-                "cryptography", "numpy"):
+    for mod in (
+        "mujoco",
+        "gymnasium",
+        "transformers",
+        "peft",
+        "grpc",
+        "google.protobuf",
+        "omegaconf",
+        "cryptography",
+        "numpy",
+    ):
         try:
             m = __import__(mod, fromlist=["__version__"])
             versions[mod] = getattr(m, "__version__", "?")
@@ -560,8 +676,11 @@ def child_preflight(args) -> dict:
             cmd.append("--cpu")
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-            out[label] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {
-                "error": (proc.stdout + proc.stderr)[-1500:]}
+            out[label] = (
+                json.loads(proc.stdout.strip().splitlines()[-1])
+                if proc.returncode == 0
+                else {"error": (proc.stdout + proc.stderr)[-1500:]}
+            )
         except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as exc:
             out[label] = {"error": repr(exc)}
         if "error" not in out[label] or args.cpu:
@@ -579,9 +698,16 @@ def child_preflight(args) -> dict:
     here = ROOT / "benchmarks" / "throughput.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0" if out["env_on_gpu0"] else "", "PYTHONPATH": _pythonpath()}
     for count in (1, n):
-        procs = [subprocess.Popen([sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", str(steps)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for _ in range(count)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", str(steps)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for _ in range(count)
+        ]
         rates = []
         for p in procs:
             so, se = p.communicate(timeout=300)
@@ -605,8 +731,10 @@ def child_render(args) -> dict:
     t0 = time.perf_counter()
     backend = make_sim_backend(tr.simulator_type, tr.env_id, 1, dict(tr.init_params))
     backend.reset(np.arange(1), [0], [None])
-    out = {"first_render_s": round(time.perf_counter() - t0, 2),
-           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    out = {
+        "first_render_s": round(time.perf_counter() - t0, 2),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
     try:
         from OpenGL import GL
 
@@ -664,15 +792,22 @@ def child_inproc(args) -> dict:
     w1 = time.time()
     worker.close()
     steps = sum(s.env_steps for s in summaries)
-    out = {"parameters": params, "envs": env.num_envs, "env_steps_per_epoch": steps / args.epochs,
-           "epochs": args.epochs, "build_s": round(build_s, 1), "warmup_epoch_s": round(warm_s, 2),
-           "env_steps_per_s": steps / wall,
-           "epoch_s": round(wall / args.epochs, 3),
-           "env_time_s": round(statistics.median(s.env_time_s for s in summaries), 3),
-           "inference_time_s": round(statistics.median(s.inference_wait_s for s in summaries), 3),
-           "window": [w0, w1], "device": dev}
+    out = {
+        "parameters": params,
+        "envs": env.num_envs,
+        "env_steps_per_epoch": steps / args.epochs,
+        "epochs": args.epochs,
+        "build_s": round(build_s, 1),
+        "warmup_epoch_s": round(warm_s, 2),
+        "env_steps_per_s": steps / wall,
+        "epoch_s": round(wall / args.epochs, 3),
+        "env_time_s": round(statistics.median(s.env_time_s for s in summaries), 3),
+        "inference_time_s": round(statistics.median(s.inference_wait_s for s in summaries), 3),
+        "window": [w0, w1],
+        "device": dev,
+    }
     if dev == "cuda":
-        out["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        out["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out
 
 
@@ -685,8 +820,9 @@ def run_child(kind: str, args, deadline: float, extra: list[str]) -> dict:
         cmd.append("--cpu")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
         how = "ended by itself"
@@ -709,9 +845,11 @@ def run_child(kind: str, args, deadline: float, extra: list[str]) -> dict:
 # --- the parts ---------------------------------------------------------------------------------------------------
 def part_fleet(family: str, args, work: pathlib.Path, deadline: float, gpu: GpuSampler) -> dict:
     name = f"{family}-fleet"
-    overrides = vla_overrides(family, args.cpu, fleet=True, gpu_gib=args.gpu_gib) + fleet_overrides(
-        name, args.cpu, work / name, deadline - time.time(), env_on_gpu=args.env_on_gpu0) + [
-        f"runner.max_epochs={EPOCHS[args.cpu]}"]
+    overrides = (
+        vla_overrides(family, args.cpu, fleet=True, gpu_gib=args.gpu_gib)
+        + fleet_overrides(name, args.cpu, work / name, deadline - time.time(), env_on_gpu=args.env_on_gpu0)
+        + [f"runner.max_epochs={EPOCHS[args.cpu]}"]
+    )
     result = run_fleet(name, overrides, work, deadline, gpu, stop_after_epochs=EPOCHS[args.cpu])
     result.update(_shape(overrides))
     result["model"] = _model_line(family, args.cpu, args.gpu_gib)
@@ -724,17 +862,24 @@ def _shape(overrides: list[str]) -> dict:
 
     cfg = load_config(None, overrides)
     n = cfg.cluster.num_env_servers
-    return {"env_servers": n, "envs_per_server": cfg.env.train.total_num_envs // n,
-            "steps_per_rollout_epoch": cfg.env.train.max_steps_per_rollout_epoch}
+    return {
+        "env_servers": n,
+        "envs_per_server": cfg.env.train.total_num_envs // n,
+        "steps_per_rollout_epoch": cfg.env.train.max_steps_per_rollout_epoch,
+    }
 
 
 def _model_line(family: str, cpu: bool, gpu_gib: float | None = None) -> str:
     if family == "oft":
-        return ("OpenVLA-OFT tiny, LoRA r32, bf16, 64 px" if cpu else
-                "OpenVLA-OFT 7.6B (random weights), LoRA r32, bf16, 224 px") + ", 2 cameras, chunks of 8"
+        return (
+            "OpenVLA-OFT tiny, LoRA r32, bf16, 64 px"
+            if cpu
+            else "OpenVLA-OFT 7.6B (random weights), LoRA r32, bf16, 224 px"
+        ) + ", 2 cameras, chunks of 8"
     tune = "full fine-tune" if cpu or (gpu_gib or 0) >= PI0_FULL_GIB else "action expert trained (VLM frozen)"
-    return (f"π0 tiny, {tune}, bf16, 64 px" if cpu else
-            f"π0 3.5B (random weights), {tune}, bf16, 224 px") + ", 2 cameras, chunks of 8"
+    return (
+        f"π0 tiny, {tune}, bf16, 64 px" if cpu else f"π0 3.5B (random weights), {tune}, bf16, 224 px"
+    ) + ", 2 cameras, chunks of 8"
 
 
 def _estimate(overrides: list[str]) -> dict:
@@ -749,12 +894,20 @@ def _estimate(overrides: list[str]) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fp = footprint.estimate(cfg.actor.model, cfg.algorithm.logprob_type)
-    learner = fp.rank_bytes(1, gpu=True, reference_copy=cfg.algorithm.kl_beta > 0 and not cfg.actor.model.is_lora,
-                            rows=cfg.actor.micro_batch_size)
+    learner = fp.rank_bytes(
+        1,
+        gpu=True,
+        reference_copy=cfg.algorithm.kl_beta > 0 and not cfg.actor.model.is_lora,
+        rows=cfg.actor.micro_batch_size,
+    )
     inference = fp.inference_bytes(cfg.rollout.weights_precision)
-    return {"parameters_b": round(fp.parameters / 1e9, 3), "trainable_b": round(fp.trainable / 1e9, 4),
-            "learner_gb": round(learner / 1e9, 1), "inference_gb": round(inference / 1e9, 1),
-            "collocated_gb": round((learner + inference) / 1e9, 1)}
+    return {
+        "parameters_b": round(fp.parameters / 1e9, 3),
+        "trainable_b": round(fp.trainable / 1e9, 4),
+        "learner_gb": round(learner / 1e9, 1),
+        "inference_gb": round(inference / 1e9, 1),
+        "collocated_gb": round((learner + inference) / 1e9, 1),
+    }
 
 
 def part_inproc(args, deadline: float, gpu: GpuSampler) -> dict:
@@ -774,9 +927,11 @@ def part_mlp(args, work: pathlib.Path, deadline: float, gpu: GpuSampler) -> dict
     result.update(_shape(overrides))
     run_dir = work / "mlp" / "mlp"
     h = hits(run_dir) if run_dir.is_dir() else {}
-    result["time_to"] = {f"{int(th * 100)}%": {"epoch": v[0], "env_steps": v[1], "wall_s": round(v[2], 1),
-                                                "train_s": round(v[3], 1)}
-                         for th, v in h.items() if isinstance(th, float)}
+    result["time_to"] = {
+        f"{int(th * 100)}%": {"epoch": v[0], "env_steps": v[1], "wall_s": round(v[2], 1), "train_s": round(v[3], 1)}
+        for th, v in h.items()
+        if isinstance(th, float)
+    }
     result["whole_loop_env_steps_per_s"] = h.get("rate")
     result["final_eval"] = h.get("final")
     result["model"] = "MLP 128x128 (the default run), CPU"
@@ -796,20 +951,30 @@ def table(report: dict) -> str:
     parts, pre = report["parts"], report["parts"].get("preflight", {})
     raw_n = f"raw_{ENV_SERVERS[report['cpu']]}_processes"
     gpu = pre.get("gpu") or {}
-    where = (f"{gpu.get('name', '?')} ({gpu.get('memory_gib', '?')} GiB), {pre.get('cpus')} cores"
-             if gpu else f"CPU only, {pre.get('cpus', os.cpu_count())} cores")
-    lines = [f"# The fleet on one machine: {where}", "",
-             f"{report['mode']} mode, {report['date']}; python {pre.get('python', '?')}, torch {pre.get('torch', '?')}; "
-             f"MuJoCo GL {pre.get('mujoco_gl', '?')}: {pre.get('gl_renderer', '?')}"
-             + (f" ({pre.get('gl_vendor')})" if pre.get("gl_vendor") else "") + "; "
-             f"raw simulator (PandaPickCubeVision-v0, two cameras, {pre.get('raw_envs_per_process', '?')} envs per "
-             f"process): {_f(pre.get('raw_1_process'))} env steps/s in 1 process, "
-             f"{_f(pre.get(raw_n))} in {ENV_SERVERS[report['cpu']]}.", ""]
-    lines += ["| part | model | where | env servers x envs | steps measured | env steps/s (rollout) | "
-              "env steps/s (whole epoch) | services up (s) | first epoch logged (s) | GPU busy (epochs) | "
-              "GPU memory peak, GiB (learner / inference / env servers / all) | host peak RSS, GiB (learner / inference / "
-              "env server) | ended |",
-              "|" + "---|" * 13]
+    where = (
+        f"{gpu.get('name', '?')} ({gpu.get('memory_gib', '?')} GiB), {pre.get('cpus')} cores"
+        if gpu
+        else f"CPU only, {pre.get('cpus', os.cpu_count())} cores"
+    )
+    lines = [
+        f"# The fleet on one machine: {where}",
+        "",
+        f"{report['mode']} mode, {report['date']}; python {pre.get('python', '?')}, torch {pre.get('torch', '?')}; "
+        f"MuJoCo GL {pre.get('mujoco_gl', '?')}: {pre.get('gl_renderer', '?')}"
+        + (f" ({pre.get('gl_vendor')})" if pre.get("gl_vendor") else "")
+        + "; "
+        f"raw simulator (PandaPickCubeVision-v0, two cameras, {pre.get('raw_envs_per_process', '?')} envs per "
+        f"process): {_f(pre.get('raw_1_process'))} env steps/s in 1 process, "
+        f"{_f(pre.get(raw_n))} in {ENV_SERVERS[report['cpu']]}.",
+        "",
+    ]
+    lines += [
+        "| part | model | where | env servers x envs | steps measured | env steps/s (rollout) | "
+        "env steps/s (whole epoch) | services up (s) | first epoch logged (s) | GPU busy (epochs) | "
+        "GPU memory peak, GiB (learner / inference / env servers / all) | host peak RSS, GiB (learner / inference / "
+        "env server) | ended |",
+        "|" + "---|" * 13,
+    ]
     for name in ("oft-fleet", "oft-inproc", "pi0-fleet", "mlp"):
         r = parts.get(name)
         if r is None:
@@ -824,14 +989,20 @@ def table(report: dict) -> str:
                 f"{r.get('envs', '?')} | {r.get('epochs', '-')} | {_f(r.get('env_steps_per_s'), '{:,.1f}')} | - | "
                 f"{_f(r.get('build_s'), '{:.0f}')} (build) | {_f(r.get('warmup_epoch_s'), '{:.1f}')} (warm-up) | "
                 f"{_f(g.get('gpu_busy'), '{:.0%}')} | {_f(r.get('max_memory_allocated_gib'), '{:.1f}')} "
-                f"(max_memory_allocated) | - | {r.get('how', '')}, {_f(r.get('wall_s'), '{:.0f}')} s |")
+                f"(max_memory_allocated) | - | {r.get('how', '')}, {_f(r.get('wall_s'), '{:.0f}')} s |"
+            )
             continue
         g = r.get("gpu_epochs") or {}
         gm = r.get("gpu_memory_per_process_mib") or {}
         rss = r.get("host_peak_rss_mib") or {}
         shape = f"{r.get('env_servers', '?')} x {r.get('envs_per_server', '?')}"
-        placement = ("CPU" if report["cpu"] or name == "mlp" else
-                     "actor,rollout,env: GPU 0" if pre.get("env_on_gpu0") else "actor,rollout: GPU 0; env: CPU + EGL")
+        placement = (
+            "CPU"
+            if report["cpu"] or name == "mlp"
+            else "actor,rollout,env: GPU 0"
+            if pre.get("env_on_gpu0")
+            else "actor,rollout: GPU 0; env: CPU + EGL"
+        )
         epochs = r.get("measured_epochs") or []
         lines.append(
             f"| {name} | {r.get('model', '')} | {placement} | {shape} | "
@@ -843,38 +1014,60 @@ def table(report: dict) -> str:
             f"{_gib((r.get('gpu_whole_part') or {}).get('gpu_memory_peak_mib'))} | "
             f"{_gib(rss.get('learner', {}).get('max_mib'))} / {_gib(rss.get('inference', {}).get('max_mib'))} / "
             f"{_gib(rss.get('env', {}).get('max_mib'))} | {r.get('how', '')}, {_f(r.get('wall_s'), '{:.0f}')} s"
-            + (" (failed: see gpu_fleet.json log_tail)" if r.get("log_tail") else "") + " |")
+            + (" (failed: see gpu_fleet.json log_tail)" if r.get("log_tail") else "")
+            + " |"
+        )
     # phase times
     keys = sorted({k for r in parts.values() if isinstance(r, dict) for k in (r.get("time_median_s") or {})})
     if keys:
-        lines += ["", "Phase times, median seconds per measured epoch (`time/*` of metrics.jsonl; `time/epoch`: "
-                  "`time/rollout` + `time/train` + `time/weight_sync`; wire share: the `time/wire/*` seconds over "
-                  "`time/epoch`, where the run logs them; its act seconds are partly on gRPC threads, overlapping):",
-                  "",
-                  "| part | " + " | ".join(f"`{k}`" for k in keys) + " | wire share |",
-                  "|" + "---|" * (len(keys) + 2)]
+        lines += [
+            "",
+            "Phase times, median seconds per measured epoch (`time/*` of metrics.jsonl; `time/epoch`: "
+            "`time/rollout` + `time/train` + `time/weight_sync`; wire share: the `time/wire/*` seconds over "
+            "`time/epoch`, where the run logs them; its act seconds are partly on gRPC threads, overlapping):",
+            "",
+            "| part | " + " | ".join(f"`{k}`" for k in keys) + " | wire share |",
+            "|" + "---|" * (len(keys) + 2),
+        ]
         for name in ("oft-fleet", "pi0-fleet", "mlp"):
             r = parts.get(name) or {}
             t = r.get("time_median_s") or {}
             if not t:
                 continue
-            lines.append(f"| {name} | " + " | ".join(_f(t.get(k), "{:.3f}") for k in keys) + " | "
-                         + _f(r.get("wire_share"), "{:.0%}", "not logged") + " |")
-    said = [(n, parts[n]["bottleneck"]) for n in ("oft-fleet", "pi0-fleet", "mlp") if (parts.get(n) or {}).get("bottleneck")]
+            lines.append(
+                f"| {name} | "
+                + " | ".join(_f(t.get(k), "{:.3f}") for k in keys)
+                + " | "
+                + _f(r.get("wire_share"), "{:.0%}", "not logged")
+                + " |"
+            )
+    said = [
+        (n, parts[n]["bottleneck"]) for n in ("oft-fleet", "pi0-fleet", "mlp") if (parts.get(n) or {}).get("bottleneck")
+    ]
     if said:
         lines += ["", "The run's own bottleneck line (`coordinatorctl status`, at the last measured epoch):", ""]
         lines += [f"- {n}: {b}" for n, b in said]
     inproc, fleet = parts.get("oft-inproc") or {}, parts.get("oft-fleet") or {}
     if inproc.get("env_steps_per_s") and fleet.get("rollout_env_steps_per_s"):
-        lines += ["", f"oft-fleet's rollout / the in-process loop: "
-                  f"{fleet['rollout_env_steps_per_s'] / inproc['env_steps_per_s']:.2f}x "
-                  f"(in-process: env {inproc.get('env_time_s')} s + inference {inproc.get('inference_time_s')} s "
-                  f"per epoch)."]
+        lines += [
+            "",
+            f"oft-fleet's rollout / the in-process loop: "
+            f"{fleet['rollout_env_steps_per_s'] / inproc['env_steps_per_s']:.2f}x "
+            f"(in-process: env {inproc.get('env_time_s')} s + inference {inproc.get('inference_time_s')} s "
+            f"per epoch).",
+        ]
     est = [(n, parts[n]["estimate"]) for n in ("oft-fleet", "pi0-fleet") if (parts.get(n) or {}).get("estimate")]
     if est:
-        lines += ["", "Memory check's estimates (GB): " + "; ".join(
-            f"{n}: {e['parameters_b']}B parameters ({e['trainable_b']}B trained), learner {e['learner_gb']}, "
-            f"inference server {e['inference_gb']}, both on one GPU {e['collocated_gb']}" for n, e in est) + "."]
+        lines += [
+            "",
+            "Memory check's estimates (GB): "
+            + "; ".join(
+                f"{n}: {e['parameters_b']}B parameters ({e['trainable_b']}B trained), learner {e['learner_gb']}, "
+                f"inference server {e['inference_gb']}, both on one GPU {e['collocated_gb']}"
+                for n, e in est
+            )
+            + ".",
+        ]
     mlp = parts.get("mlp") or {}
     if mlp and not mlp.get("skipped"):
         tt = mlp.get("time_to") or {}
@@ -884,14 +1077,19 @@ def table(report: dict) -> str:
             return f"{v['train_s']:.0f} / {v['env_steps'] / 1000:.0f}k" if v else "not reached"
 
         two = TWO_CORES
-        lines += ["", "The default MLP run, seed 1 (training seconds without evaluations / env steps):", "",
-                  "| machine | env servers | to 50% | to 90% | to 95% | whole loop env steps/s |", "|---|---|---|---|---|---|",
-                  f"| this one ({pre.get('cpus', '?')} cores) | {ENV_SERVERS[report['cpu']]} | {cell('50%')} | "
-                  f"{cell('90%')} | {cell('95%')} | {_f(mlp.get('whole_loop_env_steps_per_s'))} |",
-                  f"| the 2-core CPU machine (README: seeds 1-12, median; seed 1 reached 95% at "
-                  f"{two['seed1_to95_steps'] // 1000}k) | 1 | {two['to50_s']} / {two['to50_steps'] // 1000}k | "
-                  f"{two['to90_s']} / {two['to90_steps'] // 1000}k | {two['to95_median_s']} / "
-                  f"{two['to95_median_steps'] // 1000}k (worst {two['to95_worst_s']}) | {two['env_steps_per_s']:,} |"]
+        lines += [
+            "",
+            "The default MLP run, seed 1 (training seconds without evaluations / env steps):",
+            "",
+            "| machine | env servers | to 50% | to 90% | to 95% | whole loop env steps/s |",
+            "|---|---|---|---|---|---|",
+            f"| this one ({pre.get('cpus', '?')} cores) | {ENV_SERVERS[report['cpu']]} | {cell('50%')} | "
+            f"{cell('90%')} | {cell('95%')} | {_f(mlp.get('whole_loop_env_steps_per_s'))} |",
+            f"| the 2-core CPU machine (README: seeds 1-12, median; seed 1 reached 95% at "
+            f"{two['seed1_to95_steps'] // 1000}k) | 1 | {two['to50_s']} / {two['to50_steps'] // 1000}k | "
+            f"{two['to90_s']} / {two['to90_steps'] // 1000}k | {two['to95_median_s']} / "
+            f"{two['to95_median_steps'] // 1000}k (worst {two['to95_worst_s']}) | {two['env_steps_per_s']:,} |",
+        ]
     skipped = [f"{n}: {r['skipped']}" for n, r in parts.items() if isinstance(r, dict) and r.get("skipped")]
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped) + "."]
@@ -904,8 +1102,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_fleet_out", help="results folder")
     ap.add_argument("--work", default=None, help="run folders (default: a temporary folder)")
     ap.add_argument("--cpu", action="store_true", help="tiny models on the CPU (CI)")
-    ap.add_argument("--budget-s", type=float, default=None, help="seconds for every part together (default: 480 on "
-                    "a GPU, 420 with --cpu)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for every part together (default: 480 on a GPU, 420 with --cpu)",
+    )
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -928,15 +1130,23 @@ def main() -> int:
     if unknown:
         ap.error(f"--parts: {unknown} not in {list(PARTS)}")
     if not args.cpu and not _which("nvidia-smi"):
-        print("gpu_fleet: no nvidia-smi here: run on a GPU machine, or with --cpu (tiny models on the CPU)",
-              file=sys.stderr)
+        print(
+            "gpu_fleet: no nvidia-smi here: run on a GPU machine, or with --cpu (tiny models on the CPU)",
+            file=sys.stderr,
+        )
         return 2
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="gpu_fleet_"))
     work.mkdir(parents=True, exist_ok=True)
-    report = {"mode": "cpu" if args.cpu else "gpu", "cpu": bool(args.cpu), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "budget_s": budget, "parts": {}, "host": platform.node()}
+    report = {
+        "mode": "cpu" if args.cpu else "gpu",
+        "cpu": bool(args.cpu),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "budget_s": budget,
+        "parts": {},
+        "host": platform.node(),
+    }
     gpu = GpuSampler().start()
     if not args.cpu and args.gpu_gib is None:  # the preflight says it too; a call without the preflight asks here
         args.gpu_gib = _gpu_memory_gib()
@@ -953,12 +1163,13 @@ def main() -> int:
             left = deadline_all - time.time()
             cap = CAPS[name][args.cpu]
             # leave the parts after this one their minimum (π0 comes last and takes what is left)
-            reserve = sum(MINIMUM[p] for p in PARTS[PARTS.index(name) + 1:] if p in wanted and p != "pi0-fleet")
+            reserve = sum(MINIMUM[p] for p in PARTS[PARTS.index(name) + 1 :] if p in wanted and p != "pi0-fleet")
             allowed = min(cap, left - reserve) if name != "pi0-fleet" else min(cap, left)
             if allowed < MINIMUM[name]:
-                report["parts"][name] = {"skipped": f"{left:.0f}s of the budget left, it needs {MINIMUM[name]}s",
-                                         "model": _model_line("pi0", args.cpu, args.gpu_gib)
-                                         if name == "pi0-fleet" else ""}
+                report["parts"][name] = {
+                    "skipped": f"{left:.0f}s of the budget left, it needs {MINIMUM[name]}s",
+                    "model": _model_line("pi0", args.cpu, args.gpu_gib) if name == "pi0-fleet" else "",
+                }
                 log(f"{name}: skipped ({report['parts'][name]['skipped']})")
                 save()
                 continue
@@ -993,8 +1204,10 @@ def main() -> int:
         save()
     print(table(report), flush=True)
     failed = [n for n, r in report["parts"].items() if r.get("log_tail")]
-    log(f"done in {time.time() - t_begin:.0f}s; results in {out}/gpu_fleet.json and gpu_fleet.md"
-        + (f"; failed or incomplete: {', '.join(failed)}" if failed else ""))
+    log(
+        f"done in {time.time() - t_begin:.0f}s; results in {out}/gpu_fleet.json and gpu_fleet.md"
+        + (f"; failed or incomplete: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -31,14 +31,29 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rlfleet.v1 import (  # noqa: E402
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    env_pb2,
+    env_pb2_grpc,
+    learner_pb2,
+    learner_pb2_grpc,
+)
 from rlfleet.wire import auth  # noqa: E402
-from rlfleet.v1 import (coordinator_pb2, coordinator_pb2_grpc, env_pb2, env_pb2_grpc, learner_pb2,  # noqa: E402
-                        learner_pb2_grpc)
 
-TINY = ["env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=25", "env.eval.total_num_envs=4",
-        "env.eval.num_episodes=4", "actor.micro_batch_size=100", "actor.global_batch_size=100",
-        "algorithm.update_epoch=2", "actor.model.hidden_dims=[32,32]", "runner.max_env_steps=null",
-        "runner.max_wall_time_s=null", "runner.val_check_interval=0"]
+TINY = [
+    "env.train.total_num_envs=8",
+    "env.train.max_steps_per_rollout_epoch=25",
+    "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4",
+    "actor.micro_batch_size=100",
+    "actor.global_batch_size=100",
+    "algorithm.update_epoch=2",
+    "actor.model.hidden_dims=[32,32]",
+    "runner.max_env_steps=null",
+    "runner.max_wall_time_s=null",
+    "runner.val_check_interval=0",
+]
 
 
 def credential(secret: str, to: str) -> list[tuple[str, str]]:
@@ -97,12 +112,25 @@ def main() -> int:
     p.add_argument("--target", choices=["coordinator", "all"], default="coordinator")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--reopen", type=float, default=1.0)
-    p.add_argument("--max-seconds", type=float, default=300.0,
-                   help="stop the run (SIGKILL) when the flood has lasted this long: a run that no longer moves")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=300.0,
+        help="stop the run (SIGKILL) when the flood has lasted this long: a run that no longer moves",
+    )
     args = p.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="idle_streams_"))
-    cmd = [sys.executable, "-m", "services.coordinator.cli", "start", *TINY, f"runner.max_epochs={args.epochs}",
-           f"runner.logger.log_path={tmp}", "runner.experiment_name=idle", "cluster.heartbeat_timeout_s=15"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.coordinator.cli",
+        "start",
+        *TINY,
+        f"runner.max_epochs={args.epochs}",
+        f"runner.logger.log_path={tmp}",
+        "runner.experiment_name=idle",
+        "cluster.heartbeat_timeout_s=15",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = tmp / "idle"
     t_start = time.monotonic()
@@ -135,12 +163,19 @@ def main() -> int:
             stuck = True
             proc.kill()
             break
-        for name, call in (("coordinator Status", lambda: cstub.Status(coordinator_pb2.StatusRequest(), timeout=10,
-                                                                       metadata=ctl)),
-                           ("learner Status", lambda: lstub.Status(learner_pb2.LearnerStatusRequest(), timeout=10,
-                                                                   metadata=credential(secret, "learner"))),
-                           ("env Describe", lambda: estub.Describe(env_pb2.DescribeEnvRequest(), timeout=10,
-                                                                   metadata=credential(secret, "env")))):
+        for name, call in (
+            ("coordinator Status", lambda: cstub.Status(coordinator_pb2.StatusRequest(), timeout=10, metadata=ctl)),
+            (
+                "learner Status",
+                lambda: lstub.Status(
+                    learner_pb2.LearnerStatusRequest(), timeout=10, metadata=credential(secret, "learner")
+                ),
+            ),
+            (
+                "env Describe",
+                lambda: estub.Describe(env_pb2.DescribeEnvRequest(), timeout=10, metadata=credential(secret, "env")),
+            ),
+        ):
             c0 = time.monotonic()
             try:
                 reply = call()
@@ -160,14 +195,25 @@ def main() -> int:
     proc.wait()
     out = proc.stdout.read()
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-    print(json.dumps({
-        "streams": args.streams, "target": args.target, "exit": proc.returncode,
-        "killed_after_s": round(args.max_seconds) if stuck else None, "last_epoch_seen": last_epoch + 1,
-        "epochs": summary.get("epochs"), "restarts": summary.get("restarts"),
-        "epochs_per_s_under_flood": round((summary.get("epochs", 0) - first_epoch - 1) / (t1 - t0), 2),
-        "worst_call_s": {k: round(v, 3) for k, v in worst.items()}, "call_failures": dict(failures),
-        "max_heartbeat_age_s": round(max_age, 2), "reflection_outcomes": dict(flood.outcomes) if flood else {},
-        "run_wall_s": round(t1 - t_start, 1)}))
+    print(
+        json.dumps(
+            {
+                "streams": args.streams,
+                "target": args.target,
+                "exit": proc.returncode,
+                "killed_after_s": round(args.max_seconds) if stuck else None,
+                "last_epoch_seen": last_epoch + 1,
+                "epochs": summary.get("epochs"),
+                "restarts": summary.get("restarts"),
+                "epochs_per_s_under_flood": round((summary.get("epochs", 0) - first_epoch - 1) / (t1 - t0), 2),
+                "worst_call_s": {k: round(v, 3) for k, v in worst.items()},
+                "call_failures": dict(failures),
+                "max_heartbeat_age_s": round(max_age, 2),
+                "reflection_outcomes": dict(flood.outcomes) if flood else {},
+                "run_wall_s": round(t1 - t_start, 1),
+            }
+        )
+    )
     if proc.returncode:
         print(out[-3000:])
     return proc.returncode

@@ -1,14 +1,14 @@
 """Inference benchmarks: policy throughput, weight updates and many concurrent streams.
 
-  actions/s   each policy at batch 1, 8, 32, 64: the InferenceEngine called in this process, and the same engine
-              behind an inference server in another process, over loopback gRPC (one Act stream, one request in
-              flight). A row is one observation; actions/s counts every action of a chunk.
-  weights     one weight update to that inference server (UpdateWeights stream): full set vs the partial set a
-              LoRA policy sends (its adapters), bytes and seconds.
-  streams     256 concurrent Act streams on one inference server (MLP policy, 4 rows per request, 20 requests
-              each): latency p50/p99/max and the fewest replies any stream got.
+actions/s   each policy at batch 1, 8, 32, 64: the InferenceEngine called in this process, and the same engine
+            behind an inference server in another process, over loopback gRPC (one Act stream, one request in
+            flight). A row is one observation; actions/s counts every action of a chunk.
+weights     one weight update to that inference server (UpdateWeights stream): full set vs the partial set a
+            LoRA policy sends (its adapters), bytes and seconds.
+streams     256 concurrent Act streams on one inference server (MLP policy, 4 rows per request, 20 requests
+            each): latency p50/p99/max and the fewest replies any stream got.
 
-    python benchmarks/inference.py [--seconds 2] [--only actions,weights,streams]
+  python benchmarks/inference.py [--seconds 2] [--only actions,weights,streams]
 """
 
 from __future__ import annotations
@@ -26,36 +26,63 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rlfleet.wire import channels, weights  # noqa: E402
-from rlfleet.wire.clients import GrpcPolicyClient, _Stream  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
-from rlfleet.wire.spaces import TensorSpace  # noqa: E402
 from rlfleet.policies import build_policy  # noqa: E402
 from rlfleet.v1 import inference_pb2_grpc  # noqa: E402
+from rlfleet.wire import channels, weights  # noqa: E402
+from rlfleet.wire.clients import GrpcPolicyClient, _Stream  # noqa: E402
+from rlfleet.wire.spaces import TensorSpace  # noqa: E402
 from services.inference.engine import InferenceEngine  # noqa: E402
 
-VISION = {"third_person": TensorSpace((64, 64, 3), "uint8"), "wrist": TensorSpace((64, 64, 3), "uint8"),
-          "state": TensorSpace((7,), "float32")}
+VISION = {
+    "third_person": TensorSpace((64, 64, 3), "uint8"),
+    "wrist": TensorSpace((64, 64, 3), "uint8"),
+    "state": TensorSpace((7,), "float32"),
+}
 STATE = {"state": TensorSpace((13,), "float32")}
 MODELS = {
     "mlp (256x256)": (["actor.model.model_type=mlp"], STATE),
     "cnn (64 px)": (["actor.model.model_type=cnn"], VISION),
     "openvla tiny": (["actor.model.model_type=openvla", "actor.model.image_key=third_person"], VISION),
-    "openvla_oft tiny, chunk 4": (["actor.model.model_type=openvla_oft", "actor.model.image_key=third_person",
-                                   "actor.model.num_action_chunks=4", "env.train.max_steps_per_rollout_epoch=32"],
-                                  VISION),
-    "openpi (pi0) tiny, chunk 4": (["actor.model.model_type=openpi", "actor.model.num_action_chunks=4",
-                                    "env.train.max_steps_per_rollout_epoch=32"], VISION),
+    "openvla_oft tiny, chunk 4": (
+        [
+            "actor.model.model_type=openvla_oft",
+            "actor.model.image_key=third_person",
+            "actor.model.num_action_chunks=4",
+            "env.train.max_steps_per_rollout_epoch=32",
+        ],
+        VISION,
+    ),
+    "openpi (pi0) tiny, chunk 4": (
+        [
+            "actor.model.model_type=openpi",
+            "actor.model.num_action_chunks=4",
+            "env.train.max_steps_per_rollout_epoch=32",
+        ],
+        VISION,
+    ),
 }
-LORA = ["actor.model.model_type=openvla_oft", "actor.model.image_key=third_person", "actor.model.num_action_chunks=4",
-        "env.train.max_steps_per_rollout_epoch=32", "actor.model.is_lora=true", "actor.model.lora_rank=8"]
+LORA = [
+    "actor.model.model_type=openvla_oft",
+    "actor.model.image_key=third_person",
+    "actor.model.num_action_chunks=4",
+    "env.train.max_steps_per_rollout_epoch=32",
+    "actor.model.is_lora=true",
+    "actor.model.lora_rank=8",
+]
 INSTR = "pick up the red cube and lift it"
 
 
 def _obs(specs, n):
     rng = np.random.default_rng(0)
-    return {k: (rng.integers(0, 256, (n, *s.shape), dtype=np.uint8) if s.dtype == "uint8"
-                else rng.standard_normal((n, *s.shape)).astype(np.float32)) for k, s in specs.items()}
+    return {
+        k: (
+            rng.integers(0, 256, (n, *s.shape), dtype=np.uint8)
+            if s.dtype == "uint8"
+            else rng.standard_normal((n, *s.shape)).astype(np.float32)
+        )
+        for k, s in specs.items()
+    }
 
 
 def _policy(overrides, specs):
@@ -73,18 +100,26 @@ class Server:
         path = os.path.join(self.dir, "config.yaml")
         with open(path, "w") as f:
             f.write(to_yaml(cfg))
-        code = ("import sys, torch; torch.set_num_threads(1); from rlfleet.config import load_config; "
-                "from services.inference.server import serve; "
-                f"s, a, e, r = serve(load_config({path!r}), '127.0.0.1:0'); print(a, flush=True); sys.stdin.read()")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        code = (
+            "import sys, torch; torch.set_num_threads(1); from rlfleet.config import load_config; "
+            "from services.inference.server import serve; "
+            f"s, a, e, r = serve(load_config({path!r}), '127.0.0.1:0'); print(a, flush=True); sys.stdin.read()"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         self.address = self.proc.stdout.readline().strip()
 
     def update(self, state, version, **kw) -> float:
         t0 = time.perf_counter()
         with channels.channel(self.address) as ch:
             inference_pb2_grpc.InferenceServiceStub(ch).UpdateWeights(
-                weights.iter_chunks(state, version, **kw), timeout=120, wait_for_ready=True)
+                weights.iter_chunks(state, version, **kw), timeout=120, wait_for_ready=True
+            )
         return time.perf_counter() - t0
 
     def close(self):
@@ -123,9 +158,12 @@ def bench_actions(seconds: float, models: list[str] | None = None) -> None:
                 def remote():
                     client.submit(0, obs, False, texts)
                     client.result(0)
+
                 over = _rate(remote, seconds) * b * chunk
-                print(f"| {name} | {params / 1e6:.2f}M | {b} | {local:,.0f} | {over:,.0f} | {over / local:.2f} |",
-                      flush=True)
+                print(
+                    f"| {name} | {params / 1e6:.2f}M | {b} | {local:,.0f} | {over:,.0f} | {over / local:.2f} |",
+                    flush=True,
+                )
         finally:
             client.close()
             server.close()
@@ -141,10 +179,12 @@ def bench_weights() -> None:
         sync = {k: v.clone() for k, v in policy.sync_state_dict().items()}
         t_first = server.update(full, 0, obs_specs=VISION, action_dim=4)
         rows = [("full set (first)", full, t_first)]
-        rows.append(("full set", full, np.median([server.update(full, v, obs_specs=VISION, action_dim=4)
-                                                  for v in (1, 2, 3)])))
-        rows.append(("LoRA adapters (partial)", sync, np.median([server.update(sync, v, partial=True)
-                                                                 for v in (4, 5, 6)])))
+        rows.append(
+            ("full set", full, np.median([server.update(full, v, obs_specs=VISION, action_dim=4) for v in (1, 2, 3)]))
+        )
+        rows.append(
+            ("LoRA adapters (partial)", sync, np.median([server.update(sync, v, partial=True) for v in (4, 5, 6)]))
+        )
         for name, state, sec in rows:
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
             print(f"| {name} | {len(state)} | {nbytes:,} | {sec:.3f} |")
@@ -187,10 +227,12 @@ def bench_streams(num_streams: int = 256, requests: int = 20, rows: int = 4) -> 
     wall = time.perf_counter() - t0
     server.close()
     lat = np.array(latencies) * 1000
-    print(f"\n| streams | requests | wall s | p50 ms | p99 ms | max ms | fewest replies per stream |")
+    print("\n| streams | requests | wall s | p50 ms | p99 ms | max ms | fewest replies per stream |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {num_streams} | {len(lat)} | {wall:.1f} | {np.percentile(lat, 50):.1f} | {np.percentile(lat, 99):.1f} "
-          f"| {lat.max():.1f} | {min(replies)} of {requests} |")
+    print(
+        f"| {num_streams} | {len(lat)} | {wall:.1f} | {np.percentile(lat, 50):.1f} | {np.percentile(lat, 99):.1f} "
+        f"| {lat.max():.1f} | {min(replies)} of {requests} |"
+    )
 
 
 def main() -> None:

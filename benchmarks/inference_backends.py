@@ -23,27 +23,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def measure(backend: str, batches: list[int], seconds: float, vla: list[str], threads: int, value: bool = True,
-            keyed: bool = True) -> list[dict]:
+def measure(
+    backend: str,
+    batches: list[int],
+    seconds: float,
+    vla: list[str],
+    threads: int,
+    value: bool = True,
+    keyed: bool = True,
+) -> list[dict]:
     import numpy as np
     import torch
 
     torch.set_num_threads(threads)
     from rlfleet.config import load_config
-    from rlfleet.wire.spaces import TensorSpace
     from rlfleet.policies import build_policy
+    from rlfleet.wire.spaces import TensorSpace
     from services.inference.engine import InferenceEngine
 
-    cfg = load_config("pandapickcube_vision_ppo_openvla_tiny", [f"rollout.backend={backend}",
-                                                                f"actor.model.add_value_head={value}",
-                                                                *[f"actor.model.vla.{kv}" for kv in vla]])
+    cfg = load_config(
+        "pandapickcube_vision_ppo_openvla_tiny",
+        [f"rollout.backend={backend}", f"actor.model.add_value_head={value}", *[f"actor.model.vla.{kv}" for kv in vla]],
+    )
     size = int(cfg.actor.model.vla.image_size)
     specs = {"third_person": TensorSpace((size, size, 3), "uint8"), "state": TensorSpace((18,), "float32")}
     torch.manual_seed(0)
     policy = build_policy(cfg.actor.model, specs, 4, True, "token_level")
     state = {k: v.clone() for k, v in policy.state_dict().items()}
-    engine = InferenceEngine(cfg.actor.model, logprob_type="token_level", backend=backend,
-                             max_batch_size=max(batches), seed=0)
+    engine = InferenceEngine(
+        cfg.actor.model, logprob_type="token_level", backend=backend, max_batch_size=max(batches), seed=0
+    )
     engine.start()
     t0 = time.perf_counter()
     engine.set_weights(0, state, obs_specs=specs, action_dim=4)
@@ -57,8 +66,10 @@ def measure(backend: str, batches: list[int], seconds: float, vla: list[str], th
     rng = np.random.default_rng(0)
     params = sum(p.numel() for p in policy.parameters())
     for b in batches:
-        obs = {"third_person": rng.integers(0, 256, (b, size, size, 3), dtype=np.uint8),
-               "state": rng.standard_normal((b, 18)).astype(np.float32)}
+        obs = {
+            "third_person": rng.integers(0, 256, (b, size, size, 3), dtype=np.uint8),
+            "state": rng.standard_normal((b, 18)).astype(np.float32),
+        }
         texts = ["pick up the red cube and lift it"] * b
         keys = np.arange(b, dtype=np.uint64)
         engine.act_now(obs, False, texts, keys if keyed else None)  # warm-up
@@ -67,8 +78,19 @@ def measure(backend: str, batches: list[int], seconds: float, vla: list[str], th
             engine.act_now(obs, False, texts, keys + np.uint64(n * b) if keyed else None)
             n += 1
         dt = (time.perf_counter() - t0) / n
-        rows.append({"backend": backend, "value": value, "keyed": keyed, "params": params, "batch": b, "actions_s": b / dt, "ms": dt * 1000,
-                     "first_update_s": first, "update_s": sorted(updates)[1]})
+        rows.append(
+            {
+                "backend": backend,
+                "value": value,
+                "keyed": keyed,
+                "params": params,
+                "batch": b,
+                "actions_s": b / dt,
+                "ms": dt * 1000,
+                "first_update_s": first,
+                "update_s": sorted(updates)[1],
+            }
+        )
     engine.stop()
     return rows
 
@@ -88,21 +110,42 @@ def main() -> int:
     vla = [kv for kv in args.vla.split(",") if kv]
     rows: list[dict] = []
     for backend in args.backends.split(","):
-        from rlfleet.simulators import environments
         from rlfleet.policies.backends import get_backend
+        from rlfleet.simulators import environments
 
         env = get_backend(backend).environment
-        python = sys.executable if env is None else str(environments.ensure(env, log=lambda *a: print(*a, file=sys.stderr)))
+        python = (
+            sys.executable if env is None else str(environments.ensure(env, log=lambda *a: print(*a, file=sys.stderr)))
+        )
         here = env is None or os.path.samefile(os.path.dirname(os.path.dirname(python)), sys.prefix)
         if here or args.json:
             rows += measure(backend, batches, args.seconds, vla, args.threads, not args.no_value, not args.no_keys)
         else:  # in the backend's own environment
             child = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(args.threads)}
             child.pop("VIRTUAL_ENV", None)
-            out = subprocess.run([python, os.path.abspath(__file__), "--backends", backend, "--batches", args.batches,
-                                  "--seconds", str(args.seconds), "--vla", args.vla, "--threads", str(args.threads),
-                                  "--json", *(["--no-value"] if args.no_value else []),
-                                  *(["--no-keys"] if args.no_keys else [])], env=child, capture_output=True, text=True, cwd=ROOT)
+            out = subprocess.run(
+                [
+                    python,
+                    os.path.abspath(__file__),
+                    "--backends",
+                    backend,
+                    "--batches",
+                    args.batches,
+                    "--seconds",
+                    str(args.seconds),
+                    "--vla",
+                    args.vla,
+                    "--threads",
+                    str(args.threads),
+                    "--json",
+                    *(["--no-value"] if args.no_value else []),
+                    *(["--no-keys"] if args.no_keys else []),
+                ],
+                env=child,
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            )
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
                 return out.returncode
@@ -110,13 +153,19 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"\nOpenVLA ({rows[0]['params'] / 1e6:.1f}M parameters), sampled actions, {args.threads} torch thread(s), "
-          f"{'no value head' if args.no_value else 'value head'}, {'unseeded' if args.no_keys else 'per-row noise keys'}\n")
-    print("| backend | batch | actions/s | ms per call | full weights update (s) | first update incl. engine build (s) |")
+    print(
+        f"\nOpenVLA ({rows[0]['params'] / 1e6:.1f}M parameters), sampled actions, {args.threads} torch thread(s), "
+        f"{'no value head' if args.no_value else 'value head'}, {'unseeded' if args.no_keys else 'per-row noise keys'}\n"
+    )
+    print(
+        "| backend | batch | actions/s | ms per call | full weights update (s) | first update incl. engine build (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['batch']} | {r['actions_s']:,.1f} | {r['ms']:.1f} | {r['update_s']:.3f} | "
-              f"{r['first_update_s']:.1f} |")
+        print(
+            f"| {r['backend']} | {r['batch']} | {r['actions_s']:,.1f} | {r['ms']:.1f} | {r['update_s']:.3f} | "
+            f"{r['first_update_s']:.1f} |"
+        )
     return 0
 
 

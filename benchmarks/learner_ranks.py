@@ -34,18 +34,35 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODELS = {  # name -> (rank_scenarios model, extra overrides, what it is)
-    "mlp": ("mlp", ["actor.model.hidden_dims=[128,128]", "actor.micro_batch_size=512", "actor.global_batch_size=512",
-                    "algorithm.update_epoch=5"], "MLP PPO (the default run's sizes)"),
+    "mlp": (
+        "mlp",
+        [
+            "actor.model.hidden_dims=[128,128]",
+            "actor.micro_batch_size=512",
+            "actor.global_batch_size=512",
+            "algorithm.update_epoch=5",
+        ],
+        "MLP PPO (the default run's sizes)",
+    ),
     "oft_lora": ("oft_lora", [], "OpenVLA-OFT tiny, GRPO, LoRA r4"),
     "oft_full": ("oft_lora", ["actor.model.is_lora=false"], "OpenVLA-OFT tiny, GRPO, full fine-tune"),
     "pi0": ("pi0", [], "π0 tiny, PPO"),
     # publish: a larger OpenVLA-OFT (Llama 8 x 1024) so the buckets matter
-    "oft_big": ("oft_lora", ["actor.model.is_lora=false", "actor.model.vla.llm_hidden_size=1024",
-                             "actor.model.vla.llm_layers=8", "actor.model.vla.llm_intermediate_size=2048",
-                             "actor.model.vla.llm_heads=8", "actor.model.vla.llm_kv_heads=8",
-                             "actor.model.vla.vocab_size=8192"], "OpenVLA-OFT, Llama 8 x 1024"),
+    "oft_big": (
+        "oft_lora",
+        [
+            "actor.model.is_lora=false",
+            "actor.model.vla.llm_hidden_size=1024",
+            "actor.model.vla.llm_layers=8",
+            "actor.model.vla.llm_intermediate_size=2048",
+            "actor.model.vla.llm_heads=8",
+            "actor.model.vla.llm_kv_heads=8",
+            "actor.model.vla.vocab_size=8192",
+        ],
+        "OpenVLA-OFT, Llama 8 x 1024",
+    ),
 }
-MB = 2 ** 20
+MB = 2**20
 
 
 def rss() -> int:
@@ -61,8 +78,8 @@ def worker(out: pathlib.Path, model: str, epochs: int, publish: list[int]) -> No
 
     torch.set_num_threads(1)
     from rlfleet.config import to_yaml
-    from services.learner.group import RankGroup
     from rlfleet.config.views import learner_view
+    from services.learner.group import RankGroup
     from services.learner.learner import Learner
     from tests.services.learner.rank_scenarios import config, rollout
 
@@ -86,9 +103,13 @@ def worker(out: pathlib.Path, model: str, epochs: int, publish: list[int]) -> No
     if publish:
         cfg_path = out / "inference.yaml"
         cfg_path.write_text(to_yaml(cfg))
-        server = subprocess.Popen([sys.executable, "-m", "services.inference.server", "--config", str(cfg_path),
-                                   "--address", "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "services.inference.server", "--config", str(cfg_path), "--address", "127.0.0.1:0"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             line = server.stdout.readline()
             address = re.search(r"serving on (\S+)", line).group(1)
@@ -104,6 +125,7 @@ def worker(out: pathlib.Path, model: str, epochs: int, publish: list[int]) -> No
                     while not stop.is_set():
                         peak[0] = max(peak[0], rss())
                         time.sleep(0.002)
+
                 import gc
 
                 gc.collect()
@@ -126,9 +148,19 @@ def worker(out: pathlib.Path, model: str, epochs: int, publish: list[int]) -> No
 def run(world: int, model: str, epochs: int, publish: list[int]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(pathlib.Path(__file__).resolve()), "--worker", str(out), model, str(epochs),
-               ",".join(map(str, publish))]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            str(pathlib.Path(__file__).resolve()),
+            "--worker",
+            str(out),
+            model,
+            str(epochs),
+            ",".join(map(str, publish)),
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{model} on {world} rank(s) failed:\n{proc.stderr[-4000:]}")
@@ -158,8 +190,10 @@ def main() -> None:
             t = statistics.median(r["train_s"][1:]) if len(r["train_s"]) > 1 else r["train_s"][0]
             print(f"| {MODELS[model][2]} | {world} | {r['samples']} | {per} | {opt} | {t:.3f} |", flush=True)
     if args.publish_model:
-        print(f"\nrank 0's memory while publishing {MODELS[args.publish_model][2]} to a real inference server "
-              f"(peak resident memory above the level before the publish)\n")
+        print(
+            f"\nrank 0's memory while publishing {MODELS[args.publish_model][2]} to a real inference server "
+            f"(peak resident memory above the level before the publish)\n"
+        )
         print("| ranks | policy MB | actor.weights_bucket_mb | rank 0 peak above base MB | sent MB | s |")
         print("|---|---|---|---|---|---|")
         for world in args.ranks:
@@ -167,8 +201,11 @@ def main() -> None:
             p = r["publish"]
             for row in p["rows"]:
                 label = "whole (one bucket)" if row["bucket_mb"] >= 100000 else str(row["bucket_mb"])
-                print(f"| {world} | {p['model_bytes'] / MB:.0f} | {label} | {row['peak_above_base'] / MB:.0f} | "
-                      f"{row['sent'] / MB:.0f} | {row['s']:.2f} |", flush=True)
+                print(
+                    f"| {world} | {p['model_bytes'] / MB:.0f} | {label} | {row['peak_above_base'] / MB:.0f} | "
+                    f"{row['sent'] / MB:.0f} | {row['s']:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

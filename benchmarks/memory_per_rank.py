@@ -48,12 +48,24 @@ def rows(ranks: list[int], gpu_bytes: float, extra: list[str]) -> list[list[str]
         for world in ranks:
             parts = fp.rank_parts(world, gpu=True, reference_copy=reference, rows=micro)
             total = sum(parts.values())
-            out.append([model, tune, f"`{name}`", str(world), f"{fp.parameters / 1e9:.2f}B",
-                        f"{fp.trainable / 1e9:.3f}B", f"{parts['sharded'] / GB:.1f}", f"{parts['reference'] / GB:.1f}",
-                        f"{parts['gathered'] / GB:.1f}", f"{parts['autocast'] / GB:.1f}",
-                        f"{parts['activations'] / GB:.1f} ({micro} rows)", f"{parts['transient'] / GB:.1f}",
-                        f"**{total / GB:.1f}**",
-                        "yes" if total <= gpu_bytes else "no"])
+            out.append(
+                [
+                    model,
+                    tune,
+                    f"`{name}`",
+                    str(world),
+                    f"{fp.parameters / 1e9:.2f}B",
+                    f"{fp.trainable / 1e9:.3f}B",
+                    f"{parts['sharded'] / GB:.1f}",
+                    f"{parts['reference'] / GB:.1f}",
+                    f"{parts['gathered'] / GB:.1f}",
+                    f"{parts['autocast'] / GB:.1f}",
+                    f"{parts['activations'] / GB:.1f} ({micro} rows)",
+                    f"{parts['transient'] / GB:.1f}",
+                    f"**{total / GB:.1f}**",
+                    "yes" if total <= gpu_bytes else "no",
+                ]
+            )
     return out
 
 
@@ -64,9 +76,22 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value overrides applied to every config")
     args = ap.parse_args()
     table = rows(args.ranks, args.gpu_gb * GB, args.overrides)
-    head = ["model", "fine-tune", "config", "ranks", "parameters", "trained", "weights+grads+Adam shard (GB)",
-            "KL ref. shard (GB)", "gathered units (GB)", "autocast copies (GB)", "activations (GB)", "step temporaries (GB)", "per rank (GB)",
-            f"fits {args.gpu_gb:g} GB"]
+    head = [
+        "model",
+        "fine-tune",
+        "config",
+        "ranks",
+        "parameters",
+        "trained",
+        "weights+grads+Adam shard (GB)",
+        "KL ref. shard (GB)",
+        "gathered units (GB)",
+        "autocast copies (GB)",
+        "activations (GB)",
+        "step temporaries (GB)",
+        "per rank (GB)",
+        f"fits {args.gpu_gb:g} GB",
+    ]
     if all(row[7] == "0.0" for row in table):  # no KL reference anywhere: leave its column out
         head, table = head[:7] + head[8:], [row[:7] + row[8:] for row in table]
     print("| " + " | ".join(head) + " |")

@@ -35,12 +35,27 @@ class Row:
 
 
 ROWS = {
-    "panda_oft_ppo": Row("PandaPickCubeVision-v0", "OpenVLA-OFT tiny", "PPO",
-                         "pandapickcube_vision_sft_openvla_oft_tiny", "pandapickcube_vision_ppo_openvla_oft_sft"),
-    "panda_oft_grpo": Row("PandaPickCubeVision-v0", "OpenVLA-OFT tiny", "GRPO",
-                          "pandapickcube_vision_sft_openvla_oft_tiny", "pandapickcube_vision_grpo_openvla_oft_sft"),
-    "metaworld_pi0_ppo": Row("Meta-World MT1 reach-v3", "π0 tiny", "PPO (Flow-SDE)",
-                             "metaworld_mt1_sft_pi0_tiny", "metaworld_mt1_ppo_pi0_sft"),
+    "panda_oft_ppo": Row(
+        "PandaPickCubeVision-v0",
+        "OpenVLA-OFT tiny",
+        "PPO",
+        "pandapickcube_vision_sft_openvla_oft_tiny",
+        "pandapickcube_vision_ppo_openvla_oft_sft",
+    ),
+    "panda_oft_grpo": Row(
+        "PandaPickCubeVision-v0",
+        "OpenVLA-OFT tiny",
+        "GRPO",
+        "pandapickcube_vision_sft_openvla_oft_tiny",
+        "pandapickcube_vision_grpo_openvla_oft_sft",
+    ),
+    "metaworld_pi0_ppo": Row(
+        "Meta-World MT1 reach-v3",
+        "π0 tiny",
+        "PPO (Flow-SDE)",
+        "metaworld_mt1_sft_pi0_tiny",
+        "metaworld_mt1_ppo_pi0_sft",
+    ),
 }
 
 
@@ -75,26 +90,48 @@ def table(rows: dict[str, Row], log_path: str) -> list[dict]:
         after = [e["eval/success_once"] for e in s["eval_history"] if e["step"] > 0]
         best = max(after, default=None)
         recent = sum(after[-5:]) / len(after[-5:]) if after else None  # one 100-episode eval is +-5 pts noisy
-        sft = json.loads((ROOT / log_path / row.sft_config / "sft_model" / "sft_summary.json").read_text()) \
-            if (ROOT / log_path / row.sft_config / "sft_model" / "sft_summary.json").is_file() else {}
-        out.append({"row": key, **row.__dict__, "base": base, "final": final, "best": best,
-                    "last5_mean": recent,
-                    "episodes": int(last.get("eval/num_episodes", 0)), "last_eval_epoch": last.get("step"),
-                    "stop_reason": s["stop_reason"], "env_steps": s["env_steps"],
-                    "train_wall_time_s": s["train_wall_time_s"], "sft_episodes": sft.get("episodes"),
-                    "sft_steps": sft.get("steps"), "sft_wall_time_s": sft.get("wall_time_s"), "run_dir": s["run_dir"],
-                    "curve": s.get("learning_curve")})
+        sft = (
+            json.loads((ROOT / log_path / row.sft_config / "sft_model" / "sft_summary.json").read_text())
+            if (ROOT / log_path / row.sft_config / "sft_model" / "sft_summary.json").is_file()
+            else {}
+        )
+        out.append(
+            {
+                "row": key,
+                **row.__dict__,
+                "base": base,
+                "final": final,
+                "best": best,
+                "last5_mean": recent,
+                "episodes": int(last.get("eval/num_episodes", 0)),
+                "last_eval_epoch": last.get("step"),
+                "stop_reason": s["stop_reason"],
+                "env_steps": s["env_steps"],
+                "train_wall_time_s": s["train_wall_time_s"],
+                "sft_episodes": sft.get("episodes"),
+                "sft_steps": sft.get("steps"),
+                "sft_wall_time_s": sft.get("wall_time_s"),
+                "run_dir": s["run_dir"],
+                "curve": s.get("learning_curve"),
+            }
+        )
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
-    print("\n| simulator | model | algorithm | SFT base | after RL (last / best / mean of last 5 evals) | gain (last) "
-          "| env steps | RL training time | SFT data, steps | stopped by |")
+    print(
+        "\n| simulator | model | algorithm | SFT base | after RL (last / best / mean of last 5 evals) | gain (last) "
+        "| env steps | RL training time | SFT data, steps | stopped by |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in out:
         gain = "-" if r["base"] is None or r["final"] is None else f"{100 * (r['final'] - r['base']):+.0f} pts"
-        print(f"| {r['simulator']} | {r['model']} | {r['algorithm']} | {pct(r['base'])} | {pct(r['final'])} / "
-              f"{pct(r['best'])} / {pct(r['last5_mean'])} | {gain} | {r['env_steps'] / 1000:.0f}k | {r['train_wall_time_s'] / 60:.1f} min | "
-              f"{r['sft_episodes']} demos, {r['sft_steps']} steps | {r['stop_reason']} |")
-    print(f"\n(success_once on {out[0]['episodes'] if out else 100} seeded evaluation episodes; base = the SFT model "
-          f"evaluated before the first RL epoch)")
+        print(
+            f"| {r['simulator']} | {r['model']} | {r['algorithm']} | {pct(r['base'])} | {pct(r['final'])} / "
+            f"{pct(r['best'])} / {pct(r['last5_mean'])} | {gain} | {r['env_steps'] / 1000:.0f}k | {r['train_wall_time_s'] / 60:.1f} min | "
+            f"{r['sft_episodes']} demos, {r['sft_steps']} steps | {r['stop_reason']} |"
+        )
+    print(
+        f"\n(success_once on {out[0]['episodes'] if out else 100} seeded evaluation episodes; base = the SFT model "
+        f"evaluated before the first RL epoch)"
+    )
     return out
 
 

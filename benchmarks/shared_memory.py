@@ -51,8 +51,11 @@ def serve() -> None:
                     decode_s.append(time.perf_counter() - t0)
                     n = next(iter(obs.values())).shape[0]
                     yield inference_pb2.ActResponse(
-                        request_id=req.request_id, actions=codec.encode(np.zeros((n, 4, 7), np.float32)),
-                        log_probs=codec.encode(np.zeros((n, 1), np.float32)), weights_version=1)
+                        request_id=req.request_id,
+                        actions=codec.encode(np.zeros((n, 4, 7), np.float32)),
+                        log_probs=codec.encode(np.zeros((n, 1), np.float32)),
+                        weights_version=1,
+                    )
             finally:
                 reader.close()
 
@@ -68,11 +71,13 @@ def serve() -> None:
                 for chunk in request_iterator:  # (the parse of each chunk happens in gRPC as it is pulled)
                     for k, v in codec.decode_map(chunk.data, "rollout", shm=reader).items():
                         parts.setdefault(k, []).append(v)
-                kept = {k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v)
-                        for k, v in parts.items()}
+                kept = {
+                    k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v) for k, v in parts.items()
+                }
                 decode_s.append(time.perf_counter() - t0)
-                return learner_pb2.PushRolloutResponse(num_steps=kept["rewards"].shape[0],
-                                                       num_envs=kept["rewards"].shape[1])
+                return learner_pb2.PushRolloutResponse(
+                    num_steps=kept["rewards"].shape[0], num_envs=kept["rewards"].shape[1]
+                )
             finally:
                 reader.close()
 
@@ -122,10 +127,14 @@ def act(address: str, envs: int, repeats: int, shared_memory: bool) -> dict:
     finally:
         client.close()
     rt = float(np.median(walls))
-    return {"bytes": wire.bytes / repeats, "shm_bytes": wire.shm_bytes / repeats, "round_trip_ms": rt * 1e3,
-            "sender_cpu_ms": wire.seconds / repeats * 1e3,
-            "receiver_decode_ms": float(np.median(_receiver_decode(address))) * 1e3,
-            "env_steps_per_s": envs / rt}
+    return {
+        "bytes": wire.bytes / repeats,
+        "shm_bytes": wire.shm_bytes / repeats,
+        "round_trip_ms": rt * 1e3,
+        "sender_cpu_ms": wire.seconds / repeats * 1e3,
+        "receiver_decode_ms": float(np.median(_receiver_decode(address))) * 1e3,
+        "env_steps_per_s": envs / rt,
+    }
 
 
 def push(address: str, envs: int, steps: int, repeats: int, shared_memory: bool) -> dict:
@@ -140,8 +149,9 @@ def push(address: str, envs: int, steps: int, repeats: int, shared_memory: bool)
         for i in range(repeats + 1):
             # the epoch's buffers as the env server fills them (in its arena's segment when sharing)
             buf = codec.empty_buffers(steps, envs, {}, None)
-            buf.update(arena.buffers(layout) if arena is not None else
-                       {k: np.empty(s, d) for k, (s, d) in layout.items()})
+            buf.update(
+                arena.buffers(layout) if arena is not None else {k: np.empty(s, d) for k, (s, d) in layout.items()}
+            )
             for k in CAMERAS:
                 buf[f"obs.{k}"][:] = (i * 7 + len(k)) % 251
             buf["obs.state"][:] = 0.5
@@ -164,9 +174,14 @@ def push(address: str, envs: int, steps: int, repeats: int, shared_memory: bool)
             arena.close()
     decode = _receiver_decode(address)[1:]
     rt = float(np.median(walls))
-    return {"bytes": float(np.median(sent)), "shm_bytes": float(np.median(by_handle)), "round_trip_ms": rt * 1e3,
-            "sender_cpu_ms": float(np.median(cpu)) * 1e3, "receiver_decode_ms": float(np.median(decode)) * 1e3,
-            "env_steps_per_s": envs * steps / rt}
+    return {
+        "bytes": float(np.median(sent)),
+        "shm_bytes": float(np.median(by_handle)),
+        "round_trip_ms": rt * 1e3,
+        "sender_cpu_ms": float(np.median(cpu)) * 1e3,
+        "receiver_decode_ms": float(np.median(decode)) * 1e3,
+        "env_steps_per_s": envs * steps / rt,
+    }
 
 
 def main(argv=None) -> int:
@@ -182,24 +197,37 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    receiver = subprocess.Popen([sys.executable, "-m", "benchmarks.shared_memory", "--serve"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(
-                                    os.path.abspath(__file__))))
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.shared_memory", "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     try:
         address = receiver.stdout.readline().strip()
         load = os.getloadavg()[0]
         act_mb = args.envs * (2 * int(np.prod(IMAGE)) + 28) / 1e6
-        print(f"# {args.envs} envs x two {IMAGE[0]} px cameras: one Act {act_mb:.1f} MB, one epoch "
-              f"({args.steps} steps) {act_mb * args.steps / 1e3:.2f} GB; {os.cpu_count()} CPUs, load {load:.1f}")
-        print(f"{'path':9} {'transport':10} {'msg MB':>8} {'shm MB':>8} {'round trip ms':>14} {'sender CPU ms':>14} "
-              f"{'receiver ms':>12} {'env steps/s':>12}")
-        for name, run in (("act", lambda s: act(address, args.envs, args.repeats, s)),
-                          ("rollout", lambda s: push(address, args.envs, args.steps, max(2, args.repeats // 5), s))):
+        print(
+            f"# {args.envs} envs x two {IMAGE[0]} px cameras: one Act {act_mb:.1f} MB, one epoch "
+            f"({args.steps} steps) {act_mb * args.steps / 1e3:.2f} GB; {os.cpu_count()} CPUs, load {load:.1f}"
+        )
+        print(
+            f"{'path':9} {'transport':10} {'msg MB':>8} {'shm MB':>8} {'round trip ms':>14} {'sender CPU ms':>14} "
+            f"{'receiver ms':>12} {'env steps/s':>12}"
+        )
+        for name, run in (
+            ("act", lambda s: act(address, args.envs, args.repeats, s)),
+            ("rollout", lambda s: push(address, args.envs, args.steps, max(2, args.repeats // 5), s)),
+        ):
             for shared in (False, True):
                 r = run(shared)
-                print(f"{name:9} {'shm' if shared else 'grpc':10} {r['bytes'] / 1e6:8.2f} {r['shm_bytes'] / 1e6:8.1f} "
-                      f"{r['round_trip_ms']:14.1f} {r['sender_cpu_ms']:14.1f} {r['receiver_decode_ms']:12.1f} "
-                      f"{r['env_steps_per_s']:12,.0f}", flush=True)
+                print(
+                    f"{name:9} {'shm' if shared else 'grpc':10} {r['bytes'] / 1e6:8.2f} {r['shm_bytes'] / 1e6:8.1f} "
+                    f"{r['round_trip_ms']:14.1f} {r['sender_cpu_ms']:14.1f} {r['receiver_decode_ms']:12.1f} "
+                    f"{r['env_steps_per_s']:12,.0f}",
+                    flush=True,
+                )
         print(f"# load at the end {os.getloadavg()[0]:.1f}")
     finally:
         receiver.stdin.close()

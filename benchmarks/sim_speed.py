@@ -3,6 +3,7 @@ scripted-expert episodes for the state env, which spends most of its time in con
 
     python benchmarks/sim_speed.py [--state-steps 5000] [--vision-steps 300] [--image-size 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,15 +56,18 @@ def main() -> None:
             a = scripted_expert_action(obs)
             expert.append(a)
             obs, *_ = env.step(a)
-    print(f"PandaPickCube-v0        expert replay  : {_run(env, np.asarray(expert)):8.0f} steps/s "
-          f"({len(expert)} steps)")
+    print(
+        f"PandaPickCube-v0        expert replay  : {_run(env, np.asarray(expert)):8.0f} steps/s ({len(expert)} steps)"
+    )
     env.close()
 
     venv = PandaPickCubeVisionEnv(image_size=args.image_size, **kw)
     vacts = rng.uniform(-1, 1, (args.vision_steps, 4)).astype(np.float32)
     _run(venv, vacts[:20])  # warm-up (GL context, shaders)
-    print(f"PandaPickCubeVision-v0  {args.image_size}px random   : {_run(venv, vacts):8.0f} steps/s "
-          f"({args.vision_steps} steps, 2 cameras)")
+    print(
+        f"PandaPickCubeVision-v0  {args.image_size}px random   : {_run(venv, vacts):8.0f} steps/s "
+        f"({args.vision_steps} steps, 2 cameras)"
+    )
     venv.close()
 
 

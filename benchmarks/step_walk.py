@@ -50,9 +50,16 @@ def main() -> None:
             if path.startswith(str(ROOT)) and path not in seen:
                 seen[path] = None
 
-    cfg = load_config(None, ["env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=8",
-                             "env.train.max_episode_steps=9",
-                             "actor.micro_batch_size=8", "actor.global_batch_size=32"])
+    cfg = load_config(
+        None,
+        [
+            "env.train.total_num_envs=4",
+            "env.train.max_steps_per_rollout_epoch=8",
+            "env.train.max_episode_steps=9",
+            "actor.micro_batch_size=8",
+            "actor.global_batch_size=32",
+        ],
+    )
     run = tempfile.mkdtemp()
     assert cfg.telemetry.traces == "file" and cfg.telemetry.step_spans  # the default config's telemetry
     os.environ.pop(tracing.TRACE_DIR_ENV, None)
@@ -62,12 +69,20 @@ def main() -> None:
     lrn, learner_addr, learner, _ = learner_server.serve(cfg, "127.0.0.1:0", run)
     env, env_addr, worker, _ = env_server.serve(cfg, "127.0.0.1:0")
     rs = rollout_pb2_grpc.RolloutServiceStub(channels.channel(env_addr))
-    learner_pb2_grpc.LearnerServiceStub(channels.channel(learner_addr)).PublishWeights(learner_pb2.PublishWeightsRequest(
-        env_spec=rs.Describe(env_pb2.DescribeEnvRequest()), inference_addresses=[inf_addr]), timeout=60)
+    learner_pb2_grpc.LearnerServiceStub(channels.channel(learner_addr)).PublishWeights(
+        learner_pb2.PublishWeightsRequest(
+            env_spec=rs.Describe(env_pb2.DescribeEnvRequest()), inference_addresses=[inf_addr]
+        ),
+        timeout=60,
+    )
 
     def collect(epoch: int, steps: int) -> None:  # what the coordinator's Coordinator._collect sends
-        rs.Collect(rollout_pb2.CollectRequest(epoch=epoch, num_steps=steps, inference_addresses=[inf_addr],
-                                              learner_address=learner_addr), timeout=60)
+        rs.Collect(
+            rollout_pb2.CollectRequest(
+                epoch=epoch, num_steps=steps, inference_addresses=[inf_addr], learner_address=learner_addr
+            ),
+            timeout=60,
+        )
 
     collect(0, 8)  # warm-up: first reset, the policy's spaces, the Act stream
     sys.setprofile(profile)

@@ -1,15 +1,15 @@
 """Env steps/s of rollout collection, four ways, for each simulator:
 
-  raw simulator   the simulator backend's N slots stepped with random actions (no policy, no bookkeeping), in the
-                  simulator's own environment
-  in-process      RolloutWorker + InferenceEngine in one process (same envs, same policy, no gRPC); only for
-                  simulators of the main environment (the others' environments carry no model code)
-  pipeline S=1    env server (from the simulator's environment), inference server and learner as separate processes
-  pipeline S=2    over gRPC on loopback, with rollout.pipeline_stage_num = 1 and 2; timed = Collect RPCs, including
-                  the trajectories' trip to the learner. The services use shared memory on one host by default
-                  (cluster.shared_memory: auto); --shared-memory inline measures the plain gRPC path, both measures both
+raw simulator   the simulator backend's N slots stepped with random actions (no policy, no bookkeeping), in the
+                simulator's own environment
+in-process      RolloutWorker + InferenceEngine in one process (same envs, same policy, no gRPC); only for
+                simulators of the main environment (the others' environments carry no model code)
+pipeline S=1    env server (from the simulator's environment), inference server and learner as separate processes
+pipeline S=2    over gRPC on loopback, with rollout.pipeline_stage_num = 1 and 2; timed = Collect RPCs, including
+                the trajectories' trip to the learner. The services use shared memory on one host by default
+                (cluster.shared_memory: auto); --shared-memory inline measures the plain gRPC path, both measures both
 
-    python benchmarks/throughput.py [--epochs 5] [--only panda-state,metaworld-reach,...] [--shared-memory auto|inline|both]
+  python benchmarks/throughput.py [--epochs 5] [--only panda-state,metaworld-reach,...] [--shared-memory auto|inline|both]
 """
 
 from __future__ import annotations
@@ -29,45 +29,86 @@ import json  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from rlfleet.simulators import environments  # noqa: E402
-from rlfleet.wire import channels  # noqa: E402
 from rlfleet.config import load_config, to_yaml  # noqa: E402
-from rlfleet.simulators import get_simulator  # noqa: E402
-from services.env.environment import python_for  # noqa: E402
+from rlfleet.simulators import (
+    environments,  # noqa: E402
+    get_simulator,  # noqa: E402
+)
 from rlfleet.v1 import env_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from rlfleet.wire import channels  # noqa: E402
+from services.env.environment import python_for  # noqa: E402
 
 CASES = {
-    "panda-state": ["env.train.env_id=PandaPickCube-v0", "env.train.total_num_envs=64",
-                    "env.train.max_steps_per_rollout_epoch=32"],
-    "panda-vision": ["env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=16",
-                     "env.train.max_steps_per_rollout_epoch=16", "actor.model.model_type=cnn",
-                     "env.train.init_params={image_size: 64}", "actor.global_batch_size=256",
-                     "actor.micro_batch_size=128"],
+    "panda-state": [
+        "env.train.env_id=PandaPickCube-v0",
+        "env.train.total_num_envs=64",
+        "env.train.max_steps_per_rollout_epoch=32",
+    ],
+    "panda-vision": [
+        "env.train.env_id=PandaPickCubeVision-v0",
+        "env.train.total_num_envs=16",
+        "env.train.max_steps_per_rollout_epoch=16",
+        "actor.model.model_type=cnn",
+        "env.train.init_params={image_size: 64}",
+        "actor.global_batch_size=256",
+        "actor.micro_batch_size=128",
+    ],
     # the tiny OpenVLA-OFT (it resizes to its 64 px) on two 224 px cameras: the wire carries 301 KB per env step
-    "panda-vision-oft-224": ["env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=8",
-                             "env.train.max_steps_per_rollout_epoch=32", "actor.model.model_type=openvla_oft",
-                             "actor.model.num_action_chunks=4", "actor.model.image_key=third_person",
-                             "actor.model.extra_image_keys=[wrist]", "env.train.init_params={image_size: 224}",
-                             "actor.global_batch_size=64", "actor.micro_batch_size=32"],
-    "panda-vision-openvla": ["env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=8",
-                             "env.train.max_steps_per_rollout_epoch=16", "actor.model.model_type=openvla",
-                             "actor.model.image_key=third_person", "env.train.init_params={image_size: 64}",
-                             "actor.global_batch_size=128", "actor.micro_batch_size=32"],
-    "metaworld-reach": ["env.train.simulator_type=metaworld", "env.train.env_id=reach-v3",
-                        "env.eval.simulator_type=metaworld", "env.eval.env_id=reach-v3",
-                        "env.train.total_num_envs=32", "env.train.max_steps_per_rollout_epoch=64",
-                        "env.train.max_episode_steps=100"],
-    "libero-spatial": ["env.train.simulator_type=libero", "env.train.env_id=libero_spatial",
-                       "env.eval.simulator_type=libero", "env.eval.env_id=libero_spatial",
-                       "env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=16",
-                       "env.train.max_episode_steps=240", "actor.model.model_type=cnn",
-                       "env.train.init_params={image_size: 64, max_idle_envs: 2}",
-                       "actor.global_batch_size=64", "actor.micro_batch_size=64"],
-    "maniskill-pushcube": ["env.train.simulator_type=maniskill", "env.train.env_id=PushCube-v1",
-                           "env.eval.simulator_type=maniskill", "env.eval.env_id=PushCube-v1",
-                           "env.train.total_num_envs=16", "env.train.max_steps_per_rollout_epoch=50",
-                           "env.train.max_episode_steps=50", "actor.global_batch_size=400",
-                           "actor.micro_batch_size=400"],
+    "panda-vision-oft-224": [
+        "env.train.env_id=PandaPickCubeVision-v0",
+        "env.train.total_num_envs=8",
+        "env.train.max_steps_per_rollout_epoch=32",
+        "actor.model.model_type=openvla_oft",
+        "actor.model.num_action_chunks=4",
+        "actor.model.image_key=third_person",
+        "actor.model.extra_image_keys=[wrist]",
+        "env.train.init_params={image_size: 224}",
+        "actor.global_batch_size=64",
+        "actor.micro_batch_size=32",
+    ],
+    "panda-vision-openvla": [
+        "env.train.env_id=PandaPickCubeVision-v0",
+        "env.train.total_num_envs=8",
+        "env.train.max_steps_per_rollout_epoch=16",
+        "actor.model.model_type=openvla",
+        "actor.model.image_key=third_person",
+        "env.train.init_params={image_size: 64}",
+        "actor.global_batch_size=128",
+        "actor.micro_batch_size=32",
+    ],
+    "metaworld-reach": [
+        "env.train.simulator_type=metaworld",
+        "env.train.env_id=reach-v3",
+        "env.eval.simulator_type=metaworld",
+        "env.eval.env_id=reach-v3",
+        "env.train.total_num_envs=32",
+        "env.train.max_steps_per_rollout_epoch=64",
+        "env.train.max_episode_steps=100",
+    ],
+    "libero-spatial": [
+        "env.train.simulator_type=libero",
+        "env.train.env_id=libero_spatial",
+        "env.eval.simulator_type=libero",
+        "env.eval.env_id=libero_spatial",
+        "env.train.total_num_envs=4",
+        "env.train.max_steps_per_rollout_epoch=16",
+        "env.train.max_episode_steps=240",
+        "actor.model.model_type=cnn",
+        "env.train.init_params={image_size: 64, max_idle_envs: 2}",
+        "actor.global_batch_size=64",
+        "actor.micro_batch_size=64",
+    ],
+    "maniskill-pushcube": [
+        "env.train.simulator_type=maniskill",
+        "env.train.env_id=PushCube-v1",
+        "env.eval.simulator_type=maniskill",
+        "env.eval.env_id=PushCube-v1",
+        "env.train.total_num_envs=16",
+        "env.train.max_steps_per_rollout_epoch=50",
+        "env.train.max_episode_steps=50",
+        "actor.global_batch_size=400",
+        "actor.micro_batch_size=400",
+    ],
 }
 
 
@@ -80,8 +121,13 @@ def raw_sim(cfg, steps_per_env: int, actions: str = "random") -> float:
     python = python_for(cfg.env.train.simulator_type)
     if python != sys.executable:
         env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT)}
-        out = subprocess.run([python, __file__, "--raw", to_yaml(cfg), "--steps", str(steps_per_env),
-                              "--raw-actions", actions], capture_output=True, text=True, env=env, check=True)
+        out = subprocess.run(
+            [python, __file__, "--raw", to_yaml(cfg), "--steps", str(steps_per_env), "--raw-actions", actions],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
         return float(json.loads(out.stdout.strip().splitlines()[-1])["rate"])
     return _raw_here(cfg, steps_per_env, actions)
 
@@ -121,9 +167,9 @@ def in_process(cfg, epochs: int) -> float | None:
         return None
     import torch
 
+    from rlfleet.wire.clients import LocalPolicyClient
     from rlfleet.wire.spaces import TensorSpace
     from services.env.server import build_worker
-    from rlfleet.wire.clients import LocalPolicyClient
     from services.inference.server import build_engine
 
     cfg.rollout.pipeline_stage_num = 1
@@ -150,8 +196,13 @@ def in_process(cfg, epochs: int) -> float | None:
 
 def _spawn(module: str, config: str, extra=(), python: str = sys.executable) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT)}
-    proc = subprocess.Popen([python, "-m", module, "--config", config, "--address", "127.0.0.1:0", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [python, "-m", module, "--config", config, "--address", "127.0.0.1:0", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     for line in proc.stdout:
         m = re.search(r"serving on (\S+)", line)
         if m:
@@ -179,8 +230,12 @@ def pipeline(cfg, stages: int, epochs: int, shared_memory: str | None = None) ->
             spec = rstub.Describe(env_pb2.DescribeEnvRequest())
             lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(learner))
             lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[inf]))
-            req = rollout_pb2.CollectRequest(epoch=0, num_steps=cfg.env.train.max_steps_per_rollout_epoch,
-                                             inference_addresses=[inf], learner_address=learner)
+            req = rollout_pb2.CollectRequest(
+                epoch=0,
+                num_steps=cfg.env.train.max_steps_per_rollout_epoch,
+                inference_addresses=[inf],
+                learner_address=learner,
+            )
             rstub.Collect(req)  # warm-up
             t0 = time.perf_counter()
             steps = sum(rstub.Collect(req).env_steps for _ in range(epochs))
@@ -195,8 +250,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=5, help="timed rollout epochs per measurement")
     ap.add_argument("--only", default=None, help=f"comma-separated cases of {', '.join(CASES)}")
-    ap.add_argument("--shared-memory", default="auto", choices=("auto", "inline", "both"),
-                    help="cluster.shared_memory for the pipeline (both: auto, then inline in columns of their own)")
+    ap.add_argument(
+        "--shared-memory",
+        default="auto",
+        choices=("auto", "inline", "both"),
+        help="cluster.shared_memory for the pipeline (both: auto, then inline in columns of their own)",
+    )
     ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)  # internal: raw_sim in a simulator environment
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--raw-actions", default="random", choices=RAW_ACTIONS, help=argparse.SUPPRESS)
@@ -212,8 +271,11 @@ def main() -> None:
             continue
         cfg = load_config(None, overrides)
         n, T = cfg.env.train.total_num_envs, cfg.env.train.max_steps_per_rollout_epoch
-        print(f"[{name}] {cfg.env.train.simulator_type}:{cfg.env.train.env_id}: {n} envs x {T} steps per epoch, "
-              f"{args.epochs} epochs ...", flush=True)
+        print(
+            f"[{name}] {cfg.env.train.simulator_type}:{cfg.env.train.env_id}: {n} envs x {T} steps per epoch, "
+            f"{args.epochs} epochs ...",
+            flush=True,
+        )
         raw = raw_sim(cfg, T * args.epochs)
         local = in_process(load_config(None, overrides), args.epochs)
         first = "auto" if args.shared_memory == "both" else args.shared_memory
@@ -221,23 +283,31 @@ def main() -> None:
         s2 = pipeline(load_config(None, overrides), 2, args.epochs, first)
         off = None
         if args.shared_memory == "both":
-            off = (pipeline(load_config(None, overrides), 1, args.epochs, "inline"),
-                   pipeline(load_config(None, overrides), 2, args.epochs, "inline"))
+            off = (
+                pipeline(load_config(None, overrides), 1, args.epochs, "inline"),
+                pipeline(load_config(None, overrides), 2, args.epochs, "inline"),
+            )
         rows.append((name, cfg.env.train.simulator_type, cfg.env.train.env_id, n, raw, local, s1, s2, off))
     both = args.shared_memory == "both"
     print()
     extra = " S=1, gRPC only | S=2, gRPC only | S=1 / in-process, gRPC only |" if both else ""
-    print("| case | simulator | env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 "
-          f"| S=1 / in-process | S=2 / in-process | S=2 / raw |{extra}")
+    print(
+        "| case | simulator | env | envs | raw simulator | in-process loop | pipeline S=1 | pipeline S=2 "
+        f"| S=1 / in-process | S=2 / in-process | S=2 / raw |{extra}"
+    )
     print("|---" * (11 + 3 * both) + "|")
     for name, sim, env_id, n, raw, local, s1, s2, off in rows:
         loc = f"{local:,.0f}" if local else "-"
         ratio = lambda x: f"{x / local:.2f}" if local else "-"  # noqa: E731
         more = f" {off[0]:,.0f} | {off[1]:,.0f} | {ratio(off[0])} |" if off else ""
-        print(f"| {name} | {sim} | {env_id} | {n} | {raw:,.0f} | {loc} | {s1:,.0f} | {s2:,.0f} | {ratio(s1)} "
-              f"| {ratio(s2)} | {s2 / raw:.2f} |{more}")
-    print(f"\n(env steps/s; pipeline = 3 processes over gRPC on loopback, cluster.shared_memory: {args.shared_memory}; "
-          "in-process needs torch, so only for simulators of the main environment)")
+        print(
+            f"| {name} | {sim} | {env_id} | {n} | {raw:,.0f} | {loc} | {s1:,.0f} | {s2:,.0f} | {ratio(s1)} "
+            f"| {ratio(s2)} | {s2 / raw:.2f} |{more}"
+        )
+    print(
+        f"\n(env steps/s; pipeline = 3 processes over gRPC on loopback, cluster.shared_memory: {args.shared_memory}; "
+        "in-process needs torch, so only for simulators of the main environment)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,11 @@ def hits(run_dir: pathlib.Path) -> dict:
     """Per threshold: (epoch, env steps, wall s, wall s without evaluations) of the first evaluation reaching it;
     plus the run's whole-loop env steps/s."""
     records = read_metrics(run_dir)
-    evals = [r for r in records if isinstance(r.get("eval/success_once"), (int, float))
-             and isinstance(r.get("eval/env_steps"), (int, float))]
+    evals = [
+        r
+        for r in records
+        if isinstance(r.get("eval/success_once"), (int, float)) and isinstance(r.get("eval/env_steps"), (int, float))
+    ]
     out, eval_time = {}, 0.0
     for r in evals:
         for th in THRESHOLDS:
@@ -47,8 +50,9 @@ def hits(run_dir: pathlib.Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     train = [r for r in records if isinstance(r.get("time/elapsed"), (int, float))]
     if train:
-        wall = train[-1]["time/elapsed"] - sum(r.get("time/eval", 0.0) for r in evals if r["step"] > 0
-                                              and r["step"] <= train[-1]["step"])
+        wall = train[-1]["time/elapsed"] - sum(
+            r.get("time/eval", 0.0) for r in evals if r["step"] > 0 and r["step"] <= train[-1]["step"]
+        )
         out["rate"] = train[-1].get("env/env_steps", 0) / max(wall, 1e-9)
     out["final"] = summary.get("final_eval", {}).get("eval/success_once")
     return out
@@ -76,9 +80,15 @@ def raw_all_cores(cores: int, overrides=(), actions: str = "random") -> float | 
 
     cfg = load_config(None, list(overrides))
     here = pathlib.Path(__file__).with_name("throughput.py")
-    procs = [subprocess.Popen([sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", "400", "--raw-actions",
-                               actions], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(cores)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(here), "--raw", to_yaml(cfg), "--steps", "400", "--raw-actions", actions],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(cores)
+    ]
     outs = [p.communicate() for p in procs]
     failed = [err for p, (_, err) in zip(procs, outs) if p.returncode]
     if failed and actions == "expert" and "no scripted expert" in failed[0]:
@@ -108,9 +118,19 @@ def main() -> None:
     for mode in args.modes:
         for seed in args.seeds:
             name = f"tts_{mode}_seed{seed}"
-            cmd = [sys.executable, "-m", "services.coordinator.cli", "start", "--quiet", "runner.val_check_interval=5",
-                   "runner.early_stop_success_rate=0.95", f"runner.seed={seed}", MODES[mode],
-                   f"runner.experiment_name={name}", *args.overrides]
+            cmd = [
+                sys.executable,
+                "-m",
+                "services.coordinator.cli",
+                "start",
+                "--quiet",
+                "runner.val_check_interval=5",
+                "runner.early_stop_success_rate=0.95",
+                f"runner.seed={seed}",
+                MODES[mode],
+                f"runner.experiment_name={name}",
+                *args.overrides,
+            ]
             if not given:
                 cmd.append(f"runner.logger.log_path={log_path}")
             print("$ coordinatorctl start " + " ".join(cmd[5:]), flush=True)
@@ -121,10 +141,14 @@ def main() -> None:
     cores = os.cpu_count() or 1
     raw = raw_all_cores(cores, args.overrides)
     expert = raw_all_cores(cores, args.overrides, "expert")
-    print(f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s with random actions, "
-          + (f"{expert:,.0f} with the scripted expert's" if expert else "no scripted expert"))
-    print(f"\n| mode | seeds | to 50% (s / k steps) | to 90% (s / k steps) | to 95% median (s) | to 95% worst (s) | "
-          f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores (random, expert) |")
+    print(
+        f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s with random actions, "
+        + (f"{expert:,.0f} with the scripted expert's" if expert else "no scripted expert")
+    )
+    print(
+        f"\n| mode | seeds | to 50% (s / k steps) | to 90% (s / k steps) | to 95% median (s) | to 95% worst (s) | "
+        f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores (random, expert) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         runs = [rows[(mode, s)] for s in args.seeds]
@@ -133,18 +157,23 @@ def main() -> None:
             got = [r[th] for r in runs if th in r]
             if len(got) < len(runs):
                 return f"{len(got)}/{len(runs)} reached"
-            return (f"{statistics.median(g[3] for g in got):.0f} / "
-                    f"{statistics.median(g[1] for g in got) / 1000:.0f}k")
+            return f"{statistics.median(g[3] for g in got):.0f} / {statistics.median(g[1] for g in got) / 1000:.0f}k"
 
         got95 = [r[0.95] for r in runs if 0.95 in r]
         med95 = f"{statistics.median(g[3] for g in got95):.0f}" if len(got95) == len(runs) else "-"
-        worst95 = f"{max(g[3] for g in got95):.0f}" if len(got95) == len(runs) else \
-            f"not reached by {len(runs) - len(got95)}"
-        steps95 = (f"{statistics.median(g[1] for g in got95) / 1000:.0f}k, {max(g[1] for g in got95) / 1000:.0f}k"
-                   if got95 else "-")
+        worst95 = (
+            f"{max(g[3] for g in got95):.0f}" if len(got95) == len(runs) else f"not reached by {len(runs) - len(got95)}"
+        )
+        steps95 = (
+            f"{statistics.median(g[1] for g in got95) / 1000:.0f}k, {max(g[1] for g in got95) / 1000:.0f}k"
+            if got95
+            else "-"
+        )
         rate = statistics.median(r.get("rate", 0.0) for r in runs)
-        print(f"| {mode} | {', '.join(map(str, args.seeds))} | {cell(0.5)} | {cell(0.9)} | {med95} | {worst95} | "
-              f"{steps95} | {rate:,.0f} | {rate / raw:.0%}, {f'{rate / expert:.0%}' if expert else '-'} |")
+        print(
+            f"| {mode} | {', '.join(map(str, args.seeds))} | {cell(0.5)} | {cell(0.9)} | {med95} | {worst95} | "
+            f"{steps95} | {rate:,.0f} | {rate / raw:.0%}, {f'{rate / expert:.0%}' if expert else '-'} |"
+        )
 
 
 if __name__ == "__main__":

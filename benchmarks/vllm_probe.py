@@ -9,6 +9,7 @@ in-place weight reload from a safetensors folder, and actions/s (7-token decodes
     uv pip uninstall --python /tmp/vllm-env/bin/python torchvision torchaudio torchcodec
     VLLM_ENABLE_V1_MULTIPROCESSING=0 /tmp/vllm-env/bin/python benchmarks/vllm_probe.py
 """
+
 import os
 import pathlib
 import tempfile
@@ -24,22 +25,40 @@ def hf_greedy(model, prompt: list[int], allowed: list[int], steps: int = 7) -> l
     cur = list(prompt)
     for _ in range(steps):
         cur.append(allowed[int(model(torch.tensor([cur])).logits[0, -1, allowed].argmax())])
-    return cur[len(prompt):]
+    return cur[len(prompt) :]
 
 
 def main():
     d = pathlib.Path(tempfile.mkdtemp(prefix="vllm-probe-"))
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     m = LlamaForCausalLM(cfg).eval()
     m.save_pretrained(d, safe_serialization=True)
     print("saved", sorted(os.listdir(d)))
     from vllm import LLM, SamplingParams
+
     t = time.time()
-    llm = LLM(model=str(d), skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              logprobs_mode="processed_logprobs", max_logprobs=256, enable_prompt_embeds=True, seed=0)
+    llm = LLM(
+        model=str(d),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+        max_logprobs=256,
+        enable_prompt_embeds=True,
+        seed=0,
+    )
     print("engine up", round(time.time() - t, 1), "s")
     allowed = list(range(1024 - 256, 1024))
     prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70 + i]} for i in range(4)]
@@ -73,15 +92,21 @@ def main():
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(d)})
     print("reload", round(time.time() - t, 2), "s")
     g2 = llm.generate(prompts[:1], greedy)
-    print("after reload greedy vllm", list(g2[0].outputs[0].token_ids), "hf",
-          hf_greedy(m, prompts[0]["prompt_token_ids"], allowed))
+    print(
+        "after reload greedy vllm",
+        list(g2[0].outputs[0].token_ids),
+        "hf",
+        hf_greedy(m, prompts[0]["prompt_token_ids"], allowed),
+    )
     # throughput at batch sizes
     for bs in (1, 8, 32, 64):
         ps = [{"prompt_token_ids": [1, 5, 9, 33, 70 + (i % 100)]} for i in range(bs)]
         llm.generate(ps, sp)
-        t = time.time(); n = 0
+        t = time.time()
+        n = 0
         while time.time() - t < 3:
-            llm.generate(ps, sp, use_tqdm=False); n += bs
+            llm.generate(ps, sp, use_tqdm=False)
+            n += bs
         print(f"batch {bs}: {n / (time.time() - t):.1f} actions/s (7-token decode)")
 
 

@@ -55,9 +55,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 H100_FLOPS = 400e12  # effective bf16 FLOP/s assumed for one H100 (about 40% of the SXM's 989 TFLOP/s dense peak)
-TRAIN_FACTOR = 3     # a training step (forward + backward) over a sample: ~3 forward passes
-ROLLOUT_CAP = 512 << 20   # bytes of rollout materialised per measurement; larger epochs are measured on a T-slice
-WEIGHTS_CAP = 1 << 30     # bytes of weights materialised per measurement; larger sets are measured on a slice
+TRAIN_FACTOR = 3  # a training step (forward + backward) over a sample: ~3 forward passes
+ROLLOUT_CAP = 512 << 20  # bytes of rollout materialised per measurement; larger epochs are measured on a T-slice
+WEIGHTS_CAP = 1 << 30  # bytes of weights materialised per measurement; larger sets are measured on a slice
 MARK_BEGIN, MARK_END = "<!-- wire-budget:begin -->", "<!-- wire-budget:end -->"
 
 
@@ -65,11 +65,11 @@ MARK_BEGIN, MARK_END = "<!-- wire-budget:begin -->", "<!-- wire-budget:end -->"
 @dataclasses.dataclass(frozen=True)
 class Case:
     label: str
-    config: str                       # a built-in real-size config
-    overrides: tuple[str, ...]        # what makes it two-camera on this env
-    obs: dict                         # {key: (shape, dtype)}: what the env server sends per row
+    config: str  # a built-in real-size config
+    overrides: tuple[str, ...]  # what makes it two-camera on this env
+    obs: dict  # {key: (shape, dtype)}: what the env server sends per row
     action_dim: int
-    env_steps: int                    # env steps per env per rollout epoch
+    env_steps: int  # env steps per env per rollout epoch
     instruction: str
 
 
@@ -86,14 +86,21 @@ PI0 = "metaworld_mt50_ppo_pi0"
 def cases(image_size: int = 224) -> list[Case]:
     """OpenVLA-OFT and pi0 on PandaPickCubeVision-v0 and LIBERO. Epochs: 80 env steps on PandaPickCube (as the
     real-size ManiSkill configs; it has no real-size config of its own), 240 on LIBERO (its config's)."""
-    oft_panda = ("actor.model.image_key=third_person", "actor.model.extra_image_keys=[wrist]",
-                 "actor.model.use_proprio=true")
-    oft_libero = ("actor.model.image_key=agentview", "actor.model.extra_image_keys=[wrist]",
-                  "actor.model.use_proprio=true")
+    oft_panda = (
+        "actor.model.image_key=third_person",
+        "actor.model.extra_image_keys=[wrist]",
+        "actor.model.use_proprio=true",
+    )
+    oft_libero = (
+        "actor.model.image_key=agentview",
+        "actor.model.extra_image_keys=[wrist]",
+        "actor.model.use_proprio=true",
+    )
     s = image_size
     return [
-        Case("OpenVLA-OFT, PandaPickCubeVision", OFT, oft_panda, _cams("third_person", "wrist", s, 7), 4, 80,
-             PANDA_TASK),
+        Case(
+            "OpenVLA-OFT, PandaPickCubeVision", OFT, oft_panda, _cams("third_person", "wrist", s, 7), 4, 80, PANDA_TASK
+        ),
         Case("OpenVLA-OFT, LIBERO", OFT, oft_libero, _cams("agentview", "wrist", s, 8), 7, 240, LIBERO_TASK),
         Case("pi0, PandaPickCubeVision", PI0, (), _cams("third_person", "wrist", s, 7), 4, 80, PANDA_TASK),
         Case("pi0, LIBERO", PI0, (), _cams("agentview", "wrist", s, 8), 7, 240, LIBERO_TASK),
@@ -118,8 +125,15 @@ def _tiny(cfg, image_size: int):
     key = family.sizes_group  # the family's size group (vla, openpi) and its tiny defaults
     real = dict(m[key])
     sizes = family.defaults()
-    for k in ("patch_size", "max_state_dim", "max_action_dim", "num_denoise_steps", "noise_level", "noise_method",
-              "pi05"):
+    for k in (
+        "patch_size",
+        "max_state_dim",
+        "max_action_dim",
+        "num_denoise_steps",
+        "noise_level",
+        "noise_method",
+        "pi05",
+    ):
         if k in real:
             sizes[k] = real[k]
     sizes["image_size"] = image_size
@@ -137,14 +151,14 @@ class Model:
     """What a case's policy puts on the wire and computes: per-row reply arrays, weights sets, FLOPs."""
 
     chunk: int
-    reply: dict                     # {name: (per-row shape, dtype)} of actions, log_probs, values, fi.*
+    reply: dict  # {name: (per-row shape, dtype)} of actions, log_probs, values, fi.*
     log_prob_width: int
-    state: list                     # [(name, shape, dtype name)] of the full weights set, in publish order
-    sync: list                      # ... of the set a partial update carries (LoRA: the adapters)
+    state: list  # [(name, shape, dtype name)] of the full weights set, in publish order
+    sync: list  # ... of the set a partial update carries (LoRA: the adapters)
     lora: bool
-    parts: dict                     # parameters by part: vision, projector, llm, expert, other
-    fwd_flops: float                # forward FLOPs per Act row
-    train_flops: float              # training FLOPs per sample (TRAIN_FACTOR x the training forward)
+    parts: dict  # parameters by part: vision, projector, llm, expert, other
+    fwd_flops: float  # forward FLOPs per Act row
+    train_flops: float  # training FLOPs per sample (TRAIN_FACTOR x the training forward)
     llm_tokens: int
     bucket_mb: float
     update_epoch: int
@@ -159,12 +173,27 @@ def _parts(policy, model_type: str) -> dict[str, int]:
         if "lora_" in name or "embed_tokens" in name or "lm_head" in name:
             continue
         if model_type == "openpi":
-            part = ("vision" if ".vision_tower." in name else "projector" if ".multi_modal_projector." in name
-                    else "llm" if ".language_model." in name else "expert" if ".dit." in name else "other")
+            part = (
+                "vision"
+                if ".vision_tower." in name
+                else "projector"
+                if ".multi_modal_projector." in name
+                else "llm"
+                if ".language_model." in name
+                else "expert"
+                if ".dit." in name
+                else "other"
+            )
         else:
-            part = ("vision" if name.startswith("vision.") else
-                    "projector" if name.startswith(("projector.", "proprio_projector.")) else
-                    "llm" if name.startswith("llm.") else "other")
+            part = (
+                "vision"
+                if name.startswith("vision.")
+                else "projector"
+                if name.startswith(("projector.", "proprio_projector."))
+                else "llm"
+                if name.startswith("llm.")
+                else "other"
+            )
         parts[part] += p.numel()
     return parts
 
@@ -188,8 +217,11 @@ def flops(model_cfg, parts: dict, cameras: int, action_dim: int) -> tuple[float,
         expert_tokens = chunk + 1
         steps = int(s.num_denoise_steps)
         prefix = vis + 2 * parts["llm"] * llm_tokens
-        return (prefix + 2 * parts["expert"] * expert_tokens * steps,
-                TRAIN_FACTOR * (prefix + 2 * parts["expert"] * expert_tokens), llm_tokens)
+        return (
+            prefix + 2 * parts["expert"] * expert_tokens * steps,
+            TRAIN_FACTOR * (prefix + 2 * parts["expert"] * expert_tokens),
+            llm_tokens,
+        )
     llm_tokens = cameras * patches + (1 if model_cfg.get("use_proprio") else 0) + prompt + chunk * action_dim + 2
     fwd = vis + 2 * parts["llm"] * llm_tokens
     return fwd, TRAIN_FACTOR * fwd, llm_tokens
@@ -214,8 +246,14 @@ def model_for(case: Case, quick: bool, image_size: int) -> Model:
     torch.manual_seed(0)
     pol = build_policy(tiny.actor.model, specs, case.action_dim, True, lp_type)
     rng = np.random.default_rng(0)
-    obs = {k: torch.from_numpy(rng.integers(0, 256, (2, *s.shape), dtype=np.uint8) if s.dtype == "uint8" else
-                               rng.standard_normal((2, *s.shape)).astype(np.float32)) for k, s in specs.items()}
+    obs = {
+        k: torch.from_numpy(
+            rng.integers(0, 256, (2, *s.shape), dtype=np.uint8)
+            if s.dtype == "uint8"
+            else rng.standard_normal((2, *s.shape)).astype(np.float32)
+        )
+        for k, s in specs.items()
+    }
     out = pol.act(obs, False, [case.instruction] * 2).to_numpy(0)
     reply = {"actions": (out.actions.shape[1:], "float32"), "log_probs": (out.log_probs.shape[1:], "float32")}
     if out.values is not None:
@@ -234,9 +272,21 @@ def model_for(case: Case, quick: bool, image_size: int) -> Model:
     parts = _parts(target, mcfg.model_type)
     cameras = sum(1 for _, dtype in case.obs.values() if dtype == "uint8")
     fwd, train, llm_tokens = flops(sized.actor.model, parts, cameras, case.action_dim)
-    return Model(out.actions.shape[1], reply, out.log_probs.shape[1], state, sync, lora, parts, fwd, train,
-                 llm_tokens, float(cfg.actor.weights_bucket_mb), int(cfg.algorithm.update_epoch),
-                 str(cfg.rollout.weights_precision))
+    return Model(
+        out.actions.shape[1],
+        reply,
+        out.log_probs.shape[1],
+        state,
+        sync,
+        lora,
+        parts,
+        fwd,
+        train,
+        llm_tokens,
+        float(cfg.actor.weights_bucket_mb),
+        int(cfg.algorithm.update_epoch),
+        str(cfg.rollout.weights_precision),
+    )
 
 
 # --- the processes: a receiving server and a sending client, each fresh per row ----------------------------------
@@ -252,6 +302,7 @@ _cpu = time.thread_time  # a stage's cost: CPU seconds of the thread that runs i
 
 def _timed(fn, sink: list, sizes: list | None = None):
     """fn wrapped so that each call's CPU seconds (and, for serialisers, output bytes) are recorded."""
+
     def wrapped(x):
         t0 = _cpu()
         out = fn(x)
@@ -259,6 +310,7 @@ def _timed(fn, sink: list, sizes: list | None = None):
         if sizes is not None:
             sizes.append(len(out))
         return out
+
     return wrapped
 
 
@@ -298,6 +350,7 @@ def _server_main(kind: str, spec: dict, conn) -> None:
         from rlfleet.wire import shm
 
         return shm.Reader()
+
     shm_kw = (lambda r: {"shm": r}) if use_shm else (lambda r: {})
     if kind == "act":
         n = spec["n"]
@@ -313,9 +366,12 @@ def _server_main(kind: str, spec: dict, conn) -> None:
                 codec.decode_map(req.observations, "observations", **shm_kw(r))
                 t1 = _cpu()
                 resp = inference_pb2.ActResponse(
-                    request_id=req.request_id, actions=codec.encode(reply["actions"]),
-                    log_probs=codec.encode(reply["log_probs"]), weights_version=1,
-                    forward_inputs=codec.encode_map({k[3:]: v for k, v in reply.items() if k.startswith("fi.")}))
+                    request_id=req.request_id,
+                    actions=codec.encode(reply["actions"]),
+                    log_probs=codec.encode(reply["log_probs"]),
+                    weights_version=1,
+                    forward_inputs=codec.encode_map({k[3:]: v for k, v in reply.items() if k.startswith("fi.")}),
+                )
                 if "values" in reply:
                     resp.values.CopyFrom(codec.encode(reply["values"]))
                 st["decode"].append(t1 - t0)
@@ -325,8 +381,10 @@ def _server_main(kind: str, spec: dict, conn) -> None:
                 r.close()
 
         handler = grpc.stream_stream_rpc_method_handler(
-            act, request_deserializer=_timed(inference_pb2.ActRequest.FromString, st["parse"]),
-            response_serializer=_timed(inference_pb2.ActResponse.SerializeToString, st["serialise"]))
+            act,
+            request_deserializer=_timed(inference_pb2.ActRequest.FromString, st["parse"]),
+            response_serializer=_timed(inference_pb2.ActResponse.SerializeToString, st["serialise"]),
+        )
         service, method = "rlfleet.v1.InferenceService", "Act"
     elif kind == "rollout":
         from rlfleet.wire.spaces import TensorSpace
@@ -351,20 +409,29 @@ def _server_main(kind: str, spec: dict, conn) -> None:
                 decode += _cpu() - t0
             t0 = _cpu()
             # one chunk read from shared memory is already a private array (services/learner/server.py keeps it)
-            whole = {k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v)
-                     for k, v in time_major.items()}
+            whole = {
+                k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v) for k, v in time_major.items()
+            }
             if r is not None:
                 r.close()
-            T, N = codec.check_rollout(whole, per_env, obs_specs=obs_specs, chunk=spec["chunk"],
-                                       action_dim=spec["action_dim"], log_prob_width=spec["log_prob_width"])
+            T, N = codec.check_rollout(
+                whole,
+                per_env,
+                obs_specs=obs_specs,
+                chunk=spec["chunk"],
+                action_dim=spec["action_dim"],
+                log_prob_width=spec["log_prob_width"],
+            )
             decode += _cpu() - t0
             del whole, time_major
             st["calls"].append({"cpu": time.process_time() - c0, "decode": decode, "wall": time.perf_counter() - w0})
             return learner_pb2.PushRolloutResponse(num_steps=T, num_envs=N)
 
         handler = grpc.stream_unary_rpc_method_handler(
-            push, request_deserializer=_timed(learner_pb2.RolloutChunk.FromString, st["parse"]),
-            response_serializer=learner_pb2.PushRolloutResponse.SerializeToString)
+            push,
+            request_deserializer=_timed(learner_pb2.RolloutChunk.FromString, st["parse"]),
+            response_serializer=learner_pb2.PushRolloutResponse.SerializeToString,
+        )
         service, method = "rlfleet.v1.LearnerService", "PushRollout"
     else:
         import torch
@@ -387,6 +454,7 @@ def _server_main(kind: str, spec: dict, conn) -> None:
                     finally:
                         waited[0] += _cpu() - t0
                     yield msg
+
             t0 = _cpu()
             r = reader() if use_shm else None
             version, state, _, _, _ = weights.assemble(chunks(), **shm_kw(r))
@@ -400,13 +468,16 @@ def _server_main(kind: str, spec: dict, conn) -> None:
             decode = _cpu() - t0 - waited[0]
             nt = len(state)
             del state
-            st["calls"].append({"cpu": time.process_time() - c0, "decode": decode, "check": check,
-                                "wall": time.perf_counter() - w0})
+            st["calls"].append(
+                {"cpu": time.process_time() - c0, "decode": decode, "check": check, "wall": time.perf_counter() - w0}
+            )
             return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=nt)
 
         handler = grpc.stream_unary_rpc_method_handler(
-            update, request_deserializer=_timed(inference_pb2.WeightsChunk.FromString, st["parse"]),
-            response_serializer=inference_pb2.UpdateWeightsResponse.SerializeToString)
+            update,
+            request_deserializer=_timed(inference_pb2.WeightsChunk.FromString, st["parse"]),
+            response_serializer=inference_pb2.UpdateWeightsResponse.SerializeToString,
+        )
         service, method = "rlfleet.v1.InferenceService", "UpdateWeights"
     methods = {method: handler}
     if use_shm:  # the SharedMemory handshake the services answer (rlfleet.wire.shm.answer)
@@ -416,7 +487,8 @@ def _server_main(kind: str, spec: dict, conn) -> None:
         methods["SharedMemory"] = grpc.unary_unary_rpc_method_handler(
             lambda request, context: shm.answer(request, True),
             request_deserializer=tensor_pb2.SharedMemoryOffer.FromString,
-            response_serializer=tensor_pb2.SharedMemoryAnswer.SerializeToString)
+            response_serializer=tensor_pb2.SharedMemoryAnswer.SerializeToString,
+        )
     server = servers.make_server(max_workers=4)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, methods),))
     address = servers.bind(server, "127.0.0.1:0")
@@ -449,9 +521,11 @@ def _offer(channel, service: str) -> None:
     from rlfleet.v1 import tensor_pb2
     from rlfleet.wire.clients import offer_shared_memory
 
-    method = channel.unary_unary(f"/rlfleet.v1.{service}/SharedMemory",
-                                 request_serializer=tensor_pb2.SharedMemoryOffer.SerializeToString,
-                                 response_deserializer=tensor_pb2.SharedMemoryAnswer.FromString)
+    method = channel.unary_unary(
+        f"/rlfleet.v1.{service}/SharedMemory",
+        request_serializer=tensor_pb2.SharedMemoryOffer.SerializeToString,
+        response_deserializer=tensor_pb2.SharedMemoryAnswer.FromString,
+    )
     ok, why = offer_shared_memory(method, 10.0)
     if not ok:
         raise RuntimeError(f"shared memory refused: {why}")
@@ -470,8 +544,17 @@ def _client_act(spec: dict, address: str) -> dict:
     n, rng = spec["n"], np.random.default_rng(0)
     obs = {k: _fill((n, *shape), dtype, rng) for k, (shape, dtype) in spec["obs"].items()}
     instructions = [spec["instruction"]] * n
-    st: dict[str, list] = {"encode": [], "serialise": [], "parse": [], "decode": [], "wall": [], "cpu": [],
-                           "req_bytes": [], "resp_bytes": [], "shm_bytes": []}
+    st: dict[str, list] = {
+        "encode": [],
+        "serialise": [],
+        "parse": [],
+        "decode": [],
+        "wall": [],
+        "cpu": [],
+        "req_bytes": [],
+        "resp_bytes": [],
+        "shm_bytes": [],
+    }
     channel = channels.channel(address)
     grpc.channel_ready_future(channel).result(timeout=30)
     arena, kw = None, {}
@@ -484,16 +567,22 @@ def _client_act(spec: dict, address: str) -> dict:
     requests: queue.SimpleQueue = queue.SimpleQueue()
     end = object()
     call = channel.stream_stream(
-        ACT, request_serializer=_timed(inference_pb2.ActRequest.SerializeToString, st["serialise"], st["req_bytes"]),
-        response_deserializer=_timed(inference_pb2.ActResponse.FromString, st["parse"]))
+        ACT,
+        request_serializer=_timed(inference_pb2.ActRequest.SerializeToString, st["serialise"], st["req_bytes"]),
+        response_deserializer=_timed(inference_pb2.ActResponse.FromString, st["parse"]),
+    )
     responses = call(iter(requests.get, end), wait_for_ready=True)
     for i in range(spec["warmup"] + spec["reps"]):
         st["cpu"].append(time.process_time())
         w0, t0 = time.perf_counter(), _cpu()
         req = inference_pb2.ActRequest(
-            request_id=i, observations=codec.encode_map(obs, **kw), deterministic=False,
+            request_id=i,
+            observations=codec.encode_map(obs, **kw),
+            deterministic=False,
             instructions=list(instructions),
-            trace_context={}, noise_keys=np.asarray(row_keys(np.arange(n), 0, i), np.uint64).tolist())
+            trace_context={},
+            noise_keys=np.asarray(row_keys(np.arange(n), 0, i), np.uint64).tolist(),
+        )
         t1 = _cpu()
         st["shm_bytes"].append(_shared(req.observations))
         requests.put(req)
@@ -501,10 +590,13 @@ def _client_act(spec: dict, address: str) -> dict:
         if arena is not None:  # answered: the server is done with the request's segment
             arena.release()
         t2 = _cpu()
-        res = PolicyOutput(codec.decode(resp.actions, "actions", dtype=np.float32),
-                           codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
-                           codec.decode(resp.values, "values", dtype=np.float32) if resp.HasField("values") else None,
-                           codec.decode_map(resp.forward_inputs, "forward_inputs"), resp.weights_version)
+        res = PolicyOutput(
+            codec.decode(resp.actions, "actions", dtype=np.float32),
+            codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
+            codec.decode(resp.values, "values", dtype=np.float32) if resp.HasField("values") else None,
+            codec.decode_map(resp.forward_inputs, "forward_inputs"),
+            resp.weights_version,
+        )
         _check_result(res, n, spec["action_dim"])
         t3 = _cpu()
         st["encode"].append(t1 - t0)
@@ -545,8 +637,9 @@ def _client_rollout(spec: dict, address: str) -> dict:
             bufs[k][...] = v
         tm = bufs
     for k, f in codec.TIME_MAJOR.items():
-        trailing = {"": (), "chunk,action_dim": (spec["chunk"], spec["action_dim"]),
-                    "L": (spec["log_prob_width"],)}[f.trailing]
+        trailing = {"": (), "chunk,action_dim": (spec["chunk"], spec["action_dim"]), "L": (spec["log_prob_width"],)}[
+            f.trailing
+        ]
         tm[k] = _fill((T, n, *trailing), f.dtype, rng)
     for k, (shape, dtype) in spec["reply"].items():
         if k.startswith("fi."):
@@ -555,13 +648,22 @@ def _client_rollout(spec: dict, address: str) -> dict:
     tm["truncated"][:] = False
     eps = [codec.EpisodeStat(i % n, 1.0, 50, True, True, -1, spec["instruction"]) for i in range(n)]
     rollout = codec.Rollout(tm, {"last_values": _fill((n,), np.float32, rng)}, eps)
-    st: dict[str, list] = {"encode": [], "serialise": [], "wall": [], "cpu": [], "bytes": [], "msgs": [],
-                           "shm_bytes": []}
+    st: dict[str, list] = {
+        "encode": [],
+        "serialise": [],
+        "wall": [],
+        "cpu": [],
+        "bytes": [],
+        "msgs": [],
+        "shm_bytes": [],
+    }
     ser: list = []
     sizes: list = []
-    call = channel.stream_unary(PUSH, request_serializer=_timed(learner_pb2.RolloutChunk.SerializeToString, ser,
-                                                                 sizes),
-                                response_deserializer=learner_pb2.PushRolloutResponse.FromString)
+    call = channel.stream_unary(
+        PUSH,
+        request_serializer=_timed(learner_pb2.RolloutChunk.SerializeToString, ser, sizes),
+        response_deserializer=learner_pb2.PushRolloutResponse.FromString,
+    )
     for rep in range(spec["warmup"] + spec["reps"]):
         enc: list = []
         shared = [0]
@@ -578,6 +680,7 @@ def _client_rollout(spec: dict, address: str) -> dict:
                     return
                 shared[0] += _shared(msg.data)
                 yield msg
+
         c0, t0 = time.process_time(), time.perf_counter()
         call(chunks(), timeout=600, wait_for_ready=True)
         if arena is not None:
@@ -620,14 +723,24 @@ def _client_weights(spec: dict, address: str) -> dict:
             t.zero_()
         state[name] = t
     names = list(state)
-    bucket = int(spec["bucket_mb"] * 2 ** 20)
+    bucket = int(spec["bucket_mb"] * 2**20)
     obs_specs = {k: TensorSpace(shape, dtype) for k, (shape, dtype) in spec["obs"].items()}
-    kw = {"shared_memory": bool(spec.get("shm"))} \
-        if "shared_memory" in inspect.signature(pub.WeightPublisher).parameters else {}
+    kw = (
+        {"shared_memory": bool(spec.get("shm"))}
+        if "shared_memory" in inspect.signature(pub.WeightPublisher).parameters
+        else {}
+    )
     if spec.get("shm") and not kw:
         raise RuntimeError("this WeightPublisher has no shared-memory path")
-    st: dict[str, list] = {"encode": [], "serialise": [], "wall": [], "cpu": [], "bytes": [], "msgs": [],
-                           "shm_bytes": []}
+    st: dict[str, list] = {
+        "encode": [],
+        "serialise": [],
+        "wall": [],
+        "cpu": [],
+        "bytes": [],
+        "msgs": [],
+        "shm_bytes": [],
+    }
     for rep in range(spec["warmup"] + spec["reps"]):
         # the stages, as the publisher's stream runs them: weights.iter_chunks per bucket, then SerializeToString
         arena, akw = None, {}
@@ -640,8 +753,11 @@ def _client_weights(spec: dict, address: str) -> dict:
         nbytes = msgs = shared = 0
         first = True
         for part in gather_buckets(state, bucket, True):
-            opts = {"partial": True} if spec["partial"] else (
-                {"obs_specs": obs_specs, "action_dim": spec["action_dim"]} if first else {})
+            opts = (
+                {"partial": True}
+                if spec["partial"]
+                else ({"obs_specs": obs_specs, "action_dim": spec["action_dim"]} if first else {})
+            )
             it = weights.iter_chunks(part, rep + 1, **opts, **akw)
             while True:
                 t0 = _cpu()
@@ -665,8 +781,15 @@ def _client_weights(spec: dict, address: str) -> dict:
         if spec["partial"]:
             publisher.synced.add(address)
         c0, t0 = time.process_time(), time.perf_counter()
-        publisher.publish([address], rep + 1, lambda ns: gather_buckets({n: state[n] for n in ns}, bucket, True),
-                          names, names, obs_specs, spec["action_dim"])
+        publisher.publish(
+            [address],
+            rep + 1,
+            lambda ns: gather_buckets({n: state[n] for n in ns}, bucket, True),
+            names,
+            names,
+            obs_specs,
+            spec["action_dim"],
+        )
         st["wall"].append(time.perf_counter() - t0)
         st["cpu"].append(time.process_time() - c0)
         st["encode"].append(enc)
@@ -746,7 +869,7 @@ class Row:
     envs: str
     nbytes: float
     msgs: float
-    encode: float      # ms, each stage summed over the row's messages (both directions for Act)
+    encode: float  # ms, each stage summed over the row's messages (both directions for Act)
     serialise: float
     transfer: float
     parse: float
@@ -754,10 +877,10 @@ class Row:
     wall: float
     cpu_send: float
     cpu_recv: float
-    peak_send: float   # MB
+    peak_send: float  # MB
     peak_recv: float
     gpu_ms: float
-    saturates: float   # env steps/s
+    saturates: float  # env steps/s
     note: str = ""
     transport: str = "grpc"
 
@@ -767,34 +890,63 @@ def _med(xs) -> float:
 
 
 def measure_act(case: Case, model: Model, n: int, quick: bool, transport: str = "grpc") -> Row:
-    spec = {"shm": transport == "shm", "n": n, "obs": case.obs, "reply": model.reply, "instruction": case.instruction,
-            "action_dim": case.action_dim, "warmup": 1 if quick else 2, "reps": 3 if quick else 10}
+    spec = {
+        "shm": transport == "shm",
+        "n": n,
+        "obs": case.obs,
+        "reply": model.reply,
+        "instruction": case.instruction,
+        "action_dim": case.action_dim,
+        "warmup": 1 if quick else 2,
+        "reps": 3 if quick else 10,
+    }
     c, s = _run_pair("act", spec)
     w = spec["warmup"]
     k = spec["reps"]
     ms = lambda xs: 1e3 * _med(xs[w:])  # noqa: E731
     cpu_c = 1e3 * (c["cpu"][-1] - c["cpu"][w]) / k
     cpu_s = 1e3 * (s["cpu"][-1] - s["cpu"][w]) / (len(s["cpu"]) - 1 - w) if len(s["cpu"]) > w + 1 else float("nan")
-    stages = dict(encode=ms(c["encode"]) + ms(s["encode"]), serialise=ms(c["serialise"]) + ms(s["serialise"]),
-                  parse=ms(s["parse"]) + ms(c["parse"]), decode=ms(s["decode"]) + ms(c["decode"]))
+    stages = dict(
+        encode=ms(c["encode"]) + ms(s["encode"]),
+        serialise=ms(c["serialise"]) + ms(s["serialise"]),
+        parse=ms(s["parse"]) + ms(c["parse"]),
+        decode=ms(s["decode"]) + ms(c["decode"]),
+    )
     shared = _med(c["shm_bytes"][w:])
     nbytes = _med(c["req_bytes"][w:]) + _med(c["resp_bytes"][w:]) + shared
     gpu = 1e3 * n * model.fwd_flops / H100_FLOPS
     steps = n * model.chunk
-    return Row("Act", case.label, str(n), nbytes, 2, **stages, transport=transport,
-               transfer=cpu_c + cpu_s - sum(stages.values()), wall=ms(c["wall"]), cpu_send=cpu_c, cpu_recv=cpu_s,
-               peak_send=c["peak_mb"], peak_recv=s["peak_mb"], gpu_ms=gpu, saturates=steps / (cpu_s / 1e3),
-               note=f"request {(_med(c['req_bytes'][w:]) + shared) / 1e6:.1f} MB"
-                    + (f" ({shared / 1e6:.1f} MB by handle)" if shared else "")
-                    + f" + reply {_med(c['resp_bytes'][w:]) / 1e3:.0f} kB; {n} rows of {model.chunk} env steps")
+    return Row(
+        "Act",
+        case.label,
+        str(n),
+        nbytes,
+        2,
+        **stages,
+        transport=transport,
+        transfer=cpu_c + cpu_s - sum(stages.values()),
+        wall=ms(c["wall"]),
+        cpu_send=cpu_c,
+        cpu_recv=cpu_s,
+        peak_send=c["peak_mb"],
+        peak_recv=s["peak_mb"],
+        gpu_ms=gpu,
+        saturates=steps / (cpu_s / 1e3),
+        note=f"request {(_med(c['req_bytes'][w:]) + shared) / 1e6:.1f} MB"
+        + (f" ({shared / 1e6:.1f} MB by handle)" if shared else "")
+        + f" + reply {_med(c['resp_bytes'][w:]) / 1e3:.0f} kB; {n} rows of {model.chunk} env steps",
+    )
 
 
 def _per_sample_bytes(case: Case, model: Model) -> int:
     from rlfleet.wire import codec
 
     total = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in case.obs.values())
-    total += sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-                 for k, (shape, dt) in model.reply.items() if k.startswith("fi."))
+    total += sum(
+        int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        for k, (shape, dt) in model.reply.items()
+        if k.startswith("fi.")
+    )
     for f in codec.TIME_MAJOR.values():
         width = {"": 1, "chunk,action_dim": model.chunk * case.action_dim, "L": model.log_prob_width}[f.trailing]
         total += width * np.dtype(f.dtype).itemsize
@@ -806,17 +958,30 @@ def measure_rollout(case: Case, model: Model, n: int, quick: bool, cap: int, tra
     per_step = n * _per_sample_bytes(case, model)
     T_slice = max(1, min(T, cap // per_step))
     scale = T / T_slice
-    spec = {"shm": transport == "shm", "T": T_slice, "n": n, "obs": case.obs, "reply": model.reply,
-            "chunk": model.chunk, "action_dim": case.action_dim, "log_prob_width": model.log_prob_width, "instruction": case.instruction,
-            "warmup": 1, "reps": 1 if quick else 2}
+    spec = {
+        "shm": transport == "shm",
+        "T": T_slice,
+        "n": n,
+        "obs": case.obs,
+        "reply": model.reply,
+        "chunk": model.chunk,
+        "action_dim": case.action_dim,
+        "log_prob_width": model.log_prob_width,
+        "instruction": case.instruction,
+        "warmup": 1,
+        "reps": 1 if quick else 2,
+    }
     c, s = _run_pair("rollout", spec)
     w = spec["warmup"]
     ms = lambda xs: 1e3 * _med(xs[w:]) * scale  # noqa: E731
     calls = s["calls"][w:]
     parse_per_call = np.array_split(np.array(s["parse"]), len(s["calls"]))[w:]
-    stages = dict(encode=ms(c["encode"]), serialise=ms(c["serialise"]),
-                  parse=1e3 * _med([p.sum() for p in parse_per_call]) * scale,
-                  decode=1e3 * _med([x["decode"] for x in calls]) * scale)
+    stages = dict(
+        encode=ms(c["encode"]),
+        serialise=ms(c["serialise"]),
+        parse=1e3 * _med([p.sum() for p in parse_per_call]) * scale,
+        decode=1e3 * _med([x["decode"] for x in calls]) * scale,
+    )
     cpu_s = 1e3 * _med([x["cpu"] for x in calls]) * scale
     cpu_c = ms(c["cpu"])
     steps = n * T * model.chunk
@@ -827,12 +992,24 @@ def measure_rollout(case: Case, model: Model, n: int, quick: bool, cap: int, tra
         note += f"; {shared / 1e6:,.0f} MB by handle"
     if scale > 1:
         note += f"; measured on {T_slice} of {T} time steps, x{scale:.1f}"
-    return Row("PushRollout", case.label, str(n), _med(c["bytes"][w:]) * scale + shared, _med(c["msgs"][w:]) * scale,
-               **stages,
-               transport=transport,
-               transfer=cpu_c + cpu_s - sum(stages.values()), wall=ms(c["wall"]), cpu_send=cpu_c, cpu_recv=cpu_s,
-               peak_send=c["peak_mb"], peak_recv=s["peak_mb"], gpu_ms=gpu, saturates=steps / (cpu_s / 1e3),
-               note=note)
+    return Row(
+        "PushRollout",
+        case.label,
+        str(n),
+        _med(c["bytes"][w:]) * scale + shared,
+        _med(c["msgs"][w:]) * scale,
+        **stages,
+        transport=transport,
+        transfer=cpu_c + cpu_s - sum(stages.values()),
+        wall=ms(c["wall"]),
+        cpu_send=cpu_c,
+        cpu_recv=cpu_s,
+        peak_send=c["peak_mb"],
+        peak_recv=s["peak_mb"],
+        gpu_ms=gpu,
+        saturates=steps / (cpu_s / 1e3),
+        note=note,
+    )
 
 
 def _slice(tensors: list, cap: int, bytes_of) -> list:
@@ -851,8 +1028,16 @@ def _slice(tensors: list, cap: int, bytes_of) -> list:
     return taken
 
 
-def measure_weights(case: Case, model: Model, which: str, dtype: str | None, quick: bool, cap: int,
-                    epoch_envs: int, transport: str = "grpc") -> Row:
+def measure_weights(
+    case: Case,
+    model: Model,
+    which: str,
+    dtype: str | None,
+    quick: bool,
+    cap: int,
+    epoch_envs: int,
+    transport: str = "grpc",
+) -> Row:
     """``which``: full (the first set a server gets, or every set of a model without LoRA) or partial (LoRA
     adapters); ``dtype``: None = as the learner holds them (fp32), or cast (bf16)."""
     import torch
@@ -860,6 +1045,7 @@ def measure_weights(case: Case, model: Model, which: str, dtype: str | None, qui
     tensors = model.sync if which == "partial" else model.state
     if dtype is not None:
         tensors = [(n, s, dtype if t in ("float32", "float64") else t) for n, s, t in tensors]
+
     def bytes_of(t) -> int:
         return int(np.prod(t[1], dtype=np.int64)) * torch.empty((), dtype=getattr(torch, t[2])).element_size()
 
@@ -867,39 +1053,66 @@ def measure_weights(case: Case, model: Model, which: str, dtype: str | None, qui
     taken = _slice(tensors, cap, bytes_of)
     taken_bytes = sum(bytes_of(t) for t in taken)
     scale = total / taken_bytes
-    spec = {"shm": transport == "shm", "tensors": taken, "obs": case.obs, "action_dim": case.action_dim,
-            "bucket_mb": model.bucket_mb, "partial": which == "partial", "warmup": 0 if scale > 1 else 1, "reps": 1 if quick else 2}
+    spec = {
+        "shm": transport == "shm",
+        "tensors": taken,
+        "obs": case.obs,
+        "action_dim": case.action_dim,
+        "bucket_mb": model.bucket_mb,
+        "partial": which == "partial",
+        "warmup": 0 if scale > 1 else 1,
+        "reps": 1 if quick else 2,
+    }
     c, s = _run_pair("weights", spec)
     w = spec["warmup"]
     ms = lambda xs: 1e3 * _med(xs[w:]) * scale  # noqa: E731
     calls = s["calls"][w:]
     parse_per_call = np.array_split(np.array(s["parse"]), len(s["calls"]))[w:]
-    stages = dict(encode=ms(c["encode"]), serialise=ms(c["serialise"]),
-                  parse=1e3 * _med([p.sum() for p in parse_per_call]) * scale,
-                  decode=1e3 * _med([x["decode"] for x in calls]) * scale)
+    stages = dict(
+        encode=ms(c["encode"]),
+        serialise=ms(c["serialise"]),
+        parse=1e3 * _med([p.sum() for p in parse_per_call]) * scale,
+        decode=1e3 * _med([x["decode"] for x in calls]) * scale,
+    )
     cpu_s = 1e3 * _med([x["cpu"] for x in calls]) * scale
     cpu_c = ms(c["cpu"])
     wall = ms(c["wall"])
     T = case.env_steps // model.chunk
     steps = epoch_envs * T * model.chunk
     gpu = 1e3 * epoch_envs * T * model.train_flops * model.update_epoch / H100_FLOPS
-    kind = ("LoRA r32 adapters (partial)" if model.lora else "trained set (partial)") if which == "partial" else \
-        "full set"
+    kind = (
+        ("LoRA r32 adapters (partial)" if model.lora else "trained set (partial)") if which == "partial" else "full set"
+    )
     held = dtype or "fp32, as the learner holds it"
     shared = _med(c["shm_bytes"][w:]) * scale
     check = 1e3 * _med([x["check"] for x in calls]) * scale
-    note = (f"{kind}, {len(tensors)} tensors, {held}; decode includes the engine's finiteness check, "
-            f"{check:,.0f} ms; GPU: one epoch's training at {epoch_envs} envs ({steps:,} env steps)")
+    note = (
+        f"{kind}, {len(tensors)} tensors, {held}; decode includes the engine's finiteness check, "
+        f"{check:,.0f} ms; GPU: one epoch's training at {epoch_envs} envs ({steps:,} env steps)"
+    )
     if shared:
         note += f"; {shared / 1e9:,.2f} GB by handle"
     if scale > 1:
         note += f"; measured on {taken_bytes / 1e9:.2f} GB ({len(taken)} tensors), x{scale:.1f}"
     short = ("LoRA r32 adapters" if model.lora else "trained set") if which == "partial" else "full set"
-    return Row("UpdateWeights", f"{case.label.split(',')[0]}, {short}, {held.split(',')[0]}", "-", total,
-               _med(c["msgs"][w:]) * scale, **stages, transfer=cpu_c + cpu_s - sum(stages.values()), wall=wall,
-               transport=transport,
-               cpu_send=cpu_c, cpu_recv=cpu_s, peak_send=c["peak_mb"], peak_recv=s["peak_mb"], gpu_ms=gpu,
-               saturates=steps / (wall / 1e3), note=note)
+    return Row(
+        "UpdateWeights",
+        f"{case.label.split(',')[0]}, {short}, {held.split(',')[0]}",
+        "-",
+        total,
+        _med(c["msgs"][w:]) * scale,
+        **stages,
+        transfer=cpu_c + cpu_s - sum(stages.values()),
+        wall=wall,
+        transport=transport,
+        cpu_send=cpu_c,
+        cpu_recv=cpu_s,
+        peak_send=c["peak_mb"],
+        peak_recv=s["peak_mb"],
+        gpu_ms=gpu,
+        saturates=steps / (wall / 1e3),
+        note=note,
+    )
 
 
 # --- compression of rendered frames ------------------------------------------------------------------------------
@@ -922,9 +1135,20 @@ def render_frames(source: str, envs: int, steps: int, image_size: int, seed: int
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "frames.npy")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        done = subprocess.run([python, "-m", "benchmarks.wire_budget", "--render",
-                               f"{sim},{env_id},{envs},{steps},{image_size},{seed},{out}"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(
+            [
+                python,
+                "-m",
+                "benchmarks.wire_budget",
+                "--render",
+                f"{sim},{env_id},{envs},{steps},{image_size},{seed},{out}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if done.returncode:
             raise RuntimeError(f"rendering {env_id} in the {sim} environment failed: {done.stderr[-2000:]}")
         return np.load(out)
@@ -934,8 +1158,9 @@ def _render_here(sim: str, env_id: str, envs: int, steps: int, image_size: int, 
     from services.env.backends import make_sim_backend
 
     backend = make_sim_backend(sim, env_id, envs, {"image_size": image_size})
-    cams = sorted(k for k, sp in backend.observation_space.items()
-                  if len(sp.shape) == 3 and np.dtype(sp.dtype) == np.uint8)
+    cams = sorted(
+        k for k, sp in backend.observation_space.items() if len(sp.shape) == 3 and np.dtype(sp.dtype) == np.uint8
+    )
     ids = np.arange(envs)
     obs, _ = backend.reset(ids, [seed + i for i in range(envs)], [None] * envs)
     obs = {k: np.array(obs[k]) for k in cams}
@@ -962,8 +1187,10 @@ def codecs() -> dict:
         import lz4.block
         import zstandard
     except ImportError as exc:
-        raise SystemExit(f"the compression study needs lz4 and zstandard ({exc.name} is missing): "
-                         f"pip install -e '.[compression]', or --only act,rollout,weights") from None
+        raise SystemExit(
+            f"the compression study needs lz4 and zstandard ({exc.name} is missing): "
+            f"pip install -e '.[compression]', or --only act,rollout,weights"
+        ) from None
 
     out = {"lz4": (lambda b: lz4.block.compress(b, store_size=True), lz4.block.decompress)}
     for level in (1, 3):
@@ -1004,9 +1231,16 @@ def compression_study(frames: np.ndarray) -> list[dict]:
                 if not np.array_equal(got, batch):
                     raise AssertionError(f"{name}{' + delta' if delta else ''}: not lossless at step {t}")
                 prev_sent, prev_got = batch, got
-            mb = steps * raw / 2 ** 20
-            rows.append({"codec": ("XOR delta + " if delta else "") + name, "ratio": out_bytes / (steps * raw),
-                         "enc_ms_mb": 1e3 * enc / mb, "dec_ms_mb": 1e3 * dec / mb, "batch_mb": raw / 2 ** 20})
+            mb = steps * raw / 2**20
+            rows.append(
+                {
+                    "codec": ("XOR delta + " if delta else "") + name,
+                    "ratio": out_bytes / (steps * raw),
+                    "enc_ms_mb": 1e3 * enc / mb,
+                    "dec_ms_mb": 1e3 * dec / mb,
+                    "batch_mb": raw / 2**20,
+                }
+            )
     return rows
 
 
@@ -1014,7 +1248,7 @@ def break_even_gbit(row: dict) -> float:
     """The link speed below which compressing wins: (bytes saved per MB) / (encode + decode time per MB), serial."""
     saved_mb = 1.0 - row["ratio"]
     spent_s = (row["enc_ms_mb"] + row["dec_ms_mb"]) / 1e3
-    return saved_mb * 2 ** 20 * 8 / spent_s / 1e9 if spent_s > 0 else float("inf")
+    return saved_mb * 2**20 * 8 / spent_s / 1e9 if spent_s > 0 else float("inf")
 
 
 # --- the zero-copy path, once it exists ---------------------------------------------------------------------------
@@ -1032,9 +1266,11 @@ def shm_available() -> str | None:
 
 
 # --- output -------------------------------------------------------------------------------------------------------
-HEADER = ("| path | model, env | envs | MB | msgs | encode ms | serialise ms | transfer ms | parse ms | decode ms "
-          "| wall ms | CPU ms send / recv | peak MB send / recv | GPU ms (H100 est.) | wire / GPU "
-          "| saturates one receiver at (env steps/s) | notes |")
+HEADER = (
+    "| path | model, env | envs | MB | msgs | encode ms | serialise ms | transfer ms | parse ms | decode ms "
+    "| wall ms | CPU ms send / recv | peak MB send / recv | GPU ms (H100 est.) | wire / GPU "
+    "| saturates one receiver at (env steps/s) | notes |"
+)
 
 
 def _fmt(x: float, digits: int = 1) -> str:
@@ -1051,7 +1287,8 @@ def table(rows: list[Row]) -> str:
             f"| {_fmt(r.nbytes / 1e6, 3 if r.nbytes < 1e6 else 1)} | {_fmt(r.msgs, 0)} | {_fmt(r.encode)} "
             f"| {_fmt(r.serialise)} | {_fmt(r.transfer)} | {_fmt(r.parse)} | {_fmt(r.decode)} | {_fmt(r.wall)} "
             f"| {_fmt(r.cpu_send)} / {_fmt(r.cpu_recv)} | {r.peak_send:,.0f} / {r.peak_recv:,.0f} "
-            f"| {_fmt(r.gpu_ms)} | {100 * r.wall / r.gpu_ms:.0f}% | {r.saturates:,.0f} | {r.note} |")
+            f"| {_fmt(r.gpu_ms)} | {100 * r.wall / r.gpu_ms:.0f}% | {r.saturates:,.0f} | {r.note} |"
+        )
     return "\n".join(lines)
 
 
@@ -1061,36 +1298,50 @@ def summary_table(rows: list[Row]) -> str:
     pairs: dict[tuple, dict] = {}
     for r in rows:
         pairs.setdefault((r.path, r.what, r.envs), {})[r.transport] = r
-    lines = ["| path | model, env | envs | wall ms gRPC / shm | CPU ms send, gRPC / shm | CPU ms recv, gRPC / shm "
-             "| saturates at, gRPC / shm (env steps/s) | capacity, shm / gRPC |", "|---" * 8 + "|"]
+    lines = [
+        "| path | model, env | envs | wall ms gRPC / shm | CPU ms send, gRPC / shm | CPU ms recv, gRPC / shm "
+        "| saturates at, gRPC / shm (env steps/s) | capacity, shm / gRPC |",
+        "|---" * 8 + "|",
+    ]
     for (path, what, envs), by in pairs.items():
         if {"grpc", "shm"} <= set(by):
             g, m = by["grpc"], by["shm"]
-            lines.append(f"| {path} | {what} | {envs} | {_fmt(g.wall)} / {_fmt(m.wall)} "
-                         f"| {_fmt(g.cpu_send)} / {_fmt(m.cpu_send)} | {_fmt(g.cpu_recv)} / {_fmt(m.cpu_recv)} "
-                         f"| {g.saturates:,.0f} / {m.saturates:,.0f} | {m.saturates / g.saturates:.1f}x |")
+            lines.append(
+                f"| {path} | {what} | {envs} | {_fmt(g.wall)} / {_fmt(m.wall)} "
+                f"| {_fmt(g.cpu_send)} / {_fmt(m.cpu_send)} | {_fmt(g.cpu_recv)} / {_fmt(m.cpu_recv)} "
+                f"| {g.saturates:,.0f} / {m.saturates:,.0f} | {m.saturates / g.saturates:.1f}x |"
+            )
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def compression_table(rows: list[dict], frames_shape) -> str:
     steps, envs, cams, s = frames_shape[0], frames_shape[1], frames_shape[2], frames_shape[3]
-    out = [f"({steps} consecutive steps x {envs} envs x {cams} cameras of {s} px = {steps * envs * cams} frames; "
-           f"one buffer per step: {rows[0]['batch_mb']:.2f} MiB)", "",
-           "| codec | bytes kept | encode ms / MB | decode ms / MB | encode / decode ms per 3 MiB "
-           "| wins below (Gbit/s) |", "|---|---|---|---|---|---|"]
+    out = [
+        f"({steps} consecutive steps x {envs} envs x {cams} cameras of {s} px = {steps * envs * cams} frames; "
+        f"one buffer per step: {rows[0]['batch_mb']:.2f} MiB)",
+        "",
+        "| codec | bytes kept | encode ms / MB | decode ms / MB | encode / decode ms per 3 MiB | wins below (Gbit/s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['codec']} | {100 * r['ratio']:.1f}% | {r['enc_ms_mb']:.2f} | {r['dec_ms_mb']:.2f} "
-                   f"| {3 * r['enc_ms_mb']:.2f} / {3 * r['dec_ms_mb']:.2f} | {break_even_gbit(r):.2f} |")
+        out.append(
+            f"| {r['codec']} | {100 * r['ratio']:.1f}% | {r['enc_ms_mb']:.2f} | {r['dec_ms_mb']:.2f} "
+            f"| {3 * r['enc_ms_mb']:.2f} / {3 * r['dec_ms_mb']:.2f} | {break_even_gbit(r):.2f} |"
+        )
     return "\n".join(out)
 
 
 def _machine() -> str:
     load = os.getloadavg()
-    mem = next((int(line.split()[1]) / 2 ** 20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, load average {load[0]:.2f} / {load[1]:.2f} at the start; "
-            f"{datetime.date.today().isoformat()}; Python {platform.python_version()}")
+    mem = next((int(line.split()[1]) / 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0)
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, load average {load[0]:.2f} / {load[1]:.2f} at the start; "
+        f"{datetime.date.today().isoformat()}; Python {platform.python_version()}"
+    )
 
 
 def write_markdown(path: pathlib.Path, block: str) -> None:
@@ -1108,19 +1359,34 @@ def main(argv=None) -> None:
     ap.add_argument("--envs", default="64,128,256", help="env counts per Act batch and PushRollout epoch")
     ap.add_argument("--only", default="act,rollout,weights,compression")
     ap.add_argument("--cases", default="", help="';'-separated substrings of case labels (default: all)")
-    ap.add_argument("--transport", default="grpc", choices=("grpc", "shm", "both"),
-                    help="grpc (the contract), shm (the same-host shared-memory path, once rlfleet.wire has one)")
-    ap.add_argument("--markdown", nargs="?", const=str(ROOT / "docs" / "wire-budget.md"), default=None,
-                    help="also write the tables into this file, between its wire-budget markers "
-                         "(default: docs/wire-budget.md)")
-    ap.add_argument("--malloc-mmap-threshold-mb", type=int, default=0,
-                    help="glibc's mmap (and 2x trim) threshold for the measured processes, in MB (0: glibc's "
-                         "defaults); their rows are marked")
+    ap.add_argument(
+        "--transport",
+        default="grpc",
+        choices=("grpc", "shm", "both"),
+        help="grpc (the contract), shm (the same-host shared-memory path, once rlfleet.wire has one)",
+    )
+    ap.add_argument(
+        "--markdown",
+        nargs="?",
+        const=str(ROOT / "docs" / "wire-budget.md"),
+        default=None,
+        help="also write the tables into this file, between its wire-budget markers (default: docs/wire-budget.md)",
+    )
+    ap.add_argument(
+        "--malloc-mmap-threshold-mb",
+        type=int,
+        default=0,
+        help="glibc's mmap (and 2x trim) threshold for the measured processes, in MB (0: glibc's "
+        "defaults); their rows are marked",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (4 envs, 32 px, tiny models): a smoke run")
     ap.add_argument("--frames", default="8,60", help="compression: envs,steps of rendered frames")
-    ap.add_argument("--frames-from", default="panda",
-                    help=f"compression: comma-separated frame sources of {', '.join(FRAME_SOURCES)} (libero renders in "
-                         f"its own environment, ~1 GB per env)")
+    ap.add_argument(
+        "--frames-from",
+        default="panda",
+        help=f"compression: comma-separated frame sources of {', '.join(FRAME_SOURCES)} (libero renders in "
+        f"its own environment, ~1 GB per env)",
+    )
     ap.add_argument("--render", default=None, help=argparse.SUPPRESS)  # internal: frames in a simulator's environment
     args = ap.parse_args(argv)
     MALLOC["mmap"] = args.malloc_mmap_threshold_mb
@@ -1151,18 +1417,23 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             models[case.label] = model = model_for(case, args.quick, image)
             p = model.parts
-            print(f"[{case.label}] chunk {model.chunk}; reply per row {model.reply}; parameters "
-                  f"{sum(p.values()) / 1e9:.3f}B (vision {p['vision'] / 1e9:.3f}, LLM {p['llm'] / 1e9:.3f}, expert "
-                  f"{p['expert'] / 1e9:.3f}), LLM tokens per row {model.llm_tokens}; forward "
-                  f"{model.fwd_flops / 1e12:.2f} TFLOP per row, training {model.train_flops / 1e12:.2f} per sample "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(
+                f"[{case.label}] chunk {model.chunk}; reply per row {model.reply}; parameters "
+                f"{sum(p.values()) / 1e9:.3f}B (vision {p['vision'] / 1e9:.3f}, LLM {p['llm'] / 1e9:.3f}, expert "
+                f"{p['expert'] / 1e9:.3f}), LLM tokens per row {model.llm_tokens}; forward "
+                f"{model.fwd_flops / 1e12:.2f} TFLOP per row, training {model.train_flops / 1e12:.2f} per sample "
+                f"({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
 
         def add(row: Row) -> None:
             if MALLOC["mmap"]:
-                row.transport = f"{'gRPC' if row.transport == 'grpc' else row.transport}, glibc mmap threshold " \
-                                f"{MALLOC['mmap']} MB"
+                row.transport = (
+                    f"{'gRPC' if row.transport == 'grpc' else row.transport}, glibc mmap threshold {MALLOC['mmap']} MB"
+                )
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
+
         for case in picked:
             model = models[case.label]
             for path in ("act", "rollout"):
@@ -1170,8 +1441,11 @@ def main(argv=None) -> None:
                     continue
                 for n in envs:
                     for tr in transports:
-                        add(measure_act(case, model, n, args.quick, tr) if path == "act" else
-                            measure_rollout(case, model, n, args.quick, rollout_cap, tr))
+                        add(
+                            measure_act(case, model, n, args.quick, tr)
+                            if path == "act"
+                            else measure_rollout(case, model, n, args.quick, rollout_cap, tr)
+                        )
         if "weights" in only:
             seen = set()
             for case in picked:
@@ -1185,8 +1459,11 @@ def main(argv=None) -> None:
                     variants += [("full", None)] if args.quick else [("full", None), ("full", "bfloat16")]
                 for which, dtype in variants:
                     for tr in transports:
-                        add(measure_weights(libero, models[libero.label], which, dtype, args.quick, weights_cap,
-                                            envs[0], tr))
+                        add(
+                            measure_weights(
+                                libero, models[libero.label], which, dtype, args.quick, weights_cap, envs[0], tr
+                            )
+                        )
     comp_block = ""
     if "compression" in only:
         sources = ["panda"] if args.quick else args.frames_from.split(",")

@@ -86,8 +86,10 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
     def _ids(self, env_ids) -> np.ndarray:
         ids = np.array(list(env_ids) or range(self.n), dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n):
-            raise BadRequest(f"env_ids: unknown env id {int(ids[(ids < 0) | (ids >= self.n)][0])} "
-                             f"(this server hosts 0..{self.n - 1})")
+            raise BadRequest(
+                f"env_ids: unknown env id {int(ids[(ids < 0) | (ids >= self.n)][0])} "
+                f"(this server hosts 0..{self.n - 1})"
+            )
         if len(set(ids.tolist())) != ids.size:
             raise BadRequest(f"env_ids: duplicate ids in {ids.tolist()}")
         return ids
@@ -112,14 +114,25 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
     # --- RPCs (one method each) ------------------------------------------------------------------------------
     def Describe(self, request, context):
         with self.lock:
-            spec = env_pb2.EnvSpec(env_id="PointReach-v0", num_envs=self.n, max_episode_steps=self.max_steps,
-                                   auto_reset=True, incarnation=self.incarnation, contract_version="1",
-                                   num_reset_states=NUM_RESET_STATES, max_action_chunk=MAX_ACTION_CHUNK,
-                                   max_step_streams=MAX_STEP_STREAMS, simulator="point-reach",
-                                   task_descriptions=[self._instruction(i) for i in range(self.n)])
+            spec = env_pb2.EnvSpec(
+                env_id="PointReach-v0",
+                num_envs=self.n,
+                max_episode_steps=self.max_steps,
+                auto_reset=True,
+                incarnation=self.incarnation,
+                contract_version="1",
+                num_reset_states=NUM_RESET_STATES,
+                max_action_chunk=MAX_ACTION_CHUNK,
+                max_step_streams=MAX_STEP_STREAMS,
+                simulator="point-reach",
+                task_descriptions=[self._instruction(i) for i in range(self.n)],
+            )
         # per-element bounds: positions stay in [-2, 2], goal - position in [-3, 3]
-        spec.observation_space["state"].CopyFrom(tensor_pb2.TensorSpec(
-            dtype=F32, shape=[4], low=-3, high=3, low_per_element=[-2, -2, -3, -3], high_per_element=[2, 2, 3, 3]))
+        spec.observation_space["state"].CopyFrom(
+            tensor_pb2.TensorSpec(
+                dtype=F32, shape=[4], low=-3, high=3, low_per_element=[-2, -2, -3, -3], high_per_element=[2, 2, 3, 3]
+            )
+        )
         spec.action_space.CopyFrom(tensor_pb2.TensorSpec(dtype=F32, shape=[2], low=-1, high=1))
         return spec
 
@@ -140,13 +153,17 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             for j, i in enumerate(ids):
                 self._reset(i, seeds[j] if seeds else None, states[j] if states else -1)
-            return env_pb2.ResetResponse(observations=tensor_pb2.TensorMap(tensors={"state": tensor(self._obs(ids))}),
-                                         instructions=[self._instruction(i) for i in ids])
+            return env_pb2.ResetResponse(
+                observations=tensor_pb2.TensorMap(tensors={"state": tensor(self._obs(ids))}),
+                instructions=[self._instruction(i) for i in ids],
+            )
 
     def Step(self, request_iterator, context):
         if not self.streams.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"this server accepts {MAX_STEP_STREAMS} concurrent Step streams; close one first")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this server accepts {MAX_STEP_STREAMS} concurrent Step streams; close one first",
+            )
         # optional test hook: `check-env` asks for a simulated simulator failure with this metadata
         crash = ("rlfleet-fault", "simulator-crash") in [tuple(m) for m in context.invocation_metadata()]
         try:
@@ -159,8 +176,10 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
                     except BadRequest as exc:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     if crash:  # what a crash in physics answers: INTERNAL saying what failed; the server goes on
-                        context.abort(grpc.StatusCode.INTERNAL, f"physics step of envs {ids.tolist()} failed "
-                                                                f"(simulated on request: rlfleet-fault)")
+                        context.abort(
+                            grpc.StatusCode.INTERNAL,
+                            f"physics step of envs {ids.tolist()} failed (simulated on request: rlfleet-fault)",
+                        )
                     yield self._step(ids, act, chunked=len(req.actions.shape) == 3)
         finally:
             self.streams.release()
@@ -194,10 +213,14 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
                     truncated[j, c] = ended[j] = True
                     final_rows.append(j)
                     final_obs.append(self._obs([i])[0])
-                    stats = tensor_pb2.EpisodeStats(env_id=int(i), length=int(self.t[i]), success_once=bool(self.hit[i]),
-                                                    success_at_end=bool(success[j, c]),
-                                                    reset_state_id=int(self.state_id[i]),
-                                                    instruction=self._instruction(i))
+                    stats = tensor_pb2.EpisodeStats(
+                        env_id=int(i),
+                        length=int(self.t[i]),
+                        success_once=bool(self.hit[i]),
+                        success_at_end=bool(success[j, c]),
+                        reset_state_id=int(self.state_id[i]),
+                        instruction=self._instruction(i),
+                    )
                     setattr(stats, "return", float(self.ret[i]))
                     episodes.append(stats)
         order = np.argsort(final_rows, kind="stable")
@@ -208,10 +231,16 @@ class PointReach(env_pb2_grpc.EnvServiceServicer):
         if not chunked:
             reward, truncated, success = reward[:, 0], truncated[:, 0], success[:, 0]
         return env_pb2.StepResponse(
-            observations=tensor_pb2.TensorMap(tensors={"state": tensor(self._obs(ids))}), rewards=tensor(reward),
-            terminated=tensor(np.zeros_like(truncated)), truncated=tensor(truncated), success=tensor(success),
-            final_observations=tensor_pb2.TensorMap(tensors={"state": tensor(final)}), final_rows=final_rows,
-            episodes=episodes, instructions=[self._instruction(i) for i in ids])
+            observations=tensor_pb2.TensorMap(tensors={"state": tensor(self._obs(ids))}),
+            rewards=tensor(reward),
+            terminated=tensor(np.zeros_like(truncated)),
+            truncated=tensor(truncated),
+            success=tensor(success),
+            final_observations=tensor_pb2.TensorMap(tensors={"state": tensor(final)}),
+            final_rows=final_rows,
+            episodes=episodes,
+            instructions=[self._instruction(i) for i in ids],
+        )
 
 
 def main() -> None:

@@ -30,13 +30,13 @@ def closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
 
 
 def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6, close: str | None = None) -> str:
-    """"; did you mean 'x'?" for the closest known name (or ``close``, found by the caller), "" when none is."""
+    """ "; did you mean 'x'?" for the closest known name (or ``close``, found by the caller), "" when none is."""
     close = close if close is not None else closest(name, known, cutoff)
     return f"; did you mean '{close}'?" if close else ""
 
 
 def unknown_message(kind: str, name: str, known: Iterable[str]) -> str:
-    """"unknown KIND 'name'; did you mean 'x'? (known: a, b, c)"."""
+    """ "unknown KIND 'name'; did you mean 'x'? (known: a, b, c)"."""
     known = list(known)
     return f"unknown {kind} '{name}'{did_you_mean(name, known)} (known: {', '.join(known)})"
 

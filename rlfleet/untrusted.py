@@ -28,15 +28,34 @@ from typing import Any
 
 MiB = 1 << 20
 GiB = 1 << 30
-MAX_JSON_BYTES = 64 * MiB        # learner_state.json, info.json, stats.json, config.json, an index's weight map
-MAX_YAML_BYTES = 4 * MiB         # a run's config.yaml (a resolved config is a few KB)
+MAX_JSON_BYTES = 64 * MiB  # learner_state.json, info.json, stats.json, config.json, an index's weight map
+MAX_YAML_BYTES = 4 * MiB  # a run's config.yaml (a resolved config is a few KB)
 MAX_SAFETENSORS_HEADER = 100 * MiB  # what the safetensors library itself accepts
 MAX_JSON_DEPTH = 64
 
 # bytes per element of the dtypes a safetensors header may name (the format's own list)
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1,
-                      "F6_E3M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
-                      "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+SAFETENSORS_DTYPES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "F4": 1,
+    "F6_E2M3": 1,
+    "F6_E3M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 
 class BadFile(ValueError):
@@ -64,8 +83,9 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def inside(root: str | os.PathLike, relative: str | os.PathLike, *, what: str = "path",
-           source: str | os.PathLike | None = None) -> pathlib.Path:
+def inside(
+    root: str | os.PathLike, relative: str | os.PathLike, *, what: str = "path", source: str | os.PathLike | None = None
+) -> pathlib.Path:
     """``root / relative`` resolved (symbolic links followed), refused with :class:`OutsideRoot` unless it stays
     inside ``root`` (itself resolved). ``what`` names the field that supplied ``relative`` and ``source`` the file
     it came from (default: ``root``), for the message. The file need not exist yet."""
@@ -82,8 +102,9 @@ def inside(root: str | os.PathLike, relative: str | os.PathLike, *, what: str = 
     return target
 
 
-def regular_file(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file",
-                 max_bytes: int | None = None) -> pathlib.Path:
+def regular_file(
+    path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "file", max_bytes: int | None = None
+) -> pathlib.Path:
     """``path`` checked to be a regular file (not a folder, fifo or device), inside ``root`` when given (a
     symbolic link that leaves it is refused), no larger than ``max_bytes`` when given. Returns it resolved.
     A missing file is FileNotFoundError naming it."""
@@ -103,8 +124,9 @@ def regular_file(path: str | os.PathLike, *, root: str | os.PathLike | None = No
     return resolved
 
 
-def read_bytes(path: str | os.PathLike, max_bytes: int, *, root: str | os.PathLike | None = None,
-               what: str = "file") -> bytes:
+def read_bytes(
+    path: str | os.PathLike, max_bytes: int, *, root: str | os.PathLike | None = None, what: str = "file"
+) -> bytes:
     """A file's bytes, refused (before reading) when it is larger than ``max_bytes`` or leaves ``root``."""
     resolved = regular_file(path, root=root, what=what, max_bytes=max_bytes)
     with open(resolved, "rb") as f:
@@ -130,16 +152,24 @@ def _depth(value: Any, limit: int, depth: int = 0) -> int:
     return depth
 
 
-def parse_json(data: bytes | str, path: str | os.PathLike, *, what: str = "JSON",
-               expect: type | tuple[type, ...] | None = dict, allow_infinity: bool = False) -> Any:
+def parse_json(
+    data: bytes | str,
+    path: str | os.PathLike,
+    *,
+    what: str = "JSON",
+    expect: type | tuple[type, ...] | None = dict,
+    allow_infinity: bool = False,
+) -> Any:
     """JSON text from ``path`` parsed, or :class:`BadFile` naming the file, the position and what was wrong.
     NaN and Infinity are refused (not JSON; ``allow_infinity``: Python's ``Infinity``/``-Infinity`` are taken, for
     files rlfleet writes with unbounded spaces' bounds); nesting deeper than MAX_JSON_DEPTH is refused; the top
     level must be ``expect`` (a JSON object by default)."""
+
     def no_constant(name):
         if allow_infinity and name in ("Infinity", "-Infinity"):
             return float(name.replace("Infinity", "inf"))
         raise ValueError(f"{name} is not JSON")
+
     try:
         value = json.loads(data, parse_constant=no_constant)
     except json.JSONDecodeError as exc:
@@ -155,11 +185,19 @@ def parse_json(data: bytes | str, path: str | os.PathLike, *, what: str = "JSON"
     return value
 
 
-def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, root: str | os.PathLike | None = None,
-              what: str = "JSON", expect: type | tuple[type, ...] | None = dict, allow_infinity: bool = False) -> Any:
+def read_json(
+    path: str | os.PathLike,
+    *,
+    max_bytes: int = MAX_JSON_BYTES,
+    root: str | os.PathLike | None = None,
+    what: str = "JSON",
+    expect: type | tuple[type, ...] | None = dict,
+    allow_infinity: bool = False,
+) -> Any:
     """A JSON file read through :func:`read_bytes` (bounded, inside ``root``) and :func:`parse_json`."""
-    return parse_json(read_bytes(path, max_bytes, root=root, what=what), path, what=what, expect=expect,
-                      allow_infinity=allow_infinity)
+    return parse_json(
+        read_bytes(path, max_bytes, root=root, what=what), path, what=what, expect=expect, allow_infinity=allow_infinity
+    )
 
 
 _LOADER = None
@@ -179,11 +217,13 @@ def _plain_loader():
 
         PlainLoader.yaml_implicit_resolvers = {
             first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+        }
         PlainLoader.add_implicit_resolver(
             "tag:yaml.org,2002:float",
             re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
-            list("-+0123456789."))
+            list("-+0123456789."),
+        )
         _LOADER = PlainLoader
     return _LOADER
 
@@ -198,9 +238,12 @@ def parse_yaml(text: str, path: str | os.PathLike, *, what: str = "YAML") -> Any
     try:
         for token in yaml.scan(text, Loader=yaml.SafeLoader):
             if isinstance(token, (yaml.AnchorToken, yaml.AliasToken)):
-                raise BadFile(path, where(token.start_mark), "YAML without anchors or aliases ('&name', '*name')",
-                              f"{'an anchor' if isinstance(token, yaml.AnchorToken) else 'an alias'} "
-                              f"'{token.value}'")
+                raise BadFile(
+                    path,
+                    where(token.start_mark),
+                    "YAML without anchors or aliases ('&name', '*name')",
+                    f"{'an anchor' if isinstance(token, yaml.AnchorToken) else 'an alias'} '{token.value}'",
+                )
             if isinstance(token, yaml.TagToken):
                 handle, suffix = token.value
                 tag = (handle or "") + (suffix or "")
@@ -215,8 +258,13 @@ def parse_yaml(text: str, path: str | os.PathLike, *, what: str = "YAML") -> Any
         raise BadFile(path, what, "YAML", f"{type(exc).__name__}: {str(exc)[:120]}") from None
 
 
-def read_yaml(path: str | os.PathLike, *, max_bytes: int = MAX_YAML_BYTES, root: str | os.PathLike | None = None,
-              what: str = "YAML") -> Any:
+def read_yaml(
+    path: str | os.PathLike,
+    *,
+    max_bytes: int = MAX_YAML_BYTES,
+    root: str | os.PathLike | None = None,
+    what: str = "YAML",
+) -> Any:
     """A YAML file read through :func:`read_bytes` (bounded, inside ``root``) and :func:`parse_yaml`."""
     data = read_bytes(path, max_bytes, root=root, what=what)
     try:
@@ -226,8 +274,7 @@ def read_yaml(path: str | os.PathLike, *, max_bytes: int = MAX_YAML_BYTES, root:
     return parse_yaml(text, path, what=what)
 
 
-def check_count(what: str, value: Any, limit: int, *, source: str | os.PathLike | None = None,
-                minimum: int = 0) -> int:
+def check_count(what: str, value: Any, limit: int, *, source: str | os.PathLike | None = None, minimum: int = 0) -> int:
     """``value`` as an int in ``[minimum, limit]``, else :class:`TooLarge` (above) or :class:`BadFile` (not an
     int, below). ``what`` names the field and ``source`` the file or peer that claimed it."""
     src = source if source is not None else "input"
@@ -247,8 +294,9 @@ def check_count(what: str, value: Any, limit: int, *, source: str | os.PathLike 
     return value
 
 
-def safetensors_header(path: str | os.PathLike, *, root: str | os.PathLike | None = None,
-                       max_header: int = MAX_SAFETENSORS_HEADER) -> dict[str, dict]:
+def safetensors_header(
+    path: str | os.PathLike, *, root: str | os.PathLike | None = None, max_header: int = MAX_SAFETENSORS_HEADER
+) -> dict[str, dict]:
     """A safetensors file's header, checked before any tensor is read: the header length fits the file and
     ``max_header``; it is a JSON object of ``name -> {dtype, shape, data_offsets}`` (plus ``__metadata__``, a map
     of strings); each dtype is known, each shape a list of non-negative ints, each tensor's byte range matches its
@@ -262,16 +310,21 @@ def safetensors_header(path: str | os.PathLike, *, root: str | os.PathLike | Non
             raise BadFile(path, "header length", "8 bytes (a safetensors file)", f"a {size}-byte file")
         (n,) = struct.unpack("<Q", head)
         if n > max_header or n > size - 8:
-            raise TooLarge(path, "header length", f"at most {min(max_header, max(size - 8, 0)):,} bytes "
-                           f"(the file has {size:,})", f"{n:,}")
+            raise TooLarge(
+                path,
+                "header length",
+                f"at most {min(max_header, max(size - 8, 0)):,} bytes (the file has {size:,})",
+                f"{n:,}",
+            )
         raw = f.read(n)
     header = parse_json(raw, path, what="header")
     data_size = size - 8 - n
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                      for k, v in entry.items()):
+            if not isinstance(entry, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in entry.items()
+            ):
                 raise BadFile(path, "__metadata__", "a map of strings to strings", _short(entry))
             continue
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -279,14 +332,17 @@ def safetensors_header(path: str | os.PathLike, *, root: str | os.PathLike | Non
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in SAFETENSORS_DTYPES:
             raise BadFile(path, f"tensor '{name}' dtype", f"one of {sorted(SAFETENSORS_DTYPES)}", _short(dtype))
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise BadFile(path, f"tensor '{name}' shape", "a list of non-negative integers", _short(shape))
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and
-                                                                        not isinstance(o, bool) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise BadFile(path, f"tensor '{name}' data_offsets", "[begin, end] with 0 <= begin <= end",
-                          _short(offsets))
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise BadFile(path, f"tensor '{name}' data_offsets", "[begin, end] with 0 <= begin <= end", _short(offsets))
         numel = 1
         for d in shape:
             numel *= d
@@ -296,11 +352,19 @@ def safetensors_header(path: str | os.PathLike, *, root: str | os.PathLike | Non
         elif dtype in ("F6_E2M3", "F6_E3M2"):
             nbytes = (numel * 6 + 7) // 8
         if offsets[1] > data_size:
-            raise TooLarge(path, f"tensor '{name}' data_offsets", f"inside the file's {data_size:,} data bytes",
-                           f"{offsets} (the file is truncated or the header lies)")
+            raise TooLarge(
+                path,
+                f"tensor '{name}' data_offsets",
+                f"inside the file's {data_size:,} data bytes",
+                f"{offsets} (the file is truncated or the header lies)",
+            )
         if offsets[1] - offsets[0] != nbytes:
-            raise BadFile(path, f"tensor '{name}' data_offsets", f"{nbytes:,} bytes for {dtype} {shape}",
-                          f"{offsets[1] - offsets[0]:,}")
+            raise BadFile(
+                path,
+                f"tensor '{name}' data_offsets",
+                f"{nbytes:,} bytes for {dtype} {shape}",
+                f"{offsets[1] - offsets[0]:,}",
+            )
         tensors[name] = entry
     return tensors
 
@@ -315,8 +379,13 @@ def folder_root(folder: str | os.PathLike) -> pathlib.Path:
     return p
 
 
-def in_folder(folder: str | os.PathLike, relative: str | os.PathLike, *, what: str = "path",
-              source: str | os.PathLike | None = None) -> pathlib.Path:
+def in_folder(
+    folder: str | os.PathLike,
+    relative: str | os.PathLike,
+    *,
+    what: str = "path",
+    source: str | os.PathLike | None = None,
+) -> pathlib.Path:
     """``folder / relative`` for a file that ``folder``'s own metadata names (a template, an index's shard): by its
     own parts ``relative`` stays inside ``folder`` (not absolute, no ``..`` climbing out), and, its symbolic links
     followed, inside :func:`folder_root` (:class:`OutsideRoot` otherwise). Returns the resolved path."""

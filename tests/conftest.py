@@ -14,9 +14,14 @@ from rlfleet.config import load_config
 torch.set_num_threads(1)
 
 SMALL = [
-    "env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=16", "env.eval.total_num_envs=4",
-    "env.eval.num_episodes=4", "actor.micro_batch_size=64", "actor.global_batch_size=128",
-    "algorithm.update_epoch=2", "actor.model.hidden_dims=[64,64]",
+    "env.train.total_num_envs=8",
+    "env.train.max_steps_per_rollout_epoch=16",
+    "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4",
+    "actor.micro_batch_size=64",
+    "actor.global_batch_size=128",
+    "algorithm.update_epoch=2",
+    "actor.model.hidden_dims=[64,64]",
 ]
 
 
@@ -41,7 +46,8 @@ class Fleet:
         self.inf_server, self.inf_addr, self.engine, _ = inf_server.serve(cfg, "127.0.0.1:0")
         self.learner_server, self.learner_addr, self.learner, _ = learner_server.serve(cfg, "127.0.0.1:0", str(run_dir))
         self.env_server, self.env_addr, self.worker, self.env_runtime = env_server.serve(
-            cfg, "127.0.0.1:0", external_env=external_env)
+            cfg, "127.0.0.1:0", external_env=external_env
+        )
 
     def close(self):
         for s in (self.env_server, self.inf_server, self.learner_server):

@@ -16,7 +16,6 @@ import pytest
 
 from rlfleet.simulators import environments
 
-
 REQUIRE_ENVS = "RLFLEET_REQUIRE_ENVS"
 
 
@@ -60,8 +59,15 @@ def _run_json(what: str, python: str, code: str, timeout: float, env_vars: dict)
     """Run ``code`` with ``python`` (the checkout on PYTHONPATH, no stdin); -> the JSON of its last stdout line."""
     env = {**os.environ, "PYTHONPATH": str(environments.REPO_ROOT), **env_vars}
     env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
-                          stdin=subprocess.DEVNULL, cwd=str(environments.REPO_ROOT))
+    proc = subprocess.run(
+        [python, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        cwd=str(environments.REPO_ROOT),
+    )
     if proc.returncode != 0:
         raise AssertionError(f"{what} subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -71,8 +77,7 @@ def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: st
     """Run ``code`` (which must print one JSON line last) with the simulator environment's python (or an
     inference backend's: ``simulator`` "backend:vllm") and the checkout on PYTHONPATH; returns the parsed JSON."""
     python = backend_python(simulator.partition(":")[2]) if simulator.startswith("backend:") else sim_python(simulator)
-    return _run_json(simulator, python, code, timeout,
-                     {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), **env_vars})
+    return _run_json(simulator, python, code, timeout, {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), **env_vars})
 
 
 # lerobot, to check that rlfleet's datasets are LeRobot's: its dataset code, unmodified, in an environment of its own
@@ -85,11 +90,27 @@ def run_in_env(simulator: str, code: str, timeout: float = 300.0, **env_vars: st
 # host's FFmpeg (Debian 12: FFmpeg 5.1's libraries).
 LEROBOT_ENV = environments.Environment(
     name="lerobot",
-    pip=("torch==2.14.1", "torchvision==0.29.1", "torchcodec==0.17.0", "datasets==4.8.5", "huggingface-hub==0.35.3",
-         "accelerate==1.15.0", "jsonlines==4.0.0", "pandas==3.1.1", "numpy>=1.26,<3"),
+    pip=(
+        "torch==2.14.1",
+        "torchvision==0.29.1",
+        "torchcodec==0.17.0",
+        "datasets==4.8.5",
+        "huggingface-hub==0.35.3",
+        "accelerate==1.15.0",
+        "jsonlines==4.0.0",
+        "pandas==3.1.1",
+        "numpy>=1.26,<3",
+    ),
     no_deps=("lerobot==0.4.4",),
-    apt=("libavutil57", "libavcodec59", "libavformat59", "libavdevice59", "libavfilter8", "libswscale6",
-         "libswresample4"),
+    apt=(
+        "libavutil57",
+        "libavcodec59",
+        "libavformat59",
+        "libavdevice59",
+        "libavfilter8",
+        "libswscale6",
+        "libswresample4",
+    ),
     check="import lerobot.datasets.lerobot_dataset, torchcodec.decoders",
     notes="lerobot 0.4.4's dataset code (no deps) on torch 2.14.1 + torchvision 0.29.1 + torchcodec 0.17.0",
 )

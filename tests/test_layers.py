@@ -12,7 +12,18 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = {"registry": 0, "untrusted": 0, "errors": 0, "v1": 1, "wire": 1, "data": 2, "simulators": 3, "policies": 4, "config": 5, "configs": 5}
+LAYERS = {
+    "registry": 0,
+    "untrusted": 0,
+    "errors": 0,
+    "v1": 1,
+    "wire": 1,
+    "data": 2,
+    "simulators": 3,
+    "policies": 4,
+    "config": 5,
+    "configs": 5,
+}
 
 
 def _modules(folder: pathlib.Path):
@@ -56,8 +67,11 @@ def test_no_shared_module_names_env_side_code():
     wrong = []
     for path, tree in _modules(ROOT / "rlfleet"):
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
-                    ("services.env" in node.value or "services/env" in node.value):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and ("services.env" in node.value or "services/env" in node.value)
+            ):
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.strip()[:80]!r}")
     assert not wrong, "\n".join(wrong)
 
@@ -78,7 +92,9 @@ def test_services_never_import_each_other(service):
 # rlfleet.errors types (a server.py maps them to status codes through rlfleet.wire.status) and never imports gRPC,
 # the generated stubs or rlfleet.wire's gRPC machinery (GRPC_WIRE) itself.
 TRANSPORT = {
-    "services/coordinator/server.py", "services/env/server.py", "services/inference/server.py",
+    "services/coordinator/server.py",
+    "services/env/server.py",
+    "services/inference/server.py",
     "services/learner/server.py",
     "services/coordinator/calls.py",  # the coordinator's calls into the fleet (and external env servers' Describe)
     "services/coordinator/cli.py",  # coordinatorctl: a client of the coordinator, the process's TLS
@@ -87,8 +103,13 @@ TRANSPORT = {
     "services/learner/publisher.py",  # weights to the inference servers
 }
 # rlfleet.wire's gRPC machinery (the typed clients in rlfleet.wire.clients, which raise rlfleet.errors, are not)
-GRPC_WIRE = {"rlfleet.wire.channels", "rlfleet.wire.servers", "rlfleet.wire.status", "rlfleet.wire.streams",
-             "rlfleet.wire.tls"}
+GRPC_WIRE = {
+    "rlfleet.wire.channels",
+    "rlfleet.wire.servers",
+    "rlfleet.wire.status",
+    "rlfleet.wire.streams",
+    "rlfleet.wire.tls",
+}
 
 
 def _transport_imports(tree: ast.AST) -> list[str]:
@@ -101,8 +122,12 @@ def _transport_imports(tree: ast.AST) -> list[str]:
             names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
         for name in names:
             top = name.split(".")[0]
-            if top == "grpc" or top.startswith("grpc_") or name in GRPC_WIRE or \
-                    (name.startswith("rlfleet.v1.") and name.endswith("_grpc")):
+            if (
+                top == "grpc"
+                or top.startswith("grpc_")
+                or name in GRPC_WIRE
+                or (name.startswith("rlfleet.v1.") and name.endswith("_grpc"))
+            ):
                 out.append(f"{name} (line {node.lineno})")
     return out
 
@@ -115,8 +140,10 @@ def test_no_service_core_imports_grpc():
     wrong = [f"{p.relative_to(ROOT)} imports {m}" for p in cores for m in _transport_imports(ast.parse(p.read_text()))]
     assert not wrong, "\n".join(wrong)
     # and the check sees what it is meant to see
-    assert _transport_imports(ast.parse("import grpc\nfrom rlfleet.wire import servers, codec")) == \
-        ["grpc (line 1)", "rlfleet.wire.servers (line 2)"]
+    assert _transport_imports(ast.parse("import grpc\nfrom rlfleet.wire import servers, codec")) == [
+        "grpc (line 1)",
+        "rlfleet.wire.servers (line 2)",
+    ]
 
 
 COORDINATOR_PREPARES = r"""
@@ -146,8 +173,9 @@ def test_the_coordinator_never_loads_env_code_for_any_simulator():
     runs) asks the env side in a subprocess: its own process loads no env-side module and no simulator package."""
     import json
 
-    proc = subprocess.run([sys.executable, "-c", COORDINATOR_PREPARES], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", COORDINATOR_PREPARES], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["loaded"] == [], result
@@ -196,12 +224,13 @@ def _module_edges(name: str, path: pathlib.Path, known: dict[str, pathlib.Path])
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            targets = [owner(f"{module}.{a.name}") if f"{module}.{a.name}" in known else owner(module)
-                       for a in node.names]
+            targets = [
+                owner(f"{module}.{a.name}") if f"{module}.{a.name}" in known else owner(module) for a in node.names
+            ]
         else:
             continue
         edges += [(t, node.lineno) for t in targets if t is not None and t != name]
@@ -275,7 +304,10 @@ def test_no_import_circles():
     report = []
     for component in _circles(graph):
         members = set(component)
-        imports = [f"    {known[a].relative_to(ROOT)}:{lines[a, b]} imports {b}"
-                   for a in component for b in sorted(graph[a] & members)]
+        imports = [
+            f"    {known[a].relative_to(ROOT)}:{lines[a, b]} imports {b}"
+            for a in component
+            for b in sorted(graph[a] & members)
+        ]
         report.append(f"circle of {len(component)}: {', '.join(component)}\n" + "\n".join(imports))
     assert not report, "import circles:\n" + "\n".join(report)

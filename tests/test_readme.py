@@ -39,10 +39,10 @@ TIMEOUT_S = 120
 # ---------------------------------------------------------------------------------------------------- extraction
 @dataclass(frozen=True)
 class Command:
-    page: str      # path relative to the repository root
-    line: int      # first line of the command in the page
-    text: str      # the command as written (continuations joined, comment dropped)
-    argv: tuple    # shlex tokens, leading VAR=value assignments removed
+    page: str  # path relative to the repository root
+    line: int  # first line of the command in the page
+    text: str  # the command as written (continuations joined, comment dropped)
+    argv: tuple  # shlex tokens, leading VAR=value assignments removed
 
     @property
     def where(self) -> str:
@@ -97,8 +97,13 @@ def _placeholder(tok: str) -> bool:
     """A synopsis token: [OPTIONAL] parts, a|b alternatives, '...', or an upper-case name (CONFIG, RUN_DIR, N)."""
     if "=" in tok and not tok.startswith("["):
         return False  # key=value, even when its value is a list: cluster.external_env_addresses=[...]
-    return (tok.startswith("[") or tok.endswith("]") or "|" in tok or tok == "..."
-            or re.fullmatch(r"[A-Z][A-Z0-9_:]*", tok) is not None)
+    return (
+        tok.startswith("[")
+        or tok.endswith("]")
+        or "|" in tok
+        or tok == "..."
+        or re.fullmatch(r"[A-Z][A-Z0-9_:]*", tok) is not None
+    )
 
 
 def is_synopsis(argv) -> bool:
@@ -131,33 +136,66 @@ class Rule:
 
 
 RULES = [
-    Rule("the test suite (scripts/test.sh, pytest): far too long here, and CI runs it", "skip",
-         lambda a: (a[:2] == ("bash", "scripts/test.sh")) or (_prog(a) in ("python", "python3") and a[1:3] == ("-m", "pytest"))),
+    Rule(
+        "the test suite (scripts/test.sh, pytest): far too long here, and CI runs it",
+        "skip",
+        lambda a: (a[:2] == ("bash", "scripts/test.sh"))
+        or (_prog(a) in ("python", "python3") and a[1:3] == ("-m", "pytest")),
+    ),
     Rule("a training run (scripts/run.sh)", "skip", lambda a: a[:2] == ("bash", "scripts/run.sh")),
-    Rule("needs Docker, a cluster or a GPU (docker, docker-compose, kubectl, compose_e2e.sh, nvidia-smi, "
-         "gpu_fleet.sh)", "skip",
-         lambda a: _prog(a) in ("docker", "docker-compose", "kubectl", "helm", "nvidia-smi")
-         or (_prog(a) == "bash" and len(a) > 1 and a[1] in ("benchmarks/compose_e2e.sh", "scripts/gpu_fleet.sh"))),
-    Rule("downloads a dataset or model from the Hugging Face hub (network, GBs)", "skip",
-         lambda a: _prog(a) in ("hf", "huggingface-cli") and len(a) > 1 and a[1] == "download"),
+    Rule(
+        "needs Docker, a cluster or a GPU (docker, docker-compose, kubectl, compose_e2e.sh, nvidia-smi, gpu_fleet.sh)",
+        "skip",
+        lambda a: _prog(a) in ("docker", "docker-compose", "kubectl", "helm", "nvidia-smi")
+        or (_prog(a) == "bash" and len(a) > 1 and a[1] in ("benchmarks/compose_e2e.sh", "scripts/gpu_fleet.sh")),
+    ),
+    Rule(
+        "downloads a dataset or model from the Hugging Face hub (network, GBs)",
+        "skip",
+        lambda a: _prog(a) in ("hf", "huggingface-cli") and len(a) > 1 and a[1] == "download",
+    ),
     Rule("a --help line", "run", lambda a: a[-1] in ("--help", "-h")),
-    Rule("coordinatorctl synopsis (placeholders): the subcommand's --help", "help",
-         lambda a: _prog(a) == "coordinatorctl" and is_synopsis(a)),
-    Rule("coordinatorctl start|collect-demos|sft: the config and overrides load", "config",
-         lambda a: _ctl(a, "start", "collect-demos", "sft")),
-    Rule("coordinatorctl deploy compose|k8s: written into a temporary folder", "run",
-         lambda a: _ctl(a, "deploy") and len(a) > 2 and a[2] in ("compose", "k8s")),
+    Rule(
+        "coordinatorctl synopsis (placeholders): the subcommand's --help",
+        "help",
+        lambda a: _prog(a) == "coordinatorctl" and is_synopsis(a),
+    ),
+    Rule(
+        "coordinatorctl start|collect-demos|sft: the config and overrides load",
+        "config",
+        lambda a: _ctl(a, "start", "collect-demos", "sft"),
+    ),
+    Rule(
+        "coordinatorctl deploy compose|k8s: written into a temporary folder",
+        "run",
+        lambda a: _ctl(a, "deploy") and len(a) > 2 and a[2] in ("compose", "k8s"),
+    ),
     Rule("coordinatorctl envs (the list)", "run", lambda a: _ctl(a, "envs") and a[2:] in ((), ("list",))),
-    Rule("coordinatorctl envs install|remove: builds or deletes an environment (network, minutes)", "help",
-         lambda a: _ctl(a, "envs")),
-    Rule("needs a live run or server (status, stop, scale, traces, check-env)", "help",
-         lambda a: _ctl(a, "status", "stop", "scale", "traces", "check-env")),
-    Rule("coordinatorctl eval: needs a trained run or model folder and starts its services", "help",
-         lambda a: _ctl(a, "eval")),
-    Rule("a benchmark: starts real runs or servers and measures for minutes", "help",
-         lambda a: _script_in(a, "benchmarks.")),
-    Rule("a long-running server (examples/, services.*.server)", "help",
-         lambda a: _script_in(a, "examples.", "services.")),
+    Rule(
+        "coordinatorctl envs install|remove: builds or deletes an environment (network, minutes)",
+        "help",
+        lambda a: _ctl(a, "envs"),
+    ),
+    Rule(
+        "needs a live run or server (status, stop, scale, traces, check-env)",
+        "help",
+        lambda a: _ctl(a, "status", "stop", "scale", "traces", "check-env"),
+    ),
+    Rule(
+        "coordinatorctl eval: needs a trained run or model folder and starts its services",
+        "help",
+        lambda a: _ctl(a, "eval"),
+    ),
+    Rule(
+        "a benchmark: starts real runs or servers and measures for minutes",
+        "help",
+        lambda a: _script_in(a, "benchmarks."),
+    ),
+    Rule(
+        "a long-running server (examples/, services.*.server)",
+        "help",
+        lambda a: _script_in(a, "examples.", "services."),
+    ),
 ]
 
 
@@ -175,8 +213,10 @@ def test_the_docs_show_commands():
 
 def test_every_command_line_is_classified():
     unclassified = [f"{c.where}: {c.text}" for c in COMMANDS if classify(c) is None]
-    assert not unclassified, ("command lines in the docs that no rule of tests/test_readme.py covers; "
-                              "add a rule (checked, or skipped with its reason):\n" + "\n".join(unclassified))
+    assert not unclassified, (
+        "command lines in the docs that no rule of tests/test_readme.py covers; "
+        "add a rule (checked, or skipped with its reason):\n" + "\n".join(unclassified)
+    )
 
 
 def test_commands_in_other_code_blocks_are_fenced_as_bash():
@@ -216,8 +256,10 @@ def _run(argv) -> subprocess.CompletedProcess:
 
 
 def _assert_ok(cmd: Command, argv, proc):
-    assert proc.returncode == 0, (f"{cmd.where}: `{cmd.text}` (ran: {' '.join(argv)}) exited {proc.returncode}\n"
-                                  f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, (
+        f"{cmd.where}: `{cmd.text}` (ran: {' '.join(argv)}) exited {proc.returncode}\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def _help_argv(argv) -> tuple:
@@ -293,7 +335,7 @@ def test_command(cmd: Command, tmp_path):
     if _ctl(argv, "deploy"):
         if "--out" in argv:
             i = argv.index("--out")
-            del argv[i:i + 2]
+            del argv[i : i + 2]
         argv += ["--out", str(tmp_path / "out")]
     proc = _run(argv)
     _assert_ok(cmd, argv, proc)

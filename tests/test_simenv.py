@@ -18,8 +18,9 @@ def build_fails(monkeypatch):
 
 
 @pytest.mark.parametrize("get_python, name", [(simenv.sim_python, "metaworld"), (simenv.backend_python, "vllm")])
-def test_an_unbuildable_environment_skips_the_test_unless_environments_are_required(monkeypatch, build_fails,
-                                                                                     get_python, name):
+def test_an_unbuildable_environment_skips_the_test_unless_environments_are_required(
+    monkeypatch, build_fails, get_python, name
+):
     monkeypatch.delenv(simenv.REQUIRE_ENVS, raising=False)
     with pytest.raises(pytest.skip.Exception, match=f"the {name} environment could not be built here: uv could"):
         get_python(name)
@@ -27,8 +28,10 @@ def test_an_unbuildable_environment_skips_the_test_unless_environments_are_requi
         monkeypatch.setenv(simenv.REQUIRE_ENVS, value)
         with pytest.raises(pytest.fail.Exception) as failed:
             get_python(name)
-        assert str(failed.value) == (f"the {name} environment could not be built here: uv could not install "
-                                     f"{environments.environment_of(name).name}")  # skip's message, first line
+        assert str(failed.value) == (
+            f"the {name} environment could not be built here: uv could not install "
+            f"{environments.environment_of(name).name}"
+        )  # skip's message, first line
     monkeypatch.setenv(simenv.REQUIRE_ENVS, "0")
     with pytest.raises(pytest.skip.Exception):
         get_python(name)

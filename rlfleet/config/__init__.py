@@ -22,21 +22,41 @@ from rlfleet.untrusted import BadFile, parse_yaml, read_yaml
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pandapickcube_ppo.yaml"
 # Maps whose keys are the user's to choose.
-FREE_FORM = ("cluster.component_placement", "cluster.cpu_placement", "env.train.init_params", "env.eval.init_params",
-             "sft.dataset_keys")
+FREE_FORM = (
+    "cluster.component_placement",
+    "cluster.cpu_placement",
+    "env.train.init_params",
+    "env.eval.init_params",
+    "sft.dataset_keys",
+)
 COMPONENTS = ("env", "rollout", "actor")
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")  # estimators of algorithm.kl_penalty (services/learner/ppo.py)
 # Types of keys whose default is null (the default cannot say), and of keys that may also be null (a policy
 # family's own keys: its entry's ``nullable``, rlfleet.policies.families; :func:`nullable_types` has both).
 NULLABLE_TYPES = {
-    "cluster.envs_dir": str, "runner.early_stop_success_rate": float, "runner.resume_dir": str,
-    "algorithm.clip_ratio_c": float, "algorithm.huber_delta": float, "algorithm.target_kl": float,
-    "algorithm.value_clip": float, "runner.max_env_steps": int, "runner.max_wall_time_s": float,
-    "algorithm.filter_rewards": list, "actor.model.image_key": str, "actor.model.model_path": str,
-    "actor.model.unnorm_key": str, "sft.dataset_path": str, "sft.output_path": str,
-    "telemetry.otlp_endpoint": str, "cluster.tls.cert_file": str, "cluster.tls.key_file": str,
-    "cluster.tls.ca_file": str, "rollout.batch_invariant_rows": int, "cluster.learner_num_threads": int,
-    "runner.logger.wandb_mode": str, "runner.logger.swanlab_mode": str,
+    "cluster.envs_dir": str,
+    "runner.early_stop_success_rate": float,
+    "runner.resume_dir": str,
+    "algorithm.clip_ratio_c": float,
+    "algorithm.huber_delta": float,
+    "algorithm.target_kl": float,
+    "algorithm.value_clip": float,
+    "runner.max_env_steps": int,
+    "runner.max_wall_time_s": float,
+    "algorithm.filter_rewards": list,
+    "actor.model.image_key": str,
+    "actor.model.model_path": str,
+    "actor.model.unnorm_key": str,
+    "sft.dataset_path": str,
+    "sft.output_path": str,
+    "telemetry.otlp_endpoint": str,
+    "cluster.tls.cert_file": str,
+    "cluster.tls.key_file": str,
+    "cluster.tls.ca_file": str,
+    "rollout.batch_invariant_rows": int,
+    "cluster.learner_num_threads": int,
+    "runner.logger.wandb_mode": str,
+    "runner.logger.swanlab_mode": str,
 }
 
 
@@ -88,8 +108,10 @@ def schema_sources() -> list[tuple[str, pathlib.Path]]:
     rlfleet.policies.families). Readers of the schema's text (its comments) read every file."""
     from rlfleet.policies.families import size_groups, sizes_path
 
-    return [("", DEFAULT_CONFIG), *((f"actor.model.{group}", sizes_path(family.sizes_file))
-                                    for group, family in size_groups().items())]
+    return [
+        ("", DEFAULT_CONFIG),
+        *((f"actor.model.{group}", sizes_path(family.sizes_file)) for group, family in size_groups().items()),
+    ]
 
 
 def default_schema() -> DictConfig:
@@ -132,9 +154,11 @@ def _check_keys(schema: DictConfig, user: DictConfig, source: str) -> None:
         if path in known:
             if not _type_ok(known[path], value, path, nullable):
                 want = nullable.get(path, type(known[path]))
-                raise ConfigError(f"{source}: '{path}' = {value!r} has the wrong type (expected "
-                                  f"{want.__name__}{' or null' if path in nullable else ''}"
-                                  + (f", like the default {known[path]!r})" if known[path] is not None else ")"))
+                raise ConfigError(
+                    f"{source}: '{path}' = {value!r} has the wrong type (expected "
+                    f"{want.__name__}{' or null' if path in nullable else ''}"
+                    + (f", like the default {known[path]!r})" if known[path] is not None else ")")
+                )
             continue
         if any(path.startswith(f + ".") for f in FREE_FORM):
             continue
@@ -212,8 +236,10 @@ def read_config_file(path: str | pathlib.Path, root: str | pathlib.Path | None =
     if root is not None:  # rlfleet writes a run folder's config resolved: an interpolation there came from elsewhere
         found = _interpolation(data)
         if found:
-            raise ConfigError(f"{path}: '{found[0]}': expected a resolved value (a run folder's config.yaml is written "
-                              f"resolved), found the interpolation {found[1][:80]!r}")
+            raise ConfigError(
+                f"{path}: '{found[0]}': expected a resolved value (a run folder's config.yaml is written "
+                f"resolved), found the interpolation {found[1][:80]!r}"
+            )
     try:
         return OmegaConf.create(data)
     except Exception as exc:  # noqa: BLE001 - OmegaConf's own refusals (e.g. an interpolation that does not parse)
@@ -233,8 +259,9 @@ def _interpolation(node, prefix: str = "") -> tuple[str, str] | None:
     return None
 
 
-def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), *,
-                root: str | pathlib.Path | None = None) -> DictConfig:
+def load_config(
+    path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), *, root: str | pathlib.Path | None = None
+) -> DictConfig:
     """Default <- config file <- overrides; validated and resolved. Raises ConfigError naming any bad key.
     ``root``: the folder the config file must stay inside (a run folder's ``config.yaml``)."""
     schema = default_schema()
@@ -258,8 +285,9 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     try:
         OmegaConf.resolve(cfg)
     except Exception as exc:  # noqa: BLE001 - an interpolation that names nothing, a resolver that fails
-        raise ConfigError(f"{path or 'config'}: an interpolation does not resolve: "
-                          f"{str(exc).splitlines()[0][:200]}") from None
+        raise ConfigError(
+            f"{path or 'config'}: an interpolation does not resolve: {str(exc).splitlines()[0][:200]}"
+        ) from None
     validate(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg
@@ -289,26 +317,40 @@ def env_server_config(cfg: DictConfig, index: int) -> DictConfig:
 
 def _check_per_server(cfg: DictConfig) -> None:
     items, n_servers = cfg.env.per_server, cfg.cluster.num_env_servers
-    _require(len(items) <= n_servers, "env.per_server",
-             f"{len(items)} items for {n_servers} env servers (cluster.num_env_servers): item i is env server i")
-    _require(not items or not cfg.cluster.external_env_addresses, "env.per_server",
-             "external simulators (cluster.external_env_addresses) are not started by rlfleet; give per-server "
-             "simulators to built-in env servers only")
+    _require(
+        len(items) <= n_servers,
+        "env.per_server",
+        f"{len(items)} items for {n_servers} env servers (cluster.num_env_servers): item i is env server i",
+    )
+    _require(
+        not items or not cfg.cluster.external_env_addresses,
+        "env.per_server",
+        "external simulators (cluster.external_env_addresses) are not started by rlfleet; give per-server "
+        "simulators to built-in env servers only",
+    )
     for i, item in enumerate(items):
         if item is None:
             continue
-        _require(isinstance(item, DictConfig), f"env.per_server[{i}]",
-                 f"must be a map of {', '.join(PER_SERVER_KEYS)}, got {item!r}")
+        _require(
+            isinstance(item, DictConfig),
+            f"env.per_server[{i}]",
+            f"must be a map of {', '.join(PER_SERVER_KEYS)}, got {item!r}",
+        )
         unknown = sorted(set(item) - set(PER_SERVER_KEYS))
-        _require(not unknown, f"env.per_server[{i}]",
-                 f"unknown key(s) {unknown} (known: {', '.join(PER_SERVER_KEYS)})")
+        _require(not unknown, f"env.per_server[{i}]", f"unknown key(s) {unknown} (known: {', '.join(PER_SERVER_KEYS)})")
         for key in ("simulator_type", "env_id"):
             _require(key not in item or isinstance(item[key], str), f"env.per_server[{i}].{key}", "must be a string")
-        _require("init_params" not in item or isinstance(item.init_params, DictConfig),
-                 f"env.per_server[{i}].init_params", "must be a map")
+        _require(
+            "init_params" not in item or isinstance(item.init_params, DictConfig),
+            f"env.per_server[{i}].init_params",
+            "must be a map",
+        )
         steps = item.get("max_episode_steps", 1)
-        _require(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
-                 f"env.per_server[{i}].max_episode_steps", f"must be an integer >= 1, got {steps!r}")
+        _require(
+            isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
+            f"env.per_server[{i}].max_episode_steps",
+            f"must be an integer >= 1, got {steps!r}",
+        )
 
 
 def _require(cond: bool, key: str, message: str) -> None:
@@ -334,8 +376,11 @@ def _check_cluster(cfg: DictConfig) -> None:
     stages = cfg.rollout.pipeline_stage_num
     _require(n_servers >= 1, "cluster.num_env_servers", f"must be >= 1, got {n_servers}")
     ext = list(cfg.cluster.external_env_addresses)
-    _require(not ext or len(ext) == n_servers, "cluster.external_env_addresses",
-             f"{len(ext)} addresses for {n_servers} env servers (cluster.num_env_servers): give one per server")
+    _require(
+        not ext or len(ext) == n_servers,
+        "cluster.external_env_addresses",
+        f"{len(ext)} addresses for {n_servers} env servers (cluster.num_env_servers): give one per server",
+    )
     _require(cfg.cluster.num_inference_servers >= 1, "cluster.num_inference_servers", "must be >= 1")
     _require(stages >= 1, "rollout.pipeline_stage_num", f"must be >= 1, got {stages}")
     lt = cfg.cluster.learner_num_threads
@@ -355,23 +400,44 @@ def _check_rollout(cfg: DictConfig) -> None:
     if cfg.actor.model.model_type in POLICIES:  # (an unknown model type is reported by its own check)
         why = check_backend(cfg.rollout.backend, cfg.actor.model.model_type)
         _require(why is None, "rollout.backend", why or "")
-    _require(cfg.actor.model.precision in ("fp32", "bf16"), "actor.model.precision",
-             f"'{cfg.actor.model.precision}' is not one of fp32, bf16")
-    _require(not (cfg.actor.model.precision == "bf16" and cfg.rollout.backend == "vllm"), "actor.model.precision",
-             "bf16 is for the hf backend: the vllm backend's engine runs its own dtype (float32 on CPU); "
-             "use rollout.backend=hf with bf16")
-    _require(cfg.rollout.weights_precision in ("fp32", "bf16"), "rollout.weights_precision",
-             f"'{cfg.rollout.weights_precision}' is not one of fp32, bf16")
-    _require(cfg.rollout.weights_precision == "fp32" or cfg.actor.model.precision == "bf16",
-             "rollout.weights_precision", "bf16 weights need bf16 compute: set actor.model.precision=bf16")
+    _require(
+        cfg.actor.model.precision in ("fp32", "bf16"),
+        "actor.model.precision",
+        f"'{cfg.actor.model.precision}' is not one of fp32, bf16",
+    )
+    _require(
+        not (cfg.actor.model.precision == "bf16" and cfg.rollout.backend == "vllm"),
+        "actor.model.precision",
+        "bf16 is for the hf backend: the vllm backend's engine runs its own dtype (float32 on CPU); "
+        "use rollout.backend=hf with bf16",
+    )
+    _require(
+        cfg.rollout.weights_precision in ("fp32", "bf16"),
+        "rollout.weights_precision",
+        f"'{cfg.rollout.weights_precision}' is not one of fp32, bf16",
+    )
+    _require(
+        cfg.rollout.weights_precision == "fp32" or cfg.actor.model.precision == "bf16",
+        "rollout.weights_precision",
+        "bf16 weights need bf16 compute: set actor.model.precision=bf16",
+    )
     pi = cfg.actor.model.openpi
-    _require(pi.noise_method in ("flow_sde", "flow_noise"), "actor.model.openpi.noise_method",
-             f"'{pi.noise_method}' is not one of flow_sde, flow_noise")
-    _require(0 < pi.noise_std_min <= pi.noise_std_max, "actor.model.openpi.noise_std_min",
-             f"need 0 < noise_std_min <= noise_std_max, got {pi.noise_std_min}, {pi.noise_std_max}")
+    _require(
+        pi.noise_method in ("flow_sde", "flow_noise"),
+        "actor.model.openpi.noise_method",
+        f"'{pi.noise_method}' is not one of flow_sde, flow_noise",
+    )
+    _require(
+        0 < pi.noise_std_min <= pi.noise_std_max,
+        "actor.model.openpi.noise_std_min",
+        f"need 0 < noise_std_min <= noise_std_max, got {pi.noise_std_min}, {pi.noise_std_max}",
+    )
     inv = cfg.rollout.batch_invariant_rows
-    _require(inv is None or 0 <= inv <= 4096, "rollout.batch_invariant_rows",
-             f"must be null or an integer in [0, 4096], got {inv}")
+    _require(
+        inv is None or 0 <= inv <= 4096,
+        "rollout.batch_invariant_rows",
+        f"must be null or an integer in [0, 4096], got {inv}",
+    )
 
 
 def _check_batches(cfg: DictConfig) -> None:
@@ -380,12 +446,18 @@ def _check_batches(cfg: DictConfig) -> None:
     stages = cfg.rollout.pipeline_stage_num
     for split in ("train", "eval"):
         n = cfg.env[split].total_num_envs
-        _require(n >= 1 and n % n_servers == 0, f"env.{split}.total_num_envs",
-                 f"{n} must be a positive multiple of cluster.num_env_servers ({n_servers})")
+        _require(
+            n >= 1 and n % n_servers == 0,
+            f"env.{split}.total_num_envs",
+            f"{n} must be a positive multiple of cluster.num_env_servers ({n_servers})",
+        )
         _require(cfg.env[split].max_episode_steps >= 1, f"env.{split}.max_episode_steps", "must be >= 1")
     per_server = cfg.env.train.total_num_envs // n_servers
-    _require(per_server % stages == 0, "rollout.pipeline_stage_num",
-             f"each env server's {per_server} envs must split evenly into {stages} stages")
+    _require(
+        per_server % stages == 0,
+        "rollout.pipeline_stage_num",
+        f"each env server's {per_server} envs must split evenly into {stages} stages",
+    )
     _require(cfg.env.train.max_steps_per_rollout_epoch >= 1, "env.train.max_steps_per_rollout_epoch", "must be >= 1")
     _require(cfg.env.eval.num_episodes >= 1, "env.eval.num_episodes", "must be >= 1")
     _require(cfg.env.eval.video_episodes >= 0, "env.eval.video_episodes", "must be >= 0")
@@ -395,20 +467,31 @@ def _check_batches(cfg: DictConfig) -> None:
     _require(cfg.sft.image_shift >= 0, "sft.image_shift", f"must be >= 0 pixels, got {cfg.sft.image_shift}")
     _require(cfg.sft.demo_fps >= 1, "sft.demo_fps", f"must be >= 1, got {cfg.sft.demo_fps}")
     keys = cfg.sft.dataset_keys
-    _require(isinstance(keys, DictConfig) and all(isinstance(v, str) and v for v in keys.values()),
-             "sft.dataset_keys", f"must map policy input names to dataset feature names (strings), got {keys}")
+    _require(
+        isinstance(keys, DictConfig) and all(isinstance(v, str) and v for v in keys.values()),
+        "sft.dataset_keys",
+        f"must map policy input names to dataset feature names (strings), got {keys}",
+    )
     chunk = cfg.actor.model.num_action_chunks
-    _require(cfg.env.train.max_steps_per_rollout_epoch % max(chunk, 1) == 0, "env.train.max_steps_per_rollout_epoch",
-             f"{cfg.env.train.max_steps_per_rollout_epoch} env steps must be a multiple of "
-             f"actor.model.num_action_chunks ({chunk}): one sample is one action chunk")
+    _require(
+        cfg.env.train.max_steps_per_rollout_epoch % max(chunk, 1) == 0,
+        "env.train.max_steps_per_rollout_epoch",
+        f"{cfg.env.train.max_steps_per_rollout_epoch} env steps must be a multiple of "
+        f"actor.model.num_action_chunks ({chunk}): one sample is one action chunk",
+    )
     batch = cfg.env.train.total_num_envs * (cfg.env.train.max_steps_per_rollout_epoch // max(chunk, 1))
-    _require(cfg.actor.global_batch_size % cfg.actor.micro_batch_size == 0, "actor.global_batch_size",
-             f"{cfg.actor.global_batch_size} must be a multiple of actor.micro_batch_size "
-             f"({cfg.actor.micro_batch_size})")
-    _require(batch % cfg.actor.global_batch_size == 0, "actor.global_batch_size",
-             f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch / num_action_chunks = "
-             f"{batch} samples) must be a "
-             f"multiple of actor.global_batch_size ({cfg.actor.global_batch_size})")
+    _require(
+        cfg.actor.global_batch_size % cfg.actor.micro_batch_size == 0,
+        "actor.global_batch_size",
+        f"{cfg.actor.global_batch_size} must be a multiple of actor.micro_batch_size ({cfg.actor.micro_batch_size})",
+    )
+    _require(
+        batch % cfg.actor.global_batch_size == 0,
+        "actor.global_batch_size",
+        f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch / num_action_chunks = "
+        f"{batch} samples) must be a "
+        f"multiple of actor.global_batch_size ({cfg.actor.global_batch_size})",
+    )
 
 
 def _check_algorithm(cfg: DictConfig) -> None:
@@ -416,30 +499,49 @@ def _check_algorithm(cfg: DictConfig) -> None:
     per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
     alg = cfg.algorithm
     _require(alg.adv_type in ("gae", "grpo"), "algorithm.adv_type", f"'{alg.adv_type}' is not one of gae, grpo")
-    _require(alg.loss_type in ("actor_critic", "actor"), "algorithm.loss_type",
-             f"'{alg.loss_type}' is not one of actor_critic, actor")
-    _require((alg.adv_type == "grpo") == (alg.loss_type == "actor"), "algorithm.loss_type",
-             f"'{alg.loss_type}' does not go with adv_type '{alg.adv_type}' (gae: actor_critic, grpo: actor)")
+    _require(
+        alg.loss_type in ("actor_critic", "actor"),
+        "algorithm.loss_type",
+        f"'{alg.loss_type}' is not one of actor_critic, actor",
+    )
+    _require(
+        (alg.adv_type == "grpo") == (alg.loss_type == "actor"),
+        "algorithm.loss_type",
+        f"'{alg.loss_type}' does not go with adv_type '{alg.adv_type}' (gae: actor_critic, grpo: actor)",
+    )
     if alg.adv_type == "grpo":
         _require(alg.group_size >= 2, "algorithm.group_size", f"grpo needs groups of >= 2 envs, got {alg.group_size}")
-        _require(per_server % alg.group_size == 0, "algorithm.group_size",
-                 f"each env server's {per_server} envs must split into groups of {alg.group_size}")
-        _require(not cfg.env.train.auto_reset, "env.train.auto_reset",
-                 "grpo scores whole episodes that start together: set env.train.auto_reset=false")
-        _require(cfg.env.train.max_steps_per_rollout_epoch >= cfg.env.train.max_episode_steps,
-                 "env.train.max_steps_per_rollout_epoch",
-                 f"grpo needs whole episodes per epoch: >= env.train.max_episode_steps "
-                 f"({cfg.env.train.max_episode_steps})")
+        _require(
+            per_server % alg.group_size == 0,
+            "algorithm.group_size",
+            f"each env server's {per_server} envs must split into groups of {alg.group_size}",
+        )
+        _require(
+            not cfg.env.train.auto_reset,
+            "env.train.auto_reset",
+            "grpo scores whole episodes that start together: set env.train.auto_reset=false",
+        )
+        _require(
+            cfg.env.train.max_steps_per_rollout_epoch >= cfg.env.train.max_episode_steps,
+            "env.train.max_steps_per_rollout_epoch",
+            f"grpo needs whole episodes per epoch: >= env.train.max_episode_steps ({cfg.env.train.max_episode_steps})",
+        )
     fr = alg.filter_rewards
-    _require(fr is None or (len(fr) == 2 and fr[0] <= fr[1]), "algorithm.filter_rewards",
-             f"must be [low, high] or null, got {fr}")
+    _require(
+        fr is None or (len(fr) == 2 and fr[0] <= fr[1]),
+        "algorithm.filter_rewards",
+        f"must be [low, high] or null, got {fr}",
+    )
     _require(0 < alg.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {alg.gamma}")
     _require(0 <= alg.gae_lambda <= 1, "algorithm.gae_lambda", f"must be in [0, 1], got {alg.gae_lambda}")
     _require(alg.clip_ratio_c is None or alg.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 or null")
     _require(alg.update_epoch >= 1, "algorithm.update_epoch", "must be >= 1")
     _require(alg.critic_warmup_epochs >= 0, "algorithm.critic_warmup_epochs", "must be >= 0")
-    _require(alg.critic_warmup_epochs == 0 or alg.loss_type == "actor_critic", "algorithm.critic_warmup_epochs",
-             f"needs a critic: loss_type '{alg.loss_type}' trains none (gae/actor_critic does)")
+    _require(
+        alg.critic_warmup_epochs == 0 or alg.loss_type == "actor_critic",
+        "algorithm.critic_warmup_epochs",
+        f"needs a critic: loss_type '{alg.loss_type}' trains none (gae/actor_critic does)",
+    )
 
 
 def _check_simulators(cfg: DictConfig) -> None:
@@ -458,16 +560,22 @@ def _check_simulators(cfg: DictConfig) -> None:
             except KeyError as exc:
                 raise ConfigError(f"'{where.format(split=split)}.simulator_type': {exc.args[0]}") from None
         train_sim, eval_sim = (get_simulator(server.env[s].simulator_type) for s in ("train", "eval"))
-        _require(ext or train_sim.environment == eval_sim.environment, "env.eval.simulator_type",
-                 f"'{eval_sim.name}' runs in the "
-                 f"{eval_sim.environment.name if eval_sim.environment else 'main'} environment but the evaluation "
-                 f"envs live in the training env servers, which run in the "
-                 f"{train_sim.environment.name if train_sim.environment else 'main'} environment "
-                 f"('{train_sim.name}'); evaluate on the same simulator, or serve it standalone and use "
-                 f"cluster.external_eval_env_addresses")
+        _require(
+            ext or train_sim.environment == eval_sim.environment,
+            "env.eval.simulator_type",
+            f"'{eval_sim.name}' runs in the "
+            f"{eval_sim.environment.name if eval_sim.environment else 'main'} environment but the evaluation "
+            f"envs live in the training env servers, which run in the "
+            f"{train_sim.environment.name if train_sim.environment else 'main'} environment "
+            f"('{train_sim.name}'); evaluate on the same simulator, or serve it standalone and use "
+            f"cluster.external_eval_env_addresses",
+        )
     ext_eval = list(cfg.cluster.external_eval_env_addresses)
-    _require(not ext_eval or (ext and len(ext_eval) == n_servers), "cluster.external_eval_env_addresses",
-             f"{len(ext_eval)} addresses: give one per env server, alongside cluster.external_env_addresses")
+    _require(
+        not ext_eval or (ext and len(ext_eval) == n_servers),
+        "cluster.external_eval_env_addresses",
+        f"{len(ext_eval)} addresses: give one per env server, alongside cluster.external_env_addresses",
+    )
     for key in ("act_timeout_s", "rpc_timeout_s", "collect_timeout_s", "external_env_reconnect_timeout_s"):
         _require(cfg.cluster[key] > 0, f"cluster.{key}", f"must be > 0, got {cfg.cluster[key]}")
 
@@ -477,55 +585,98 @@ def _check_model(cfg: DictConfig) -> None:
     alg = cfg.algorithm
     from rlfleet.policies import LOGPROB_TYPES
 
-    _require(alg.logprob_type in LOGPROB_TYPES, "algorithm.logprob_type",
-             f"'{alg.logprob_type}' is not one of {', '.join(LOGPROB_TYPES)}")
+    _require(
+        alg.logprob_type in LOGPROB_TYPES,
+        "algorithm.logprob_type",
+        f"'{alg.logprob_type}' is not one of {', '.join(LOGPROB_TYPES)}",
+    )
     from rlfleet.policies.families import FAMILIES, OPTION_KEYS
 
     model = cfg.actor.model
-    _require(model.model_type in FAMILIES, "actor.model.model_type",
-             unknown_message("model_type", model.model_type, FAMILIES))
-    _require(model.num_action_chunks >= 1, "actor.model.num_action_chunks",
-             f"must be >= 1, got {model.num_action_chunks}")
+    _require(
+        model.model_type in FAMILIES,
+        "actor.model.model_type",
+        unknown_message("model_type", model.model_type, FAMILIES),
+    )
+    _require(
+        model.num_action_chunks >= 1, "actor.model.num_action_chunks", f"must be >= 1, got {model.num_action_chunks}"
+    )
     family = FAMILIES[model.model_type]
     for key, (unused, what) in OPTION_KEYS.items():  # an optional key only the families taking it may set
         if key not in family.options and model.get(key) not in (unused, None):
             takers = [f.model_type for f in FAMILIES.values() if key in f.options]
-            _require(False, f"actor.model.{key}", f"{what} is for model_type {' and '.join(takers) or 'none'}; "
-                     f"model_type is '{model.model_type}'")
-    _require(cfg.actor.model.activation in ("tanh", "relu", "elu"), "actor.model.activation",
-             f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu")
-    _require(cfg.actor.optim.lr_schedule in ("constant", "linear"), "actor.optim.lr_schedule",
-             f"'{cfg.actor.optim.lr_schedule}' is not one of constant, linear")
+            _require(
+                False,
+                f"actor.model.{key}",
+                f"{what} is for model_type {' and '.join(takers) or 'none'}; model_type is '{model.model_type}'",
+            )
+    _require(
+        cfg.actor.model.activation in ("tanh", "relu", "elu"),
+        "actor.model.activation",
+        f"'{cfg.actor.model.activation}' is not one of tanh, relu, elu",
+    )
+    _require(
+        cfg.actor.optim.lr_schedule in ("constant", "linear"),
+        "actor.optim.lr_schedule",
+        f"'{cfg.actor.optim.lr_schedule}' is not one of constant, linear",
+    )
 
 
 def _check_runtime(cfg: DictConfig) -> None:
     """Launcher, TLS, staleness, KL, telemetry, loggers and placement."""
     alg = cfg.algorithm
-    _require(cfg.cluster.launcher in ("local", "attach"), "cluster.launcher",
-             f"'{cfg.cluster.launcher}' is not one of local, attach")
+    _require(
+        cfg.cluster.launcher in ("local", "attach"),
+        "cluster.launcher",
+        f"'{cfg.cluster.launcher}' is not one of local, attach",
+    )
     # ("off", as a string set by code or quoted in YAML, is read as inline; unquoted, YAML makes it false)
-    _require(cfg.cluster.shared_memory in ("auto", "inline", "off"), "cluster.shared_memory",
-             f"'{cfg.cluster.shared_memory}' is not one of auto, inline")
+    _require(
+        cfg.cluster.shared_memory in ("auto", "inline", "off"),
+        "cluster.shared_memory",
+        f"'{cfg.cluster.shared_memory}' is not one of auto, inline",
+    )
     tls = cfg.cluster.tls
     if tls.cert_file or tls.key_file or tls.client_auth:
-        _require(bool(tls.cert_file and tls.key_file and tls.ca_file), "cluster.tls",
-                 "TLS needs cert_file, key_file and ca_file together")
+        _require(
+            bool(tls.cert_file and tls.key_file and tls.ca_file),
+            "cluster.tls",
+            "TLS needs cert_file, key_file and ca_file together",
+        )
         for key in ("cert_file", "key_file", "ca_file"):
             _require(pathlib.Path(tls[key]).is_file(), f"cluster.tls.{key}", f"'{tls[key]}' is not a readable file")
-    _require(0 <= alg.max_staleness <= MAX_STALENESS, "algorithm.max_staleness",
-             f"{alg.max_staleness} is not in 0..{MAX_STALENESS} (0: synchronous; N: the envs collect up to N "
-             f"epochs ahead of the learner)")
-    _require(alg.decoupled_staleness >= 1, "algorithm.decoupled_staleness",
-             f"must be >= 1 (samples of the current weights need no correction), got {alg.decoupled_staleness}")
-    _require(alg.importance_weight_cap >= 1.0, "algorithm.importance_weight_cap",
-             f"must be >= 1 (an importance weight of 1 is an on-policy sample), got {alg.importance_weight_cap}")
+    _require(
+        0 <= alg.max_staleness <= MAX_STALENESS,
+        "algorithm.max_staleness",
+        f"{alg.max_staleness} is not in 0..{MAX_STALENESS} (0: synchronous; N: the envs collect up to N "
+        f"epochs ahead of the learner)",
+    )
+    _require(
+        alg.decoupled_staleness >= 1,
+        "algorithm.decoupled_staleness",
+        f"must be >= 1 (samples of the current weights need no correction), got {alg.decoupled_staleness}",
+    )
+    _require(
+        alg.importance_weight_cap >= 1.0,
+        "algorithm.importance_weight_cap",
+        f"must be >= 1 (an importance weight of 1 is an on-policy sample), got {alg.importance_weight_cap}",
+    )
     _require(alg.kl_beta >= 0.0, "algorithm.kl_beta", f"must be >= 0 (0 = no KL penalty), got {alg.kl_beta}")
-    _require(alg.kl_penalty in KL_PENALTIES, "algorithm.kl_penalty",
-             f"'{alg.kl_penalty}' is not one of {', '.join(KL_PENALTIES)}")
-    _require(cfg.telemetry.traces in ("file", "otlp", "none"), "telemetry.traces",
-             f"'{cfg.telemetry.traces}' is not one of file, otlp, none")
-    _require(cfg.telemetry.metrics_interval_s > 0, "telemetry.metrics_interval_s",
-             f"must be > 0, got {cfg.telemetry.metrics_interval_s}")
+    _require(
+        alg.kl_penalty in KL_PENALTIES,
+        "algorithm.kl_penalty",
+        f"'{alg.kl_penalty}' is not one of {', '.join(KL_PENALTIES)}",
+    )
+    _require(
+        cfg.telemetry.traces in ("file", "otlp", "none"),
+        "telemetry.traces",
+        f"'{cfg.telemetry.traces}' is not one of file, otlp, none",
+    )
+    _require(
+        cfg.telemetry.metrics_interval_s > 0,
+        "telemetry.metrics_interval_s",
+        f"must be > 0, got {cfg.telemetry.metrics_interval_s}",
+    )
     lg = cfg.runner.logger
     for backend in lg.logger_backends:  # installed or not: the coordinator's preflight_loggers says
         try:
@@ -533,8 +684,11 @@ def _check_runtime(cfg: DictConfig) -> None:
         except UnknownName as exc:
             raise ConfigError(f"'runner.logger.logger_backends': {exc}") from None
     for key, modes in LOGGER_MODES.items():
-        _require(lg[key] is None or lg[key] in modes, f"runner.logger.{key}",
-                 f"'{lg[key]}' is not one of {', '.join(modes)} (or null)")
+        _require(
+            lg[key] is None or lg[key] in modes,
+            f"runner.logger.{key}",
+            f"'{lg[key]}' is not one of {', '.join(modes)} (or null)",
+        )
     parse_placement(cfg.cluster.component_placement, cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node)
     parse_placement(cfg.cluster.cpu_placement, 1 << 16, "cluster.cpu_placement", "CPU core")  # syntax; cores at launch
     _check_learner_ranks(cfg)
@@ -549,22 +703,31 @@ def _check_learner_ranks(cfg) -> None:
     ws = cl.learner_world_size
     _require(_is_int(ws) and ws >= 1, "cluster.learner_world_size", f"must be an integer >= 1, got {ws!r}")
     gpus = learner_gpus(cfg)
-    _require(not gpus or ws in (1, len(gpus)), "cluster.learner_world_size",
-             f"{ws} ranks, but the actor is placed on {len(gpus)} GPU(s) ({_actor_key(cl.component_placement)}"
-             f" = '{_actor_spec(cl.component_placement)}'): with GPUs the placement decides (one rank per GPU); "
-             f"leave it at 1 or set {len(gpus)}")
+    _require(
+        not gpus or ws in (1, len(gpus)),
+        "cluster.learner_world_size",
+        f"{ws} ranks, but the actor is placed on {len(gpus)} GPU(s) ({_actor_key(cl.component_placement)}"
+        f" = '{_actor_spec(cl.component_placement)}'): with GPUs the placement decides (one rank per GPU); "
+        f"leave it at 1 or set {len(gpus)}",
+    )
     learner_layout(cfg)  # the actor's GPUs fill the same count on every node they span
-    _require(cl.learner_collective_timeout_s > 0, "cluster.learner_collective_timeout_s",
-             f"must be > 0, got {cl.learner_collective_timeout_s}")
+    _require(
+        cl.learner_collective_timeout_s > 0,
+        "cluster.learner_collective_timeout_s",
+        f"must be > 0, got {cl.learner_collective_timeout_s}",
+    )
     port = cl.learner_master_port
-    _require(_is_int(port) and 1 <= port <= 65535, "cluster.learner_master_port",
-             f"must be a port number in 1..65535, got {port!r}")
+    _require(
+        _is_int(port) and 1 <= port <= 65535,
+        "cluster.learner_master_port",
+        f"must be a port number in 1..65535, got {port!r}",
+    )
     bucket = cfg.actor.weights_bucket_mb
     _require(bucket > 0, "actor.weights_bucket_mb", f"must be > 0, got {bucket}")
 
 
 def _actor_key(placement) -> str:
-    for names in (placement.keys() if hasattr(placement, "keys") else []):
+    for names in placement.keys() if hasattr(placement, "keys") else []:
         if "actor" in (n.strip() for n in str(names).split(",")):
             return f"cluster.component_placement.{names}"
     return "cluster.component_placement"
@@ -598,18 +761,23 @@ def learner_layout(cfg) -> tuple[int, int]:
     for rank in gpus:
         per_node[rank // cl.num_gpus_per_node] = per_node.get(rank // cl.num_gpus_per_node, 0) + 1
     counts = sorted(set(per_node.values()))
-    _require(len(counts) == 1, _actor_key(cl.component_placement),
-             f"the learner runs one rank per GPU of the actor's range '{_actor_spec(cl.component_placement)}', "
-             f"which must hold the same number of GPUs on each node it spans (cluster.num_gpus_per_node = "
-             f"{cl.num_gpus_per_node}); it holds " + ", ".join(f"{n} on node {node}" for node, n in per_node.items()))
+    _require(
+        len(counts) == 1,
+        _actor_key(cl.component_placement),
+        f"the learner runs one rank per GPU of the actor's range '{_actor_spec(cl.component_placement)}', "
+        f"which must hold the same number of GPUs on each node it spans (cluster.num_gpus_per_node = "
+        f"{cl.num_gpus_per_node}); it holds " + ", ".join(f"{n} on node {node}" for node, n in per_node.items()),
+    )
     return len(per_node), counts[0]
 
 
 def parse_ranks(spec, world: int, key: str = "cluster.component_placement", unit: str = "GPU") -> list[int]:
     """'0-3' / '0,2-3' / 'all' / 5 -> sorted ranks within [0, world) (global GPU ranks, or CPU core ids)."""
     if spec is None:  # YAML's flow style reads {env,rollout: 0-1} as {env: null, rollout: 0-1}
-        raise ConfigError(f"'{key}': no {unit} range given (in a {{...}} override, quote a key that names several "
-                          f"components: {{'env,rollout': 0-1}})")
+        raise ConfigError(
+            f"'{key}': no {unit} range given (in a {{...}} override, quote a key that names several "
+            f"components: {{'env,rollout': 0-1}})"
+        )
     text = str(spec).strip()
     if text == "all":
         return list(range(world))
@@ -623,15 +791,19 @@ def parse_ranks(spec, world: int, key: str = "cluster.component_placement", unit
         if hi < lo:
             raise ConfigError(f"'{key}': range '{part}' ends before it starts")
         if hi >= world:
-            where = ("the cluster's {n} GPUs (cluster.num_nodes x cluster.num_gpus_per_node)" if unit == "GPU"
-                     else "this machine's {n} {unit}s").format(n=world, unit=unit)
+            where = (
+                "the cluster's {n} GPUs (cluster.num_nodes x cluster.num_gpus_per_node)"
+                if unit == "GPU"
+                else "this machine's {n} {unit}s"
+            ).format(n=world, unit=unit)
             raise ConfigError(f"'{key}': {'rank' if unit == 'GPU' else unit} {hi} in '{spec}' is outside {where}")
         ranks.update(range(lo, hi + 1))
     return sorted(ranks)
 
 
-def parse_placement(placement, world: int, key: str = "cluster.component_placement",
-                    unit: str = "GPU") -> dict[str, list[int]]:
+def parse_placement(
+    placement, world: int, key: str = "cluster.component_placement", unit: str = "GPU"
+) -> dict[str, list[int]]:
     """{'env,rollout': '0-3', 'actor': 'all'} -> {'env': [0..3], 'rollout': [0..3], 'actor': [...]}."""
     out: dict[str, list[int]] = {}
     items = placement.items() if hasattr(placement, "items") else []
@@ -640,8 +812,10 @@ def parse_placement(placement, world: int, key: str = "cluster.component_placeme
         for name in str(names).split(","):
             name = name.strip()
             if name not in COMPONENTS:
-                raise ConfigError(f"'{key}.{names}': unknown component '{name}' "
-                                  f"(components: {', '.join(COMPONENTS)}){_suggest(name, COMPONENTS)}")
+                raise ConfigError(
+                    f"'{key}.{names}': unknown component '{name}' "
+                    f"(components: {', '.join(COMPONENTS)}){_suggest(name, COMPONENTS)}"
+                )
             if name in out:
                 raise ConfigError(f"'{key}': component '{name}' is placed twice")
             out[name] = ranks

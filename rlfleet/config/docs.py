@@ -50,9 +50,12 @@ def reference(keys: tuple[SchemaKey, ...] | None = None) -> str:
             continue
         parent = key.path.rsplit(".", 1)[0] if "." in key.path else ""
         groups.setdefault(parent, []).append(key)
-    out = [f"{sum(len(v) for v in groups.values())} keys, generated from the comments of "
-           "[`rlfleet/configs/pandapickcube_ppo.yaml`](../rlfleet/configs/pandapickcube_ppo.yaml) "
-           f"(`{FIX}`; a test fails when this block is out of step).", ""]
+    out = [
+        f"{sum(len(v) for v in groups.values())} keys, generated from the comments of "
+        "[`rlfleet/configs/pandapickcube_ppo.yaml`](../rlfleet/configs/pandapickcube_ppo.yaml) "
+        f"(`{FIX}`; a test fails when this block is out of step).",
+        "",
+    ]
     for group, items in groups.items():
         out.append(f"#### `{group}`")
         out.append("")

@@ -28,7 +28,7 @@ def shared_gpu(cfg) -> tuple[int | None, int]:
     learner, ranks, n = set(placement["actor"]), placement["rollout"], int(cl.num_inference_servers)
     counts: dict[int, int] = {}
     for i in range(n):
-        mine = ranks[i * (len(ranks) // n):(i + 1) * (len(ranks) // n)] if ranks and len(ranks) >= n else ranks
+        mine = ranks[i * (len(ranks) // n) : (i + 1) * (len(ranks) // n)] if ranks and len(ranks) >= n else ranks
         if mine and mine[0] in learner:
             counts[mine[0]] = counts.get(mine[0], 0) + 1
     if not counts:
@@ -43,8 +43,9 @@ def learner_footprint(cfg) -> footprint.Footprint:
     activations or optimizer temporaries)."""
     fp = footprint.estimate(cfg.actor.model, cfg.algorithm.logprob_type)
     if cfg.runner.only_eval:
-        fp = dataclasses.replace(fp, trainable=0, largest_unit_trainable=0, root_trainable=0, activations_per_row=0,
-                                 autocast_parameters=0)
+        fp = dataclasses.replace(
+            fp, trainable=0, largest_unit_trainable=0, root_trainable=0, activations_per_row=0, autocast_parameters=0
+        )
     return fp
 
 
@@ -72,18 +73,27 @@ def check(cfg, *, inference: bool = True) -> str | None:
     # on GPUs each learner rank and each inference server has its device, unless the placement puts both on one
     # (then they add up there); on one host they all share its RAM
     gpu, sharing = shared_gpu(cfg) if on_gpu and rl else (None, 0)
-    need = (max(inference, per_rank + sharing * inference) if on_gpu else servers * inference + world * per_rank)
+    need = max(inference, per_rank + sharing * inference) if on_gpu else servers * inference + world * per_rank
     if need <= have:
         return None
-    copies = (f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
-              f"{cfg.rollout.weights_precision}) and " if inference else "")
+    copies = (
+        f"each inference server holds 2 copies ({inference / GB:.1f} GB, rollout.weights_precision="
+        f"{cfg.rollout.weights_precision}) and "
+        if inference
+        else ""
+    )
     sharded = f"its 1/{world} shard" if world > 1 else "unsharded"
-    what = ("fp32 weights (runner.only_eval: no gradients or Adam state)" if only_eval else
-            "fp32 weights, gradients and Adam state of what trains")
+    what = (
+        "fp32 weights (runner.only_eval: no gradients or Adam state)"
+        if only_eval
+        else "fp32 weights, gradients and Adam state of what trains"
+    )
     learner = [f"{parts['sharded'] / GB:.1f} GB of {what} ({sharded})"]
     if parts["reference"]:
-        learner.append(f"{parts['reference'] / GB:.1f} GB of the KL reference (a frozen copy for algorithm.kl_beta, "
-                       f"sharded the same way)")
+        learner.append(
+            f"{parts['reference'] / GB:.1f} GB of the KL reference (a frozen copy for algorithm.kl_beta, "
+            f"sharded the same way)"
+        )
     if parts["gathered"]:
         dtype = "bf16" if on_gpu and fp.precision == "bf16" else "fp32"
         learner.append(f"{parts['gathered'] / GB:.1f} GB of FSDP units gathered whole ({dtype})")
@@ -92,28 +102,37 @@ def check(cfg, *, inference: bool = True) -> str | None:
     learner.append(f"{parts['activations'] / GB:.1f} GB of activations (estimated, a micro batch of {rows} rows)")
     if parts["transient"]:
         learner.append(f"{parts['transient'] / GB:.1f} GB of optimizer-step temporaries")
-    learner = (f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / GB:.1f} GB for "
-               f"{'one rank' if world == 1 else 'each rank'}")
+    learner = (
+        f"the learner, per rank of {world}: {', '.join(learner)} = {per_rank / GB:.1f} GB for "
+        f"{'one rank' if world == 1 else 'each rank'}"
+    )
     total = "" if on_gpu or world == 1 else f"; its {world} ranks {world * per_rank / GB:.1f} GB together"
     if sharing:
-        total = (f"; GPU {gpu} holds a learner rank and {sharing} inference server{'s' if sharing > 1 else ''} "
-                 f"(cluster.component_placement): {per_rank / GB:.1f} + {sharing * inference / GB:.1f} GB")
+        total = (
+            f"; GPU {gpu} holds a learner rank and {sharing} inference server{'s' if sharing > 1 else ''} "
+            f"(cluster.component_placement): {per_rank / GB:.1f} + {sharing * inference / GB:.1f} GB"
+        )
     hint = ""
     if rl:
         fit = footprint.smallest_fitting_world(fp, have, on_gpu=on_gpu, others=servers * inference, **kw)
         if on_gpu and inference > have:
             hint = " An inference server's copies alone do not fit one GPU."
         elif sharing and per_rank <= have:
-            hint = (f" Apart they fit: give the inference server{'s' if sharing > 1 else ''} a GPU of {'their' if sharing > 1 else 'its'} own "
-                    f"(cluster.component_placement, e.g. {{'env,rollout': 1, actor: 0}}), or lower what the learner "
-                    f"holds.")
+            hint = (
+                f" Apart they fit: give the inference server{'s' if sharing > 1 else ''} a GPU of {'their' if sharing > 1 else 'its'} own "
+                f"(cluster.component_placement, e.g. {{'env,rollout': 1, actor: 0}}), or lower what the learner "
+                f"holds."
+            )
         elif fit is not None and fit != world:
             each = fp.rank_bytes(fit, **kw)
-            hint = (f" {fit} ranks need {each / GB:.1f} GB each: place the actor on {fit} GPUs "
-                    f"(cluster.component_placement, e.g. actor: 0-{fit - 1})." if on_gpu else
-                    f" With {fit} rank{'s' if fit > 1 else ''} ({each / GB:.1f} GB{' each' if fit > 1 else ''}) the "
-                    f"run would need {(servers * inference + fit * each) / GB:.1f} GB: set "
-                    f"cluster.learner_world_size={fit}.")
+            hint = (
+                f" {fit} ranks need {each / GB:.1f} GB each: place the actor on {fit} GPUs "
+                f"(cluster.component_placement, e.g. actor: 0-{fit - 1})."
+                if on_gpu
+                else f" With {fit} rank{'s' if fit > 1 else ''} ({each / GB:.1f} GB{' each' if fit > 1 else ''}) the "
+                f"run would need {(servers * inference + fit * each) / GB:.1f} GB: set "
+                f"cluster.learner_world_size={fit}."
+            )
         elif fit is None:
             from omegaconf import OmegaConf
 
@@ -122,11 +141,16 @@ def check(cfg, *, inference: bool = True) -> str | None:
             smaller = f"set {(unset or lighter or ('actor.model.gradient_checkpointing=true',))[0]}"
             floor = fp.rank_parts(2, **kw)  # what does not shrink with more ranks
             floor = floor["gathered"] + floor["autocast"] + floor["activations"]
-            hint = (f" No number of ranks fits: the gathered units and activations alone are {floor / GB:.1f} GB per "
-                    f"rank (lower actor.micro_batch_size or {smaller})." if on_gpu else
-                    " Ranks on one machine share its RAM, and each adds its gathered units and activations: no "
-                    "number of ranks fits here.")
-    return (f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
-            f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / GB:.1f} GB where {where} "
-            f"has {have / GB:.1f} GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
-            f"k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)")
+            hint = (
+                f" No number of ranks fits: the gathered units and activations alone are {floor / GB:.1f} GB per "
+                f"rank (lower actor.micro_batch_size or {smaller})."
+                if on_gpu
+                else " Ranks on one machine share its RAM, and each adds its gathered units and activations: no "
+                "number of ranks fits here."
+            )
+    return (
+        f"the {model.model_type} policy of this config has {fp.parameters / 1e9:.2f}B parameters "
+        f"({fp.trainable / 1e9:.3f}B trained): {copies}{learner}{total}; that is {need / GB:.1f} GB where {where} "
+        f"has {have / GB:.1f} GB.{hint} Run it on a machine with the memory (GPU nodes: coordinatorctl deploy "
+        f"k8s), or use a tiny config (e.g. pandapickcube_vision_ppo_openvla_tiny)"
+    )

@@ -35,7 +35,7 @@ def _split_comment(rest: str) -> tuple[str, str]:
     m = re.search(r"(^|\s)#\s?", rest)
     if not m:
         return rest.strip(), ""
-    return rest[:m.start()].strip(), rest[m.end():].strip()
+    return rest[: m.start()].strip(), rest[m.end() :].strip()
 
 
 @functools.lru_cache(maxsize=None)

@@ -317,8 +317,11 @@ def _convert(key: str, hint, value):
 
 
 def _refuse(key: str, hint, value):
-    shown = "null" if value is None else repr(value if not isinstance(value, (DictConfig, ListConfig))
-                                               else OmegaConf.to_container(value))
+    shown = (
+        "null"
+        if value is None
+        else repr(value if not isinstance(value, (DictConfig, ListConfig)) else OmegaConf.to_container(value))
+    )
     raise ConfigError(f"'{key}' = {shown[:80]} has the wrong type (expected {_type_name(hint)})")
 
 

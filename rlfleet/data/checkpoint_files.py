@@ -38,10 +38,22 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.data.checkpoint_layout import (LEARNER_STATE, MAX_ACTION_DIM, MAX_BYTES_ITEM, MAX_ENVS,
-                                            MAX_LEARNER_STATE_BYTES, MAX_OBS_ENTRIES, MAX_SPACE_ELEMENTS,
-                                            MAX_TENSOR_DIMS, MAX_WORKERS, REWARD_RMS, SPACE_DTYPES, STATE_DIR,
-                                            STEP_PREFIX, is_int)
+from rlfleet.data.checkpoint_layout import (
+    LEARNER_STATE,
+    MAX_ACTION_DIM,
+    MAX_BYTES_ITEM,
+    MAX_ENVS,
+    MAX_LEARNER_STATE_BYTES,
+    MAX_OBS_ENTRIES,
+    MAX_SPACE_ELEMENTS,
+    MAX_TENSOR_DIMS,
+    MAX_WORKERS,
+    REWARD_RMS,
+    SPACE_DTYPES,
+    STATE_DIR,
+    STEP_PREFIX,
+    is_int,
+)
 from rlfleet.untrusted import BadFile, TooLarge, check_count, inside, read_json, safetensors_header
 
 
@@ -49,7 +61,7 @@ from rlfleet.untrusted import BadFile, TooLarge, check_count, inside, read_json,
 def step_of(path: str | os.PathLike) -> int | None:
     """N of a ``global_step_N`` folder name, else None."""
     name = pathlib.Path(path).name
-    digits = name[len(STEP_PREFIX):] if name.startswith(STEP_PREFIX) else ""
+    digits = name[len(STEP_PREFIX) :] if name.startswith(STEP_PREFIX) else ""
     return int(digits) if digits.isdigit() and digits.isascii() else None
 
 
@@ -114,14 +126,18 @@ def find_checkpoint(path: str | os.PathLike, step: int | None = None) -> tuple[p
     if step is not None:
         found = [p for n, p in done if n == step]
         if not found:
-            raise CheckpointNotFound(f"--step {step}: no complete checkpoint {STEP_PREFIX}{step} in "
-                                     f"{run / 'checkpoints'} (complete ones: "
-                                     f"{', '.join(str(n) for n, _ in done) or 'none'})")
+            raise CheckpointNotFound(
+                f"--step {step}: no complete checkpoint {STEP_PREFIX}{step} in "
+                f"{run / 'checkpoints'} (complete ones: "
+                f"{', '.join(str(n) for n, _ in done) or 'none'})"
+            )
         return found[0], run
     if not done:
-        why = (f" ({run.name} is an incomplete checkpoint: no {LEARNER_STATE}, its run stopped while saving it)"
-               if step_of(run) is not None else
-               f" (a run folder holds checkpoints/{STEP_PREFIX}N/{LEARNER_STATE})")
+        why = (
+            f" ({run.name} is an incomplete checkpoint: no {LEARNER_STATE}, its run stopped while saving it)"
+            if step_of(run) is not None
+            else f" (a run folder holds checkpoints/{STEP_PREFIX}N/{LEARNER_STATE})"
+        )
         raise CheckpointNotFound(f"{run}: no complete checkpoint in {run / 'checkpoints'}{why}")
     return done[-1][1], run
 
@@ -136,8 +152,9 @@ def specs_from_json(data: dict) -> dict:
     (checkpoints written before bounds were kept)."""
     from rlfleet.wire.spaces import TensorSpace
 
-    return {k: TensorSpace(tuple(v[0]), v[1]) if isinstance(v, list) else TensorSpace.from_json(v)
-            for k, v in data.items()}
+    return {
+        k: TensorSpace(tuple(v[0]), v[1]) if isinstance(v, list) else TensorSpace.from_json(v) for k, v in data.items()
+    }
 
 
 # --- the leader's files --------------------------------------------------------------------------------------------
@@ -157,8 +174,7 @@ def _space(name: str, value: Any, src) -> None:
     if not isinstance(value, dict) or not {"shape", "dtype"} <= set(value) <= {"shape", "dtype", "low", "high"}:
         raise BadFile(src, what, "{shape, dtype, low, high}", repr(value)[:80])
     shape = value["shape"]
-    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or \
-            not all(is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(is_int(d) and d >= 0 for d in shape):
         raise BadFile(src, f"{what}.shape", f"at most {MAX_TENSOR_DIMS} non-negative integers", repr(shape)[:80])
     n = math.prod(shape)
     check_count(f"{what} elements", n, MAX_SPACE_ELEMENTS, source=src)
@@ -166,9 +182,15 @@ def _space(name: str, value: Any, src) -> None:
         raise BadFile(src, f"{what}.dtype", f"one of {', '.join(SPACE_DTYPES)}", repr(value["dtype"])[:40])
     for b in ("low", "high"):
         bound = value.get(b)
-        ok = bound is None or (isinstance(bound, (int, float)) and not isinstance(bound, bool)) or (
-            isinstance(bound, list) and len(bound) == n and
-            all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in bound))
+        ok = (
+            bound is None
+            or (isinstance(bound, (int, float)) and not isinstance(bound, bool))
+            or (
+                isinstance(bound, list)
+                and len(bound) == n
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in bound)
+            )
+        )
         if not ok or (isinstance(bound, float) and math.isnan(bound)):
             raise BadFile(src, f"{what}.{b}", f"a number or {n} numbers", repr(bound)[:80])
 
@@ -178,13 +200,17 @@ def read_learner_state(ckpt: str | os.PathLike, *, root: str | os.PathLike | Non
     field checked against what the learner writes; -> the dict."""
     ckpt = pathlib.Path(ckpt)
     src = ckpt / LEARNER_STATE
-    state = read_json(src, max_bytes=MAX_LEARNER_STATE_BYTES, root=root if root is not None else run_folder_of(ckpt),
-                      what="learner state", allow_infinity=True)
+    state = read_json(
+        src,
+        max_bytes=MAX_LEARNER_STATE_BYTES,
+        root=root if root is not None else run_folder_of(ckpt),
+        what="learner state",
+        allow_infinity=True,
+    )
     need = {"epoch", "weights_version", "env_steps", "elapsed_s", "action_dim", "obs_specs"}
     missing = sorted(need - set(state))
     if missing:
-        raise BadFile(src, ", ".join(missing), "the learner's counters and spaces (what the learner writes)",
-                      "missing")
+        raise BadFile(src, ", ".join(missing), "the learner's counters and spaces (what the learner writes)", "missing")
     # a field a later version adds is ignored here (its zero value is what this version assumes), but not without end
     check_count("number of fields", len(state), 256, source=src)
     epoch = state["epoch"]
@@ -221,10 +247,11 @@ def check_reward_rms(ckpt: str | os.PathLike, *, root: str | os.PathLike | None 
             if entry["shape"] != []:
                 raise BadFile(src, f"tensor '{name}' shape", "[] (a scalar)", str(entry["shape"]))
             continue
-        worker = name[len("returns."):] if name.startswith("returns.") else ""
+        worker = name[len("returns.") :] if name.startswith("returns.") else ""
         if not (worker.isdigit() and worker.isascii() and int(worker) < MAX_WORKERS):
-            raise BadFile(src, f"tensor '{name[:60]}'", f"mean, var, count or returns.W (W < {MAX_WORKERS})",
-                          "another name")
+            raise BadFile(
+                src, f"tensor '{name[:60]}'", f"mean, var, count or returns.W (W < {MAX_WORKERS})", "another name"
+            )
         if len(entry["shape"]) != 1 or entry["shape"][0] > MAX_ENVS:
             raise BadFile(src, f"tensor '{name}' shape", f"[envs] (at most {MAX_ENVS:,})", str(entry["shape"]))
     return tensors
@@ -260,8 +287,10 @@ def verify_checkpoint(ckpt: str | os.PathLike, *, root: str | os.PathLike | None
     check_reward_rms(ckpt, root=root)
     state_dir = ckpt / STATE_DIR
     if not state_dir.is_dir():
-        raise FileNotFoundError(f"{state_dir}: no such folder (a checkpoint's policy and optimizer are in "
-                                f"{STATE_DIR}/; one from before sharded checkpoints cannot be read by this version)")
+        raise FileNotFoundError(
+            f"{state_dir}: no such folder (a checkpoint's policy and optimizer are in "
+            f"{STATE_DIR}/; one from before sharded checkpoints cannot be read by this version)"
+        )
     inside(root, os.path.join(rel, STATE_DIR), what=f"{STATE_DIR}/ folder", source=state_dir)
     from rlfleet.data.dcp_files import BytesStorageMetadata, TensorStorageMetadata, load_plain, read_metadata
 
@@ -269,12 +298,16 @@ def verify_checkpoint(ckpt: str | os.PathLike, *, root: str | os.PathLike | None
     info = CheckpointInfo(ckpt, step_of(ckpt), state, md)
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata) and fqn.startswith("model."):
-            info.tensors[fqn[len("model."):]] = (tuple(entry.size), entry.properties.dtype)
+            info.tensors[fqn[len("model.") :]] = (tuple(entry.size), entry.properties.dtype)
     for index, sinfo in md.storage_data.items():
         if isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata):
             if sinfo.length > MAX_BYTES_ITEM:
-                raise TooLarge(state_dir / sinfo.relative_path, f"item '{index.fqn[:120]}'",
-                               f"at most {MAX_BYTES_ITEM:,} bytes (a hyper-parameter)", f"{sinfo.length:,}")
+                raise TooLarge(
+                    state_dir / sinfo.relative_path,
+                    f"item '{index.fqn[:120]}'",
+                    f"at most {MAX_BYTES_ITEM:,} bytes (a hyper-parameter)",
+                    f"{sinfo.length:,}",
+                )
             with open(state_dir / sinfo.relative_path, "rb") as f:
                 f.seek(sinfo.offset)
                 data = f.read(sinfo.length)
@@ -294,7 +327,22 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CheckpointInfo", "CheckpointNotFound", "LEARNER_STATE", "REWARD_RMS", "STATE_DIR", "check_reward_rms",
-           "checkpoint_dir", "complete_checkpoints", "find_checkpoint", "is_checkpoint", "latest_checkpoint",
-           "read_learner_state", "run_folder_of", "specs_from_json", "specs_to_json", "step_of",
-           "verify_checkpoint"]  # (and the DCP part's names, through __getattr__)
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointNotFound",
+    "LEARNER_STATE",
+    "REWARD_RMS",
+    "STATE_DIR",
+    "check_reward_rms",
+    "checkpoint_dir",
+    "complete_checkpoints",
+    "find_checkpoint",
+    "is_checkpoint",
+    "latest_checkpoint",
+    "read_learner_state",
+    "run_folder_of",
+    "specs_from_json",
+    "specs_to_json",
+    "step_of",
+    "verify_checkpoint",
+]  # (and the DCP part's names, through __getattr__)

@@ -43,13 +43,24 @@ from pathlib import Path
 
 import numpy as np
 
-from rlfleet.untrusted import (GiB, MiB, BadFile, OutsideRoot, TooLarge, check_count, folder_root, in_folder,
-                               parse_json, read_json, regular_file)
+from rlfleet.untrusted import (
+    BadFile,
+    GiB,
+    MiB,
+    OutsideRoot,
+    TooLarge,
+    check_count,
+    folder_root,
+    in_folder,
+    parse_json,
+    read_json,
+    regular_file,
+)
 
 CODEBASE_VERSION = "v3.0"
-CHUNKS_SIZE = 1000                 # files per chunk folder
-DATA_FILE_MB = 100                 # a data file rolls over past this size
-VIDEO_FILE_MB = 200                # ... a video file past this one
+CHUNKS_SIZE = 1000  # files per chunk folder
+DATA_FILE_MB = 100  # a data file rolls over past this size
+VIDEO_FILE_MB = 200  # ... a video file past this one
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
@@ -61,19 +72,31 @@ REWARD, SUCCESS = "next.reward", "next.success"
 FRAME_COLUMNS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
 RECOLLECT = "re-collect it with `coordinatorctl collect-demos CONFIG`"
 # what a dataset's own files may claim, checked before anything is allocated for it
-MAX_INFO_BYTES = 16 * MiB           # meta/info.json (lerobot's are a few KB)
-MAX_PARQUET_BYTES = 4 * GiB         # one parquet file (lerobot rolls data files over at 100 MB)
-MAX_PARQUET_ROWS = 1 << 26          # rows of one parquet file
-MAX_TABLE_BYTES = 8 * GiB           # uncompressed bytes of one parquet file, as its footer states them
+MAX_INFO_BYTES = 16 * MiB  # meta/info.json (lerobot's are a few KB)
+MAX_PARQUET_BYTES = 4 * GiB  # one parquet file (lerobot rolls data files over at 100 MB)
+MAX_PARQUET_ROWS = 1 << 26  # rows of one parquet file
+MAX_TABLE_BYTES = 8 * GiB  # uncompressed bytes of one parquet file, as its footer states them
 MAX_EPISODES = 10_000_000
 MAX_FRAMES = 1 << 36
-MAX_DIM = 1 << 16                   # one dimension of a feature's shape
-MAX_FEATURE_ELEMENTS = 1 << 26      # elements of one feature in one frame (a 4K RGB image is 25M)
+MAX_DIM = 1 << 16  # one dimension of a feature's shape
+MAX_FEATURE_ELEMENTS = 1 << 26  # elements of one feature in one frame (a 4K RGB image is 25M)
 MAX_DECODED_VIDEO_BYTES = 16 * GiB  # the frames decoded from one video file
-MAX_IMAGE_BYTES = 256 * MiB         # one image file an image feature names
+MAX_IMAGE_BYTES = 256 * MiB  # one image file an image feature names
 MAX_FPS = 10_000
-NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                  "uint64", "bool")
+NUMERIC_DTYPES = (
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+)
 FEATURE_DTYPES = (*NUMERIC_DTYPES, "video", "image", "string")
 DATA_FIELDS, VIDEO_FIELDS = ("chunk_index", "file_index"), ("video_key", "chunk_index", "file_index")
 
@@ -81,9 +104,9 @@ DATA_FIELDS, VIDEO_FIELDS = ("chunk_index", "file_index"), ("video_key", "chunk_
 @dataclass
 class Episode:
     observations: dict[str, np.ndarray]  # key -> [T, ...]
-    actions: np.ndarray                  # [T, action_dim]
-    rewards: np.ndarray                  # [T]
-    success: np.ndarray                  # [T] bool
+    actions: np.ndarray  # [T, action_dim]
+    rewards: np.ndarray  # [T]
+    success: np.ndarray  # [T] bool
     instruction: str = ""
     seed: int = -1
     reset_state_id: int = -1
@@ -125,8 +148,13 @@ def _stats(values: np.ndarray, image: bool = False) -> dict[str, np.ndarray]:
         flat = values.reshape(len(values), -1).astype(np.float64)
         shape = lambda a: np.asarray(a).reshape(-1)  # noqa: E731
         count = len(values)
-    out = {"min": shape(flat.min(0)), "max": shape(flat.max(0)), "mean": shape(flat.mean(0)),
-           "std": shape(flat.std(0)), "count": np.asarray([count])}
+    out = {
+        "min": shape(flat.min(0)),
+        "max": shape(flat.max(0)),
+        "mean": shape(flat.mean(0)),
+        "std": shape(flat.std(0)),
+        "count": np.asarray([count]),
+    }
     for name, q in QUANTILES.items():
         out[name] = shape(np.quantile(flat, q, axis=0))
     return out
@@ -140,8 +168,13 @@ def _aggregate(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     means = np.stack([p["mean"] for p in parts])
     mean = (w * means).sum(0)
     var = (w * (np.stack([p["std"] for p in parts]) ** 2 + (means - mean) ** 2)).sum(0)
-    out = {"min": np.min([p["min"] for p in parts], 0), "max": np.max([p["max"] for p in parts], 0),
-           "mean": mean, "std": np.sqrt(var), "count": np.asarray([int(n.sum())])}
+    out = {
+        "min": np.min([p["min"] for p in parts], 0),
+        "max": np.max([p["max"] for p in parts], 0),
+        "mean": mean,
+        "std": np.sqrt(var),
+        "count": np.asarray([int(n.sum())]),
+    }
     for name in QUANTILES:
         out[name] = (w * np.stack([p[name] for p in parts])).sum(0)
     return out
@@ -176,8 +209,9 @@ class _VideoFile:
 
         start = self.frames
         for img in frames:
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img if self.format == "rgb24" else img[..., 0]),
-                                               format=self.format)
+            frame = av.VideoFrame.from_ndarray(
+                np.ascontiguousarray(img if self.format == "rgb24" else img[..., 0]), format=self.format
+            )
             frame.pts, frame.time_base = self.frames, Fraction(1, self.fps)
             for packet in self.stream.encode(frame):
                 self.bytes += packet.size
@@ -187,7 +221,7 @@ class _VideoFile:
 
     def size_mb(self) -> float:
         """What the encoder has produced so far (it holds back its last few frames until the file closes)."""
-        return self.bytes / 2 ** 20
+        return self.bytes / 2**20
 
     def close(self) -> None:
         for packet in self.stream.encode(None):
@@ -195,9 +229,15 @@ class _VideoFile:
         self.container.close()
 
 
-def decode_video(path: Path, channels: int = 3, *, size: tuple[int, int] | None = None,
-                 until: float | None = None, max_frames: int | None = None,
-                 name: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
+def decode_video(
+    path: Path,
+    channels: int = 3,
+    *,
+    size: tuple[int, int] | None = None,
+    until: float | None = None,
+    max_frames: int | None = None,
+    name: str | os.PathLike | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """All frames of an mp4 video file: (uint8 [N, H, W, C], their timestamps in seconds [N]). The file is read
     through a file object with the mp4 demuxer forced (no probing into playlists or other formats that open further
     files, no external data references). ``size`` (H, W): what every frame must measure (checked on the container's
@@ -219,13 +259,18 @@ def decode_video(path: Path, channels: int = 3, *, size: tuple[int, int] | None 
             stream = container.streams.video[0]
             got = (stream.codec_context.height, stream.codec_context.width)
             if size is not None and got != tuple(size):
-                raise BadFile(name, "frame size", f"{size[0]} x {size[1]} (meta/info.json features)",
-                              f"{got[0]} x {got[1]}")
+                raise BadFile(
+                    name, "frame size", f"{size[0]} x {size[1]} (meta/info.json features)", f"{got[0]} x {got[1]}"
+                )
             try:
                 for frame in container.decode(stream):
                     if size is not None and (frame.height, frame.width) != tuple(size):
-                        raise BadFile(name, f"frame {len(frames)}", f"{size[0]} x {size[1]} pixels",
-                                      f"{frame.height} x {frame.width}")
+                        raise BadFile(
+                            name,
+                            f"frame {len(frames)}",
+                            f"{size[0]} x {size[1]} pixels",
+                            f"{frame.height} x {frame.width}",
+                        )
                     if max_frames is not None and len(frames) >= max_frames:
                         raise TooLarge(name, "frames", f"at most {max_frames:,} (what its episodes span)", "more")
                     t = float(frame.pts * stream.time_base) if frame.pts is not None else float(frame.time or 0.0)
@@ -235,8 +280,9 @@ def decode_video(path: Path, channels: int = 3, *, size: tuple[int, int] | None 
                     frames.append(img if channels == 3 else img[..., None])
                     times.append(t)
             except av.FFmpegError as exc:
-                raise BadFile(name, f"frame {len(frames)}", "a decodable frame",
-                              f"{type(exc).__name__}: {str(exc)[:120]}") from None
+                raise BadFile(
+                    name, f"frame {len(frames)}", "a decodable frame", f"{type(exc).__name__}: {str(exc)[:120]}"
+                ) from None
     if not frames:
         raise BadFile(name, "frames", "at least one decodable frame", "none")
     order = np.argsort(times, kind="stable")
@@ -250,8 +296,17 @@ class DatasetWriter:
     """Appends episodes to a new LeRobot v3.0 dataset folder; ``close()`` writes the episode index, tasks, stats and
     finally ``meta/info.json`` (present = complete)."""
 
-    def __init__(self, root: str | Path, *, env_id: str, simulator: str, fps: int, source: str,
-                 overwrite: bool = False, robot_type: str | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        env_id: str,
+        simulator: str,
+        fps: int,
+        source: str,
+        overwrite: bool = False,
+        robot_type: str | None = None,
+    ):
         import pyarrow  # noqa: F401 - fail here, before any episode is recorded, when it is missing
 
         self.root = Path(root)
@@ -284,16 +339,29 @@ class DatasetWriter:
         for sub in ("meta", "data", "videos"):
             p = self.root / sub
             if os.path.islink(p) or (os.path.lexists(p) and not p.is_dir()):
-                raise OutsideRoot(p, "dataset folder", f"a real folder {sub}/ of the dataset (or none)",
-                                  f"a link to {os.readlink(p)}" if os.path.islink(p) else "a file")
+                raise OutsideRoot(
+                    p,
+                    "dataset folder",
+                    f"a real folder {sub}/ of the dataset (or none)",
+                    f"a link to {os.readlink(p)}" if os.path.islink(p) else "a file",
+                )
         if not (self.root / "meta").is_dir() and any((self.root / s).exists() for s in ("data", "videos")):
-            raise BadFile(self.root, "dataset folder", "an empty folder or an earlier dataset (meta/) to write into",
-                          "data/ or videos/ of something else")
+            raise BadFile(
+                self.root,
+                "dataset folder",
+                "an empty folder or an earlier dataset (meta/) to write into",
+                "data/ or videos/ of something else",
+            )
 
     @property
     def meta(self) -> dict:
-        return {"env_id": self.rlfleet["env_id"], "simulator": self.rlfleet["simulator"], "fps": self.fps,
-                "total_episodes": self.total_episodes, "total_frames": self.total_frames}
+        return {
+            "env_id": self.rlfleet["env_id"],
+            "simulator": self.rlfleet["simulator"],
+            "fps": self.fps,
+            "total_episodes": self.total_episodes,
+            "total_frames": self.total_frames,
+        }
 
     def _spec(self, ep: Episode, index: int) -> tuple[dict[str, np.ndarray], dict[str, dict], dict[str, str]]:
         """The episode's features (name -> [T, ...]), their info.json entries, and its observation -> feature map."""
@@ -303,8 +371,13 @@ class DatasetWriter:
             v = np.asarray(v)
             names[k] = feature_name(k, v)
             arrays[names[k]] = v
-        arrays.update({"action": np.asarray(ep.actions, np.float32), REWARD: np.asarray(ep.rewards, np.float32),
-                       SUCCESS: np.asarray(ep.success, bool)})
+        arrays.update(
+            {
+                "action": np.asarray(ep.actions, np.float32),
+                REWARD: np.asarray(ep.rewards, np.float32),
+                SUCCESS: np.asarray(ep.success, bool),
+            }
+        )
         spec = {}
         for name, arr in arrays.items():
             if arr.shape[0] != ep.length:
@@ -313,13 +386,27 @@ class DatasetWriter:
                 H, W, C = arr.shape[1:]
                 if C not in (1, 3):
                     raise ValueError(f"episode {index}: '{name}' has {C} channels; videos hold 1 or 3")
-                spec[name] = {"dtype": "video", "shape": [H, W, C], "names": ["height", "width", "channels"],
-                              "info": {"video.height": H, "video.width": W, "video.codec": VIDEO_CODEC_NAME,
-                                       "video.pix_fmt": PIX_FMT, "video.is_depth_map": False, "video.fps": self.fps,
-                                       "video.channels": C, "has_audio": False}}
+                spec[name] = {
+                    "dtype": "video",
+                    "shape": [H, W, C],
+                    "names": ["height", "width", "channels"],
+                    "info": {
+                        "video.height": H,
+                        "video.width": W,
+                        "video.codec": VIDEO_CODEC_NAME,
+                        "video.pix_fmt": PIX_FMT,
+                        "video.is_depth_map": False,
+                        "video.fps": self.fps,
+                        "video.channels": C,
+                        "has_audio": False,
+                    },
+                }
             else:
-                spec[name] = {"dtype": str(arr.dtype), "shape": [int(np.prod(arr.shape[1:], dtype=int))] or [1],
-                              "names": None}
+                spec[name] = {
+                    "dtype": str(arr.dtype),
+                    "shape": [int(np.prod(arr.shape[1:], dtype=int))] or [1],
+                    "names": None,
+                }
                 if arr.ndim != 2 and name.startswith("observation."):  # flat in the parquet; its shape for rlfleet
                     spec[name]["rlfleet_shape"] = list(arr.shape[1:])
         return arrays, spec, names
@@ -336,14 +423,22 @@ class DatasetWriter:
             mine = {k: v for k, v in self.features.items() if k not in FRAME_COLUMNS}
             raise ValueError(f"episode {index}: features {spec} differ from the dataset's {mine}")
         if not self.features:
-            self.features = {**spec, "timestamp": {"dtype": "float32", "shape": [1], "names": None},
-                             **{c: {"dtype": "int64", "shape": [1], "names": None} for c in FRAME_COLUMNS[1:]}}
+            self.features = {
+                **spec,
+                "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+                **{c: {"dtype": "int64", "shape": [1], "names": None} for c in FRAME_COLUMNS[1:]},
+            }
             self.rlfleet["observations"] = names
         T = ep.length
         task = self._tasks.setdefault(ep.instruction, len(self._tasks))
         frame = np.arange(T)
-        columns = {"timestamp": (frame / self.fps).astype(np.float32), "frame_index": frame,
-                   "episode_index": np.full(T, index), "index": self.total_frames + frame, "task_index": np.full(T, task)}
+        columns = {
+            "timestamp": (frame / self.fps).astype(np.float32),
+            "frame_index": frame,
+            "episode_index": np.full(T, index),
+            "index": self.total_frames + frame,
+            "task_index": np.full(T, task),
+        }
         row: dict = {"episode_index": index, "tasks": [ep.instruction], "length": T}
         stats: dict[str, dict] = {}
         if self._data_writer is not None and self._data_writer_mb() >= DATA_FILE_MB:
@@ -354,8 +449,11 @@ class DatasetWriter:
             if name.startswith(IMAGE_PREFIX):
                 continue
             flat = arr.reshape(T, -1)
-            table[name] = (pa.array(flat[:, 0]) if spec[name]["shape"] == [1] and arr.ndim <= 2 else
-                           pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1]))
+            table[name] = (
+                pa.array(flat[:, 0])
+                if spec[name]["shape"] == [1] and arr.ndim <= 2
+                else pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+            )
         table.update({k: pa.array(v) for k, v in columns.items()})
         table = pa.table(table)
         if self._data_writer is None:
@@ -364,9 +462,14 @@ class DatasetWriter:
             self._data_writer = pq.ParquetWriter(str(path), table.schema)
             self._data_path = path
         self._data_writer.write_table(table)
-        row.update({"data/chunk_index": _chunk_file(self._data_file)["chunk_index"],
-                    "data/file_index": _chunk_file(self._data_file)["file_index"],
-                    "dataset_from_index": self.total_frames, "dataset_to_index": self.total_frames + T})
+        row.update(
+            {
+                "data/chunk_index": _chunk_file(self._data_file)["chunk_index"],
+                "data/file_index": _chunk_file(self._data_file)["file_index"],
+                "dataset_from_index": self.total_frames,
+                "dataset_to_index": self.total_frames + T,
+            }
+        )
         for name, arr in arrays.items():
             if not name.startswith(IMAGE_PREFIX):
                 continue
@@ -379,26 +482,40 @@ class DatasetWriter:
                 n = self._video_file.setdefault(name, 0)
                 H, W, C = arr.shape[1:]
                 video = self._videos[name] = _VideoFile(
-                    self.root / VIDEO_PATH.format(video_key=name, **_chunk_file(n)), self.fps, H, W, C)
+                    self.root / VIDEO_PATH.format(video_key=name, **_chunk_file(n)), self.fps, H, W, C
+                )
             start, end = video.add(arr)
             ids = _chunk_file(self._video_file[name])
-            row.update({f"videos/{name}/chunk_index": ids["chunk_index"], f"videos/{name}/file_index": ids["file_index"],
-                        f"videos/{name}/from_timestamp": start, f"videos/{name}/to_timestamp": end})
+            row.update(
+                {
+                    f"videos/{name}/chunk_index": ids["chunk_index"],
+                    f"videos/{name}/file_index": ids["file_index"],
+                    f"videos/{name}/from_timestamp": start,
+                    f"videos/{name}/to_timestamp": end,
+                }
+            )
         for name, arr in {**arrays, **columns}.items():
             stats[name] = _stats(arr, image=name.startswith(IMAGE_PREFIX))
             self._stats.setdefault(name, []).append(stats[name])
         for name, st in stats.items():
             for stat, value in st.items():
                 row[f"stats/{name}/{stat}"] = value.tolist()
-        row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0, "rlfleet/seed": int(ep.seed),
-                    "rlfleet/reset_state_id": int(ep.reset_state_id), "rlfleet/success": bool(np.any(ep.success))})
+        row.update(
+            {
+                "meta/episodes/chunk_index": 0,
+                "meta/episodes/file_index": 0,
+                "rlfleet/seed": int(ep.seed),
+                "rlfleet/reset_state_id": int(ep.reset_state_id),
+                "rlfleet/success": bool(np.any(ep.success)),
+            }
+        )
         self._episodes.append(row)
         self.total_episodes += 1
         self.total_frames += T
         return index
 
     def _data_writer_mb(self) -> float:
-        return self._data_path.stat().st_size / 2 ** 20 if self._data_path.exists() else 0.0
+        return self._data_path.stat().st_size / 2**20 if self._data_path.exists() else 0.0
 
     def _close_data(self) -> None:
         if self._data_writer is not None:
@@ -425,16 +542,27 @@ class DatasetWriter:
         stats = {name: _jsonable(_aggregate(parts)) for name, parts in self._stats.items()}
         (self.root / "meta" / "stats.json").write_text(json.dumps(stats, indent=1))
         has_video = any(f["dtype"] == "video" for f in self.features.values())
-        info = {"codebase_version": CODEBASE_VERSION, "robot_type": self.robot_type,
-                "total_episodes": self.total_episodes, "total_frames": self.total_frames,
-                "total_tasks": len(self._tasks), "chunks_size": CHUNKS_SIZE, "data_files_size_in_mb": DATA_FILE_MB,
-                "video_files_size_in_mb": VIDEO_FILE_MB, "fps": self.fps,
-                "splits": {"train": f"0:{self.total_episodes}"}, "data_path": DATA_PATH,
-                "video_path": VIDEO_PATH if has_video else None,
-                "features": {k: {kk: vv for kk, vv in v.items() if kk != "rlfleet_shape"}
-                             for k, v in self.features.items()},
-                "rlfleet": {**self.rlfleet, "shapes": {k: v["rlfleet_shape"] for k, v in self.features.items()
-                                                       if "rlfleet_shape" in v}}}
+        info = {
+            "codebase_version": CODEBASE_VERSION,
+            "robot_type": self.robot_type,
+            "total_episodes": self.total_episodes,
+            "total_frames": self.total_frames,
+            "total_tasks": len(self._tasks),
+            "chunks_size": CHUNKS_SIZE,
+            "data_files_size_in_mb": DATA_FILE_MB,
+            "video_files_size_in_mb": VIDEO_FILE_MB,
+            "fps": self.fps,
+            "splits": {"train": f"0:{self.total_episodes}"},
+            "data_path": DATA_PATH,
+            "video_path": VIDEO_PATH if has_video else None,
+            "features": {
+                k: {kk: vv for kk, vv in v.items() if kk != "rlfleet_shape"} for k, v in self.features.items()
+            },
+            "rlfleet": {
+                **self.rlfleet,
+                "shapes": {k: v["rlfleet_shape"] for k, v in self.features.items() if "rlfleet_shape" in v},
+            },
+        }
         (self.root / "meta" / "info.json").write_text(json.dumps(info, indent=4))
 
 
@@ -445,17 +573,43 @@ def _write_tasks(path: Path, tasks: dict[str, int]) -> None:
     import pyarrow.parquet as pq
 
     names = sorted(tasks, key=tasks.get)
-    pandas_meta = {"index_columns": ["__index_level_0__"],
-                   "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
-                                       "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
-                   "columns": [{"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
-                                "numpy_type": "int64", "metadata": None},
-                               {"name": None, "field_name": "__index_level_0__", "pandas_type": "unicode",
-                                "numpy_type": "object", "metadata": None}],
-                   "attributes": {}, "creator": {"library": "pyarrow", "version": pa.__version__},
-                   "pandas_version": "2.2.3"}
-    table = pa.table({"task_index": pa.array([tasks[n] for n in names], pa.int64()),
-                      "__index_level_0__": pa.array(names, pa.string())})
+    pandas_meta = {
+        "index_columns": ["__index_level_0__"],
+        "column_indexes": [
+            {
+                "name": None,
+                "field_name": None,
+                "pandas_type": "unicode",
+                "numpy_type": "object",
+                "metadata": {"encoding": "UTF-8"},
+            }
+        ],
+        "columns": [
+            {
+                "name": "task_index",
+                "field_name": "task_index",
+                "pandas_type": "int64",
+                "numpy_type": "int64",
+                "metadata": None,
+            },
+            {
+                "name": None,
+                "field_name": "__index_level_0__",
+                "pandas_type": "unicode",
+                "numpy_type": "object",
+                "metadata": None,
+            },
+        ],
+        "attributes": {},
+        "creator": {"library": "pyarrow", "version": pa.__version__},
+        "pandas_version": "2.2.3",
+    }
+    table = pa.table(
+        {
+            "task_index": pa.array([tasks[n] for n in names], pa.int64()),
+            "__index_level_0__": pa.array(names, pa.string()),
+        }
+    )
     pq.write_table(table.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), str(path))
 
 
@@ -493,8 +647,13 @@ def _template(info: dict, key: str, fields: tuple[str, ...], source: Path) -> st
         if field is None:
             continue
         if field not in fields or conversion is not None or not re.fullmatch(r"0?\d{0,2}d?", spec or ""):
-            raise BadFile(source, key, expected, f"the field {{{field}{'!' + conversion if conversion else ''}"
-                                                 f"{':' + spec if spec else ''}}} in {_short(value)}")
+            raise BadFile(
+                source,
+                key,
+                expected,
+                f"the field {{{field}{'!' + conversion if conversion else ''}"
+                f"{':' + spec if spec else ''}}} in {_short(value)}",
+            )
     return value
 
 
@@ -503,8 +662,12 @@ def _check_info(info: dict, source: Path) -> None:
     fps = info.get("fps")
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= MAX_FPS:
         raise BadFile(source, "fps", f"a number of frames per second in (0, {MAX_FPS}]", _short(fps))
-    for key, limit in (("total_episodes", MAX_EPISODES), ("total_frames", MAX_FRAMES), ("total_tasks", MAX_EPISODES),
-                       ("chunks_size", MAX_EPISODES)):
+    for key, limit in (
+        ("total_episodes", MAX_EPISODES),
+        ("total_frames", MAX_FRAMES),
+        ("total_tasks", MAX_EPISODES),
+        ("chunks_size", MAX_EPISODES),
+    ):
         if info.get(key) is not None:
             check_count(key, info[key], limit, source=source, minimum=1 if key == "chunks_size" else 0)
     features = info.get("features")
@@ -529,8 +692,7 @@ def _check_info(info: dict, source: Path) -> None:
             raise BadFile(source, f"{field}.names", "a list, a JSON object or null", _short(names))
         if ft["dtype"] in ("video", "image"):
             if len(shape) != 3 or _hwc(ft)[2] not in (1, 3):
-                raise BadFile(source, f"{field}.shape", "[height, width, channels] with 1 or 3 channels",
-                              _short(shape))
+                raise BadFile(source, f"{field}.shape", "[height, width, channels] with 1 or 3 channels", _short(shape))
     _template(info, "data_path", DATA_FIELDS, source)
     _template(info, "video_path", VIDEO_FIELDS, source)
     own = info.get("rlfleet")
@@ -543,8 +705,9 @@ def _check_info(info: dict, source: Path) -> None:
             raise BadFile(source, f"rlfleet.{key}", "a string", _short(own[key]))
     obs = own.get("observations") or {}
     if not isinstance(obs, dict) or not all(isinstance(k, str) and v in features for k, v in obs.items()):
-        raise BadFile(source, "rlfleet.observations", "a map of observation names to features of this dataset",
-                      _short(obs))
+        raise BadFile(
+            source, "rlfleet.observations", "a map of observation names to features of this dataset", _short(obs)
+        )
     shapes = own.get("shapes") or {}
     if not isinstance(shapes, dict):
         raise BadFile(source, "rlfleet.shapes", "a map of features to shapes", _short(shapes))
@@ -566,8 +729,9 @@ def _read_tasks(path: Path, table) -> dict[int, str]:
     names = [c for c in meta.get("index_columns", []) if isinstance(c, str) and c in table.column_names]
     column = names[0] if names else ("task" if "task" in table.column_names else None)
     if column is None or "task_index" not in table.column_names:
-        raise BadFile(path, "columns", "a task_index column and the tasks as index or 'task'",
-                      ", ".join(table.column_names)[:120])
+        raise BadFile(
+            path, "columns", "a task_index column and the tasks as index or 'task'", ", ".join(table.column_names)[:120]
+        )
     index, tasks = table.column("task_index").to_pylist(), table.column(column).to_pylist()
     if not all(isinstance(i, int) for i in index) or not all(isinstance(t, str) for t in tasks):
         raise BadFile(path, f"columns 'task_index', '{column}'", "integers and strings")
@@ -584,10 +748,13 @@ def default_keys(info: dict) -> dict[str, str]:
     out = {}
     for name, ft in info.get("features", {}).items():
         if name.startswith(IMAGE_PREFIX) and ft.get("dtype") in ("video", "image"):
-            out[name[len(IMAGE_PREFIX):]] = name
-        elif name.startswith("observation.") and not name.startswith(IMAGE_PREFIX) \
-                and ft.get("dtype") not in ("video", "image", "string"):
-            out[name[len("observation."):]] = name
+            out[name[len(IMAGE_PREFIX) :]] = name
+        elif (
+            name.startswith("observation.")
+            and not name.startswith(IMAGE_PREFIX)
+            and ft.get("dtype") not in ("video", "image", "string")
+        ):
+            out[name[len("observation.") :]] = name
     out["action"] = "action"
     return out
 
@@ -601,8 +768,9 @@ def _hwc(ft: dict) -> list[int]:
     return shape
 
 
-def _number(row: dict, key: str, source, *, integer: bool = True, minimum: float = 0, limit: float = MAX_FRAMES,
-            default=None):
+def _number(
+    row: dict, key: str, source, *, integer: bool = True, minimum: float = 0, limit: float = MAX_FRAMES, default=None
+):
     """An episode row's ``key``: an int (or a finite float) in [minimum, limit]."""
     value = row.get(key, default)
     if integer:
@@ -624,19 +792,27 @@ class Dataset:
         old = (self.root / "meta" / "episodes.jsonl").exists() or any(self.root.glob("data/chunk-*/episode_*.npz"))
         if not os.path.lexists(info_path):
             if old:
-                raise ValueError(f"{self.root}: an npz demonstration folder of an older rlfleet, which no longer "
-                                 f"reads it (datasets are LeRobot v3.0 now); {RECOLLECT}")
-            raise FileNotFoundError(f"{self.root}: no meta/info.json - not a (complete) LeRobot dataset; "
-                                    f"collect one with `coordinatorctl collect-demos CONFIG`")
+                raise ValueError(
+                    f"{self.root}: an npz demonstration folder of an older rlfleet, which no longer "
+                    f"reads it (datasets are LeRobot v3.0 now); {RECOLLECT}"
+                )
+            raise FileNotFoundError(
+                f"{self.root}: no meta/info.json - not a (complete) LeRobot dataset; "
+                f"collect one with `coordinatorctl collect-demos CONFIG`"
+            )
         info = read_json(info_path, max_bytes=MAX_INFO_BYTES, root=folder_root(self.root), what="meta/info.json")
         if info.get("format") == "rlfleet-episodes" or (old and "codebase_version" not in info):
-            raise ValueError(f"{info_path}: an npz demonstration folder of an older rlfleet, which no longer reads "
-                             f"it (datasets are LeRobot v3.0 now); {RECOLLECT}")
+            raise ValueError(
+                f"{info_path}: an npz demonstration folder of an older rlfleet, which no longer reads "
+                f"it (datasets are LeRobot v3.0 now); {RECOLLECT}"
+            )
         version = info.get("codebase_version")
         if version != CODEBASE_VERSION:
-            raise ValueError(f"{info_path}: codebase_version {_short(version)}; rlfleet reads LeRobot datasets of "
-                             f"{CODEBASE_VERSION} (convert older ones with lerobot's "
-                             f"`python -m lerobot.datasets.v30.convert_dataset_v21_to_v30`)")
+            raise ValueError(
+                f"{info_path}: codebase_version {_short(version)}; rlfleet reads LeRobot datasets of "
+                f"{CODEBASE_VERSION} (convert older ones with lerobot's "
+                f"`python -m lerobot.datasets.v30.convert_dataset_v21_to_v30`)"
+            )
         _check_info(info, info_path)
         self.info, self.info_path = info, info_path
         self.features: dict[str, dict] = info["features"]
@@ -646,17 +822,29 @@ class Dataset:
         self.keys = keys or {k: v for k, v in default_keys(info).items() if k != "action"}  # only the action mapped
         for key, feature in [*keys.items(), ("action", self.action_feature)]:
             if feature not in self.features:
-                raise ValueError(f"{self.root}: '{key}' is mapped to the feature '{feature}' (sft.dataset_keys), "
-                                 f"which the dataset does not have; its features: {', '.join(sorted(self.features))}")
+                raise ValueError(
+                    f"{self.root}: '{key}' is mapped to the feature '{feature}' (sft.dataset_keys), "
+                    f"which the dataset does not have; its features: {', '.join(sorted(self.features))}"
+                )
             if self.features[feature].get("dtype") == "string":
                 raise ValueError(f"{self.root}: '{key}' is mapped to '{feature}', a string feature")
         if self.features[self.action_feature]["dtype"] not in NUMERIC_DTYPES:
-            raise BadFile(info_path, f"features['{self.action_feature}'].dtype", "a numeric dtype for the actions",
-                          self.features[self.action_feature]["dtype"])
-        self.meta = {"env_id": own.get("env_id") or name or self.root.name, "simulator": own.get("simulator"),
-                     "source": own.get("source"), "fps": info.get("fps"), "total_episodes": info.get("total_episodes"),
-                     "total_frames": info.get("total_frames"), "codebase_version": version,
-                     "features": self.features}
+            raise BadFile(
+                info_path,
+                f"features['{self.action_feature}'].dtype",
+                "a numeric dtype for the actions",
+                self.features[self.action_feature]["dtype"],
+            )
+        self.meta = {
+            "env_id": own.get("env_id") or name or self.root.name,
+            "simulator": own.get("simulator"),
+            "source": own.get("source"),
+            "fps": info.get("fps"),
+            "total_episodes": info.get("total_episodes"),
+            "total_frames": info.get("total_frames"),
+            "codebase_version": version,
+            "features": self.features,
+        }
         self._shapes = own.get("shapes") or {}
         tasks_path = self.root / "meta" / "tasks.parquet"
         self._tasks = _read_tasks(tasks_path, self._parquet("meta/tasks.parquet"))
@@ -668,10 +856,15 @@ class Dataset:
             if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
                 raise BadFile(src, f"episode {r['episode_index']}: tasks", "a list of strings", _short(tasks))
             self.episodes_meta.append(
-                {"episode_index": r["episode_index"], "length": r["length"], "instruction": tasks[0],
-                 "success": bool(r.get("rlfleet/success", False)),
-                 "seed": _number(r, "rlfleet/seed", src, minimum=-1, limit=1 << 63, default=-1),
-                 "reset_state_id": _number(r, "rlfleet/reset_state_id", src, minimum=-1, limit=1 << 63, default=-1)})
+                {
+                    "episode_index": r["episode_index"],
+                    "length": r["length"],
+                    "instruction": tasks[0],
+                    "success": bool(r.get("rlfleet/success", False)),
+                    "seed": _number(r, "rlfleet/seed", src, minimum=-1, limit=1 << 63, default=-1),
+                    "reset_state_id": _number(r, "rlfleet/reset_state_id", src, minimum=-1, limit=1 << 63, default=-1),
+                }
+            )
         self._frames: dict[str, np.ndarray] | None = None
         self._videos: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -679,8 +872,9 @@ class Dataset:
 
     def _file(self, rel: str, what: str) -> Path:
         """``rel`` (a path the dataset's metadata formats, or one found in it) resolved inside the dataset."""
-        return in_folder(self.root, rel, what=what, source=self.info_path if what.endswith("_path") else
-                         self.root / rel)
+        return in_folder(
+            self.root, rel, what=what, source=self.info_path if what.endswith("_path") else self.root / rel
+        )
 
     def _parquet(self, rel: str, columns=None):
         """A parquet file of the dataset as a pyarrow table (``columns``: a predicate on the column names), its
@@ -694,8 +888,7 @@ class Dataset:
             pf = pq.ParquetFile(resolved)
             md = pf.metadata
         except (pa.ArrowException, OSError) as exc:
-            raise BadFile(path, "parquet footer", "a parquet file", f"{type(exc).__name__}: {str(exc)[:120]}") \
-                from None
+            raise BadFile(path, "parquet footer", "a parquet file", f"{type(exc).__name__}: {str(exc)[:120]}") from None
         check_count("num_rows (parquet footer)", md.num_rows, MAX_PARQUET_ROWS, source=path)
         check_count("row groups (parquet footer)", md.num_row_groups, 1 << 20, source=path)
         check_count("columns (parquet footer)", md.num_columns, 100_000, source=path)
@@ -706,8 +899,12 @@ class Dataset:
         try:
             table = pf.read(columns=wanted)
         except (pa.ArrowException, OSError) as exc:
-            raise BadFile(path, "data", "a readable parquet file (the footer's row groups and pages)",
-                          f"{type(exc).__name__}: {str(exc)[:120]}") from None
+            raise BadFile(
+                path,
+                "data",
+                "a readable parquet file (the footer's row groups and pages)",
+                f"{type(exc).__name__}: {str(exc)[:120]}",
+            ) from None
         if table.num_rows != md.num_rows:
             raise BadFile(path, "rows", f"{md.num_rows} (parquet footer)", f"{table.num_rows}")
         return table
@@ -717,8 +914,9 @@ class Dataset:
     def _read_episodes(self) -> list[dict]:
         paths = sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))
         if not paths:
-            raise FileNotFoundError(f"{self.root}: no meta/episodes/chunk-*/file-*.parquet - not a complete LeRobot "
-                                    f"v3.0 dataset")
+            raise FileNotFoundError(
+                f"{self.root}: no meta/episodes/chunk-*/file-*.parquet - not a complete LeRobot v3.0 dataset"
+            )
         rows = []
         for path in paths:
             rel = str(path.relative_to(self.root))
@@ -732,8 +930,12 @@ class Dataset:
             r["length"] = _number(r, "length", src, minimum=1)
             lo = _number(r, "dataset_from_index", src)
             if _number(r, "dataset_to_index", src) != lo + r["length"]:
-                raise BadFile(src, f"episode {r['episode_index']}: dataset_to_index",
-                              f"dataset_from_index + length = {lo + r['length']}", str(r["dataset_to_index"]))
+                raise BadFile(
+                    src,
+                    f"episode {r['episode_index']}: dataset_to_index",
+                    f"dataset_from_index + length = {lo + r['length']}",
+                    str(r["dataset_to_index"]),
+                )
         return sorted(rows, key=lambda r: r["episode_index"])
 
     def __len__(self) -> int:
@@ -762,8 +964,15 @@ class Dataset:
         data/file_index (lerobot's way), else every data/*/*.parquet."""
         template = self.info.get("data_path")
         if template and all("data/chunk_index" in r and "data/file_index" in r for r in self._episodes):
-            ids = sorted({(_number(r, "data/chunk_index", r["_source"], limit=MAX_EPISODES),
-                           _number(r, "data/file_index", r["_source"], limit=MAX_EPISODES)) for r in self._episodes})
+            ids = sorted(
+                {
+                    (
+                        _number(r, "data/chunk_index", r["_source"], limit=MAX_EPISODES),
+                        _number(r, "data/file_index", r["_source"], limit=MAX_EPISODES),
+                    )
+                    for r in self._episodes
+                }
+            )
             return [template.format(chunk_index=c, file_index=f) for c, f in ids]
         return [str(p.relative_to(self.root)) for p in sorted((self.root / "data").glob("*/*.parquet"))]
 
@@ -775,23 +984,34 @@ class Dataset:
         files = self._data_files()
         if not files:
             raise FileNotFoundError(f"{self.root}: no data/chunk-*/file-*.parquet")
-        wanted = {"index", "episode_index", "frame_index", "timestamp", "task_index", self.action_feature, REWARD,
-                  SUCCESS, *(f for f in self.keys.values() if self.features[f]["dtype"] != "video")}
+        wanted = {
+            "index",
+            "episode_index",
+            "frame_index",
+            "timestamp",
+            "task_index",
+            self.action_feature,
+            REWARD,
+            SUCCESS,
+            *(f for f in self.keys.values() if self.features[f]["dtype"] != "video"),
+        }
         parts: dict[str, list[np.ndarray]] = {}
         for rel in files:
             self._file(rel, "data_path")
             table = self._parquet(rel, lambda c: c in wanted)
             for required in ("index", "timestamp"):
                 if required not in table.column_names:
-                    raise BadFile(self.root / rel, f"column '{required}'", "present (every LeRobot frame has it)",
-                                  "missing")
+                    raise BadFile(
+                        self.root / rel, f"column '{required}'", "present (every LeRobot frame has it)", "missing"
+                    )
             for name in table.column_names:
                 parts.setdefault(name, []).append(self._column(name, table.column(name).combine_chunks(), rel))
         out = {}
         for name, arrays in parts.items():
             if len(arrays) != len(files):
-                raise BadFile(self.root / "data", f"column '{name}'", "in every data file", f"in {len(arrays)} of "
-                              f"{len(files)}")
+                raise BadFile(
+                    self.root / "data", f"column '{name}'", "in every data file", f"in {len(arrays)} of {len(files)}"
+                )
             out[name] = np.concatenate(arrays)
         order = np.argsort(out["index"], kind="stable")
         self._frames = {k: v[order] for k, v in out.items()}
@@ -813,22 +1033,29 @@ class Dataset:
             n = len(col)
             lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
             values = col.flatten()
-            while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type) or \
-                    pa.types.is_large_list(values.type):
+            while (
+                pa.types.is_fixed_size_list(values.type)
+                or pa.types.is_list(values.type)
+                or pa.types.is_large_list(values.type)
+            ):
                 values = values.flatten()
             per_row = len(values) // n if n else width
             bad = np.flatnonzero(lengths != lengths[0]) if n else []
             if len(bad) or per_row != width or (n and len(values) != n * width):
                 found = per_row if not len(bad) else f"{lengths[bad[0]]} in row {bad[0]}"
-                raise BadFile(path, f"column '{name}'", f"{width} {kind} per row (meta/info.json features)",
-                              str(found))
+                raise BadFile(path, f"column '{name}'", f"{width} {kind} per row (meta/info.json features)", str(found))
         else:
             values, n = col, None
             if width != 1:
-                raise BadFile(path, f"column '{name}'", f"{width} {kind} per row (meta/info.json features)",
-                              f"one {col.type} per row")
-        if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or
-                pa.types.is_boolean(values.type)):
+                raise BadFile(
+                    path,
+                    f"column '{name}'",
+                    f"{width} {kind} per row (meta/info.json features)",
+                    f"one {col.type} per row",
+                )
+        if not (
+            pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or pa.types.is_boolean(values.type)
+        ):
             raise BadFile(path, f"column '{name}'", f"{kind} (meta/info.json features)", str(values.type))
         if values.null_count:
             raise BadFile(path, f"column '{name}'", "no missing values", f"{values.null_count} nulls")
@@ -861,22 +1088,24 @@ class Dataset:
             try:
                 img = Image.open(io.BytesIO(data), formats=("PNG", "JPEG", "WEBP"))
                 if img.size != (W, H):
-                    raise BadFile(path, where, f"a {W} x {H} image (meta/info.json features)",
-                                  f"{img.size[0]} x {img.size[1]}")
+                    raise BadFile(
+                        path, where, f"a {W} x {H} image (meta/info.json features)", f"{img.size[0]} x {img.size[1]}"
+                    )
                 arr = np.asarray(img.convert(mode))
             except BadFile:
                 raise
             except Exception as exc:  # noqa: BLE001 - not an image, truncated, a decompression bomb
-                raise BadFile(path, where, "a PNG or JPEG image", f"{type(exc).__name__}: {str(exc)[:100]}") \
-                    from None
+                raise BadFile(path, where, "a PNG or JPEG image", f"{type(exc).__name__}: {str(exc)[:100]}") from None
             imgs.append(arr if C == 3 else arr[..., None])
         return np.stack(imgs) if imgs else np.zeros((0, H, W, C), np.uint8)
 
     def _video_frames(self, feature: str, ep: dict, timestamps: np.ndarray) -> np.ndarray:
         """The frames of one episode in one camera's video: those nearest its frames' timestamps."""
         src = ep["_source"]
-        ids = {"chunk_index": _number(ep, f"videos/{feature}/chunk_index", src, limit=MAX_EPISODES),
-               "file_index": _number(ep, f"videos/{feature}/file_index", src, limit=MAX_EPISODES)}
+        ids = {
+            "chunk_index": _number(ep, f"videos/{feature}/chunk_index", src, limit=MAX_EPISODES),
+            "file_index": _number(ep, f"videos/{feature}/file_index", src, limit=MAX_EPISODES),
+        }
         template = self.info.get("video_path") or VIDEO_PATH
         rel = template.format(video_key=feature, **ids)
         path = self._file(rel, "video_path")  # inside the dataset, links followed: else OutsideRoot, never opened
@@ -884,19 +1113,27 @@ class Dataset:
         fps = float(self.info["fps"])
         if key not in self._videos:
             if not path.is_file():
-                raise FileNotFoundError(f"{self.root}: episode {ep['episode_index']}'s video {self.root / rel} is "
-                                        f"missing")
+                raise FileNotFoundError(
+                    f"{self.root}: episode {ep['episode_index']}'s video {self.root / rel} is missing"
+                )
             # the episodes in this file say how far into it they reach: no more frames than that are decoded
-            until = max(_number(e, f"videos/{feature}/to_timestamp", e["_source"], integer=False, limit=1e9)
-                        for e in self._episodes
-                        if e.get(f"videos/{feature}/chunk_index") == ids["chunk_index"]
-                        and e.get(f"videos/{feature}/file_index") == ids["file_index"])
+            until = max(
+                _number(e, f"videos/{feature}/to_timestamp", e["_source"], integer=False, limit=1e9)
+                for e in self._episodes
+                if e.get(f"videos/{feature}/chunk_index") == ids["chunk_index"]
+                and e.get(f"videos/{feature}/file_index") == ids["file_index"]
+            )
             H, W, C = _hwc(self.features[feature])
             max_frames = int(math.ceil((until + 1.0) * fps)) + 16
-            check_count(f"decoded frames of {rel} (bytes)", max_frames * H * W * C, MAX_DECODED_VIDEO_BYTES,
-                        source=self.root / rel)
-            self._videos[key] = decode_video(path, C, size=(H, W), until=until, max_frames=max_frames,
-                                             name=self.root / rel)
+            check_count(
+                f"decoded frames of {rel} (bytes)",
+                max_frames * H * W * C,
+                MAX_DECODED_VIDEO_BYTES,
+                source=self.root / rel,
+            )
+            self._videos[key] = decode_video(
+                path, C, size=(H, W), until=until, max_frames=max_frames, name=self.root / rel
+            )
         frames, times = self._videos[key]
         start = _number(ep, f"videos/{feature}/from_timestamp", src, integer=False, limit=1e9)
         want = start + timestamps
@@ -905,9 +1142,11 @@ class Dataset:
             pos = np.where(np.abs(times[pos - 1] - want) <= np.abs(times[pos] - want), pos - 1, pos)
         off = np.abs(times[pos] - want).max() if len(want) else 0.0
         if off > 0.5 / fps:
-            raise ValueError(f"{self.root / rel}: no frame within half a frame of "
-                             f"{want[np.argmax(np.abs(times[pos] - want))]:.4f} s (episode {ep['episode_index']}; "
-                             f"the video's frames end at {times[-1]:.4f} s)")
+            raise ValueError(
+                f"{self.root / rel}: no frame within half a frame of "
+                f"{want[np.argmax(np.abs(times[pos] - want))]:.4f} s (episode {ep['episode_index']}; "
+                f"the video's frames end at {times[-1]:.4f} s)"
+            )
         return frames[pos]
 
     def episode(self, index: int) -> Episode:
@@ -917,8 +1156,12 @@ class Dataset:
         rows = slice(int(lo), int(hi))
         T = hi - lo
         if T != int(ep["length"]):
-            raise BadFile(ep["_source"], f"episode {ep['episode_index']}: length",
-                          f"the {T} frames data/ holds for its index range", str(ep["length"]))
+            raise BadFile(
+                ep["_source"],
+                f"episode {ep['episode_index']}: length",
+                f"the {T} frames data/ holds for its index range",
+                str(ep["length"]),
+            )
         obs = {}
         for key, feature in self.keys.items():
             if self.features[feature]["dtype"] == "video":
@@ -930,8 +1173,9 @@ class Dataset:
         success = frames[SUCCESS][rows].reshape(T).astype(bool) if SUCCESS in frames else np.zeros(T, bool)
         task = int(frames["task_index"][lo]) if "task_index" in frames else -1
         m = self.episodes_meta[index]
-        return Episode(obs, actions, rewards, success, self._tasks.get(task, m["instruction"]), m["seed"],
-                       m["reset_state_id"])
+        return Episode(
+            obs, actions, rewards, success, self._tasks.get(task, m["instruction"]), m["seed"], m["reset_state_id"]
+        )
 
     def __iter__(self) -> Iterator[Episode]:
         for i in range(len(self)):
@@ -954,6 +1198,11 @@ class Dataset:
 
 def _statistics(values: np.ndarray) -> dict[str, list[float]]:
     """Per-column q01/q99/mean/std/min/max of [samples, dims]."""
-    return {"q01": np.quantile(values, 0.01, axis=0).tolist(), "q99": np.quantile(values, 0.99, axis=0).tolist(),
-            "mean": values.mean(0).tolist(), "std": values.std(0).tolist(), "min": values.min(0).tolist(),
-            "max": values.max(0).tolist()}
+    return {
+        "q01": np.quantile(values, 0.01, axis=0).tolist(),
+        "q99": np.quantile(values, 0.99, axis=0).tolist(),
+        "mean": values.mean(0).tolist(),
+        "std": values.std(0).tolist(),
+        "min": values.min(0).tolist(),
+        "max": values.max(0).tolist(),
+    }

@@ -16,12 +16,24 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from rlfleet.data.checkpoint_layout import (MAX_ENTRIES, MAX_METADATA_BYTES, MAX_TENSOR_DIMS, METADATA_FILE,
-                                            STATE_DIR, is_int)
+from rlfleet.data.checkpoint_layout import (
+    MAX_ENTRIES,
+    MAX_METADATA_BYTES,
+    MAX_TENSOR_DIMS,
+    METADATA_FILE,
+    STATE_DIR,
+    is_int,
+)
 from rlfleet.untrusted import BadFile, OutsideRoot, TooLarge, check_count, inside, regular_file
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -30,12 +42,27 @@ _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # no code of the file's choosing (dataclass __new__ + attribute updates, TensorProperties.__setstate__ unpacking a
 # tuple, Enum/torch.Size/PosixPath from values, a torch dtype or layout looked up by name)
 METADATA_GLOBALS = frozenset(
-    {(_DCP_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "TensorProperties",
-                                        "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
-                                        "StorageMeta", "_MEM_FORMAT_ENCODING")}
-    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-       ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
-    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)})
+    {
+        (_DCP_METADATA, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+    }
+    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -47,8 +74,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in METADATA_GLOBALS:
-            raise BadFile(self.source, "pickled global", "only torch.distributed.checkpoint's metadata classes "
-                          "(rlfleet reads .metadata with a restricted unpickler)", f"'{module}.{name}'"[:160])
+            raise BadFile(
+                self.source,
+                "pickled global",
+                "only torch.distributed.checkpoint's metadata classes "
+                "(rlfleet reads .metadata with a restricted unpickler)",
+                f"'{module}.{name}'"[:160],
+            )
         return super().find_class(module, name)
 
     def persistent_load(self, pid):
@@ -94,10 +126,13 @@ def _check_metadata(md: Any, src: pathlib.Path, state_dir: pathlib.Path) -> Meta
                 raise BadFile(src, f"{where}.chunks", "ChunkStorageMetadata", type(c).__name__)
             off = _size(getattr(c, "offsets", None), src, f"{where}.chunks offsets")
             size = _size(getattr(c, "sizes", None), src, f"{where}.chunks sizes")
-            if len(off) != len(shape) or len(size) != len(shape) or \
-                    any(o + s > d for o, s, d in zip(off, size, shape)):
-                raise BadFile(src, f"{where}.chunks", f"chunks inside the tensor's shape {list(shape)}",
-                              f"offsets {list(off)} sizes {list(size)}")
+            if len(off) != len(shape) or len(size) != len(shape) or any(o + s > d for o, s, d in zip(off, size, shape)):
+                raise BadFile(
+                    src,
+                    f"{where}.chunks",
+                    f"chunks inside the tensor's shape {list(shape)}",
+                    f"offsets {list(off)} sizes {list(size)}",
+                )
             offsets.add(off)
         chunks_of[fqn] = offsets
     storage = getattr(md, "storage_data", None)
@@ -112,41 +147,69 @@ def _check_metadata(md: Any, src: pathlib.Path, state_dir: pathlib.Path) -> Meta
         offset = getattr(index, "offset", None)
         key = None if offset is None else _size(offset, src, f"{name} offset")
         if index.fqn not in chunks_of or key not in chunks_of[index.fqn]:
-            raise BadFile(src, name, "an item of state_dict_metadata (a tensor chunk or a byte item)",
-                          f"offset {list(key) if key is not None else None}")
+            raise BadFile(
+                src,
+                name,
+                "an item of state_dict_metadata (a tensor chunk or a byte item)",
+                f"offset {list(key) if key is not None else None}",
+            )
         if type(info) is not _StorageInfo:
             raise BadFile(src, name, "a _StorageInfo", type(info).__name__)
         rel, start, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
-        if type(rel) is not str or not rel or "/" in rel or "\\" in rel or rel in (".", "..") or \
-                rel.startswith(".") or "\x00" in rel:
+        if (
+            type(rel) is not str
+            or not rel
+            or "/" in rel
+            or "\\" in rel
+            or rel in (".", "..")
+            or rel.startswith(".")
+            or "\x00" in rel
+        ):
             raise OutsideRoot(src, f"{name}.relative_path", f"a plain file name in {state_dir}", repr(rel)[:120])
         if not (is_int(start) and is_int(length) and start >= 0 and length >= 0):
             raise BadFile(src, f"{name} offset/length", "non-negative integers", f"{start!r}, {length!r}"[:80])
         if getattr(info, "transform_descriptors", None):
-            raise BadFile(src, f"{name}.transform_descriptors", "none (rlfleet writes no stream transforms)",
-                          repr(info.transform_descriptors)[:80])
+            raise BadFile(
+                src,
+                f"{name}.transform_descriptors",
+                "none (rlfleet writes no stream transforms)",
+                repr(info.transform_descriptors)[:80],
+            )
         if rel not in files:
             target = inside(state_dir, rel, what=f"{name}.relative_path", source=src)
             files[rel] = regular_file(target, what=f"{rel} (named by {src.name})").stat().st_size
         if start + length > files[rel]:
-            raise TooLarge(state_dir / rel, f"bytes {start:,}..{start + length:,} of '{index.fqn[:120]}'",
-                           f"inside the file's {files[rel]:,} bytes", "beyond its end (the file is truncated or "
-                           f"{src.name} lies)")
+            raise TooLarge(
+                state_dir / rel,
+                f"bytes {start:,}..{start + length:,} of '{index.fqn[:120]}'",
+                f"inside the file's {files[rel]:,} bytes",
+                f"beyond its end (the file is truncated or {src.name} lies)",
+            )
     for fqn, keys in chunks_of.items():  # every chunk and byte item is stored somewhere
         for key in keys:
             if MetadataIndex(fqn, key) not in storage:
-                raise BadFile(src, f"storage_data['{fqn[:120]}']", "an entry for every chunk of state_dict_metadata",
-                              f"none for offset {list(key) if key is not None else None}")
+                raise BadFile(
+                    src,
+                    f"storage_data['{fqn[:120]}']",
+                    "an entry for every chunk of state_dict_metadata",
+                    f"none for offset {list(key) if key is not None else None}",
+                )
     planner_data = getattr(md, "planner_data", None)
-    if planner_data is not None and (type(planner_data) is not dict or not all(
+    if planner_data is not None and (
+        type(planner_data) is not dict
+        or not all(
             type(k) is str and type(v) is tuple and all(type(x) in (str, int) for x in v)
-            for k, v in planner_data.items())):
+            for k, v in planner_data.items()
+        )
+    ):
         raise BadFile(src, "planner_data", "a dict of names to tuples of keys", type(planner_data).__name__)
     meta = getattr(md, "storage_meta", None)
-    if meta is not None and (type(meta) is not StorageMeta or not isinstance(getattr(meta, "modules", []), list)
-                             or not isinstance(getattr(meta, "checkpoint_id", None), (str, os.PathLike, type(None)))
-                             or not all(isinstance(getattr(meta, a, None), (str, type(None)))
-                                        for a in ("save_id", "load_id"))):
+    if meta is not None and (
+        type(meta) is not StorageMeta
+        or not isinstance(getattr(meta, "modules", []), list)
+        or not isinstance(getattr(meta, "checkpoint_id", None), (str, os.PathLike, type(None)))
+        or not all(isinstance(getattr(meta, a, None), (str, type(None))) for a in ("save_id", "load_id"))
+    ):
         raise BadFile(src, "storage_meta", "a StorageMeta of strings", repr(meta)[:80])
     if not isinstance(getattr(md, "version", None), (str, type(None))):
         raise BadFile(src, "version", "a string", repr(md.version)[:80])
@@ -166,8 +229,9 @@ def read_metadata(state_dir: str | os.PathLike, *, root: str | os.PathLike | Non
     except BadFile:
         raise
     except Exception as exc:  # noqa: BLE001 - truncated, not a pickle, a class fed wrong state: all one line
-        raise BadFile(src, "pickle", "DCP metadata (a pickle of Metadata)",
-                      f"{type(exc).__name__}: {str(exc)[:120]}") from None
+        raise BadFile(
+            src, "pickle", "DCP metadata (a pickle of Metadata)", f"{type(exc).__name__}: {str(exc)[:120]}"
+        ) from None
     try:
         return _check_metadata(md, src, pathlib.Path(os.path.abspath(state_dir)).resolve())
     except BadFile:
@@ -197,13 +261,22 @@ def load_plain(data: bytes | io.BytesIO, source: str | os.PathLike, item: str) -
         # the line naming what was refused ("... unsupported GLOBAL posix.system ..."), not torch's advice to
         # re-run with weights_only=False
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        text = next((ln for ln in lines if "GLOBAL" in ln or "global" in ln.split(" ", 3)[:3]), lines[0] if lines
-                    else "")
-        raise BadFile(source, f"item '{item[:120]}'", "a plain value torch.load(weights_only=True) reads",
-                      f"{type(exc).__name__}: {text[:160]}") from None
+        text = next(
+            (ln for ln in lines if "GLOBAL" in ln or "global" in ln.split(" ", 3)[:3]), lines[0] if lines else ""
+        )
+        raise BadFile(
+            source,
+            f"item '{item[:120]}'",
+            "a plain value torch.load(weights_only=True) reads",
+            f"{type(exc).__name__}: {text[:160]}",
+        ) from None
     if not _plain(value):
-        raise BadFile(source, f"item '{item[:120]}'", "a plain value (number, string, bool, None, list, tuple)",
-                      type(value).__name__)
+        raise BadFile(
+            source,
+            f"item '{item[:120]}'",
+            "a plain value (number, string, bool, None, list, tuple)",
+            type(value).__name__,
+        )
     return value
 
 
@@ -235,13 +308,19 @@ class CheckedReader(FileSystemReader):
         except Exception as exc:  # noqa: BLE001 - a record torch.load cannot read, a short read, a shape mismatch
             s = self._reading
             if s is None:
-                raise BadFile(self.path, "shards", "records torch.load(weights_only=True) reads",
-                              f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}") from None
+                raise BadFile(
+                    self.path,
+                    "shards",
+                    "records torch.load(weights_only=True) reads",
+                    f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
+                ) from None
             fqn = next((k.fqn for k, v in self.storage_data.items() if v is s), "?")
-            raise BadFile(pathlib.Path(self.path) / s.relative_path,
-                          f"item '{fqn[:120]}' (bytes {s.offset:,}..{s.offset + s.length:,})",
-                          "a record torch.load(weights_only=True) reads",
-                          f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}") from None
+            raise BadFile(
+                pathlib.Path(self.path) / s.relative_path,
+                f"item '{fqn[:120]}' (bytes {s.offset:,}..{s.offset + s.length:,})",
+                "a record torch.load(weights_only=True) reads",
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
+            ) from None
 
 
 class CheckedLoadPlanner(DefaultLoadPlanner):
@@ -263,8 +342,13 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def load_state(state: dict, state_dir: str | os.PathLike, *, root: str | os.PathLike | None = None,
-               allow_partial_load: bool = False) -> None:
+def load_state(
+    state: dict,
+    state_dir: str | os.PathLike,
+    *,
+    root: str | os.PathLike | None = None,
+    allow_partial_load: bool = False,
+) -> None:
     """``dcp.load(state)`` from ``state_dir`` through :class:`CheckedReader` and :class:`CheckedLoadPlanner`
     (collective when torch.distributed is initialised). A failure on any rank is raised on every rank as one
     :class:`BadFile` (DCP's own CheckpointException is a BaseException that escapes ``except Exception``)."""
@@ -280,9 +364,21 @@ def load_state(state: dict, state_dir: str | os.PathLike, *, root: str | os.Path
         if isinstance(first, BadFile):
             raise first from None
         text = " ".join(str(first).split())
-        raise BadFile(state_dir, "shards", "tensors torch.distributed.checkpoint can read",
-                      f"rank {rank}: {type(first).__name__}: {text[:200]}") from None
+        raise BadFile(
+            state_dir,
+            "shards",
+            "tensors torch.distributed.checkpoint can read",
+            f"rank {rank}: {type(first).__name__}: {text[:200]}",
+        ) from None
 
 
-__all__ = ["BytesStorageMetadata", "CheckedLoadPlanner", "CheckedReader", "METADATA_GLOBALS", "TensorStorageMetadata",
-           "load_plain", "load_state", "read_metadata"]
+__all__ = [
+    "BytesStorageMetadata",
+    "CheckedLoadPlanner",
+    "CheckedReader",
+    "METADATA_GLOBALS",
+    "TensorStorageMetadata",
+    "load_plain",
+    "load_state",
+    "read_metadata",
+]

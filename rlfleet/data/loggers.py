@@ -28,9 +28,23 @@ WANDB_REQUIREMENT = "wandb==0.31.0"
 SWANLAB_REQUIREMENT = "swanlab==0.10.3"
 # swanlab 0.10.3's own requirements (its wheel's metadata) less protobuf<7, installed after it with --no-deps.
 SWANLAB_DEPENDENCIES = (
-    "click", "nvidia-ml-py", "orjson", "platformdirs>=4.2.0", "psutil>=5.0.0", "pwinput>=1.0.3",
-    "pydantic-settings>=2.8.1", "pydantic~=2.0", "pyecharts>=2.0.0", "pyroaring>=1.0.0,<1.0.4", "pyyaml",
-    "requests>=2.28.0", "rich>=13.6.0", "setuptools", "urllib3>=1.26.0", "watchdog", "wrapt>=1.17.0",
+    "click",
+    "nvidia-ml-py",
+    "orjson",
+    "platformdirs>=4.2.0",
+    "psutil>=5.0.0",
+    "pwinput>=1.0.3",
+    "pydantic-settings>=2.8.1",
+    "pydantic~=2.0",
+    "pyecharts>=2.0.0",
+    "pyroaring>=1.0.0,<1.0.4",
+    "pyyaml",
+    "requests>=2.28.0",
+    "rich>=13.6.0",
+    "setuptools",
+    "urllib3>=1.26.0",
+    "watchdog",
+    "wrapt>=1.17.0",
 )
 
 
@@ -40,14 +54,18 @@ class LoggerOptions:
 
     project_name: str = "rlfleet"
     experiment_name: str = "run"
-    wandb_mode: str | None = None    # None: $WANDB_MODE, else online
+    wandb_mode: str | None = None  # None: $WANDB_MODE, else online
     swanlab_mode: str | None = None  # None: $SWANLAB_MODE, else online
 
     @classmethod
     def from_runner(cls, runner) -> "LoggerOptions":
         lg = runner.logger
-        return cls(project_name=str(lg.project_name), experiment_name=str(runner.experiment_name),
-                   wandb_mode=lg.wandb_mode, swanlab_mode=lg.swanlab_mode)
+        return cls(
+            project_name=str(lg.project_name),
+            experiment_name=str(runner.experiment_name),
+            wandb_mode=lg.wandb_mode,
+            swanlab_mode=lg.swanlab_mode,
+        )
 
 
 class LoggerBackend:
@@ -55,10 +73,10 @@ class LoggerBackend:
     continues after ``step`` (the killed run may have logged later steps, which are logged again)."""
 
     name = ""
-    folder = ""                                # its files in the run folder
-    module: str | None = None                  # the optional package it imports; None: one of rlfleet's own
-    pip: tuple[tuple[str, ...], ...] = ()      # `pip install` arguments that install it, one command each
-    mode_key: str | None = None                # its runner.logger key of modes
+    folder = ""  # its files in the run folder
+    module: str | None = None  # the optional package it imports; None: one of rlfleet's own
+    pip: tuple[tuple[str, ...], ...] = ()  # `pip install` arguments that install it, one command each
+    mode_key: str | None = None  # its runner.logger key of modes
     modes: tuple[str, ...] = ()
 
     def __init__(self, run_dir: pathlib.Path, options: LoggerOptions):
@@ -130,9 +148,15 @@ class WandbBackend(_RunIdBackend):
         import wandb
 
         run_id = self._stored_id()
-        self.run = wandb.init(project=options.project_name, name=options.experiment_name, dir=str(self.run_dir),
-                              id=run_id, resume="allow" if run_id else None, mode=options.wandb_mode,
-                              reinit="create_new")
+        self.run = wandb.init(
+            project=options.project_name,
+            name=options.experiment_name,
+            dir=str(self.run_dir),
+            id=run_id,
+            resume="allow" if run_id else None,
+            mode=options.wandb_mode,
+            reinit="create_new",
+        )
         if run_id is None:
             self._store_id(self.run.id)
         self.held = int(self.run.step or 0)  # the next step W&B accepts (0 for a new or offline run)
@@ -161,9 +185,15 @@ class SwanlabBackend(_RunIdBackend):
         import swanlab
 
         run_id = self._stored_id()
-        self.run = swanlab.init(project=options.project_name, name=options.experiment_name,
-                                log_dir=str(self.run_dir / self.folder), mode=options.swanlab_mode,
-                                id=run_id, resume="allow" if run_id else None, reinit=True)
+        self.run = swanlab.init(
+            project=options.project_name,
+            name=options.experiment_name,
+            log_dir=str(self.run_dir / self.folder),
+            mode=options.swanlab_mode,
+            id=run_id,
+            resume="allow" if run_id else None,
+            reinit=True,
+        )
         if run_id is None and self.run.id:
             self._store_id(self.run.id)
 
@@ -175,7 +205,8 @@ class SwanlabBackend(_RunIdBackend):
 
 
 LOGGER_BACKENDS: dict[str, type[LoggerBackend]] = {
-    cls.name: cls for cls in (TensorBoardBackend, WandbBackend, SwanlabBackend)}
+    cls.name: cls for cls in (TensorBoardBackend, WandbBackend, SwanlabBackend)
+}
 # runner.logger's mode keys -> their modes (null = the backend's own default)
 LOGGER_MODES = {cls.mode_key: cls.modes for cls in LOGGER_BACKENDS.values() if cls.mode_key}
 
@@ -198,8 +229,9 @@ def missing(names: Iterable[str]) -> list[str]:
 def pip_commands(names: Iterable[str], python: str | None = None) -> list[list[str]]:
     """The commands that install the named backends' packages into ``python``'s environment (this one's)."""
     python = python or sys.executable
-    return [[python, "-m", "pip", "install", *args] for name in dict.fromkeys(names)
-            for args in logger_backend(name).pip]
+    return [
+        [python, "-m", "pip", "install", *args] for name in dict.fromkeys(names) for args in logger_backend(name).pip
+    ]
 
 
 def install_hint(names: Iterable[str], python: str | None = None) -> str:
@@ -223,8 +255,9 @@ def open_backends(names: Iterable[str], run_dir: pathlib.Path, options: LoggerOp
             out.append(logger_backend(name)(run_dir, options))
         except Exception as exc:  # noqa: BLE001 -- a logger never stops training
             hint = f" (install: {install_hint([name])})" if name in LOGGER_BACKENDS and missing([name]) else ""
-            print(f"learner: warning: logger backend {name} is off for this run: {exc}{hint}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"learner: warning: logger backend {name} is off for this run: {exc}{hint}", file=sys.stderr, flush=True
+            )
     return out
 
 
@@ -235,8 +268,9 @@ def finite(scalars: dict[str, float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2 or argv[0] != "install":
-        print(f"usage: python -m rlfleet.data.loggers install NAME ...  ({', '.join(LOGGER_BACKENDS)})",
-              file=sys.stderr)
+        print(
+            f"usage: python -m rlfleet.data.loggers install NAME ...  ({', '.join(LOGGER_BACKENDS)})", file=sys.stderr
+        )
         return 2
     try:
         names = [logger_backend(name).name for name in argv[1:]]

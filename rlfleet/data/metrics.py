@@ -28,7 +28,7 @@ from rlfleet.untrusted import json_lines
 METRIC_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*(/[A-Za-z0-9_][\w.\-]*)*")
 MAX_METRIC_NAME = 200
 MAX_METRICS_PER_RECORD = 4096
-MAX_STEP = 2 ** 48  # far beyond any run's env steps or epochs, far below what a float64 counts exactly
+MAX_STEP = 2**48  # far beyond any run's env steps or epochs, far below what a float64 counts exactly
 
 
 def check_record(step: int, metrics: dict[str, float], field: str = "metrics") -> None:
@@ -41,8 +41,10 @@ def check_record(step: int, metrics: dict[str, float], field: str = "metrics") -
         raise ValueError(f"{field}: {len(metrics)} metrics; at most {MAX_METRICS_PER_RECORD} per record")
     for name, value in metrics.items():
         if len(name) > MAX_METRIC_NAME or not METRIC_NAME.fullmatch(name):
-            raise ValueError(f"{field}: {name[:80]!r} is not a metric name (slash-separated segments of letters, "
-                             f"digits, '_', '.', '-', none starting with '.', at most {MAX_METRIC_NAME} characters)")
+            raise ValueError(
+                f"{field}: {name[:80]!r} is not a metric name (slash-separated segments of letters, "
+                f"digits, '_', '.', '-', none starting with '.', at most {MAX_METRIC_NAME} characters)"
+            )
         if not math.isfinite(value):
             raise ValueError(f"{field}['{name}']: {value} is not a finite number")
 
@@ -70,8 +72,12 @@ class MetricsLogger:
                 getattr(backend, what)(*args)
             except Exception as exc:  # noqa: BLE001 -- a logger never stops training
                 self.backends.remove(backend)
-                print(f"learner: warning: logger backend {backend.name} is off for the rest of the run: {what} "
-                      f"failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                print(
+                    f"learner: warning: logger backend {backend.name} is off for the rest of the run: {what} "
+                    f"failed: {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def resume_at(self, step: int) -> int:
         """The run continues after ``step`` (its checkpoint's): drop every record logged past it (and lines cut
@@ -92,8 +98,11 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
-        record = {"step": step, "wall_time": time.time(),
-                  **{k: (v if math.isfinite(v) else None) for k, v in clean.items()}}
+        record = {
+            "step": step,
+            "wall_time": time.time(),
+            **{k: (v if math.isfinite(v) else None) for k, v in clean.items()},
+        }
         self.jsonl.write(json.dumps(record) + "\n")
         self._each("log", step, finite(clean))
 

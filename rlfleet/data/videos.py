@@ -14,8 +14,9 @@ import numpy as np
 
 def image_keys(space: Mapping) -> list[str]:
     """Names of the image entries (uint8 [H, W, 3]) of an observation space {key: TensorSpace}, sorted."""
-    return sorted(k for k, s in space.items()
-                  if np.dtype(s.dtype) == np.uint8 and len(s.shape) == 3 and s.shape[-1] == 3)
+    return sorted(
+        k for k, s in space.items() if np.dtype(s.dtype) == np.uint8 and len(s.shape) == 3 and s.shape[-1] == 3
+    )
 
 
 def tile(frame: Mapping[str, np.ndarray], keys: Sequence[str]) -> np.ndarray:
@@ -29,7 +30,9 @@ def video_name(episode: int, seed: int, success: bool) -> str:
     return f"episode{episode:03d}_seed{seed}_{'success' if success else 'fail'}.gif"
 
 
-def write_gif(path: str | pathlib.Path, frames: Sequence[np.ndarray], fps: float = 10.0, scale: int = 2) -> pathlib.Path:
+def write_gif(
+    path: str | pathlib.Path, frames: Sequence[np.ndarray], fps: float = 10.0, scale: int = 2
+) -> pathlib.Path:
     """Frames [H, W, 3] uint8 -> an animated GIF (upscaled ``scale`` times with nearest neighbours)."""
     from PIL import Image
 

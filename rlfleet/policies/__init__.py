@@ -15,8 +15,9 @@ from rlfleet.policies.families import FAMILIES
 POLICIES = FAMILIES
 
 
-def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
-                 logprob_type: str = "action_level"):
+def build_policy(
+    model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool, logprob_type: str = "action_level"
+):
     """Build the configured policy (``actor.model`` group) for an env's spaces."""
     from rlfleet.registry import UnknownName, load_object, lookup
 
@@ -24,8 +25,7 @@ def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: 
         family = lookup(FAMILIES, model_cfg.model_type, "model_type")
     except UnknownName as exc:
         raise ValueError(str(exc)) from None
-    policy = load_object(family.module).from_config(model_cfg, obs_specs, action_dim, normalize_obs,
-                                                    logprob_type)
+    policy = load_object(family.module).from_config(model_cfg, obs_specs, action_dim, normalize_obs, logprob_type)
     if model_cfg.get("precision", "fp32") == "bf16":
         import torch
 
@@ -33,5 +33,13 @@ def build_policy(model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: 
     return policy
 
 
-__all__ = ["FAMILIES", "LOGPROB_TYPES", "POLICIES", "PolicyEval", "PolicyOutput", "build_policy", "log_prob_width",
-           "reduce_log_probs"]
+__all__ = [
+    "FAMILIES",
+    "LOGPROB_TYPES",
+    "POLICIES",
+    "PolicyEval",
+    "PolicyOutput",
+    "build_policy",
+    "log_prob_width",
+    "reduce_log_probs",
+]

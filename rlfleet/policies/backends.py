@@ -21,7 +21,7 @@ from rlfleet.simulators import INFERENCE_ENVIRONMENTS, Environment
 @dataclass(frozen=True)
 class Backend:
     name: str
-    environment: Environment | None   # None: the main environment
+    environment: Environment | None  # None: the main environment
     description: str
 
     @property
@@ -30,11 +30,17 @@ class Backend:
         return served_by(self.name)
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("hf", None, "the policy's own act() behind rlfleet's dynamic batcher"),
-    Backend("vllm", INFERENCE_ENVIRONMENTS["vllm"],
-            "vLLM's engine decodes the action tokens (continuous batching over every Act stream)"),
-)}
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("hf", None, "the policy's own act() behind rlfleet's dynamic batcher"),
+        Backend(
+            "vllm",
+            INFERENCE_ENVIRONMENTS["vllm"],
+            "vLLM's engine decodes the action tokens (continuous batching over every Act stream)",
+        ),
+    )
+}
 
 
 def get_backend(name: str) -> Backend:
@@ -47,8 +53,11 @@ def check_backend(name: str, model_type: str) -> str | None:
     if model_type not in backend.model_types:
         family = FAMILIES.get(model_type)
         why = family.why_not.get(name, "") if family is not None else ""
-        return (f"backend '{name}' does not serve model_type '{model_type}'" + (f" ({why})" if why else "")
-                + f"; it serves {', '.join(backend.model_types)}")
+        return (
+            f"backend '{name}' does not serve model_type '{model_type}'"
+            + (f" ({why})" if why else "")
+            + f"; it serves {', '.join(backend.model_types)}"
+        )
     return None
 
 
@@ -56,9 +65,16 @@ def describe(configured: str | None = None) -> list[dict]:
     """Rows for `coordinatorctl envs`: each inference backend that runs in an environment of its own."""
     from rlfleet.simulators import environments
 
-    return [{"simulator": b.name, "environment": b.environment.name,
-             "installed": environments.is_installed(b.environment, configured),
-             "path": str(environments.env_path(b.environment, configured)),
-             "description": f"inference backend (rollout.backend={b.name}): {b.description}",
-             "examples": list(b.model_types), "notes": b.environment.notes}
-            for b in BACKENDS.values() if b.environment is not None]
+    return [
+        {
+            "simulator": b.name,
+            "environment": b.environment.name,
+            "installed": environments.is_installed(b.environment, configured),
+            "path": str(environments.env_path(b.environment, configured)),
+            "description": f"inference backend (rollout.backend={b.name}): {b.description}",
+            "examples": list(b.model_types),
+            "notes": b.environment.notes,
+        }
+        for b in BACKENDS.values()
+        if b.environment is not None
+    ]

@@ -40,9 +40,9 @@ LOGPROB_TYPES = ("chunk_level", "action_level", "token_level")
 
 @dataclass
 class PolicyEval:
-    log_probs: torch.Tensor               # [n, L]
-    entropy: torch.Tensor                 # [n]
-    values: torch.Tensor | None           # [n]
+    log_probs: torch.Tensor  # [n, L]
+    entropy: torch.Tensor  # [n]
+    values: torch.Tensor | None  # [n]
 
 
 def log_prob_width(logprob_type: str, chunk: int, action_dim: int) -> int:
@@ -103,8 +103,7 @@ class PolicyMixin:
 
     def critic_parameters(self) -> list:
         """The trainable parameters of the value estimate's own modules (what a critic warm-up trains)."""
-        return [p for n, p in self.named_parameters()
-                if p.requires_grad and n.split(".", 1)[0] in self.CRITIC_MODULES]
+        return [p for n, p in self.named_parameters() if p.requires_grad and n.split(".", 1)[0] in self.CRITIC_MODULES]
 
     def update_obs_normalizer(self, obs: Mapping[str, torch.Tensor]) -> None:
         """Move running observation statistics (learner side, after an update); default: none."""
@@ -126,21 +125,32 @@ class PolicyMixin:
         raise NotImplementedError(f"{type(self).__name__}: no adapters to disable (trains_adapters_only is False)")
         yield  # pragma: no cover
 
-    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
-            instructions: Sequence[str] | None = None, noise: RowNoise | None = None) -> PolicyOutput:
+    def act(
+        self,
+        obs: Mapping[str, torch.Tensor],
+        deterministic: bool = False,
+        instructions: Sequence[str] | None = None,
+        noise: RowNoise | None = None,
+    ) -> PolicyOutput:
         raise NotImplementedError
 
-    def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
-                 instructions: Sequence[str] | None = None) -> PolicyEval:
+    def evaluate(
+        self,
+        obs: Mapping[str, torch.Tensor],
+        forward_inputs: Mapping[str, torch.Tensor],
+        instructions: Sequence[str] | None = None,
+    ) -> PolicyEval:
         raise NotImplementedError
 
-    def expert_forward_inputs(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor,
-                              instructions: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    def expert_forward_inputs(
+        self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor, instructions: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Forward inputs under which ``evaluate`` scores the given action chunks ``[n, chunk, action_dim]``."""
         raise NotImplementedError(f"{type(self).__name__} cannot be trained on demonstrations")
 
-    def bc_loss(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor,
-                instructions: Sequence[str] | None = None) -> torch.Tensor:
+    def bc_loss(
+        self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor, instructions: Sequence[str] | None = None
+    ) -> torch.Tensor:
         """Mean negative log-likelihood of demonstrated action chunks ``[n, chunk, action_dim]``."""
         inputs = self.expert_forward_inputs(obs, actions, instructions)
         return -self.evaluate(obs, inputs, instructions).log_probs.sum(-1).mean()

@@ -31,6 +31,7 @@ import math
 import pathlib
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +39,9 @@ from rlfleet.policies.families import get_family, is_vla  # noqa: F401 - is_vla:
 from rlfleet.registry import load_object
 from rlfleet.wire.limits import MAX_MESSAGE_BYTES
 from rlfleet.wire.spaces import TensorSpace
+
+if TYPE_CHECKING:  # annotations only: importing this module never imports torch
+    import torch
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 GB = 1e9
@@ -77,8 +81,9 @@ class Footprint:
         precision, 4: fp32), and the unsharded gradients of the root and that unit before their fp32
         reduce-scatter (4 B, plus the bf16 gradient they are cast from)."""
         grad = 4 + (gather_bytes if gather_bytes != 4 else 0)
-        return (gather_bytes * (self.root + 2 * self.largest_unit)
-                + grad * (self.root_trainable + self.largest_unit_trainable))
+        return gather_bytes * (self.root + 2 * self.largest_unit) + grad * (
+            self.root_trainable + self.largest_unit_trainable
+        )
 
     def rank_parts(self, world: int, *, gpu: bool, reference_copy: bool = False, rows: int = 1) -> dict[str, int]:
         """Bytes one of ``world`` learner ranks holds, by part (the module doc): ``sharded``, ``reference``,
@@ -87,15 +92,17 @@ class Footprint:
         world = max(1, int(world))
         bf16 = self.precision == "bf16"
         sharded_bf16 = gpu and bf16 and world > 1  # FSDP2's mixed precision: the weights run as bf16 already
-        return {"sharded": math.ceil((4 * self.parameters + 12 * self.trainable) / world),
-                "reference": math.ceil(4 * self.parameters / world) if reference_copy else 0,
-                "gathered": self.gathered_bytes(2 if sharded_bf16 else 4) if world > 1 else 0,
-                "autocast": 2 * self.autocast_parameters if bf16 and not sharded_bf16 else 0,
-                "activations": int(rows) * self.activations_per_row,
-                # on CUDA: the optimizer step's temporaries and the caching allocator's rounding, 10% of the
-                # rank's fp32 trainable weights (measured 5-7% above the other parts on an H200:
-                # docs/learner-ranks.md, the GPU test set)
-                "transient": math.ceil(0.4 * self.trainable / world) if gpu else 0}
+        return {
+            "sharded": math.ceil((4 * self.parameters + 12 * self.trainable) / world),
+            "reference": math.ceil(4 * self.parameters / world) if reference_copy else 0,
+            "gathered": self.gathered_bytes(2 if sharded_bf16 else 4) if world > 1 else 0,
+            "autocast": 2 * self.autocast_parameters if bf16 and not sharded_bf16 else 0,
+            "activations": int(rows) * self.activations_per_row,
+            # on CUDA: the optimizer step's temporaries and the caching allocator's rounding, 10% of the
+            # rank's fp32 trainable weights (measured 5-7% above the other parts on an H200:
+            # docs/learner-ranks.md, the GPU test set)
+            "transient": math.ceil(0.4 * self.trainable / world) if gpu else 0,
+        }
 
     def rank_bytes(self, world: int, **kw) -> int:
         """One learner rank's total (:meth:`rank_parts`)."""
@@ -144,7 +151,6 @@ def _sizes(model_cfg) -> dict:
     sizes = {**family.defaults(), **dict(model_cfg.get(key) or {})}
     if model_cfg.model_path:
         from rlfleet.policies.hub import resolve_model_path
-
         from rlfleet.policies.model_folder import check_sizes, read_config
 
         folder = pathlib.Path(resolve_model_path(model_cfg.model_path))
@@ -199,12 +205,22 @@ def openpi_activations(model_cfg, s: dict, e: int) -> int:
     prefix = images * patches + int(model_cfg.max_prompt_tokens)
     total = 0
     if vlm_trains:
-        total += _stack(images * patches, int(s["vision_layers"]), int(s["vision_hidden_size"]),
-                        int(s["vision_intermediate_size"]), e)
+        total += _stack(
+            images * patches,
+            int(s["vision_layers"]),
+            int(s["vision_hidden_size"]),
+            int(s["vision_intermediate_size"]),
+            e,
+        )
         total += _stack(prefix, int(s["vlm_layers"]), int(s["vlm_hidden_size"]), int(s["vlm_intermediate_size"]), e)
     passes = int(s["num_denoise_steps"]) if s.get("noise_method") == "flow_noise" else 1
-    total += _stack(passes * (int(model_cfg.num_action_chunks) + 1), int(s["expert_layers"]),
-                    int(s["expert_hidden_size"]), int(s["expert_intermediate_size"]), e)
+    total += _stack(
+        passes * (int(model_cfg.num_action_chunks) + 1),
+        int(s["expert_layers"]),
+        int(s["expert_hidden_size"]),
+        int(s["expert_intermediate_size"]),
+        e,
+    )
     total += passes * prefix * int(s["vlm_layers"]) * 2 * int(s["head_dim"]) * e  # one key/value head
     return total
 
@@ -214,17 +230,37 @@ def openvla_activations(model_cfg, s: dict, e: int) -> int:
     images, patches = _images_patches(model_cfg, s)
     total = 0
     if not model_cfg.is_lora:  # LoRA trains adapters in the Llama only: the vision backbone keeps nothing
-        total += _stack(images * patches, int(s["vision_layers"]), int(s["vision_hidden_size"]),
-                        int(s["vision_intermediate_size"]), e)
+        total += _stack(
+            images * patches,
+            int(s["vision_layers"]),
+            int(s["vision_hidden_size"]),
+            int(s["vision_intermediate_size"]),
+            e,
+        )
         if s.get("use_dinov2"):
             width = int(s.get("dino_hidden_size") or s["vision_hidden_size"])
-            total += _stack(images * (patches + 1 + int(s.get("dino_registers") or 0)),
-                            int(s.get("dino_layers") or s["vision_layers"]), width,
-                            int(s.get("dino_intermediate_size") or s["vision_intermediate_size"]), e)
-    tokens = (images * patches + (1 if model_cfg.get("use_proprio") else 0) + int(model_cfg.max_prompt_tokens)
-              + int(model_cfg.num_action_chunks) * ACTION_DIM + 2)
-    total += _stack(tokens, int(s["llm_layers"]), int(s["llm_hidden_size"]), int(s["llm_intermediate_size"]), e,
-                    checkpointed=bool(model_cfg.gradient_checkpointing))
+            total += _stack(
+                images * (patches + 1 + int(s.get("dino_registers") or 0)),
+                int(s.get("dino_layers") or s["vision_layers"]),
+                width,
+                int(s.get("dino_intermediate_size") or s["vision_intermediate_size"]),
+                e,
+            )
+    tokens = (
+        images * patches
+        + (1 if model_cfg.get("use_proprio") else 0)
+        + int(model_cfg.max_prompt_tokens)
+        + int(model_cfg.num_action_chunks) * ACTION_DIM
+        + 2
+    )
+    total += _stack(
+        tokens,
+        int(s["llm_layers"]),
+        int(s["llm_hidden_size"]),
+        int(s["llm_intermediate_size"]),
+        e,
+        checkpointed=bool(model_cfg.gradient_checkpointing),
+    )
     return total
 
 
@@ -233,8 +269,8 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
     allocating it."""
     import torch
 
-    from rlfleet.wire.spaces import TensorSpace
     from rlfleet.policies import build_policy
+    from rlfleet.wire.spaces import TensorSpace
 
     activations = activation_bytes(model_cfg)
     precision = model_cfg.get("precision", "fp32")
@@ -256,12 +292,23 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
             n = sum(tensors.values())
             unit = max(units.values(), default=0)
             root = n - sum(units.values())
-            return Footprint(n, trained(n), unit, trained(unit), root, trained(root), activations, precision,
-                             n if frozen_kept else trained(n))
+            return Footprint(
+                n,
+                trained(n),
+                unit,
+                trained(unit),
+                root,
+                trained(root),
+                activations,
+                precision,
+                n if frozen_kept else trained(n),
+            )
     sizes = model_cfg[get_family(model_cfg.model_type).sizes_group]
     size = int(sizes.image_size)
-    specs = {k: TensorSpace((size, size, 3), "uint8") for k in [model_cfg.image_key or "image",
-                                                          *(model_cfg.extra_image_keys or ())]}
+    specs = {
+        k: TensorSpace((size, size, 3), "uint8")
+        for k in [model_cfg.image_key or "image", *(model_cfg.extra_image_keys or ())]
+    }
     specs["state"] = TensorSpace((1,), "float32")
     with torch.device("meta"):
         policy = build_policy(model_cfg, specs, 1, True, logprob_type)
@@ -269,9 +316,17 @@ def estimate(model_cfg, logprob_type: str) -> Footprint:
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     units = _units_of_module(policy)
     unit, unit_trained = max(units, default=(0, 0))
-    return Footprint(params, trainable, unit, unit_trained, params - sum(u for u, _ in units),
-                     trainable - sum(t for _, t in units), activations, precision,
-                     params if frozen_kept else trainable)
+    return Footprint(
+        params,
+        trainable,
+        unit,
+        unit_trained,
+        params - sum(u for u, _ in units),
+        trainable - sum(t for _, t in units),
+        activations,
+        precision,
+        params if frozen_kept else trainable,
+    )
 
 
 def available_memory() -> tuple[str, float]:
@@ -282,9 +337,13 @@ def available_memory() -> tuple[str, float]:
 
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10).stdout.split()
-            sizes = [float(v) * 2 ** 20 for v in out if v.replace(".", "", 1).isdigit()]
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.split()
+            sizes = [float(v) * 2**20 for v in out if v.replace(".", "", 1).isdigit()]
         except (OSError, subprocess.SubprocessError):
             sizes = []
         if sizes:
@@ -323,15 +382,22 @@ def observation_row_bytes(obs_specs: dict[str, TensorSpace], name: str = "observ
         total += sizes[k]
     if total > MAX_OBS_ROW_BYTES:
         big = max(sizes, key=sizes.get)
-        raise InvalidRequest(f"{name}: one observation row declares {total / 2**20:.0f} MiB ('{big}': "
-                             f"{list(obs_specs[big].shape)} {obs_specs[big].dtype}, {sizes[big] / 2**20:.0f} MiB); "
-                             f"at most {MAX_OBS_ROW_BYTES / 2**20:.0f} MiB, what one request can carry")
+        raise InvalidRequest(
+            f"{name}: one observation row declares {total / 2**20:.0f} MiB ('{big}': "
+            f"{list(obs_specs[big].shape)} {obs_specs[big].dtype}, {sizes[big] / 2**20:.0f} MiB); "
+            f"at most {MAX_OBS_ROW_BYTES / 2**20:.0f} MiB, what one request can carry"
+        )
     return total
 
 
-def planned_state(model_cfg, obs_specs: dict[str, TensorSpace], action_dim: int, normalize_obs: bool,
-                  logprob_type: str, name: str = "observation_space",
-                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]] | None:
+def planned_state(
+    model_cfg,
+    obs_specs: dict[str, TensorSpace],
+    action_dim: int,
+    normalize_obs: bool,
+    logprob_type: str,
+    name: str = "observation_space",
+) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]] | None:
     """The state dict the configured policy would have for these spaces, built on PyTorch's meta device (shapes
     and dtypes, no storage): {name: (shape, dtype, is_parameter)}. None where it is not planned: a policy loaded
     from a checkpoint directory (``model_path``: its size is the checkpoint's, and reading it here would cost as
@@ -339,8 +405,8 @@ def planned_state(model_cfg, obs_specs: dict[str, TensorSpace], action_dim: int,
     as before). Spaces the policy cannot take: InvalidRequest naming ``name``."""
     import torch
 
-    from rlfleet.policies import build_policy
     from rlfleet.errors import InvalidRequest
+    from rlfleet.policies import build_policy
 
     if model_cfg.get("model_path"):
         return None
@@ -407,5 +473,6 @@ def check_fits(need: int, what: str, device: str | torch.device = "cpu", budget:
 
     have = budget if budget is not None else free_bytes(device)
     if have is not None and need > have:
-        raise ResourceExhausted(f"{what} would need {need / 2**30:.2f} GiB; {have / 2**30:.2f} GiB are available "
-                                f"on {torch.device(device)}")
+        raise ResourceExhausted(
+            f"{what} would need {need / 2**30:.2f} GiB; {have / 2**30:.2f} GiB are available on {torch.device(device)}"
+        )

@@ -41,8 +41,10 @@ def check_revision(revision: str, *, key: str = KEY, hub_id: str | None = None) 
     where = f"{key}: {hub_id}" if hub_id else key
 
     def bad(why: str):
-        return BadFile(where, "revision", f"a git ref (branch, tag, refs/pr/N) or a 40-hex commit, {why}",
-                       repr(revision)[:80])
+        return BadFile(
+            where, "revision", f"a git ref (branch, tag, refs/pr/N) or a 40-hex commit, {why}", repr(revision)[:80]
+        )
+
     if not isinstance(revision, str) or not revision:
         raise bad("not empty")
     if _COMMIT.match(revision):
@@ -93,8 +95,9 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def resolve_model_path(model_path: str | os.PathLike | None, *, download: bool | None = None,
-                       key: str = KEY, repo_type: str = "model") -> str | None:
+def resolve_model_path(
+    model_path: str | os.PathLike | None, *, download: bool | None = None, key: str = KEY, repo_type: str = "model"
+) -> str | None:
     """The local folder ``model_path`` names: itself when it is a folder, a hub id's snapshot folder in the hub
     cache (downloaded first when it is not cached, ``download`` is not False and HF_HUB_OFFLINE is not set), None
     for None / "". Anything else: FileNotFoundError (or ValueError) saying which, naming ``key``. ``repo_type``:
@@ -108,8 +111,7 @@ def resolve_model_path(model_path: str | os.PathLike | None, *, download: bool |
     hub = parse_hub_id(text, key=key)
     if hub is None or path.exists() or text.startswith(("/", "~")):
         what = "not a folder" if path.exists() else "no such folder"
-        raise FileNotFoundError(f"{key}: {text}: {what} (give a {repo_type} folder, or a hub id "
-                                f"org/name[@revision])")
+        raise FileNotFoundError(f"{key}: {text}: {what} (give a {repo_type} folder, or a hub id org/name[@revision])")
     repo_id, revision = hub
     cache = hub_cache_dir()
     local_only = _offline() or download is False
@@ -118,8 +120,9 @@ def resolve_model_path(model_path: str | os.PathLike | None, *, download: bool |
 
     kind = f" --repo-type {repo_type}" if repo_type != "model" else ""
     try:
-        snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=local_only,
-                                     repo_type=repo_type)
+        snapshot = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache, local_files_only=local_only, repo_type=repo_type
+        )
     except HFValidationError as exc:
         raise ValueError(f"{key}: {text}: not a valid hub id ({exc})") from None
     except LocalEntryNotFoundError:
@@ -128,13 +131,18 @@ def resolve_model_path(model_path: str | os.PathLike | None, *, download: bool |
         raise FileNotFoundError(
             f"{key}: hub {repo_type} '{repo_id}'{where} is not in the hub cache {cache} ({why}; no folder {text} "
             f"here either); download it where the "
-            f"network allows: hf download {repo_id}{kind}" + (f" --revision {revision}" if revision else "")
-            + f" --cache-dir {cache} (or give a local {repo_type} folder)") from None
+            f"network allows: hf download {repo_id}{kind}"
+            + (f" --revision {revision}" if revision else "")
+            + f" --cache-dir {cache} (or give a local {repo_type} folder)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - unknown repo, gated repo, no network: say which id and why
-        raise FileNotFoundError(f"{key}: hub {repo_type} '{repo_id}'" + (f"@{revision}" if revision else "")
-                                + f" could not be resolved ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                                f"hub cache {cache}; download it where the network allows: hf download {repo_id}{kind} "
-                                f"--cache-dir {cache} (or give a local {repo_type} folder)") from None
+        raise FileNotFoundError(
+            f"{key}: hub {repo_type} '{repo_id}'"
+            + (f"@{revision}" if revision else "")
+            + f" could not be resolved ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            f"hub cache {cache}; download it where the network allows: hf download {repo_id}{kind} "
+            f"--cache-dir {cache} (or give a local {repo_type} folder)"
+        ) from None
     return _inside_cache(snapshot, cache, repo_id, repo_type, key)
 
 

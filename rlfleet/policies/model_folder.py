@@ -24,28 +24,71 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from rlfleet.untrusted import (GiB, MiB, BadFile, TooLarge, check_count, folder_root, in_folder, read_json,
-                               regular_file, safetensors_header)
+from rlfleet.untrusted import (
+    BadFile,
+    GiB,
+    MiB,
+    TooLarge,
+    check_count,
+    folder_root,
+    in_folder,
+    read_json,
+    regular_file,
+    safetensors_header,
+)
 
-MAX_CONFIG_BYTES = 16 * MiB      # config.json, an index's weight map, dataset_statistics.json (OpenVLA-7B's: 80 KB)
+MAX_CONFIG_BYTES = 16 * MiB  # config.json, an index's weight map, dataset_statistics.json (OpenVLA-7B's: 80 KB)
 MAX_TOKENIZER_BYTES = 256 * MiB  # tokenizer.json (Gemma's: 33 MB), tokenizer.model, vocabularies
-MAX_PT_BYTES = 1 * GiB           # OpenVLA-OFT's proprio_projector--*.pt (OpenVLA-7B's: 67 MB)
-MAX_SHARDS = 100_000             # tensors named by an index
-FRESH_ELEMENTS = 1 << 26         # what a build may add to a checkpoint's tensors: fresh heads (value head, noise head)
+MAX_PT_BYTES = 1 * GiB  # OpenVLA-OFT's proprio_projector--*.pt (OpenVLA-7B's: 67 MB)
+MAX_SHARDS = 100_000  # tensors named by an index
+FRESH_ELEMENTS = 1 << 26  # what a build may add to a checkpoint's tensors: fresh heads (value head, noise head)
 # files a transformers tokenizer may read from its folder
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "config.json")
-SMALL_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "config.json",
-              "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "config.json",
+)
+SMALL_JSON = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "config.json",
+    "chat_template.json",
+)
 # the integer sizes a config may give, by how their key ends: (suffix, most accepted, least accepted)
-SIZE_LIMITS = (("vocab_size", 1 << 21, 1), ("action_token_end", 1 << 21, 1), ("pad_to_multiple_of", 1 << 21, 0),
-               ("intermediate_size", 1 << 18, 1), ("hidden_size", 1 << 16, 1), ("head_dim", 1 << 12, 1),
-               ("layers", 1024, 0), ("heads", 1024, 1), ("image_size", 8192, 1), ("patch_size", 1024, 1),
-               ("registers", 1024, 0), ("n_action_bins", 1 << 16, 2), ("max_position_embeddings", 1 << 22, 1),
-               ("projection_dim", 1 << 16, 1), ("max_state_dim", 1 << 12, 1), ("max_action_dim", 1 << 12, 1),
-               ("num_denoise_steps", 10_000, 1), ("num_inference_steps", 10_000, 1), ("chunk_size", 1 << 16, 1),
-               ("num_image_tokens", 1 << 16, 0), ("num_images_in_input", 64, 1))
+SIZE_LIMITS = (
+    ("vocab_size", 1 << 21, 1),
+    ("action_token_end", 1 << 21, 1),
+    ("pad_to_multiple_of", 1 << 21, 0),
+    ("intermediate_size", 1 << 18, 1),
+    ("hidden_size", 1 << 16, 1),
+    ("head_dim", 1 << 12, 1),
+    ("layers", 1024, 0),
+    ("heads", 1024, 1),
+    ("image_size", 8192, 1),
+    ("patch_size", 1024, 1),
+    ("registers", 1024, 0),
+    ("n_action_bins", 1 << 16, 2),
+    ("max_position_embeddings", 1 << 22, 1),
+    ("projection_dim", 1 << 16, 1),
+    ("max_state_dim", 1 << 12, 1),
+    ("max_action_dim", 1 << 12, 1),
+    ("num_denoise_steps", 10_000, 1),
+    ("num_inference_steps", 10_000, 1),
+    ("chunk_size", 1 << 16, 1),
+    ("num_image_tokens", 1 << 16, 0),
+    ("num_images_in_input", 64, 1),
+)
 
 
 def model_file(folder: str | os.PathLike, name: str, *, what: str | None = None) -> Path:
@@ -58,8 +101,9 @@ def has_file(folder: str | os.PathLike, name: str) -> bool:
     return os.path.lexists(Path(folder) / name)
 
 
-def read_config(folder: str | os.PathLike, name: str = "config.json", *, required: bool = True,
-                max_bytes: int = MAX_CONFIG_BYTES) -> dict | None:
+def read_config(
+    folder: str | os.PathLike, name: str = "config.json", *, required: bool = True, max_bytes: int = MAX_CONFIG_BYTES
+) -> dict | None:
     """A JSON object file of the folder, bounded and inside its root; None when absent and not ``required``."""
     path = Path(folder) / name
     if not required and not has_file(folder, name):
@@ -84,14 +128,19 @@ def check_sizes(sizes: Mapping, source: str | os.PathLike, field: str = "", *, r
     ids = sizes.get("prompt_suffix_ids")
     if ids is not None:
         if not isinstance(ids, (list, tuple)) or len(ids) > 64:
-            raise BadFile(source, f"{field + '.' if field else ''}prompt_suffix_ids", "a list of at most 64 token ids",
-                          repr(ids)[:80])
+            raise BadFile(
+                source,
+                f"{field + '.' if field else ''}prompt_suffix_ids",
+                "a list of at most 64 token ids",
+                repr(ids)[:80],
+            )
         for i in ids:
             check_count(f"{field + '.' if field else ''}prompt_suffix_ids", i, 1 << 21, source=source)
 
 
-def shard_names(folder: str | os.PathLike, *, index: str = "model.safetensors.index.json",
-                exclude: Iterable[str] = ()) -> list[str]:
+def shard_names(
+    folder: str | os.PathLike, *, index: str = "model.safetensors.index.json", exclude: Iterable[str] = ()
+) -> list[str]:
     """The safetensors files of a folder: those its index's ``weight_map`` names (each a file inside the folder),
     else every ``*.safetensors`` in it but ``exclude``."""
     folder = Path(folder)
@@ -99,14 +148,16 @@ def shard_names(folder: str | os.PathLike, *, index: str = "model.safetensors.in
         data = read_config(folder, index)
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise BadFile(folder / index, "weight_map", "a map of tensor names to safetensors files",
-                          repr(weight_map)[:80])
+            raise BadFile(
+                folder / index, "weight_map", "a map of tensor names to safetensors files", repr(weight_map)[:80]
+            )
         check_count("weight_map entries", len(weight_map), MAX_SHARDS, source=folder / index)
         names = set()
         for tensor, shard in weight_map.items():
             if not isinstance(shard, str) or not shard.endswith(".safetensors"):
-                raise BadFile(folder / index, f"weight_map['{tensor[:60]}']", "a .safetensors file name",
-                              repr(shard)[:80])
+                raise BadFile(
+                    folder / index, f"weight_map['{tensor[:60]}']", "a .safetensors file name", repr(shard)[:80]
+                )
             if shard not in names:
                 in_folder(folder, shard, what=f"weight_map['{tensor[:60]}']", source=folder / index)
                 names.add(shard)
@@ -179,16 +230,22 @@ def load_pt_weights(path: str | os.PathLike, root: str | os.PathLike) -> dict:
     try:
         state = torch.load(resolved, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - not a zip of torch.save, a forbidden global, a storage past the end
-        raise BadFile(path, "state dict", "a torch.save zip file of tensors (weights_only)",
-                      f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
+        raise BadFile(
+            path,
+            "state dict",
+            "a torch.save zip file of tensors (weights_only)",
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
+        ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise BadFile(path, "state dict", "a map of tensor names to tensors", type(state).__name__)
     return {k: v.clone() for k, v in state.items()}
 
 
-def check_build_fits(build: Callable[[], object], checkpoint_elements: int, source: str | os.PathLike,
-                     field: str = "sizes") -> None:
+def check_build_fits(
+    build: Callable[[], object], checkpoint_elements: int, source: str | os.PathLike, field: str = "sizes"
+) -> None:
     """Build the model ``build`` makes on PyTorch's meta device (shapes only) and refuse it (:class:`TooLarge`)
     when it holds more elements than the checkpoint's tensors, plus 10% and FRESH_ELEMENTS for fresh heads: the
     sizes of a config.json then describe a model its weights cannot fill, which would be allocated first."""
@@ -199,5 +256,9 @@ def check_build_fits(build: Callable[[], object], checkpoint_elements: int, sour
     planned = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     limit = checkpoint_elements + checkpoint_elements // 10 + FRESH_ELEMENTS
     if planned > limit:
-        raise TooLarge(source, field, f"a model of at most {limit:,} elements (its safetensors hold "
-                       f"{checkpoint_elements:,})", f"sizes that build {planned:,}")
+        raise TooLarge(
+            source,
+            field,
+            f"a model of at most {limit:,} elements (its safetensors hold {checkpoint_elements:,})",
+            f"sizes that build {planned:,}",
+        )

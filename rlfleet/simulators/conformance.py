@@ -23,13 +23,13 @@ import grpc
 import numpy as np
 
 from rlfleet.untrusted import BadFile
+from rlfleet.v1 import env_pb2
 from rlfleet.wire import channels, codec, env_contract
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
-from rlfleet.v1 import env_pb2
 
 CONTRACT_VERSION = env_contract.CURRENT
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-BOUNDS_ATOL = 1e-4   # on top of the bounds rounded to the entry's dtype (docs/env-contract.md#tensors)
+BOUNDS_ATOL = 1e-4  # on top of the bounds rounded to the entry's dtype (docs/env-contract.md#tensors)
 REFUSAL_WAIT_S = 5.0  # "one more stream fails at once": within this
 
 
@@ -100,9 +100,25 @@ class Checker:
     """The checks, in order. Each ``check_<name>`` raises ContractError (FAIL) or returns a note; a note
     starting with 'skip:' is a SKIP."""
 
-    NAMES = ("describe", "step_before_reset", "reset_shapes", "seeded_reset_determinism", "reset_order",
-             "instructions", "step_shapes", "subset_step", "episode_end", "chunks", "reset_state_ids", "bad_input",
-             "out_of_bounds_actions", "stream_limit", "abandoned_stream", "simulator_crash", "close")
+    NAMES = (
+        "describe",
+        "step_before_reset",
+        "reset_shapes",
+        "seeded_reset_determinism",
+        "reset_order",
+        "instructions",
+        "step_shapes",
+        "subset_step",
+        "episode_end",
+        "chunks",
+        "reset_state_ids",
+        "bad_input",
+        "out_of_bounds_actions",
+        "stream_limit",
+        "abandoned_stream",
+        "simulator_crash",
+        "close",
+    )
 
     def __init__(self, address: str, timeout: float = 60.0, max_steps: int = 2000, seed: int = 1234):
         self.address, self.timeout, self.max_steps = address, timeout, max_steps
@@ -134,8 +150,9 @@ class Checker:
             self.action = TensorSpace.from_proto(self.spec.action_space)
         except (ValueError, KeyError) as exc:
             self.unusable = f"the spaces do not decode ({exc})"
-        if not self.unusable and (self.n < 1 or not self.obs_specs or self.action.dtype != np.float32
-                                  or not self.action.shape):
+        if not self.unusable and (
+            self.n < 1 or not self.obs_specs or self.action.dtype != np.float32 or not self.action.shape
+        ):
             self.unusable = "no envs, no observation entries, or no FLOAT32 action"
         self.instructions = list(self.spec.task_descriptions) or [""] * max(self.n, 0)
 
@@ -154,14 +171,19 @@ class Checker:
     def _reset(self, env_ids=(), seeds=(), states=()) -> tuple[dict[str, np.ndarray], list[str]]:
         n = len(env_ids) or self.n
         try:
-            resp = self.env.reset(env_pb2.ResetRequest(env_ids=list(env_ids), seeds=list(seeds),
-                                                       reset_state_ids=list(states)), n, timeout=self.timeout,
-                                  source=f"{self.address} ResetResponse")
+            resp = self.env.reset(
+                env_pb2.ResetRequest(env_ids=list(env_ids), seeds=list(seeds), reset_state_ids=list(states)),
+                n,
+                timeout=self.timeout,
+                source=f"{self.address} ResetResponse",
+            )
             obs = codec.decode_map(resp.observations, "ResetResponse.observations", specs=self.obs_specs, batch=n)
         except (codec.CodecError, BadFile) as exc:
             raise ContractError(str(exc)) from None
-        _require(len(resp.instructions) in (0, n),
-                 f"ResetResponse.instructions: {len(resp.instructions)} strings for {n} reset envs (one each, or none)")
+        _require(
+            len(resp.instructions) in (0, n),
+            f"ResetResponse.instructions: {len(resp.instructions)} strings for {n} reset envs (one each, or none)",
+        )
         for i, text in zip(list(env_ids) or range(self.n), resp.instructions):
             self.instructions[i] = text
         return obs, list(resp.instructions)
@@ -183,34 +205,49 @@ class Checker:
         try:
             out = {
                 "obs": codec.decode_map(resp.observations, "StepResponse.observations", specs=self.obs_specs, batch=n),
-                "rewards": codec.decode(resp.rewards, "StepResponse.rewards", shape=per, dtype=np.float32,
-                                        finite=True),
+                "rewards": codec.decode(resp.rewards, "StepResponse.rewards", shape=per, dtype=np.float32, finite=True),
             }
             for name in ("terminated", "truncated", "success"):
                 msg = getattr(resp, name)
                 out[name] = codec.decode(msg, f"StepResponse.{name}", shape=per, dtype=bool)
                 bad = set(msg.data) - {0, 1}
-                _require(not bad, f"StepResponse.{name}: BOOL bytes must be 0 or 1, got {sorted(bad)[:3]} "
-                         f"({env_contract.section('tensors')})")
+                _require(
+                    not bad,
+                    f"StepResponse.{name}: BOOL bytes must be 0 or 1, got {sorted(bad)[:3]} "
+                    f"({env_contract.section('tensors')})",
+                )
             term, trunc = out["terminated"], out["truncated"]
             flagged = np.flatnonzero((term | trunc).reshape(n, -1).any(1)).tolist()
             if self.view.lists_final_rows:
                 rows = [int(r) for r in resp.final_rows]
-                _require(all(0 <= r < n for r in rows) and rows == sorted(set(rows)),
-                         f"StepResponse.final_rows: {rows} must be distinct row positions in 0..{n - 1}, ascending")
+                _require(
+                    all(0 <= r < n for r in rows) and rows == sorted(set(rows)),
+                    f"StepResponse.final_rows: {rows} must be distinct row positions in 0..{n - 1}, ascending",
+                )
                 ended = sorted(set(flagged) - set(frozen))
-                _require(rows == ended, f"StepResponse.final_rows is {rows}; the rows whose episode ended in this step "
-                         f"are {ended} (every ended row, and only those) ({env_contract.section('final')})")
+                _require(
+                    rows == ended,
+                    f"StepResponse.final_rows is {rows}; the rows whose episode ended in this step "
+                    f"are {ended} (every ended row, and only those) ({env_contract.section('final')})",
+                )
             else:
                 rows = flagged
             out["final_rows"] = rows
             out["final_obs"] = env_contract.decode_final_observations(
-                resp.final_observations, np.asarray(rows, np.int64), n, self.obs_specs,
-                "StepResponse.final_observations", every_row_ok=self.v0)
+                resp.final_observations,
+                np.asarray(rows, np.int64),
+                n,
+                self.obs_specs,
+                "StepResponse.final_observations",
+                every_row_ok=self.v0,
+            )
         except codec.CodecError as exc:
             raise ContractError(str(exc)) from None
-        _require(not (term & trunc).any(), "StepResponse: terminated and truncated both true in one cell "
-                 "(terminated wins; truncated must then be false)")
+        _require(
+            not (term & trunc).any(),
+            "StepResponse: terminated and truncated both true in one cell "
+            "(terminated wins; truncated must then be false)",
+        )
         if chunk is not None:
             ended_cells = (term | trunc).reshape(n, -1)
             for r in range(n):
@@ -218,18 +255,29 @@ class Checker:
                 if cells.size:
                     first = int(cells[0])
                     later = slice(first + 1, None)
-                    _require(not out["rewards"][r, later].any() and not term[r, later].any()
-                             and not trunc[r, later].any() and not out["success"][r, later].any(),
-                             f"row {r}: its episode ended at sub-step {first}; the later sub-steps must not run "
-                             f"(reward 0, flags false) ({env_contract.section('chunks')})")
+                    _require(
+                        not out["rewards"][r, later].any()
+                        and not term[r, later].any()
+                        and not trunc[r, later].any()
+                        and not out["success"][r, later].any(),
+                        f"row {r}: its episode ended at sub-step {first}; the later sub-steps must not run "
+                        f"(reward 0, flags false) ({env_contract.section('chunks')})",
+                    )
         live = [r for r in rows if r not in frozen]
-        _require(len(resp.episodes) == len(live),
-                 f"StepResponse: {len(resp.episodes)} EpisodeStats for {len(live)} ended rows (one per ended row)")
-        _require(sorted(e.env_id for e in resp.episodes) == sorted(ids[r] for r in live),
-                 f"StepResponse.episodes: env ids {sorted(e.env_id for e in resp.episodes)} for the ended envs "
-                 f"{sorted(ids[r] for r in live)}")
-        _require(len(resp.instructions) in (0, n), f"StepResponse.instructions: {len(resp.instructions)} for {n} "
-                 f"rows (one each, or none) ({env_contract.section('instructions')})")
+        _require(
+            len(resp.episodes) == len(live),
+            f"StepResponse: {len(resp.episodes)} EpisodeStats for {len(live)} ended rows (one per ended row)",
+        )
+        _require(
+            sorted(e.env_id for e in resp.episodes) == sorted(ids[r] for r in live),
+            f"StepResponse.episodes: env ids {sorted(e.env_id for e in resp.episodes)} for the ended envs "
+            f"{sorted(ids[r] for r in live)}",
+        )
+        _require(
+            len(resp.instructions) in (0, n),
+            f"StepResponse.instructions: {len(resp.instructions)} for {n} "
+            f"rows (one each, or none) ({env_contract.section('instructions')})",
+        )
         out["episodes"] = list(resp.episodes)
         out["instructions_before"] = [self.instructions[i] for i in ids]
         for i, text in zip(ids, resp.instructions):
@@ -257,9 +305,11 @@ class Checker:
             out = np.flatnonzero((vmin < lo - BOUNDS_ATOL) | (vmax > hi + BOUNDS_ATOL))
             if out.size:
                 e = int(out[0])
-                raise ContractError(f"{what}[{k!r}]: element {e} (flat index; {len(out)} element(s) in all) is "
-                                    f"outside its declared bounds [{lo[e]:.6g}, {hi[e]:.6g}]: values "
-                                    f"{vmin[e]:.6g}..{vmax[e]:.6g} ({env_contract.section('tensors')})")
+                raise ContractError(
+                    f"{what}[{k!r}]: element {e} (flat index; {len(out)} element(s) in all) is "
+                    f"outside its declared bounds [{lo[e]:.6g}, {hi[e]:.6g}]: values "
+                    f"{vmin[e]:.6g}..{vmax[e]:.6g} ({env_contract.section('tensors')})"
+                )
 
     def _stream(self, metadata=None, timeout: float | None = None) -> StepStream:
         return StepStream(self.env, self.n, timeout or self.timeout, metadata, f"{self.address} StepResponse")
@@ -310,16 +360,19 @@ class Checker:
         problems = env_contract.spec_problems(s)
         again = self._describe()
         if again.incarnation != s.incarnation:
-            problems.append("EnvSpec.incarnation changed between two Describe calls (it may only change when the "
-                            "server restarts)")
+            problems.append(
+                "EnvSpec.incarnation changed between two Describe calls (it may only change when the server restarts)"
+            )
         _require(not problems, "; ".join(problems))
         defaults = [f"contract_version {s.contract_version!r} reads as version 0"] if not s.contract_version else []
         defaults += ["max_action_chunk 0 reads as 1"] if not s.max_action_chunk else []
         defaults += ["max_step_streams not stated (0)"] if not s.max_step_streams else []
-        return (f"{v.simulator}:{s.env_id}, version {v.version}, {self.n} envs, action {list(self.action.shape)}, "
-                f"obs { {k: list(sp.shape) for k, sp in self.obs_spaces.items()} }, chunk <= {v.max_action_chunk}, "
-                f"{v.num_reset_states} reset states, auto_reset={s.auto_reset}"
-                + (f" ({'; '.join(defaults)})" if defaults else ""))
+        return (
+            f"{v.simulator}:{s.env_id}, version {v.version}, {self.n} envs, action {list(self.action.shape)}, "
+            f"obs { {k: list(sp.shape) for k, sp in self.obs_spaces.items()} }, chunk <= {v.max_action_chunk}, "
+            f"{v.num_reset_states} reset states, auto_reset={s.auto_reset}"
+            + (f" ({'; '.join(defaults)})" if defaults else "")
+        )
 
     def check_step_before_reset(self) -> str:
         """Before this kit's first Reset: Step is refused naming env_ids (never reset), or served well-formed (a
@@ -334,9 +387,11 @@ class Checker:
             return "served (env 0 was started by the server, or reset before this check)"
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             raise ServerClosed(details)
-        _require(code == grpc.StatusCode.INVALID_ARGUMENT and "env_ids" in details,
-                 f"Step of env 0 before any Reset: refuse it with INVALID_ARGUMENT naming 'env_ids', or serve it; "
-                 f"{_got(code, details)} ({env_contract.section('step')})")
+        _require(
+            code == grpc.StatusCode.INVALID_ARGUMENT and "env_ids" in details,
+            f"Step of env 0 before any Reset: refuse it with INVALID_ARGUMENT naming 'env_ids', or serve it; "
+            f"{_got(code, details)} ({env_contract.section('step')})",
+        )
         return "refused with INVALID_ARGUMENT naming env_ids (never reset)"
 
     def check_reset_shapes(self) -> str:
@@ -350,17 +405,26 @@ class Checker:
         a, ia = self._reset([0], [4242])
         b, ib = self._reset([0], [4242])
         for k in a:
-            _require(np.array_equal(a[k], b[k]), f"Reset of env 0 with seed 4242 twice gave different "
-                     f"observations[{k!r}]: a seed must fix the initial state")
+            _require(
+                np.array_equal(a[k], b[k]),
+                f"Reset of env 0 with seed 4242 twice gave different "
+                f"observations[{k!r}]: a seed must fix the initial state",
+            )
         _require(ia == ib, "Reset with the same seed gave different instructions")
         if self.n >= 2:
             c, _ = self._reset([0, self.n - 1], [777, 777])
             for k in c:
-                _require(np.array_equal(c[k][0], c[k][1]), f"envs 0 and {self.n - 1} reset with the same seed "
-                         f"start differently (observations[{k!r}]); GRPO groups rely on equal starts")
+                _require(
+                    np.array_equal(c[k][0], c[k][1]),
+                    f"envs 0 and {self.n - 1} reset with the same seed "
+                    f"start differently (observations[{k!r}]); GRPO groups rely on equal starts",
+                )
         d, _ = self._reset([0], [4243])
-        note = "" if any(not np.array_equal(a[k], d[k]) for k in a) else \
-            " (note: seeds 4242 and 4243 give the same start; fine if the task has one initial state)"
+        note = (
+            ""
+            if any(not np.array_equal(a[k], d[k]) for k in a)
+            else " (note: seeds 4242 and 4243 give the same start; fine if the task has one initial state)"
+        )
         return "same seed, same start" + note
 
     def check_reset_order(self) -> str:
@@ -371,8 +435,10 @@ class Checker:
         b, _ = self._reset([last], [22])
         both, _ = self._reset([last, 0], [22, 11])
         for k in a:
-            _require(np.array_equal(both[k][0], b[k][0]) and np.array_equal(both[k][1], a[k][0]),
-                     f"Reset(env_ids=[{last}, 0]): rows of observations[{k!r}] do not follow the order of env_ids")
+            _require(
+                np.array_equal(both[k][0], b[k][0]) and np.array_equal(both[k][1], a[k][0]),
+                f"Reset(env_ids=[{last}, 0]): rows of observations[{k!r}] do not follow the order of env_ids",
+            )
         return "rows follow env_ids"
 
     def check_instructions(self) -> str:
@@ -382,18 +448,27 @@ class Checker:
         _, instr = self._reset()
         described = list(self._describe().task_descriptions)
         if not instr:
-            _require(not any(described), f"Reset sent no instructions, but Describe.task_descriptions is "
-                     f"{described[:3]}...: a server without instructions sends none (or '') in both "
-                     f"({env_contract.section('instructions')})")
+            _require(
+                not any(described),
+                f"Reset sent no instructions, but Describe.task_descriptions is "
+                f"{described[:3]}...: a server without instructions sends none (or '') in both "
+                f"({env_contract.section('instructions')})",
+            )
             return "no instructions (none in Reset, none or '' in Describe)"
-        _require(described == instr, f"after Reset, Describe.task_descriptions {described[:2]}... differ from the "
-                 f"instructions Reset returned {instr[:2]}...: task_descriptions are each env's current instruction "
-                 f"({env_contract.section('instructions')})")
+        _require(
+            described == instr,
+            f"after Reset, Describe.task_descriptions {described[:2]}... differ from the "
+            f"instructions Reset returned {instr[:2]}...: task_descriptions are each env's current instruction "
+            f"({env_contract.section('instructions')})",
+        )
         self._decode_step(self._step_once([], self._actions(self.n)), [], None)
         described = list(self._describe().task_descriptions)
         now = [self.instructions[i] for i in range(self.n)]
-        _require(described == now, f"after a Step, Describe.task_descriptions {described[:2]}... differ from each "
-                 f"env's current instruction {now[:2]}... ({env_contract.section('instructions')})")
+        _require(
+            described == now,
+            f"after a Step, Describe.task_descriptions {described[:2]}... differ from each "
+            f"env's current instruction {now[:2]}... ({env_contract.section('instructions')})",
+        )
         more = " ..." if len(set(instr)) > 1 else ""
         return f"Describe's task_descriptions follow Reset and Step: {instr[0]!r}{more}"
 
@@ -422,8 +497,10 @@ class Checker:
         a = [self._actions(1) for _ in range(2)]
         ref = [self._deterministic_step(1, 31, a) for _ in range(2)]
         if any(not np.allclose(ref[0][k], ref[1][k], atol=1e-5) for k in ref[0]):
-            return f"env_ids {ids} then {ids[:1]} (the dynamics are not deterministic: that unnamed envs stay put " \
-                   f"was not checked)"
+            return (
+                f"env_ids {ids} then {ids[:1]} (the dynamics are not deterministic: that unnamed envs stay put "
+                f"was not checked)"
+            )
         self._reset([1], [31])
         stream = self._stream()
         try:
@@ -434,9 +511,12 @@ class Checker:
         finally:
             stream.close()
         for k in moved:
-            _require(np.allclose(moved[k], ref[0][k], atol=1e-5), f"env 1 moved while only env 0 was stepped "
-                     f"(observations[{k!r}]): envs not named in a request do not move "
-                     f"({env_contract.section('step')})")
+            _require(
+                np.allclose(moved[k], ref[0][k], atol=1e-5),
+                f"env 1 moved while only env 0 was stepped "
+                f"(observations[{k!r}]): envs not named in a request do not move "
+                f"({env_contract.section('step')})",
+            )
         return f"env_ids {ids} then {ids[:1]}; envs not named stay put"
 
     def check_episode_end(self) -> str:
@@ -458,50 +538,76 @@ class Checker:
                 for row in out["final_rows"]:
                     i = ids[row]
                     if i not in first:
-                        first[i] = {"t": t + 1, "episode": by_env.get(i), "ret": float(ret[i]), "hit": bool(hit[i]),
-                                    "succ_end": bool(out["success"][row]),
-                                    "instruction": out["instructions_before"][row]}
+                        first[i] = {
+                            "t": t + 1,
+                            "episode": by_env.get(i),
+                            "ret": float(ret[i]),
+                            "hit": bool(hit[i]),
+                            "succ_end": bool(out["success"][row]),
+                            "instruction": out["instructions_before"][row],
+                        }
                 if len(first) == self.n:
                     break
             missing = [i for i in ids if i not in first]
-            _require(not missing, f"envs {missing} did not end an episode within max_episode_steps={T} steps "
-                     f"(the server must truncate at max_episode_steps)")
+            _require(
+                not missing,
+                f"envs {missing} did not end an episode within max_episode_steps={T} steps "
+                f"(the server must truncate at max_episode_steps)",
+            )
             for i, e in first.items():
                 ep = e["episode"]
                 _require(ep is not None, f"env {i}: no EpisodeStats for its ended episode")
                 _require(ep.env_id == i, f"EpisodeStats.env_id is {ep.env_id} for a row of env {i}")
-                _require(1 <= ep.length <= T and ep.length == e["t"],
-                         f"env {i}: EpisodeStats.length {ep.length} after {e['t']} control steps (max {T})")
-                _require(abs(codec.episode_return(ep) - e["ret"]) <= 1e-3 * max(1.0, abs(e["ret"])),
-                         f"env {i}: EpisodeStats.return {codec.episode_return(ep):.6g} is not the sum of the "
-                         f"episode's rewards {e['ret']:.6g}")
-                _require(ep.success_once == e["hit"] and ep.success_at_end == e["succ_end"],
-                         f"env {i}: EpisodeStats success_once={ep.success_once} success_at_end={ep.success_at_end}; "
-                         f"the episode's success cells say {e['hit']} / {e['succ_end']}")
+                _require(
+                    1 <= ep.length <= T and ep.length == e["t"],
+                    f"env {i}: EpisodeStats.length {ep.length} after {e['t']} control steps (max {T})",
+                )
+                _require(
+                    abs(codec.episode_return(ep) - e["ret"]) <= 1e-3 * max(1.0, abs(e["ret"])),
+                    f"env {i}: EpisodeStats.return {codec.episode_return(ep):.6g} is not the sum of the "
+                    f"episode's rewards {e['ret']:.6g}",
+                )
+                _require(
+                    ep.success_once == e["hit"] and ep.success_at_end == e["succ_end"],
+                    f"env {i}: EpisodeStats success_once={ep.success_once} success_at_end={ep.success_at_end}; "
+                    f"the episode's success cells say {e['hit']} / {e['succ_end']}",
+                )
                 if not self.v0:
                     m = self.view.num_reset_states
-                    _require(ep.reset_state_id == -1 if m == 0 else -1 <= ep.reset_state_id < m,
-                             f"env {i}: EpisodeStats.reset_state_id {ep.reset_state_id} of an episode reset without a "
-                             f"state id (-1, or the fixed state the server drew, in [0, {m})) "
-                             f"({env_contract.section('final')})")
-                    _require(not ep.instruction or ep.instruction == e["instruction"],
-                             f"env {i}: EpisodeStats.instruction {ep.instruction!r}; the episode's instruction was "
-                             f"{e['instruction']!r}")
+                    _require(
+                        ep.reset_state_id == -1 if m == 0 else -1 <= ep.reset_state_id < m,
+                        f"env {i}: EpisodeStats.reset_state_id {ep.reset_state_id} of an episode reset without a "
+                        f"state id (-1, or the fixed state the server drew, in [0, {m})) "
+                        f"({env_contract.section('final')})",
+                    )
+                    _require(
+                        not ep.instruction or ep.instruction == e["instruction"],
+                        f"env {i}: EpisodeStats.instruction {ep.instruction!r}; the episode's instruction was "
+                        f"{e['instruction']!r}",
+                    )
             note = "auto-reset"
             if not self.spec.auto_reset:  # finished envs stay frozen until reset
                 last = {k: v.copy() for k, v in out["obs"].items()}
                 frozen_rows = [r for r, i in enumerate(ids) if i in first]
                 again = self._decode_step(stream.step(ids, self._actions(self.n)), ids, None, frozen=frozen_rows)
                 f = frozen_rows
-                _require(again["terminated"][f].all() and not again["truncated"][f].any()
-                         and not again["success"][f].any() and not again["rewards"][f].any()
-                         and not again["final_rows"] and not again["episodes"],
-                         "auto_reset is off: stepping a finished env must answer terminated=true, truncated=false, "
-                         "success=false, reward 0, and no final row or EpisodeStats until it is reset "
-                         f"({env_contract.section('final')})")
+                _require(
+                    again["terminated"][f].all()
+                    and not again["truncated"][f].any()
+                    and not again["success"][f].any()
+                    and not again["rewards"][f].any()
+                    and not again["final_rows"]
+                    and not again["episodes"],
+                    "auto_reset is off: stepping a finished env must answer terminated=true, truncated=false, "
+                    "success=false, reward 0, and no final row or EpisodeStats until it is reset "
+                    f"({env_contract.section('final')})",
+                )
                 for k in last:
-                    _require(np.array_equal(again["obs"][k][f], last[k][f]), f"auto_reset is off: a finished env "
-                             f"must answer its last observation (observations[{k!r}] changed)")
+                    _require(
+                        np.array_equal(again["obs"][k][f], last[k][f]),
+                        f"auto_reset is off: a finished env "
+                        f"must answer its last observation (observations[{k!r}] changed)",
+                    )
                 note = "frozen until reset (auto_reset off)"
         finally:
             stream.close()
@@ -519,18 +625,24 @@ class Checker:
             try:  # a chunk of 1: per-step fields are [n, 1], not [n]
                 self._decode_step(stream.step([], self._actions(self.n, chunk=1)), [], 1)
             except ContractError as exc:
-                raise ContractError(f"a chunk of 1 ([n, 1, *action_shape]) answers per-step fields [n, 1]: "
-                                    f"{exc}") from None
+                raise ContractError(
+                    f"a chunk of 1 ([n, 1, *action_shape]) answers per-step fields [n, 1]: {exc}"
+                ) from None
             # a chunk length that does not divide the episode limit, so an episode ends inside a chunk
             c = next((x for x in range(min(k, 4), 1, -1) if int(self.spec.max_episode_steps) % x), min(k, 4))
             if k >= 2:
                 self._decode_step(stream.step([], self._actions(self.n, chunk=c)), [], c)
         finally:
             stream.close()
-        what = self._expect(grpc.StatusCode.INVALID_ARGUMENT, "actions",  # one row: the refusal is per request
-                            lambda: self._step_once([0], self._actions(1, chunk=k + 1)))
-        _require(what is None, f"a chunk of {k + 1} sub-steps (max_action_chunk={k}): {what} "
-                 f"({env_contract.section('errors')})")
+        what = self._expect(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "actions",  # one row: the refusal is per request
+            lambda: self._step_once([0], self._actions(1, chunk=k + 1)),
+        )
+        _require(
+            what is None,
+            f"a chunk of {k + 1} sub-steps (max_action_chunk={k}): {what} ({env_contract.section('errors')})",
+        )
         note = ""
         T = int(self.spec.max_episode_steps)
         if k >= 2 and T + 1 <= self.max_steps:  # max_episode_steps counts control steps, not Step rows
@@ -540,10 +652,12 @@ class Checker:
                 steps, ep = self._episode_to_end(0, stream, chunk=c)
             finally:
                 stream.close()
-            _require(steps <= T and (ep is None or ep.length == steps),
-                     f"with chunks of {c}, env 0's episode ran {steps} control steps (EpisodeStats.length "
-                     f"{ep.length if ep else '?'}); max_episode_steps={T} counts control steps, not Step rows "
-                     f"({env_contract.section('chunks')})")
+            _require(
+                steps <= T and (ep is None or ep.length == steps),
+                f"with chunks of {c}, env 0's episode ran {steps} control steps (EpisodeStats.length "
+                f"{ep.length if ep else '?'}); max_episode_steps={T} counts control steps, not Step rows "
+                f"({env_contract.section('chunks')})",
+            )
             note = f"; an episode in chunks of {c} ends within {T} control steps"
         self._reset()
         return f"chunk 1 ([n, 1] fields){' and ' + str(c) if k >= 2 else ''} accepted; {k + 1} refused" + note
@@ -571,12 +685,14 @@ class Checker:
             return "no fixed initial states; [-1] accepted; 0, -2 and a count mismatch refused"
         expect(f"reset_state_ids=[{m}] (num_reset_states={m})", lambda: self._reset([0], states=[m]))
         ids = [0, self.n - 1] if self.n >= 2 else [0]
-        a, ia = self._reset(ids, [1, 2][:len(ids)], [m - 1] * len(ids))
-        b, ib = self._reset(ids, [3, 4][:len(ids)], [m - 1] * len(ids))
+        a, ia = self._reset(ids, [1, 2][: len(ids)], [m - 1] * len(ids))
+        b, ib = self._reset(ids, [3, 4][: len(ids)], [m - 1] * len(ids))
         for k in a:
             if not (np.array_equal(a[k][0], b[k][0]) and np.array_equal(a[k][0], a[k][-1])):
-                fails.append(f"reset_state_ids={m - 1}: observations[{k!r}] differ between envs or seeds; a fixed "
-                             f"initial state gives the same start whatever the seed")
+                fails.append(
+                    f"reset_state_ids={m - 1}: observations[{k!r}] differ between envs or seeds; a fixed "
+                    f"initial state gives the same start whatever the seed"
+                )
                 break
         # a state id and a seed together: the state fixes the start, the seed the later randomness
         acts = [self._actions(1) for _ in range(3)]
@@ -589,8 +705,10 @@ class Checker:
             finally:
                 stream.close()
         if any(not np.array_equal(r0[k], r1[k]) for r0, r1 in zip(*runs) for k in r0):
-            fails.append(f"Reset with seed 5 and state {m - 1} twice, then the same actions: different observations "
-                         f"(a state id fixes the start, its seed the episode's later randomness)")
+            fails.append(
+                f"Reset with seed 5 and state {m - 1} twice, then the same actions: different observations "
+                f"(a state id fixes the start, its seed the episode's later randomness)"
+            )
         T = int(self.spec.max_episode_steps)
         if T + 1 <= self.max_steps:
             self._reset([0], [6], [m - 1])
@@ -600,12 +718,16 @@ class Checker:
             finally:
                 stream.close()
             if ep is not None and ep.reset_state_id != m - 1:
-                fails.append(f"an episode started from reset_state_ids=[{m - 1}] reports EpisodeStats.reset_state_id "
-                             f"{ep.reset_state_id}")
+                fails.append(
+                    f"an episode started from reset_state_ids=[{m - 1}] reports EpisodeStats.reset_state_id "
+                    f"{ep.reset_state_id}"
+                )
         self._reset()
         _require(not fails, "; ".join(fails) + f" ({env_contract.section('reset')})")
-        return (f"{m} states; state {m - 1} gives one start, with a seed one episode, and is reported; "
-                f"{m}, -2 and a count mismatch refused" + (f"; instruction {ia[0]!r}" if ia else ""))
+        return (
+            f"{m} states; state {m - 1} gives one start, with a seed one episode, and is reported; "
+            f"{m}, -2 and a count mismatch refused" + (f"; instruction {ia[0]!r}" if ia else "")
+        )
 
     def check_bad_input(self) -> str:
         self._reset()
@@ -635,8 +757,11 @@ class Checker:
         expect("seeds count differs from env_ids", "seeds", lambda: self._reset([0], [1, 2]))
         expect("unknown env id in Step", "env_ids", lambda: self._step_once([self.n + 5], good))
         expect("duplicate env ids in Step", "env_ids", lambda: self._step_once([0, 0], self._actions(2)))
-        expect("wrong action shape", "actions", lambda: self._step_once([0], np.zeros((1, self.action.size + 1),
-                                                                                      np.float32)))
+        expect(
+            "wrong action shape",
+            "actions",
+            lambda: self._step_once([0], np.zeros((1, self.action.size + 1), np.float32)),
+        )
         expect("actions of another row count", "actions", lambda: self._step_once([0], self._actions(2)))
         expect("FLOAT64 actions", "actions", lambda: self._step_once([0], f64))
         expect("action bytes that do not match the shape", "actions", lambda: self._step_once([0], short))
@@ -651,12 +776,17 @@ class Checker:
         if deterministic:
             for k in after:
                 if not np.allclose(after[k], ref[0][k], atol=1e-5):
-                    fails.append(f"after the refused requests env 0 is not where it was (observations[{k!r}]): a bad "
-                                 f"request must change nothing")
+                    fails.append(
+                        f"after the refused requests env 0 is not where it was (observations[{k!r}]): a bad "
+                        f"request must change nothing"
+                    )
                     break
         _require(not fails, "; ".join(fails) + f" ({env_contract.section('errors')}; shape {list(A)})")
-        return f"{len(cases)} bad requests refused naming the field; " + \
-            ("nothing moved; " if deterministic else "") + "the server still serves"
+        return (
+            f"{len(cases)} bad requests refused naming the field; "
+            + ("nothing moved; " if deterministic else "")
+            + "the server still serves"
+        )
 
     def check_out_of_bounds_actions(self) -> str:
         if not self.action.bounded:
@@ -668,11 +798,15 @@ class Checker:
             self._reset([0], [99])
             results.append(self._decode_step(self._step_once([0], actions), [0], None))
         for k in results[0]["obs"]:
-            _require(np.allclose(results[0]["obs"][k], results[1]["obs"][k], atol=1e-5),
-                     f"an action above the bounds gave a different observations[{k!r}] than the same action clipped "
-                     f"to the bounds: the server must clip actions to action_space")
-        _require(np.isclose(results[0]["rewards"], results[1]["rewards"]).all(),
-                 "an action above the bounds gave a different reward than the clipped action")
+            _require(
+                np.allclose(results[0]["obs"][k], results[1]["obs"][k], atol=1e-5),
+                f"an action above the bounds gave a different observations[{k!r}] than the same action clipped "
+                f"to the bounds: the server must clip actions to action_space",
+            )
+        _require(
+            np.isclose(results[0]["rewards"], results[1]["rewards"]).all(),
+            "an action above the bounds gave a different reward than the clipped action",
+        )
         self._reset()
         return "clipped to the bounds (same result as the clipped action)"
 
@@ -695,11 +829,13 @@ class Checker:
         finally:
             for s in streams:
                 s.close()
-        _require(code == grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 f"stream {cap + 1} (max_step_streams={cap}) must fail at once (at its opening or first request) with "
-                 f"RESOURCE_EXHAUSTED; {_got(code, details)}"
-                 + (f" after {waited:.1f}s" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "")
-                 + f" ({env_contract.section('streams')})")
+        _require(
+            code == grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"stream {cap + 1} (max_step_streams={cap}) must fail at once (at its opening or first request) with "
+            f"RESOURCE_EXHAUSTED; {_got(code, details)}"
+            + (f" after {waited:.1f}s" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "")
+            + f" ({env_contract.section('streams')})",
+        )
         return f"{cap} concurrent streams served, one more refused in {waited:.2f}s"
 
     def check_abandoned_stream(self) -> str:
@@ -710,9 +846,11 @@ class Checker:
             try:
                 s.step([0], self._actions(1))
             except grpc.RpcError as exc:
-                raise ContractError(f"stream {k + 1} was refused while no other stream of this kit was open "
-                                    f"({channels.describe_error(exc)}): an abandoned or closed stream must free its slot "
-                                    f"({env_contract.section('streams')})") from None
+                raise ContractError(
+                    f"stream {k + 1} was refused while no other stream of this kit was open "
+                    f"({channels.describe_error(exc)}): an abandoned or closed stream must free its slot "
+                    f"({env_contract.section('streams')})"
+                ) from None
             s.cancel()
         deadline = time.monotonic() + 10.0
         while True:
@@ -722,8 +860,10 @@ class Checker:
                 break
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
-                    raise ContractError(f"after {cap + 2} abandoned Step streams a new stream failed: "
-                                        f"{channels.describe_error(exc)} (an abandoned stream must free its slot)") from None
+                    raise ContractError(
+                        f"after {cap + 2} abandoned Step streams a new stream failed: "
+                        f"{channels.describe_error(exc)} (an abandoned stream must free its slot)"
+                    ) from None
                 time.sleep(0.2)
             finally:
                 s.close()
@@ -740,22 +880,31 @@ class Checker:
             code, details = exc.code(), exc.details() or ""
         if code is None:
             key, value = env_contract.FAULT_METADATA
-            return (f"skip: the server does not fail on request (metadata {key}: {value}, optional), so INTERNAL "
-                    f"on a simulator crash was not exercised")
-        _require(code == grpc.StatusCode.INTERNAL and details.strip(),
-                 f"a simulator failure must be answered INTERNAL with a message saying what failed; "
-                 f"{_got(code, details)}" + (" (UNKNOWN is what an uncaught exception gives)"
-                                             if code == grpc.StatusCode.UNKNOWN else "")
-                 + f" ({env_contract.section('errors')})")
+            return (
+                f"skip: the server does not fail on request (metadata {key}: {value}, optional), so INTERNAL "
+                f"on a simulator crash was not exercised"
+            )
+        _require(
+            code == grpc.StatusCode.INTERNAL and details.strip(),
+            f"a simulator failure must be answered INTERNAL with a message saying what failed; "
+            f"{_got(code, details)}"
+            + (" (UNKNOWN is what an uncaught exception gives)" if code == grpc.StatusCode.UNKNOWN else "")
+            + f" ({env_contract.section('errors')})",
+        )
         spec = self._describe()
-        _require(spec.incarnation == self.spec.incarnation, "after INTERNAL the server restarted (a new "
-                 "incarnation): a simulator failure must not take the server down")
+        _require(
+            spec.incarnation == self.spec.incarnation,
+            "after INTERNAL the server restarted (a new "
+            "incarnation): a simulator failure must not take the server down",
+        )
         try:
             self._reset()
             self._decode_step(self._step_once([], self._actions(self.n)), [], None)
         except grpc.RpcError as exc:
-            raise ContractError(f"after INTERNAL, Reset of every env and a Step must work; got "
-                                f"{channels.describe_error(exc)} ({env_contract.section('errors')})") from None
+            raise ContractError(
+                f"after INTERNAL, Reset of every env and a Step must work; got "
+                f"{channels.describe_error(exc)} ({env_contract.section('errors')})"
+            ) from None
         return f"INTERNAL {details[:60]!r}; the server went on (Reset, Step)"
 
     def check_close(self) -> str:
@@ -801,8 +950,14 @@ class Checker:
                         closed = self._closed()
                     if closed is not None and not any(r.status == PASS and r.name != "describe" for r in results):
                         raise ServerClosed(closed) from None
-                    status, detail = FAIL, (f"the server was closed during the checks: {closed}" if closed else
-                                            f"unexpected error: {channels.describe_error(exc)}")
+                    status, detail = (
+                        FAIL,
+                        (
+                            f"the server was closed during the checks: {closed}"
+                            if closed
+                            else f"unexpected error: {channels.describe_error(exc)}"
+                        ),
+                    )
             result = CheckResult(name, status, detail, time.perf_counter() - t0)
             results.append(result)
             if log:
@@ -810,8 +965,9 @@ class Checker:
         return results
 
 
-def check_env(address: str, *, only=None, close: bool = False, timeout: float = 60.0, max_steps: int = 2000,
-              log=None) -> list[CheckResult]:
+def check_env(
+    address: str, *, only=None, close: bool = False, timeout: float = 60.0, max_steps: int = 2000, log=None
+) -> list[CheckResult]:
     """Run the checks against ``address``. Raises TimeoutError / grpc.RpcError when it cannot be described,
     ServerClosed when it was closed."""
     unknown = sorted(set(only or ()) - set(Checker.NAMES))
@@ -828,8 +984,9 @@ def check_env(address: str, *, only=None, close: bool = False, timeout: float = 
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="coordinatorctl check-env", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="coordinatorctl check-env", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("address", help="HOST:PORT of the EnvService to check")
     ap.add_argument("--only", nargs="+", metavar="CHECK", help=f"run only these checks ({', '.join(Checker.NAMES)})")
     ap.add_argument("--close", action="store_true", help="also check Close (ends the server's envs; runs last)")
@@ -843,17 +1000,23 @@ def main(argv=None) -> int:
             print(f"  {r.status}  {r.name:<26} {r.seconds:6.2f}s  {r.detail}", flush=True)
 
     if not args.json:
-        print(f"checking {args.address} against the env contract ({env_contract.DOC}; this kit knows versions "
-              f"{', '.join(env_contract.KNOWN_VERSIONS)})", flush=True)
+        print(
+            f"checking {args.address} against the env contract ({env_contract.DOC}; this kit knows versions "
+            f"{', '.join(env_contract.KNOWN_VERSIONS)})",
+            flush=True,
+        )
     try:
-        results = check_env(args.address, only=args.only, close=args.close, timeout=args.timeout,
-                            max_steps=args.max_steps, log=say)
+        results = check_env(
+            args.address, only=args.only, close=args.close, timeout=args.timeout, max_steps=args.max_steps, log=say
+        )
     except (ValueError, TimeoutError) as exc:
         print(f"check-env: {exc}")
         return 2
     except ServerClosed as exc:
-        print(f"check-env: the server at {args.address} was closed (Close): Reset answers FAILED_PRECONDITION "
-              f"({exc}); restart it to check it")
+        print(
+            f"check-env: the server at {args.address} was closed (Close): Reset answers FAILED_PRECONDITION "
+            f"({exc}); restart it to check it"
+        )
         return 2
     except grpc.RpcError as exc:
         print(f"check-env: {args.address} did not answer Describe: {channels.describe_error(exc)}")
@@ -864,8 +1027,10 @@ def main(argv=None) -> int:
     else:
         passed = sum(r.status == PASS for r in results)
         skipped = sum(r.status == SKIP for r in results)
-        print(f"{passed} passed, {len(failed)} failed, {skipped} skipped"
-              + (f": {', '.join(r.name for r in failed)}" if failed else ""))
+        print(
+            f"{passed} passed, {len(failed)} failed, {skipped} skipped"
+            + (f": {', '.join(r.name for r in failed)}" if failed else "")
+        )
     return 1 if failed else 0
 
 

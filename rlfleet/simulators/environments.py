@@ -49,8 +49,13 @@ def requirements(env: Environment) -> list[str]:
 
 
 def lock_key(env: Environment) -> str:
-    fields = {"pip": requirements(env), "apt": list(env.apt), "python": env.python, "setup": env.setup,
-              "check": env.check}
+    fields = {
+        "pip": requirements(env),
+        "apt": list(env.apt),
+        "python": env.python,
+        "setup": env.setup,
+        "check": env.check,
+    }
     if env.apt_sources:  # only when set, so environments without extra apt sources keep their keys
         fields["apt_sources"] = list(env.apt_sources)
     if env.no_deps:  # likewise
@@ -74,8 +79,9 @@ def is_installed(env: Environment, configured: str | None = None) -> bool:
 def _pip_sources() -> list[str]:
     """pip's configured package sources as uv arguments (index, extra indexes, find-links, constraints)."""
     try:
-        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                             timeout=30).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     args: list[str] = []
@@ -84,8 +90,12 @@ def _pip_sources() -> list[str]:
         key, _, value = line.partition("=")
         name = key.rsplit(".", 1)[-1]
         value = value.strip().strip("'\"")
-        flag = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-                "constraint": "--constraint"}.get(name)
+        flag = {
+            "index-url": "--index-url",
+            "extra-index-url": "--extra-index-url",
+            "find-links": "--find-links",
+            "constraint": "--constraint",
+        }.get(name)
         if not flag:
             continue
         for item in value.split():
@@ -153,8 +163,9 @@ def missing_apt(env: Environment) -> list[str]:
             missing.append(entry)
             continue
         if min_version:
-            have = next((line.split(":", 1)[1].strip() for line in r.stdout.splitlines()
-                         if line.startswith("Version:")), "0")
+            have = next(
+                (line.split(":", 1)[1].strip() for line in r.stdout.splitlines() if line.startswith("Version:")), "0"
+            )
             if subprocess.run(["dpkg", "--compare-versions", have, "ge", min_version]).returncode != 0:
                 missing.append(entry)
     return missing
@@ -177,8 +188,9 @@ def apt_install_commands(env: Environment, missing: list[str]) -> list[list[str]
 
 def _run(cmd: list[str], log, tag: str, env: dict | None = None, cwd: str | None = None) -> None:
     log(f"[{tag}] $ {' '.join(shlex.quote(c) for c in cmd)}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, stdin=subprocess.DEVNULL
+    )
     tail: list[str] = []
     for line in proc.stdout:
         line = line.rstrip()
@@ -187,12 +199,12 @@ def _run(cmd: list[str], log, tag: str, env: dict | None = None, cwd: str | None
         if line and not line.startswith((" ", "\t", "(Reading database")):
             log(f"[{tag}]   {line}")
     if proc.wait() != 0:
-        raise EnvironmentError_(f"[{tag}] command failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                                + "\n".join(f"    {t}" for t in tail))
+        raise EnvironmentError_(
+            f"[{tag}] command failed (exit {proc.returncode}): {' '.join(cmd)}\n" + "\n".join(f"    {t}" for t in tail)
+        )
 
 
-def ensure(env: Environment, configured: str | None = None, log=print, steps: tuple[str, ...] = ()
-           ) -> pathlib.Path:
+def ensure(env: Environment, configured: str | None = None, log=print, steps: tuple[str, ...] = ()) -> pathlib.Path:
     """The environment's python, building the environment first if needed (idempotent, safe to call from
     several processes at once: a file lock serialises builds). ``steps``: "module:function" run with the
     environment's python after its own setup and check, before it counts as built (the env side's finishing steps
@@ -224,8 +236,9 @@ def ensure_system_packages(env: Environment, log=print) -> None:
                 _run(cmd, log, tag, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
             still = missing_apt(env)
             if still:
-                raise EnvironmentError_(f"[{tag}] Debian packages still missing after installing: {' '.join(still)} "
-                                        f"(ran: {how})")
+                raise EnvironmentError_(
+                    f"[{tag}] Debian packages still missing after installing: {' '.join(still)} (ran: {how})"
+                )
         else:
             raise EnvironmentError_(f"[{tag}] Debian packages missing: {' '.join(apt)}; run as root: {how}")
 
@@ -242,11 +255,29 @@ def _build(env: Environment, path: pathlib.Path, log, steps: tuple[str, ...] = (
     sub_env.setdefault("UV_HTTP_TIMEOUT", "180")
     if uv:
         _run([uv, "venv", "--quiet", "--python", _base_python(env.python), str(path)], log, tag, sub_env)
-        _run([uv, "pip", "install", "--python", str(python_of(path)), "--index-strategy", "unsafe-best-match",
-              *_pip_sources(), *requirements(env)], log, tag, sub_env)
+        _run(
+            [
+                uv,
+                "pip",
+                "install",
+                "--python",
+                str(python_of(path)),
+                "--index-strategy",
+                "unsafe-best-match",
+                *_pip_sources(),
+                *requirements(env),
+            ],
+            log,
+            tag,
+            sub_env,
+        )
         if env.no_deps:
-            _run([uv, "pip", "install", "--python", str(python_of(path)), "--no-deps", *_pip_sources(),
-                  *env.no_deps], log, tag, sub_env)
+            _run(
+                [uv, "pip", "install", "--python", str(python_of(path)), "--no-deps", *_pip_sources(), *env.no_deps],
+                log,
+                tag,
+                sub_env,
+            )
     else:  # no uv: the standard library's venv and pip (slower, same result)
         _run([_base_python(env.python), "-m", "venv", str(path)], log, tag, sub_env)
         _run([str(python_of(path)), "-m", "pip", "install", "-q", *requirements(env)], log, tag, sub_env)
@@ -260,9 +291,18 @@ def _build(env: Environment, path: pathlib.Path, log, steps: tuple[str, ...] = (
     for step in steps:
         _run_step(path, step, log, tag, run_env)
     took = time.monotonic() - t0
-    (path / STAMP).write_text(json.dumps({"name": env.name, "requirements": requirements(env), "apt": list(env.apt),
-                                          "built_s": round(took, 1), "built_at": time.strftime("%Y-%m-%d %H:%M:%S")},
-                                         indent=1))
+    (path / STAMP).write_text(
+        json.dumps(
+            {
+                "name": env.name,
+                "requirements": requirements(env),
+                "apt": list(env.apt),
+                "built_s": round(took, 1),
+                "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=1,
+        )
+    )
     log(f"[{tag}] ready in {took:.0f}s: {python_of(path)}")
     return python_of(path)
 
@@ -313,11 +353,17 @@ def describe(configured: str | None = None) -> list[dict]:
     rows = []
     for sim in SIMULATORS.values():
         env = sim.environment
-        rows.append({"simulator": sim.name, "environment": env.name if env else "main",
-                     "installed": True if env is None else is_installed(env, configured),
-                     "path": str(env_path(env, configured)) if env else sys.prefix,
-                     "description": sim.description, "examples": list(sim.examples),
-                     "notes": env.notes if env else ""})
+        rows.append(
+            {
+                "simulator": sim.name,
+                "environment": env.name if env else "main",
+                "installed": True if env is None else is_installed(env, configured),
+                "path": str(env_path(env, configured)) if env else sys.prefix,
+                "description": sim.description,
+                "examples": list(sim.examples),
+                "notes": env.notes if env else "",
+            }
+        )
     return rows
 
 

@@ -32,7 +32,7 @@ def check_address(address: str, name: str) -> str:
     target = address
     for scheme in ("dns:", "ipv4:", "ipv6:"):
         if target.startswith(scheme):
-            target = target[len(scheme):]
+            target = target[len(scheme) :]
             if scheme == "dns:" and target.startswith("//"):
                 target = target[2:].split("/", 1)[-1]  # dns://authority/host:port
             break

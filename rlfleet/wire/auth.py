@@ -56,8 +56,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from rlfleet.wire import callers
 from rlfleet.errors import AuthError
+from rlfleet.wire import callers
 from rlfleet.wire.callers import MAX_INDEX, ROLES, TOKEN_ENV, TOKEN_FILE, credential_metadata
 
 CREDENTIAL_PREFIX = "rlfleet-cred2."
@@ -139,8 +139,13 @@ def issue(secret: str, role: str, index: int | None = None) -> str:
     public = _public(Ed25519PrivateKey.from_private_bytes(seed))
     root = _root_key(secret)
     callees = CALLS[role]
-    body = {"role": role, "index": index, "to": list(callees), "key": _b64(seed),
-            "cert": _b64(root.sign(_cert_text(role, index, callees, public).encode()))}
+    body = {
+        "role": role,
+        "index": index,
+        "to": list(callees),
+        "key": _b64(seed),
+        "cert": _b64(root.sign(_cert_text(role, index, callees, public).encode())),
+    }
     if role in SERVING_ROLES:
         body["root"] = _b64(_public(root))
     return CREDENTIAL_PREFIX + _b64(json.dumps(body, separators=(",", ":")).encode())
@@ -149,6 +154,7 @@ def issue(secret: str, role: str, index: int | None = None) -> str:
 @dataclass(frozen=True)
 class Credential:
     """An issued credential, read: who it is, what it signs with and the cert that says so, what it checks with."""
+
     role: str
     index: int | None  # None: any index of the role
     to: tuple[str, ...]  # the roles whose servers it calls
@@ -159,21 +165,32 @@ class Credential:
     def bearer(self, index: int, callee: str) -> str:
         """What this credential sends, as ``role[index]``, to a server of role ``callee``."""
         text = _cert_text(self.role, self.index, self.to, _public(self.key))
-        return ".".join((BEARER_VERSION, _b64(text.encode()), _b64(self.cert),
-                         _b64(self.key.sign(_call_text(self.role, index, callee).encode()))))
+        return ".".join(
+            (
+                BEARER_VERSION,
+                _b64(text.encode()),
+                _b64(self.cert),
+                _b64(self.key.sign(_call_text(self.role, index, callee).encode())),
+            )
+        )
 
 
 def parse_credential(token: str) -> Credential:
     """An issued credential's contents; CredentialError when it is not one this version reads."""
     if token.startswith(OLD_PREFIXES):
-        raise CredentialError(f"{TOKEN_ENV}: a credential of an older rlfleet (HMAC scheme, whose verify keys could "
-                              f"make callers' bearers); issue it again from the run secret (`python -m "
-                              f"rlfleet.wire.auth issue`, `coordinatorctl deploy`)")
+        raise CredentialError(
+            f"{TOKEN_ENV}: a credential of an older rlfleet (HMAC scheme, whose verify keys could "
+            f"make callers' bearers); issue it again from the run secret (`python -m "
+            f"rlfleet.wire.auth issue`, `coordinatorctl deploy`)"
+        )
     try:
-        body = json.loads(_unb64(token[len(CREDENTIAL_PREFIX):]))
+        body = json.loads(_unb64(token[len(CREDENTIAL_PREFIX) :]))
         role, index, to = body["role"], body["index"], body["to"]
-        if not (isinstance(to, list) and all(t in SERVING_ROLES for t in to)) or isinstance(index, bool) or not (
-                index is None or isinstance(index, int)):
+        if (
+            not (isinstance(to, list) and all(t in SERVING_ROLES for t in to))
+            or isinstance(index, bool)
+            or not (index is None or isinstance(index, int))
+        ):
             raise TypeError("bad field types")
         _check_role_index(role, index)
         seed, cert = _unb64(body["key"]), _unb64(body["cert"])
@@ -182,8 +199,9 @@ def parse_credential(token: str) -> Credential:
             raise ValueError("bad key sizes")
         cred = Credential(role, index, tuple(to), Ed25519PrivateKey.from_private_bytes(seed), cert, root)
         if root is not None:  # a serving role checks its own cert now: a mangled one fails here, not per call
-            Ed25519PublicKey.from_public_bytes(root).verify(cert, _cert_text(role, index, cred.to,
-                                                                              _public(cred.key)).encode())
+            Ed25519PublicKey.from_public_bytes(root).verify(
+                cert, _cert_text(role, index, cred.to, _public(cred.key)).encode()
+            )
         return cred
     except CredentialError:
         raise
@@ -195,6 +213,7 @@ def parse_credential(token: str) -> Credential:
 class Proof:
     """What a bearer proves: its caller's role, index (None: the cert is good for any index of the role; the call
     signature then names the index) and the roles whose servers it calls."""
+
     role: str
     index: int | None
     to: tuple[str, ...]
@@ -234,9 +253,12 @@ class Verifier:
 
     def _check(self, token: str, index: int, callee: str) -> Proof:
         def wrong(why: str):
-            return AuthError("UNAUTHENTICATED", f"missing or wrong run credential ({why}; the metadata "
-                                                f"'{callers.TOKEN_KEY}: Bearer <bearer>' comes from this run's "
-                                                f"credential, `python -m rlfleet.wire.auth --help`)")
+            return AuthError(
+                "UNAUTHENTICATED",
+                f"missing or wrong run credential ({why}; the metadata "
+                f"'{callers.TOKEN_KEY}: Bearer <bearer>' comes from this run's "
+                f"credential, `python -m rlfleet.wire.auth --help`)",
+            )
 
         parts = token.split(".")
         if len(parts) != 4 or parts[0] != BEARER_VERSION or len(token) > 1024:
@@ -255,8 +277,10 @@ class Verifier:
             except InvalidSignature:
                 raise wrong("a cert this run did not issue") from None
             role, cert_index, to, public = fields[2:]  # R signed them: what the issuer wrote
-            cert = (Proof(role, None if cert_index == "*" else int(cert_index), tuple(to.split(","))),
-                    Ed25519PublicKey.from_public_bytes(_unb64(public)))
+            cert = (
+                Proof(role, None if cert_index == "*" else int(cert_index), tuple(to.split(","))),
+                Ed25519PublicKey.from_public_bytes(_unb64(public)),
+            )
             with self._lock:
                 if len(self._certs) >= self.MAX_REMEMBERED:
                     self._certs.clear()
@@ -287,11 +311,11 @@ def set_identity(role: str, token: str | None, index: int = 0) -> callers.Identi
     if is_credential(token):
         cred = parse_credential(token)
         if cred.role != role:
-            raise CredentialError(f"{TOKEN_ENV}: this is the {cred.role} role's credential; this process is "
-                                  f"{role}")
+            raise CredentialError(f"{TOKEN_ENV}: this is the {cred.role} role's credential; this process is {role}")
         if cred.index is not None and cred.index != index:
-            raise CredentialError(f"{TOKEN_ENV}: this is {role}[{cred.index}]'s credential; this process is "
-                                  f"{role}[{index}]")
+            raise CredentialError(
+                f"{TOKEN_ENV}: this is {role}[{cred.index}]'s credential; this process is {role}[{index}]"
+            )
         identity = _identity_from(cred, role, index, False)
     else:
         identity = _identity_from(parse_credential(issue(token, role, index)), role, index, True)
@@ -338,8 +362,10 @@ def metadata(token: str, role: str, index: int = 0, *, to: str) -> list[tuple[st
         raise CredentialError(f"to: {to!r} is not one of {SERVING_ROLES}")
     cred = parse_credential(token if is_credential(token) else issue(token, role, index))
     if cred.role != role or cred.index not in (None, index):
-        raise CredentialError(f"metadata: this is {cred.role}[{'*' if cred.index is None else cred.index}]'s "
-                              f"credential, not {role}[{index}]'s")
+        raise CredentialError(
+            f"metadata: this is {cred.role}[{'*' if cred.index is None else cred.index}]'s "
+            f"credential, not {role}[{index}]'s"
+        )
     return credential_metadata(cred.bearer(index, to), role, index)
 
 
@@ -349,18 +375,27 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m rlfleet.wire.auth", description=main.__doc__)
-    p.add_argument("what", choices=["issue", "metadata"],
-                   help="issue: a credential for ROLE (its RLFLEET_RUN_TOKEN); metadata: grpcurl -H lines")
+    p.add_argument(
+        "what",
+        choices=["issue", "metadata"],
+        help="issue: a credential for ROLE (its RLFLEET_RUN_TOKEN); metadata: grpcurl -H lines",
+    )
     p.add_argument("--role", default="ctl", choices=ROLES)
     p.add_argument("--index", type=int, default=None, help="issue: bind to this index (default: any)")
     p.add_argument("--to", choices=SERVING_ROLES, help="metadata: the role of the server called")
-    p.add_argument("--run-dir", default=None, help=f"{TOKEN_ENV} unset: read RUN_DIR/{SECRET_FILE} (issue) or "
-                                                   f"RUN_DIR/{TOKEN_FILE} (metadata, as the operator)")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help=f"{TOKEN_ENV} unset: read RUN_DIR/{SECRET_FILE} (issue) or "
+        f"RUN_DIR/{TOKEN_FILE} (metadata, as the operator)",
+    )
     args = p.parse_args(argv)
     token = read_token(args.run_dir, SECRET_FILE if args.what == "issue" else TOKEN_FILE)
     if not token:
-        p.error(f"needs the run secret (issue: {TOKEN_ENV}, or --run-dir's {SECRET_FILE} in attach mode) or the "
-                f"role's credential (metadata: {TOKEN_ENV}, or --run-dir's {TOKEN_FILE}, the operator's)")
+        p.error(
+            f"needs the run secret (issue: {TOKEN_ENV}, or --run-dir's {SECRET_FILE} in attach mode) or the "
+            f"role's credential (metadata: {TOKEN_ENV}, or --run-dir's {TOKEN_FILE}, the operator's)"
+        )
     try:
         if args.what == "issue":
             if not is_secret(token):

@@ -60,6 +60,7 @@ METHOD_ROLES: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class Caller:
     """Who made a call, as its credential proves."""
+
     role: str
     index: int
 
@@ -70,6 +71,7 @@ class Caller:
 @dataclass(frozen=True)
 class Identity:
     """This process's side of the credentials (built once by rlfleet.wire.auth.set_identity)."""
+
     role: str
     index: int
     from_secret: bool  # holds the run secret (coordinator, coordinatorctl, or a service handed the secret)
@@ -114,8 +116,9 @@ def _claim(md: dict) -> tuple[str, int]:
         raise AuthError("UNAUTHENTICATED", f"metadata '{ROLE_KEY}': {role[:40]!r} is not one of {ROLES}")
     text = md.get(INDEX_KEY, "0")
     if not (text.isascii() and text.isdigit() and len(text) <= 7 and int(text) < MAX_INDEX):
-        raise AuthError("UNAUTHENTICATED", f"metadata '{INDEX_KEY}': {text[:40]!r} is not an index in "
-                                           f"0..{MAX_INDEX - 1}")
+        raise AuthError(
+            "UNAUTHENTICATED", f"metadata '{INDEX_KEY}': {text[:40]!r} is not an index in 0..{MAX_INDEX - 1}"
+        )
     return role, int(text)
 
 
@@ -130,20 +133,27 @@ def check_caller(method: str, metadata) -> Caller | None:
     md = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
     given = md.get(TOKEN_KEY, "")
     if not given.startswith("Bearer ") or ident.verifier is None:
-        raise AuthError("UNAUTHENTICATED", "missing or wrong run credential (metadata "
-                                           f"'{TOKEN_KEY}: Bearer <credential>', '{ROLE_KEY}', '{INDEX_KEY}'; "
-                                           f"see `python -m rlfleet.wire.auth --help`)")
+        raise AuthError(
+            "UNAUTHENTICATED",
+            "missing or wrong run credential (metadata "
+            f"'{TOKEN_KEY}: Bearer <credential>', '{ROLE_KEY}', '{INDEX_KEY}'; "
+            f"see `python -m rlfleet.wire.auth --help`)",
+        )
     role, index = _claim(md)
     callee = callee_role(method) or ident.role
     proof = ident.verifier.prove(given[7:].strip(), index, callee)
     if proof.role != role or proof.index not in (None, index):
         # a valid credential of another role or index: say so (it is a known caller overstepping)
         theirs = f"{proof.role}[{index if proof.index is None else proof.index}]"
-        raise AuthError("PERMISSION_DENIED", f"this credential is {theirs}'s, not {role}[{index}]'s: a service acts "
-                                             f"only in its own role and index")
+        raise AuthError(
+            "PERMISSION_DENIED",
+            f"this credential is {theirs}'s, not {role}[{index}]'s: a service acts only in its own role and index",
+        )
     if callee not in proof.to:
-        raise AuthError("PERMISSION_DENIED", f"{role}[{index}]'s credential calls {'/'.join(proof.to)} servers, not "
-                                             f"{callee} servers")
+        raise AuthError(
+            "PERMISSION_DENIED",
+            f"{role}[{index}]'s credential calls {'/'.join(proof.to)} servers, not {callee} servers",
+        )
     owners = METHOD_ROLES.get(method)
     if owners is not None and role not in owners:
         raise AuthError("PERMISSION_DENIED", f"{method} is accepted only from {'/'.join(owners)}, not from {role}")

@@ -26,8 +26,12 @@ class _CallDetails(grpc.ClientCallDetails):
         self.metadata = metadata
 
 
-class _ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _ClientMetadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds the run credential (``credential``) and the caller's trace context (``traced``) to every call."""
 
     def __init__(self, credential: bool, traced: bool):

@@ -5,22 +5,23 @@ checked by rlfleet.wire.addresses."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
 import itertools
 import queue
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from opentelemetry import propagate
 
-from rlfleet.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from rlfleet.errors import Cancelled, FailedPrecondition, InvalidRequest, ResourceExhausted, Unavailable
+from rlfleet.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from rlfleet.wire import channels, codec, shm, status, tracing
 from rlfleet.wire.codec import PolicyOutput
+
 
 # --- The wire's share of a call, and the shared-memory handshake --------------------------------------------------------
 @dataclass
@@ -73,13 +74,15 @@ def timed_messages(stats: WireStats, messages: Iterator, shared=lambda m: 0) -> 
 CHUNK_BYTES = 4 << 20
 
 
-def rollout_chunks(rollout, epoch: int, worker_index: int, incarnation: str,
-                   chunk_bytes: int = CHUNK_BYTES, *, arena=None) -> Iterator[learner_pb2.RolloutChunk]:
+def rollout_chunks(
+    rollout, epoch: int, worker_index: int, incarnation: str, chunk_bytes: int = CHUNK_BYTES, *, arena=None
+) -> Iterator[learner_pb2.RolloutChunk]:
     """The rollout's chunks; with ``arena`` (a learner that accepted shared memory) one chunk of handles."""
     T = next(iter(rollout.time_major.values())).shape[0]
     if arena is not None:
-        chunk = learner_pb2.RolloutChunk(epoch=epoch, worker_index=worker_index, worker_incarnation=incarnation,
-                                         t_start=0, num_steps=T, last=True)
+        chunk = learner_pb2.RolloutChunk(
+            epoch=epoch, worker_index=worker_index, worker_incarnation=incarnation, t_start=0, num_steps=T, last=True
+        )
         codec.encode_map({**rollout.time_major, **rollout.per_env}, chunk.data, arena=arena)
         chunk.episodes.extend(codec.episode_to_proto(e) for e in rollout.episodes)
         yield chunk
@@ -89,8 +92,9 @@ def rollout_chunks(rollout, epoch: int, worker_index: int, incarnation: str,
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         last = t1 == T
-        chunk = learner_pb2.RolloutChunk(epoch=epoch, worker_index=worker_index, worker_incarnation=incarnation,
-                                         t_start=t0, num_steps=T, last=last)
+        chunk = learner_pb2.RolloutChunk(
+            epoch=epoch, worker_index=worker_index, worker_incarnation=incarnation, t_start=t0, num_steps=T, last=last
+        )
         codec.encode_map({k: v[t0:t1] for k, v in rollout.time_major.items()}, chunk.data)
         if last:
             codec.encode_map(rollout.per_env, chunk.data)
@@ -130,13 +134,22 @@ def learner_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         grpc.channel_ready_future(_channel(address)).result(timeout=max(timeout, 0.0))
     except grpc.FutureTimeoutError:
         _drop_channel(address)
-        raise Unavailable(f"learner_address: no learner answered at {address} within {timeout:.0f}s "
-                              f"(unreachable)") from None
+        raise Unavailable(
+            f"learner_address: no learner answered at {address} within {timeout:.0f}s (unreachable)"
+        ) from None
 
 
-def push_rollout(address: str, rollout, epoch: int, worker_index: int, incarnation: str,
-                 timeout: float = 300.0, *, arena=None, stats: WireStats | None = None
-                 ) -> learner_pb2.PushRolloutResponse:
+def push_rollout(
+    address: str,
+    rollout,
+    epoch: int,
+    worker_index: int,
+    incarnation: str,
+    timeout: float = 300.0,
+    *,
+    arena=None,
+    stats: WireStats | None = None,
+) -> learner_pb2.PushRolloutResponse:
     """Stream a rollout to the learner within ``timeout`` seconds. The learner's refusal or absence comes back as
     the matching rlfleet.errors error, naming the learner's address and carrying its message: INVALID_ARGUMENT,
     FAILED_PRECONDITION and RESOURCE_EXHAUSTED as the learner said them, a deadline as Cancelled, anything
@@ -152,12 +165,18 @@ def push_rollout(address: str, rollout, epoch: int, worker_index: int, incarnati
     if arena is not None:
         ok, _ = offer_shared_memory(stub.SharedMemory, min(timeout, CONNECT_TIMEOUT_S))
         use = arena if ok else None
-    push = ch.stream_unary("/rlfleet.v1.LearnerService/PushRollout", request_serializer=None,
-                           response_deserializer=learner_pb2.PushRolloutResponse.FromString)
+    push = ch.stream_unary(
+        "/rlfleet.v1.LearnerService/PushRollout",
+        request_serializer=None,
+        response_deserializer=learner_pb2.PushRolloutResponse.FromString,
+    )
     chunks = rollout_chunks(rollout, epoch, worker_index, incarnation, arena=use)
     try:
-        return push(timed_messages(stats, chunks, lambda c: codec.shared_bytes(c.data)), timeout=max(timeout, 0.001),
-                    wait_for_ready=True)
+        return push(
+            timed_messages(stats, chunks, lambda c: codec.shared_bytes(c.data)),
+            timeout=max(timeout, 0.001),
+            wait_for_ready=True,
+        )
     except grpc.RpcError as exc:
         kind = status.error_type(exc.code() if hasattr(exc, "code") else None)
         why = f"the learner at {address} did not take the rollout of epoch {epoch}: {channels.describe_error(exc)}"
@@ -182,11 +201,14 @@ CONNECT_TIMEOUT_S = 10.0  # an inference server that accepts no connection withi
 
 def _check_result(res: PolicyOutput, n: int, action_dim: int | None) -> PolicyOutput:
     if res.actions.ndim != 3 or res.actions.shape[0] != n:
-        raise PolicyError(f"inference returned actions shaped {list(res.actions.shape)} for {n} observations "
-                          f"([n, chunk, action_dim] expected)")
+        raise PolicyError(
+            f"inference returned actions shaped {list(res.actions.shape)} for {n} observations "
+            f"([n, chunk, action_dim] expected)"
+        )
     if action_dim is not None and res.actions.shape[2] != action_dim:
-        raise PolicyError(f"inference returned actions shaped {list(res.actions.shape)}, the env takes "
-                          f"[{n}, chunk, {action_dim}]")
+        raise PolicyError(
+            f"inference returned actions shaped {list(res.actions.shape)}, the env takes [{n}, chunk, {action_dim}]"
+        )
     if res.log_probs.ndim != 2 or res.log_probs.shape[0] != n:
         raise PolicyError(f"inference returned log_probs shaped {list(res.log_probs.shape)} for {n} rows")
     if res.values is not None and res.values.shape != (n,):
@@ -222,8 +244,9 @@ class _Stream:
             grpc.channel_ready_future(self.channel).result(timeout=connect)
         except grpc.FutureTimeoutError:
             self.channel.close()
-            raise PolicyError(f"inference server {address} did not answer within {connect:.0f}s (unreachable; "
-                              f"no connection)") from None
+            raise PolicyError(
+                f"inference server {address} did not answer within {connect:.0f}s (unreachable; no connection)"
+            ) from None
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
         # observations by shared-memory handle when the server is on this host and reads this process's segments
         self.arena = None
@@ -232,10 +255,11 @@ class _Stream:
             ok, self.shared_memory_why = offer_shared_memory(self.stub.SharedMemory, connect)
             self.arena = shm.Arena("act", slots=2) if ok else None
         self.wire = WireStats()  # requests built and serialised, replies decoded (this stream's caller's thread)
-        self.parse_s = 0.0       # replies parsed (the reader thread)
+        self.parse_s = 0.0  # replies parsed (the reader thread)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        act = self.channel.stream_stream("/rlfleet.v1.InferenceService/Act", request_serializer=None,
-                                         response_deserializer=self._parse)
+        act = self.channel.stream_stream(
+            "/rlfleet.v1.InferenceService/Act", request_serializer=None, response_deserializer=self._parse
+        )
         self.responses = act(iter(self.requests.get, self._END), wait_for_ready=True)
         if self.arena is not None:  # a request waiting for a segment gives up with the stream, or after the timeout
             self.arena.abandon, self.arena.timeout = self.responses.done, timeout
@@ -260,8 +284,12 @@ class _Stream:
             for resp in self.responses:
                 got += 1
                 if got > self.sent:
-                    self.received.put(PolicyError(f"inference server {self.address} sent Act response {got} for "
-                                                  f"{self.sent} requests (one response per request)"))
+                    self.received.put(
+                        PolicyError(
+                            f"inference server {self.address} sent Act response {got} for "
+                            f"{self.sent} requests (one response per request)"
+                        )
+                    )
                     self.responses.cancel()
                     return
                 self.received.put(resp)
@@ -277,9 +305,13 @@ class _Stream:
         t0 = time.perf_counter()
         try:
             req = inference_pb2.ActRequest(
-                request_id=rid, observations=codec.encode_map(obs, arena=self.arena), deterministic=deterministic,
-                instructions=list(instructions or []), trace_context=trace_context,
-                noise_keys=[] if noise_keys is None else np.asarray(noise_keys, np.uint64).tolist())
+                request_id=rid,
+                observations=codec.encode_map(obs, arena=self.arena),
+                deterministic=deterministic,
+                instructions=list(instructions or []),
+                trace_context=trace_context,
+                noise_keys=[] if noise_keys is None else np.asarray(noise_keys, np.uint64).tolist(),
+            )
         except shm.Abandoned as exc:  # the server took neither of the last two requests' observations
             raise PolicyError(f"inference server {self.address}: {exc}") from None
         data = req.SerializeToString()
@@ -296,8 +328,10 @@ class _Stream:
             resp = self.received.get(timeout=self.timeout)
         except queue.Empty:
             self.responses.cancel()
-            raise PolicyError(f"inference server {self.address} did not answer within {self.timeout:.0f}s "
-                              f"(unreachable or stuck; cluster.act_timeout_s)") from None
+            raise PolicyError(
+                f"inference server {self.address} did not answer within {self.timeout:.0f}s "
+                f"(unreachable or stuck; cluster.act_timeout_s)"
+            ) from None
         if isinstance(resp, PolicyError):
             raise resp
         if resp.request_id != rid:
@@ -306,11 +340,13 @@ class _Stream:
             self.arena.release()
         t0 = time.perf_counter()
         try:
-            res = PolicyOutput(codec.decode(resp.actions, "actions", dtype=np.float32),
-                               codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
-                               codec.decode(resp.values, "values", dtype=np.float32) if resp.HasField("values")
-                               else None,
-                               codec.decode_map(resp.forward_inputs, "forward_inputs"), resp.weights_version)
+            res = PolicyOutput(
+                codec.decode(resp.actions, "actions", dtype=np.float32),
+                codec.decode(resp.log_probs, "log_probs", dtype=np.float32),
+                codec.decode(resp.values, "values", dtype=np.float32) if resp.HasField("values") else None,
+                codec.decode_map(resp.forward_inputs, "forward_inputs"),
+                resp.weights_version,
+            )
         except codec.CodecError as exc:
             raise PolicyError(f"inference server {self.address}: {exc}") from exc
         finally:
@@ -328,8 +364,14 @@ class _Stream:
 class GrpcPolicyClient:
     """Stage s talks to inference server s % len(addresses) over its own stream."""
 
-    def __init__(self, addresses: list[str], num_stages: int, action_dim: int | None = None,
-                 timeout: float = 120.0, shared_memory: bool = True):
+    def __init__(
+        self,
+        addresses: list[str],
+        num_stages: int,
+        action_dim: int | None = None,
+        timeout: float = 120.0,
+        shared_memory: bool = True,
+    ):
         if not addresses:
             raise PolicyError("no inference server address given")
         self.action_dim = action_dim
@@ -345,8 +387,9 @@ class GrpcPolicyClient:
         """The Act streams' wire cost so far (all stages)."""
         return sum((s.stats() for s in self.streams), WireStats())
 
-    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None,
-               noise_keys=None) -> None:
+    def submit(
+        self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None, noise_keys=None
+    ) -> None:
         self.streams[stage].submit(obs, deterministic, instructions, noise_keys)
 
     def result(self, stage: int) -> PolicyOutput:
@@ -366,8 +409,9 @@ class LocalPolicyClient:
         self.pending: list[list] = [[] for _ in range(num_stages)]
         self.lock = threading.Lock()
 
-    def submit(self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None,
-               noise_keys=None) -> None:
+    def submit(
+        self, stage: int, obs: dict[str, np.ndarray], deterministic: bool = False, instructions=None, noise_keys=None
+    ) -> None:
         self.pending[stage].append((obs, deterministic, instructions, noise_keys))
 
     def wire_stats(self) -> WireStats:
@@ -382,8 +426,9 @@ class LocalPolicyClient:
         pass
 
 
-def make_policy_client(target, num_stages: int, action_dim: int | None = None, timeout: float = 120.0,
-                       shared_memory: bool = True):
+def make_policy_client(
+    target, num_stages: int, action_dim: int | None = None, timeout: float = 120.0, shared_memory: bool = True
+):
     """target: a list of inference addresses (gRPC; ``shared_memory``: observations by shared-memory handle to a
     server on this host that accepts them) or an InferenceEngine (in-process)."""
     if isinstance(target, (list, tuple)):

@@ -42,7 +42,6 @@ import numpy as np
 from rlfleet.v1 import tensor_pb2
 from rlfleet.wire import limits
 
-
 # --- Tensors: numpy arrays <-> Tensor / TensorMap messages, every received one checked --------------------------------
 Tensor = tensor_pb2.Tensor
 TensorMap = tensor_pb2.TensorMap
@@ -60,8 +59,9 @@ _NP_BY_DTYPE: dict[int, np.dtype] = {
     DType.UINT8: np.dtype("u1"),
     DType.BOOL: np.dtype("?"),
 }
-_DTYPE_BY_NP: dict[np.dtype, int] = {np.dtype(v).newbyteorder("="): k for k, v in _NP_BY_DTYPE.items()
-                                     if k != DType.BFLOAT16}
+_DTYPE_BY_NP: dict[np.dtype, int] = {
+    np.dtype(v).newbyteorder("="): k for k, v in _NP_BY_DTYPE.items() if k != DType.BFLOAT16
+}
 
 MAX_ELEMENTS = limits.MAX_TENSOR_ELEMENTS  # of one received tensor (rlfleet/wire/limits.py)
 MAX_DIMS = limits.MAX_DIMS
@@ -89,16 +89,18 @@ def dtype_of(array: np.ndarray) -> int:
     try:
         return _DTYPE_BY_NP[array.dtype.newbyteorder("=")]
     except KeyError:
-        raise CodecError(f"unsupported dtype {array.dtype}; supported: "
-                         f"{sorted(str(d) for d in _DTYPE_BY_NP)}") from None
+        raise CodecError(
+            f"unsupported dtype {array.dtype}; supported: {sorted(str(d) for d in _DTYPE_BY_NP)}"
+        ) from None
 
 
 def numpy_dtype(dtype: int, name: str = "dtype") -> np.dtype:
     try:
         return _NP_BY_DTYPE[dtype]
     except (KeyError, TypeError):
-        raise CodecError(f"{name}: unknown or unset dtype {dtype} "
-                         f"(expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})") from None
+        raise CodecError(
+            f"{name}: unknown or unset dtype {dtype} (expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})"
+        ) from None
 
 
 def _wire_array(array) -> tuple[int, np.ndarray]:
@@ -135,9 +137,16 @@ def encode(array, out: Tensor | None = None, *, arena=None) -> Tensor:
     return _fill(msg, dtype, array, ref)
 
 
-def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | None = None,
-           dtype: int | np.dtype | str | None = None, finite: bool = False, writable: bool = False,
-           shm=None) -> np.ndarray:
+def decode(
+    msg: Tensor,
+    name: str = "tensor",
+    *,
+    shape: Sequence[int | None] | None = None,
+    dtype: int | np.dtype | str | None = None,
+    finite: bool = False,
+    writable: bool = False,
+    shm=None,
+) -> np.ndarray:
     """Decode and validate a Tensor message.
 
     shape: expected shape; ``None`` entries are free (e.g. the batch dimension).
@@ -148,8 +157,9 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
     checked and copied out of the sender's segment (a private array); without one a handle is refused.
     """
     if msg.dtype not in _NP_BY_DTYPE:
-        raise CodecError(f"{name}: unknown or unset dtype {msg.dtype} "
-                         f"(expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})")
+        raise CodecError(
+            f"{name}: unknown or unset dtype {msg.dtype} (expected one of {[DType.Name(d) for d in _NP_BY_DTYPE]})"
+        )
     count = check_shape(msg.shape, name)  # Python ints: [2**32, 2**32] must not wrap to 0
     dims = list(msg.shape)
     np_dtype = _NP_BY_DTYPE[msg.dtype]
@@ -159,14 +169,21 @@ def decode(msg: Tensor, name: str = "tensor", *, shape: Sequence[int | None] | N
         if msg.data:
             raise CodecError(f"{name}: both data and a shared-memory handle (shared); a tensor has one or the other")
         if shm is None:
-            raise CodecError(f"{name}.shared: a shared-memory handle where inline bytes (data) are expected (no "
-                             f"shared-memory handshake for this call, or cluster.shared_memory: inline)")
+            raise CodecError(
+                f"{name}.shared: a shared-memory handle where inline bytes (data) are expected (no "
+                f"shared-memory handshake for this call, or cluster.shared_memory: inline)"
+            )
     elif len(data) != count * np_dtype.itemsize:  # before anything is allocated for the claimed shape
-        raise CodecError(f"{name}: {len(data)} data bytes do not match shape {dims} of "
-                         f"{DType.Name(msg.dtype)} ({count * np_dtype.itemsize} bytes expected)")
+        raise CodecError(
+            f"{name}: {len(data)} data bytes do not match shape {dims} of "
+            f"{DType.Name(msg.dtype)} ({count * np_dtype.itemsize} bytes expected)"
+        )
     if dtype is not None:
-        want = dtype if isinstance(dtype, int) and not isinstance(dtype, bool) else _DTYPE_BY_NP.get(
-            np.dtype(dtype).newbyteorder("="))
+        want = (
+            dtype
+            if isinstance(dtype, int) and not isinstance(dtype, bool)
+            else _DTYPE_BY_NP.get(np.dtype(dtype).newbyteorder("="))
+        )
         if want != msg.dtype:
             want_name = DType.Name(want) if want in _NP_BY_DTYPE else str(dtype)
             raise CodecError(f"{name}: dtype {DType.Name(msg.dtype)} where {want_name} was expected")
@@ -205,20 +222,32 @@ def shared_bytes(msg: TensorMap) -> int:
     return sum(t.shared.length for t in msg.tensors.values() if t.HasField("shared"))
 
 
-def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, TensorSpec] | None = None,
-               batch: int | None = None, finite: bool = False, writable: bool = False,
-               shm=None) -> dict[str, np.ndarray]:
+def decode_map(
+    msg: TensorMap,
+    name: str = "tensors",
+    *,
+    specs: Mapping[str, TensorSpec] | None = None,
+    batch: int | None = None,
+    finite: bool = False,
+    writable: bool = False,
+    shm=None,
+) -> dict[str, np.ndarray]:
     """Decode a TensorMap; with ``specs``, require exactly those keys, each shaped [batch, *spec.shape]. At most
     ``limits.MAX_TENSOR_MAP_ENTRIES`` entries (counted before any key is read)."""
     if len(msg.tensors) > limits.MAX_TENSOR_MAP_ENTRIES:
-        raise CodecError(f"{name}: {len(msg.tensors):,} tensors; at most {limits.MAX_TENSOR_MAP_ENTRIES:,} "
-                         f"(rlfleet.wire.limits.MAX_TENSOR_MAP_ENTRIES)")
+        raise CodecError(
+            f"{name}: {len(msg.tensors):,} tensors; at most {limits.MAX_TENSOR_MAP_ENTRIES:,} "
+            f"(rlfleet.wire.limits.MAX_TENSOR_MAP_ENTRIES)"
+        )
     if specs is not None:
         missing = sorted(set(specs) - set(msg.tensors))
         extra = sorted(set(msg.tensors) - set(specs))
         if missing or extra:
-            raise CodecError(f"{name}: keys {sorted(msg.tensors)} do not match the expected {sorted(specs)}"
-                             + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else ""))
+            raise CodecError(
+                f"{name}: keys {sorted(msg.tensors)} do not match the expected {sorted(specs)}"
+                + (f" (missing {missing})" if missing else "")
+                + (f" (unexpected {extra})" if extra else "")
+            )
     out = {}
     for key, tensor in msg.tensors.items():
         kwargs = {}
@@ -231,41 +260,45 @@ def decode_map(msg: TensorMap, name: str = "tensors", *, specs: Mapping[str, Ten
 
 # --- The rollout schema: what an env server pushes (PushRollout) and what the learner takes ---------------------------
 OBS = "obs."  # prefix of observation tensors
-FI = "fi."    # prefix of forward-input tensors
+FI = "fi."  # prefix of forward-input tensors
 
 
 @dataclass(frozen=True)
 class Field:
     dtype: type
-    trailing: str        # the shape after [T, N]: "" none, "chunk,action_dim", "L" (log-prob width)
+    trailing: str  # the shape after [T, N]: "" none, "chunk,action_dim", "L" (log-prob width)
     required: bool = True
     doc: str = ""
     bound: float | None = None  # float fields: the largest magnitude accepted (|x| <= bound)
 
 
-REWARD_BOUND = 1e4   # per step (a chunk's rewards summed): simulators here give at most ~10
-VALUE_BOUND = 1e8    # critic outputs: returns of REWARD_BOUND rewards over 1 / (1 - gamma) = 1000 steps, x10
-ACTION_BOUND = 1e6   # raw (unclipped) policy samples; envs clip to their O(1) bounds
+REWARD_BOUND = 1e4  # per step (a chunk's rewards summed): simulators here give at most ~10
+VALUE_BOUND = 1e8  # critic outputs: returns of REWARD_BOUND rewards over 1 / (1 - gamma) = 1000 steps, x10
+ACTION_BOUND = 1e6  # raw (unclipped) policy samples; envs clip to their O(1) bounds
 LOG_PROB_BOUND = 1e6  # |log pi(a)| of one sample at any granularity
-OBS_BOUND = 1e9      # float observation entries (obs.*): positions, velocities, forces in SI units
-FI_BOUND = 1e6       # float forward inputs (fi.*): sampled actions, noise and denoising states
+OBS_BOUND = 1e9  # float observation entries (obs.*): positions, velocities, forces in SI units
+FI_BOUND = 1e6  # float forward inputs (fi.*): sampled actions, noise and denoising states
 
 TIME_MAJOR: dict[str, Field] = {
     "actions": Field(np.float32, "chunk,action_dim", doc="the action chunk each env executed", bound=ACTION_BOUND),
-    "log_probs": Field(np.float32, "L", doc="the behaviour policy's log-probs (algorithm.logprob_type)",
-                       bound=LOG_PROB_BOUND),
+    "log_probs": Field(
+        np.float32, "L", doc="the behaviour policy's log-probs (algorithm.logprob_type)", bound=LOG_PROB_BOUND
+    ),
     "values": Field(np.float32, "", doc="V(obs) at acting time (0 without a critic)", bound=VALUE_BOUND),
     "rewards": Field(np.float32, "", doc="reward of the step (a chunk's rewards summed)", bound=REWARD_BOUND),
     "terminated": Field(np.bool_, "", doc="the episode ended at this step"),
     "truncated": Field(np.bool_, "", doc="the episode was cut at this step (time limit)"),
-    "bootstrap_values": Field(np.float32, "", doc="V(final obs) of a truncated episode's last step, else 0",
-                              bound=VALUE_BOUND),
-    "loss_mask": Field(np.bool_, "", doc="the sample trains (false after an episode ended without auto-reset); "
-                                         "at least one must be true"),
+    "bootstrap_values": Field(
+        np.float32, "", doc="V(final obs) of a truncated episode's last step, else 0", bound=VALUE_BOUND
+    ),
+    "loss_mask": Field(
+        np.bool_,
+        "",
+        doc="the sample trains (false after an episode ended without auto-reset); at least one must be true",
+    ),
     "weights_version": Field(np.int64, "", required=False, doc="the weights version the sample was acted with"),
 }
-PER_ENV: dict[str, Field] = {"last_values": Field(np.float32, "", doc="V(obs after the last step)",
-                                                  bound=VALUE_BOUND)}
+PER_ENV: dict[str, Field] = {"last_values": Field(np.float32, "", doc="V(obs after the last step)", bound=VALUE_BOUND)}
 
 
 def bound_of(name: str) -> float | None:
@@ -294,8 +327,10 @@ def _check_values(name: str, v: np.ndarray) -> None:
     peak = float(np.abs(v).max())
     if peak > bound:
         where = tuple(int(i) for i in np.argwhere(np.abs(v) > bound)[0])
-        raise SchemaError(f"rollout['{name}']: value {float(v[where]):.4g} at index {list(where)} is beyond the "
-                          f"schema's bound |x| <= {bound:g} (rlfleet/wire/codec.py)")
+        raise SchemaError(
+            f"rollout['{name}']: value {float(v[where]):.4g} at index {list(where)} is beyond the "
+            f"schema's bound |x| <= {bound:g} (rlfleet/wire/codec.py)"
+        )
 
 
 @dataclass
@@ -329,15 +364,26 @@ def empty_buffers(T: int, n: int, observation_space: Mapping, alloc=None) -> dic
     arena's :meth:`~rlfleet.wire.shm.Arena.buffers`; None: ordinary memory)."""
     layout = {f"{OBS}{k}": ((T, n, *sp.shape), np.dtype(sp.dtype)) for k, sp in observation_space.items()}
     buf = alloc(layout) if alloc is not None else {k: np.empty(s, dtype=d) for k, (s, d) in layout.items()}
-    buf.update(values=np.zeros((T, n), np.float32), rewards=np.empty((T, n), np.float32),
-               terminated=np.zeros((T, n), bool), truncated=np.zeros((T, n), bool),
-               bootstrap_values=np.zeros((T, n), np.float32), loss_mask=np.ones((T, n), bool),
-               weights_version=np.full((T, n), -1, np.int64))
+    buf.update(
+        values=np.zeros((T, n), np.float32),
+        rewards=np.empty((T, n), np.float32),
+        terminated=np.zeros((T, n), bool),
+        truncated=np.zeros((T, n), bool),
+        bootstrap_values=np.zeros((T, n), np.float32),
+        loss_mask=np.ones((T, n), bool),
+        weights_version=np.full((T, n), -1, np.int64),
+    )
     return buf
 
 
-def add_policy_buffers(buf: dict[str, np.ndarray], T: int, n: int, actions: np.ndarray, log_probs: np.ndarray,
-                       forward_inputs: Mapping[str, np.ndarray]) -> None:
+def add_policy_buffers(
+    buf: dict[str, np.ndarray],
+    T: int,
+    n: int,
+    actions: np.ndarray,
+    log_probs: np.ndarray,
+    forward_inputs: Mapping[str, np.ndarray],
+) -> None:
     """Actions, log-probs and forward inputs, shaped like the policy's first answer (rows first)."""
     buf["actions"] = np.zeros((T, n, *actions.shape[1:]), np.float32)
     buf["log_probs"] = np.zeros((T, n, log_probs.shape[1]), np.float32)
@@ -363,9 +409,17 @@ def _kind(dtype) -> str:
     return {"f": "float", "i": "integer", "u": "integer", "b": "bool"}.get(np.dtype(dtype).kind, np.dtype(dtype).name)
 
 
-def check_rollout(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np.ndarray], *, obs_specs: Mapping,
-          chunk: int, action_dim: int, log_prob_width: int, logprob_type: str = "",
-          fi_specs: Mapping[str, InputSpec] | None = None) -> tuple[int, int]:
+def check_rollout(
+    time_major: Mapping[str, np.ndarray],
+    per_env: Mapping[str, np.ndarray],
+    *,
+    obs_specs: Mapping,
+    chunk: int,
+    action_dim: int,
+    log_prob_width: int,
+    logprob_type: str = "",
+    fi_specs: Mapping[str, InputSpec] | None = None,
+) -> tuple[int, int]:
     """Check a rollout against the schema and the policy's spaces -> (T, N). ``obs_specs``: {key: spec with
     ``shape`` and ``dtype``}; ``fi_specs``: {key: InputSpec}, the forward inputs the policy produces (None: any
     names and shapes)."""
@@ -376,9 +430,9 @@ def check_rollout(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np
     if missing:
         raise SchemaError(f"rollout: missing tensors {missing}")
     unknown = [k for k in time_major if k not in TIME_MAJOR and not k.startswith((OBS, FI))]
-    unknown += [f"{OBS}{k[len(OBS):]}" for k in time_major if k.startswith(OBS) and k[len(OBS):] not in obs_specs]
+    unknown += [f"{OBS}{k[len(OBS) :]}" for k in time_major if k.startswith(OBS) and k[len(OBS) :] not in obs_specs]
     if fi_specs is not None:
-        unknown += [k for k in time_major if k.startswith(FI) and k[len(FI):] not in fi_specs]
+        unknown += [k for k in time_major if k.startswith(FI) and k[len(FI) :] not in fi_specs]
     if unknown:
         raise SchemaError(f"rollout: unknown tensors {unknown} (the schema: {sorted(TIME_MAJOR)}, obs.*, fi.*)")
     if time_major["rewards"].ndim != 2:
@@ -405,19 +459,24 @@ def check_rollout(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np
     for k, spec in obs_specs.items():
         arr = time_major[f"{OBS}{k}"]
         if arr.shape[2:] != tuple(spec.shape) or arr.dtype.name != spec.dtype:
-            raise SchemaError(f"rollout['{OBS}{k}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
-                              f"[{T}, {N}, *{list(spec.shape)}] was expected")
+            raise SchemaError(
+                f"rollout['{OBS}{k}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
+                f"[{T}, {N}, *{list(spec.shape)}] was expected"
+            )
     for k, spec in (fi_specs or {}).items():
         arr = time_major[f"{FI}{k}"]
         if arr.shape[2:] != tuple(spec.shape) or _kind(arr.dtype) != _kind(spec.dtype):
-            raise SchemaError(f"rollout['{FI}{k}']: {arr.dtype.name} {list(arr.shape)} where {_kind(spec.dtype)} "
-                              f"[{T}, {N}, *{list(spec.shape)}] was expected (the forward inputs this learner's "
-                              f"policy produces)")
+            raise SchemaError(
+                f"rollout['{FI}{k}']: {arr.dtype.name} {list(arr.shape)} where {_kind(spec.dtype)} "
+                f"[{T}, {N}, *{list(spec.shape)}] was expected (the forward inputs this learner's "
+                f"policy produces)"
+            )
     for k, v in time_major.items():
         _check_values(k, v)
     if not time_major["loss_mask"].any():
-        raise SchemaError(f"rollout['loss_mask']: all {T * N} samples are masked out; a rollout needs at least one "
-                          f"sample that trains")
+        raise SchemaError(
+            f"rollout['loss_mask']: all {T * N} samples are masked out; a rollout needs at least one sample that trains"
+        )
     for k, f in PER_ENV.items():
         v = per_env[k]
         if v.dtype != f.dtype:
@@ -431,16 +490,29 @@ def check_rollout(time_major: Mapping[str, np.ndarray], per_env: Mapping[str, np
 # --- Episodes: EpisodeStat <-> the EpisodeStats message ---------------------------------------------------------------
 def episode_to_proto(ep) -> tensor_pb2.EpisodeStats:
     """:class:`EpisodeStat` -> EpisodeStats message."""
-    return tensor_pb2.EpisodeStats(env_id=ep.env_id, length=ep.length, success_once=ep.success_once,
-                                   success_at_end=ep.success_at_end, reset_state_id=ep.reset_state_id,
-                                   instruction=ep.instruction, **{"return": ep.episode_return})
+    return tensor_pb2.EpisodeStats(
+        env_id=ep.env_id,
+        length=ep.length,
+        success_once=ep.success_once,
+        success_at_end=ep.success_at_end,
+        reset_state_id=ep.reset_state_id,
+        instruction=ep.instruction,
+        **{"return": ep.episode_return},
+    )
 
 
 def episode_from_proto(msg: tensor_pb2.EpisodeStats):
     """EpisodeStats message -> :class:`EpisodeStat` (as the message says it: the contract version's defaults are for
     the env side's bridge to external servers to apply)."""
-    return EpisodeStat(msg.env_id, float(getattr(msg, "return")), msg.length, msg.success_once, msg.success_at_end,
-                       msg.reset_state_id, msg.instruction)
+    return EpisodeStat(
+        msg.env_id,
+        float(getattr(msg, "return")),
+        msg.length,
+        msg.success_once,
+        msg.success_at_end,
+        msg.reset_state_id,
+        msg.instruction,
+    )
 
 
 def episode_return(ep) -> float:
@@ -454,30 +526,39 @@ class PolicyOutput:
     """One batch of ``n`` rows. Arrays are torch tensors where a policy produced them and numpy arrays once they
     leave the policy (``to_numpy``): what the inference server sends and the clients receive."""
 
-    actions: Any                  # [n, chunk, action_dim] float32
-    log_probs: Any                # [n, L] float32, L by algorithm.logprob_type
-    values: Any | None            # [n] float32, None when the policy has no critic
+    actions: Any  # [n, chunk, action_dim] float32
+    log_probs: Any  # [n, L] float32, L by algorithm.logprob_type
+    values: Any | None  # [n] float32, None when the policy has no critic
     forward_inputs: dict[str, Any] = field(default_factory=dict)  # [n, ...] each: what evaluate() needs
-    weights_version: int = -1     # the weights that produced it (-1: not stamped, e.g. straight from a policy)
+    weights_version: int = -1  # the weights that produced it (-1: not stamped, e.g. straight from a policy)
 
     def rows(self, start: int, end: int) -> PolicyOutput:
         """The output of rows [start, end) (one request's share of a batch)."""
-        return PolicyOutput(self.actions[start:end], self.log_probs[start:end],
-                            None if self.values is None else self.values[start:end],
-                            {k: v[start:end] for k, v in self.forward_inputs.items()}, self.weights_version)
+        return PolicyOutput(
+            self.actions[start:end],
+            self.log_probs[start:end],
+            None if self.values is None else self.values[start:end],
+            {k: v[start:end] for k, v in self.forward_inputs.items()},
+            self.weights_version,
+        )
 
     def to_numpy(self, weights_version: int, rows: int | None = None) -> PolicyOutput:
         """A policy's (torch) output -> the numpy output of weights ``weights_version`` (actions, log-probs and
         values as float32), keeping the first ``rows`` rows (None: all of them; the rest is batch padding)."""
+
         def numpy(t):
             return t[:rows].detach().cpu().numpy()
 
         def floats(t):
             return numpy(t.float())
 
-        return PolicyOutput(floats(self.actions), floats(self.log_probs),
-                            None if self.values is None else floats(self.values),
-                            {k: numpy(v) for k, v in self.forward_inputs.items()}, weights_version)
+        return PolicyOutput(
+            floats(self.actions),
+            floats(self.log_probs),
+            None if self.values is None else floats(self.values),
+            {k: numpy(v) for k, v in self.forward_inputs.items()},
+            weights_version,
+        )
 
 
 # --- The Act's per-row noise keys: reproducible sampling noise, keyed per env and step --------------------------------

@@ -77,7 +77,7 @@ class View:
     max_episode_steps: int
     max_action_chunk: int
     max_step_streams: int
-    streams_stated: bool        # max_step_streams was set (a refusal of one more stream is promised)
+    streams_stated: bool  # max_step_streams was set (a refusal of one more stream is promised)
     num_reset_states: int
     simulator: str
     auto_reset: bool
@@ -94,11 +94,17 @@ class View:
 
 
 def read(spec) -> View:
-    return View(version=version_of(spec), num_envs=int(spec.num_envs), max_episode_steps=int(spec.max_episode_steps),
-                max_action_chunk=int(spec.max_action_chunk) or 1,
-                max_step_streams=int(spec.max_step_streams) or DEFAULT_MAX_STEP_STREAMS,
-                streams_stated=spec.max_step_streams > 0, num_reset_states=max(0, int(spec.num_reset_states)),
-                simulator=spec.simulator or "external", auto_reset=bool(spec.auto_reset))
+    return View(
+        version=version_of(spec),
+        num_envs=int(spec.num_envs),
+        max_episode_steps=int(spec.max_episode_steps),
+        max_action_chunk=int(spec.max_action_chunk) or 1,
+        max_step_streams=int(spec.max_step_streams) or DEFAULT_MAX_STEP_STREAMS,
+        streams_stated=spec.max_step_streams > 0,
+        num_reset_states=max(0, int(spec.num_reset_states)),
+        simulator=spec.simulator or "external",
+        auto_reset=bool(spec.auto_reset),
+    )
 
 
 _ANY = -(1 << 63)  # no lower bound (spec_problems says what is too small, in its own words)
@@ -141,17 +147,51 @@ def limit_problems(spec, source: str = "EnvSpec") -> list[str]:
                 break
             per_env += count * _itemsize(entry.dtype)
         else:
-            if run(check, source, "observation_space (bytes of one env's observation)", per_env,
-                   "MAX_ENV_STEP_BYTES", per="bytes per env") is not None and n is not None and n > 0:
-                run(check, source, f"num_envs x observation bytes ({n:,} x {per_env:,}: a Reset of every env)",
-                    n * per_env, "MAX_MESSAGE_BYTES", per="bytes, one reply (host fewer envs per server)")
+            if (
+                run(
+                    check,
+                    source,
+                    "observation_space (bytes of one env's observation)",
+                    per_env,
+                    "MAX_ENV_STEP_BYTES",
+                    per="bytes per env",
+                )
+                is not None
+                and n is not None
+                and n > 0
+            ):
+                run(
+                    check,
+                    source,
+                    f"num_envs x observation bytes ({n:,} x {per_env:,}: a Reset of every env)",
+                    n * per_env,
+                    "MAX_MESSAGE_BYTES",
+                    per="bytes, one reply (host fewer envs per server)",
+                )
     actions = _elements(spec.action_space, "action_space.shape", "MAX_ACTION_ELEMENTS", source, run)
     if actions is not None and chunk is not None:
         row = actions * 4  # FLOAT32
-        if run(check, source, f"max_action_chunk x action bytes ({max(chunk, 1):,} x {row:,})", max(chunk, 1) * row,
-               "MAX_ENV_STEP_BYTES", per="bytes per env") is not None and n is not None and n > 0:
-            run(check, source, f"num_envs x action bytes ({n:,} x {row:,}: a Step of every env)", n * row,
-                "MAX_MESSAGE_BYTES", per="bytes, one request (host fewer envs per server)")
+        if (
+            run(
+                check,
+                source,
+                f"max_action_chunk x action bytes ({max(chunk, 1):,} x {row:,})",
+                max(chunk, 1) * row,
+                "MAX_ENV_STEP_BYTES",
+                per="bytes per env",
+            )
+            is not None
+            and n is not None
+            and n > 0
+        ):
+            run(
+                check,
+                source,
+                f"num_envs x action bytes ({n:,} x {row:,}: a Step of every env)",
+                n * row,
+                "MAX_MESSAGE_BYTES",
+                per="bytes, one request (host fewer envs per server)",
+            )
     return out
 
 
@@ -204,20 +244,28 @@ def spec_problems(spec) -> list[str]:
     if out:
         return out
     if version_of(spec) not in KNOWN_VERSIONS:
-        out.append(f"EnvSpec.contract_version is {spec.contract_version!r}; rlfleet knows versions "
-                   f"{', '.join(repr(v) for v in KNOWN_VERSIONS)} ('' reads as '0') ({section('versions')})")
+        out.append(
+            f"EnvSpec.contract_version is {spec.contract_version!r}; rlfleet knows versions "
+            f"{', '.join(repr(v) for v in KNOWN_VERSIONS)} ('' reads as '0') ({section('versions')})"
+        )
     if spec.num_envs < 1:
         out.append(f"EnvSpec.num_envs is {spec.num_envs}; a server hosts at least one env ({section('describe')})")
     if spec.max_episode_steps < 1:
-        out.append(f"EnvSpec.max_episode_steps is {spec.max_episode_steps}; must be >= 1: rlfleet takes the episode "
-                   f"limit of an external server from Describe ({section('describe')})")
+        out.append(
+            f"EnvSpec.max_episode_steps is {spec.max_episode_steps}; must be >= 1: rlfleet takes the episode "
+            f"limit of an external server from Describe ({section('describe')})"
+        )
     for name in ("max_action_chunk", "max_step_streams", "num_reset_states"):
         if getattr(spec, name) < 0:
-            out.append(f"EnvSpec.{name} is {getattr(spec, name)}; must be >= 0 (0 reads as its default) "
-                       f"({section('describe')})")
+            out.append(
+                f"EnvSpec.{name} is {getattr(spec, name)}; must be >= 0 (0 reads as its default) "
+                f"({section('describe')})"
+            )
     if len(spec.task_descriptions) not in (0, spec.num_envs):
-        out.append(f"EnvSpec.task_descriptions: {len(spec.task_descriptions)} strings for {spec.num_envs} envs "
-                   f"(one per env, or none) ({section('describe')})")
+        out.append(
+            f"EnvSpec.task_descriptions: {len(spec.task_descriptions)} strings for {spec.num_envs} envs "
+            f"(one per env, or none) ({section('describe')})"
+        )
     if not spec.observation_space:
         out.append(f"EnvSpec.observation_space is empty ({section('describe')})")
     try:
@@ -230,8 +278,10 @@ def spec_problems(spec) -> list[str]:
         out.append(f"EnvSpec.action_space: {exc} ({section('tensors')})")
     else:
         if action.dtype != np.float32 or not action.shape:
-            out.append(f"EnvSpec.action_space is {action.dtype} {list(action.shape)}; rlfleet sends FLOAT32 actions "
-                       f"of at least one dimension ({section('describe')})")
+            out.append(
+                f"EnvSpec.action_space is {action.dtype} {list(action.shape)}; rlfleet sends FLOAT32 actions "
+                f"of at least one dimension ({section('describe')})"
+            )
         elif not (action.low <= action.high).all():
             out.append(f"EnvSpec.action_space: low > high somewhere ({section('tensors')})")
     return out
@@ -243,10 +293,12 @@ def run_problems(spec, *, policy_chunk: int = 1) -> list[str]:
     out = spec_problems(spec)
     k = read(spec).max_action_chunk
     if policy_chunk > k:
-        out.append(f"EnvSpec.max_action_chunk is {spec.max_action_chunk}"
-                   + (" (0 reads as 1)" if not spec.max_action_chunk else "")
-                   + f"; the policy acts in chunks of {policy_chunk} (actor.model.num_action_chunks) "
-                     f"({section('chunks')})")
+        out.append(
+            f"EnvSpec.max_action_chunk is {spec.max_action_chunk}"
+            + (" (0 reads as 1)" if not spec.max_action_chunk else "")
+            + f"; the policy acts in chunks of {policy_chunk} (actor.model.num_action_chunks) "
+            f"({section('chunks')})"
+        )
     return out
 
 
@@ -259,8 +311,16 @@ def ended_rows(final_rows: Sequence[int], terminated: np.ndarray, truncated: np.
     return np.flatnonzero((np.asarray(terminated) | np.asarray(truncated)).reshape(n, -1).any(1)).astype(np.int64)
 
 
-def decode_final_observations(msg, rows: np.ndarray, n: int, specs: Mapping, name: str = "final_observations",
-                              *, every_row_ok: bool = True, writable: bool = False) -> dict[str, np.ndarray]:
+def decode_final_observations(
+    msg,
+    rows: np.ndarray,
+    n: int,
+    specs: Mapping,
+    name: str = "final_observations",
+    *,
+    every_row_ok: bool = True,
+    writable: bool = False,
+) -> dict[str, np.ndarray]:
     """The final observations of the ended ``rows`` (positions among the ``n`` stepped rows).
 
     Accepted: one row per ended row, in ``rows`` order; with ``every_row_ok`` also one row per stepped row
@@ -279,8 +339,9 @@ def decode_final_observations(msg, rows: np.ndarray, n: int, specs: Mapping, nam
 _SERVICE = "/rlfleet.v1.EnvService"
 _SHAPE = {2: limits.Rule("shape", "MAX_DIMS", unit="dimensions", packed=True)}  # of a Tensor or a TensorSpec
 ENV_SPEC_RULES = {
-    3: limits.Rule("observation_space", "MAX_OBS_ENTRIES", unit="entries", keyed=True,
-                   rules={2: limits.Rule("", rules=_SHAPE)}),
+    3: limits.Rule(
+        "observation_space", "MAX_OBS_ENTRIES", unit="entries", keyed=True, rules={2: limits.Rule("", rules=_SHAPE)}
+    ),
     4: limits.Rule("action_space", rules=_SHAPE),
     6: limits.Rule("task_descriptions", "MAX_ENVS", unit="count"),
 }
@@ -288,8 +349,12 @@ ENV_SPEC_RULES = {
 
 def _map(name: str) -> limits.Rule:
     """A TensorMap field: its entries counted, each entry's tensor shape too."""
-    return limits.Rule(name, rules={1: limits.Rule("", "MAX_OBS_ENTRIES", unit="entries", keyed=True,
-                                                   rules={2: limits.Rule("", rules=_SHAPE)})})
+    return limits.Rule(
+        name,
+        rules={
+            1: limits.Rule("", "MAX_OBS_ENTRIES", unit="entries", keyed=True, rules={2: limits.Rule("", rules=_SHAPE)})
+        },
+    )
 
 
 def reply_rules(n: int, *, step: bool) -> dict[int, limits.Rule]:
@@ -298,11 +363,17 @@ def reply_rules(n: int, *, step: bool) -> dict[int, limits.Rule]:
     if not step:
         return {1: _map("observations"), 2: limits.Rule("instructions", unit="count", cap=n, per=asked)}
     ended = f"(one per ended row; {n:,} rows were stepped)"
-    return {1: _map("observations"), **{i: limits.Rule(name, rules=_SHAPE) for i, name in
-                                        ((2, "rewards"), (3, "terminated"), (4, "truncated"), (5, "success"))},
-            6: _map("final_observations"), 7: limits.Rule("episodes", unit="count", cap=n, per=ended),
-            8: limits.Rule("final_rows", unit="count", cap=n, per=ended, packed=True),
-            9: limits.Rule("instructions", unit="count", cap=n, per=asked)}
+    return {
+        1: _map("observations"),
+        **{
+            i: limits.Rule(name, rules=_SHAPE)
+            for i, name in ((2, "rewards"), (3, "terminated"), (4, "truncated"), (5, "success"))
+        },
+        6: _map("final_observations"),
+        7: limits.Rule("episodes", unit="count", cap=n, per=ended),
+        8: limits.Rule("final_rows", unit="count", cap=n, per=ended, packed=True),
+        9: limits.Rule("instructions", unit="count", cap=n, per=asked),
+    }
 
 
 def read_reply(raw: bytes, n: int, source: str, *, step: bool):
@@ -329,13 +400,20 @@ class EnvClient:
     def __init__(self, channel):
         from rlfleet.v1 import env_pb2
 
-        self._describe = channel.unary_unary(f"{_SERVICE}/Describe",
-                                             request_serializer=env_pb2.DescribeEnvRequest.SerializeToString)
-        self._reset = channel.unary_unary(f"{_SERVICE}/Reset", request_serializer=env_pb2.ResetRequest.SerializeToString)
-        self.step_call = channel.stream_stream(f"{_SERVICE}/Step",
-                                               request_serializer=env_pb2.StepRequest.SerializeToString)
-        self.close = channel.unary_unary(f"{_SERVICE}/Close", request_serializer=env_pb2.CloseRequest.SerializeToString,
-                                         response_deserializer=env_pb2.CloseResponse.FromString)
+        self._describe = channel.unary_unary(
+            f"{_SERVICE}/Describe", request_serializer=env_pb2.DescribeEnvRequest.SerializeToString
+        )
+        self._reset = channel.unary_unary(
+            f"{_SERVICE}/Reset", request_serializer=env_pb2.ResetRequest.SerializeToString
+        )
+        self.step_call = channel.stream_stream(
+            f"{_SERVICE}/Step", request_serializer=env_pb2.StepRequest.SerializeToString
+        )
+        self.close = channel.unary_unary(
+            f"{_SERVICE}/Close",
+            request_serializer=env_pb2.CloseRequest.SerializeToString,
+            response_deserializer=env_pb2.CloseResponse.FromString,
+        )
 
     def describe(self, timeout: float | None = None, source: str = "EnvSpec"):
         """The server's EnvSpec; its counts scanned first (:data:`ENV_SPEC_RULES`). The other limits are
@@ -373,8 +451,7 @@ class StepCall:
 
     _END = object()
 
-    def __init__(self, client: EnvClient, *, timeout: float | None = None, metadata=None,
-                 source: str = "StepResponse"):
+    def __init__(self, client: EnvClient, *, timeout: float | None = None, metadata=None, source: str = "StepResponse"):
         self.source = source
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.call = client.step_call(iter(self._requests.get, self._END), timeout=timeout, metadata=metadata)
@@ -391,8 +468,11 @@ class StepCall:
                 with self._lock:
                     n = self._rows.pop(0) if self._rows else None
                 if n is None:
-                    self._answers.put(StepStreamError(f"sent a StepResponse no request asked for (one response per "
-                                                      f"request: {section('step')})"))
+                    self._answers.put(
+                        StepStreamError(
+                            f"sent a StepResponse no request asked for (one response per request: {section('step')})"
+                        )
+                    )
                     self.call.cancel()
                     return
                 try:

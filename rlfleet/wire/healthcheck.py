@@ -14,8 +14,9 @@ def check(address: str, service: str = "", timeout: float = 5.0) -> tuple[bool, 
 
     with grpc.insecure_channel(address) as ch:
         try:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError as exc:
             return False, f"{address}: {exc.code().name}: {exc.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -44,8 +44,9 @@ def _env_int(name: str, default: int) -> int:
     try:
         value = int(raw.replace("_", ""))
     except ValueError:
-        raise ValueError(f"RLFLEET_{name}={raw!r}: expected a positive integer (an override of "
-                         f"rlfleet.wire.limits.{name})") from None
+        raise ValueError(
+            f"RLFLEET_{name}={raw!r}: expected a positive integer (an override of rlfleet.wire.limits.{name})"
+        ) from None
     if value < 1:
         raise ValueError(f"RLFLEET_{name}={raw!r}: expected a positive integer")
     return value
@@ -96,8 +97,9 @@ def named(name: str) -> str:
     return f"{where}, override with RLFLEET_{name}" if name in OVERRIDABLE else where
 
 
-def check(source: str, what: str, value, name: str = "", *, cap: int | None = None, per: str = "",
-          minimum: int = 0) -> int:
+def check(
+    source: str, what: str, value, name: str = "", *, cap: int | None = None, per: str = "", minimum: int = 0
+) -> int:
     """``value`` (a count a peer claims) as an int in ``[minimum, limit]``, else
     :class:`~rlfleet.untrusted.TooLarge` (above) or :class:`~rlfleet.untrusted.BadFile` (not an int, below): one
     line naming ``source`` (the peer and its message), the field ``what``, the limit and the claimed value. The
@@ -114,8 +116,9 @@ def check(source: str, what: str, value, name: str = "", *, cap: int | None = No
 def check_chars(source: str, what: str, text: str, name: str = "MAX_NAME_CHARS") -> str:
     """A string a peer sent, refused past ``name`` characters (the message shows its length, not the string)."""
     if len(text) > limit(name):
-        raise TooLarge(source, what, f"a string of at most {limit(name):,} characters ({named(name)})",
-                       f"{len(text):,} characters")
+        raise TooLarge(
+            source, what, f"a string of at most {limit(name):,} characters ({named(name)})", f"{len(text):,} characters"
+        )
     return text
 
 
@@ -131,8 +134,18 @@ class Rule:
     which), its content scanned by the nested ``rules`` when it is a message, or its elements counted when it is
     ``packed`` (repeated varints). ``keyed``: a map's entries, named in messages by their key."""
 
-    def __init__(self, name: str, limit: str = "", *, unit: str = "", cap: int | None = None, per: str = "",
-                 rules: dict | None = None, packed: bool = False, keyed: bool = False):
+    def __init__(
+        self,
+        name: str,
+        limit: str = "",
+        *,
+        unit: str = "",
+        cap: int | None = None,
+        per: str = "",
+        rules: dict | None = None,
+        packed: bool = False,
+        keyed: bool = False,
+    ):
         self.name, self.limit, self.unit, self.cap, self.per = name, limit, unit, cap, per
         self.rules, self.packed, self.keyed = rules, packed, keyed
 
@@ -148,7 +161,7 @@ def _key(buf, start: int, end: int) -> str:
         if key != 0x0A:
             return "?"
         size, pos = _varint(buf, pos, end)
-        return bytes(buf[pos:min(pos + size, pos + 40, end)]).decode("utf-8", "replace")
+        return bytes(buf[pos : min(pos + size, pos + 40, end)]).decode("utf-8", "replace")
     except ValueError:
         return "?"
 
@@ -194,8 +207,12 @@ def _scan(buf, pos: int, end: int, rules: dict, source: str, path: str, budget: 
         if budget[0] <= 0:
             if over is not None:
                 break
-            raise TooLarge(source, path or "message", f"at most {limit('MAX_WIRE_RECORDS'):,} wire records "
-                           f"({named('MAX_WIRE_RECORDS')})", "more")
+            raise TooLarge(
+                source,
+                path or "message",
+                f"at most {limit('MAX_WIRE_RECORDS'):,} wire records ({named('MAX_WIRE_RECORDS')})",
+                "more",
+            )
         key, pos = _varint(buf, pos, end)
         number, wire = key >> 3, key & 7
         budget[0] -= 1
@@ -232,11 +249,36 @@ def _scan(buf, pos: int, end: int, rules: dict, source: str, path: str, budget: 
         rule = rules[over]
         ref = f" ({named(rule.limit)})" if rule.cap is None and rule.limit else ""
         what = _join(path, rule.name) + (f" ({rule.unit})" if rule.unit else "")
-        raise TooLarge(source, what, f"at most {_bound(rule):,}" + (f" {rule.per}" if rule.per else "") + ref,
-                       f"{counts[over]:,}" + (" or more" if budget[0] <= 0 else ""))
+        raise TooLarge(
+            source,
+            what,
+            f"at most {_bound(rule):,}" + (f" {rule.per}" if rule.per else "") + ref,
+            f"{counts[over]:,}" + (" or more" if budget[0] <= 0 else ""),
+        )
 
 
-__all__ = ["BadFile", "TooLarge", "check", "check_chars", "limit", "named", "MAX_MESSAGE_BYTES", "MAX_ENVS",
-           "MAX_SPACE_ELEMENTS", "MAX_ACTION_ELEMENTS", "MAX_ENV_STEP_BYTES", "MAX_EPISODE_STEPS", "MAX_ACTION_CHUNK",
-           "MAX_RESET_STATES", "MAX_OBS_ENTRIES", "MAX_TENSOR_MAP_ENTRIES", "MAX_DIMS", "MAX_TENSOR_ELEMENTS",
-           "MAX_NAME_CHARS", "MAX_INSTRUCTION_CHARS", "MAX_WIRE_RECORDS", "Rule", "scan"]
+__all__ = [
+    "BadFile",
+    "TooLarge",
+    "check",
+    "check_chars",
+    "limit",
+    "named",
+    "MAX_MESSAGE_BYTES",
+    "MAX_ENVS",
+    "MAX_SPACE_ELEMENTS",
+    "MAX_ACTION_ELEMENTS",
+    "MAX_ENV_STEP_BYTES",
+    "MAX_EPISODE_STEPS",
+    "MAX_ACTION_CHUNK",
+    "MAX_RESET_STATES",
+    "MAX_OBS_ENTRIES",
+    "MAX_TENSOR_MAP_ENTRIES",
+    "MAX_DIMS",
+    "MAX_TENSOR_ELEMENTS",
+    "MAX_NAME_CHARS",
+    "MAX_INSTRUCTION_CHARS",
+    "MAX_WIRE_RECORDS",
+    "Rule",
+    "scan",
+]

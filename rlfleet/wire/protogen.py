@@ -1,7 +1,7 @@
 """Generate the gRPC/protobuf Python modules from ``protos/`` (never edit the output by hand).
 
-    python -m rlfleet.wire.protogen           # regenerate rlfleet/v1/*_pb2*.py
-    python -m rlfleet.wire.protogen --check   # exit 1 if the committed modules are stale
+python -m rlfleet.wire.protogen           # regenerate rlfleet/v1/*_pb2*.py
+python -m rlfleet.wire.protogen --check   # exit 1 if the committed modules are stale
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def stale_files() -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = pathlib.Path(tmp)
         generated = generate(tmp_path)
-        stale = [str(rel) for rel in generated
-                 if not (REPO_ROOT / rel).exists() or not filecmp.cmp(tmp_path / rel, REPO_ROOT / rel, shallow=False)]
+        stale = [
+            str(rel)
+            for rel in generated
+            if not (REPO_ROOT / rel).exists() or not filecmp.cmp(tmp_path / rel, REPO_ROOT / rel, shallow=False)
+        ]
         committed = {p.relative_to(REPO_ROOT) for p in (REPO_ROOT / PACKAGE_DIR).glob("*_pb2*.py*")}
         stale += [f"{rel} (no .proto produces it)" for rel in sorted(committed - set(generated))]
         return stale

@@ -85,8 +85,7 @@ class _Handlers:
 
         if real is None:
             return None
-        return cls.build(real, abort_stream if real.response_streaming else abort_unary, None,
-                         real.response_serializer)
+        return cls.build(real, abort_stream if real.response_streaming else abort_unary, None, real.response_serializer)
 
     @classmethod
     def lenient(cls, real):
@@ -106,6 +105,7 @@ class _Handlers:
             return f"request: not a valid {name} ({type(bad.exc).__name__}: {str(bad.exc)[:200]})"
 
         if real.request_streaming:
+
             def checked(requests):
                 for r in requests:
                     if isinstance(r, _Unparsable):
@@ -115,10 +115,12 @@ class _Handlers:
             def behavior(requests, context):
                 return inner(checked(requests), context)
         else:
+
             def behavior(request, context):
                 if isinstance(request, _Unparsable):
                     status.abort_for(context, InvalidRequest(why(request)), name)
                 return inner(request, context)
+
         return cls.build(real, behavior, tolerant, real.response_serializer)
 
     @classmethod
@@ -152,6 +154,7 @@ class _Handlers:
             return otel_context.attach(propagate.extract({k: v for k, v in context.invocation_metadata()}))
 
         if real.response_streaming:
+
             def behavior(request, context):
                 token = caller_context(context)
                 try:
@@ -160,6 +163,7 @@ class _Handlers:
                 finally:
                     otel_context.detach(token)
         else:
+
             def behavior(request, context):
                 token = caller_context(context)
                 try:
@@ -167,6 +171,7 @@ class _Handlers:
                         return inner(request, context)
                 finally:
                     otel_context.detach(token)
+
         return cls.build(real, behavior, real.request_deserializer, real.response_serializer)
 
 
@@ -184,8 +189,11 @@ class _RefusalLog:
             now = time.monotonic()
             if now - self._start >= self.window_s:
                 if self._dropped:
-                    log.warning("refused %d more calls in the last %.0fs (not logged one by one)", self._dropped,
-                                now - self._start)
+                    log.warning(
+                        "refused %d more calls in the last %.0fs (not logged one by one)",
+                        self._dropped,
+                        now - self._start,
+                    )
                 self._start, self._logged, self._dropped = now, 0, 0
             if self._logged >= self.burst:
                 self._dropped += 1
@@ -202,8 +210,9 @@ class _ServerGuard(grpc.ServerInterceptor):
     def __init__(self, on_call=None, traced: bool = False):
         self.on_call, self.traced = on_call, traced
         self.refusals = _RefusalLog()
-        self.reflection = StreamSlots(OPEN_STREAMS, "reflection", idle_close_s=OPEN_STREAM_IDLE_S,
-                                      reclaim_idle_s=OPEN_STREAM_RECLAIM_S)
+        self.reflection = StreamSlots(
+            OPEN_STREAMS, "reflection", idle_close_s=OPEN_STREAM_IDLE_S, reclaim_idle_s=OPEN_STREAM_RECLAIM_S
+        )
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -227,8 +236,13 @@ class _ServerGuard(grpc.ServerInterceptor):
         return _Handlers.lenient(handler) if method.startswith("/rlfleet.") else handler
 
 
-def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *,
-                max_receive_bytes: int = MAX_MESSAGE_BYTES, on_call=None) -> grpc.Server:
+def make_server(
+    max_workers: int = 32,
+    max_concurrent_rpcs: int | None = None,
+    *,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    on_call=None,
+) -> grpc.Server:
     """A gRPC server whose pool has ``max_workers`` threads for its services (a streaming RPC holds one for its
     whole life) plus RESERVED_THREADS for reflection streams and quick refusals; with ``max_concurrent_rpcs``,
     calls beyond it (plus the reserve) are refused with RESOURCE_EXHAUSTED instead of queueing unserved.
@@ -236,13 +250,18 @@ def make_server(max_workers: int = 32, max_concurrent_rpcs: int | None = None, *
     credentials (:func:`check_caller`; ``on_call(method, caller)`` runs for each accepted call on the polling
     thread, before the call waits for a pool thread: it must be quick) and, when tracing is set up by now
     (rlfleet.wire.tracing), served in a SERVER span in their caller's trace context."""
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0),
-               ("grpc.max_receive_message_length", max_receive_bytes)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", max_receive_bytes),
+    ]
     limit = None if max_concurrent_rpcs is None else max_concurrent_rpcs + RESERVED_THREADS
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_THREADS,
-                                                  thread_name_prefix="grpc"),
-                       options=options, maximum_concurrent_rpcs=limit,
-                       interceptors=[_ServerGuard(on_call, traced=tracing.enabled())])
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_THREADS, thread_name_prefix="grpc"),
+        options=options,
+        maximum_concurrent_rpcs=limit,
+        interceptors=[_ServerGuard(on_call, traced=tracing.enabled())],
+    )
 
 
 def add_health_and_reflection(server: grpc.Server, *service_names: str):

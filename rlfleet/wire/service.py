@@ -14,8 +14,8 @@ import uuid
 
 import grpc
 
-from rlfleet.wire import channels
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+from rlfleet.wire import channels
 
 log = logging.getLogger("rlfleet.wire.service")
 
@@ -28,8 +28,11 @@ def common_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to serve on (port 0 = any free port)")
     p.add_argument("--index", type=int, default=0, help="index of this service among its role")
     p.add_argument("--coordinator", default=None, help="coordinator address to register with (optional)")
-    p.add_argument("--advertise", default=None,
-                   help="address other services use to reach this one, if not the bound one (e.g. env:50061 in compose)")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        help="address other services use to reach this one, if not the bound one (e.g. env:50061 in compose)",
+    )
     p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "WARNING"))
     return p
 
@@ -124,17 +127,23 @@ def setup_process(args, cfg, role: str) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     token = auth.token_from_env()
     if args.coordinator and not token:
-        raise SystemExit(f"rlfleet {role}[{args.index}]: no run credential: set {auth.TOKEN_ENV} to this service's "
-                         f"credential (`python -m rlfleet.wire.auth issue --role {role}`; coordinatorctl start and deploy "
-                         f"hand one to each service) or to the run's secret")
+        raise SystemExit(
+            f"rlfleet {role}[{args.index}]: no run credential: set {auth.TOKEN_ENV} to this service's "
+            f"credential (`python -m rlfleet.wire.auth issue --role {role}`; coordinatorctl start and deploy "
+            f"hand one to each service) or to the run's secret"
+        )
     try:
         ident = auth.set_identity(role, token, args.index)
     except auth.CredentialError as exc:
         raise SystemExit(f"rlfleet {role}[{args.index}]: {exc}") from None
     if ident is not None and ident.from_secret:
-        print(f"rlfleet {role}[{args.index}]: note: {auth.TOKEN_ENV} holds the run secret, from which every role's "
-              f"credential can be made; give this service only its own (`python -m rlfleet.wire.auth issue --role "
-              f"{role}`, what coordinatorctl start and deploy do)", file=sys.stderr, flush=True)
+        print(
+            f"rlfleet {role}[{args.index}]: note: {auth.TOKEN_ENV} holds the run secret, from which every role's "
+            f"credential can be made; give this service only its own (`python -m rlfleet.wire.auth issue --role "
+            f"{role}`, what coordinatorctl start and deploy do)",
+            file=sys.stderr,
+            flush=True,
+        )
     from rlfleet.wire import tls
 
     tls.configure_tls(cfg.cluster.tls)
@@ -153,9 +162,17 @@ class ServiceRuntime:
 
     SLOW_COORDINATOR_FACTOR = 4  # heartbeats that time out (not refused): leave after this many heartbeat timeouts
 
-    def __init__(self, role: str, index: int, server: grpc.Server, address: str,
-                 coordinator: str | None, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 15.0,
-                 config_yaml: str = ""):
+    def __init__(
+        self,
+        role: str,
+        index: int,
+        server: grpc.Server,
+        address: str,
+        coordinator: str | None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 15.0,
+        config_yaml: str = "",
+    ):
         self.role, self.index, self.server, self.address = role, index, server, address
         self.coordinator = coordinator
         self.incarnation = uuid.uuid4().hex[:12]
@@ -198,21 +215,38 @@ class ServiceRuntime:
             try:
                 if not registered:
                     try:
-                        stub.Register(coordinator_pb2.RegisterRequest(
-                            role=role, index=self.index, address=self.address, pid=launched_pid(),
-                            incarnation=self.incarnation, config_yaml=self.config_yaml), timeout=5)
+                        stub.Register(
+                            coordinator_pb2.RegisterRequest(
+                                role=role,
+                                index=self.index,
+                                address=self.address,
+                                pid=launched_pid(),
+                                incarnation=self.incarnation,
+                                config_yaml=self.config_yaml,
+                            ),
+                            timeout=5,
+                        )
                     except grpc.RpcError as exc:
-                        if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                                          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                            print(f"rlfleet {self.role}[{self.index}]: the coordinator refused this service: "
-                                  f"{exc.details()}", flush=True)
+                        if exc.code() in (
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.UNAUTHENTICATED,
+                            grpc.StatusCode.PERMISSION_DENIED,
+                        ):
+                            print(
+                                f"rlfleet {self.role}[{self.index}]: the coordinator refused this service: "
+                                f"{exc.details()}",
+                                flush=True,
+                            )
                             self.exit_code = 2
                             self.stop_event.set()
                             return
                         raise
                     registered = True
-                reply = stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
-                    role=role, index=self.index, incarnation=self.incarnation), timeout=5)
+                reply = stub.Heartbeat(
+                    coordinator_pb2.HeartbeatRequest(role=role, index=self.index, incarnation=self.incarnation),
+                    timeout=5,
+                )
                 last_ok = time.monotonic()
                 if reply.shutdown:
                     log.info("coordinator asked to shut down")
@@ -226,8 +260,11 @@ class ServiceRuntime:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     limit = max(limit, self.SLOW_COORDINATOR_FACTOR * self.timeout)
                 if time.monotonic() - last_ok > limit:
-                    print(f"rlfleet {self.role}[{self.index}]: coordinator {self.coordinator} unreachable for "
-                          f"{time.monotonic() - last_ok:.0f}s ({channels.describe_error(exc)}); shutting down", flush=True)
+                    print(
+                        f"rlfleet {self.role}[{self.index}]: coordinator {self.coordinator} unreachable for "
+                        f"{time.monotonic() - last_ok:.0f}s ({channels.describe_error(exc)}); shutting down",
+                        flush=True,
+                    )
                     self.stop_event.set()
                     return
             self.stop_event.wait(self.interval)

@@ -57,14 +57,14 @@ SharedRef = tensor_pb2.SharedRef
 NAME_PREFIX = "rlfleet-"
 MAGIC = b"RLFSHM01"
 KEY_BYTES = 16
-HEADER_BYTES = 64   # magic 8 | key 16 | generation u64 @24 | acked u64 @32 | capacity u64 @40 | pid u64 @48 | 8 free
+HEADER_BYTES = 64  # magic 8 | key 16 | generation u64 @24 | acked u64 @32 | capacity u64 @40 | pid u64 @48 | 8 free
 _GEN, _ACKED, _CAPACITY, _PID = 24, 32, 40, 48
 ALIGN = 64
 # arrays smaller than this travel inline (a handle costs more than copying them); RLFLEET_SHM_MIN_BYTES overrides it
 # for a process and its children (tests send everything by handle with 0)
 MIN_BYTES = int(os.environ.get("RLFLEET_SHM_MIN_BYTES", 64 << 10))
 MAX_SEGMENT_BYTES = 1 << 40  # a reader refuses to map a "segment" larger than this
-MAX_MAPPINGS = 16   # segments one reader keeps mapped (a stream's ring of two, a weights set's...)
+MAX_MAPPINGS = 16  # segments one reader keeps mapped (a stream's ring of two, a weights set's...)
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1)
 _F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 _F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
@@ -129,13 +129,13 @@ class Segment:
             raise
         self.key = secrets.token_bytes(KEY_BYTES)
         self.mm[:8] = MAGIC
-        self.mm[8:8 + KEY_BYTES] = self.key
+        self.mm[8 : 8 + KEY_BYTES] = self.key
         struct.pack_into("<QQQQ", self.mm, _GEN, 0, 0, self.capacity, os.getpid())
         view = np.frombuffer(self.mm, np.uint8, count=1)
         self.base = view.ctypes.data + HEADER_BYTES  # the address of data byte 0 in this process
         del view
-        self.owed = 0          # the reader has taken everything once ``acked`` reaches this
-        self.released = True   # the writer's word that nobody reads the current message any more
+        self.owed = 0  # the reader has taken everything once ``acked`` reaches this
+        self.released = True  # the writer's word that nobody reads the current message any more
 
     @property
     def generation(self) -> int:
@@ -153,11 +153,14 @@ class Segment:
         pause = 0.0002
         while not self.taken():
             if abandon is not None and abandon():
-                raise Abandoned(f"shared memory {self.name}: the reader's call ended before it took generation "
-                                f"{self.generation}")
+                raise Abandoned(
+                    f"shared memory {self.name}: the reader's call ended before it took generation {self.generation}"
+                )
             if time.monotonic() > deadline:
-                raise Abandoned(f"shared memory {self.name}: the reader did not take generation {self.generation} "
-                                f"within {timeout:.0f}s")
+                raise Abandoned(
+                    f"shared memory {self.name}: the reader did not take generation {self.generation} "
+                    f"within {timeout:.0f}s"
+                )
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
@@ -189,8 +192,14 @@ class Segment:
         return start if 0 <= start and start + array.nbytes <= self.capacity else None
 
     def ref(self, offset: int, length: int, generation: int | None = None) -> SharedRef:
-        return SharedRef(pid=os.getpid(), fd=self.fd, offset=HEADER_BYTES + offset, length=length,
-                         generation=self.generation if generation is None else generation, key=self.key)
+        return SharedRef(
+            pid=os.getpid(),
+            fd=self.fd,
+            offset=HEADER_BYTES + offset,
+            length=length,
+            generation=self.generation if generation is None else generation,
+            key=self.key,
+        )
 
     def close(self) -> None:
         if getattr(self, "fd", -1) < 0:
@@ -223,10 +232,11 @@ class Arena:
         self.shm_bytes = 0
         self.lock = threading.Lock()
         self.abandon: Callable[[], bool] | None = None  # the owner's "the reader's call is over" (default of pack)
-        self.timeout = 300.0                            # the longest pack waits for a reader to take a segment
+        self.timeout = 300.0  # the longest pack waits for a reader to take a segment
 
-    def pack(self, arrays: Sequence[np.ndarray], *, abandon: Callable[[], bool] | None = None,
-             timeout: float | None = None) -> tuple[int | None, list[SharedRef]]:
+    def pack(
+        self, arrays: Sequence[np.ndarray], *, abandon: Callable[[], bool] | None = None, timeout: float | None = None
+    ) -> tuple[int | None, list[SharedRef]]:
         """Handles for ``arrays`` (C-contiguous, little-endian): those that lie in the buffers as they are, the
         others copied into the ring's next segment (grown when too small; reused once its reader took the previous
         message). -> (the ring slot used or None, one handle per array)."""
@@ -262,13 +272,20 @@ class Arena:
             self.shm_bytes += sum(a.nbytes for a in arrays)
             return slot, refs  # type: ignore[return-value]
 
-    def buffers(self, layout: Mapping[str, tuple[Sequence[int], np.dtype]], *,
-                abandon: Callable[[], bool] | None = None, timeout: float = 300.0) -> dict[str, np.ndarray]:
+    def buffers(
+        self,
+        layout: Mapping[str, tuple[Sequence[int], np.dtype]],
+        *,
+        abandon: Callable[[], bool] | None = None,
+        timeout: float = 300.0,
+    ) -> dict[str, np.ndarray]:
         """Arrays of these shapes and dtypes in this arena's buffer segment (a rollout's observation buffers):
         :meth:`pack` hands them out without copying. The segment is reused once its reader took the last message
         (or :meth:`release`); its generation moves on, so a handle to the previous contents is stale."""
         with self.lock:
-            sizes = {k: int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for k, (shape, dt) in layout.items()}
+            sizes = {
+                k: int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for k, (shape, dt) in layout.items()
+            }
             total = sum(_aligned(n) for n in sizes.values())
             seg = self.buffer
             if seg is not None:
@@ -282,8 +299,9 @@ class Arena:
             out, offset = {}, 0
             for k, (shape, dt) in layout.items():
                 dt = np.dtype(dt)
-                out[k] = np.frombuffer(seg.mm, dt, count=sizes[k] // dt.itemsize,
-                                       offset=HEADER_BYTES + offset).reshape(tuple(shape))
+                out[k] = np.frombuffer(seg.mm, dt, count=sizes[k] // dt.itemsize, offset=HEADER_BYTES + offset).reshape(
+                    tuple(shape)
+                )
                 offset += _aligned(sizes[k])
             return out
 
@@ -317,8 +335,10 @@ class _Mapped:
 
 
 def _not_rlfleet(name: str, pid: int, fd: int, why: str = "") -> BadHandle:
-    return BadHandle(f"{name}.shared.fd: fd {fd} of process {pid} is not an rlfleet shared-memory segment"
-                     + (f" ({why})" if why else ""))
+    return BadHandle(
+        f"{name}.shared.fd: fd {fd} of process {pid} is not an rlfleet shared-memory segment"
+        + (f" ({why})" if why else "")
+    )
 
 
 class Reader:
@@ -336,8 +356,9 @@ class Reader:
         try:
             link = os.readlink(path)
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-            raise BadHandle(f"{name}.shared.pid: process {pid} has no fd {fd} (the writer exited or closed the "
-                            f"segment)") from None
+            raise BadHandle(
+                f"{name}.shared.pid: process {pid} has no fd {fd} (the writer exited or closed the segment)"
+            ) from None
         except PermissionError:
             raise BadHandle(f"{name}.shared.pid: this process may not open the fds of process {pid}") from None
         except OSError as exc:
@@ -347,8 +368,9 @@ class Reader:
         try:
             own = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
         except FileNotFoundError:
-            raise BadHandle(f"{name}.shared.pid: process {pid} has no fd {fd} (the writer exited or closed the "
-                            f"segment)") from None
+            raise BadHandle(
+                f"{name}.shared.pid: process {pid} has no fd {fd} (the writer exited or closed the segment)"
+            ) from None
         except OSError as exc:
             raise BadHandle(f"{name}.shared.fd: fd {fd} of process {pid} cannot be opened ({exc.strerror})") from None
         try:
@@ -374,7 +396,7 @@ class Reader:
         if mm[:8] != MAGIC:
             mm.close()
             raise _not_rlfleet(name, pid, fd, "no rlfleet header")
-        return _Mapped(mm, bytes(mm[8:8 + KEY_BYTES]), size, link)
+        return _Mapped(mm, bytes(mm[8 : 8 + KEY_BYTES]), size, link)
 
     def _mapping(self, ref: SharedRef, name: str) -> _Mapped:
         where = (ref.pid, ref.fd)
@@ -393,8 +415,10 @@ class Reader:
         m = self._open(ref.pid, ref.fd, name)
         if not hmac.compare_digest(m.key, ref.key):
             m.mm.close()
-            raise BadHandle(f"{name}.shared.key: does not match the key of segment fd {ref.fd} of process "
-                            f"{ref.pid} (a forged handle, or one to a segment that was replaced)")
+            raise BadHandle(
+                f"{name}.shared.key: does not match the key of segment fd {ref.fd} of process "
+                f"{ref.pid} (a forged handle, or one to a segment that was replaced)"
+            )
         self.maps[where] = m
         while len(self.maps) > self.max_mappings:
             self._drop(next(iter(self.maps)))
@@ -414,16 +438,21 @@ class Reader:
         if ref.length != nbytes:
             raise BadHandle(f"{name}.shared.length: {ref.length} bytes where the dtype and shape need {nbytes}")
         if ref.offset < HEADER_BYTES:
-            raise BadHandle(f"{name}.shared.offset: {ref.offset} lies in the segment's header "
-                            f"(data starts at {HEADER_BYTES})")
+            raise BadHandle(
+                f"{name}.shared.offset: {ref.offset} lies in the segment's header (data starts at {HEADER_BYTES})"
+            )
         m = self._mapping(ref, name)
         if ref.offset + ref.length > m.size:
-            raise BadHandle(f"{name}.shared.offset: bytes [{ref.offset}, {ref.offset + ref.length}) lie outside "
-                            f"the segment's {m.size} bytes")
+            raise BadHandle(
+                f"{name}.shared.offset: bytes [{ref.offset}, {ref.offset + ref.length}) lie outside "
+                f"the segment's {m.size} bytes"
+            )
         gen = m.generation()
         if gen != ref.generation:
-            raise BadHandle(f"{name}.shared.generation: {ref.generation}, the segment is at generation {gen} "
-                            f"(a stale handle: its writer has moved on)")
+            raise BadHandle(
+                f"{name}.shared.generation: {ref.generation}, the segment is at generation {gen} "
+                f"(a stale handle: its writer has moved on)"
+            )
         out = np.empty(count, dtype)
         if nbytes:
             src = np.frombuffer(m.mm, np.uint8, count=nbytes, offset=ref.offset)
@@ -431,8 +460,10 @@ class Reader:
             del src
         now = m.generation()
         if now != ref.generation:
-            raise BadHandle(f"{name}.shared.generation: the writer moved segment fd {ref.fd} of process {ref.pid} "
-                            f"to generation {now} while it was read (a stale handle)")
+            raise BadHandle(
+                f"{name}.shared.generation: the writer moved segment fd {ref.fd} of process {ref.pid} "
+                f"to generation {now} while it was read (a stale handle)"
+            )
         acked = struct.unpack_from("<Q", m.mm, _ACKED)[0]
         struct.pack_into("<Q", m.mm, _ACKED, acked + ref.length)
         self.shm_bytes += nbytes
@@ -485,10 +516,10 @@ def segments_of(pid: int | str = "self") -> list[str]:
             with contextlib.suppress(OSError):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith(f"/memfd:{NAME_PREFIX}"):
-                    found.add(link[len("/memfd:"):].split(" ")[0])
+                    found.add(link[len("/memfd:") :].split(" ")[0])
     with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
         for line in f:
             at = line.find(f"/memfd:{NAME_PREFIX}")
             if at >= 0:
-                found.add(line[at + len("/memfd:"):].split(" ")[0].strip())
+                found.add(line[at + len("/memfd:") :].split(" ")[0].strip())
     return sorted(found)

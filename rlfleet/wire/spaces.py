@@ -18,7 +18,7 @@ from rlfleet.v1 import tensor_pb2
 class TensorSpace:
     shape: tuple[int, ...]
     dtype: np.dtype
-    low: np.ndarray = field(default=None)   # per element, broadcast to shape
+    low: np.ndarray = field(default=None)  # per element, broadcast to shape
     high: np.ndarray = field(default=None)
 
     def __post_init__(self):
@@ -55,9 +55,11 @@ class TensorSpace:
     def to_json(self) -> dict:
         """A JSON form: a bound that is the same for every element once, else per element (infinities as JSON's
         Infinity)."""
+
         def bound(a):
             u = _uniform(a)
             return u if u is not None else a.ravel().tolist()
+
         return {"shape": list(self.shape), "dtype": self.dtype.name, "low": bound(self.low), "high": bound(self.high)}
 
     @classmethod
@@ -68,8 +70,10 @@ class TensorSpace:
         def arr(b):
             a = np.asarray(b, np.float64)
             return a if a.ndim == 0 else a.reshape(shape)
-        return cls(shape, np.dtype(data["dtype"]), None if low is None else arr(low),
-                   None if high is None else arr(high))
+
+        return cls(
+            shape, np.dtype(data["dtype"]), None if low is None else arr(low), None if high is None else arr(high)
+        )
 
     @property
     def size(self) -> int:
@@ -92,8 +96,12 @@ class TensorSpace:
         per_element = self.size and (lo is None or hi is None)
         if per_element:
             lo, hi = float(self.low.min()), float(self.high.max())
-        spec = tensor_pb2.TensorSpec(dtype=dtype_of(np.zeros((), self.dtype)), shape=list(self.shape),
-                                     low=lo if self.size else 0.0, high=hi if self.size else 0.0)
+        spec = tensor_pb2.TensorSpec(
+            dtype=dtype_of(np.zeros((), self.dtype)),
+            shape=list(self.shape),
+            low=lo if self.size else 0.0,
+            high=hi if self.size else 0.0,
+        )
         if per_element:
             spec.low_per_element.extend(self.low.ravel().tolist())
             spec.high_per_element.extend(self.high.ravel().tolist())
@@ -111,8 +119,10 @@ class TensorSpace:
         shape = tuple(int(d) for d in spec.shape)
         if spec.low_per_element or spec.high_per_element:
             if len(spec.low_per_element) != n or len(spec.high_per_element) != n:
-                raise ValueError(f"TensorSpec: low_per_element/high_per_element need {n} values for shape "
-                                 f"{list(shape)}, got {len(spec.low_per_element)}/{len(spec.high_per_element)}")
+                raise ValueError(
+                    f"TensorSpec: low_per_element/high_per_element need {n} values for shape "
+                    f"{list(shape)}, got {len(spec.low_per_element)}/{len(spec.high_per_element)}"
+                )
             low = np.asarray(spec.low_per_element, np.float64).reshape(shape)
             high = np.asarray(spec.high_per_element, np.float64).reshape(shape)
         else:
@@ -124,8 +134,9 @@ class TensorSpace:
     # --- gymnasium --------------------------------------------------------------------------------------------
     @classmethod
     def from_gym(cls, box) -> TensorSpace:
-        return cls(tuple(box.shape), np.dtype(box.dtype), np.asarray(box.low, np.float64),
-                   np.asarray(box.high, np.float64))
+        return cls(
+            tuple(box.shape), np.dtype(box.dtype), np.asarray(box.low, np.float64), np.asarray(box.high, np.float64)
+        )
 
 
 def _uniform(a: np.ndarray) -> float | None:
@@ -170,8 +181,9 @@ def spaces_from_proto(specs, field: str = "observation_space") -> dict[str, Tens
     from rlfleet.wire.codec import CodecError, check_shape, numpy_dtype
 
     if len(specs) > limits.MAX_OBS_ENTRIES:
-        raise CodecError(f"{field}: {len(specs):,} entries; at most {limits.MAX_OBS_ENTRIES:,} "
-                         f"({limits.named('MAX_OBS_ENTRIES')})")
+        raise CodecError(
+            f"{field}: {len(specs):,} entries; at most {limits.MAX_OBS_ENTRIES:,} ({limits.named('MAX_OBS_ENTRIES')})"
+        )
     out = {}
     for k, v in specs.items():
         check_shape(v.shape, f"{field}['{k}']")
@@ -184,8 +196,9 @@ def spaces_from_proto(specs, field: str = "observation_space") -> dict[str, Tens
 
 
 # --- runs whose env servers host different simulators ------------------------------------------------------------
-def joint_spaces(named: Mapping[str, tuple[Mapping[str, TensorSpace], TensorSpace]]
-                 ) -> tuple[dict[str, TensorSpace], TensorSpace]:
+def joint_spaces(
+    named: Mapping[str, tuple[Mapping[str, TensorSpace], TensorSpace]],
+) -> tuple[dict[str, TensorSpace], TensorSpace]:
     """The spaces one policy acts in when env servers host different simulators: ``named`` maps a label (e.g.
     ``env[1] libero:libero_spatial``) to that server's (observation space, action space).
 
@@ -205,8 +218,10 @@ def joint_spaces(named: Mapping[str, tuple[Mapping[str, TensorSpace], TensorSpac
     acts = {lab: named[lab][1] for lab in labels}
     bad = [lab for lab, sp in acts.items() if len(sp.shape) != 1]
     if bad:
-        raise ValueError(f"action spaces: {bad[0]} has shape {list(acts[bad[0]].shape)}; servers hosting different "
-                         f"simulators need 1-D actions to share one policy")
+        raise ValueError(
+            f"action spaces: {bad[0]} has shape {list(acts[bad[0]].shape)}; servers hosting different "
+            f"simulators need 1-D actions to share one policy"
+        )
     return obs_out, _joint_entry("action", acts, padded=False)
 
 
@@ -214,12 +229,16 @@ def _joint_entry(what: str, have: Mapping[str, TensorSpace], padded: bool) -> Te
     (first, sp0), *rest = have.items()
     for lab, sp in rest:
         if sp.dtype != sp0.dtype or len(sp.shape) != len(sp0.shape):
-            raise ValueError(f"{what}: {first} has {sp0.dtype} {list(sp0.shape)} but {lab} has {sp.dtype} "
-                             f"{list(sp.shape)}; one policy needs one dtype and rank per entry")
+            raise ValueError(
+                f"{what}: {first} has {sp0.dtype} {list(sp0.shape)} but {lab} has {sp.dtype} "
+                f"{list(sp.shape)}; one policy needs one dtype and rank per entry"
+            )
         if len(sp.shape) != 1 and sp.shape != sp0.shape:
-            raise ValueError(f"{what}: {first} has shape {list(sp0.shape)} but {lab} has {list(sp.shape)}; only 1-D "
-                             f"entries are padded (give both simulators the same image size, e.g. "
-                             f"init_params.image_size)")
+            raise ValueError(
+                f"{what}: {first} has shape {list(sp0.shape)} but {lab} has {list(sp.shape)}; only 1-D "
+                f"entries are padded (give both simulators the same image size, e.g. "
+                f"init_params.image_size)"
+            )
     if len(sp0.shape) != 1:
         low = np.minimum.reduce([sp.low for sp in have.values()])
         high = np.maximum.reduce([sp.high for sp in have.values()])
@@ -240,30 +259,46 @@ def _joint_entry(what: str, have: Mapping[str, TensorSpace], padded: bool) -> Te
 
 def spaces_key(obs: Mapping[str, TensorSpace], action: TensorSpace) -> tuple:
     """A hashable identity of (observation spaces, action space): equal keys, equal spaces."""
-    return (tuple((k, obs[k].to_proto().SerializeToString(deterministic=True)) for k in sorted(obs)),
-            action.to_proto().SerializeToString(deterministic=True))
+    return (
+        tuple((k, obs[k].to_proto().SerializeToString(deterministic=True)) for k in sorted(obs)),
+        action.to_proto().SerializeToString(deterministic=True),
+    )
 
 
-def fit_check(own: Mapping[str, TensorSpace], own_action: TensorSpace, obs: Mapping[str, TensorSpace],
-              action: TensorSpace) -> None:
+def fit_check(
+    own: Mapping[str, TensorSpace], own_action: TensorSpace, obs: Mapping[str, TensorSpace], action: TensorSpace
+) -> None:
     """Raise ValueError unless an env with spaces (``own``, ``own_action``) can be seen in the policy's spaces
     (``obs``, ``action``) by padding: the inverse of what :func:`joint_spaces` allows."""
     for key, sp in own.items():
         want = obs.get(key)
         if want is None:
             raise ValueError(f"observation '{key}' is not among the policy's entries {sorted(obs)}")
-        if want.dtype != sp.dtype or len(want.shape) != len(sp.shape) or (
-                len(sp.shape) != 1 and want.shape != sp.shape) or (len(sp.shape) == 1 and sp.shape[0] > want.shape[0]):
-            raise ValueError(f"observation '{key}': {sp.dtype} {list(sp.shape)} does not fit the policy's "
-                             f"{want.dtype} {list(want.shape)}")
-    if len(own_action.shape) != 1 or len(action.shape) != 1 or own_action.shape[0] > action.shape[0] \
-            or own_action.dtype != action.dtype:
-        raise ValueError(f"action: {own_action.dtype} {list(own_action.shape)} does not fit the policy's "
-                         f"{action.dtype} {list(action.shape)}")
+        if (
+            want.dtype != sp.dtype
+            or len(want.shape) != len(sp.shape)
+            or (len(sp.shape) != 1 and want.shape != sp.shape)
+            or (len(sp.shape) == 1 and sp.shape[0] > want.shape[0])
+        ):
+            raise ValueError(
+                f"observation '{key}': {sp.dtype} {list(sp.shape)} does not fit the policy's "
+                f"{want.dtype} {list(want.shape)}"
+            )
+    if (
+        len(own_action.shape) != 1
+        or len(action.shape) != 1
+        or own_action.shape[0] > action.shape[0]
+        or own_action.dtype != action.dtype
+    ):
+        raise ValueError(
+            f"action: {own_action.dtype} {list(own_action.shape)} does not fit the policy's "
+            f"{action.dtype} {list(action.shape)}"
+        )
 
 
-def pad_observations(obs: Mapping[str, np.ndarray], spaces: Mapping[str, TensorSpace], rows: int
-                     ) -> dict[str, np.ndarray]:
+def pad_observations(
+    obs: Mapping[str, np.ndarray], spaces: Mapping[str, TensorSpace], rows: int
+) -> dict[str, np.ndarray]:
     """Observation batches ``[rows, ...]`` in ``spaces``: 1-D entries zero-padded, missing entries zeros."""
     out = {}
     for key, sp in spaces.items():
@@ -273,6 +308,6 @@ def pad_observations(obs: Mapping[str, np.ndarray], spaces: Mapping[str, TensorS
             continue
         full = np.zeros((rows, *sp.shape), sp.dtype)
         if v is not None:
-            full[:, :v.shape[1]] = v
+            full[:, : v.shape[1]] = v
         out[key] = full
     return out

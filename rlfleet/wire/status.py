@@ -10,8 +10,15 @@ import logging
 
 import grpc
 
-from rlfleet.errors import (AuthError, Cancelled, FailedPrecondition, InvalidRequest, PermissionDenied,
-                            ResourceExhausted, Unavailable)
+from rlfleet.errors import (
+    AuthError,
+    Cancelled,
+    FailedPrecondition,
+    InvalidRequest,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from rlfleet.wire.codec import CodecError
 
 log = logging.getLogger("rlfleet.wire.status")
@@ -63,6 +70,7 @@ def handler(fn):
     """
     name = fn.__qualname__
     if inspect.isgeneratorfunction(fn):
+
         @functools.wraps(fn)
         def gen_wrapper(self, request, context):
             try:
@@ -72,6 +80,7 @@ def handler(fn):
             except Exception as exc:  # noqa: BLE001 - mapped to a status code
                 if context.is_active():
                     abort_for(context, exc, name)
+
         return gen_wrapper
 
     @functools.wraps(fn)
@@ -82,4 +91,5 @@ def handler(fn):
             raise
         except Exception as exc:  # noqa: BLE001
             abort_for(context, exc, name)
+
     return wrapper

@@ -62,8 +62,9 @@ class StreamSlots:
     DEADLINE_EXCEEDED; when every slot is taken, a newcomer gets the slot of the stream that has waited longest if
     that one has waited ``reclaim_idle_s`` (it is closed the same way), else RESOURCE_EXHAUSTED at once."""
 
-    def __init__(self, limit: int, what: str, *, idle_close_s: float | None = None,
-                 reclaim_idle_s: float | None = None):
+    def __init__(
+        self, limit: int, what: str, *, idle_close_s: float | None = None, reclaim_idle_s: float | None = None
+    ):
         self.limit, self.what = limit, what
         self.idle_close_s, self.reclaim_idle_s = idle_close_s, reclaim_idle_s
         self._cond = threading.Condition()
@@ -83,14 +84,18 @@ class StreamSlots:
                 victim = max(open_, key=lambda s: s.idle_for(now))
                 idle = victim.idle_for(now)
                 if idle >= self.reclaim_idle_s:
-                    victim.close(f"{self.what} stream closed: idle for {idle:.0f}s while another caller needed its "
-                                 f"slot ({self.limit} at most)")
+                    victim.close(
+                        f"{self.what} stream closed: idle for {idle:.0f}s while another caller needed its "
+                        f"slot ({self.limit} at most)"
+                    )
                     open_.remove(victim)
             if len(open_) < self.limit <= len(self._active):  # closed ones leave once their handlers see it
                 self._cond.wait_for(lambda: len(self._active) < self.limit, timeout=2.0)
             if len(self._active) >= self.limit:
-                raise ResourceExhausted(f"this server serves {self.limit} concurrent {self.what} streams, all busy; "
-                                        f"close one first or retry later")
+                raise ResourceExhausted(
+                    f"this server serves {self.limit} concurrent {self.what} streams, all busy; "
+                    f"close one first or retry later"
+                )
             stream = _Watched(requests, context, self)
             self._active.append(stream)
             return stream
@@ -116,8 +121,10 @@ class StreamSlots:
         for s in streams:
             idle = s.idle_for(now)
             if idle >= self.idle_close_s:
-                s.close(f"{self.what} stream idle for {idle:.0f}s; closed (at most {self.limit} at once, "
-                        f"{self.idle_close_s:.0f}s idle each)")
+                s.close(
+                    f"{self.what} stream idle for {idle:.0f}s; closed (at most {self.limit} at once, "
+                    f"{self.idle_close_s:.0f}s idle each)"
+                )
 
 
 class _IdleWatch:

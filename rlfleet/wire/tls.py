@@ -16,16 +16,21 @@ def configure_tls(tls_cfg) -> None:
         _tls = None
         return
     read = lambda p: open(p, "rb").read()  # noqa: E731
-    _tls = {"cert": read(tls_cfg.cert_file), "key": read(tls_cfg.key_file), "ca": read(tls_cfg.ca_file),
-            "client_auth": bool(tls_cfg.client_auth)}
+    _tls = {
+        "cert": read(tls_cfg.cert_file),
+        "key": read(tls_cfg.key_file),
+        "ca": read(tls_cfg.ca_file),
+        "client_auth": bool(tls_cfg.client_auth),
+    }
 
 
 def server_credentials() -> grpc.ServerCredentials | None:
     """What a server binds its port with (None: plaintext)."""
     if _tls is None:
         return None
-    return grpc.ssl_server_credentials([(_tls["key"], _tls["cert"])], root_certificates=_tls["ca"],
-                                       require_client_auth=_tls["client_auth"])
+    return grpc.ssl_server_credentials(
+        [(_tls["key"], _tls["cert"])], root_certificates=_tls["ca"], require_client_auth=_tls["client_auth"]
+    )
 
 
 def channel_credentials() -> grpc.ChannelCredentials | None:
@@ -33,5 +38,7 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
     if _tls is None:
         return None
     return grpc.ssl_channel_credentials(
-        root_certificates=_tls["ca"], private_key=_tls["key"] if _tls["client_auth"] else None,
-        certificate_chain=_tls["cert"] if _tls["client_auth"] else None)
+        root_certificates=_tls["ca"],
+        private_key=_tls["key"] if _tls["client_auth"] else None,
+        certificate_chain=_tls["cert"] if _tls["client_auth"] else None,
+    )

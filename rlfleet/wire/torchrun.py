@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         torchrun_main(sys.argv[1:] if argv is None else argv)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(f"rlfleet.wire.torchrun: rank {rank} exited with code {failure.exitcode}; the group ended", file=sys.stderr,
-              flush=True)
+        print(
+            f"rlfleet.wire.torchrun: rank {rank} exited with code {failure.exitcode}; the group ended",
+            file=sys.stderr,
+            flush=True,
+        )
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as exc:  # SIGTERM/SIGINT: the ranks were stopped with it
         return 128 + int(exc.sigval)

@@ -52,14 +52,21 @@ def setup(role: str, index: int, cfg, run_dir: str | os.PathLike | None = None) 
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    resource = Resource.create({"service.name": f"rlfleet-{role}", "service.instance.id": f"{role}-{index}",
-                                "rlfleet.experiment": str(cfg.runner.experiment_name)})
+    resource = Resource.create(
+        {
+            "service.name": f"rlfleet-{role}",
+            "service.instance.id": f"{role}-{index}",
+            "rlfleet.experiment": str(cfg.runner.experiment_name),
+        }
+    )
     interval = int(cfg.telemetry.metrics_interval_s * 1000)
     if mode == "otlp":
         endpoint = cfg.telemetry.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if not endpoint:
-            raise SystemExit("config error: 'telemetry.traces' is otlp but neither telemetry.otlp_endpoint nor "
-                             "OTEL_EXPORTER_OTLP_ENDPOINT is set")
+            raise SystemExit(
+                "config error: 'telemetry.traces' is otlp but neither telemetry.otlp_endpoint nor "
+                "OTEL_EXPORTER_OTLP_ENDPOINT is set"
+            )
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -79,8 +86,10 @@ def setup(role: str, index: int, cfg, run_dir: str | os.PathLike | None = None) 
         where = str(base)
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(span_exporter, schedule_delay_millis=500))
-    meter_provider = MeterProvider(resource=resource, metric_readers=[
-        PeriodicExportingMetricReader(metric_exporter, export_interval_millis=interval)])
+    meter_provider = MeterProvider(
+        resource=resource,
+        metric_readers=[PeriodicExportingMetricReader(metric_exporter, export_interval_millis=interval)],
+    )
     trace.set_tracer_provider(provider)
     metrics.set_meter_provider(meter_provider)
     _state.update(enabled=True, step_spans=bool(cfg.telemetry.step_spans), providers=[provider, meter_provider])

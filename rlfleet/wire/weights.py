@@ -7,11 +7,10 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from rlfleet.v1 import inference_pb2, tensor_pb2
 from rlfleet.wire import codec
 from rlfleet.wire.codec import CodecError, DType
-from rlfleet.wire.spaces import TensorSpace
-from rlfleet.wire.spaces import spaces_from_proto
-from rlfleet.v1 import inference_pb2, tensor_pb2
+from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 
 CHUNK_BYTES = 1 << 20
 
@@ -26,13 +25,23 @@ def _tensor_array(t: torch.Tensor) -> tuple[int, np.ndarray]:
 
 
 def obs_specs_to_proto(obs_specs: dict[str, TensorSpace]) -> dict[str, tensor_pb2.TensorSpec]:
-    return {k: tensor_pb2.TensorSpec(dtype=codec.dtype_of(np.zeros((), s.dtype)), shape=list(s.shape))
-            for k, s in obs_specs.items()}
+    return {
+        k: tensor_pb2.TensorSpec(dtype=codec.dtype_of(np.zeros((), s.dtype)), shape=list(s.shape))
+        for k, s in obs_specs.items()
+    }
 
 
-def iter_chunks(state: dict[str, torch.Tensor], version: int, *, obs_specs: dict[str, TensorSpace] | None = None,
-                action_dim: int | None = None, partial: bool = False, chunk_bytes: int = CHUNK_BYTES,
-                arena=None, abandon=None) -> Iterator[inference_pb2.WeightsChunk]:
+def iter_chunks(
+    state: dict[str, torch.Tensor],
+    version: int,
+    *,
+    obs_specs: dict[str, TensorSpace] | None = None,
+    action_dim: int | None = None,
+    partial: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+    arena=None,
+    abandon=None,
+) -> Iterator[inference_pb2.WeightsChunk]:
     """The chunks of weights set ``state``. ``arena`` (an ``rlfleet.wire.shm.Arena``, toward a server that accepted
     shared memory): the tensors of at least ``arena.min_bytes`` go into one shared-memory segment together, one
     chunk of a handle each (``abandon()`` true: stop waiting for the segment's previous bucket to be taken)."""
@@ -53,7 +62,7 @@ def iter_chunks(state: dict[str, torch.Tensor], version: int, *, obs_specs: dict
             if name in refs:
                 msg.data.shared.CopyFrom(refs[name])
             else:
-                msg.data.data = data[offset:offset + chunk_bytes]
+                msg.data.data = data[offset : offset + chunk_bytes]
             if first and obs_specs is not None:
                 for k, spec in obs_specs_to_proto(obs_specs).items():
                     msg.observation_space[k].CopyFrom(spec)
@@ -97,8 +106,17 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk], shm=None):
         if not chunk.name:
             raise CodecError(f"chunk {i}: empty tensor name")
         dtype = chunk.data.dtype
-        if dtype not in (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16, DType.INT64, DType.INT32,
-                         DType.UINT8, DType.BOOL, DType.INT8):
+        if dtype not in (
+            DType.FLOAT32,
+            DType.FLOAT64,
+            DType.FLOAT16,
+            DType.BFLOAT16,
+            DType.INT64,
+            DType.INT32,
+            DType.UINT8,
+            DType.BOOL,
+            DType.INT8,
+        ):
             raise CodecError(f"weights['{chunk.name}']: unknown dtype {dtype}")
         shape = list(chunk.data.shape)
         nbytes = codec.check_shape(shape, f"weights['{chunk.name}']") * codec.numpy_dtype(dtype).itemsize
@@ -112,8 +130,10 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk], shm=None):
             raise CodecError(f"weights['{chunk.name}']: chunks disagree on dtype/shape")
         if chunk.data.HasField("shared"):  # the whole tensor, copied out of the sender's segment
             if chunk.offset != 0:
-                raise CodecError(f"weights['{chunk.name}']: a shared-memory chunk at offset {chunk.offset}; it holds "
-                                 f"the whole tensor (offset 0)")
+                raise CodecError(
+                    f"weights['{chunk.name}']: a shared-memory chunk at offset {chunk.offset}; it holds "
+                    f"the whole tensor (offset 0)"
+                )
             data = codec.decode(chunk.data, f"weights['{chunk.name}']", shm=shm).reshape(-1).view(np.uint8)
         else:
             data = chunk.data.data
@@ -132,7 +152,7 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk], shm=None):
         else:
             buf = bytearray(nbytes)
             for offset, data in pieces:
-                buf[offset:offset + len(data)] = data
+                buf[offset : offset + len(data)] = data
         arr = np.frombuffer(buf, dtype=codec.numpy_dtype(dtype)).reshape(shape)
         t = torch.from_numpy(arr)
         state[name] = t.view(torch.bfloat16) if dtype == DType.BFLOAT16 else t

@@ -73,10 +73,10 @@ Metrics without the wire's names (services older than them) leave the wire out: 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-import math
 
 WINDOW = 5  # epochs averaged
 DOMINANT = 0.30  # a part limits the run when it is the largest and takes at least this share of the epoch
@@ -90,6 +90,7 @@ WIRE_KEYS = ("time/wire/act_s", "time/wire/rollout_s")
 @dataclass(frozen=True)
 class FleetShape:
     """What the advice depends on: the run's servers, stages and async depth."""
+
     env_servers: int = 1
     inference_servers: int = 1
     stages: int = 1  # rollout.pipeline_stage_num
@@ -101,6 +102,7 @@ class FleetShape:
     @classmethod
     def from_config(cls, cfg, env_servers: int | None = None, inference_servers: int | None = None) -> FleetShape:
         """From a run config; ``env_servers``/``inference_servers``: the counts now (after `coordinatorctl scale`)."""
+
         def get(path: str, default):
             node = cfg
             for part in path.split("."):
@@ -116,12 +118,15 @@ class FleetShape:
         chunk = max(1, int(get("actor.model.num_action_chunks", 1)))
         steps = int(get("env.train.max_steps_per_rollout_epoch", 0)) // chunk
         batch = get("rollout.max_batch_size", None)
-        return cls(env_servers=envs,
-                   inference_servers=int(inference_servers or get("cluster.num_inference_servers", 1)),
-                   stages=int(get("rollout.pipeline_stage_num", 1)),
-                   max_staleness=int(get("algorithm.max_staleness", 0)),
-                   max_batch_size=int(batch) if batch else None, rows_in_flight=per_server * envs or None,
-                   act_rounds=steps or None)
+        return cls(
+            env_servers=envs,
+            inference_servers=int(inference_servers or get("cluster.num_inference_servers", 1)),
+            stages=int(get("rollout.pipeline_stage_num", 1)),
+            max_staleness=int(get("algorithm.max_staleness", 0)),
+            max_batch_size=int(batch) if batch else None,
+            rows_in_flight=per_server * envs or None,
+            act_rounds=steps or None,
+        )
 
 
 @dataclass
@@ -132,8 +137,12 @@ class Diagnosis:
     epochs: int = 0  # how many epochs were averaged
 
     def as_dict(self) -> dict:
-        return {"part": self.part, "line": self.line, "epochs": self.epochs,
-                "shares": {k: round(v, 4) for k, v in self.shares.items()}}
+        return {
+            "part": self.part,
+            "line": self.line,
+            "epochs": self.epochs,
+            "shares": {k: round(v, 4) for k, v in self.shares.items()},
+        }
 
 
 def mean_metrics(window: Iterable[Mapping[str, float]]) -> dict[str, float]:
@@ -143,13 +152,17 @@ def mean_metrics(window: Iterable[Mapping[str, float]]) -> dict[str, float]:
     epochs = list(window)
     if len(epochs) >= 3:
         slowest = max(range(len(epochs)), key=lambda i: _finite(epochs[i].get("time/step")))
-        epochs = epochs[:slowest] + epochs[slowest + 1:]
+        epochs = epochs[:slowest] + epochs[slowest + 1 :]
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for m in epochs:
         for k, v in m.items():
-            if (k.startswith(("time/", "wire/")) or k == "train/weight_sync_bytes") \
-                    and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0:
+            if (
+                (k.startswith(("time/", "wire/")) or k == "train/weight_sync_bytes")
+                and isinstance(v, (int, float))
+                and math.isfinite(v)
+                and v >= 0
+            ):
                 sums[k] = sums.get(k, 0.0) + float(v)
                 counts[k] = counts.get(k, 0) + 1
     return {k: sums[k] / counts[k] for k in sums}
@@ -188,11 +201,18 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
     # limit, so one spans the epoch (and when they do not, the learner's verdict needs no split of it)
     C = max(T if asynchronous else R, 1e-9)
     rest = max(0.0, R - E - W - wire) if not asynchronous else max(0.0, C - E - W - wire)
-    shares = {"learner": min(1.0, L / T), "learner_update": min(1.0, update / T),
-              "weight_sync": min(1.0, sync / T), "learner_waits_for_data": min(1.0, R / T),
-              "env": min(1.0, E / T), "inference_wait": min(1.0, W / T), "rest": min(1.0, rest / T),
-              "rollout_env": min(1.0, E / C), "rollout_inference_wait": min(1.0, W / C),
-              "rollout_rest": min(1.0, rest / C)}
+    shares = {
+        "learner": min(1.0, L / T),
+        "learner_update": min(1.0, update / T),
+        "weight_sync": min(1.0, sync / T),
+        "learner_waits_for_data": min(1.0, R / T),
+        "env": min(1.0, E / T),
+        "inference_wait": min(1.0, W / T),
+        "rest": min(1.0, rest / T),
+        "rollout_env": min(1.0, E / C),
+        "rollout_inference_wait": min(1.0, W / C),
+        "rollout_rest": min(1.0, rest / C),
+    }
     if not asynchronous:
         shares["rollout"] = min(1.0, R / T)
     if has_wire:
@@ -207,8 +227,13 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
     if asynchronous and shares["learner_waits_for_data"] < ASYNC_HIDDEN:
         return done("learner", _learner_async(shares, learner_detail, m))
 
-    names = {"env": "env stepping", "inference": "the inference wait", "wire": "the wire",
-             "rest": "the rollout's other work", "learner": "the learner"}
+    names = {
+        "env": "env stepping",
+        "inference": "the inference wait",
+        "wire": "the wire",
+        "rest": "the rollout's other work",
+        "learner": "the learner",
+    }
     cands = {"env": shares["env"], "inference": shares["inference_wait"], "rest": shares["rest"]}
     if has_wire:
         cands["wire"] = shares["wire"]
@@ -216,8 +241,9 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
         cands["learner"] = shares["learner"]
     ranked = sorted(cands.items(), key=lambda kv: -kv[1])
     (part, top), (second, runner) = ranked[0], ranked[1]
-    wait_note = (f" (the learner waits {_pct(shares['learner_waits_for_data'])} of the epoch for it)"
-                 if asynchronous else "")
+    wait_note = (
+        f" (the learner waits {_pct(shares['learner_waits_for_data'])} of the epoch for it)" if asynchronous else ""
+    )
     if top < DOMINANT or top - runner < MARGIN:
         listed = ", ".join(f"{names[k]} {_pct(v)}" for k, v in ranked if v >= 0.05)
         if asynchronous:
@@ -230,38 +256,57 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
     then = f"; next: {names[second]} ({_pct(runner)} of the epoch)" if runner >= RUNNER_UP else ""
 
     def of_rollout(key: str) -> str:  # 'X% of the rollout (Y% of the epoch)'; in async mode the two are one
-        return f"{_pct(shares['rollout_' + key])} of the rollout" + ("" if asynchronous else
-                                                                      f" ({_pct(shares[key])} of the epoch)")
+        return f"{_pct(shares['rollout_' + key])} of the rollout" + (
+            "" if asynchronous else f" ({_pct(shares[key])} of the epoch)"
+        )
 
     if part == "learner":
-        return done("learner", f"the learner takes {_pct(top)} of the epoch ({learner_detail}) while the env "
-                               f"servers idle: with algorithm.max_staleness=1 collection overlaps it" + then)
+        return done(
+            "learner",
+            f"the learner takes {_pct(top)} of the epoch ({learner_detail}) while the env "
+            f"servers idle: with algorithm.max_staleness=1 collection overlaps it" + then,
+        )
     if part == "env":
         advice = f"add env servers (cluster.num_env_servers={shape.env_servers + 1})"
         if shape.stages == 1 and shares["rollout_inference_wait"] >= STAGE_WAIT:
-            advice += (f" or a stage (rollout.pipeline_stage_num=2: their "
-                       f"{_pct(shares['rollout_inference_wait'])} wait would overlap stepping)")
-        return done("env", f"env stepping takes {of_rollout('env')} and the inference server waits on it"
-                           f"{wait_note}: {advice}" + then)
+            advice += (
+                f" or a stage (rollout.pipeline_stage_num=2: their "
+                f"{_pct(shares['rollout_inference_wait'])} wait would overlap stepping)"
+            )
+        return done(
+            "env",
+            f"env stepping takes {of_rollout('env')} and the inference server waits on it{wait_note}: {advice}" + then,
+        )
     if part == "inference":
         head = f"env servers wait {of_rollout('inference_wait')}"
         if shape.stages == 1:
-            return done("inference", f"{head} for actions with one pipeline stage{wait_note}: "
-                                     f"rollout.pipeline_stage_num=2 lets one env group step while another waits"
-                        + then)
+            return done(
+                "inference",
+                f"{head} for actions with one pipeline stage{wait_note}: "
+                f"rollout.pipeline_stage_num=2 lets one env group step while another waits" + then,
+            )
         advice = f"add inference servers (cluster.num_inference_servers={shape.inference_servers + 1})"
         if shape.max_batch_size and shape.rows_in_flight and shape.max_batch_size < shape.rows_in_flight:
-            advice += (f", or raise rollout.max_batch_size (now {shape.max_batch_size}, "
-                       f"{shape.rows_in_flight} rows in flight)")
+            advice += (
+                f", or raise rollout.max_batch_size (now {shape.max_batch_size}, {shape.rows_in_flight} rows in flight)"
+            )
         return done("inference", f"{head} on the inference server{wait_note}: {advice}" + then)
     if part == "wire":
         detail = _wire_detail(m, shape)
-        return done("wire", f"the wire takes {of_rollout('wire')}" + (f" ({detail})" if detail else "")
-                            + f"{wait_note}: "
-                            + _wire_advice(m) + then)
-    return done("rest", f"the env servers' own work (request encoding, rollout bookkeeping, the push to the "
-                        f"learner) takes {of_rollout('rest')}{wait_note}: `coordinatorctl traces RUN_DIR` shows "
-                        f"where" + ("" if has_wire else " (no time/wire/* reported to split it)") + then)
+        return done(
+            "wire",
+            f"the wire takes {of_rollout('wire')}"
+            + (f" ({detail})" if detail else "")
+            + f"{wait_note}: "
+            + _wire_advice(m)
+            + then,
+        )
+    return done(
+        "rest",
+        f"the env servers' own work (request encoding, rollout bookkeeping, the push to the "
+        f"learner) takes {of_rollout('rest')}{wait_note}: `coordinatorctl traces RUN_DIR` shows "
+        f"where" + ("" if has_wire else " (no time/wire/* reported to split it)") + then,
+    )
 
 
 def _learner_async(shares: dict, detail: str, m: dict) -> str:
@@ -269,12 +314,17 @@ def _learner_async(shares: dict, detail: str, m: dict) -> str:
     if shares["weight_sync"] > shares["learner_update"]:
         size = m.get("wire/weights_bytes", m.get("train/weight_sync_bytes"))
         ser = f", {_pct(shares['wire_weights'])} serialising" if "wire_weights" in shares else ""
-        return (f"the learner limits: publishing weights takes {_pct(shares['weight_sync'])} of the epoch"
-                + (f" ({_mb(size)}{ser})" if size else "") + f" and it waits only {waits} for data: publish "
-                f"fewer bytes (LoRA adapters) or run the learner on the inference servers' host (shared memory)")
-    return (f"the learner limits: it takes {_pct(shares['learner'])} of the epoch ({detail}) and waits only "
-            f"{waits} for data, the collection hidden behind it: a faster update (fewer algorithm.update_epoch, "
-            f"more learner ranks or a GPU); more env servers or staleness will not help")
+        return (
+            f"the learner limits: publishing weights takes {_pct(shares['weight_sync'])} of the epoch"
+            + (f" ({_mb(size)}{ser})" if size else "")
+            + f" and it waits only {waits} for data: publish "
+            f"fewer bytes (LoRA adapters) or run the learner on the inference servers' host (shared memory)"
+        )
+    return (
+        f"the learner limits: it takes {_pct(shares['learner'])} of the epoch ({detail}) and waits only "
+        f"{waits} for data, the collection hidden behind it: a faster update (fewer algorithm.update_epoch, "
+        f"more learner ranks or a GPU); more env servers or staleness will not help"
+    )
 
 
 def _wire_detail(m: dict, shape: FleetShape) -> str:

@@ -14,12 +14,17 @@ import time
 import grpc
 
 from rlfleet.config.views import CoordinatorView
-from rlfleet.wire import channels, env_contract
 from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from rlfleet.wire import channels, env_contract
 from services.coordinator.service_registry import Registry, RunFailed, Service
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+)
 
 # a call into the fleet that failed, as the core catches it (gRPC's own error; read it through the two below)
 CallFailed = grpc.RpcError
@@ -78,9 +83,13 @@ class FleetCalls:
         """After a failed call: wait (up to ``patience``) until the monitor has noticed whether ``svc`` died or
         an inference server changed; raises RunFailed when the run is over."""
         deadline = time.monotonic() + self.patience
-        while svc.incarnation == incarnation and svc.ready.is_set() and time.monotonic() < deadline \
-                and not self.fate.fatal and (generation is None
-                                             or self.registry.inference_generation() == generation):
+        while (
+            svc.incarnation == incarnation
+            and svc.ready.is_set()
+            and time.monotonic() < deadline
+            and not self.fate.fatal
+            and (generation is None or self.registry.inference_generation() == generation)
+        ):
             time.sleep(0.1)
         self.fate.check()
 
@@ -101,14 +110,16 @@ class FleetCalls:
                 if generation == self.weights_generation:
                     return
                 try:
-                    self.learner().PublishWeights(learner_pb2.PublishWeightsRequest(
-                        inference_addresses=reg.addresses("inference")), timeout=120)
+                    self.learner().PublishWeights(
+                        learner_pb2.PublishWeightsRequest(inference_addresses=reg.addresses("inference")), timeout=120
+                    )
                     self.weights_generation = generation
                     return
                 except grpc.RpcError as exc:
                     settle = min(deadline, time.monotonic() + 5.0)
-                    while reg.inference_generation() == generation and time.monotonic() < settle \
-                            and not self.fate.fatal:
+                    while (
+                        reg.inference_generation() == generation and time.monotonic() < settle and not self.fate.fatal
+                    ):
                         time.sleep(0.1)  # a death is noticed by the monitor within a fraction of a second
                     if self.fate.fatal:
                         raise RunFailed(self.fate.fatal) from exc

@@ -1,19 +1,19 @@
 """coordinatorctl: start, watch and stop an rlfleet run.
 
-    coordinatorctl start [CONFIG] [key=value ...]     # default: PPO on PandaPickCube-v0, all services local
-    coordinatorctl start --resume RUN_DIR [key=value ...]
-    coordinatorctl status [RUN_DIR | --address HOST:PORT]
-    coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
-    coordinatorctl scale env N [RUN_DIR | --address HOST:PORT]  # env servers of a running run, from the next epoch
-    coordinatorctl envs [install NAME | remove NAME]    # simulators, their environments, install one ahead
-    coordinatorctl check-env HOST:PORT                  # an EnvService against the env contract
-    coordinatorctl collect-demos CONFIG [key=value ...] # scripted-expert demonstrations of env.train -> sft.dataset_path
-    coordinatorctl sft CONFIG [key=value ...]           # behaviour cloning of actor.model on them -> sft.output_path
-    coordinatorctl deploy compose|k8s [CONFIG] [key=value ...] [--out DIR]  # container manifests for a run
-    coordinatorctl traces RUN_DIR [--epoch N]           # one epoch's trace across the services, as a tree
-    coordinatorctl eval RUN_DIR|CHECKPOINT|MODEL_DIR [--config CFG] [key=value ...] [--out DIR]
-    coordinatorctl eval --compare A B [...]             # seeded evaluation reports (95% intervals); A - B paired
-    coordinatorctl export RUN_DIR [--step N] OUT [--layout upstream|rlfleet] [--lora merged|adapter]  # released layout
+coordinatorctl start [CONFIG] [key=value ...]     # default: PPO on PandaPickCube-v0, all services local
+coordinatorctl start --resume RUN_DIR [key=value ...]
+coordinatorctl status [RUN_DIR | --address HOST:PORT]
+coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
+coordinatorctl scale env N [RUN_DIR | --address HOST:PORT]  # env servers of a running run, from the next epoch
+coordinatorctl envs [install NAME | remove NAME]    # simulators, their environments, install one ahead
+coordinatorctl check-env HOST:PORT                  # an EnvService against the env contract
+coordinatorctl collect-demos CONFIG [key=value ...] # scripted-expert demonstrations of env.train -> sft.dataset_path
+coordinatorctl sft CONFIG [key=value ...]           # behaviour cloning of actor.model on them -> sft.output_path
+coordinatorctl deploy compose|k8s [CONFIG] [key=value ...] [--out DIR]  # container manifests for a run
+coordinatorctl traces RUN_DIR [--epoch N]           # one epoch's trace across the services, as a tree
+coordinatorctl eval RUN_DIR|CHECKPOINT|MODEL_DIR [--config CFG] [key=value ...] [--out DIR]
+coordinatorctl eval --compare A B [...]             # seeded evaluation reports (95% intervals); A - B paired
+coordinatorctl export RUN_DIR [--step N] OUT [--layout upstream|rlfleet] [--lora merged|adapter]  # released layout
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import os
 import pathlib
 import sys
 
-import rlfleet  # noqa: F401  (sets gRPC's log verbosity before grpc is imported)
 import grpc
 
-from rlfleet.wire import auth, channels, tls, tracing
+import rlfleet  # noqa: F401  (sets gRPC's log verbosity before grpc is imported)
 from rlfleet.config import ConfigError, load_config
 from rlfleet.untrusted import BadFile
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+from rlfleet.wire import auth, channels, tls, tracing
 
 
 def _start(args) -> int:
@@ -59,9 +59,11 @@ def _start(args) -> int:
 
             preflight_resume(cfg)  # the checkpoint checked whole: a bad file named in seconds, before any service
         if cfg.runner.only_eval:
-            raise ConfigError("'runner.only_eval': true means evaluation only, which `coordinatorctl eval RUN_DIR | "
-                              "CHECKPOINT | MODEL_DIR` runs (same env and inference servers, a learner that never "
-                              "trains); `coordinatorctl start` trains")
+            raise ConfigError(
+                "'runner.only_eval': true means evaluation only, which `coordinatorctl eval RUN_DIR | "
+                "CHECKPOINT | MODEL_DIR` runs (same env and inference servers, a learner that never "
+                "trains); `coordinatorctl start` trains"
+            )
         if cfg.cluster.launcher == "local":
             from services.coordinator.launcher import check_local
             from services.coordinator.preflight import preflight_loggers, preflight_model
@@ -129,8 +131,14 @@ def _envs(args) -> int:
         except UnknownName as exc:
             print(f"coordinatorctl envs assets: {exc}", file=sys.stderr)
             return 2
-        cmd = [*ENV_SIDE_COMMAND, "assets", args.name, *(["--envs-dir", args.envs_dir] if args.envs_dir else []),
-               *(["--dry-run"] if args.dry_run else []), *([args.task] if args.task else [])]
+        cmd = [
+            *ENV_SIDE_COMMAND,
+            "assets",
+            args.name,
+            *(["--envs-dir", args.envs_dir] if args.envs_dir else []),
+            *(["--dry-run"] if args.dry_run else []),
+            *([args.task] if args.task else []),
+        ]
         return subprocess.run(cmd).returncode
     if args.action in ("install", "remove"):
         if not args.name:
@@ -154,8 +162,11 @@ def _envs(args) -> int:
         from services.coordinator.launcher import simulator_python
 
         try:  # a simulator's through the env side (it adds its finishing steps); a backend's directly
-            print(environments.ensure(part.environment, args.envs_dir) if args.name in BACKENDS
-                  else simulator_python(args.name, args.envs_dir))
+            print(
+                environments.ensure(part.environment, args.envs_dir)
+                if args.name in BACKENDS
+                else simulator_python(args.name, args.envs_dir)
+            )
         except environments.EnvironmentError_ as exc:
             print(f"coordinatorctl: {exc}", file=sys.stderr)
             return 1
@@ -164,11 +175,15 @@ def _envs(args) -> int:
     print(f"simulator and inference-backend environments in {environments.envs_dir(args.envs_dir)}\n")
     print(f"{'simulator':<10} {'environment':<12} {'installed':<10} task ids (examples) / model types")
     for r in rows:
-        print(f"{r['simulator']:<10} {r['environment']:<12} {'yes' if r['installed'] else 'no':<10} "
-              f"{', '.join(r['examples'])}")
+        print(
+            f"{r['simulator']:<10} {r['environment']:<12} {'yes' if r['installed'] else 'no':<10} "
+            f"{', '.join(r['examples'])}"
+        )
         print(f"{'':<10} {r['description']}" + (f" ({r['notes']})" if r["notes"] else ""))
-    print("\nan environment is built on first use by `coordinatorctl start`; build one ahead with "
-          "`coordinatorctl envs install NAME`")
+    print(
+        "\nan environment is built on first use by `coordinatorctl start`; build one ahead with "
+        "`coordinatorctl envs install NAME`"
+    )
     return 0
 
 
@@ -196,8 +211,15 @@ def _sft_step(args) -> int:
         except environments.EnvironmentError_ as exc:
             print(f"coordinatorctl: {exc}", file=sys.stderr)
             return 1
-        cmd = [python, "-m", "services.env.demos", "--config", str(args.config or "pandapickcube_ppo"),
-               "--out", str(dataset)]
+        cmd = [
+            python,
+            "-m",
+            "services.env.demos",
+            "--config",
+            str(args.config or "pandapickcube_ppo"),
+            "--out",
+            str(dataset),
+        ]
         if args.episodes:
             cmd += ["--episodes", str(args.episodes)]
     else:
@@ -215,8 +237,7 @@ def _sft_step(args) -> int:
             return 2
         cmd = [python, "-m", "services.learner.sft", "--config", str(args.config or "pandapickcube_ppo")]
     cmd += list(args.overrides)
-    return subprocess.call(cmd, env=child_environ(python, cfg.cluster.torch_num_threads),
-                           cwd=os.getcwd())
+    return subprocess.call(cmd, env=child_environ(python, cfg.cluster.torch_num_threads), cwd=os.getcwd())
 
 
 def _find_run(args) -> tuple[str, str | None]:
@@ -226,8 +247,9 @@ def _find_run(args) -> tuple[str, str | None]:
     if args.run_dir:
         candidates = [pathlib.Path(args.run_dir) / "coordinator.json"]
     else:
-        candidates = sorted(pathlib.Path("runs").glob("*/coordinator.json"), key=lambda p: p.stat().st_mtime,
-                            reverse=True)
+        candidates = sorted(
+            pathlib.Path("runs").glob("*/coordinator.json"), key=lambda p: p.stat().st_mtime, reverse=True
+        )
     for path in candidates:
         if path.exists():
             from rlfleet.untrusted import read_json
@@ -248,8 +270,10 @@ def _coordinator_stub(args):
     address, run_dir = _find_run(args)
     token = auth.read_token(run_dir)
     if token is None:
-        raise SystemExit(f"coordinatorctl: no run credential for {address}: set {auth.TOKEN_ENV} or give the run "
-                         f"folder (its {auth.TOKEN_FILE} file)")
+        raise SystemExit(
+            f"coordinatorctl: no run credential for {address}: set {auth.TOKEN_ENV} or give the run "
+            f"folder (its {auth.TOKEN_FILE} file)"
+        )
     auth.set_identity("ctl", token)
     config = pathlib.Path(run_dir) / "config.yaml" if run_dir else None
     if config is not None and config.exists():  # a TLS run: dial it with the run's certificates
@@ -268,8 +292,10 @@ def _status(args) -> int:
     except grpc.RpcError as exc:
         print(f"coordinatorctl: {address}: {channels.describe_error(exc)}", file=sys.stderr)
         return 1
-    print(f"{st.experiment_name}: {st.phase}, epoch {st.epoch + 1}/{st.max_epochs}, {st.env_steps} env steps, "
-          f"{st.elapsed_s:.0f}s  ({st.run_dir})")
+    print(
+        f"{st.experiment_name}: {st.phase}, epoch {st.epoch + 1}/{st.max_epochs}, {st.env_steps} env steps, "
+        f"{st.elapsed_s:.0f}s  ({st.run_dir})"
+    )
     for key in ("env/success_once", "env/return", "train/actor/policy_loss", "train/critic/value_loss"):
         if key in st.last_metrics:
             print(f"  {key} = {st.last_metrics[key]:.4f}")
@@ -277,8 +303,10 @@ def _status(args) -> int:
         print(f"  bottleneck: {st.bottleneck}")
     names = {1: "env", 2: "inference", 3: "learner"}
     for s in st.services:
-        print(f"  {names.get(s.role, s.role)}[{s.index}] {s.address} pid {s.pid} "
-              f"{'alive' if s.alive else 'DOWN'} restarts {s.restarts} heartbeat {s.last_heartbeat_age_s:.1f}s ago")
+        print(
+            f"  {names.get(s.role, s.role)}[{s.index}] {s.address} pid {s.pid} "
+            f"{'alive' if s.alive else 'DOWN'} restarts {s.restarts} heartbeat {s.last_heartbeat_age_s:.1f}s ago"
+        )
     return 0
 
 
@@ -320,10 +348,14 @@ def _deploy(args) -> int:
     for path in written:
         print(f"wrote {path}")
     if args.kind == "compose":
-        print(f"run it: cd {out} && docker-compose up --build   (status: RLFLEET_RUN_TOKEN=... coordinatorctl status "
-              f"--address 127.0.0.1:50051, the token is in {out / 'rlfleet.env'})")
+        print(
+            f"run it: cd {out} && docker-compose up --build   (status: RLFLEET_RUN_TOKEN=... coordinatorctl status "
+            f"--address 127.0.0.1:50051, the token is in {out / 'rlfleet.env'})"
+        )
     else:
-        print(f"apply it: kubectl apply -f {out / 'rlfleet-k8s.yaml'}   (images: {', '.join(deploy.images(cfg, args.tag))})")
+        print(
+            f"apply it: kubectl apply -f {out / 'rlfleet-k8s.yaml'}   (images: {', '.join(deploy.images(cfg, args.tag))})"
+        )
     return 0
 
 
@@ -338,25 +370,44 @@ def _traces(args) -> int:
     epoch = args.epoch if args.epoch is not None else (epochs[-1] if epochs else 0)
     tree = tracing.format_tree(tracing.epoch_trace(spans, epoch))
     if not tree:
-        print(f"coordinatorctl: no trace for epoch {epoch} (traced epochs: {epochs[0]}..{epochs[-1]})"
-              if epochs else "coordinatorctl: no epoch traces yet", file=sys.stderr)
+        print(
+            f"coordinatorctl: no trace for epoch {epoch} (traced epochs: {epochs[0]}..{epochs[-1]})"
+            if epochs
+            else "coordinatorctl: no epoch traces yet",
+            file=sys.stderr,
+        )
         return 1
     print(f"epoch {epoch} ({len(spans)} spans in {args.run_dir}/traces)\n{tree}")
     return 0
 
 
 def _add_eval_parser(sub) -> None:
-    q = sub.add_parser("eval", help="evaluate a run folder, a checkpoint or a model folder on seeded episodes "
-                                    "(report.json/report.md with 95%% intervals); --compare A B")
-    q.add_argument("target", nargs="?", default=None,
-                   help="run folder (its newest checkpoint), RUN/checkpoints/global_step_N, or a model folder "
-                        "(a released layout, as coordinatorctl export writes)")
+    q = sub.add_parser(
+        "eval",
+        help="evaluate a run folder, a checkpoint or a model folder on seeded episodes "
+        "(report.json/report.md with 95%% intervals); --compare A B",
+    )
+    q.add_argument(
+        "target",
+        nargs="?",
+        default=None,
+        help="run folder (its newest checkpoint), RUN/checkpoints/global_step_N, or a model folder "
+        "(a released layout, as coordinatorctl export writes)",
+    )
     q.add_argument("overrides", nargs="*", help="key=value overrides, e.g. env.eval.num_episodes=200")
-    q.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
-                   help="evaluate A and B on the same episodes and report A - B with its paired 95%% interval")
+    q.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        default=None,
+        help="evaluate A and B on the same episodes and report A - B with its paired 95%% interval",
+    )
     q.add_argument("--config", default=None, help="YAML config or a built-in name (default: the run's config.yaml)")
-    q.add_argument("--out", default=None, help="output folder (default RUN/eval/global_step_N, or "
-                                               "<log_path>/eval-NAME, <log_path>/compare-A-vs-B)")
+    q.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default RUN/eval/global_step_N, or <log_path>/eval-NAME, <log_path>/compare-A-vs-B)",
+    )
     q.add_argument("--quiet", action="store_true", help="print only errors")
 
 
@@ -378,8 +429,10 @@ EXPORT_LAYOUTS = ("upstream", "rlfleet")
 def _export_target(args):
     """(checkpoint folder, run config) that `export` reads, or _ExportInputError in one line."""
     if args.layout not in EXPORT_LAYOUTS:  # checked here, not by argparse: one line, not a usage block
-        raise _ExportInputError(f"--layout: '{args.layout}' is not one of {', '.join(EXPORT_LAYOUTS)} (upstream: the "
-                                f"model family's released layout; rlfleet: rlfleet's own save_pretrained)")
+        raise _ExportInputError(
+            f"--layout: '{args.layout}' is not one of {', '.join(EXPORT_LAYOUTS)} (upstream: the "
+            f"model family's released layout; rlfleet: rlfleet's own save_pretrained)"
+        )
     from rlfleet.data.checkpoint_files import CheckpointNotFound, find_checkpoint, verify_checkpoint
 
     try:
@@ -406,8 +459,9 @@ def _export_target(args):
     if why:
         raise _ExportInputError(f"{ckpt}: {why}" if why.startswith(cfg.actor.model.model_type) else why)
     if args.lora == "adapter" and not cfg.actor.model.is_lora:
-        raise _ExportInputError(f"--lora adapter: the run trained without LoRA (actor.model.is_lora=false); "
-                                f"export it merged (the default)")
+        raise _ExportInputError(
+            "--lora adapter: the run trained without LoRA (actor.model.is_lora=false); export it merged (the default)"
+        )
     return ckpt, config, cfg
 
 
@@ -423,8 +477,21 @@ def _export(args) -> int:
     except _ExportInputError as exc:
         print(f"coordinatorctl export: {exc}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "services.learner.export", str(ckpt), str(args.out), "--config", str(config),
-           "--lora", args.lora, "--layout", args.layout, "--max-shard-size", str(args.max_shard_size)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.learner.export",
+        str(ckpt),
+        str(args.out),
+        "--config",
+        str(config),
+        "--lora",
+        args.lora,
+        "--layout",
+        args.layout,
+        "--max-shard-size",
+        str(args.max_shard_size),
+    ]
     env = child_environ(sys.executable, cfg.cluster.torch_num_threads, CUDA_VISIBLE_DEVICES="")
     return subprocess.call(cmd, env=env, cwd=os.getcwd())
 
@@ -446,12 +513,17 @@ def main(argv=None) -> int:
         from rlfleet.simulators.conformance import main as check_env_main
 
         return check_env_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="coordinatorctl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="coordinatorctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("start", help="start a run (default config: PPO on PandaPickCube-v0)")
-    p.add_argument("config", nargs="?", default=None,
-                   help="YAML config or a built-in name (pandapickcube_ppo, pandapickcube_vision_ppo)")
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="YAML config or a built-in name (pandapickcube_ppo, pandapickcube_vision_ppo)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. env.train.total_num_envs=32")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -464,14 +536,18 @@ def main(argv=None) -> int:
     q.add_argument("count", type=int)
     q.add_argument("run_dir", nargs="?", default=None)
     q.add_argument("--address", default=None)
-    q = sub.add_parser("envs", help="list simulators and their environments; install or remove one; fetch a task's "
-                                     "assets (envs assets maniskill [TASK])")
+    q = sub.add_parser(
+        "envs",
+        help="list simulators and their environments; install or remove one; fetch a task's "
+        "assets (envs assets maniskill [TASK])",
+    )
     q.add_argument("action", nargs="?", choices=("list", "install", "remove", "assets"), default="list")
     q.add_argument("name", nargs="?", default=None, help="simulator name (see the list)")
     q.add_argument("task", nargs="?", default=None, help="assets: the task whose assets to fetch (none: list them)")
     q.add_argument("--dry-run", action="store_true", help="assets: print the downloads, run none")
-    q.add_argument("--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or "
-                                                    "~/.cache/rlfleet/envs)")
+    q.add_argument(
+        "--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or ~/.cache/rlfleet/envs)"
+    )
     q = sub.add_parser("collect-demos", help="record scripted-expert demonstrations of env.train (sft.* keys)")
     q.add_argument("config", help="YAML config or a built-in name")
     q.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -488,34 +564,51 @@ def main(argv=None) -> int:
     q = sub.add_parser("traces", help="print one epoch's trace (spans from every service) as a tree")
     q.add_argument("run_dir")
     q.add_argument("--epoch", type=int, default=None, help="epoch (default: the last traced)")
-    q = sub.add_parser("check-env", add_help=False,
-                       help="check a running EnvService against the env contract (docs/env-contract.md); "
-                            "`coordinatorctl check-env --help` for options")
+    q = sub.add_parser(
+        "check-env",
+        add_help=False,
+        help="check a running EnvService against the env contract (docs/env-contract.md); "
+        "`coordinatorctl check-env --help` for options",
+    )
     q.add_argument("rest", nargs=argparse.REMAINDER)
     _add_eval_parser(sub)
-    q = sub.add_parser("export", help="write a run's trained policy in its model family's released layout "
-                                      "(VLA policies; LoRA merged, or --lora adapter)",
-                       description="Write a run's trained VLA policy (its newest complete checkpoint, or --step N) to "
-                                   "OUT. Layouts: upstream (default) is the family's released layout: OpenVLA / "
-                                   "OpenVLA-OFT as openvla/openvla-7b (Prismatic's config.json and tensor names, "
-                                   "sharded safetensors with an index, tokenizer and processor files, OFT's "
-                                   "proprio_projector--N_checkpoint.pt), π0 as transformers' PI0 layout "
-                                   "(lerobot/pi0_base: lerobot's tensor names, PaliGemma-style tokenizer files); "
-                                   "the value head is not written, π0.5 is refused. rlfleet is rlfleet's own "
-                                   "save_pretrained (its tensor names, every module, π0.5 too). Both load back "
-                                   "through actor.model.model_path and coordinatorctl eval.")
-    q.add_argument("run_dir", metavar="RUN_DIR", help="run folder (its newest checkpoint) or "
-                                                      "RUN/checkpoints/global_step_N")
+    q = sub.add_parser(
+        "export",
+        help="write a run's trained policy in its model family's released layout "
+        "(VLA policies; LoRA merged, or --lora adapter)",
+        description="Write a run's trained VLA policy (its newest complete checkpoint, or --step N) to "
+        "OUT. Layouts: upstream (default) is the family's released layout: OpenVLA / "
+        "OpenVLA-OFT as openvla/openvla-7b (Prismatic's config.json and tensor names, "
+        "sharded safetensors with an index, tokenizer and processor files, OFT's "
+        "proprio_projector--N_checkpoint.pt), π0 as transformers' PI0 layout "
+        "(lerobot/pi0_base: lerobot's tensor names, PaliGemma-style tokenizer files); "
+        "the value head is not written, π0.5 is refused. rlfleet is rlfleet's own "
+        "save_pretrained (its tensor names, every module, π0.5 too). Both load back "
+        "through actor.model.model_path and coordinatorctl eval.",
+    )
+    q.add_argument(
+        "run_dir", metavar="RUN_DIR", help="run folder (its newest checkpoint) or RUN/checkpoints/global_step_N"
+    )
     q.add_argument("out", metavar="OUT", help="output folder (new, or empty)")
     q.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
-    q.add_argument("--lora", choices=("merged", "adapter"), default="merged",
-                   help="merged into the weights (default) or a peft adapter beside the base's id (upstream "
-                        "layout: keys named as the released model's modules, language_model.*)")
-    q.add_argument("--layout", default="upstream", metavar="{upstream,rlfleet}",
-                   help="upstream (default): the model family's released layout; rlfleet: rlfleet's own "
-                        "save_pretrained layout")
-    q.add_argument("--max-shard-size", default="5GB", help="upstream layout: the largest safetensors shard, "
-                                                           "as transformers' save_pretrained takes it (default 5GB)")
+    q.add_argument(
+        "--lora",
+        choices=("merged", "adapter"),
+        default="merged",
+        help="merged into the weights (default) or a peft adapter beside the base's id (upstream "
+        "layout: keys named as the released model's modules, language_model.*)",
+    )
+    q.add_argument(
+        "--layout",
+        default="upstream",
+        metavar="{upstream,rlfleet}",
+        help="upstream (default): the model family's released layout; rlfleet: rlfleet's own save_pretrained layout",
+    )
+    q.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="upstream layout: the largest safetensors shard, as transformers' save_pretrained takes it (default 5GB)",
+    )
     q.add_argument("--config", default=None, help="the run's config (default RUN_DIR/config.yaml)")
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides given after an option (`collect-demos CFG --episodes 2 k=v`)
@@ -556,8 +649,11 @@ def main(argv=None) -> int:
             return _scale(args)
         return _status(args) if args.command == "status" else _stop(args)
     except CredentialError as exc:
-        print(f"coordinatorctl {args.command}: {exc} (operator commands need the operator's credential, the run "
-              f"folder's run_token, or the run's secret; not a service's credential)", file=sys.stderr)
+        print(
+            f"coordinatorctl {args.command}: {exc} (operator commands need the operator's credential, the run "
+            f"folder's run_token, or the run's secret; not a service's credential)",
+            file=sys.stderr,
+        )
         return 2
     except (ConfigError, BadFile) as exc:  # the run folder's coordinator.json or config.yaml
         print(f"coordinatorctl {args.command}: {exc}", file=sys.stderr)

@@ -21,19 +21,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import trace
 
-from rlfleet.errors import FailedPrecondition, InvalidRequest, PermissionDenied
-from rlfleet.wire import auth
 from rlfleet.config import env_server_config, learner_layout, to_yaml
 from rlfleet.config.views import CoordinatorView, build_view
-from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
+from rlfleet.errors import FailedPrecondition, InvalidRequest, PermissionDenied
 from rlfleet.v1 import coordinator_pb2, env_pb2, learner_pb2, rollout_pb2
+from rlfleet.wire import auth
+from rlfleet.wire.spaces import TensorSpace, joint_spaces, spaces_from_proto, spaces_key
 from services.coordinator.bottleneck import FleetShape
 from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
 from services.coordinator.evaluation import Evaluator
 from services.coordinator.launcher import make_launcher
-from services.coordinator.service_registry import (ROLE_NAMES, HealthMonitor, Registry, RunFailed, RunFate, RunStopped,
-                                           check_claim)
 from services.coordinator.report import RunReport, eval_line
+from services.coordinator.service_registry import (
+    ROLE_NAMES,
+    HealthMonitor,
+    Registry,
+    RunFailed,
+    RunFate,
+    RunStopped,
+    check_claim,
+)
 
 __all__ = ["Coordinator", "RunFailed", "choose_run_dir", "install_signal_handlers"]
 
@@ -44,6 +51,7 @@ def joint_env_spec(specs: list) -> tuple[env_pb2.EnvSpec, str | None]:
     """The env spec the policy is built for, from every env server's Describe: the first one when all have the
     same spaces, else their joint spaces (rlfleet.wire.spaces.joint_spaces) -> (spec, a line saying so or None).
     Raises RunFailed naming the entry two servers disagree on."""
+
     def spaces(s):
         return spaces_from_proto(s.observation_space), TensorSpace.from_proto(s.action_space)
 
@@ -74,10 +82,12 @@ def joint_env_spec(specs: list) -> tuple[env_pb2.EnvSpec, str | None]:
     def show(o, a):
         return ", ".join(f"{k}{list(v.shape)}" for k, v in sorted(o.items())) + f"; action {a.shape[0]}-D"
 
-    line = ("  env servers with different spaces: " + "; ".join(f"{lab} ({show(*spaces(s))})"
-                                                                for lab, s in zip(labels, specs))
-            + f"\n  the policy acts in their joint spaces: {show(obs, action)} (observations zero-padded, each "
-              f"simulator executes its own first action dimensions)")
+    line = (
+        "  env servers with different spaces: "
+        + "; ".join(f"{lab} ({show(*spaces(s))})" for lab, s in zip(labels, specs))
+        + f"\n  the policy acts in their joint spaces: {show(obs, action)} (observations zero-padded, each "
+        f"simulator executes its own first action dimensions)"
+    )
     return out, line
 
 
@@ -166,10 +176,16 @@ class Coordinator:
 
     def status(self) -> coordinator_pb2.RunStatus:
         st = coordinator_pb2.RunStatus(
-            experiment_name=self.view.experiment_name, run_dir=str(self.run_dir), phase=self.phase,
-            epoch=self.epoch, max_epochs=self.view.max_epochs, env_steps=self.env_steps,
-            elapsed_s=self.elapsed(), last_metrics={k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
-            bottleneck=self.report.bottleneck_line)
+            experiment_name=self.view.experiment_name,
+            run_dir=str(self.run_dir),
+            phase=self.phase,
+            epoch=self.epoch,
+            max_epochs=self.view.max_epochs,
+            env_steps=self.env_steps,
+            elapsed_s=self.elapsed(),
+            last_metrics={k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
+            bottleneck=self.report.bottleneck_line,
+        )
         self.registry.add_status(st)
         return st
 
@@ -182,16 +198,19 @@ class Coordinator:
         if ROLE_NAMES.get(role) != "env":
             raise InvalidRequest(f"role: only env servers scale during a run, not {ROLE_NAMES.get(role, role)}")
         if self.view.external_env_addresses:
-            raise FailedPrecondition("cluster.external_env_addresses: env servers bridging external simulators "
-                                         "are fixed by that list")
+            raise FailedPrecondition(
+                "cluster.external_env_addresses: env servers bridging external simulators are fixed by that list"
+            )
         if not 1 <= count <= self.MAX_ENV_SERVERS:
             raise InvalidRequest(f"count: {count} is not in 1..{self.MAX_ENV_SERVERS}")
         self.pending_scale = count
         current = self.registry.counts["env"]
         per, steps = self.envs_per_server, self.view.max_steps_per_rollout_epoch
-        message = (f"env servers {current} -> {count} from the next epoch: {per} envs each, {count * per} train "
-                   f"envs, {count * per * steps} env steps per epoch (actor.global_batch_size is unchanged: more "
-                   f"or fewer minibatches per epoch)")
+        message = (
+            f"env servers {current} -> {count} from the next epoch: {per} envs each, {count * per} train "
+            f"envs, {count * per * steps} env steps per epoch (actor.global_batch_size is unchanged: more "
+            f"or fewer minibatches per epoch)"
+        )
         self.say(f"  scale requested: {message}")
         return current, message
 
@@ -223,8 +242,10 @@ class Coordinator:
             auth.write_token(self.run_dir, auth.issue(self.token, "ctl"))
             if not self.local:  # a secret made here: the operator issues the credentials of services started elsewhere
                 path = auth.write_token(self.run_dir, self.token, auth.SECRET_FILE)
-                self.say(f"  run secret: {path}; give each service started elsewhere its own credential as "
-                         f"{auth.TOKEN_ENV} (`python -m rlfleet.wire.auth issue --role ROLE --run-dir {self.run_dir}`)")
+                self.say(
+                    f"  run secret: {path}; give each service started elsewhere its own credential as "
+                    f"{auth.TOKEN_ENV} (`python -m rlfleet.wire.auth issue --role ROLE --run-dir {self.run_dir}`)"
+                )
         (self.run_dir / "coordinator.json").write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
         self.launcher = make_launcher(self.cfg, self.run_dir, config_path, self.address, self.token)
         from rlfleet.simulators.environments import EnvironmentError_
@@ -232,14 +253,16 @@ class Coordinator:
         try:
             self.launcher.prepare(log=self.say)
         except EnvironmentError_ as exc:
-            raise RunFailed(f"the {self.view.simulator_type} simulator environment could not be "
-                            f"built:\n{exc}") from None
+            raise RunFailed(
+                f"the {self.view.simulator_type} simulator environment could not be built:\n{exc}"
+            ) from None
         self.launcher.start_all()
         if not self.local:
-            self.say(f"waiting for services to register at {self.address} (cluster.launcher=attach): "
-                     f"{self.registry.counts}")
+            self.say(
+                f"waiting for services to register at {self.address} (cluster.launcher=attach): {self.registry.counts}"
+            )
         HealthMonitor(self.registry, self.launcher, self.view, self.run_dir, self.say).start()
-        for (role, index) in list(self.registry.services):
+        for role, index in list(self.registry.services):
             self.registry.wait(role, index, self.view.startup_timeout_s, stoppable=True)
 
     # --- one epoch's parts ------------------------------------------------------------------------------------
@@ -249,22 +272,30 @@ class Coordinator:
             svc, stub = calls.rollout_stub(index)
             incarnation, generation = svc.incarnation, reg.inference_generation()
             try:
-                with _tracer.start_as_current_span("collect", attributes={"rlfleet.epoch": epoch,
-                                                                          "rlfleet.env_server": index}):
-                    resp = stub.Collect(rollout_pb2.CollectRequest(
-                        epoch=epoch,
-                        num_steps=self.view.max_steps_per_rollout_epoch // self.view.num_action_chunks,
-                        inference_addresses=reg.addresses("inference"), learner_address=reg.addresses("learner")[0],
-                        min_weights_version=min_version, policy_spec=self.calls.policy_spec),
-                        timeout=self.view.collect_timeout_s)
+                with _tracer.start_as_current_span(
+                    "collect", attributes={"rlfleet.epoch": epoch, "rlfleet.env_server": index}
+                ):
+                    resp = stub.Collect(
+                        rollout_pb2.CollectRequest(
+                            epoch=epoch,
+                            num_steps=self.view.max_steps_per_rollout_epoch // self.view.num_action_chunks,
+                            inference_addresses=reg.addresses("inference"),
+                            learner_address=reg.addresses("learner")[0],
+                            min_weights_version=min_version,
+                            policy_spec=self.calls.policy_spec,
+                        ),
+                        timeout=self.view.collect_timeout_s,
+                    )
                 if resp.lost_episodes:
                     self._lost(epoch, resp.lost_episodes)
                     self.say(f"  ! env[{index}]: its external simulator restarted; {resp.lost_episodes} episodes lost")
                 return resp
             except CallFailed as exc:
                 if not retryable(exc) or self.fate.fatal:
-                    raise RunFailed(f"env[{index}] Collect failed: {describe(exc)}"
-                                    + (f"\n  {self.fate.fatal}" if self.fate.fatal else "")) from exc
+                    raise RunFailed(
+                        f"env[{index}] Collect failed: {describe(exc)}"
+                        + (f"\n  {self.fate.fatal}" if self.fate.fatal else "")
+                    ) from exc
                 # did the server die? the monitor notices a process exit at once, a hung server by its heartbeats
                 calls.settle(svc, incarnation, generation)
                 if calls.same(svc, incarnation) and reg.inference_generation() != generation:
@@ -274,12 +305,16 @@ class Coordinator:
                     calls.ensure_inference_weights()
                     continue
                 if calls.same(svc, incarnation):
-                    raise RunFailed(f"env[{index}] Collect failed and the server is still up: "
-                                    f"{describe(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})") from exc
+                    raise RunFailed(
+                        f"env[{index}] Collect failed and the server is still up: "
+                        f"{describe(exc)} (see {self.run_dir / 'logs' / f'env_{index}.log'})"
+                    ) from exc
                 # it died mid-rollout: its partial episodes are dropped (never sent to the learner) and counted
                 self._lost(epoch, self.envs_per_server)
-                self.say(f"  ! env[{index}] lost mid-rollout ({describe(exc).splitlines()[0]}); "
-                         f"{self.envs_per_server} partial episodes dropped, collecting again after restart")
+                self.say(
+                    f"  ! env[{index}] lost mid-rollout ({describe(exc).splitlines()[0]}); "
+                    f"{self.envs_per_server} partial episodes dropped, collecting again after restart"
+                )
 
     def _lost(self, epoch: int, n: int) -> None:
         self.calls.add_lost(n)
@@ -292,11 +327,17 @@ class Coordinator:
             metrics = self.evaluator.evaluate(step, num_episodes)
         finally:
             self.phase = phase
-        metrics.update({"eval/env_steps": float(self.env_steps), "eval/wall_time_s": self.elapsed(),
-                        "env/lost_episodes": float(self.lost_episodes)})
+        metrics.update(
+            {
+                "eval/env_steps": float(self.env_steps),
+                "eval/wall_time_s": self.elapsed(),
+                "env/lost_episodes": float(self.lost_episodes),
+            }
+        )
         sent = {k: v for k, v in metrics.items() if math.isfinite(v)}  # the learner refuses NaN/inf (none = no value)
-        self.calls.learner().LogMetrics(learner_pb2.LogMetricsRequest(step=step, metrics=sent),
-                                        timeout=self.view.rpc_timeout_s)
+        self.calls.learner().LogMetrics(
+            learner_pb2.LogMetricsRequest(step=step, metrics=sent), timeout=self.view.rpc_timeout_s
+        )
         self.report.eval_history.append({"step": step, **metrics})
         return metrics
 
@@ -341,8 +382,10 @@ class Coordinator:
         nnodes, per_node = learner_layout(self.cfg)
         ranks = f" of {nnodes * per_node} ranks" if nnodes * per_node > 1 else ""
         ranks += f" on {nnodes} nodes" if nnodes > 1 else ""
-        self.say(f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s), "
-                 f"1 learner{ranks} ({view.launcher} launcher, coordinator at {self.address})")
+        self.say(
+            f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s), "
+            f"1 learner{ranks} ({view.launcher} launcher, coordinator at {self.address})"
+        )
         try:
             self.start_services()
         except RunStopped as exc:  # `coordinatorctl stop` (or a signal) before every service had registered
@@ -350,20 +393,27 @@ class Coordinator:
             self.say(f"stopped before training: {exc}")
             return {"stopped": str(exc), "epochs": 0}
         rpc_timeout = view.rpc_timeout_s
-        spec, joint = joint_env_spec([calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(),
-                                                                         timeout=rpc_timeout)
-                                      for i in range(reg.counts["env"])])
+        spec, joint = joint_env_spec(
+            [
+                calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(), timeout=rpc_timeout)
+                for i in range(reg.counts["env"])
+            ]
+        )
         if joint:
             self.say(joint)
             calls.policy_spec = spec
         self.env_id = spec.env_id
         if view.external_env_addresses and not view.external_eval_env_addresses:
-            self.say("  note: evaluation runs on the external training simulators (no "
-                     "cluster.external_eval_env_addresses): env.eval's env_id, init_params and total_num_envs do not "
-                     "apply, and training episodes restart after each evaluation")
+            self.say(
+                "  note: evaluation runs on the external training simulators (no "
+                "cluster.external_eval_env_addresses): env.eval's env_id, init_params and total_num_envs do not "
+                "apply, and training episodes restart after each evaluation"
+            )
         learner = calls.learner()
-        pub = learner.PublishWeights(learner_pb2.PublishWeightsRequest(
-            env_spec=spec, inference_addresses=reg.addresses("inference")), timeout=max(120.0, rpc_timeout))
+        pub = learner.PublishWeights(
+            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=reg.addresses("inference")),
+            timeout=max(120.0, rpc_timeout),
+        )
         calls.weights_published()
         status = learner.Status(learner_pb2.LearnerStatusRequest(), timeout=rpc_timeout)
         start_epoch = status.epoch + 1
@@ -372,11 +422,14 @@ class Coordinator:
         version = pub.weights_version
         chunk = view.num_action_chunks
         batch = view.total_num_envs * view.max_steps_per_rollout_epoch // chunk
-        self.say(f"  services up in {time.monotonic() - t_setup:.1f}s; env {spec.env_id}: "
-                 f"{view.total_num_envs} envs x {view.max_steps_per_rollout_epoch} steps"
-                 + (f" in chunks of {chunk}" if chunk > 1 else "") + f" = {batch} samples/epoch, "
-                 f"{view.pipeline_stage_num} pipeline stage(s)"
-                 + (f"; resumed at epoch {start_epoch}, {self.env_steps} env steps" if start_epoch else ""))
+        self.say(
+            f"  services up in {time.monotonic() - t_setup:.1f}s; env {spec.env_id}: "
+            f"{view.total_num_envs} envs x {view.max_steps_per_rollout_epoch} steps"
+            + (f" in chunks of {chunk}" if chunk > 1 else "")
+            + f" = {batch} samples/epoch, "
+            f"{view.pipeline_stage_num} pipeline stage(s)"
+            + (f"; resumed at epoch {start_epoch}, {self.env_steps} env steps" if start_epoch else "")
+        )
         history = self.report.eval_history
         if view.eval_before_train and start_epoch == 0 and not any(e["step"] == 0 for e in history):
             self.phase = "evaluating"
@@ -385,8 +438,12 @@ class Coordinator:
             self.say(f"  eval @ start: {eval_line(ev)}")
             self._save_state()
         resumed_eval = None
-        if start_epoch and view.val_check_interval and start_epoch % view.val_check_interval == 0 \
-                and not any(e["step"] == start_epoch for e in history):
+        if (
+            start_epoch
+            and view.val_check_interval
+            and start_epoch % view.val_check_interval == 0
+            and not any(e["step"] == start_epoch for e in history)
+        ):
             # the killed run saved this checkpoint, then was cut off while evaluating it: redo that evaluation
             self.phase = "evaluating"
             self.say(f"  evaluating epoch {start_epoch} again (the run stopped before its evaluation ended) ...")
@@ -437,8 +494,9 @@ class Coordinator:
                 version = int(metrics["train/weights_version"])
                 bottleneck = self.report.note_epoch(epoch, metrics, self.fleet_shape())
                 if epoch % view.progress_interval == 0:
-                    self.say(self.report.progress_line(epoch, metrics, self.env_steps, self.elapsed(),
-                                                       self.lost_episodes))
+                    self.say(
+                        self.report.progress_line(epoch, metrics, self.env_steps, self.elapsed(), self.lost_episodes)
+                    )
                 if bottleneck:
                     self.say(bottleneck)
                 epoch += 1
@@ -461,23 +519,34 @@ class Coordinator:
         self.say(f"training done after {train_time:.0f}s: {stop_why}")
         final = None
         if not interrupted:
-            if history and history[-1]["step"] == epoch \
-                    and history[-1]["eval/num_episodes"] >= view.eval.num_episodes:
+            if history and history[-1]["step"] == epoch and history[-1]["eval/num_episodes"] >= view.eval.num_episodes:
                 final = history[-1]
             else:
                 self.say(f"final evaluation: {view.eval.num_episodes} episodes ...")
                 final = self.evaluate(epoch)
-        ckpt = learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(),
-                                      timeout=view.collect_timeout_s).path if epoch > 0 else ""
+        ckpt = (
+            learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(), timeout=view.collect_timeout_s).path
+            if epoch > 0
+            else ""
+        )
         self._save_state()
         return self.report.write_summary(
-            env_id=self.env_id, epochs=epoch, env_steps=self.env_steps, train_time=train_time, stop_why=stop_why,
-            final=final, ckpt=ckpt, lost_episodes=self.lost_episodes,
-            restarts=self.registry.restart_counts(self.report.prior_restarts), last_metrics=self.last_metrics)
+            env_id=self.env_id,
+            epochs=epoch,
+            env_steps=self.env_steps,
+            train_time=train_time,
+            stop_why=stop_why,
+            final=final,
+            ckpt=ckpt,
+            lost_episodes=self.lost_episodes,
+            restarts=self.registry.restart_counts(self.report.prior_restarts),
+            last_metrics=self.last_metrics,
+        )
 
     def _start_collect(self, pool, epoch: int, version: int, after: list | None = None) -> list:
         """Collect epoch ``epoch`` on every env server (futures); samples need weights version >= ``version``.
         ``after``: each server's collection of the previous epoch, which must end first (one epoch at a time)."""
+
         def collect(i: int):
             if after is not None and i < len(after):
                 after[i].result()
@@ -491,35 +560,46 @@ class Coordinator:
         calls, reg = self.calls, self.registry
         steps = sum(r.env_steps for r in results)
         lost_epoch = self.lost_by_epoch.pop(epoch, 0)
-        extra = {"time/rollout": t_rollout, "rollout/env_steps_per_s": steps / t_rollout,
-                 "time/env": max(r.env_time_s for r in results),
-                 "time/inference_wait": max(r.inference_wait_s for r in results),
-                 # the wire's share (docs/architecture.md#shared-memory-on-one-host): the slowest env server's Act
-                 # and push encoding (the learner adds its decoding of the pushes), bytes summed over env servers
-                 "time/wire/act_s": max(r.wire_act_s for r in results),
-                 "time/wire/rollout_s": max(r.wire_rollout_s for r in results),
-                 "wire/act_bytes": float(sum(r.act_bytes for r in results)),
-                 "wire/act_shm_bytes": float(sum(r.act_shm_bytes for r in results)),
-                 "wire/rollout_bytes": float(sum(r.rollout_bytes for r in results)),
-                 "wire/rollout_shm_bytes": float(sum(r.rollout_shm_bytes for r in results)),
-                 "env/lost_episodes": float(self.lost_episodes),
-                 "env/lost_episodes_epoch": float(lost_epoch),
-                 # weights versions the learner is ahead of the oldest sample it trains on (0 when synchronous)
-                 "rollout/staleness": float(version - min(r.weights_version for r in results)),
-                 "time/elapsed": self.elapsed()}
+        extra = {
+            "time/rollout": t_rollout,
+            "rollout/env_steps_per_s": steps / t_rollout,
+            "time/env": max(r.env_time_s for r in results),
+            "time/inference_wait": max(r.inference_wait_s for r in results),
+            # the wire's share (docs/architecture.md#shared-memory-on-one-host): the slowest env server's Act
+            # and push encoding (the learner adds its decoding of the pushes), bytes summed over env servers
+            "time/wire/act_s": max(r.wire_act_s for r in results),
+            "time/wire/rollout_s": max(r.wire_rollout_s for r in results),
+            "wire/act_bytes": float(sum(r.act_bytes for r in results)),
+            "wire/act_shm_bytes": float(sum(r.act_shm_bytes for r in results)),
+            "wire/rollout_bytes": float(sum(r.rollout_bytes for r in results)),
+            "wire/rollout_shm_bytes": float(sum(r.rollout_shm_bytes for r in results)),
+            "env/lost_episodes": float(self.lost_episodes),
+            "env/lost_episodes_epoch": float(lost_epoch),
+            # weights versions the learner is ahead of the oldest sample it trains on (0 when synchronous)
+            "rollout/staleness": float(version - min(r.weights_version for r in results)),
+            "time/elapsed": self.elapsed(),
+        }
         t1 = time.perf_counter()
         try:
             with _tracer.start_as_current_span("train", attributes={"rlfleet.epoch": epoch}):
-                resp = calls.await_(learner.Train.future(learner_pb2.TrainRequest(
-                    epoch=epoch, worker_indices=list(range(reg.counts["env"])),
-                    inference_addresses=reg.addresses("inference"),
-                    extra_metrics={k: v for k, v in extra.items() if math.isfinite(v)}),
-                    timeout=self.view.collect_timeout_s))
+                resp = calls.await_(
+                    learner.Train.future(
+                        learner_pb2.TrainRequest(
+                            epoch=epoch,
+                            worker_indices=list(range(reg.counts["env"])),
+                            inference_addresses=reg.addresses("inference"),
+                            extra_metrics={k: v for k, v in extra.items() if math.isfinite(v)},
+                        ),
+                        timeout=self.view.collect_timeout_s,
+                    )
+                )
         except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "learner Train")) from exc
         if resp.publish_error:
-            self.say(f"  ! weights {resp.weights_version} did not reach every inference server "
-                     f"({resp.publish_error.splitlines()[0]}); republishing")
+            self.say(
+                f"  ! weights {resp.weights_version} did not reach every inference server "
+                f"({resp.publish_error.splitlines()[0]}); republishing"
+            )
             calls.republish()
         metrics = dict(resp.metrics)
         metrics["train/weights_version"] = float(resp.weights_version)

@@ -33,9 +33,9 @@ import pathlib
 import yaml
 from omegaconf import OmegaConf
 
-from rlfleet.wire import auth
 from rlfleet.config import ConfigError, to_yaml
 from rlfleet.simulators.environments import REPO_ROOT
+from rlfleet.wire import auth
 from services.coordinator.plan import PORTS, ProcessSpec, process_plan
 
 CONFIG_IN_CONTAINER = "/etc/rlfleet/run.yaml"
@@ -65,14 +65,17 @@ def images(cfg, tag: str | None = None) -> dict[str, dict]:
     """Image name -> Dockerfile build target and arguments (the main image, and one per simulator)."""
     gpu = uses_gpus(cfg)
     tag = tag or ("gpu" if gpu else "cpu")
-    args = {"BASE_IMAGE": GPU_BASE if gpu else "python:3.11-slim-bookworm",
-            "TORCH_INDEX_URL": GPU_TORCH_INDEX if gpu else CPU_TORCH_INDEX}
+    args = {
+        "BASE_IMAGE": GPU_BASE if gpu else "python:3.11-slim-bookworm",
+        "TORCH_INDEX_URL": GPU_TORCH_INDEX if gpu else CPU_TORCH_INDEX,
+    }
     from rlfleet.data.loggers import logger_backend
 
     loggers = [n for n in dict.fromkeys(cfg.runner.logger.logger_backends) if logger_backend(n).module]
     # the learner's optional logger packages (wandb, swanlab) go into the main image
-    out = {f"rlfleet:{tag}": {"target": "rlfleet", "args": {**args, **({"LOGGERS": " ".join(loggers)} if loggers
-                                                                       else {})}}}
+    out = {
+        f"rlfleet:{tag}": {"target": "rlfleet", "args": {**args, **({"LOGGERS": " ".join(loggers)} if loggers else {})}}
+    }
     for name in sorted({n for s in process_plan(cfg) if (n := own_environment(cfg, s))}):
         out[f"rlfleet-{name}:{tag}"] = {"target": "simulator", "args": {**args, "SIMULATOR": name}}
     return out
@@ -105,8 +108,15 @@ def service_command(cfg, spec: ProcessSpec, host: str, master: str | None = None
     ``host:port`` and ``node_rank`` this container's node rank."""
     port = PORTS[spec.role]
     run_dir = f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}"
-    cmd = spec.command(CONFIG_IN_CONTAINER, f"0.0.0.0:{port}", f"coordinator:{PORTS['coordinator']}", run_dir,
-                       advertise=f"{host}:{port}", master=master, node_rank=node_rank)
+    cmd = spec.command(
+        CONFIG_IN_CONTAINER,
+        f"0.0.0.0:{port}",
+        f"coordinator:{PORTS['coordinator']}",
+        run_dir,
+        advertise=f"{host}:{port}",
+        master=master,
+        node_rank=node_rank,
+    )
     name = own_environment(cfg, spec)
     if name:  # the simulator's (or inference backend's) own Python environment, built into its image
         return ["python", "-m", "services.env.environment", "exec", name, *cmd]
@@ -130,45 +140,83 @@ def check_compose(cfg) -> None:
             raise ConfigError(
                 f"'cluster.component_placement': the learner's {spec.world_size} ranks span {spec.nnodes} nodes "
                 f"({spec.nproc_per_node} GPUs each), and a compose project runs on one machine: use `coordinatorctl "
-                f"deploy k8s` (an Indexed Job, one learner pod per node), or place the actor on one node's GPUs")
+                f"deploy k8s` (an Indexed Job, one learner pod per node), or place the actor on one node's GPUs"
+            )
 
 
 def compose(cfg, out_dir: pathlib.Path, tag: str | None = None) -> dict:
     """The compose document for ``cfg``; image builds are relative to the repository."""
     check_compose(cfg)
     context = os.path.relpath(REPO_ROOT, out_dir.resolve())
-    common_env = {"MUJOCO_GL": "egl", "OMP_NUM_THREADS": str(cfg.cluster.torch_num_threads),
-                  "RLFLEET_TRACE_DIR": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"}
+    common_env = {
+        "MUJOCO_GL": "egl",
+        "OMP_NUM_THREADS": str(cfg.cluster.torch_num_threads),
+        "RLFLEET_TRACE_DIR": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces",
+    }
     volumes = ["./run.yaml:/etc/rlfleet/run.yaml:ro", f"./runs:{RUNS_IN_CONTAINER}"]
     builds = images(cfg, tag)
     services: dict[str, dict] = {}
 
     def base(image: str) -> dict:
-        return {"image": image,
-                "build": {"context": context, "dockerfile": "deploy/Dockerfile", "target": builds[image]["target"],
-                          "args": builds[image]["args"]},
-                "env_file": ["rlfleet.env"], "environment": dict(common_env), "volumes": list(volumes)}
+        return {
+            "image": image,
+            "build": {
+                "context": context,
+                "dockerfile": "deploy/Dockerfile",
+                "target": builds[image]["target"],
+                "args": builds[image]["args"],
+            },
+            "env_file": ["rlfleet.env"],
+            "environment": dict(common_env),
+            "volumes": list(volumes),
+        }
 
     coordinator = base(image_for(cfg, None, tag))
-    coordinator.update({
-        "command": ["coordinatorctl", "start", CONFIG_IN_CONTAINER],
-        "ports": [f"127.0.0.1:{PORTS['coordinator']}:{PORTS['coordinator']}"],
-        "restart": "no",
-        "healthcheck": {"test": _healthcheck(PORTS["coordinator"]), "interval": "10s", "timeout": "5s",
-                        "retries": 3}})
+    coordinator.update(
+        {
+            "command": ["coordinatorctl", "start", CONFIG_IN_CONTAINER],
+            "ports": [f"127.0.0.1:{PORTS['coordinator']}:{PORTS['coordinator']}"],
+            "restart": "no",
+            "healthcheck": {
+                "test": _healthcheck(PORTS["coordinator"]),
+                "interval": "10s",
+                "timeout": "5s",
+                "retries": 3,
+            },
+        }
+    )
     services["coordinator"] = coordinator
     for spec in process_plan(cfg):
         svc = base(image_for(cfg, spec, tag))
         svc["env_file"] = [credential_file(spec)]  # its own credential, not the run secret
-        svc.update({"command": service_command(cfg, spec, spec.name),
-                    "restart": "no" if spec.role == "learner" else "on-failure",
-                    "depends_on": ["coordinator"],
-                    "healthcheck": {"test": _healthcheck(PORTS[spec.role]), "interval": "10s", "timeout": "5s",
-                                    "retries": 3, "start_period": "60s"}})
+        svc.update(
+            {
+                "command": service_command(cfg, spec, spec.name),
+                "restart": "no" if spec.role == "learner" else "on-failure",
+                "depends_on": ["coordinator"],
+                "healthcheck": {
+                    "test": _healthcheck(PORTS[spec.role]),
+                    "interval": "10s",
+                    "timeout": "5s",
+                    "retries": 3,
+                    "start_period": "60s",
+                },
+            }
+        )
         if spec.gpus:
-            svc["deploy"] = {"resources": {"reservations": {"devices": [{
-                "driver": "nvidia", "device_ids": [str(g % cfg.cluster.num_gpus_per_node) for g in spec.gpus],
-                "capabilities": ["gpu"]}]}}}
+            svc["deploy"] = {
+                "resources": {
+                    "reservations": {
+                        "devices": [
+                            {
+                                "driver": "nvidia",
+                                "device_ids": [str(g % cfg.cluster.num_gpus_per_node) for g in spec.gpus],
+                                "capabilities": ["gpu"],
+                            }
+                        ]
+                    }
+                }
+            }
         if spec.world_size > 1:  # the ranks' shared memory (NCCL)
             svc["shm_size"] = SHM_SIZE
         services[spec.name] = svc
@@ -187,38 +235,69 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
     roles = list(dict.fromkeys(spec.role for spec in process_plan(cfg)))
     # the run secret for the coordinator; per role a credential issued from it, for any index of the role
     objs: list[dict] = [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token", "namespace": namespace,
-                                                             "labels": labels},
-         "type": "Opaque", "stringData": {auth.TOKEN_ENV: secret}},
-        *({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-{role}-credential",
-                                                                "namespace": namespace, "labels": labels},
-           "type": "Opaque", "stringData": {auth.TOKEN_ENV: auth.issue(secret, role)}} for role in roles),
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "namespace": namespace,
-                                                                "labels": labels},
-         "data": {"run.yaml": to_yaml(attach_config(cfg))}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-         "metadata": {"name": f"{name}-runs", "namespace": namespace, "labels": labels},
-         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": storage}}}},
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"{name}-token", "namespace": namespace, "labels": labels},
+            "type": "Opaque",
+            "stringData": {auth.TOKEN_ENV: secret},
+        },
+        *(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": f"{name}-{role}-credential", "namespace": namespace, "labels": labels},
+                "type": "Opaque",
+                "stringData": {auth.TOKEN_ENV: auth.issue(secret, role)},
+            }
+            for role in roles
+        ),
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-config", "namespace": namespace, "labels": labels},
+            "data": {"run.yaml": to_yaml(attach_config(cfg))},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": f"{name}-runs", "namespace": namespace, "labels": labels},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": storage}}},
+        },
     ]
+
     def token_env(secret_name: str) -> dict:
         return {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": auth.TOKEN_ENV}}}
 
-    common = [{"name": "RLFLEET_TRACE_DIR", "value": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"},
-              {"name": "MUJOCO_GL", "value": "egl"},
-              {"name": "OMP_NUM_THREADS", "value": str(cfg.cluster.torch_num_threads)}]
+    common = [
+        {"name": "RLFLEET_TRACE_DIR", "value": f"{RUNS_IN_CONTAINER}/{cfg.runner.experiment_name}/traces"},
+        {"name": "MUJOCO_GL", "value": "egl"},
+        {"name": "OMP_NUM_THREADS", "value": str(cfg.cluster.torch_num_threads)},
+    ]
     env = [token_env(f"{name}-token"), *common]  # the coordinator's
 
     def role_env(role: str) -> list[dict]:
         return [token_env(f"{name}-{role}-credential"), *common]
-    mounts = [{"name": "config", "mountPath": "/etc/rlfleet", "readOnly": True},
-              {"name": "runs", "mountPath": RUNS_IN_CONTAINER}]
-    volumes = [{"name": "config", "configMap": {"name": f"{name}-config"}},
-               {"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}]
+
+    mounts = [
+        {"name": "config", "mountPath": "/etc/rlfleet", "readOnly": True},
+        {"name": "runs", "mountPath": RUNS_IN_CONTAINER},
+    ]
+    volumes = [
+        {"name": "config", "configMap": {"name": f"{name}-config"}},
+        {"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}},
+    ]
 
     def probes(port: int) -> dict:
-        return {"readinessProbe": {"grpc": {"port": port}, "periodSeconds": 10},
-                "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3,
-                                  "initialDelaySeconds": 60}}
+        return {
+            "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 10},
+            "livenessProbe": {
+                "grpc": {"port": port},
+                "periodSeconds": 20,
+                "failureThreshold": 3,
+                "initialDelaySeconds": 60,
+            },
+        }
 
     def pod(container: dict) -> dict:
         return {"containers": [container], "volumes": volumes, "enableServiceLinks": False}
@@ -231,16 +310,41 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
     cport = PORTS["coordinator"]
     coord_labels = {**labels, "rlfleet/role": "coordinator"}
     # the coordinator is the run: a Job (a finished run is not started again), reachable as service "coordinator"
-    objs.append({"apiVersion": "batch/v1", "kind": "Job",
-                 "metadata": {"name": "coordinator", "namespace": namespace, "labels": coord_labels},
-                 "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": coord_labels}, "spec": {**pod({
-                     "name": "coordinator", "image": image_for(cfg, None, tag),
-                     "command": ["coordinatorctl", "start", CONFIG_IN_CONTAINER],
-                     "ports": [{"containerPort": cport, "name": "grpc"}], "env": env,
-                     "volumeMounts": mounts, **probes(cport)}), "restartPolicy": "Never"}}}})
-    objs.append({"apiVersion": "v1", "kind": "Service",
-                 "metadata": {"name": "coordinator", "namespace": namespace, "labels": coord_labels},
-                 "spec": {"selector": coord_labels, "ports": [{"name": "grpc", "port": cport, "targetPort": cport}]}})
+    objs.append(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "coordinator", "namespace": namespace, "labels": coord_labels},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"labels": coord_labels},
+                    "spec": {
+                        **pod(
+                            {
+                                "name": "coordinator",
+                                "image": image_for(cfg, None, tag),
+                                "command": ["coordinatorctl", "start", CONFIG_IN_CONTAINER],
+                                "ports": [{"containerPort": cport, "name": "grpc"}],
+                                "env": env,
+                                "volumeMounts": mounts,
+                                **probes(cport),
+                            }
+                        ),
+                        "restartPolicy": "Never",
+                    },
+                },
+            },
+        }
+    )
+    objs.append(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "coordinator", "namespace": namespace, "labels": coord_labels},
+            "spec": {"selector": coord_labels, "ports": [{"name": "grpc", "port": cport, "targetPort": cport}]},
+        }
+    )
     # one StatefulSet per role, or per run of consecutive env servers on one simulator (env.per_server): pods
     # <set>-<i> with i the service index (spec.ordinals.start = the run's first index)
     groups: list[list[ProcessSpec]] = []
@@ -259,38 +363,72 @@ def k8s(cfg, tag: str | None = None, namespace: str = "rlfleet", storage: str = 
         set_name = role if per_role[role] == 1 else f"{role}-{first.index}-{first.simulator or 'main'}"
         set_labels = {**labels, "rlfleet/role": role}
         if first.nnodes > 1:
-            objs += _learner_job(cfg, first, set_name, set_labels, namespace, image_for(cfg, first, tag),
-                                 role_env(role), with_shm(pod({"name": role, "volumeMounts": mounts})))
+            objs += _learner_job(
+                cfg,
+                first,
+                set_name,
+                set_labels,
+                namespace,
+                image_for(cfg, first, tag),
+                role_env(role),
+                with_shm(pod({"name": role, "volumeMounts": mounts})),
+            )
             continue
         cmd = service_command(cfg, first, f"$(POD_NAME).{set_name}")
-        cmd = [("$(POD_INDEX)" if a == str(first.index) and cmd[i - 1] == "--index" else a)
-               for i, a in enumerate(cmd)]
-        container = {"name": role, "image": image_for(cfg, first, tag), "command": cmd,
-                     "ports": [{"containerPort": port, "name": "grpc"}],
-                     "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                             {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
-                                 "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
-                             *role_env(role)],
-                     "volumeMounts": mounts, **probes(port)}
+        cmd = [("$(POD_INDEX)" if a == str(first.index) and cmd[i - 1] == "--index" else a) for i, a in enumerate(cmd)]
+        container = {
+            "name": role,
+            "image": image_for(cfg, first, tag),
+            "command": cmd,
+            "ports": [{"containerPort": port, "name": "grpc"}],
+            "env": [
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {
+                    "name": "POD_INDEX",
+                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+                },
+                *role_env(role),
+            ],
+            "volumeMounts": mounts,
+            **probes(port),
+        }
         gpus = max(len(s.gpus) for s in specs)
         if gpus:
             container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
         pod_spec = with_shm(pod(container)) if first.world_size > 1 else pod(container)
-        objs.append({"apiVersion": "apps/v1", "kind": "StatefulSet",
-                     "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
-                     "spec": {"serviceName": set_name, "replicas": len(specs), "podManagementPolicy": "Parallel",
-                              **({"ordinals": {"start": first.index}} if first.index else {}),
-                              "selector": {"matchLabels": set_labels},
-                              "template": {"metadata": {"labels": set_labels}, "spec": pod_spec}}})
-        objs.append({"apiVersion": "v1", "kind": "Service",
-                     "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
-                     "spec": {"clusterIP": "None", "selector": set_labels,
-                              "ports": [{"name": "grpc", "port": port, "targetPort": port}]}})
+        objs.append(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
+                "spec": {
+                    "serviceName": set_name,
+                    "replicas": len(specs),
+                    "podManagementPolicy": "Parallel",
+                    **({"ordinals": {"start": first.index}} if first.index else {}),
+                    "selector": {"matchLabels": set_labels},
+                    "template": {"metadata": {"labels": set_labels}, "spec": pod_spec},
+                },
+            }
+        )
+        objs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": set_name, "namespace": namespace, "labels": set_labels},
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": set_labels,
+                    "ports": [{"name": "grpc", "port": port, "targetPort": port}],
+                },
+            }
+        )
     return objs
 
 
-def _learner_job(cfg, spec: ProcessSpec, job: str, labels: dict, namespace: str, image: str, env: list[dict],
-                 pod_spec: dict) -> list[dict]:
+def _learner_job(
+    cfg, spec: ProcessSpec, job: str, labels: dict, namespace: str, image: str, env: list[dict], pod_spec: dict
+) -> list[dict]:
     """A learner whose ranks span ``spec.nnodes`` nodes: an Indexed Job of one pod per node (completion index =
     node rank; hostname ``<job>-<index>``), a headless Service ``<job>-ranks`` that gives the pods DNS names
     (published before they are ready: the rendezvous comes first), and the learner's gRPC Service ``<job>``,
@@ -305,35 +443,68 @@ def _learner_job(cfg, spec: ProcessSpec, job: str, labels: dict, namespace: str,
     # probes: only pod 0 serves gRPC; the others pass (their health is the group's: a dead rank ends it)
     probe = ["sh", "-c", f'test "$NODE_RANK" != 0 || exec python -m rlfleet.wire.healthcheck 127.0.0.1:{port}']
     container = {
-        "name": spec.role, "image": image,
+        "name": spec.role,
+        "image": image,
         "command": service_command(cfg, spec, master, master=f"{master}:{mport}", node_rank="$(NODE_RANK)"),
         "ports": [{"containerPort": port, "name": "grpc"}, {"containerPort": mport, "name": "rendezvous"}],
-        "env": [{"name": "NODE_RANK", "valueFrom": index},
-                {"name": "PET_NNODES", "value": str(spec.nnodes)},
-                {"name": "PET_NPROC_PER_NODE", "value": str(spec.nproc_per_node)},
-                {"name": "PET_NODE_RANK", "valueFrom": index},
-                {"name": "PET_MASTER_ADDR", "value": master},
-                {"name": "PET_MASTER_PORT", "value": str(mport)}, *env],
+        "env": [
+            {"name": "NODE_RANK", "valueFrom": index},
+            {"name": "PET_NNODES", "value": str(spec.nnodes)},
+            {"name": "PET_NPROC_PER_NODE", "value": str(spec.nproc_per_node)},
+            {"name": "PET_NODE_RANK", "valueFrom": index},
+            {"name": "PET_MASTER_ADDR", "value": master},
+            {"name": "PET_MASTER_PORT", "value": str(mport)},
+            *env,
+        ],
         "volumeMounts": pod_spec["containers"][0]["volumeMounts"],
         "readinessProbe": {"exec": {"command": probe}, "periodSeconds": 10, "timeoutSeconds": 10},
-        "livenessProbe": {"exec": {"command": probe}, "periodSeconds": 20, "timeoutSeconds": 10,
-                          "failureThreshold": 3, "initialDelaySeconds": 60}}
+        "livenessProbe": {
+            "exec": {"command": probe},
+            "periodSeconds": 20,
+            "timeoutSeconds": 10,
+            "failureThreshold": 3,
+            "initialDelaySeconds": 60,
+        },
+    }
     if spec.gpus:
         container["resources"] = {"limits": {"nvidia.com/gpu": spec.nproc_per_node}}
     return [
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job, "namespace": namespace, "labels": labels},
-         "spec": {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
-                  "backoffLimit": 0,
-                  "template": {"metadata": {"labels": labels},
-                               "spec": {**pod_spec, "containers": [container], "subdomain": ranks_svc,
-                                        "restartPolicy": "Never"}}}},
-        {"apiVersion": "v1", "kind": "Service",
-         "metadata": {"name": ranks_svc, "namespace": namespace, "labels": labels},
-         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels,
-                  "ports": [{"name": "rendezvous", "port": mport, "targetPort": mport}]}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": job, "namespace": namespace, "labels": labels},
-         "spec": {"clusterIP": "None", "selector": {**labels, COMPLETION_INDEX: "0"},
-                  "ports": [{"name": "grpc", "port": port, "targetPort": port}]}},
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": job, "namespace": namespace, "labels": labels},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": spec.nnodes,
+                "parallelism": spec.nnodes,
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {**pod_spec, "containers": [container], "subdomain": ranks_svc, "restartPolicy": "Never"},
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": ranks_svc, "namespace": namespace, "labels": labels},
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": labels,
+                "ports": [{"name": "rendezvous", "port": mport, "targetPort": mport}],
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": job, "namespace": namespace, "labels": labels},
+            "spec": {
+                "clusterIP": "None",
+                "selector": {**labels, COMPLETION_INDEX: "0"},
+                "ports": [{"name": "grpc", "port": port, "targetPort": port}],
+            },
+        },
     ]
 
 
@@ -344,8 +515,9 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
-                                                             style="|" if "\n" in s else None))
+_Dumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
 
 
 def write(kind: str, cfg, out_dir: pathlib.Path, tag: str | None = None) -> list[pathlib.Path]:
@@ -367,22 +539,27 @@ def write(kind: str, cfg, out_dir: pathlib.Path, tag: str | None = None) -> list
             return path
 
         env_file = private(out_dir / "rlfleet.env", f"{auth.TOKEN_ENV}={token}\n")  # the coordinator's: the secret
-        credentials = [private(out_dir / credential_file(spec),
-                               f"{auth.TOKEN_ENV}={auth.issue(token, spec.role, spec.index)}\n")
-                       for spec in process_plan(cfg)]
+        credentials = [
+            private(out_dir / credential_file(spec), f"{auth.TOKEN_ENV}={auth.issue(token, spec.role, spec.index)}\n")
+            for spec in process_plan(cfg)
+        ]
         (out_dir / "runs").mkdir(exist_ok=True)
         doc = compose(cfg, out_dir, tag)
         path = out_dir / "docker-compose.yml"
-        path.write_text(f"# generated by `coordinatorctl deploy compose` for {cfg.runner.experiment_name}\n"
-                        f"# docker-compose up --build   (the run secret is in rlfleet.env, for the coordinator and "
-                        f"coordinatorctl; each service's own credential in rlfleet-<service>.env)\n"
-                        + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120))
+        path.write_text(
+            f"# generated by `coordinatorctl deploy compose` for {cfg.runner.experiment_name}\n"
+            f"# docker-compose up --build   (the run secret is in rlfleet.env, for the coordinator and "
+            f"coordinatorctl; each service's own credential in rlfleet-<service>.env)\n"
+            + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120)
+        )
         written = [path, out_dir / "run.yaml", env_file, *credentials]
     elif kind == "k8s":
         path = out_dir / "rlfleet-k8s.yaml"
-        path.write_text(f"# generated by `coordinatorctl deploy k8s` for {cfg.runner.experiment_name}\n"
-                        f"# kubectl apply -f {path.name}\n"
-                        + yaml.dump_all(k8s(cfg, tag), Dumper=_Dumper, sort_keys=False, width=120))
+        path.write_text(
+            f"# generated by `coordinatorctl deploy k8s` for {cfg.runner.experiment_name}\n"
+            f"# kubectl apply -f {path.name}\n"
+            + yaml.dump_all(k8s(cfg, tag), Dumper=_Dumper, sort_keys=False, width=120)
+        )
         written = [path]
     else:
         raise ValueError(f"deploy: '{kind}' is not one of compose, k8s")

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from opentelemetry import trace
 
-from rlfleet.wire import codec
 from rlfleet.config.views import CoordinatorView
 from rlfleet.v1 import rollout_pb2
+from rlfleet.wire import codec
 from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
 from services.coordinator.service_registry import RunFailed
 
@@ -24,19 +24,24 @@ def _check_episodes(resp, first: int, count: int, peer: str) -> None:
     each an episode index in ``[first, first + count)``, and a lost-episode count that is not negative. Refused
     with RunFailed naming the env server, the field, the limit and the claim."""
     if len(resp.episodes) > count:
-        raise RunFailed(f"{peer} answered Evaluate with {len(resp.episodes):,} episodes; at most {count:,} were asked "
-                        f"for (episodes {first}..{first + count - 1})")
+        raise RunFailed(
+            f"{peer} answered Evaluate with {len(resp.episodes):,} episodes; at most {count:,} were asked "
+            f"for (episodes {first}..{first + count - 1})"
+        )
     bad = [e.env_id for e in resp.episodes if not first <= e.env_id < first + count]
     if bad:
-        raise RunFailed(f"{peer} answered Evaluate with episode index {bad[0]}; the episodes asked for are "
-                        f"{first}..{first + count - 1}")
+        raise RunFailed(
+            f"{peer} answered Evaluate with episode index {bad[0]}; the episodes asked for are "
+            f"{first}..{first + count - 1}"
+        )
     if resp.lost_episodes < 0:
         raise RunFailed(f"{peer} answered Evaluate with lost_episodes {resp.lost_episodes}; a count is >= 0")
 
 
 class Evaluator:
-    def __init__(self, view: CoordinatorView, run_dir, calls: FleetCalls, say,
-                 eval_simulator: Callable[[int], str] | None = None):
+    def __init__(
+        self, view: CoordinatorView, run_dir, calls: FleetCalls, say, eval_simulator: Callable[[int], str] | None = None
+    ):
         """``eval_simulator(i)``: env server i's evaluation simulator, in a run over several simulators
         (env.per_server; None otherwise)."""
         self.view, self.run_dir, self.calls, self.say = view, run_dir, calls, say
@@ -44,8 +49,9 @@ class Evaluator:
         self.episodes: list = []  # the last evaluation's EpisodeStats, in episode order
         self.episode_simulators: dict[int, str] = {}
 
-    def evaluate(self, step: int, num_episodes: int | None = None, *, video_dir: str | None = None,
-                 progress=None) -> dict[str, float]:
+    def evaluate(
+        self, step: int, num_episodes: int | None = None, *, video_dir: str | None = None, progress=None
+    ) -> dict[str, float]:
         """``num_episodes`` (default env.eval.num_episodes) seeded episodes; episode i is reset with seed + i
         wherever it runs. -> eval/* metrics; ``self.episodes``: every episode's stats, in episode order (the
         EpisodeStats' env_id is the episode index). ``video_dir``: where videos go (default
@@ -73,12 +79,20 @@ class Evaluator:
                 svc, stub = calls.rollout_stub(i)
                 incarnation, generation = svc.incarnation, calls.registry.inference_generation()
                 try:
-                    resp = stub.Evaluate(rollout_pb2.EvaluateRequest(
-                        num_episodes=count, first_episode=first, seed=ev.seed,
-                        deterministic=ev.deterministic, inference_addresses=calls.registry.addresses("inference"),
-                        use_reset_state_ids=ev.use_fixed_reset_state_ids, video_episodes=ev.video_episodes,
-                        video_dir=video_dir, policy_spec=calls.policy_spec),
-                        timeout=self.view.collect_timeout_s)
+                    resp = stub.Evaluate(
+                        rollout_pb2.EvaluateRequest(
+                            num_episodes=count,
+                            first_episode=first,
+                            seed=ev.seed,
+                            deterministic=ev.deterministic,
+                            inference_addresses=calls.registry.addresses("inference"),
+                            use_reset_state_ids=ev.use_fixed_reset_state_ids,
+                            video_episodes=ev.video_episodes,
+                            video_dir=video_dir,
+                            policy_spec=calls.policy_spec,
+                        ),
+                        timeout=self.view.collect_timeout_s,
+                    )
                     _check_episodes(resp, first, count, f"env[{i}] ({svc.address})")
                     calls.add_lost(resp.lost_episodes)
                     if progress is not None:
@@ -93,8 +107,10 @@ class Evaluator:
                     if not calls.same(svc, incarnation):
                         lost = min(count, per_server)
                         calls.add_lost(lost)
-                        self.say(f"  ! env[{i}] lost mid-evaluation ({describe(exc).splitlines()[0]}); "
-                                 f"{lost} episodes in flight lost, evaluating its share again after restart")
+                        self.say(
+                            f"  ! env[{i}] lost mid-evaluation ({describe(exc).splitlines()[0]}); "
+                            f"{lost} episodes in flight lost, evaluating its share again after restart"
+                        )
                         continue
                     if calls.registry.inference_generation() == generation:
                         raise
@@ -104,8 +120,10 @@ class Evaluator:
         def one(i):
             return [e for first, count in pieces(i) for e in piece(i, first, count)]
 
-        with (ThreadPoolExecutor(n) as pool,
-              _tracer.start_as_current_span("evaluate", attributes={"rlfleet.step": step})):
+        with (
+            ThreadPoolExecutor(n) as pool,
+            _tracer.start_as_current_span("evaluate", attributes={"rlfleet.step": step}),
+        ):
             futures = [pool.submit(contextvars.copy_context().run, one, i) for i in range(n) if shares[i]]
             results = [f.result() for f in futures]
         eps = [e for r in results for e in r]
@@ -117,10 +135,13 @@ class Evaluator:
                 sim = self.eval_simulator(i)
                 by_sim.setdefault(f"eval/{sim}/success_once", []).extend(e.success_once for e in r)
                 self.episode_simulators.update({e.env_id: sim for e in r})
-        return {**{k: float(np.mean(v)) for k, v in by_sim.items() if v},
-                **{k.replace("/success_once", "/num_episodes"): float(len(v)) for k, v in by_sim.items() if v},
-                "eval/success_once": float(np.mean([e.success_once for e in eps])),
-                "eval/success_at_end": float(np.mean([e.success_at_end for e in eps])),
-                "eval/return": float(np.mean([codec.episode_return(e) for e in eps])),
-                "eval/episode_len": float(np.mean([e.length for e in eps])),
-                "eval/num_episodes": float(len(eps)), "time/eval": time.perf_counter() - t0}
+        return {
+            **{k: float(np.mean(v)) for k, v in by_sim.items() if v},
+            **{k.replace("/success_once", "/num_episodes"): float(len(v)) for k, v in by_sim.items() if v},
+            "eval/success_once": float(np.mean([e.success_once for e in eps])),
+            "eval/success_at_end": float(np.mean([e.success_at_end for e in eps])),
+            "eval/return": float(np.mean([codec.episode_return(e) for e in eps])),
+            "eval/episode_len": float(np.mean([e.length for e in eps])),
+            "eval/num_episodes": float(len(eps)),
+            "time/eval": time.perf_counter() - t0,
+        }

@@ -30,11 +30,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rlfleet.wire import auth, tracing
-from rlfleet.simulators import environments
 from rlfleet.config import ConfigError, learner_layout
-from rlfleet.simulators.environments import child_environ
 from rlfleet.policies.backends import get_backend
+from rlfleet.simulators import environments
+from rlfleet.simulators.environments import child_environ
+from rlfleet.wire import auth, tracing
 from rlfleet.wire.service import CPU_CORES_ENV, PARENT_PID_ENV
 from services.coordinator.plan import ProcessSpec, process_plan
 
@@ -49,7 +49,8 @@ def check_local(cfg) -> None:
             f"'cluster.launcher': the learner's {nnodes * per_node} ranks span {nnodes} nodes ({per_node} GPUs each, "
             f"cluster.component_placement's actor range), and the local launcher starts processes on this machine "
             f"only: deploy the run with `coordinatorctl deploy k8s` (an Indexed Job, one learner pod per node), or "
-            f"start the learner's nodes yourself and set cluster.launcher=attach")
+            f"start the learner's nodes yourself and set cluster.launcher=attach"
+        )
 
 
 ENV_SIDE_COMMAND = [sys.executable, "-m", "services.env.environment"]  # the env side's environment command
@@ -112,8 +113,9 @@ class AttachLauncher:
 
 
 class LocalLauncher:
-    def __init__(self, cfg, run_dir: pathlib.Path, config_path: pathlib.Path, coordinator_address: str,
-                 token: str | None = None):
+    def __init__(
+        self, cfg, run_dir: pathlib.Path, config_path: pathlib.Path, coordinator_address: str, token: str | None = None
+    ):
         self.cfg = cfg
         self.run_dir = run_dir
         self.config_path = config_path
@@ -138,9 +140,13 @@ class LocalLauncher:
         if backend.environment is not None:  # e.g. vLLM: the inference servers run from its own environment
             self.pythons["inference"] = str(environments.ensure(backend.environment, self.cfg.cluster.envs_dir, log))
         if any(s.cpus and set(s.cpus) != set(self.cores) for s in self.specs.values()):
-            log("  CPU placement (cluster.cpu_placement): " + ", ".join(
-                f"{s.name} on core{'s' if len(s.cpus) > 1 else ''} {','.join(map(str, s.cpus))}"
-                for s in self.specs.values()))
+            log(
+                "  CPU placement (cluster.cpu_placement): "
+                + ", ".join(
+                    f"{s.name} on core{'s' if len(s.cpus) > 1 else ''} {','.join(map(str, s.cpus))}"
+                    for s in self.specs.values()
+                )
+            )
 
     def start_all(self) -> None:
         for role, index in self.specs:
@@ -173,19 +179,33 @@ class LocalLauncher:
         else:
             python = self.pythons.get(role, sys.executable)
         # a learner of several ranks: torchrun's agent (rlfleet.wire.torchrun), --standalone on a free port
-        cmd = [python, *spec.command(str(self.config_path), f"{self.cfg.cluster.host}:0", self.coordinator_address,
-                                     str(self.run_dir), agent=AGENT)]
+        cmd = [
+            python,
+            *spec.command(
+                str(self.config_path),
+                f"{self.cfg.cluster.host}:0",
+                self.coordinator_address,
+                str(self.run_dir),
+                agent=AGENT,
+            ),
+        ]
         # this process's own credential, issued from the run secret (which stays with the coordinator)
         extra = {auth.TOKEN_ENV: auth.issue(self.token, role, index)} if self.token else {}
         if spec.cpus:
             extra[CPU_CORES_ENV] = ",".join(map(str, spec.cpus))
-        env = child_environ(python, self.cfg.cluster.torch_num_threads, **{PARENT_PID_ENV: str(os.getpid())},
-                            CUDA_VISIBLE_DEVICES=spec.cuda_visible_devices,
-                            **{tracing.TRACE_DIR_ENV: str(self.run_dir / "traces")}, **extra)
+        env = child_environ(
+            python,
+            self.cfg.cluster.torch_num_threads,
+            **{PARENT_PID_ENV: str(os.getpid())},
+            CUDA_VISIBLE_DEVICES=spec.cuda_visible_devices,
+            **{tracing.TRACE_DIR_ENV: str(self.run_dir / "traces")},
+            **extra,
+        )
         log_path = self.run_dir / "logs" / f"{role}_{index}.log"
         log_file = open(log_path, "ab")
-        popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
         log_file.close()
         proc = Proc(role, index, popen, log_path, time.monotonic())
         self.procs[(role, index)] = proc
@@ -221,8 +241,7 @@ class LocalLauncher:
         return "\n".join("    " + line for line in text[-lines:])
 
 
-def make_launcher(cfg, run_dir: pathlib.Path, config_path: pathlib.Path, coordinator_address: str,
-                  token: str | None):
+def make_launcher(cfg, run_dir: pathlib.Path, config_path: pathlib.Path, coordinator_address: str, token: str | None):
     """The one place that turns ``cluster.launcher`` into a launcher."""
     if cfg.cluster.launcher == "local":
         return LocalLauncher(cfg, run_dir, config_path, coordinator_address, token)

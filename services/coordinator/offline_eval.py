@@ -94,15 +94,19 @@ def resolve(path: str) -> Target:
     if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():
         ckpt = latest_checkpoint(p)
         if ckpt is None:
-            raise EvalError(f"{p}: no complete checkpoint in {p / 'checkpoints'} (a run saves one every "
-                            f"runner.save_interval epochs and at its end)")
+            raise EvalError(
+                f"{p}: no complete checkpoint in {p / 'checkpoints'} (a run saves one every "
+                f"runner.save_interval epochs and at its end)"
+            )
         return Target(p, "run", ckpt, p)
     if (p / "config.json").is_file():
         return Target(p, "model")
     if p.name.startswith("global_step_"):
         raise EvalError(f"{p}: an incomplete checkpoint (no learner_state.json: its run stopped while saving it)")
-    raise EvalError(f"{p}: neither a run folder (config.yaml, checkpoints/), a checkpoint (learner_state.json) nor "
-                    f"a model folder (config.json, as coordinatorctl export writes)")
+    raise EvalError(
+        f"{p}: neither a run folder (config.yaml, checkpoints/), a checkpoint (learner_state.json) nor "
+        f"a model folder (config.json, as coordinatorctl export writes)"
+    )
 
 
 def eval_config(target: Target, config: str | None, overrides: list[str]):
@@ -111,20 +115,27 @@ def eval_config(target: Target, config: str | None, overrides: list[str]):
     base = config
     if base is None:
         if target.run_dir is None:
-            raise EvalError(f"{target.path}: give --config CONFIG (the config to evaluate it with: its env.eval and "
-                            f"actor.model); " + ("a model folder has no run config" if target.kind == "model"
-                                                 else "no config.yaml two folders up"))
+            raise EvalError(
+                f"{target.path}: give --config CONFIG (the config to evaluate it with: its env.eval and "
+                f"actor.model); "
+                + ("a model folder has no run config" if target.kind == "model" else "no config.yaml two folders up")
+            )
         base = str(target.run_dir / "config.yaml")
-    where = ([f"runner.resume_dir={target.checkpoint.resolve()}"] if target.checkpoint is not None
-             else [f"actor.model.model_path={target.path.resolve()}", "runner.resume_dir=null"])
+    where = (
+        [f"runner.resume_dir={target.checkpoint.resolve()}"]
+        if target.checkpoint is not None
+        else [f"actor.model.model_path={target.path.resolve()}", "runner.resume_dir=null"]
+    )
     where.append("runner.only_eval=true")  # the learner loads the weights only: no optimizer, no Adam state
     try:
         cfg = load_config(base, [*overrides, *where])
     except ConfigError as exc:
         raise EvalError(f"config error: {exc}") from None
     if cfg.cluster.launcher != "local":
-        raise EvalError(f"'cluster.launcher': eval starts its services on this machine: cluster.launcher=local "
-                        f"(the config says {cfg.cluster.launcher})")
+        raise EvalError(
+            f"'cluster.launcher': eval starts its services on this machine: cluster.launcher=local "
+            f"(the config says {cfg.cluster.launcher})"
+        )
     return cfg
 
 
@@ -167,11 +178,13 @@ def check_weights(cfg, target: Target, info=None) -> None:
         family = FAMILIES.get(want)  # the layouts its loader takes (its entry's ``loads``; it checks the rest)
         ok = set(family.loads) if family is not None and family.loads else {want}
         if saved_type not in ok:
-            raise EvalError(f"{target.path}: holds a model of type {saved_type} (its config.json), the config's "
-                            f"actor.model.model_type is {want} (give the config it was trained with: --config)")
+            raise EvalError(
+                f"{target.path}: holds a model of type {saved_type} (its config.json), the config's "
+                f"actor.model.model_type is {want} (give the config it was trained with: --config)"
+            )
         return
-    from rlfleet.policies import footprint
     from rlfleet.errors import InvalidRequest
+    from rlfleet.policies import footprint
 
     obs, action_dim = checkpoint_spaces(target.checkpoint)
     why_differ = ""
@@ -180,23 +193,36 @@ def check_weights(cfg, target: Target, info=None) -> None:
         try:
             theirs, mine = _flat_model(load_config(run_cfg)), _flat_model(cfg)
             keys = sorted(set(theirs) | set(mine), key=lambda k: (k != "actor.model.model_type", k))
-            diff = [f"{k} {theirs.get(k, '<missing>')!r} there, {mine.get(k, '<missing>')!r} here"
-                    for k in keys if theirs.get(k) != mine.get(k)]
+            diff = [
+                f"{k} {theirs.get(k, '<missing>')!r} there, {mine.get(k, '<missing>')!r} here"
+                for k in keys
+                if theirs.get(k) != mine.get(k)
+            ]
             was, now = theirs.get("actor.model.model_type"), mine.get("actor.model.model_type")
             if was != now:
-                raise EvalError(f"{target.checkpoint}: a checkpoint of a {was} policy (its run's config.yaml), and "
-                                f"the config's actor.model.model_type is {now} (evaluate it with its run's config, "
-                                f"or one with the same actor.model)")
+                raise EvalError(
+                    f"{target.checkpoint}: a checkpoint of a {was} policy (its run's config.yaml), and "
+                    f"the config's actor.model.model_type is {now} (evaluate it with its run's config, "
+                    f"or one with the same actor.model)"
+                )
             if diff:
                 why_differ = f" (the config differs from the run's {run_cfg}: {'; '.join(diff[:4])})"
         except ConfigError:
             pass
     try:
-        planned = footprint.planned_state(cfg.actor.model, obs, action_dim, cfg.algorithm.normalize_obs,
-                                          cfg.algorithm.logprob_type, "the checkpoint's observation space")
+        planned = footprint.planned_state(
+            cfg.actor.model,
+            obs,
+            action_dim,
+            cfg.algorithm.normalize_obs,
+            cfg.algorithm.logprob_type,
+            "the checkpoint's observation space",
+        )
     except InvalidRequest as exc:
-        raise EvalError(f"{target.checkpoint}: the config's actor.model ({cfg.actor.model.model_type}) cannot take "
-                        f"the checkpoint's spaces: {exc}{why_differ}") from None
+        raise EvalError(
+            f"{target.checkpoint}: the config's actor.model ({cfg.actor.model.model_type}) cannot take "
+            f"the checkpoint's spaces: {exc}{why_differ}"
+        ) from None
     if planned is None:  # built from model_path, or not plannable: the learner's load is the check
         return
     info = info if info is not None else verify(target)
@@ -205,17 +231,26 @@ def check_weights(cfg, target: Target, info=None) -> None:
     problems = []
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing:
-        problems.append(f"the config's model has tensors the checkpoint lacks ({', '.join(missing[:3])}"
-                        f"{', ...' if len(missing) > 3 else ''})")
+        problems.append(
+            f"the config's model has tensors the checkpoint lacks ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})"
+        )
     if extra:
-        problems.append(f"the checkpoint has tensors the config's model lacks ({', '.join(extra[:3])}"
-                        f"{', ...' if len(extra) > 3 else ''})")
-    shapes = [f"{k} {list(saved[k])} in the checkpoint, {list(mine[k])} in the config's model"
-              for k in sorted(set(mine) & set(saved)) if mine[k] != saved[k]]
+        problems.append(
+            f"the checkpoint has tensors the config's model lacks ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''})"
+        )
+    shapes = [
+        f"{k} {list(saved[k])} in the checkpoint, {list(mine[k])} in the config's model"
+        for k in sorted(set(mine) & set(saved))
+        if mine[k] != saved[k]
+    ]
     problems += shapes[:3]
     if problems:
-        raise EvalError(f"{target.checkpoint}: not a checkpoint of the config's actor.model "
-                        f"({cfg.actor.model.model_type}): {'; '.join(problems)}{why_differ}")
+        raise EvalError(
+            f"{target.checkpoint}: not a checkpoint of the config's actor.model "
+            f"({cfg.actor.model.model_type}): {'; '.join(problems)}{why_differ}"
+        )
 
 
 def output_dir(target: Target, cfg, out: str | None, compare: Target | None = None) -> pathlib.Path:
@@ -226,8 +261,11 @@ def output_dir(target: Target, cfg, out: str | None, compare: Target | None = No
     elif target.kind == "model":
         base = pathlib.Path(cfg.runner.logger.log_path) / f"eval-{target.name}"
     else:
-        base = target.run_dir / "eval" / target.checkpoint.name if target.run_dir else \
-            pathlib.Path(cfg.runner.logger.log_path) / f"eval-{target.name}"
+        base = (
+            target.run_dir / "eval" / target.checkpoint.name
+            if target.run_dir
+            else pathlib.Path(cfg.runner.logger.log_path) / f"eval-{target.name}"
+        )
     path, n = base, 1
     while path.exists() and any(path.iterdir()):
         n += 1
@@ -242,8 +280,8 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
     from rlfleet.v1 import env_pb2, learner_pb2
     from rlfleet.wire import auth, tls
     from services.coordinator.coordinator import Coordinator, RunFailed, joint_env_spec
-    from services.coordinator.service_registry import RunStopped
     from services.coordinator.server import serve
+    from services.coordinator.service_registry import RunStopped
 
     auth.set_identity("coordinator", token)
     tls.configure_tls(cfg.cluster.tls)
@@ -253,28 +291,38 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
     ev = cfg.env.eval
     try:
         t0 = time.monotonic()
-        say(f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s) and a "
-            f"learner to load the weights (logs in {out / 'logs'})")
+        say(
+            f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s) and a "
+            f"learner to load the weights (logs in {out / 'logs'})"
+        )
         try:
             coord.start_services()
         except RunStopped as exc:
             raise RunFailed(str(exc)) from None
         timeout = cfg.cluster.rpc_timeout_s
-        spec, joint = joint_env_spec([calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(),
-                                                                         timeout=timeout)
-                                      for i in range(reg.counts["env"])])
+        spec, joint = joint_env_spec(
+            [
+                calls.rollout_stub(i)[1].Describe(env_pb2.DescribeEnvRequest(), timeout=timeout)
+                for i in range(reg.counts["env"])
+            ]
+        )
         if joint:
             say(joint)
             calls.policy_spec = spec
         if target.checkpoint is not None:
             _check_env_spaces(spec, target)
-        pub = calls.learner().PublishWeights(learner_pb2.PublishWeightsRequest(
-            env_spec=spec, inference_addresses=reg.addresses("inference")), timeout=max(120.0, timeout))
+        pub = calls.learner().PublishWeights(
+            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=reg.addresses("inference")),
+            timeout=max(120.0, timeout),
+        )
         calls.weights_published()
-        say(f"  services up in {time.monotonic() - t0:.1f}s; weights version {pub.weights_version} on "
+        say(
+            f"  services up in {time.monotonic() - t0:.1f}s; weights version {pub.weights_version} on "
             f"{reg.counts['inference']} inference server(s); evaluating {ev.num_episodes} episodes of "
             f"{spec.env_id} (seeds {ev.seed}..{ev.seed + ev.num_episodes - 1}"
-            + (", fixed initial states" if ev.use_fixed_reset_state_ids else "") + ")")
+            + (", fixed initial states" if ev.use_fixed_reset_state_ids else "")
+            + ")"
+        )
         last = [0.0]
 
         def progress(done, total):
@@ -284,8 +332,16 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
                 say(f"  episodes {done}/{total}")
 
         metrics = coord.evaluator.evaluate(0, video_dir=str(out / "videos"), progress=progress)
-        report = build_report(cfg, target, spec, coord.evaluator.episodes, coord.evaluator.episode_simulators,
-                              metrics, calls.lost_episodes, out)
+        report = build_report(
+            cfg,
+            target,
+            spec,
+            coord.evaluator.episodes,
+            coord.evaluator.episode_simulators,
+            metrics,
+            calls.lost_episodes,
+            out,
+        )
         write_report(out, report)
         return report
     finally:
@@ -294,8 +350,8 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
 
 
 def _check_env_spaces(spec, target: Target) -> None:
-    from services.coordinator.service_registry import RunFailed
     from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
+    from services.coordinator.service_registry import RunFailed
 
     obs, action_dim = checkpoint_spaces(target.checkpoint)
     env_obs = spaces_from_proto(spec.observation_space)
@@ -304,10 +360,13 @@ def _check_env_spaces(spec, target: Target) -> None:
     def show(o, a):
         return ", ".join(f"{k}{list(v.shape)}" for k, v in sorted(o.items())) + f"; action {a}-D"
 
-    if {k: tuple(v.shape) for k, v in obs.items()} != {k: tuple(v.shape) for k, v in env_obs.items()} \
-            or action_dim != env_action:
-        raise RunFailed(f"{target.checkpoint}: the policy was trained for spaces {show(obs, action_dim)}; the env "
-                        f"servers ({spec.simulator}:{spec.env_id}) have {show(env_obs, env_action)}")
+    if {k: tuple(v.shape) for k, v in obs.items()} != {
+        k: tuple(v.shape) for k, v in env_obs.items()
+    } or action_dim != env_action:
+        raise RunFailed(
+            f"{target.checkpoint}: the policy was trained for spaces {show(obs, action_dim)}; the env "
+            f"servers ({spec.simulator}:{spec.env_id}) have {show(env_obs, env_action)}"
+        )
 
 
 # --- reports -----------------------------------------------------------------------------------------------------
@@ -320,17 +379,22 @@ def group_stats(eps: list[dict]) -> dict:
     n = len(eps)
     ret = np.array([e["return"] for e in eps], float)
     length = np.array([e["length"] for e in eps], float)
-    return {"episodes": n,
-            "success_once": rate(sum(e["success_once"] for e in eps), n),
-            "success_at_end": rate(sum(e["success_at_end"] for e in eps), n),
-            "return": {"mean": float(ret.mean()) if n else float("nan"),
-                       "std": float(ret.std()) if n else float("nan")},
-            "episode_length": {"mean": float(length.mean()) if n else float("nan"),
-                               "min": int(length.min()) if n else 0, "max": int(length.max()) if n else 0}}
+    return {
+        "episodes": n,
+        "success_once": rate(sum(e["success_once"] for e in eps), n),
+        "success_at_end": rate(sum(e["success_at_end"] for e in eps), n),
+        "return": {"mean": float(ret.mean()) if n else float("nan"), "std": float(ret.std()) if n else float("nan")},
+        "episode_length": {
+            "mean": float(length.mean()) if n else float("nan"),
+            "min": int(length.min()) if n else 0,
+            "max": int(length.max()) if n else 0,
+        },
+    }
 
 
-def build_report(cfg, target: Target, spec, episodes, simulators: dict, metrics: dict, lost: int,
-                 out: pathlib.Path) -> dict:
+def build_report(
+    cfg, target: Target, spec, episodes, simulators: dict, metrics: dict, lost: int, out: pathlib.Path
+) -> dict:
     from rlfleet.wire import codec
 
     ev = cfg.env.eval
@@ -343,25 +407,46 @@ def build_report(cfg, target: Target, spec, episodes, simulators: dict, metrics:
             return e.instruction
         return spec.env_id
 
-    rows = [{"episode": int(e.env_id), "seed": int(ev.seed + e.env_id), "reset_state_id": int(e.reset_state_id),
-             "task": task(e), "instruction": e.instruction, "success_once": bool(e.success_once),
-             "success_at_end": bool(e.success_at_end), "return": float(codec.episode_return(e)),
-             "length": int(e.length)} for e in episodes]
+    rows = [
+        {
+            "episode": int(e.env_id),
+            "seed": int(ev.seed + e.env_id),
+            "reset_state_id": int(e.reset_state_id),
+            "task": task(e),
+            "instruction": e.instruction,
+            "success_once": bool(e.success_once),
+            "success_at_end": bool(e.success_at_end),
+            "return": float(codec.episode_return(e)),
+            "length": int(e.length),
+        }
+        for e in episodes
+    ]
     tasks = {}
     for r in rows:
         tasks.setdefault(r["task"], []).append(r)
     videos = sorted(str(p) for p in (out / "videos").glob("*")) if (out / "videos").is_dir() else []
     return {
-        "evaluated": {"kind": target.kind, "path": str(target.path),
-                      "checkpoint": str(target.checkpoint) if target.checkpoint else None,
-                      "model_type": cfg.actor.model.model_type},
-        "env": {"simulator": spec.simulator, "env_id": spec.env_id, "num_episodes": len(rows), "seed": int(ev.seed),
-                "fixed_initial_states": bool(ev.use_fixed_reset_state_ids), "deterministic": bool(ev.deterministic),
-                "max_episode_steps": int(ev.max_episode_steps)},
+        "evaluated": {
+            "kind": target.kind,
+            "path": str(target.path),
+            "checkpoint": str(target.checkpoint) if target.checkpoint else None,
+            "model_type": cfg.actor.model.model_type,
+        },
+        "env": {
+            "simulator": spec.simulator,
+            "env_id": spec.env_id,
+            "num_episodes": len(rows),
+            "seed": int(ev.seed),
+            "fixed_initial_states": bool(ev.use_fixed_reset_state_ids),
+            "deterministic": bool(ev.deterministic),
+            "max_episode_steps": int(ev.max_episode_steps),
+        },
         "overall": group_stats(rows),
         "tasks": {k: group_stats(v) for k, v in tasks.items()},
-        "lost_episodes": int(lost), "eval_time_s": round(float(metrics.get("time/eval", 0.0)), 2),
-        "videos": videos, "interval": "95% Wilson score interval of each success rate",
+        "lost_episodes": int(lost),
+        "eval_time_s": round(float(metrics.get("time/eval", 0.0)), 2),
+        "videos": videos,
+        "interval": "95% Wilson score interval of each success rate",
         "episodes": rows,
     }
 
@@ -372,24 +457,35 @@ def _pct(stat: dict, n: int) -> str:
 
 def report_markdown(report: dict) -> str:
     what, env = report["evaluated"], report["env"]
-    lines = [f"# Evaluation of {what['path']}", "",
-             f"{what['kind']} ({what['model_type']}"
-             + (f", checkpoint {what['checkpoint']}" if what["checkpoint"] and what["kind"] == "run" else "") + "); "
-             f"{env['simulator']}:{env['env_id']}, {env['num_episodes']} episodes, seeds {env['seed']}.."
-             f"{env['seed'] + env['num_episodes'] - 1}" + (", fixed initial states" if env["fixed_initial_states"]
-                                                            else "")
-             + (", deterministic actions" if env["deterministic"] else ", sampled actions") + ".", "",
-             "| task | episodes | success_once | success_at_end | return | episode length |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Evaluation of {what['path']}",
+        "",
+        f"{what['kind']} ({what['model_type']}"
+        + (f", checkpoint {what['checkpoint']}" if what["checkpoint"] and what["kind"] == "run" else "")
+        + "); "
+        f"{env['simulator']}:{env['env_id']}, {env['num_episodes']} episodes, seeds {env['seed']}.."
+        f"{env['seed'] + env['num_episodes'] - 1}"
+        + (", fixed initial states" if env["fixed_initial_states"] else "")
+        + (", deterministic actions" if env["deterministic"] else ", sampled actions")
+        + ".",
+        "",
+        "| task | episodes | success_once | success_at_end | return | episode length |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     groups = list(report["tasks"].items())
     if len(groups) > 1:
         groups.append(("**all**", report["overall"]))
     for name, g in groups:
         n = g["episodes"]
-        lines.append(f"| {name} | {n} | {_pct(g['success_once'], n)} | {_pct(g['success_at_end'], n)} | "
-                     f"{g['return']['mean']:.2f} ± {g['return']['std']:.2f} | {g['episode_length']['mean']:.1f} |")
-    lines += ["", "Success rates with their 95% Wilson score intervals (one 100-episode evaluation moves about "
-                  "±5 points by chance alone)."]
+        lines.append(
+            f"| {name} | {n} | {_pct(g['success_once'], n)} | {_pct(g['success_at_end'], n)} | "
+            f"{g['return']['mean']:.2f} ± {g['return']['std']:.2f} | {g['episode_length']['mean']:.1f} |"
+        )
+    lines += [
+        "",
+        "Success rates with their 95% Wilson score intervals (one 100-episode evaluation moves about "
+        "±5 points by chance alone).",
+    ]
     if report["lost_episodes"]:
         lines.append(f"{report['lost_episodes']} episodes were lost to service restarts and run again.")
     if report["videos"]:
@@ -416,8 +512,13 @@ def compare_reports(a: dict, b: dict) -> dict:
         for m in ("success_once", "success_at_end"):
             xa, xb = [ea[i][m] for i in eps], [eb[i][m] for i in eps]
             d, low, high = paired_difference(xa, xb)
-            out[m] = {"a": sum(xa) / len(eps), "b": sum(xb) / len(eps), "difference": d, "ci95": [low, high],
-                      "text": format_difference(xa, xb)}
+            out[m] = {
+                "a": sum(xa) / len(eps),
+                "b": sum(xb) / len(eps),
+                "difference": d,
+                "ci95": [low, high],
+                "text": format_difference(xa, xb),
+            }
         ra, rb = np.array([ea[i]["return"] for i in eps]), np.array([eb[i]["return"] for i in eps])
         out["return"] = {"a": float(ra.mean()), "b": float(rb.mean()), "difference": float((ra - rb).mean())}
         return out
@@ -425,37 +526,54 @@ def compare_reports(a: dict, b: dict) -> dict:
     tasks = {}
     for i in keys:
         tasks.setdefault(ea[i]["task"], []).append(i)
-    return {"a": a["evaluated"]["path"], "b": b["evaluated"]["path"], "env": a["env"],
-            "overall": diff(keys), "tasks": {t: diff(v) for t, v in tasks.items()},
-            "interval": "95% interval of the paired difference A - B (Newcombe's hybrid score interval for paired "
-                        "proportions): both evaluated on the same episodes"}
+    return {
+        "a": a["evaluated"]["path"],
+        "b": b["evaluated"]["path"],
+        "env": a["env"],
+        "overall": diff(keys),
+        "tasks": {t: diff(v) for t, v in tasks.items()},
+        "interval": "95% interval of the paired difference A - B (Newcombe's hybrid score interval for paired "
+        "proportions): both evaluated on the same episodes",
+    }
 
 
 def compare_markdown(c: dict) -> str:
-    lines = [f"# A - B: {c['a']} vs {c['b']}", "",
-             f"Both on the same {c['overall']['episodes']} episodes of {c['env']['simulator']}:{c['env']['env_id']} "
-             f"(seeds {c['env']['seed']}..{c['env']['seed'] + c['env']['num_episodes'] - 1}"
-             + (", fixed initial states" if c["env"]["fixed_initial_states"] else "") + ").", "",
-             "| task | episodes | success_once A | B | A - B | success_at_end A | B | A - B | return A - B |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# A - B: {c['a']} vs {c['b']}",
+        "",
+        f"Both on the same {c['overall']['episodes']} episodes of {c['env']['simulator']}:{c['env']['env_id']} "
+        f"(seeds {c['env']['seed']}..{c['env']['seed'] + c['env']['num_episodes'] - 1}"
+        + (", fixed initial states" if c["env"]["fixed_initial_states"] else "")
+        + ").",
+        "",
+        "| task | episodes | success_once A | B | A - B | success_at_end A | B | A - B | return A - B |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     groups = list(c["tasks"].items())
     if len(groups) > 1:
         groups.append(("**all**", c["overall"]))
     for name, g in groups:
         so, se = g["success_once"], g["success_at_end"]
-        lines.append(f"| {name} | {g['episodes']} | {so['a']:.1%} | {so['b']:.1%} | {so['text']} | {se['a']:.1%} | "
-                     f"{se['b']:.1%} | {se['text']} | {g['return']['difference']:+.2f} |")
-    lines += ["", "Differences in points with their paired 95% intervals: an interval that contains 0 does not tell "
-                  "the two apart."]
+        lines.append(
+            f"| {name} | {g['episodes']} | {so['a']:.1%} | {so['b']:.1%} | {so['text']} | {se['a']:.1%} | "
+            f"{se['b']:.1%} | {se['text']} | {g['return']['difference']:+.2f} |"
+        )
+    lines += [
+        "",
+        "Differences in points with their paired 95% intervals: an interval that contains 0 does not tell "
+        "the two apart.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def summary_line(report: dict) -> str:
     o = report["overall"]
     n = o["episodes"]
-    return (f"success_once {_pct(o['success_once'], n)}, success_at_end {_pct(o['success_at_end'], n)}, return "
-            f"{o['return']['mean']:.2f}, episode length {o['episode_length']['mean']:.1f} over {o['episodes']} "
-            f"episodes (95% intervals)")
+    return (
+        f"success_once {_pct(o['success_once'], n)}, success_at_end {_pct(o['success_at_end'], n)}, return "
+        f"{o['return']['mean']:.2f}, episode length {o['episode_length']['mean']:.1f} over {o['episodes']} "
+        f"episodes (95% intervals)"
+    )
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
@@ -492,11 +610,18 @@ def main(args) -> int:
             preflight_local(cfgs[0])
         if len(cfgs) == 2:
             ea, eb = cfgs[0].env.eval, cfgs[1].env.eval
-            if (ea.env_id, ea.simulator_type, ea.seed, ea.num_episodes, ea.use_fixed_reset_state_ids) != \
-                    (eb.env_id, eb.simulator_type, eb.seed, eb.num_episodes, eb.use_fixed_reset_state_ids):
-                raise EvalError(f"--compare: the two configs' env.eval differ ({ea.env_id} seed {ea.seed} x "
-                                f"{ea.num_episodes} vs {eb.env_id} seed {eb.seed} x {eb.num_episodes}): give one "
-                                f"--config for both")
+            if (ea.env_id, ea.simulator_type, ea.seed, ea.num_episodes, ea.use_fixed_reset_state_ids) != (
+                eb.env_id,
+                eb.simulator_type,
+                eb.seed,
+                eb.num_episodes,
+                eb.use_fixed_reset_state_ids,
+            ):
+                raise EvalError(
+                    f"--compare: the two configs' env.eval differ ({ea.env_id} seed {ea.seed} x "
+                    f"{ea.num_episodes} vs {eb.env_id} seed {eb.seed} x {eb.num_episodes}): give one "
+                    f"--config for both"
+                )
         out = output_dir(targets[0], cfgs[0], args.out, targets[1] if len(targets) == 2 else None)
     except (EvalError, ConfigError) as exc:
         print(f"coordinatorctl eval: {exc}", file=sys.stderr)
@@ -525,9 +650,11 @@ def main(args) -> int:
         (out / "compare.json").write_text(json.dumps(c, indent=1))
         (out / "compare.md").write_text(compare_markdown(c))
         o = c["overall"]
-        say(f"A - B over the same {o['episodes']} episodes: success_once {o['success_once']['text']}, "
+        say(
+            f"A - B over the same {o['episodes']} episodes: success_once {o['success_once']['text']}, "
             f"success_at_end {o['success_at_end']['text']} (paired 95% intervals), return "
-            f"{o['return']['difference']:+.2f}")
+            f"{o['return']['difference']:+.2f}"
+        )
         say(f"  comparison: {out / 'compare.md'}, {out / 'compare.json'}")
     return 0
 

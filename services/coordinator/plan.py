@@ -28,16 +28,16 @@ MONITOR_INTERVAL_S = 0.5  # how often torchrun's agent checks its ranks (a dead 
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    role: str                     # env | inference | learner
-    index: int                    # index among its role
-    module: str                   # python -m <module>
-    gpus: tuple[int, ...]         # global GPU ranks placed on this process (cluster.component_placement)
-    cuda_visible_devices: str     # the same ranks as device ids on their node ('' = CPU)
-    simulator: str | None         # env servers: the simulator whose environment they run in
-    external_env: str | None      # env servers bridging an external simulator: its address
-    cpus: tuple[int, ...] = ()    # CPU cores the local launcher pins it to (cluster.cpu_placement; () = any core)
-    nnodes: int = 1               # learner: nodes its ranks span (rlfleet.config.learner_layout)
-    nproc_per_node: int = 1       # learner: ranks per node
+    role: str  # env | inference | learner
+    index: int  # index among its role
+    module: str  # python -m <module>
+    gpus: tuple[int, ...]  # global GPU ranks placed on this process (cluster.component_placement)
+    cuda_visible_devices: str  # the same ranks as device ids on their node ('' = CPU)
+    simulator: str | None  # env servers: the simulator whose environment they run in
+    external_env: str | None  # env servers bridging an external simulator: its address
+    cpus: tuple[int, ...] = ()  # CPU cores the local launcher pins it to (cluster.cpu_placement; () = any core)
+    nnodes: int = 1  # learner: nodes its ranks span (rlfleet.config.learner_layout)
+    nproc_per_node: int = 1  # learner: ranks per node
 
     @property
     def name(self) -> str:
@@ -47,9 +47,18 @@ class ProcessSpec:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def command(self, config: str, address: str, coordinator: str, run_dir: str | None = None,
-                advertise: str | None = None, *, agent: str = TORCHRUN, master: str | None = None,
-                node_rank: str = "0") -> list[str]:
+    def command(
+        self,
+        config: str,
+        address: str,
+        coordinator: str,
+        run_dir: str | None = None,
+        advertise: str | None = None,
+        *,
+        agent: str = TORCHRUN,
+        master: str | None = None,
+        node_rank: str = "0",
+    ) -> list[str]:
         """The command line after the interpreter, the same for every launcher: ``-m <module> <args>``, or for a
         learner of several ranks torchrun's agent starting ``nproc_per_node`` of them here. ``agent``: the module
         of the agent (torch.distributed.run, or a drop-in that runs it: the local launcher's rlfleet.wire.torchrun).
@@ -64,15 +73,25 @@ class ProcessSpec:
         else:
             host, _, port = (master or "").rpartition(":")
             if not host or not port:
-                raise ValueError(f"{self.name}: its {self.nnodes} nodes need node 0's rendezvous address "
-                                 f"(host:port), got {master!r}")
-            flags += ["--node-rank", node_rank, "--rdzv-backend", "static", "--master-addr", host,
-                      "--master-port", port]
+                raise ValueError(
+                    f"{self.name}: its {self.nnodes} nodes need node 0's rendezvous address (host:port), got {master!r}"
+                )
+            flags += [
+                "--node-rank",
+                node_rank,
+                "--rdzv-backend",
+                "static",
+                "--master-addr",
+                host,
+                "--master-port",
+                port,
+            ]
         flags += ["--max-restarts", "0", "--monitor-interval", str(MONITOR_INTERVAL_S)]
         return ["-m", agent, *flags, *target]
 
-    def args(self, config: str, address: str, coordinator: str, run_dir: str | None = None,
-             advertise: str | None = None) -> list[str]:
+    def args(
+        self, config: str, address: str, coordinator: str, run_dir: str | None = None, advertise: str | None = None
+    ) -> list[str]:
         """Command-line arguments after ``python -m <module>``."""
         out = ["--config", config, "--index", str(self.index), "--address", address, "--coordinator", coordinator]
         if advertise:
@@ -98,8 +117,10 @@ def cpu_placement(cfg, cores: list[int]) -> dict[str, list[int]] | None:
             placed.update({n.strip(): list(cores) for n in str(names).split(",")})
         outside = sorted(set(placed[str(names).split(",")[0].strip()]) - set(cores))
         if outside:
-            raise ConfigError(f"'cluster.cpu_placement.{names}': core(s) {outside} of '{spec}' are not usable "
-                              f"here (this process may run on cores {_ranges(cores)})")
+            raise ConfigError(
+                f"'cluster.cpu_placement.{names}': core(s) {outside} of '{spec}' are not usable "
+                f"here (this process may run on cores {_ranges(cores)})"
+            )
     return {c: r or list(cores) for c, r in placed.items()}  # an unplaced component may use any core
 
 
@@ -111,7 +132,7 @@ def _devices(placement: dict, role: str, index: int, count: int) -> tuple[int, .
     ranks = placement[COMPONENT[role]]
     if ranks and len(ranks) >= count:  # one process per GPU slice of the range
         per = len(ranks) // count
-        ranks = ranks[index * per:(index + 1) * per]
+        ranks = ranks[index * per : (index + 1) * per]
     return tuple(ranks)
 
 
@@ -134,9 +155,17 @@ def process_plan(cfg, num_env_servers: int | None = None, cores: list[int] | Non
             # cuda:LOCAL_RANK of them); any other process: its range's ids
             local = list(gpus[:per_node]) if role == "learner" else list(gpus)
             ranks = {"nnodes": nnodes, "nproc_per_node": per_node} if role == "learner" else {}
-            out.append(ProcessSpec(
-                role, i, MODULES[role], gpus, cuda_visible_devices(local, cl.num_gpus_per_node) if gpus else "",
-                env_server_config(cfg, i).env.train.simulator_type if role == "env" and not ext else None,
-                str(ext[i]) if role == "env" and ext else None,
-                _devices(cpu, role, i, n) if cpu else (), **ranks))
+            out.append(
+                ProcessSpec(
+                    role,
+                    i,
+                    MODULES[role],
+                    gpus,
+                    cuda_visible_devices(local, cl.num_gpus_per_node) if gpus else "",
+                    env_server_config(cfg, i).env.train.simulator_type if role == "env" and not ext else None,
+                    str(ext[i]) if role == "env" and ext else None,
+                    _devices(cpu, role, i, n) if cpu else (),
+                    **ranks,
+                )
+            )
     return out

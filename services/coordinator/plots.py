@@ -25,12 +25,19 @@ def plot_learning_curve(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     xs = [r["env/env_steps"] / 1000 for r in train]
     if any(has(r, "env/success_once") for r in train):
-        ax1.plot([x for x, r in zip(xs, train) if has(r, "env/success_once")],
-                 [r["env/success_once"] for r in train if has(r, "env/success_once")],
-                 label="train env/success_once", alpha=0.7)
+        ax1.plot(
+            [x for x, r in zip(xs, train) if has(r, "env/success_once")],
+            [r["env/success_once"] for r in train if has(r, "env/success_once")],
+            label="train env/success_once",
+            alpha=0.7,
+        )
     if evals:
-        ax1.plot([r["eval/env_steps"] / 1000 for r in evals], [r["eval/success_once"] for r in evals], "o-",
-                 label="eval/success_once")
+        ax1.plot(
+            [r["eval/env_steps"] / 1000 for r in evals],
+            [r["eval/success_once"] for r in evals],
+            "o-",
+            label="eval/success_once",
+        )
     ax1.set_xlabel("env steps (k)")
     ax1.set_ylabel("success rate")
     ax1.set_ylim(-0.02, 1.02)

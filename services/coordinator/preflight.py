@@ -26,9 +26,11 @@ def preflight_local(cfg) -> None:
         server = env_server_config(cfg, i)
         sims = {server.env[split].simulator_type for split in ("train", "eval")}
         if len({get_simulator(name).environment for name in sims}) > 1:
-            raise ConfigError(f"'env.eval.simulator_type': {server.env.eval.simulator_type} and env.train's "
-                              f"{server.env.train.simulator_type} run in different Python environments; one env "
-                              f"server hosts both (use the same simulator, or external eval servers)")
+            raise ConfigError(
+                f"'env.eval.simulator_type': {server.env.eval.simulator_type} and env.train's "
+                f"{server.env.train.simulator_type} run in different Python environments; one env "
+                f"server hosts both (use the same simulator, or external eval servers)"
+            )
     errors = env_side_preflight(cfg)
     if errors:
         raise ConfigError(errors[0])  # already "'key': why"
@@ -65,8 +67,10 @@ def preflight_resume(cfg):
     run = cfg.runner.resume_dir
     ckpt = latest_checkpoint(run)
     if ckpt is None:
-        raise ConfigError(f"'runner.resume_dir': no complete checkpoint in {run}/checkpoints (a run saves one "
-                          f"every runner.save_interval epochs and at its end; learner_state.json marks it complete)")
+        raise ConfigError(
+            f"'runner.resume_dir': no complete checkpoint in {run}/checkpoints (a run saves one "
+            f"every runner.save_interval epochs and at its end; learner_state.json marks it complete)"
+        )
     try:
         verify_checkpoint(ckpt)
     except (BadFile, OSError) as exc:
@@ -82,9 +86,11 @@ def preflight_loggers(cfg) -> None:
 
     absent = missing(cfg.runner.logger.logger_backends)
     if absent:
-        raise ConfigError(f"'runner.logger.logger_backends': {', '.join(absent)} not installed in this Python "
-                          f"environment ({sys.prefix}); install with:\n  {install_hint(absent)}\n(the same: {sys.executable} -m "
-                          f"rlfleet.data.loggers install {' '.join(absent)})")
+        raise ConfigError(
+            f"'runner.logger.logger_backends': {', '.join(absent)} not installed in this Python "
+            f"environment ({sys.prefix}); install with:\n  {install_hint(absent)}\n(the same: {sys.executable} -m "
+            f"rlfleet.data.loggers install {' '.join(absent)})"
+        )
 
 
 def env_side_preflight(cfg) -> list[str]:
@@ -92,11 +98,18 @@ def env_side_preflight(cfg) -> list[str]:
     problem, [] when this host can run every env server."""
     from rlfleet.config import to_yaml
 
-    proc = subprocess.run([*ENV_SIDE_COMMAND, "preflight"], input=to_yaml(cfg), capture_output=True, text=True,
-                          env=child_environ(sys.executable, 1))
+    proc = subprocess.run(
+        [*ENV_SIDE_COMMAND, "preflight"],
+        input=to_yaml(cfg),
+        capture_output=True,
+        text=True,
+        env=child_environ(sys.executable, 1),
+    )
     if proc.returncode not in (0, 3):
-        raise ConfigError(f"the env side's preflight failed (exit {proc.returncode}): "
-                          + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+        raise ConfigError(
+            f"the env side's preflight failed (exit {proc.returncode}): "
+            + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        )
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
@@ -120,33 +133,41 @@ def preflight_external(cfg, *, rename: bool, timeout: float = 15.0) -> list[str]
             try:  # counts scanned before the reply is parsed (docs/env-contract.md#limits)
                 spec = describe_external(address, timeout)
             except TimeoutError:
-                raise ConfigError(f"'cluster.{key}[{i}]': no EnvService answered at {address} within {timeout:.0f}s; "
-                                  f"start the simulator first") from None
+                raise ConfigError(
+                    f"'cluster.{key}[{i}]': no EnvService answered at {address} within {timeout:.0f}s; "
+                    f"start the simulator first"
+                ) from None
             except CallFailed as exc:
-                raise ConfigError(f"'cluster.{key}[{i}]': {address} did not answer Describe: "
-                                  f"{describe(exc)}") from None
+                raise ConfigError(f"'cluster.{key}[{i}]': {address} did not answer Describe: {describe(exc)}") from None
             except ValueError as exc:  # rlfleet.untrusted.TooLarge
-                raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {exc} "
-                                  f"({env_contract.section('limits')})") from None
+                raise ConfigError(
+                    f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {exc} "
+                    f"({env_contract.section('limits')})"
+                ) from None
             problems = env_contract.run_problems(spec, policy_chunk=chunk)
             if problems:
                 raise ConfigError(f"'cluster.{key}[{i}]': the external env at {address} cannot be used: {problems[0]}")
             if key == "external_env_addresses":
                 if spec.num_envs != per_server:
-                    raise ConfigError(f"'env.train.total_num_envs': the external env at {address} hosts "
-                                      f"{spec.num_envs} envs; env.train.total_num_envs / cluster.num_env_servers is "
-                                      f"{per_server} (set env.train.total_num_envs="
-                                      f"{spec.num_envs * cfg.cluster.num_env_servers})")
+                    raise ConfigError(
+                        f"'env.train.total_num_envs': the external env at {address} hosts "
+                        f"{spec.num_envs} envs; env.train.total_num_envs / cluster.num_env_servers is "
+                        f"{per_server} (set env.train.total_num_envs="
+                        f"{spec.num_envs * cfg.cluster.num_env_servers})"
+                    )
                 first = first or spec
     for split in ("train", "eval"):
         if cfg.env[split].max_episode_steps != first.max_episode_steps:
-            notes.append(f"env.{split}.max_episode_steps: {first.max_episode_steps} from the external server's "
-                         f"Describe (the config said {cfg.env[split].max_episode_steps})")
+            notes.append(
+                f"env.{split}.max_episode_steps: {first.max_episode_steps} from the external server's "
+                f"Describe (the config said {cfg.env[split].max_episode_steps})"
+            )
             cfg.env[split].max_episode_steps = int(first.max_episode_steps)
     validate(cfg)  # e.g. GRPO's whole episodes per epoch, against the server's episode limit
     if rename:
         simulator = env_contract.read(first).simulator
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{simulator}_{first.env_id}" if simulator != "external"
-                      else first.env_id).strip("_.")
+        name = re.sub(
+            r"[^A-Za-z0-9_.-]+", "_", f"{simulator}_{first.env_id}" if simulator != "external" else first.env_id
+        ).strip("_.")
         cfg.runner.experiment_name = f"external_{name or 'env'}"
     return notes

@@ -16,12 +16,14 @@ from services.coordinator.bottleneck import WINDOW, BottleneckWindow, FleetShape
 
 def per_simulator(ev: dict) -> str:
     """' (libero 10.0% [3.5, 25.6], metaworld 50.0% [...])' in a run over several simulators, else ''."""
+
     def rate(k, v):
         n = ev.get(k.replace("/success_once", "/num_episodes"))
         return rate_of(v, int(n)) if n else f"{v:.1%}"
 
-    per = [f"{k.split('/')[1]} {rate(k, v)}" for k, v in ev.items()
-           if k.endswith("/success_once") and k.count("/") == 2]
+    per = [
+        f"{k.split('/')[1]} {rate(k, v)}" for k, v in ev.items() if k.endswith("/success_once") and k.count("/") == 2
+    ]
     return f" ({', '.join(per)})" if per else ""
 
 
@@ -29,8 +31,11 @@ def eval_line(ev: dict) -> str:
     """One evaluation's result for the console, its success rate with the 95% (Wilson) interval: one 100-episode
     evaluation moves about +-5 points by chance alone."""
     n = int(ev["eval/num_episodes"])
-    return (f"success_once {rate_of(ev['eval/success_once'], n)} return {ev['eval/return']:.2f} over "
-            f"{n} episodes" + per_simulator(ev))
+    return (
+        f"success_once {rate_of(ev['eval/success_once'], n)} return {ev['eval/return']:.2f} over "
+        f"{n} episodes" + per_simulator(ev)
+    )
+
 
 class RunReport:
     def __init__(self, view: CoordinatorView | None, run_dir: pathlib.Path, quiet: bool = False):
@@ -61,16 +66,22 @@ class RunReport:
         if not self.view.resume_dir or not path.exists():
             return 0
         state = read_json(path, root=self.run_dir, what="coordinator state")
-        history, restarts, lost = (state.get("eval_history", []), state.get("restarts", {}),
-                                   state.get("lost_episodes", 0))
+        history, restarts, lost = (
+            state.get("eval_history", []),
+            state.get("restarts", {}),
+            state.get("lost_episodes", 0),
+        )
         if not isinstance(history, list) or not all(
-                isinstance(e, dict) and isinstance(e.get("step"), int) and not isinstance(e["step"], bool)
-                and all(isinstance(v, (int, float, type(None))) and not isinstance(v, bool) for v in e.values())
-                for e in history):
+            isinstance(e, dict)
+            and isinstance(e.get("step"), int)
+            and not isinstance(e["step"], bool)
+            and all(isinstance(v, (int, float, type(None))) and not isinstance(v, bool) for v in e.values())
+            for e in history
+        ):
             raise BadFile(path, "eval_history", "a list of {step: int, metric: number, ...}")
         if not isinstance(restarts, dict) or not all(isinstance(v, int) and v >= 0 for v in restarts.values()):
             raise BadFile(path, "restarts", "a map of service role to a non-negative count", repr(restarts)[:80])
-        check_count("lost_episodes", lost, 2 ** 62, source=path)
+        check_count("lost_episodes", lost, 2**62, source=path)
         self.eval_history = [e for e in history if resumed_step is None or e["step"] <= resumed_step]
         self.prior_restarts = {str(k): int(v) for k, v in restarts.items()}
         return int(lost)
@@ -86,13 +97,14 @@ class RunReport:
             return format(v, fmt) if v is not None and math.isfinite(v) else "-"
 
         budget = self.view.max_env_steps
-        return (f"epoch {epoch + 1:4d} | steps {env_steps / 1000:7.1f}k"
-                + (f"/{budget / 1000:.0f}k" if budget else "")
-                + f" | {f('rollout/env_steps_per_s', '5.0f')} env steps/s | {elapsed:5.0f}s"
-                f" | success_once {f('env/success_once', '.2f')} | return {f('env/return', '6.2f')}"
-                f" | policy_loss {f('train/actor/policy_loss', '+.3f')} | value_loss {f('train/critic/value_loss', '.3f')}"
-                f" | kl {f('train/actor/approx_kl', '.4f')}"
-                + (f" | lost {lost}" if lost else ""))
+        return (
+            f"epoch {epoch + 1:4d} | steps {env_steps / 1000:7.1f}k"
+            + (f"/{budget / 1000:.0f}k" if budget else "")
+            + f" | {f('rollout/env_steps_per_s', '5.0f')} env steps/s | {elapsed:5.0f}s"
+            f" | success_once {f('env/success_once', '.2f')} | return {f('env/return', '6.2f')}"
+            f" | policy_loss {f('train/actor/policy_loss', '+.3f')} | value_loss {f('train/critic/value_loss', '.3f')}"
+            f" | kl {f('train/actor/approx_kl', '.4f')}" + (f" | lost {lost}" if lost else "")
+        )
 
     # --- the bottleneck (services/coordinator/bottleneck.py) ---------------------------------------------------
     def note_epoch(self, epoch: int, metrics: dict[str, float], shape: FleetShape) -> str | None:
@@ -113,9 +125,20 @@ class RunReport:
         return self.bottleneck.diagnosis.line
 
     # --- end of run -------------------------------------------------------------------------------------------
-    def write_summary(self, *, env_id: str, epochs: int, env_steps: int, train_time: float, stop_why: str,
-                      final: dict | None, ckpt: str, lost_episodes: int, restarts: dict[str, int],
-                      last_metrics: dict[str, float]) -> dict:
+    def write_summary(
+        self,
+        *,
+        env_id: str,
+        epochs: int,
+        env_steps: int,
+        train_time: float,
+        stop_why: str,
+        final: dict | None,
+        ckpt: str,
+        lost_episodes: int,
+        restarts: dict[str, int],
+        last_metrics: dict[str, float],
+    ) -> dict:
         from services.coordinator.plots import plot_learning_curve
 
         try:
@@ -124,14 +147,21 @@ class RunReport:
             self.say(f"  ! learning curve not drawn: {type(exc).__name__}: {exc}")
             curve = None
         summary = {
-            "experiment_name": self.view.experiment_name, "run_dir": str(self.run_dir),
-            "env_id": env_id, "epochs": epochs, "env_steps": env_steps,
-            "train_wall_time_s": round(train_time, 2), "stop_reason": stop_why,
+            "experiment_name": self.view.experiment_name,
+            "run_dir": str(self.run_dir),
+            "env_id": env_id,
+            "epochs": epochs,
+            "env_steps": env_steps,
+            "train_wall_time_s": round(train_time, 2),
+            "stop_reason": stop_why,
             "final_eval": dict(final or {}),
             "initial_eval": next((e for e in self.eval_history if e["step"] == 0), None),
-            "eval_history": self.eval_history, "lost_episodes": lost_episodes, "restarts": restarts,
+            "eval_history": self.eval_history,
+            "lost_episodes": lost_episodes,
+            "restarts": restarts,
             "last_train_metrics": {k: v for k, v in last_metrics.items() if math.isfinite(v)},
-            "checkpoint": ckpt, "learning_curve": str(curve) if curve else None,
+            "checkpoint": ckpt,
+            "learning_curve": str(curve) if curve else None,
             # over the last epochs of this run (part of it when resumed); null before any epoch's timings
             "bottleneck": self.bottleneck_line or None,
             "bottleneck_detail": self.bottleneck.diagnosis.as_dict() if self.bottleneck_line else None,
@@ -141,9 +171,10 @@ class RunReport:
         self.say("=" * 72)
         if final:
             n = int(final["eval/num_episodes"])
-            self.say(f"final evaluation: success_once {rate_of(final['eval/success_once'], n)} "
-                     f"({n} seeded episodes, 95% interval), return {final['eval/return']:.2f}"
-                     + per_simulator(final))
+            self.say(
+                f"final evaluation: success_once {rate_of(final['eval/success_once'], n)} "
+                f"({n} seeded episodes, 95% interval), return {final['eval/return']:.2f}" + per_simulator(final)
+            )
         else:
             self.say("no final evaluation (run stopped early)")
         self.say(f"{epochs} epochs, {env_steps} env steps, {train_time:.0f}s of training")
@@ -152,10 +183,11 @@ class RunReport:
             self.say(f"bottleneck (last {d.epochs} epoch{'s' if d.epochs != 1 else ''}): {d.line}")
         from rlfleet.data.loggers import logger_backend
 
-        folders = "".join(f"{logger_backend(name).folder}/, "
-                          for name in dict.fromkeys(self.view.logger_backends))
-        self.say(f"run files: {self.run_dir}  (summary.json, metrics.jsonl, {folders}checkpoints/, "
-                 f"learning_curve.png, config.yaml, logs/)")
+        folders = "".join(f"{logger_backend(name).folder}/, " for name in dict.fromkeys(self.view.logger_backends))
+        self.say(
+            f"run files: {self.run_dir}  (summary.json, metrics.jsonl, {folders}checkpoints/, "
+            f"learning_curve.png, config.yaml, logs/)"
+        )
         if ckpt:
             self.say(f"last checkpoint: {ckpt}")
         self.say("=" * 72)

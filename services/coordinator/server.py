@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from rlfleet.errors import InvalidRequest
-from rlfleet.wire import callers, servers, status
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+from rlfleet.wire import callers, servers, status
 
 MAX_REQUEST_BYTES = 4 << 20  # a Register carries a config of a few kB; nothing else is big
 MAX_STOP_REASON = 1000
@@ -16,15 +16,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @status.handler
     def Register(self, request, context):
-        ok = self.coord.register(request.role, request.index, request.address, request.pid, request.incarnation,
-                                 request.config_yaml, caller=callers.caller_of(context))
+        ok = self.coord.register(
+            request.role,
+            request.index,
+            request.address,
+            request.pid,
+            request.incarnation,
+            request.config_yaml,
+            caller=callers.caller_of(context),
+        )
         return coordinator_pb2.RegisterResponse(accepted=ok)
 
     @status.handler
     def Heartbeat(self, request, context):
         return coordinator_pb2.HeartbeatResponse(
-            shutdown=self.coord.heartbeat(request.role, request.index, request.incarnation,
-                                          caller=callers.caller_of(context)))
+            shutdown=self.coord.heartbeat(
+                request.role, request.index, request.incarnation, caller=callers.caller_of(context)
+            )
+        )
 
     @status.handler
     def Status(self, request, context):

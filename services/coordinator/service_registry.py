@@ -17,16 +17,24 @@ from omegaconf import DictConfig
 
 from rlfleet.config.views import CoordinatorView, as_view
 from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.v1 import coordinator_pb2
 from rlfleet.wire.addresses import check_address
 from rlfleet.wire.service import CANNOT_START  # a service that failed before serving: not restarted
-from rlfleet.v1 import coordinator_pb2
 
 ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference", coordinator_pb2.LEARNER: "learner"}
 ROLE_ENUMS = {v: k for k, v in ROLE_NAMES.items()}
 
 # keys that may differ between the coordinator and a service (where things are, not what is trained)
-LOCAL_KEYS = ("cluster.launcher", "cluster.host", "cluster.coordinator_address", "runner.resume_dir",
-              "runner.logger.log_path", "cluster.tls.cert_file", "cluster.tls.key_file", "cluster.tls.ca_file")
+LOCAL_KEYS = (
+    "cluster.launcher",
+    "cluster.host",
+    "cluster.coordinator_address",
+    "runner.resume_dir",
+    "runner.logger.log_path",
+    "cluster.tls.cert_file",
+    "cluster.tls.key_file",
+    "cluster.tls.ca_file",
+)
 
 
 class RunFailed(RuntimeError):
@@ -74,8 +82,9 @@ MAX_CONFIG_YAML = 1 << 20
 _INCARNATION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-def check_claim(role: int, index: int, address: str | None = None, pid: int = 1, incarnation: str = "x",
-                config_yaml: str = "x") -> None:
+def check_claim(
+    role: int, index: int, address: str | None = None, pid: int = 1, incarnation: str = "x", config_yaml: str = "x"
+) -> None:
     """A Register request's claim, field by field, before anything of it is believed (INVALID_ARGUMENT);
     ``address`` None: only the role and index."""
     if role not in ROLE_NAMES:
@@ -90,8 +99,10 @@ def check_claim(role: int, index: int, address: str | None = None, pid: int = 1,
     if not _INCARNATION.match(incarnation):
         raise InvalidRequest(f"incarnation: {incarnation[:80]!r} is not 1-64 characters of [A-Za-z0-9._-]")
     if not config_yaml.strip():
-        raise InvalidRequest("config_yaml: empty; a service registers with the run config it was started with "
-                                 "(the coordinator compares it with its own)")
+        raise InvalidRequest(
+            "config_yaml: empty; a service registers with the run config it was started with "
+            "(the coordinator compares it with its own)"
+        )
     if len(config_yaml) > MAX_CONFIG_YAML:
         raise InvalidRequest(f"config_yaml: {len(config_yaml)} characters; at most {MAX_CONFIG_YAML}")
 
@@ -101,7 +112,6 @@ def config_difference(cfg, other_yaml: str) -> str:
     from omegaconf import OmegaConf
 
     from rlfleet.config import _flatten
-
     from rlfleet.untrusted import BadFile, parse_yaml
 
     try:  # a peer's text: plain YAML only (no anchors, aliases or tags), then OmegaConf
@@ -110,8 +120,9 @@ def config_difference(cfg, other_yaml: str) -> str:
     except BadFile as exc:
         raise InvalidRequest(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - YAML that does not parse is bad input, not a coordinator bug
-        raise InvalidRequest(f"config_yaml: does not parse as YAML ({type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0]})") from None
+        raise InvalidRequest(
+            f"config_yaml: does not parse as YAML ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
     if not isinstance(other, DictConfig):
         raise InvalidRequest("config_yaml: is not a mapping of config groups")
     mine, theirs = _flatten(cfg), _flatten(other)
@@ -132,21 +143,18 @@ class Registry:
         self.fate = fate
         self.say = say
         self.logs_hint = logs_hint  # where to look when a service does not come up
-        self.counts = {"env": cfg.cluster.num_env_servers, "inference": cfg.cluster.num_inference_servers,
-                       "learner": 1}
+        self.counts = {"env": cfg.cluster.num_env_servers, "inference": cfg.cluster.num_inference_servers, "learner": 1}
         self.services = {(r, i): Service(r, i) for r, n in self.counts.items() for i in range(n)}
         self.retired: set[tuple[str, int]] = set()  # scaled away: told to shut down through heartbeats
         self.lock = threading.Lock()
         self.shutting_down = False
 
     # --- called by the gRPC servicer ---------------------------------------------------------------------------
-    def register(self, role: int, index: int, address: str, pid: int, incarnation: str,
-                 config_yaml: str = "") -> bool:
+    def register(self, role: int, index: int, address: str, pid: int, incarnation: str, config_yaml: str = "") -> bool:
         name = ROLE_NAMES.get(role)
         svc = self.services.get((name, index))
         if svc is None:
-            raise InvalidRequest(f"role/index: this run has no {name or role}[{index}] "
-                                     f"(expects {self.counts})")
+            raise InvalidRequest(f"role/index: this run has no {name or role}[{index}] (expects {self.counts})")
         if config_yaml:
             diff = config_difference(self.cfg, config_yaml)
             if diff:
@@ -177,9 +185,15 @@ class Registry:
     def add_status(self, st: coordinator_pb2.RunStatus) -> None:
         now = time.monotonic()
         for svc in list(self.services.values()):
-            st.services.add(role=ROLE_ENUMS[svc.role], index=svc.index, address=svc.address, pid=svc.pid,
-                            alive=svc.alive, restarts=svc.restarts,
-                            last_heartbeat_age_s=now - svc.last_heartbeat if svc.last_heartbeat else -1)
+            st.services.add(
+                role=ROLE_ENUMS[svc.role],
+                index=svc.index,
+                address=svc.address,
+                pid=svc.pid,
+                alive=svc.alive,
+                restarts=svc.restarts,
+                last_heartbeat_age_s=now - svc.last_heartbeat if svc.last_heartbeat else -1,
+            )
 
     # --- used by the run loop ------------------------------------------------------------------------------------
     def wait(self, role: str, index: int, timeout: float, stoppable: bool = False) -> Service:
@@ -200,8 +214,9 @@ class Registry:
 
     def inference_generation(self) -> tuple:
         """Changes whenever an inference server dies or comes back."""
-        return tuple((s.incarnation, s.ready.is_set()) for (r, _), s in sorted(self.services.items())
-                     if r == "inference")
+        return tuple(
+            (s.incarnation, s.ready.is_set()) for (r, _), s in sorted(self.services.items()) if r == "inference"
+        )
 
     def add(self, role: str, indices: range) -> None:
         with self.lock:

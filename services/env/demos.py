@@ -32,13 +32,27 @@ class _Recording:
 
     def episode(self) -> Episode:
         T = len(self.actions)  # the observation after the last action is not a sample
-        return Episode({k: np.stack(v[:T]) for k, v in self.obs.items()}, np.stack(self.actions),
-                       np.asarray(self.rewards, np.float32), np.asarray(self.success, bool), self.instruction,
-                       self.seed, self.state_id)
+        return Episode(
+            {k: np.stack(v[:T]) for k, v in self.obs.items()},
+            np.stack(self.actions),
+            np.asarray(self.rewards, np.float32),
+            np.asarray(self.success, bool),
+            self.instruction,
+            self.seed,
+            self.state_id,
+        )
 
 
-def collect_demonstrations(env: VecEnv, writer: DatasetWriter, num_episodes: int, seed: int, *,
-                           only_successful: bool = True, max_attempts: int | None = None, log=print) -> dict:
+def collect_demonstrations(
+    env: VecEnv,
+    writer: DatasetWriter,
+    num_episodes: int,
+    seed: int,
+    *,
+    only_successful: bool = True,
+    max_attempts: int | None = None,
+    log=print,
+) -> dict:
     """Record ``num_episodes`` expert episodes (successful ones only, unless told otherwise) with ``env``
     (auto-reset off). Returns counts; raises RuntimeError when the expert fails too often to fill the dataset."""
     if env.auto_reset:
@@ -80,18 +94,27 @@ def collect_demonstrations(env: VecEnv, writer: DatasetWriter, num_episodes: int
                     kept += 1
             else:
                 failed += 1
-            log(f"  demo {kept:4d}/{num_episodes}  seed {rec.seed}  {len(rec.actions)} steps  "
+            log(
+                f"  demo {kept:4d}/{num_episodes}  seed {rec.seed}  {len(rec.actions)} steps  "
                 f"{'success' if ok else 'FAILED' + (' (dropped)' if only_successful else '')}"
-                + (f"  '{rec.instruction}'" if rec.instruction else ""))
+                + (f"  '{rec.instruction}'" if rec.instruction else "")
+            )
             if kept + len(slots) < num_episodes:
                 if attempts >= max_attempts:
                     if not slots:
-                        raise RuntimeError(f"the expert succeeded in only {kept} of {attempts} episodes; "
-                                           f"{num_episodes} successful demonstrations were asked for")
+                        raise RuntimeError(
+                            f"the expert succeeded in only {kept} of {attempts} episodes; "
+                            f"{num_episodes} successful demonstrations were asked for"
+                        )
                     continue
                 start(slot)
-    return {"episodes": kept, "attempts": attempts, "expert_failures": failed, "env_steps": steps,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "episodes": kept,
+        "attempts": attempts,
+        "expert_failures": failed,
+        "env_steps": steps,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main(argv=None) -> int:
@@ -113,14 +136,28 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - an unknown id, bad init_params, a simulator that cannot start
         print(f"collect-demos: cannot start {tr.simulator_type}:{tr.env_id}: {exc}", file=sys.stderr)
         return 1
-    writer = DatasetWriter(args.out, env_id=tr.env_id, simulator=tr.simulator_type, fps=int(cfg.sft.demo_fps),
-                           source=f"scripted expert of {tr.simulator_type}:{tr.env_id}", overwrite=True)
-    print(f"collecting {n} demonstrations of {tr.simulator_type}:{tr.env_id} ({env.num_envs} envs, "
-          f"{tr.max_episode_steps}-step episodes) into {args.out}", flush=True)
+    writer = DatasetWriter(
+        args.out,
+        env_id=tr.env_id,
+        simulator=tr.simulator_type,
+        fps=int(cfg.sft.demo_fps),
+        source=f"scripted expert of {tr.simulator_type}:{tr.env_id}",
+        overwrite=True,
+    )
+    print(
+        f"collecting {n} demonstrations of {tr.simulator_type}:{tr.env_id} ({env.num_envs} envs, "
+        f"{tr.max_episode_steps}-step episodes) into {args.out}",
+        flush=True,
+    )
     try:
-        stats = collect_demonstrations(env, writer, n, int(cfg.sft.demo_seed),
-                                       only_successful=bool(cfg.sft.only_successful),
-                                       log=lambda s: print(s, flush=True))
+        stats = collect_demonstrations(
+            env,
+            writer,
+            n,
+            int(cfg.sft.demo_seed),
+            only_successful=bool(cfg.sft.only_successful),
+            log=lambda s: print(s, flush=True),
+        )
     except Exception as exc:  # noqa: BLE001 - the backend says what is missing (no expert, no simulator)
         writer.close(complete=False)
         print(f"collect-demos: {exc}", file=sys.stderr)
@@ -128,9 +165,11 @@ def main(argv=None) -> int:
     finally:
         env.close()
     writer.close()
-    print(f"wrote {stats['episodes']} episodes ({writer.meta['total_frames']} frames) to {args.out} in "
-          f"{stats['seconds']:.1f}s; the expert failed {stats['expert_failures']} of {stats['attempts']} episodes",
-          flush=True)
+    print(
+        f"wrote {stats['episodes']} episodes ({writer.meta['total_frames']} frames) to {args.out} in "
+        f"{stats['seconds']:.1f}s; the expert failed {stats['expert_failures']} of {stats['attempts']} episodes",
+        flush=True,
+    )
     return 0
 
 

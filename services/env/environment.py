@@ -39,8 +39,8 @@ def preflight_errors(cfg) -> list[str]:
     from omegaconf import OmegaConf
 
     from rlfleet.config import env_server_config
-    from rlfleet.registry import load_object
     from rlfleet.errors import InvalidRequest
+    from rlfleet.registry import load_object
 
     errors: list[str] = []
     servers = {}  # each distinct env-server config (env.per_server gives some servers other simulators)
@@ -67,12 +67,16 @@ def preflight_errors(cfg) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.env.environment", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m services.env.environment",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("action", choices=("python", "install", "exec", "preflight", "assets"))
     p.add_argument("simulator", nargs="?")
-    p.add_argument("--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or "
-                                                    "~/.cache/rlfleet/envs)")
+    p.add_argument(
+        "--envs-dir", default=None, help="where environments live (default: $RLFLEET_ENVS_DIR or ~/.cache/rlfleet/envs)"
+    )
     p.add_argument("--dry-run", action="store_true", help="assets: print the downloads, run none")
     p.add_argument("args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -100,8 +104,10 @@ def main(argv=None) -> int:
         return 0
     if args.action == "assets":
         if args.simulator not in ASSETS:
-            err(f"{p.prog} assets: {args.simulator} has no assets to fetch (simulators with assets: "
-                f"{', '.join(ASSETS)})")
+            err(
+                f"{p.prog} assets: {args.simulator} has no assets to fetch (simulators with assets: "
+                f"{', '.join(ASSETS)})"
+            )
             return 2
         module, _, fn = ASSETS[args.simulator].partition(":")
         rest = [a for a in args.args if a != "--dry-run"]  # (REMAINDER keeps flags given after the simulator)

@@ -9,7 +9,6 @@ that holds gymnasium, mujoco and numpy (tests/rlfleet/test_environments.py check
 
 from __future__ import annotations
 
-
 from rlfleet.errors import InvalidRequest
 from rlfleet.registry import did_you_mean
 
@@ -17,8 +16,9 @@ _ENTRY = "services.env.envs.panda_pick_cube"
 NAMESPACE = "rlfleet"
 _CLASSES = {"PandaPickCube-v0": "PandaPickCubeEnv", "PandaPickCubeVision-v0": "PandaPickCubeVisionEnv"}
 # id -> entry point: each env under the namespace and under its plain id
-BUILT_IN = {f"{prefix}{env_id}": f"{_ENTRY}:{cls}" for env_id, cls in _CLASSES.items()
-            for prefix in (f"{NAMESPACE}/", "")}
+BUILT_IN = {
+    f"{prefix}{env_id}": f"{_ENTRY}:{cls}" for env_id, cls in _CLASSES.items() for prefix in (f"{NAMESPACE}/", "")
+}
 
 
 def register_built_in() -> None:
@@ -36,8 +36,10 @@ def make_gym_env(env_id: str, init_params: dict | None = None):
     register_built_in()
     if env_id not in gym.registry:
         known = sorted(k for k in gym.registry if not k.startswith(("ALE/", "phys2d/", "tabular/")))
-        raise InvalidRequest(f"unknown env id '{env_id}'{did_you_mean(env_id, known)} (gymnasium registry; for another simulator set "
-                             f"env.train.simulator_type, see `coordinatorctl envs`)")
+        raise InvalidRequest(
+            f"unknown env id '{env_id}'{did_you_mean(env_id, known)} (gymnasium registry; for another simulator set "
+            f"env.train.simulator_type, see `coordinatorctl envs`)"
+        )
     try:
         return gym.make(env_id, disable_env_checker=True, **(init_params or {})).unwrapped
     except TypeError as exc:

@@ -74,16 +74,21 @@ class PolicySpaceEnv:
         rows = len(next(iter(obs.values()))) if obs else 0
         return pad_observations(obs, self.observation_space, rows)
 
-    def reset(self, env_ids: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
-              reset_state_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    def reset(
+        self,
+        env_ids: Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
+        reset_state_ids: Sequence[int] | None = None,
+    ) -> dict[str, np.ndarray]:
         return self.pad(self.env.reset(env_ids, seeds, reset_state_ids))
 
     def step(self, env_ids: Sequence[int] | None, actions: np.ndarray) -> StepResult:
         actions = np.asarray(actions)
         if actions.shape[-1] != self.action_space.shape[0]:
-            raise InvalidRequest(f"actions: last dimension {actions.shape[-1]}; the run's policy acts with "
-                                 f"{self.action_space.shape[0]}")
-        out = self.env.step(env_ids, actions[..., :self.own_action_dim])
+            raise InvalidRequest(
+                f"actions: last dimension {actions.shape[-1]}; the run's policy acts with {self.action_space.shape[0]}"
+            )
+        out = self.env.step(env_ids, actions[..., : self.own_action_dim])
         out.obs = self.pad(out.obs)
         out.final_obs = pad_observations(out.final_obs, self.observation_space, len(out.final_rows))
         return out

@@ -35,15 +35,20 @@ import time
 import grpc
 import numpy as np
 
-from rlfleet.untrusted import BadFile
-from rlfleet.wire import channels, codec, env_contract
 from rlfleet.errors import InvalidRequest
-from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
+from rlfleet.untrusted import BadFile
 from rlfleet.v1 import env_pb2
+from rlfleet.wire import channels, codec, env_contract
+from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 from services.env.backends.base import StepResult
 
-LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
+LOST_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 #: codes a server that is still up answers when its simulator failed (a crash in physics, an uncaught exception)
 CRASH_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 #: failures of a simulator that is up (INTERNAL/UNKNOWN, a response breaking the contract) that one Collect or
@@ -81,11 +86,15 @@ class RemoteVecEnv:
         try:
             spec = self.client.describe(timeout=timeout)
         except BadFile as exc:
-            raise InvalidRequest(f"external env {self.address} cannot be used: {exc} "
-                                 f"({env_contract.section('limits')})") from None
+            raise InvalidRequest(
+                f"external env {self.address} cannot be used: {exc} ({env_contract.section('limits')})"
+            ) from None
         # sizes first, on every (re)connection: nothing is built from a spec that claims past the limits
-        problems = env_contract.limit_problems(spec) if self.spec is not None else \
-            env_contract.run_problems(spec, policy_chunk=self.policy_chunk)
+        problems = (
+            env_contract.limit_problems(spec)
+            if self.spec is not None
+            else env_contract.run_problems(spec, policy_chunk=self.policy_chunk)
+        )
         if problems:
             raise InvalidRequest(f"external env {self.address} cannot be used: {problems[0]}")
         if self.spec is not None:
@@ -114,10 +123,15 @@ class RemoteVecEnv:
 
     def _check_same(self, spec) -> None:
         old = self.spec
-        if (spec.num_envs, dict(spec.observation_space), spec.action_space) != \
-                (old.num_envs, dict(old.observation_space), old.action_space):
-            raise InvalidRequest(f"external env {self.address} came back with different spaces or env count "
-                                 f"({spec.num_envs} envs, was {old.num_envs}); restart the run")
+        if (spec.num_envs, dict(spec.observation_space), spec.action_space) != (
+            old.num_envs,
+            dict(old.observation_space),
+            old.action_space,
+        ):
+            raise InvalidRequest(
+                f"external env {self.address} came back with different spaces or env count "
+                f"({spec.num_envs} envs, was {old.num_envs}); restart the run"
+            )
 
     def _drop_stream(self) -> None:
         if self._stream is not None:
@@ -141,12 +155,16 @@ class RemoteVecEnv:
             except (TimeoutError, grpc.RpcError) as exc:
                 waited = time.monotonic() - t0
                 if waited >= timeout:
-                    raise EnvConnectionLost(f"external env {self.address} has been down for {waited:.0f}s "
-                                            f"(cluster.external_env_reconnect_timeout_s={timeout:.0f}); last error: "
-                                            f"{exc if isinstance(exc, TimeoutError) else channels.describe_error(exc)}") from None
+                    raise EnvConnectionLost(
+                        f"external env {self.address} has been down for {waited:.0f}s "
+                        f"(cluster.external_env_reconnect_timeout_s={timeout:.0f}); last error: "
+                        f"{exc if isinstance(exc, TimeoutError) else channels.describe_error(exc)}"
+                    ) from None
                 if waited - last_say >= 5.0:
-                    log(f"external env {self.address} is down ({waited:.0f}s); retrying until {timeout:.0f}s",
-                        flush=True)
+                    log(
+                        f"external env {self.address} is down ({waited:.0f}s); retrying until {timeout:.0f}s",
+                        flush=True,
+                    )
                     last_say = waited
                 time.sleep(delay)
                 delay = min(5.0, delay * 2)
@@ -156,8 +174,11 @@ class RemoteVecEnv:
         that a retry would meet again: the run stops with the server's message)."""
         code = exc.code()
         if code in LOST_CODES:
-            return EnvConnectionLost(f"external env {self.address}: {call}: {channels.describe_error(exc)}", self,
-                                     answered=code in CRASH_CODES)
+            return EnvConnectionLost(
+                f"external env {self.address}: {call}: {channels.describe_error(exc)}",
+                self,
+                answered=code in CRASH_CODES,
+            )
         hint = ""
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             hint = " (was it closed? rlfleet never calls Close; restart the simulator)"
@@ -190,12 +211,17 @@ class RemoteVecEnv:
         ids = [int(i) for i in env_ids] if env_ids is not None else []
         states = list(reset_state_ids or [])
         if states and self.view.version == "0" and any(int(s) != -1 for s in states):
-            raise InvalidRequest(f"reset_state_ids: external env {self.address} implements contract version "
-                                 f"{self.view.version}, which has no fixed initial states")
+            raise InvalidRequest(
+                f"reset_state_ids: external env {self.address} implements contract version "
+                f"{self.view.version}, which has no fixed initial states"
+            )
         rows = ids or list(range(self.num_envs))
         try:
-            resp = self.client.reset(env_pb2.ResetRequest(env_ids=ids, seeds=list(seeds or []),
-                                                          reset_state_ids=states), len(rows), timeout=self.call_timeout)
+            resp = self.client.reset(
+                env_pb2.ResetRequest(env_ids=ids, seeds=list(seeds or []), reset_state_ids=states),
+                len(rows),
+                timeout=self.call_timeout,
+            )
         except grpc.RpcError as exc:
             raise self._failed(exc, "Reset") from exc
         except BadFile as exc:
@@ -217,12 +243,18 @@ class RemoteVecEnv:
                 return resp
             except TimeoutError:
                 self._stream.cancel()
-                raise EnvConnectionLost(f"external env {self.address} did not answer a Step within "
-                                        f"{self.call_timeout:.0f}s (cluster.act_timeout_s)", self,
-                                        answered=True) from None
+                raise EnvConnectionLost(
+                    f"external env {self.address} did not answer a Step within "
+                    f"{self.call_timeout:.0f}s (cluster.act_timeout_s)",
+                    self,
+                    answered=True,
+                ) from None
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self._stream_fresh \
-                        and time.monotonic() < deadline:  # our own cancelled stream may still hold the slot
+                if (
+                    exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    and self._stream_fresh
+                    and time.monotonic() < deadline
+                ):  # our own cancelled stream may still hold the slot
                     time.sleep(0.2)
                     self._open_stream()
                     self._stream.send(request, n)
@@ -241,8 +273,14 @@ class RemoteVecEnv:
         resp = self._next_response(env_pb2.StepRequest(env_ids=ids, actions=codec.encode(actions)), n)
         per = [n] if actions.ndim == len(self.action_space.shape) + 1 else [n, actions.shape[1]]
         try:
-            out = StepResult.from_proto(resp, per, self.obs_specs, self.view, instruction_of=self._instruction_of,
-                                        record_instructions=lambda texts: self._instructions(texts, rows_ids))
+            out = StepResult.from_proto(
+                resp,
+                per,
+                self.obs_specs,
+                self.view,
+                instruction_of=self._instruction_of,
+                record_instructions=lambda texts: self._instructions(texts, rows_ids),
+            )
         except codec.CodecError as exc:
             raise self._malformed("StepResponse", exc) from exc
         return out

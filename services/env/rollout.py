@@ -8,12 +8,12 @@ never leaves half a rollout in a batch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import contextlib
-from dataclasses import dataclass, field
 import logging
 import pathlib
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -28,7 +28,7 @@ from services.env.policy_spaces import PolicySpaceEnv
 from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
 from services.env.vec_env_interface import VecEnvInterface, step_chunk
 
-_EVAL_EPOCH = 2 ** 40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
+_EVAL_EPOCH = 2**40  # evaluation episodes' noise keys: (eval seed + episode, this, step), apart from training's
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,19 @@ def _unwrapped(env: VecEnvInterface) -> VecEnvInterface:
 class RolloutWorker:
     """The rollout loop in front of ``env`` (any VecEnvInterface: services.env.vec_env_interface)."""
 
-    def __init__(self, env: VecEnvInterface, num_stages: int, *, auto_reset: bool = True, bootstrap_truncated: bool = True,
-                 eval_env_factory=None, group_size: int = 1, use_fixed_reset_state_ids: bool = False,
-                 seed: int = 0, step_spans: bool = False):
+    def __init__(
+        self,
+        env: VecEnvInterface,
+        num_stages: int,
+        *,
+        auto_reset: bool = True,
+        bootstrap_truncated: bool = True,
+        eval_env_factory=None,
+        group_size: int = 1,
+        use_fixed_reset_state_ids: bool = False,
+        seed: int = 0,
+        step_spans: bool = False,
+    ):
         self.env = env
         self.step_spans = step_spans  # a span per act wait and per env step (tracing set up, telemetry.step_spans)
         self.group_size = group_size
@@ -99,8 +109,10 @@ class RolloutWorker:
         """Act in the run's policy spaces (a run whose env servers host different simulators): the train and
         eval envs are seen through :class:`PolicySpaceEnv` (padded observations, actions cut to this simulator's
         dimensions). The same spaces again: nothing changes. Raises ValueError when this env cannot fit them."""
-        if isinstance(self.env, PolicySpaceEnv) and (self.env.observation_space, self.env.action_space) == \
-                (observation_space, action_space):
+        if isinstance(self.env, PolicySpaceEnv) and (self.env.observation_space, self.env.action_space) == (
+            observation_space,
+            action_space,
+        ):
             return
         self.env = PolicySpaceEnv(_unwrapped(self.env), observation_space, action_space)
         if self.eval_env is not None:
@@ -136,7 +148,7 @@ class RolloutWorker:
         if self.group_size > 1 and epoch is not None:
             groups = np.arange(n) // self.group_size
             rng = np.random.default_rng([self.seed, epoch])
-            seeds = rng.integers(0, 2 ** 31 - 1, size=groups[-1] + 1)[groups].tolist()
+            seeds = rng.integers(0, 2**31 - 1, size=groups[-1] + 1)[groups].tolist()
             states = None
             num_states = self.env.num_reset_states
             if self.use_fixed_reset_state_ids and num_states:
@@ -149,8 +161,9 @@ class RolloutWorker:
     def _submit(self, policy, stage: int, ids: np.ndarray, request: dict, epoch: int, step: int) -> None:
         """Ask for actions for env rows ``ids`` at (epoch, step); each row carries a noise key from its env's seed,
         the epoch and the step, so its sampled action is the same in every run with this seed (rlfleet.wire.codec)."""
-        policy.submit(stage, request, False, list(self.instructions[ids]),
-                      row_keys(self.seed + ids.astype(np.int64), epoch, step))
+        policy.submit(
+            stage, request, False, list(self.instructions[ids]), row_keys(self.seed + ids.astype(np.int64), epoch, step)
+        )
 
     def _step_span(self, name: str, stage: int, rows: int):
         """A span for one act wait or env step of a pipeline stage (only with ``step_spans``)."""
@@ -158,8 +171,9 @@ class RolloutWorker:
             return contextlib.nullcontext()
         return _tracer.start_as_current_span(name, attributes={"rlfleet.stage": stage, "rlfleet.rows": rows})
 
-    def collect(self, epoch: int, num_steps: int, policy, min_weights_version: int = -1,
-                should_stop=_never, buffers=None) -> tuple[Rollout, CollectSummary]:
+    def collect(
+        self, epoch: int, num_steps: int, policy, min_weights_version: int = -1, should_stop=_never, buffers=None
+    ) -> tuple[Rollout, CollectSummary]:
         """One rollout epoch of ``num_steps`` steps per env. ``should_stop()`` is polled between steps; when it
         says so the collection ends with ``Cancelled`` (the caller went away, or its deadline passed).
         ``buffers``: where the observation buffers live ({name: (shape, dtype)} -> arrays; a shared-memory arena's
@@ -169,7 +183,9 @@ class RolloutWorker:
         wire0 = _wire_stats(policy)
         if not self.auto_reset:
             self.reset_all(epoch)
-        buf = empty_buffers(T, n, self.observation_space, buffers)  # the rollout schema's fields (rlfleet/wire/codec.py)
+        buf = empty_buffers(
+            T, n, self.observation_space, buffers
+        )  # the rollout schema's fields (rlfleet/wire/codec.py)
         last_values = np.zeros(n, np.float32)
         alive = np.ones(n, bool)
         episodes: list[EpisodeStat] = []
@@ -193,9 +209,11 @@ class RolloutWorker:
                 wait_time += t1 - t0
                 _ACT_WAIT.record(t1 - t0, {"stage": s})
                 if res.weights_version < min_weights_version:
-                    raise StaleWeightsError(f"min_weights_version: inference served weights version "
-                                            f"{res.weights_version}; epoch {epoch} needs version >= "
-                                            f"{min_weights_version}")
+                    raise StaleWeightsError(
+                        f"min_weights_version: inference served weights version "
+                        f"{res.weights_version}; epoch {epoch} needs version >= "
+                        f"{min_weights_version}"
+                    )
                 version = res.weights_version if version is None else min(version, res.weights_version)
                 if extra[s] is not None:
                     buf["bootstrap_values"][t[s] - 1, ids[extra[s]]] = res.values[m:]
@@ -243,38 +261,82 @@ class RolloutWorker:
                         final = [pos[int(r)] for r in need]
                         request = {k: np.concatenate([request[k], out.final_obs[k][final]]) for k in request}
                         extra[s] = need
-                self._submit(policy, s, np.concatenate([ids, ids[extra[s]]]) if extra[s] is not None else ids,
-                             request, epoch, t[s])
+                self._submit(
+                    policy,
+                    s,
+                    np.concatenate([ids, ids[extra[s]]]) if extra[s] is not None else ids,
+                    request,
+                    epoch,
+                    t[s],
+                )
         rollout = Rollout(buf, {"last_values": last_values}, episodes)
         chunk = buf["actions"].shape[2] if "actions" in buf else 1
-        summary = CollectSummary(epoch, T * n * chunk, episodes, time.perf_counter() - t_start, env_time, wait_time,
-                                 -1 if version is None else version, _wire_stats(policy) - wire0)
+        summary = CollectSummary(
+            epoch,
+            T * n * chunk,
+            episodes,
+            time.perf_counter() - t_start,
+            env_time,
+            wait_time,
+            -1 if version is None else version,
+            _wire_stats(policy) - wire0,
+        )
         return rollout, summary
 
     # --- evaluation ---------------------------------------------------------------------------------------------
-    def evaluate(self, episode_ids: list[int], seed: int, deterministic: bool, policy, *,
-                 use_reset_state_ids: bool = False, max_episode_steps: int | None = None,
-                 should_stop=_never, video_episodes: int = 0, video_dir: str = "") -> list[EpisodeStat]:
+    def evaluate(
+        self,
+        episode_ids: list[int],
+        seed: int,
+        deterministic: bool,
+        policy,
+        *,
+        use_reset_state_ids: bool = False,
+        max_episode_steps: int | None = None,
+        should_stop=_never,
+        video_episodes: int = 0,
+        video_dir: str = "",
+    ) -> list[EpisodeStat]:
         """Run the given evaluation episodes: episode i is reset with seed + i and, with ``use_reset_state_ids``
         on an env with fixed initial states, from state i % num_reset_states. Returns their stats; an episode
         still running after ``max_episode_steps`` (default: the env's) is ended there, unsuccessful so far.
         Episodes with index < ``video_episodes`` are recorded into ``video_dir`` (rlfleet.data.videos)."""
         env = self._eval_env()
         try:
-            return self._evaluate(env, episode_ids, seed, deterministic, policy, use_reset_state_ids,
-                                  max_episode_steps or env.max_episode_steps, should_stop,
-                                  video_episodes if video_dir else 0, video_dir)
+            return self._evaluate(
+                env,
+                episode_ids,
+                seed,
+                deterministic,
+                policy,
+                use_reset_state_ids,
+                max_episode_steps or env.max_episode_steps,
+                should_stop,
+                video_episodes if video_dir else 0,
+                video_dir,
+            )
         finally:
             if env is self.env:  # an external sim serving both: training continues from fresh episodes
                 self.reset_all()
 
-    def _evaluate(self, env, episode_ids, seed, deterministic, policy, use_states, max_steps,
-                  should_stop, video_episodes: int = 0, video_dir: str = "") -> list[EpisodeStat]:
+    def _evaluate(
+        self,
+        env,
+        episode_ids,
+        seed,
+        deterministic,
+        policy,
+        use_states,
+        max_steps,
+        should_stop,
+        video_episodes: int = 0,
+        video_dir: str = "",
+    ) -> list[EpisodeStat]:
         results: list[EpisodeStat] = []
         cams = videos.image_keys(env.observation_space) if video_episodes else []
         num_states = env.num_reset_states if use_states else 0
         for start in range(0, len(episode_ids), env.num_envs):
-            batch = episode_ids[start:start + env.num_envs]
+            batch = episode_ids[start : start + env.num_envs]
             ids = np.arange(len(batch))
             states = [i % num_states for i in batch] if num_states else None
             obs = env.reset(ids, [seed + i for i in batch], states)
@@ -296,9 +358,13 @@ class RolloutWorker:
                 live = np.flatnonzero(~done)
                 # keyed noise also for deterministic acting: a flow policy (π0) integrates its ODE from a noise
                 # sample (seeded per episode and step); the others ignore it when deterministic
-                policy.submit(0, {k: v[live] for k, v in obs.items()}, deterministic,
-                              [instructions[i] for i in live],
-                              row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step))
+                policy.submit(
+                    0,
+                    {k: v[live] for k, v in obs.items()},
+                    deterministic,
+                    [instructions[i] for i in live],
+                    row_keys(np.asarray(batch)[live] + seed, _EVAL_EPOCH, step),
+                )
                 res = policy.result(0)
                 out = step_chunk(env, ids[live], res.actions)
                 ret[live] += out.rewards
@@ -306,9 +372,17 @@ class RolloutWorker:
                 succ[live] |= out.success
                 for ep in out.episodes:
                     if not done[ep.env_id]:
-                        results.append(EpisodeStat(batch[ep.env_id], ep.episode_return, ep.length,
-                                                   ep.success_once, ep.success_at_end, ep.reset_state_id,
-                                                   ep.instruction))
+                        results.append(
+                            EpisodeStat(
+                                batch[ep.env_id],
+                                ep.episode_return,
+                                ep.length,
+                                ep.success_once,
+                                ep.success_at_end,
+                                ep.reset_state_id,
+                                ep.instruction,
+                            )
+                        )
                         done[ep.env_id] = True
                 for j, i in enumerate(live):
                     for k in obs:
@@ -317,8 +391,17 @@ class RolloutWorker:
                 if done.all():
                     break
             for i in np.flatnonzero(~done):  # cut at max_steps
-                results.append(EpisodeStat(batch[i], float(ret[i]), int(length[i]), bool(succ[i]), False,
-                                           -1 if states is None else states[i], instructions[i]))
+                results.append(
+                    EpisodeStat(
+                        batch[i],
+                        float(ret[i]),
+                        int(length[i]),
+                        bool(succ[i]),
+                        False,
+                        -1 if states is None else states[i],
+                        instructions[i],
+                    )
+                )
             self._write_videos(filmed, batch, seed, results, video_dir)
         return results
 
@@ -330,8 +413,10 @@ class RolloutWorker:
                 continue
             episode = int(batch[i])
             try:
-                videos.write_gif(pathlib.Path(video_dir) / videos.video_name(episode, seed + episode,
-                                                                            success.get(episode, False)), frames)
+                videos.write_gif(
+                    pathlib.Path(video_dir) / videos.video_name(episode, seed + episode, success.get(episode, False)),
+                    frames,
+                )
             except (ImportError, OSError) as exc:  # a video is a by-product: never fail the evaluation for it
                 log.warning("could not write the video of evaluation episode %d: %s", episode, exc)
 
@@ -346,8 +431,15 @@ T = TypeVar("T")
 
 
 class PolicyRunner:
-    def __init__(self, worker: RolloutWorker, index: int, *, act_timeout_s: float = 120.0,
-                 reconnect_timeout_s: float = 120.0, shared_memory: bool = True):
+    def __init__(
+        self,
+        worker: RolloutWorker,
+        index: int,
+        *,
+        act_timeout_s: float = 120.0,
+        reconnect_timeout_s: float = 120.0,
+        shared_memory: bool = True,
+    ):
         self.worker, self.index = worker, index
         self.act_timeout_s, self.reconnect_timeout_s = act_timeout_s, reconnect_timeout_s
         self.shared_memory = shared_memory  # observations by handle to inference servers on this host
@@ -359,8 +451,9 @@ class PolicyRunner:
         key = (tuple(addresses), stages, self.worker.action_dim)
         if self._policy_key != key:
             self.drop_policy()
-            self._policy = make_policy_client(list(addresses), stages, self.worker.action_dim, self.act_timeout_s,
-                                              self.shared_memory)
+            self._policy = make_policy_client(
+                list(addresses), stages, self.worker.action_dim, self.act_timeout_s, self.shared_memory
+            )
             self._policy_key = key
         return self._policy
 
@@ -369,8 +462,9 @@ class PolicyRunner:
             self._policy.close()
         self._policy = self._policy_key = None
 
-    def run(self, addresses: Sequence[str], run: Callable[[object], T],
-            after_loss: Callable[[], object] | None = None) -> tuple[T, int]:
+    def run(
+        self, addresses: Sequence[str], run: Callable[[object], T], after_loss: Callable[[], object] | None = None
+    ) -> tuple[T, int]:
         """``run(policy)`` with the policy client of ``addresses``; when an external simulator dies under it, wait
         for the simulator to come back (the episodes in flight are lost), call ``after_loss`` (fresh episodes) and
         run again. -> (result, episodes lost)."""
@@ -387,8 +481,9 @@ class PolicyRunner:
                 self.drop_policy()
                 faults += exc.answered
                 if faults > MAX_SIMULATOR_FAULTS:
-                    raise errors.InvalidRequest(f"{exc} (simulator failure {faults} in one call; after "
-                                             f"{MAX_SIMULATOR_FAULTS} the run stops)") from None
+                    raise errors.InvalidRequest(
+                        f"{exc} (simulator failure {faults} in one call; after {MAX_SIMULATOR_FAULTS} the run stops)"
+                    ) from None
                 if not restarting:
                     print(f"env[{self.index}]: {exc}; its {exc.env.num_envs} episodes in flight are lost", flush=True)
                     lost += exc.env.num_envs

@@ -10,15 +10,15 @@ named in that package's table (SIM_BACKENDS).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-import threading
 
 import numpy as np
 
+from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire import env_contract
 from rlfleet.wire.codec import EpisodeStat
-from rlfleet.errors import FailedPrecondition, InvalidRequest
 from services.env.backends import make_sim_backend
 from services.env.backends.base import StepResult
 
@@ -30,9 +30,19 @@ class VecEnv:
     simulators are bound to the thread that created them, while gRPC serves each call on a pool thread.
     """
 
-    def __init__(self, env_id: str, num_envs: int, *, max_episode_steps: int, auto_reset: bool = True,
-                 ignore_terminations: bool = False, init_params: dict | None = None, seed: int = 0,
-                 simulator: str = "gym", max_action_chunk: int = 64):
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        *,
+        max_episode_steps: int,
+        auto_reset: bool = True,
+        ignore_terminations: bool = False,
+        init_params: dict | None = None,
+        seed: int = 0,
+        simulator: str = "gym",
+        max_action_chunk: int = 64,
+    ):
         if num_envs < 1:
             raise InvalidRequest(f"num_envs must be >= 1, got {num_envs}")
         self.env_id = env_id
@@ -78,13 +88,19 @@ class VecEnv:
         """-> (actions [n, chunk, *A] clipped to the bounds, whether the request carried a chunk)."""
         shape = self.action_space.shape
         chunked = actions.ndim == len(shape) + 2
-        if actions.ndim not in (len(shape) + 1, len(shape) + 2) or actions.shape[0] != n \
-                or tuple(actions.shape[(2 if chunked else 1):]) != shape:
-            raise InvalidRequest(f"actions: shape {list(actions.shape)} where [{n}, {', '.join(map(str, shape))}] "
-                                 f"or [{n}, chunk, {', '.join(map(str, shape))}] was expected")
+        if (
+            actions.ndim not in (len(shape) + 1, len(shape) + 2)
+            or actions.shape[0] != n
+            or tuple(actions.shape[(2 if chunked else 1) :]) != shape
+        ):
+            raise InvalidRequest(
+                f"actions: shape {list(actions.shape)} where [{n}, {', '.join(map(str, shape))}] "
+                f"or [{n}, chunk, {', '.join(map(str, shape))}] was expected"
+            )
         if chunked and not 1 <= actions.shape[1] <= self.max_action_chunk:
-            raise InvalidRequest(f"actions: chunk of {actions.shape[1]} sub-steps; this server accepts 1.."
-                                 f"{self.max_action_chunk}")
+            raise InvalidRequest(
+                f"actions: chunk of {actions.shape[1]} sub-steps; this server accepts 1..{self.max_action_chunk}"
+            )
         if not np.isfinite(actions).all():
             bad = np.argwhere(~np.isfinite(actions))[0]
             where = f"env row {bad[0]}" + (f", sub-step {bad[1]}" if chunked else "") + f", dim {bad[-1]}"
@@ -104,8 +120,12 @@ class VecEnv:
         return self._sim_thread.submit(fn, *args).result()
 
     # --- API --------------------------------------------------------------------------------------------------
-    def reset(self, env_ids: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
-              reset_state_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    def reset(
+        self,
+        env_ids: Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
+        reset_state_ids: Sequence[int] | None = None,
+    ) -> dict[str, np.ndarray]:
         with self._lock:
             self._check_open()
             return self._on_sim_thread(self._reset, env_ids, seeds, reset_state_ids)
@@ -152,7 +172,7 @@ class VecEnv:
         states = list(reset_state_ids) if reset_state_ids is not None else []
         if seeds and len(seeds) != len(ids):
             raise InvalidRequest(f"seeds: {len(seeds)} seeds for {len(ids)} envs")
-        bad = [int(s) for s in seeds if not 0 <= int(s) < 2 ** 32 - 1]
+        bad = [int(s) for s in seeds if not 0 <= int(s) < 2**32 - 1]
         if bad:  # simulators seed numpy generators, which take [0, 2**32)
             raise InvalidRequest(f"seeds: {bad[0]} is not in [0, 2**32 - 1)")
         if states and len(states) != len(ids):
@@ -167,8 +187,10 @@ class VecEnv:
         for s in states or [-1] * len(ids):
             s = int(s)
             if s != -1 and not 0 <= s < self.num_reset_states:
-                raise InvalidRequest(f"reset_state_ids: state id {s} is not in [0, {self.num_reset_states}) "
-                                     f"({self.env_id} has {self.num_reset_states} fixed initial states)")
+                raise InvalidRequest(
+                    f"reset_state_ids: state id {s} is not in [0, {self.num_reset_states}) "
+                    f"({self.env_id} has {self.num_reset_states} fixed initial states)"
+                )
             state_list.append(None if s == -1 else s)
         self._reset_rows(ids, seed_list, state_list)
         return self._gather(ids)
@@ -201,17 +223,29 @@ class VecEnv:
             self._ep_success[rows] |= out.success
             term = np.zeros(len(rows), bool) if self.ignore_terminations else np.asarray(out.terminated, bool)
             trunc = (np.asarray(out.truncated, bool) | (self._ep_len[rows] >= self.max_episode_steps)) & ~term
-            rewards[live, c], terminated[live, c], truncated[live, c], success[live, c] = \
-                out.rewards, term, trunc, out.success
+            rewards[live, c], terminated[live, c], truncated[live, c], success[live, c] = (
+                out.rewards,
+                term,
+                trunc,
+                out.success,
+            )
             for j in np.flatnonzero(term | trunc):
                 row, i = int(live[j]), int(rows[j])
                 ended[row] = True
                 final_rows.append(row)
                 for k in final_obs:
                     final_obs[k].append(self._obs[k][i].copy())
-                episodes.append(EpisodeStat(i, float(self._ep_return[i]), int(self._ep_len[i]),
-                                            bool(self._ep_success[i]), bool(out.success[j]), int(self._ep_state[i]),
-                                            self.instructions[i]))
+                episodes.append(
+                    EpisodeStat(
+                        i,
+                        float(self._ep_return[i]),
+                        int(self._ep_len[i]),
+                        bool(self._ep_success[i]),
+                        bool(out.success[j]),
+                        int(self._ep_state[i]),
+                        self.instructions[i],
+                    )
+                )
         if final_rows:
             order = np.argsort(final_rows, kind="stable")
             final_rows_arr = np.asarray(final_rows, np.int64)[order]
@@ -226,5 +260,14 @@ class VecEnv:
             final = {k: np.zeros((0, *v.shape[1:]), v.dtype) for k, v in self._obs.items()}
         if not chunked:
             rewards, terminated, truncated, success = rewards[:, 0], terminated[:, 0], truncated[:, 0], success[:, 0]
-        return StepResult(self._gather(ids), rewards, terminated, truncated, success, final, final_rows_arr,
-                          episodes, [self.instructions[i] for i in ids])
+        return StepResult(
+            self._gather(ids),
+            rewards,
+            terminated,
+            truncated,
+            success,
+            final,
+            final_rows_arr,
+            episodes,
+            [self.instructions[i] for i in ids],
+        )

@@ -34,19 +34,23 @@ class VecEnvInterface(Protocol):
     """``num_envs`` envs of one simulator, stepped in batches of rows (``env_ids``; empty or None = all)."""
 
     env_id: str
-    simulator: str                          # the registry name ("external" for an external server of version 0)
+    simulator: str  # the registry name ("external" for an external server of version 0)
     num_envs: int
     observation_space: dict[str, TensorSpace]  # per env (no batch dimension)
-    action_space: TensorSpace               # per env and control step (no batch, no chunk dimension)
+    action_space: TensorSpace  # per env and control step (no batch, no chunk dimension)
     max_episode_steps: int
     auto_reset: bool
-    num_reset_states: int                   # fixed initial states selectable by reset_state_ids (0 = none)
-    max_action_chunk: int                   # sub-steps one step may carry
-    contract_version: str                   # the env contract version the envs implement
-    instructions: list[str]                 # each env's current instruction ('' = none)
+    num_reset_states: int  # fixed initial states selectable by reset_state_ids (0 = none)
+    max_action_chunk: int  # sub-steps one step may carry
+    contract_version: str  # the env contract version the envs implement
+    instructions: list[str]  # each env's current instruction ('' = none)
 
-    def reset(self, env_ids: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
-              reset_state_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    def reset(
+        self,
+        env_ids: Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
+        reset_state_ids: Sequence[int] | None = None,
+    ) -> dict[str, np.ndarray]:
         """Start new episodes on ``env_ids``; -> their observations."""
 
     def step(self, env_ids: Sequence[int] | None, actions: np.ndarray) -> StepResult:

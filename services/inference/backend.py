@@ -26,6 +26,7 @@ from rlfleet.wire.codec import PolicyOutput
 @dataclass
 class ActRequest:
     """One validated Act request (a batch of rows from one stream); its ``future`` gets the PolicyOutput."""
+
     obs: dict[str, np.ndarray]
     instructions: list[str] | None
     deterministic: bool
@@ -40,9 +41,10 @@ class ActRequest:
 @dataclass(frozen=True)
 class BackendStats:
     """What a backend has done, for the server's Describe."""
+
     requests_served: int
     batches_run: int  # act batches (hf) or engine steps (vllm)
-    rows_run: int     # rows acted on over those batches (vllm: row-steps, each row taking several steps)
+    rows_run: int  # rows acted on over those batches (vllm: row-steps, each row taking several steps)
 
     @property
     def mean_batch_rows(self) -> float:
@@ -102,6 +104,7 @@ class InferenceBackend(abc.ABC):
 @dataclass(frozen=True)
 class BackendOptions:
     """What the factory passes on (from the config: rollout.*, runner.seed), each implementation taking its part."""
+
     max_batch_size: int = 256
     max_wait_ms: float = 1.0
     batch_invariant_rows: int = 0

@@ -12,8 +12,8 @@ import threading
 import time
 
 import numpy as np
-from opentelemetry import metrics, propagate, trace
 import torch
+from opentelemetry import metrics, propagate, trace
 
 from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.wire.codec import PolicyOutput, RowNoise
@@ -29,8 +29,16 @@ _FORWARD_LATENCY = _meter.create_histogram("rlfleet.inference.forward_latency", 
 class DynamicBatcher(InferenceBackend):
     name = "hf"
 
-    def __init__(self, *, max_batch_size: int = 256, max_wait_ms: float = 1.0, batch_invariant_rows: int = 0,
-                 device: str = "cpu", on_fatal=None, step_spans: bool = False):
+    def __init__(
+        self,
+        *,
+        max_batch_size: int = 256,
+        max_wait_ms: float = 1.0,
+        batch_invariant_rows: int = 0,
+        device: str = "cpu",
+        on_fatal=None,
+        step_spans: bool = False,
+    ):
         super().__init__(on_fatal)
         self.step_spans = step_spans  # a span per act batch, linked to every request's trace context
         self.max_batch_size = max_batch_size
@@ -129,8 +137,12 @@ class DynamicBatcher(InferenceBackend):
             return contextlib.nullcontext()
         contexts = [propagate.extract(r.trace_context) for r in group if r.trace_context]
         links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in contexts]
-        return _tracer.start_as_current_span("act_batch", context=contexts[0] if contexts else None, links=links,
-                                             attributes={"rlfleet.rows": rows, "rlfleet.requests": len(group)})
+        return _tracer.start_as_current_span(
+            "act_batch",
+            context=contexts[0] if contexts else None,
+            links=links,
+            attributes={"rlfleet.rows": rows, "rlfleet.requests": len(group)},
+        )
 
     def _run(self, batch: list[ActRequest]) -> None:
         for deterministic in (False, True):
@@ -138,14 +150,21 @@ class DynamicBatcher(InferenceBackend):
             if not group:
                 continue
             try:
-                obs = {k: np.concatenate([r.obs[k] for r in group]) if len(group) > 1 else group[0].obs[k]
-                       for k in group[0].obs}
+                obs = {
+                    k: np.concatenate([r.obs[k] for r in group]) if len(group) > 1 else group[0].obs[k]
+                    for k in group[0].obs
+                }
                 texts = [t for r in group for t in (r.instructions or [""] * r.rows)]
                 keys = None
                 if any(r.noise_keys is not None for r in group):  # keyless rows get keys from this process's RNG
-                    keys = np.concatenate([r.noise_keys if r.noise_keys is not None else
-                                           np.random.randint(0, 2 ** 63, r.rows, dtype=np.int64).astype(np.uint64)
-                                           for r in group])
+                    keys = np.concatenate(
+                        [
+                            r.noise_keys
+                            if r.noise_keys is not None
+                            else np.random.randint(0, 2**63, r.rows, dtype=np.int64).astype(np.uint64)
+                            for r in group
+                        ]
+                    )
                 t0 = time.monotonic()
                 rows = sum(r.rows for r in group)
                 with self._batch_span(group, rows):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.policies import build_policy, footprint
 from rlfleet.wire.codec import PolicyOutput
-from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire.spaces import TensorSpace
 from services.inference.backend import ActRequest, BackendOptions, InferenceBackend, policy_lock
 from services.inference.factory import make_inference_backend
@@ -33,9 +33,11 @@ log = logging.getLogger("rlfleet.inference")
 # checkpoint's): no run reaches 2**31 (68 years at an epoch a second); beyond it a version is made up
 MAX_WEIGHTS_VERSION = 2**31 - 1
 
+
 @dataclass(frozen=True)
 class InferenceInfo:
     """What the server's Describe reports."""
+
     model_type: str
     weights_version: int
     num_parameters: int
@@ -45,19 +47,41 @@ class InferenceInfo:
 
 
 class InferenceEngine:
-    def __init__(self, model_cfg, *, normalize_obs: bool = True, max_batch_size: int = 256,
-                 max_wait_ms: float = 1.0, device: str = "cpu", logprob_type: str = "action_level",
-                 batch_invariant_rows: int = 0, backend: str = "hf", seed: int = 0, weights_precision: str = "fp32",
-                 memory_budget_bytes: int | None = None, on_fatal=None, step_spans: bool = False):
+    def __init__(
+        self,
+        model_cfg,
+        *,
+        normalize_obs: bool = True,
+        max_batch_size: int = 256,
+        max_wait_ms: float = 1.0,
+        device: str = "cpu",
+        logprob_type: str = "action_level",
+        batch_invariant_rows: int = 0,
+        backend: str = "hf",
+        seed: int = 0,
+        weights_precision: str = "fp32",
+        memory_budget_bytes: int | None = None,
+        on_fatal=None,
+        step_spans: bool = False,
+    ):
         self.model_cfg = model_cfg
         # bytes a policy (two copies) may take here; None: what the device has available when the spaces arrive
         self.memory_budget_bytes = memory_budget_bytes
         self.weights_dtype = torch.bfloat16 if weights_precision == "bf16" else None
         # how requests are acted on (rollout.backend); on_fatal: called when the backend is lost for good;
         # step_spans: a span per act batch (tracing set up, telemetry.step_spans)
-        self.backend: InferenceBackend = make_inference_backend(backend, BackendOptions(
-            max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, batch_invariant_rows=batch_invariant_rows,
-            device=device, seed=seed, on_fatal=on_fatal, step_spans=step_spans))
+        self.backend: InferenceBackend = make_inference_backend(
+            backend,
+            BackendOptions(
+                max_batch_size=max_batch_size,
+                max_wait_ms=max_wait_ms,
+                batch_invariant_rows=batch_invariant_rows,
+                device=device,
+                seed=seed,
+                on_fatal=on_fatal,
+                step_spans=step_spans,
+            ),
+        )
         self.normalize_obs = normalize_obs
         self.logprob_type = logprob_type
         self.max_batch_size = max_batch_size
@@ -71,8 +95,15 @@ class InferenceEngine:
         self._swap_lock = threading.Lock()
 
     # --- weights ----------------------------------------------------------------------------------------------
-    def set_weights(self, version: int, state: dict[str, torch.Tensor], *, obs_specs: dict[str, TensorSpace] | None = None,
-                    action_dim: int | None = None, partial: bool = False) -> int:
+    def set_weights(
+        self,
+        version: int,
+        state: dict[str, torch.Tensor],
+        *,
+        obs_specs: dict[str, TensorSpace] | None = None,
+        action_dim: int | None = None,
+        partial: bool = False,
+    ) -> int:
         """Swap in a new weights set. In-flight batches finish on the old model; the next batch uses the new.
 
         Two copies of the policy are kept (double buffering): an update is loaded into the idle copy, in place,
@@ -87,8 +118,9 @@ class InferenceEngine:
             planned = self._plan(obs_specs, action_dim)
             if planned is not None:
                 self._check_state(state, {n: shape for n, (shape, _, _) in planned.items()}, partial=False)
-            target = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
-                                  self.logprob_type).to(self.device)
+            target = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs, self.logprob_type).to(
+                self.device
+            )
             if self.weights_dtype is not None:  # rollout.weights_precision: bf16: nothing trains here, so the
                 for param in target.parameters():  # served copies may hold their parameters in bf16 (half the
                     param.data = param.data.to(self.weights_dtype)  # memory); buffers (statistics) stay fp32
@@ -96,8 +128,9 @@ class InferenceEngine:
             raise InvalidRequest("observation_space: the first weights set must describe the policy's spaces")
         else:
             target = self._spare
-        self._check_state(state, {n: tuple(t.shape) for n, t in target.state_dict().items()},
-                          partial=partial and not rebuild)
+        self._check_state(
+            state, {n: tuple(t.shape) for n, t in target.state_dict().items()}, partial=partial and not rebuild
+        )
         for name, tensor in state.items():
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise InvalidRequest(f"weights['{name}']: non-finite values")
@@ -126,8 +159,10 @@ class InferenceEngine:
         server that missed a publish gets the next one (the learner sends it a full set), a restarted one (serving
         none) takes the learner's current one, whatever it is."""
         if not 0 <= version <= MAX_WEIGHTS_VERSION:
-            raise InvalidRequest(f"version: {version} is no weights version (0..{MAX_WEIGHTS_VERSION}: the learner's "
-                                 f"count of updates, one per epoch); serving {self.version}")
+            raise InvalidRequest(
+                f"version: {version} is no weights version (0..{MAX_WEIGHTS_VERSION}: the learner's "
+                f"count of updates, one per epoch); serving {self.version}"
+            )
         if version < self.version:
             raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
 
@@ -136,15 +171,17 @@ class InferenceEngine:
         (double buffering), must fit this server's memory (``memory_budget_bytes``, or what is available).
         -> the planned state (rlfleet.policies.footprint.planned_state), or None where it cannot be planned."""
         row = footprint.observation_row_bytes(obs_specs)
-        planned = footprint.planned_state(self.model_cfg, obs_specs, action_dim, self.normalize_obs,
-                                        self.logprob_type)
+        planned = footprint.planned_state(self.model_cfg, obs_specs, action_dim, self.normalize_obs, self.logprob_type)
         if planned is not None:
             copy = footprint.state_bytes(planned, self.weights_dtype)
             spaces = ", ".join(f"{k}{list(s.shape)}" for k, s in obs_specs.items())
-            footprint.check_fits(2 * copy + self.max_batch_size * row,
-                               f"observation_space: a {self.model_cfg.model_type} policy for spaces {spaces} "
-                               f"(action {action_dim}-D: two copies of {copy / 2**30:.2f} GiB, and a batch)",
-                               self.device, self.memory_budget_bytes)
+            footprint.check_fits(
+                2 * copy + self.max_batch_size * row,
+                f"observation_space: a {self.model_cfg.model_type} policy for spaces {spaces} "
+                f"(action {action_dim}-D: two copies of {copy / 2**30:.2f} GiB, and a batch)",
+                self.device,
+                self.memory_budget_bytes,
+            )
         return planned
 
     def _check_state(self, state: dict[str, torch.Tensor], shapes: dict[str, tuple], partial: bool) -> None:
@@ -158,8 +195,9 @@ class InferenceEngine:
                 raise InvalidRequest(f"weights: full set is missing tensor '{missing[0]}'")
         for name, tensor in state.items():
             if tuple(tensor.shape) != tuple(shapes[name]):
-                raise InvalidRequest(f"weights['{name}']: shape {list(tensor.shape)} where "
-                                     f"{list(shapes[name])} was expected")
+                raise InvalidRequest(
+                    f"weights['{name}']: shape {list(tensor.shape)} where {list(shapes[name])} was expected"
+                )
 
     # --- acting -----------------------------------------------------------------------------------------------
     def validate_obs(self, obs: dict[str, np.ndarray]) -> int:
@@ -172,8 +210,9 @@ class InferenceEngine:
         for key, arr in obs.items():
             spec = specs[key]
             if arr.ndim != len(spec.shape) + 1 or tuple(arr.shape[1:]) != spec.shape:
-                raise InvalidRequest(f"observations['{key}']: shape {list(arr.shape)} where "
-                                     f"{['N', *spec.shape]} was expected")
+                raise InvalidRequest(
+                    f"observations['{key}']: shape {list(arr.shape)} where {['N', *spec.shape]} was expected"
+                )
             if arr.dtype.name != spec.dtype:
                 raise InvalidRequest(f"observations['{key}']: dtype {arr.dtype.name} where {spec.dtype} was expected")
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
@@ -193,24 +232,48 @@ class InferenceEngine:
             raise InvalidRequest(f"noise_keys: {len(noise_keys)} keys for {rows} observation rows")
         return np.asarray(noise_keys, dtype=np.uint64)
 
-    def _request(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int, instructions,
-                 trace_context: dict[str, str] | None, noise_keys) -> ActRequest:
+    def _request(
+        self,
+        obs: dict[str, np.ndarray],
+        deterministic: bool,
+        stream: int,
+        instructions,
+        trace_context: dict[str, str] | None,
+        noise_keys,
+    ) -> ActRequest:
         """A validated request (observations, instructions and noise keys checked against the served policy)."""
         rows = self.validate_obs(obs)
         if instructions and len(instructions) != rows:
             raise InvalidRequest(f"instructions: {len(instructions)} texts for {rows} observation rows")
         keys = self.check_noise_keys(noise_keys, rows)
-        return ActRequest(obs, list(instructions) if instructions else None, deterministic, rows, stream, Future(),
-                          time.monotonic(), trace_context or {}, keys)
+        return ActRequest(
+            obs,
+            list(instructions) if instructions else None,
+            deterministic,
+            rows,
+            stream,
+            Future(),
+            time.monotonic(),
+            trace_context or {},
+            keys,
+        )
 
-    def act_now(self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None,
-                noise_keys=None) -> PolicyOutput:
+    def act_now(
+        self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None, noise_keys=None
+    ) -> PolicyOutput:
         """Act on one batch right now (validated). With ``noise_keys`` (one per row) each row's sampling noise comes
         from its key (rlfleet.wire.codec), so the row's action does not depend on the batch."""
         return self.backend.act(self._request(obs, deterministic, 0, instructions, None, noise_keys))
 
-    def submit(self, obs: dict[str, np.ndarray], deterministic: bool, stream: int = 0, instructions=None,
-               trace_context: dict[str, str] | None = None, noise_keys=None) -> Future:
+    def submit(
+        self,
+        obs: dict[str, np.ndarray],
+        deterministic: bool,
+        stream: int = 0,
+        instructions=None,
+        trace_context: dict[str, str] | None = None,
+        noise_keys=None,
+    ) -> Future:
         """Queue one batch (validated) for the backend; -> the future of its PolicyOutput."""
         request = self._request(obs, deterministic, stream, instructions, trace_context, noise_keys)
         self.backend.submit(request)
@@ -241,6 +304,11 @@ class InferenceEngine:
         """The model served, its weights version and size, and what the backend has done."""
         model = self.model
         stats = self.backend.stats()
-        return InferenceInfo(self.model_cfg.model_type, self.version,
-                             sum(p.numel() for p in model.parameters()) if model is not None else 0,
-                             stats.requests_served, stats.batches_run, stats.mean_batch_rows)
+        return InferenceInfo(
+            self.model_cfg.model_type,
+            self.version,
+            sum(p.numel() for p in model.parameters()) if model is not None else 0,
+            stats.requests_served,
+            stats.batches_run,
+            stats.mean_batch_rows,
+        )

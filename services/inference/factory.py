@@ -15,9 +15,14 @@ from services.inference.batcher import DynamicBatcher
 
 
 def _hf(options: BackendOptions) -> InferenceBackend:
-    return DynamicBatcher(max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
-                          batch_invariant_rows=options.batch_invariant_rows, device=options.device,
-                          on_fatal=options.on_fatal, step_spans=options.step_spans)
+    return DynamicBatcher(
+        max_batch_size=options.max_batch_size,
+        max_wait_ms=options.max_wait_ms,
+        batch_invariant_rows=options.batch_invariant_rows,
+        device=options.device,
+        on_fatal=options.on_fatal,
+        step_spans=options.step_spans,
+    )
 
 
 def _vllm(options: BackendOptions) -> InferenceBackend:

@@ -1,24 +1,23 @@
 """Inference server: gRPC <-> InferenceEngine translation, nothing else.
 
-    python -m services.inference.server --config run/config.yaml --address 127.0.0.1:0 [--coordinator ADDR]
+python -m services.inference.server --config run/config.yaml --address 127.0.0.1:0 [--coordinator ADDR]
 """
 
 from __future__ import annotations
-
-ROLE = "inference"
-
 
 import itertools
 
 import numpy as np
 
-from rlfleet.errors import InvalidRequest
-from rlfleet.wire import codec, servers, shm, status, tracing, weights
 from rlfleet.config import load_service_config
 from rlfleet.config.views import InferenceView, as_view, service_view
-from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
+from rlfleet.errors import InvalidRequest
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
+from rlfleet.wire import codec, servers, shm, status, tracing, weights
+from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from services.inference.engine import InferenceEngine
+
+ROLE = "inference"
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -31,8 +30,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         """Refuse an oversized request before decoding it (a million rows would block every other stream)."""
         for key, t in req.observations.tensors.items():
             if t.shape and t.shape[0] > self.max_rows:
-                raise InvalidRequest(f"observations['{key}']: {t.shape[0]} rows in one request; at most "
-                                         f"{self.max_rows} (rollout.max_rows_per_request)")
+                raise InvalidRequest(
+                    f"observations['{key}']: {t.shape[0]} rows in one request; at most "
+                    f"{self.max_rows} (rollout.max_rows_per_request)"
+                )
 
     @status.handler
     def SharedMemory(self, request, context):
@@ -46,12 +47,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             for req in request_iterator:
                 self._check_rows(req)
                 obs = codec.decode_map(req.observations, "observations", shm=reader)
-                result = self.engine.submit(obs, req.deterministic, stream, list(req.instructions),
-                                            dict(req.trace_context), list(req.noise_keys)).result()
+                result = self.engine.submit(
+                    obs,
+                    req.deterministic,
+                    stream,
+                    list(req.instructions),
+                    dict(req.trace_context),
+                    list(req.noise_keys),
+                ).result()
                 resp = inference_pb2.ActResponse(
-                    request_id=req.request_id, actions=codec.encode(result.actions),
-                    log_probs=codec.encode(result.log_probs), weights_version=result.weights_version,
-                    forward_inputs=codec.encode_map(result.forward_inputs))
+                    request_id=req.request_id,
+                    actions=codec.encode(result.actions),
+                    log_probs=codec.encode(result.log_probs),
+                    weights_version=result.weights_version,
+                    forward_inputs=codec.encode_map(result.forward_inputs),
+                )
                 if result.values is not None:
                     resp.values.CopyFrom(codec.encode(result.values))
                 yield resp
@@ -79,21 +89,33 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def Describe(self, request, context):
         info = self.engine.info()  # (vllm: batches are engine steps, rows the rows decoded in each)
         return inference_pb2.InferenceInfo(
-            model_type=info.model_type, weights_version=info.weights_version, num_parameters=info.num_parameters,
-            requests_served=info.requests_served, batches_run=info.batches_run,
-            mean_batch_rows=info.mean_batch_rows)
+            model_type=info.model_type,
+            weights_version=info.weights_version,
+            num_parameters=info.num_parameters,
+            requests_served=info.requests_served,
+            batches_run=info.batches_run,
+            mean_batch_rows=info.mean_batch_rows,
+        )
 
 
 def build_engine(view: InferenceView, device: str = "cpu", on_fatal=None) -> InferenceEngine:
     """The engine the inference view describes (or the run config: its view is built); ``on_fatal`` is called when
     its backend is lost for good (vllm)."""
     view = as_view(InferenceView, view)
-    return InferenceEngine(view.model, normalize_obs=view.normalize_obs,
-                           max_batch_size=view.max_batch_size, max_wait_ms=view.max_wait_ms,
-                           device=device, logprob_type=view.logprob_type,
-                           batch_invariant_rows=batch_invariant_rows(view), backend=view.backend,
-                           seed=view.seed, weights_precision=view.weights_precision,
-                           on_fatal=on_fatal, step_spans=tracing.enabled(step_spans=True))
+    return InferenceEngine(
+        view.model,
+        normalize_obs=view.normalize_obs,
+        max_batch_size=view.max_batch_size,
+        max_wait_ms=view.max_wait_ms,
+        device=device,
+        logprob_type=view.logprob_type,
+        batch_invariant_rows=batch_invariant_rows(view),
+        backend=view.backend,
+        seed=view.seed,
+        weights_precision=view.weights_precision,
+        on_fatal=on_fatal,
+        step_spans=tracing.enabled(step_spans=True),
+    )
 
 
 def batch_invariant_rows(view: InferenceView) -> int:
@@ -128,13 +150,14 @@ def serve(view: InferenceView, address: str, index: int = 0, coordinator: str | 
     streams = view.max_act_streams
     server = servers.make_server(max_workers=streams + 8, max_concurrent_rpcs=streams + 8)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(engine, view.max_rows_per_request, view.shared_memory == "auto"),
-        server)
+        InferenceServicer(engine, view.max_rows_per_request, view.shared_memory == "auto"), server
+    )
     servers.add_health_and_reflection(server, servers.service_name(inference_pb2, "InferenceService"))
     bound = servers.bind(server, address)
     server.start()
-    runtime = ServiceRuntime("inference", index, server, bound, coordinator,
-                             view.heartbeat_interval_s, view.heartbeat_timeout_s)
+    runtime = ServiceRuntime(
+        "inference", index, server, bound, coordinator, view.heartbeat_interval_s, view.heartbeat_timeout_s
+    )
     return server, bound, engine, runtime
 
 

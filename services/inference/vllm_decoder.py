@@ -40,30 +40,35 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
-from opentelemetry import metrics
 import torch
+from opentelemetry import metrics
 
-from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.errors import Unavailable
+from rlfleet.policies.models.actor_critic import to_torch_obs
 from services.inference.backend import ActRequest, BackendStats, InferenceBackend
 
 log = logging.getLogger("rlfleet.inference.vllm")
 _FORWARD_LATENCY = metrics.get_meter("rlfleet").create_histogram(
-    "rlfleet.inference.forward_latency", "s", "one act request, admitted to decoded (vllm)")
+    "rlfleet.inference.forward_latency", "s", "one act request, admitted to decoded (vllm)"
+)
 
 # vLLM's defaults that matter on a shared CPU host, unless the user set them: the engine runs in this process
 # (no engine-core child to lose), a KV cache of 1 GiB (tiny and 7B prompts of ~300 tokens fit many rows), and no
 # OpenMP thread binding (the env servers and the learner share these cores), warnings and errors only.
-VLLM_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                     "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"}
+VLLM_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
 
 
 @dataclass
 class _Pending:
     """An Act request whose rows are being decoded."""
+
     request: ActRequest
-    policy: object                    # the policy copy whose weights decode it
+    policy: object  # the policy copy whose weights decode it
     version: int
     rows: int
     values: torch.Tensor | None
@@ -91,8 +96,10 @@ def write_serving_dir(policy, path: pathlib.Path) -> pathlib.Path:
     cfg = policy.llm.config.to_dict()
     cfg.update(architectures=[ARCHITECTURE], dtype="float32", torch_dtype="float32")
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({f"llm.{k}": v.detach().float().contiguous().clone() for k, v in base_lm_state(policy).items()},
-              str(path / "model.safetensors"))
+    save_file(
+        {f"llm.{k}": v.detach().float().contiguous().clone() for k, v in base_lm_state(policy).items()},
+        str(path / "model.safetensors"),
+    )
     return path
 
 
@@ -228,8 +235,7 @@ class VLLMDecoder(InferenceBackend):
                 failed = f"{type(exc).__name__}: {exc}"
         if failed is not None:  # (outside the except block: its traceback would keep the old engine alive)
             self.failed_reloads += 1
-            log.warning("vLLM weight reload for version %d failed (%s); rebuilding the engine", update.version,
-                        failed)
+            log.warning("vLLM weight reload for version %d failed (%s); rebuilding the engine", update.version, failed)
             self._discard()
         if self.llm is None:
             try:
@@ -255,20 +261,34 @@ class VLLMDecoder(InferenceBackend):
         lora = {}
         if policy.is_lora:
             lora = dict(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank(policy))
-        self.llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                       max_model_len=max_len, max_num_seqs=self.max_num_seqs,
-                       # whole prompts only: a chunked prefill discards a sampled token, which vLLM's seeded
-                       # CPU generators cannot rewind ("CPU Generator does not use offset")
-                       enable_chunked_prefill=False, max_num_batched_tokens=max_len * min(self.max_num_seqs, 64),
-                       logprobs_mode="processed_logprobs",
-                       max_logprobs=1, enable_prompt_embeds=True, seed=self.seed, **lora)
+        self.llm = LLM(
+            model=str(folder),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_len,
+            max_num_seqs=self.max_num_seqs,
+            # whole prompts only: a chunked prefill discards a sampled token, which vLLM's seeded
+            # CPU generators cannot rewind ("CPU Generator does not use offset")
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max_len * min(self.max_num_seqs, 64),
+            logprobs_mode="processed_logprobs",
+            max_logprobs=1,
+            enable_prompt_embeds=True,
+            seed=self.seed,
+            **lora,
+        )
         shutil.rmtree(folder, ignore_errors=True)  # the weights live in the engine now
         self.engine_builds += 1
         self.lora_request = None
         if policy.is_lora:
             self._load_adapter(policy)
-        log.info("vLLM engine built in %.1f s (%d-token context, up to %d sequences)", time.monotonic() - t0,
-                 max_len, self.max_num_seqs)
+        log.info(
+            "vLLM engine built in %.1f s (%d-token context, up to %d sequences)",
+            time.monotonic() - t0,
+            max_len,
+            self.max_num_seqs,
+        )
 
     def _load_adapter(self, policy) -> None:
         """Serve the policy's current LoRA adapters: a new adapter id per version (vLLM caches adapters by id),
@@ -277,8 +297,10 @@ class VLLMDecoder(InferenceBackend):
 
         self._adapters += 1
         folder = write_adapter_dir(policy, self.workdir / f"adapter-{self._adapters}")
-        old, self.lora_request = self.lora_request, LoRARequest(f"rlfleet-{self._adapters}", self._adapters,
-                                                                str(folder))
+        old, self.lora_request = (
+            self.lora_request,
+            LoRARequest(f"rlfleet-{self._adapters}", self._adapters, str(folder)),
+        )
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
@@ -298,6 +320,7 @@ class VLLMDecoder(InferenceBackend):
             def broken():  # the first half of the model, then an error: as a transfer cut off mid-way
                 yield from weights[: len(weights) // 2]
                 raise RuntimeError("injected weight reload failure")
+
             source = broken()
         else:
             source = iter(weights)
@@ -337,15 +360,24 @@ class VLLMDecoder(InferenceBackend):
                 rows, values, prompt_inputs = policy.prompt_embeddings(obs, request.instructions)
             allowed = policy.action_token_ids
             keys = request.noise_keys
-            self._pending[rid] = _Pending(request, policy, self.version, len(rows), values, prompt_inputs, time.monotonic())
+            self._pending[rid] = _Pending(
+                request, policy, self.version, len(rows), values, prompt_inputs, time.monotonic()
+            )
             for i, emb in enumerate(rows):
                 params = SamplingParams(
-                    n=1, max_tokens=policy.num_action_tokens, min_tokens=policy.num_action_tokens, ignore_eos=True,
-                    temperature=0.0 if request.deterministic else policy.temperature, allowed_token_ids=allowed,
-                    logprobs=0, detokenize=False,
-                    seed=None if keys is None or request.deterministic else int(keys[i]) % (2 ** 63))
-                self.llm.llm_engine.add_request(f"{rid}:{i}", {"prompt_embeds": emb.float().clone()}, params,
-                                                lora_request=self.lora_request)
+                    n=1,
+                    max_tokens=policy.num_action_tokens,
+                    min_tokens=policy.num_action_tokens,
+                    ignore_eos=True,
+                    temperature=0.0 if request.deterministic else policy.temperature,
+                    allowed_token_ids=allowed,
+                    logprobs=0,
+                    detokenize=False,
+                    seed=None if keys is None or request.deterministic else int(keys[i]) % (2**63),
+                )
+                self.llm.llm_engine.add_request(
+                    f"{rid}:{i}", {"prompt_embeds": emb.float().clone()}, params, lora_request=self.lora_request
+                )
         except Exception as exc:  # noqa: BLE001 - delivered to the asking stream
             self._abort(rid)
             request.future.set_exception(exc)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rlfleet.errors import FailedPrecondition
 from rlfleet.policies.models.actor_critic import RunningMeanStd
 from rlfleet.wire.codec import FI, OBS
-from rlfleet.errors import FailedPrecondition
 from services.learner import grpo, ppo
 
 
@@ -45,8 +45,10 @@ class RewardScaler:
         rms.update(torch.from_numpy(history))
         scale = float(np.sqrt(rms.var.item() + 1e-8))
         if not (np.isfinite(history).all() and np.isfinite(scale)):
-            raise FailedPrecondition(f"rewards of worker {worker}: their discounted returns overflow the reward "
-                                     f"normaliser (algorithm.normalize_rewards); it is left as it was")
+            raise FailedPrecondition(
+                f"rewards of worker {worker}: their discounted returns overflow the reward "
+                f"normaliser (algorithm.normalize_rewards); it is left as it was"
+            )
         self.rms, self.returns[worker] = rms, ret
         return (rewards / scale).astype(np.float32)
 
@@ -57,8 +59,9 @@ class RewardScaler:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         state = dict(state)
-        self.returns = {int(k.split(".", 1)[1]): state.pop(k).numpy().copy()
-                        for k in list(state) if k.startswith("returns.")}
+        self.returns = {
+            int(k.split(".", 1)[1]): state.pop(k).numpy().copy() for k in list(state) if k.startswith("returns.")
+        }
         self.rms.load_state_dict(state)
 
 
@@ -68,12 +71,12 @@ class Batch:
 
     T: int
     N: int
-    rows: dict[str, torch.Tensor]        # obs.<k>, fi.<k>, old_log_probs, old_values, advantages, returns, mask
+    rows: dict[str, torch.Tensor]  # obs.<k>, fi.<k>, old_log_probs, old_values, advantages, returns, mask
     episodes: list
-    raw_rewards: np.ndarray              # [T, N] as the envs reported them
-    values: torch.Tensor                 # [T, N]
-    advantages: torch.Tensor             # [T, N]
-    returns: torch.Tensor                # [T, N]
+    raw_rewards: np.ndarray  # [T, N] as the envs reported them
+    values: torch.Tensor  # [T, N]
+    advantages: torch.Tensor  # [T, N]
+    returns: torch.Tensor  # [T, N]
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -96,23 +99,40 @@ def build_batch(parts: list[dict], workers: list[int], alg, scaler: RewardScaler
     stats: dict[str, float] = {}
     if alg.adv_type == "grpo":  # group-relative scores of whole episodes; no critic, no reward normalisation
         fr = tuple(alg.filter_rewards) if alg.filter_rewards is not None else None
-        advantages, loss_mask, stats = grpo.grpo_advantages(tt(raw_rewards * alg.reward_coef), loss_mask,
-                                                            alg.group_size, filter_range=fr)
+        advantages, loss_mask, stats = grpo.grpo_advantages(
+            tt(raw_rewards * alg.reward_coef), loss_mask, alg.group_size, filter_range=fr
+        )
         returns = advantages
     else:
-        rewards = (np.concatenate([scaler(w, p["time"]["rewards"], p["time"]["terminated"] | p["time"]["truncated"])
-                                   for w, p in zip(workers, parts)], axis=1)
-                   if alg.normalize_rewards else raw_rewards)
+        rewards = (
+            np.concatenate(
+                [
+                    scaler(w, p["time"]["rewards"], p["time"]["terminated"] | p["time"]["truncated"])
+                    for w, p in zip(workers, parts)
+                ],
+                axis=1,
+            )
+            if alg.normalize_rewards
+            else raw_rewards
+        )
         if alg.bootstrap_truncated:
             rewards = rewards + alg.gamma * cat("bootstrap_values")
         last_values = tt(np.concatenate([p["env"]["last_values"] for p in parts]))
-        advantages, returns = ppo.compute_gae(tt(rewards), values, tt(dones.astype(np.float32)), last_values,
-                                              alg.gamma, alg.gae_lambda)
+        advantages, returns = ppo.compute_gae(
+            tt(rewards), values, tt(dones.astype(np.float32)), last_values, alg.gamma, alg.gae_lambda
+        )
     T, N = raw_rewards.shape
     flat = lambda x: torch.as_tensor(x).reshape(T * N, *x.shape[2:])  # noqa: E731
     rows = {k: flat(cat(k)) for k in parts[0]["time"] if k.startswith((OBS, FI))}
-    rows.update({"old_log_probs": flat(cat("log_probs")), "old_values": flat(values),
-                 "advantages": flat(advantages), "returns": flat(returns), "mask": flat(loss_mask)})
+    rows.update(
+        {
+            "old_log_probs": flat(cat("log_probs")),
+            "old_values": flat(values),
+            "advantages": flat(advantages),
+            "returns": flat(returns),
+            "mask": flat(loss_mask),
+        }
+    )
     if all("weights_version" in p["time"] for p in parts):
         rows["weights_version"] = flat(cat("weights_version"))
     return Batch(T, N, rows, episodes, raw_rewards, values, advantages, returns, stats)
@@ -123,9 +143,11 @@ def env_blocks(N: int, world: int, group_size: int, valid_per_env: np.ndarray) -
     the valid samples per block (``valid_per_env[n]``: env n's samples that train). Every block is non-empty."""
     groups = N // max(group_size, 1)
     if groups < world:
-        raise FailedPrecondition(f"the batch's {N} envs form {groups} group(s) of {group_size} "
-                                 f"(algorithm.group_size): too few to give each of the learner's {world} ranks one; "
-                                 f"use more envs or fewer ranks")
+        raise FailedPrecondition(
+            f"the batch's {N} envs form {groups} group(s) of {group_size} "
+            f"(algorithm.group_size): too few to give each of the learner's {world} ranks one; "
+            f"use more envs or fewer ranks"
+        )
     weight = valid_per_env.reshape(groups, -1).sum(1).astype(np.float64) + 1e-9  # a group with none still counts
     cum = np.concatenate([[0.0], np.cumsum(weight)])
     bounds = [0]

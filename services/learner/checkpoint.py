@@ -26,13 +26,25 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlfleet.data.checkpoint_files import (STATE_DIR, check_reward_rms, latest_checkpoint, read_learner_state,
-                                           run_folder_of)
+from rlfleet.data.checkpoint_files import (
+    STATE_DIR,
+    check_reward_rms,
+    latest_checkpoint,
+    read_learner_state,
+    run_folder_of,
+)
 from rlfleet.data.dcp_files import load_state
 from rlfleet.untrusted import BadFile
 
-__all__ = ["STATE_DIR", "latest_checkpoint", "load_policy_state", "load_sharded", "read_leader_files",
-           "save_sharded", "write_leader_files"]
+__all__ = [
+    "STATE_DIR",
+    "latest_checkpoint",
+    "load_policy_state",
+    "load_sharded",
+    "read_leader_files",
+    "save_sharded",
+    "write_leader_files",
+]
 
 
 @contextmanager
@@ -55,8 +67,10 @@ def save_sharded(path: pathlib.Path, model, optimizer) -> None:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / STATE_DIR))
     except CheckpointException as exc:  # a BaseException: it would escape every `except Exception` (a hang)
         rank, (first, _trace) = min(exc.failures.items())
-        raise OSError(f"{path / STATE_DIR}: writing the checkpoint failed on rank {rank}: "
-                      f"{type(first).__name__}: {' '.join(str(first).split())[:200]}") from None
+        raise OSError(
+            f"{path / STATE_DIR}: writing the checkpoint failed on rank {rank}: "
+            f"{type(first).__name__}: {' '.join(str(first).split())[:200]}"
+        ) from None
 
 
 def load_sharded(path: pathlib.Path, model, optimizer) -> None:
@@ -67,8 +81,10 @@ def load_sharded(path: pathlib.Path, model, optimizer) -> None:
 
     path = pathlib.Path(path)
     if not (path / STATE_DIR).is_dir():
-        raise FileNotFoundError(f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
-                                f"it cannot be resumed by this version)")
+        raise FileNotFoundError(
+            f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
+            f"it cannot be resumed by this version)"
+        )
     root = run_folder_of(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet():
@@ -85,8 +101,10 @@ def load_policy_state(path: str | pathlib.Path, model) -> None:
 
     path = pathlib.Path(path)
     if not (path / STATE_DIR).is_dir():
-        raise FileNotFoundError(f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
-                                f"it cannot be read by this version)")
+        raise FileNotFoundError(
+            f"{path}: no '{STATE_DIR}/' folder (a checkpoint from before sharded checkpoints? "
+            f"it cannot be read by this version)"
+        )
     state = {"model": get_model_state_dict(model)}
     with _quiet():
         load_state(state, path / STATE_DIR, root=run_folder_of(path))
@@ -112,6 +130,7 @@ def read_leader_files(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict
         if not torch.isfinite(v).all():
             raise BadFile(src, f"tensor '{k}'", "finite values (the learner never saves others)", "NaN or infinity")
     if float(reward["var"]) < 0 or float(reward["count"]) < 0:
-        raise BadFile(src, "var, count", "non-negative values", f"var {float(reward['var'])}, count "
-                      f"{float(reward['count'])}")
+        raise BadFile(
+            src, "var, count", "non-negative values", f"var {float(reward['var'])}, count {float(reward['count'])}"
+        )
     return reward, state

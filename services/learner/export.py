@@ -49,8 +49,15 @@ class ExportError(Exception):
     """What cannot be exported, in one line."""
 
 
-def write_export(policy, path: str | pathlib.Path, lora: str = "merged", base: str | None = None,
-                 layout: str = "upstream", step: int | None = None, max_shard_size: int | str = "5GB") -> pathlib.Path:
+def write_export(
+    policy,
+    path: str | pathlib.Path,
+    lora: str = "merged",
+    base: str | None = None,
+    layout: str = "upstream",
+    step: int | None = None,
+    max_shard_size: int | str = "5GB",
+) -> pathlib.Path:
     """Write ``policy`` (whole, on this process) to ``path`` in ``layout``: merged, or LoRA as a peft adapter."""
     path = pathlib.Path(path)
     if not hasattr(policy, "save_pretrained"):
@@ -68,8 +75,10 @@ def write_export(policy, path: str | pathlib.Path, lora: str = "merged", base: s
         except ValueError as exc:
             raise ExportError(str(exc)) from None
     if not getattr(policy, "is_lora", False):
-        raise ExportError("--lora adapter: the policy trained without LoRA (actor.model.is_lora=false); export it "
-                          "merged (the default)")
+        raise ExportError(
+            "--lora adapter: the policy trained without LoRA (actor.model.is_lora=false); export it "
+            "merged (the default)"
+        )
     from safetensors.torch import load_file, save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -77,8 +86,11 @@ def write_export(policy, path: str | pathlib.Path, lora: str = "merged", base: s
     for cfg in llm.peft_config.values():
         cfg.base_model_name_or_path = base
     llm.save_pretrained(str(path))
-    full = {n: p.detach().contiguous().clone() for n, p in policy.named_parameters()
-            if p.requires_grad and not n.startswith("llm.")}
+    full = {
+        n: p.detach().contiguous().clone()
+        for n, p in policy.named_parameters()
+        if p.requires_grad and not n.startswith("llm.")
+    }
     stats = policy._stats_entry() if hasattr(policy, "_stats_entry") else None
     if layout == "upstream":  # the release's module names: its LM is language_model, the proprio projector a file
         from rlfleet.policies.models.openvla.hub_layout import HUB_LLM, PROPRIO_LAYERS
@@ -86,14 +98,20 @@ def write_export(policy, path: str | pathlib.Path, lora: str = "merged", base: s
         adapters = path / "adapter_model.safetensors"
         peft_prefix = "base_model.model."
         tensors = load_file(str(adapters))
-        save_file({peft_prefix + HUB_LLM + k[len(peft_prefix):]: v for k, v in tensors.items()}, str(adapters),
-                  metadata={"format": "pt"})
+        save_file(
+            {peft_prefix + HUB_LLM + k[len(peft_prefix) :]: v for k, v in tensors.items()},
+            str(adapters),
+            metadata={"format": "pt"},
+        )
         config = json.loads((path / "adapter_config.json").read_text())
         config["auto_mapping"] = None  # peft recorded the LM's class (Llama); the base is the whole released VLA
         (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if "proprio_projector.0.weight" in full:
-            proj = {f"module.{fc}.{kind}": full[f"proprio_projector.{i}.{kind}"]
-                    for fc, i in PROPRIO_LAYERS for kind in ("weight", "bias")}
+            proj = {
+                f"module.{fc}.{kind}": full[f"proprio_projector.{i}.{kind}"]
+                for fc, i in PROPRIO_LAYERS
+                for kind in ("weight", "bias")
+            }
             import torch
 
             torch.save(proj, path / f"proprio_projector--{int(step or 0)}_checkpoint.pt")
@@ -104,14 +122,20 @@ def write_export(policy, path: str | pathlib.Path, lora: str = "merged", base: s
     return path
 
 
-def export_checkpoint(view, ckpt: str | pathlib.Path, out: str | pathlib.Path, lora: str = "merged",
-                      layout: str = "upstream", max_shard_size: int | str = "5GB") -> pathlib.Path:
+def export_checkpoint(
+    view,
+    ckpt: str | pathlib.Path,
+    out: str | pathlib.Path,
+    lora: str = "merged",
+    layout: str = "upstream",
+    max_shard_size: int | str = "5GB",
+) -> pathlib.Path:
     """One process on the CPU: build the run's policy for the checkpoint's spaces, load the checkpoint's weights
     (any world size saved it: DCP reshards), write it. ``view``: the learner's view of the run config (or the run
     config: its view is built)."""
-    from rlfleet.config.views import LearnerView, as_view
     import torch
 
+    from rlfleet.config.views import LearnerView, as_view
     from rlfleet.data.checkpoint_files import specs_from_json, step_of, verify_checkpoint
     from rlfleet.policies import build_policy
     from services.learner import checkpoint
@@ -121,16 +145,25 @@ def export_checkpoint(view, ckpt: str | pathlib.Path, out: str | pathlib.Path, l
     obs_specs, action_dim = specs_from_json(state["obs_specs"]), int(state["action_dim"])
     view = as_view(LearnerView, view)
     torch.manual_seed(view.seed)
-    policy = build_policy(view.model, obs_specs, action_dim, view.algorithm.normalize_obs,
-                          view.algorithm.logprob_type)
+    policy = build_policy(view.model, obs_specs, action_dim, view.algorithm.normalize_obs, view.algorithm.logprob_type)
     checkpoint.load_policy_state(ckpt, policy)
-    return write_export(policy, out, lora, base=view.model.get("model_path"), layout=layout,
-                        step=step_of(ckpt), max_shard_size=max_shard_size)
+    return write_export(
+        policy,
+        out,
+        lora,
+        base=view.model.get("model_path"),
+        layout=layout,
+        step=step_of(ckpt),
+        max_shard_size=max_shard_size,
+    )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.learner.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m services.learner.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("checkpoint", help="RUN/checkpoints/global_step_N (complete: learner_state.json)")
     p.add_argument("out")
     p.add_argument("--config", required=True, help="the run's config.yaml")

@@ -59,7 +59,7 @@ def _pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list, torch.Tensor]:
 def _unpack(layout: list, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     for name, dtype, shape, offset, nbytes in layout:
-        raw = buffer[offset:offset + nbytes].clone()  # its own storage: aligned for any element size
+        raw = buffer[offset : offset + nbytes].clone()  # its own storage: aligned for any element size
         dt = getattr(torch, dtype)
         out[name] = (raw.view(dt) if nbytes else torch.empty(0, dtype=dt)).reshape(shape)
     return out
@@ -68,13 +68,22 @@ def _unpack(layout: list, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
 class RankGroup:
     """This process's place in the learner's rank group (or a group of one)."""
 
-    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, device: str | torch.device = "cpu",
-                 store=None, timeout_s: float = 300.0, heartbeat_timeout_s: float = 15.0, backend: str = ""):
+    def __init__(
+        self,
+        rank: int = 0,
+        world: int = 1,
+        local_rank: int = 0,
+        device: str | torch.device = "cpu",
+        store=None,
+        timeout_s: float = 300.0,
+        heartbeat_timeout_s: float = 15.0,
+        backend: str = "",
+    ):
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.device = torch.device(device)
         self.backend = backend
         self.timeout_s, self.heartbeat_timeout_s = timeout_s, heartbeat_timeout_s
-        self.cpu_group = None      # gloo group for CPU byte buffers (the default group when it is gloo)
+        self.cpu_group = None  # gloo group for CPU byte buffers (the default group when it is gloo)
         self._store = store
         self._cmd_store = store.clone() if store is not None else None
         self._seq = 0
@@ -96,8 +105,10 @@ class RankGroup:
             return cls(device=device, timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
         missing = [v for v in TORCHRUN_VARS if not os.environ.get(v)]
         if missing:
-            raise SystemExit(f"learner: WORLD_SIZE={world} but {', '.join(missing)} not set: start the learner's "
-                             f"ranks with torchrun (or set all of {', '.join(TORCHRUN_VARS)})")
+            raise SystemExit(
+                f"learner: WORLD_SIZE={world} but {', '.join(missing)} not set: start the learner's "
+                f"ranks with torchrun (or set all of {', '.join(TORCHRUN_VARS)})"
+            )
         rank = int(os.environ["RANK"])
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         # under torchrun the agent hosts the store at MASTER_ADDR:MASTER_PORT; started by hand, rank 0 hosts it
@@ -105,10 +116,17 @@ class RankGroup:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world, hosts, timeout, wait_for_workers=False)
         backend = "nccl" if cuda else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore("rlfleet_pg", store), rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if cuda else None)
-        group = cls(rank, world, local_rank, device, dist.PrefixStore(_PREFIX, store), timeout_s,
-                    heartbeat_timeout_s, backend)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("rlfleet_pg", store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if cuda else None,
+        )
+        group = cls(
+            rank, world, local_rank, device, dist.PrefixStore(_PREFIX, store), timeout_s, heartbeat_timeout_s, backend
+        )
         group.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         group._start_heartbeats()
         print(f"learner rank {rank}/{world} ({backend}, {device}) joined {host}:{port}", flush=True)
@@ -172,8 +190,9 @@ class RankGroup:
     def fail(self, why: str) -> None:
         """The group is broken: say so naming the rank, and end this rank (its peers end through torchrun, or
         when its heartbeat stops)."""
-        print(f"learner rank {self.rank}: the rank group is broken: {why}; ending this rank", file=sys.stderr,
-              flush=True)
+        print(
+            f"learner rank {self.rank}: the rank group is broken: {why}; ending this rank", file=sys.stderr, flush=True
+        )
         self._stop.set()
         os._exit(GROUP_BROKEN)
 
@@ -187,8 +206,9 @@ class RankGroup:
         return GroupError(f"a collective among the learner's ranks failed on rank {self.rank}: {exc}")
 
     # --- commands (leader -> followers) -------------------------------------------------------------------------
-    def command(self, name: str, meta: dict | None = None,
-                tensors: list[Mapping[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    def command(
+        self, name: str, meta: dict | None = None, tensors: list[Mapping[str, torch.Tensor]] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Leader: tell every follower to run ``name`` with ``meta``; ``tensors``: one dict per rank (rank 0's
         included), sent point to point. Returns rank 0's own tensors. Call under ``lock``, then run the handler."""
         assert self.is_leader

@@ -17,8 +17,14 @@ def group_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (rewards * mask).sum(0)
 
 
-def grpo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int, *, eps: float = 1e-6,
-                    filter_range: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def grpo_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    filter_range: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """-> (advantages [T, N], the loss mask with filtered groups removed [T, N], stats)."""
     T, N = rewards.shape
     if N % group_size:
@@ -32,6 +38,10 @@ def grpo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int, 
         keep = (mean.squeeze(1) >= lo) & (mean.squeeze(1) <= hi)
     keep_env = keep.repeat_interleave(group_size)
     new_mask = mask * keep_env[None, :].to(mask.dtype)
-    stats = {"rollout/grpo_groups": float(scores.shape[0]), "rollout/grpo_groups_kept": float(keep.sum()),
-             "rollout/scores_mean": float(scores.mean()), "rollout/scores_std_in_group": float(std.mean())}
+    stats = {
+        "rollout/grpo_groups": float(scores.shape[0]),
+        "rollout/grpo_groups_kept": float(keep.sum()),
+        "rollout/scores_mean": float(scores.mean()),
+        "rollout/scores_std_in_group": float(std.mean()),
+    }
     return adv_env[None, :].expand(T, N).clone(), new_mask, stats

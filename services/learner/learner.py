@@ -16,20 +16,19 @@ import pathlib
 import time
 
 import numpy as np
-from opentelemetry import metrics, trace
 import torch
+from opentelemetry import metrics, trace
 
-from rlfleet.wire import weights
 from rlfleet.config.views import LearnerView
-from rlfleet.data.loggers import LoggerOptions
-from rlfleet.data.metrics import MetricsLogger
-from rlfleet.wire.spaces import TensorSpace
-from rlfleet.policies import build_policy, footprint
-from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.data.checkpoint_files import checkpoint_dir, verify_checkpoint
 from rlfleet.data.checkpoint_files import specs_from_json as _specs_from_json
 from rlfleet.data.checkpoint_files import specs_to_json as _specs_to_json
+from rlfleet.data.loggers import LoggerOptions
+from rlfleet.data.metrics import MetricsLogger
+from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.policies import build_policy, footprint
 from rlfleet.untrusted import BadFile
+from rlfleet.wire.spaces import TensorSpace
 from services.learner import checkpoint, ppo
 from services.learner.batch import Batch, RewardScaler, build_batch, split_rows
 from services.learner.checkpoint import latest_checkpoint
@@ -58,24 +57,27 @@ def update_threads(view: LearnerView, local_ranks: int = 1) -> int:
 
 
 class Learner:
-    def __init__(self, view: LearnerView, run_dir: str | pathlib.Path, device: str = "cpu",
-                 group: RankGroup | None = None):
+    def __init__(
+        self, view: LearnerView, run_dir: str | pathlib.Path, device: str = "cpu", group: RankGroup | None = None
+    ):
         if not isinstance(view, LearnerView):
-            raise TypeError(f"Learner takes the learner's config view (rlfleet.config.views.learner_view), "
-                            f"not {type(view).__name__}")
+            raise TypeError(
+                f"Learner takes the learner's config view (rlfleet.config.views.learner_view), "
+                f"not {type(view).__name__}"
+            )
         self.view = view
         self.alg = view.algorithm
         self.run_dir = pathlib.Path(run_dir)
         self.group = group or RankGroup(device=device)
         self.device = self.group.device
         self.model = None
-        self.ref_model = None    # algorithm.kl_beta > 0 without LoRA: a frozen copy of the start, sharded alike
+        self.ref_model = None  # algorithm.kl_beta > 0 without LoRA: a frozen copy of the start, sharded alike
         self.optimizer: torch.optim.Optimizer | None = None
         self.obs_specs: dict[str, TensorSpace] | None = None
         self.action_dim: int | None = None
-        self.version = 0         # weights version (number of updates applied)
+        self.version = 0  # weights version (number of updates applied)
         self.env_steps = 0
-        self.elapsed_s = 0.0     # training wall time, as measured by the coordinator (restored on resume)
+        self.elapsed_s = 0.0  # training wall time, as measured by the coordinator (restored on resume)
         self.last_checkpoint = ""
         self.publish_error = ""
         self.rollouts = RolloutStore(view.algorithm, view.num_env_servers)
@@ -83,12 +85,16 @@ class Learner:
         self.trainer = Trainer(view, self.group)
         # each weights stream has the deadline of the coordinator's PublishWeights (a real-size first set takes
         # minutes: building the served copies, tens of GB of fp32 weights)
-        self.publisher = WeightPublisher(timeout=max(120.0, view.rpc_timeout_s),
-                                         shared_memory=view.shared_memory == "auto")
-        options = LoggerOptions(project_name=view.project_name, experiment_name=view.experiment_name,
-                                wandb_mode=view.wandb_mode, swanlab_mode=view.swanlab_mode)
-        self.logger = MetricsLogger(self.run_dir, view.logger_backends, options) \
-            if self.group.is_leader else None
+        self.publisher = WeightPublisher(
+            timeout=max(120.0, view.rpc_timeout_s), shared_memory=view.shared_memory == "auto"
+        )
+        options = LoggerOptions(
+            project_name=view.project_name,
+            experiment_name=view.experiment_name,
+            wandb_mode=view.wandb_mode,
+            swanlab_mode=view.swanlab_mode,
+        )
+        self.logger = MetricsLogger(self.run_dir, view.logger_backends, options) if self.group.is_leader else None
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.group.distributed else 1
         self.update_threads = update_threads(view, local_ranks)
         self._batch: Batch | None = None
@@ -129,19 +135,30 @@ class Learner:
         """Build the policy for the env's spaces (once); restore the last checkpoint when resuming."""
         if self.model is not None:
             if obs_specs != self.obs_specs or action_dim != self.action_dim:
-                raise InvalidRequest(f"env_spec: spaces {obs_specs}/{action_dim} differ from the policy's "
-                                     f"{self.obs_specs}/{self.action_dim}")
+                raise InvalidRequest(
+                    f"env_spec: spaces {obs_specs}/{action_dim} differ from the policy's "
+                    f"{self.obs_specs}/{self.action_dim}"
+                )
             return
         # the spaces decide the policy's size: refuse what could never be served or would not fit this host's
         # memory before any rank builds it (rlfleet.wire.weights)
         footprint.observation_row_bytes(obs_specs, "env_spec.observation_space")
-        planned = footprint.planned_state(self.view.model, obs_specs, action_dim, self.alg.normalize_obs,
-                                        self.alg.logprob_type, "env_spec.observation_space")
+        planned = footprint.planned_state(
+            self.view.model,
+            obs_specs,
+            action_dim,
+            self.alg.normalize_obs,
+            self.alg.logprob_type,
+            "env_spec.observation_space",
+        )
         if planned is not None:
             spaces = ", ".join(f"{k}{list(s.shape)}" for k, s in obs_specs.items())
-            footprint.check_fits(footprint.state_bytes(planned), f"env_spec.observation_space: a "
-                               f"{self.view.model.model_type} policy for spaces {spaces} (action "
-                               f"{action_dim}-D)")
+            footprint.check_fits(
+                footprint.state_bytes(planned),
+                f"env_spec.observation_space: a "
+                f"{self.view.model.model_type} policy for spaces {spaces} (action "
+                f"{action_dim}-D)",
+            )
         meta = {"obs_specs": _specs_to_json(obs_specs), "action_dim": int(action_dim)}
         if self.view.resume_dir:
             ckpt = latest_checkpoint(self.view.resume_dir)
@@ -158,13 +175,15 @@ class Learner:
     def _on_setup(self, meta: dict, _tensors) -> None:
         torch.manual_seed(self.view.seed)  # the same initial weights on every rank
         obs_specs, action_dim = _specs_from_json(meta["obs_specs"]), int(meta["action_dim"])
-        model = build_policy(self.view.model, obs_specs, action_dim, self.alg.normalize_obs,
-                             self.alg.logprob_type).to(self.device)
+        model = build_policy(self.view.model, obs_specs, action_dim, self.alg.normalize_obs, self.alg.logprob_type).to(
+            self.device
+        )
         only_eval = self.view.only_eval  # serving weights for an evaluation: no rollouts, reference, optimizer
         # the forward inputs a rollout must carry (names, per-row shapes): asked of the whole policy, before sharding
         # (a dummy act; an evaluation's learner receives no rollouts and never runs the policy)
-        fi_specs = forward_input_specs(model, obs_specs, self.device) if self.group.is_leader and not only_eval \
-            else None
+        fi_specs = (
+            forward_input_specs(model, obs_specs, self.device) if self.group.is_leader and not only_eval else None
+        )
         # the KL reference is the model as built (model_path: the SFT base), also on resume: with LoRA the base
         # itself with the adapters off, else a frozen copy (sharded like the policy)
         if self.alg.kl_beta > 0 and not model.trains_adapters_only and not only_eval:
@@ -174,8 +193,9 @@ class Learner:
             self.ref_model = shard_policy(ref, self.group)
         self.model = shard_policy(model, self.group)
         if not only_eval:
-            self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad],
-                                              lr=self.view.lr, eps=self.view.adam_eps)
+            self.optimizer = torch.optim.Adam(
+                [p for p in self.model.parameters() if p.requires_grad], lr=self.view.lr, eps=self.view.adam_eps
+            )
         self.obs_specs, self.action_dim = obs_specs, action_dim
         r = self.rollouts
         r.obs_specs, r.action_dim = obs_specs, action_dim
@@ -214,14 +234,20 @@ class Learner:
             lr *= max(0.0, 1.0 - (self.epoch + 1) / self.view.max_epochs)
         return lr
 
-    def train(self, epoch: int, workers: list[int], extra_metrics: dict[str, float] | None = None,
-              inference_addresses: list[str] | None = None) -> dict[str, float]:
+    def train(
+        self,
+        epoch: int,
+        workers: list[int],
+        extra_metrics: dict[str, float] | None = None,
+        inference_addresses: list[str] | None = None,
+    ) -> dict[str, float]:
         """One PPO/GRPO update on the rollouts of ``epoch`` from ``workers``; then publish, checkpoint, log."""
         if self.model is None:
             raise FailedPrecondition("the learner has no policy yet")
         if self.optimizer is None:
-            raise FailedPrecondition("runner.only_eval: this learner serves weights for an evaluation and never "
-                                     "trains (it has no optimizer)")
+            raise FailedPrecondition(
+                "runner.only_eval: this learner serves weights for an evaluation and never trains (it has no optimizer)"
+            )
         if epoch != self.epoch + 1:
             raise InvalidRequest(f"epoch: {epoch} is not the next epoch (last trained: {self.epoch})")
         self.rollouts.set_workers(workers)  # the run's current scale (coordinatorctl scale env N)
@@ -230,11 +256,17 @@ class Learner:
         batch = build_batch(parts, sorted(workers), self.alg, self.scaler)
         shards = split_rows(batch, self.group.world, self.alg.group_size if self.alg.adv_type == "grpo" else 1)
         self._batch = batch
-        meta = {"epoch": epoch, "total": batch.T * batch.N, "use_mask": batch.use_mask, "lr": self._lr(),
-                "critic_only": epoch < self.alg.critic_warmup_epochs,
-                "trains": bool((batch.rows["mask"] > 0).any())}  # no sample trains (all masked): no step
-        with _tracer.start_as_current_span("ppo_update", attributes={"rlfleet.epoch": epoch,
-                                                                     "rlfleet.samples": int(batch.T * batch.N)}):
+        meta = {
+            "epoch": epoch,
+            "total": batch.T * batch.N,
+            "use_mask": batch.use_mask,
+            "lr": self._lr(),
+            "critic_only": epoch < self.alg.critic_warmup_epochs,
+            "trains": bool((batch.rows["mask"] > 0).any()),
+        }  # no sample trains (all masked): no step
+        with _tracer.start_as_current_span(
+            "ppo_update", attributes={"rlfleet.epoch": epoch, "rlfleet.samples": int(batch.T * batch.N)}
+        ):
             stats = self._run("train", meta, shards)
         stats.update(batch.stats)
         self.env_steps += batch.T * batch.N * self.model.num_action_chunks  # a sample is one action chunk
@@ -244,23 +276,30 @@ class Learner:
         self.publish_error = ""
         if inference_addresses:
             try:
-                with _tracer.start_as_current_span("publish_weights",
-                                                   attributes={"rlfleet.weights_version": self.version}):
+                with _tracer.start_as_current_span(
+                    "publish_weights", attributes={"rlfleet.weights_version": self.version}
+                ):
                     self.publish(inference_addresses)
             except Exception as exc:  # noqa: BLE001 - the update stands; the coordinator republishes
                 self.publish_error = str(exc)
                 log.warning("publishing weights version %d failed: %s", self.version, exc)
         metrics = self._metrics(batch, stats)
         wire = self.publisher.last_wire if inference_addresses else None
-        metrics.update({"time/train": train_time, "time/weight_sync": time.perf_counter() - t1,
-                        "train/weight_sync_bytes": float(self.last_sync_bytes),
-                        # the publish's share of the wire: serialising it (every server), bytes in messages and
-                        # through shared memory
-                        "time/wire/weights_s": wire.seconds if wire else 0.0,
-                        "wire/weights_bytes": float(wire.bytes if wire else 0),
-                        "wire/weights_shm_bytes": float(wire.shm_bytes if wire else 0),
-                        "env/env_steps": float(self.env_steps), "train/weights_version": float(self.version),
-                        "train/learner_ranks": float(self.group.world)})
+        metrics.update(
+            {
+                "time/train": train_time,
+                "time/weight_sync": time.perf_counter() - t1,
+                "train/weight_sync_bytes": float(self.last_sync_bytes),
+                # the publish's share of the wire: serialising it (every server), bytes in messages and
+                # through shared memory
+                "time/wire/weights_s": wire.seconds if wire else 0.0,
+                "wire/weights_bytes": float(wire.bytes if wire else 0),
+                "wire/weights_shm_bytes": float(wire.shm_bytes if wire else 0),
+                "env/env_steps": float(self.env_steps),
+                "train/weights_version": float(self.version),
+                "train/learner_ranks": float(self.group.world),
+            }
+        )
         metrics.update(extra_metrics or {})
         self.elapsed_s = metrics.get("time/elapsed", self.elapsed_s)
         if (epoch + 1) % self.view.save_interval == 0:
@@ -276,9 +315,17 @@ class Learner:
             self.trainer.version = self.version
             stats = {}
             if meta["trains"]:
-                stats = self.trainer.update(self.model, self.optimizer, rows, total=meta["total"],
-                                            epoch=meta["epoch"], lr=meta["lr"], use_mask=meta["use_mask"],
-                                            critic_only=meta["critic_only"], ref_model=self.ref_model)
+                stats = self.trainer.update(
+                    self.model,
+                    self.optimizer,
+                    rows,
+                    total=meta["total"],
+                    epoch=meta["epoch"],
+                    lr=meta["lr"],
+                    use_mask=meta["use_mask"],
+                    critic_only=meta["critic_only"],
+                    ref_model=self.ref_model,
+                )
         finally:
             torch.set_num_threads(threads)
         # the observation normaliser moves only after the update, so old log-probs stay consistent within it:
@@ -309,8 +356,9 @@ class Learner:
             m[f"rollout/{name}_max"] = float(x.max())
             m[f"rollout/{name}_min"] = float(x.min())
         if self.alg.loss_type == "actor_critic":
-            m["train/critic/explained_variance"] = ppo.explained_variance(batch.values.flatten(),
-                                                                          batch.returns.flatten())
+            m["train/critic/explained_variance"] = ppo.explained_variance(
+                batch.values.flatten(), batch.returns.flatten()
+            )
         return m
 
     def elapsed(self) -> float:
@@ -328,15 +376,16 @@ class Learner:
         full_names = list(self.model.state_dict())
         partial_names = list(self.model.sync_state_dict())
 
-        bucket = int(self.view.weights_bucket_mb * 2 ** 20)
+        bucket = int(self.view.weights_bucket_mb * 2**20)
 
         def gather(names: list[str]):
             self.group.command("gather", {"names": names, "bucket": bucket})
             return self._gather(names, bucket)
 
         with self.group.lock:
-            return self.publisher.publish(addresses, self.version, gather, full_names, partial_names,
-                                          self.obs_specs, self.action_dim)
+            return self.publisher.publish(
+                addresses, self.version, gather, full_names, partial_names, self.obs_specs, self.action_dim
+            )
 
     def _gather(self, names: list[str], bucket: int):
         state = self.model.state_dict()
@@ -349,13 +398,17 @@ class Learner:
     # --- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> pathlib.Path:
         if self.optimizer is None:
-            raise FailedPrecondition("runner.only_eval: this learner serves weights for an evaluation; it has no "
-                                     "optimizer state to checkpoint")
+            raise FailedPrecondition(
+                "runner.only_eval: this learner serves weights for an evaluation; it has no "
+                "optimizer state to checkpoint"
+            )
         if self.group.is_leader:
             for k, v in self.scaler.state_dict().items():
                 if v.is_floating_point() and not torch.isfinite(v).all():
-                    raise FailedPrecondition(f"not saving a checkpoint: 'reward_rms.{k}' holds non-finite values "
-                                             f"(last good checkpoint: {self.last_checkpoint or 'none'})")
+                    raise FailedPrecondition(
+                        f"not saving a checkpoint: 'reward_rms.{k}' holds non-finite values "
+                        f"(last good checkpoint: {self.last_checkpoint or 'none'})"
+                    )
         path = checkpoint_dir(self.run_dir, self.epoch + 1)
         return self._run("save", {"path": str(path)})
 
@@ -370,15 +423,26 @@ class Learner:
                 break
         first_bad = int(self.group.all_reduce(torch.tensor([first_bad], device=self.device), "min").item())
         if first_bad < len(names):
-            raise FailedPrecondition(f"not saving a checkpoint: '{names[first_bad][0]}' holds non-finite values "
-                                     f"(last good checkpoint: {self.last_checkpoint or 'none'})")
+            raise FailedPrecondition(
+                f"not saving a checkpoint: '{names[first_bad][0]}' holds non-finite values "
+                f"(last good checkpoint: {self.last_checkpoint or 'none'})"
+            )
         path.mkdir(parents=True, exist_ok=True)
         checkpoint.save_sharded(path, self.model, self.optimizer)
         if self.group.is_leader:
-            checkpoint.write_leader_files(path, self.scaler.state_dict(), {
-                "epoch": self.epoch, "weights_version": self.version, "env_steps": self.env_steps,
-                "elapsed_s": self.elapsed(), "action_dim": self.action_dim,
-                "obs_specs": _specs_to_json(self.obs_specs), "world_size": self.group.world})
+            checkpoint.write_leader_files(
+                path,
+                self.scaler.state_dict(),
+                {
+                    "epoch": self.epoch,
+                    "weights_version": self.version,
+                    "env_steps": self.env_steps,
+                    "elapsed_s": self.elapsed(),
+                    "action_dim": self.action_dim,
+                    "obs_specs": _specs_to_json(self.obs_specs),
+                    "world_size": self.group.world,
+                },
+            )
             log.info("checkpoint %s", path)
         self.last_checkpoint = str(path)
         return path
@@ -404,8 +468,11 @@ class Learner:
         self.env_steps, self.elapsed_s = state["env_steps"], state["elapsed_s"]
         self.last_checkpoint = str(path)
         if self.group.is_leader:
-            print(f"learner: resumed from {path} (epoch {self.epoch}, env steps {self.env_steps}, saved by "
-                  f"{state.get('world_size', 1)} rank(s), resumed by {self.group.world})", flush=True)
+            print(
+                f"learner: resumed from {path} (epoch {self.epoch}, env steps {self.env_steps}, saved by "
+                f"{state.get('world_size', 1)} rank(s), resumed by {self.group.world})",
+                flush=True,
+            )
 
     # --- export -----------------------------------------------------------------------------------------------
     def export(self, path: str | pathlib.Path, lora: str = "merged", layout: str = "upstream") -> pathlib.Path:
@@ -421,14 +488,21 @@ class Learner:
         state = full_state_dict(self.model, self.group.is_leader)
         if not self.group.is_leader:
             return None
-        plain = build_policy(self.view.model, self.obs_specs, self.action_dim, self.alg.normalize_obs,
-                             self.alg.logprob_type)
+        plain = build_policy(
+            self.view.model, self.obs_specs, self.action_dim, self.alg.normalize_obs, self.alg.logprob_type
+        )
         plain.load_state_dict(state)
         for attr in ("unnorm_stats", "proprio_stats", "unnorm_name"):  # what save_pretrained writes beside weights
             if hasattr(self.model, attr):
                 setattr(plain, attr, getattr(self.model, attr))
-        return write_export(plain, meta["path"], meta.get("lora", "merged"), self.view.model.get("model_path"),
-                            layout=meta.get("layout", "upstream"), step=self.epoch + 1)
+        return write_export(
+            plain,
+            meta["path"],
+            meta.get("lora", "merged"),
+            self.view.model.get("model_path"),
+            layout=meta.get("layout", "upstream"),
+            step=self.epoch + 1,
+        )
 
     def close(self) -> None:
         if self.group.is_leader:

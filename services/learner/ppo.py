@@ -11,8 +11,14 @@ import torch.nn.functional as F
 from rlfleet.config import KL_PENALTIES
 
 
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor,
-                gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    last_values: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over time-major [T, N] tensors.
 
     dones[t] = 1 when the episode ended at step t (terminated or truncated); the truncation bootstrap is already
@@ -37,9 +43,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def policy_loss_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
-                      clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None,
-                      weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss_terms(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate objective (as a loss) per element, with optional dual clip for negative advantages, and
     its statistics per element (no gradient). ``weights``: per-element importance weights (truncated, no gradient)
     that scale the loss of off-policy samples; their ``old_log_probs`` are then the proximal policy's, not the
@@ -55,18 +68,36 @@ def policy_loss_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
     if weights is not None:
         loss = loss * weights
     with torch.no_grad():
-        stats = {"approx_kl": (ratio - 1.0) - log_ratio, "clip_fraction": (loss_clipped > loss_unclipped).float(),
-                 "clipped_ratio": clipped_ratio, "ratio": ratio}
+        stats = {
+            "approx_kl": (ratio - 1.0) - log_ratio,
+            "clip_fraction": (loss_clipped > loss_unclipped).float(),
+            "clipped_ratio": clipped_ratio,
+            "ratio": ratio,
+        }
     return loss, stats
 
 
-def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
-                clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None,
-                mask: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None,
+    mask: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`policy_loss_terms` averaged over the (masked) elements: (loss, {statistic: mean})."""
-    loss, stats = policy_loss_terms(log_probs, old_log_probs, advantages, clip_ratio_low=clip_ratio_low,
-                                    clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, weights=weights)
+    loss, stats = policy_loss_terms(
+        log_probs,
+        old_log_probs,
+        advantages,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        weights=weights,
+    )
     return masked_mean(loss, mask), {k: masked_mean(v, mask) for k, v in stats.items()}
 
 
@@ -87,10 +118,17 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
     raise ValueError(f"algorithm.kl_penalty: '{kind}' is not one of {', '.join(KL_PENALTIES)}")
 
 
-def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
-                     value_clip: float | None, huber_delta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss_terms(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    *,
+    value_clip: float | None,
+    huber_delta: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared-error (or Huber) value loss per element, optionally clipped around the rollout's values;
     -> (loss, whether the clipped branch was taken, as 0/1 floats)."""
+
     def err(v):
         if huber_delta is not None:
             return F.huber_loss(v, returns, delta=huber_delta, reduction="none")
@@ -106,8 +144,15 @@ def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: to
     return loss, clipped
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, value_clip: float | None,
-               huber_delta: float | None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    *,
+    value_clip: float | None,
+    huber_delta: float | None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`value_loss_terms` averaged over the (masked) elements: (loss, fraction clipped)."""
     loss, clipped = value_loss_terms(values, old_values, returns, value_clip=value_clip, huber_delta=huber_delta)
     return masked_mean(loss, mask), masked_mean(clipped, mask)

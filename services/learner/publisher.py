@@ -24,9 +24,9 @@ import grpc
 import torch
 
 from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 from rlfleet.wire import channels, shm, weights
 from rlfleet.wire.clients import WireStats, offer_shared_memory, timed_messages
-from rlfleet.v1 import inference_pb2, inference_pb2_grpc
 
 Gather = Callable[[list[str]], Iterator[dict[str, torch.Tensor]]]  # names -> whole tensors, a bucket at a time
 _DONE = object()
@@ -37,11 +37,19 @@ class WeightPublisher:
         self.timeout = timeout
         self.shared_memory = shared_memory  # offer shared memory to servers on this host (cluster.shared_memory)
         self.synced: set[str] = set()  # inference servers holding a full weights set from this learner
-        self.last_bytes = 0            # bytes of the last publish per server (the largest)
-        self.last_wire = WireStats()   # the last publish's serialisation, over every server
+        self.last_bytes = 0  # bytes of the last publish per server (the largest)
+        self.last_wire = WireStats()  # the last publish's serialisation, over every server
 
-    def publish(self, addresses: list[str], version: int, gather: Gather, full_names: list[str],
-                partial_names: list[str], obs_specs, action_dim: int) -> int:
+    def publish(
+        self,
+        addresses: list[str],
+        version: int,
+        gather: Gather,
+        full_names: list[str],
+        partial_names: list[str],
+        obs_specs,
+        action_dim: int,
+    ) -> int:
         """Send weights ``version`` to every server in ``addresses``; -> bytes sent per server (the largest).
         Raises FailedPrecondition naming the first server that failed (the update itself stands)."""
         if not addresses:
@@ -49,13 +57,19 @@ class WeightPublisher:
         targets = {a: a in self.synced for a in addresses}  # address -> partial?
         self.last_wire = WireStats()
         sent, errors = self._pass(targets, version, gather, full_names, partial_names, obs_specs, action_dim)
-        refused = [a for a, exc in errors.items() if targets[a] and isinstance(exc, grpc.RpcError)
-                   and exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)]
+        refused = [
+            a
+            for a, exc in errors.items()
+            if targets[a]
+            and isinstance(exc, grpc.RpcError)
+            and exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        ]
         if refused:  # a restarted server without a full set: send it one
             for a in refused:
                 errors.pop(a)
-            more, again = self._pass({a: False for a in refused}, version, gather, full_names, partial_names,
-                                     obs_specs, action_dim)
+            more, again = self._pass(
+                {a: False for a in refused}, version, gather, full_names, partial_names, obs_specs, action_dim
+            )
             sent.update(more)
             errors.update(again)
         for a in sent:
@@ -69,8 +83,16 @@ class WeightPublisher:
         self.last_bytes = max(sent.values(), default=0)
         return self.last_bytes
 
-    def _pass(self, targets: dict[str, bool], version: int, gather: Gather, full_names: list[str],
-              partial_names: list[str], obs_specs, action_dim: int):
+    def _pass(
+        self,
+        targets: dict[str, bool],
+        version: int,
+        gather: Gather,
+        full_names: list[str],
+        partial_names: list[str],
+        obs_specs,
+        action_dim: int,
+    ):
         """One gather over the ranks, fanned out to ``targets`` -> ({address: bytes}, {address: error})."""
         partial_set = set(partial_names)
         names = partial_names if all(targets.values()) else full_names
@@ -87,11 +109,16 @@ class WeightPublisher:
             while (bucket := queues[address].get()) is not _DONE:
                 part = {k: v for k, v in bucket.items() if k in partial_set} if partial else bucket
                 sizes[address] += sum(t.numel() * t.element_size() for t in part.values())
-                kw = {"partial": True} if partial else (
-                    {"obs_specs": obs_specs, "action_dim": action_dim} if first else {})
+                kw = (
+                    {"partial": True}
+                    if partial
+                    else ({"obs_specs": obs_specs, "action_dim": action_dim} if first else {})
+                )
                 yield from timed_messages(
-                    wire[address], weights.iter_chunks(part, version, arena=arena, abandon=ended[address].is_set, **kw),
-                    lambda c: c.data.shared.length if c.data.HasField("shared") else 0)
+                    wire[address],
+                    weights.iter_chunks(part, version, arena=arena, abandon=ended[address].is_set, **kw),
+                    lambda c: c.data.shared.length if c.data.HasField("shared") else 0,
+                )
                 first = first and not part
 
         def call(address: str) -> None:
@@ -101,8 +128,11 @@ class WeightPublisher:
                     stub = inference_pb2_grpc.InferenceServiceStub(ch)
                     if self.shared_memory and offer_shared_memory(stub.SharedMemory, min(self.timeout, 10.0))[0]:
                         arena = shm.Arena("weights", slots=2)
-                    update = ch.stream_unary("/rlfleet.v1.InferenceService/UpdateWeights", request_serializer=None,
-                                             response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
+                    update = ch.stream_unary(
+                        "/rlfleet.v1.InferenceService/UpdateWeights",
+                        request_serializer=None,
+                        response_deserializer=inference_pb2.UpdateWeightsResponse.FromString,
+                    )
                     # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until it has
                     # registered, and has the weights republished; waiting here would hold up Train
                     update(requests(address, arena), timeout=self.timeout)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rlfleet.wire import codec
 from rlfleet.errors import FailedPrecondition, InvalidRequest, PermissionDenied
+from rlfleet.wire import codec
 
 log = logging.getLogger("rlfleet.learner")
 
@@ -34,12 +34,14 @@ def forward_input_specs(model, obs_specs, device="cpu") -> dict[str, codec.Input
     obs = to_torch_obs({k: np.zeros((1, *s.shape), np.dtype(s.dtype)) for k, s in obs_specs.items()})
     dev = torch.device(device)
     try:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.no_grad(), \
-                model.precision():
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.no_grad(), model.precision():
             out = model.act({k: v.to(dev) for k, v in obs.items()}, False, [""])
     except Exception as exc:  # noqa: BLE001 - a policy that cannot act on a dummy row: forward inputs unchecked
-        log.warning("forward inputs of %s unknown (a dummy act failed: %s); rollouts' fi.* shapes are not "
-                    "checked", type(model).__name__, exc)
+        log.warning(
+            "forward inputs of %s unknown (a dummy act failed: %s); rollouts' fi.* shapes are not checked",
+            type(model).__name__,
+            exc,
+        )
         return None
     specs = {}
     for k, v in out.forward_inputs.items():
@@ -56,10 +58,10 @@ class RolloutStore:
 
     def __init__(self, alg, num_workers: int = 1):
         self.alg = alg
-        self.epoch = -1          # last trained epoch (the learner moves it)
-        self.obs_specs = None    # the policy's spaces (set once the policy exists)
+        self.epoch = -1  # last trained epoch (the learner moves it)
+        self.obs_specs = None  # the policy's spaces (set once the policy exists)
         self.action_dim = None
-        self.chunk = 1           # actions per sample (num_action_chunks)
+        self.chunk = 1  # actions per sample (num_action_chunks)
         self.log_prob_width = 1  # log-probs per sample
         self.fi_specs: dict[str, codec.InputSpec] | None = None  # forward inputs the policy produces
         self.num_workers = max(1, int(num_workers))  # the run's env servers, as far as this learner knows
@@ -81,8 +83,10 @@ class RolloutStore:
         one env server process per worker index (a bridge to an external simulator included: env server i bridges
         ``cluster.external_env_addresses[i]``), so no process pushes another's rollout."""
         if caller is not None and caller.index != worker:
-            raise PermissionDenied(f"worker_index: {caller} pushed the rollout of worker {worker}; an env server "
-                                   f"pushes only its own (worker {caller.index})")
+            raise PermissionDenied(
+                f"worker_index: {caller} pushed the rollout of worker {worker}; an env server "
+                f"pushes only its own (worker {caller.index})"
+            )
 
     def check_worker(self, worker: int) -> None:
         """Only the run's workers' rollouts are buffered (a rollout is tens of MB: made-up indices would pile
@@ -100,8 +104,10 @@ class RolloutStore:
                 self.num_workers = max(self.num_workers, int(count))
                 if worker < self.num_workers:
                     return
-        raise InvalidRequest(f"worker_index: {worker} is not one of this run's env servers "
-                             f"(0..{self.num_workers - 1}: cluster.num_env_servers, or the run's scale)")
+        raise InvalidRequest(
+            f"worker_index: {worker} is not one of this run's env servers "
+            f"(0..{self.num_workers - 1}: cluster.num_env_servers, or the run's scale)"
+        )
 
     def check_rollout_epoch(self, epoch: int) -> None:
         """Rollouts are accepted for the next epochs only (the one being trained and those the envs may collect
@@ -110,20 +116,30 @@ class RolloutStore:
             raise FailedPrecondition(self.refusal)
         ahead = max(2, self.alg.max_staleness + 1)
         if not self.epoch < epoch <= self.epoch + ahead:
-            raise InvalidRequest(f"epoch: a rollout for epoch {epoch}; this learner trained epoch {self.epoch} and "
-                                 f"accepts epochs {self.epoch + 1}..{self.epoch + ahead}")
+            raise InvalidRequest(
+                f"epoch: a rollout for epoch {epoch}; this learner trained epoch {self.epoch} and "
+                f"accepts epochs {self.epoch + 1}..{self.epoch + ahead}"
+            )
 
-    def receive(self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray],
-                episodes: list) -> tuple[int, int]:
+    def receive(
+        self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray], episodes: list
+    ) -> tuple[int, int]:
         """Validate and store one worker's complete rollout for ``epoch`` (replaces an earlier one)."""
         if self.obs_specs is None:
             raise FailedPrecondition("the learner has no policy yet (PublishWeights with the env spec first)")
         self.check_rollout_epoch(epoch)
         self.check_worker(worker)
         try:
-            T, N = codec.check_rollout(time_major, per_env, obs_specs=self.obs_specs, chunk=self.chunk,
-                                       action_dim=self.action_dim, log_prob_width=self.log_prob_width,
-                                       logprob_type=self.alg.logprob_type, fi_specs=self.fi_specs)
+            T, N = codec.check_rollout(
+                time_major,
+                per_env,
+                obs_specs=self.obs_specs,
+                chunk=self.chunk,
+                action_dim=self.action_dim,
+                log_prob_width=self.log_prob_width,
+                logprob_type=self.alg.logprob_type,
+                fi_specs=self.fi_specs,
+            )
         except codec.SchemaError as exc:
             raise InvalidRequest(str(exc)) from None
         with self.lock:

@@ -13,14 +13,14 @@ import time
 
 import numpy as np
 
-from rlfleet.errors import FailedPrecondition, InvalidRequest
-from rlfleet.wire import callers, channels, codec, servers, shm, status
-from rlfleet.wire.spaces import spaces_from_proto
 from rlfleet.config import load_service_config
 from rlfleet.config.views import LearnerView, service_view
 from rlfleet.data.metrics import check_record
-from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
+from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
+from rlfleet.wire import callers, channels, codec, servers, shm, status
+from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
+from rlfleet.wire.spaces import spaces_from_proto
 from services.learner.group import RankGroup
 from services.learner.learner import Learner
 
@@ -84,8 +84,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             steps = None
             for k, v in data.items():
                 if v.ndim == 0:
-                    raise InvalidRequest(f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] "
-                                             f"(last_values: [N])")
+                    raise InvalidRequest(
+                        f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] (last_values: [N])"
+                    )
                 if chunk.last and k in codec.PER_ENV:
                     per_env[k] = v
                     continue
@@ -101,7 +102,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         if expect_t != head[2]:
             raise InvalidRequest(f"rollout: received {expect_t} of {head[2]} time steps")
         t0 = time.perf_counter()  # one chunk read from shared memory is already a private array: kept as it is
-        rollout = {k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v) for k, v in time_major.items()}
+        rollout = {
+            k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v) for k, v in time_major.items()
+        }
         decode_s += time.perf_counter() - t0
         T, N = self.learner.rollouts.receive(head[0], head[1], rollout, per_env, episodes)
         with self.decode_lock:
@@ -118,11 +121,14 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         with self.decode_lock:  # the rollout's share of the wire: the env servers' side (the coordinator's) + ours
             learner_side = self.decode_s.pop(request.epoch, 0.0)
         extra["time/wire/rollout_s"] = extra.get("time/wire/rollout_s", 0.0) + learner_side
-        metrics = self.learner.train(request.epoch, list(request.worker_indices), extra,
-                                     inference_addresses=addresses)
-        return learner_pb2.TrainResponse(epoch=request.epoch, weights_version=self.learner.version,
-                                         metrics=metrics, checkpoint_path=self.learner.last_checkpoint,
-                                         publish_error=self.learner.publish_error)
+        metrics = self.learner.train(request.epoch, list(request.worker_indices), extra, inference_addresses=addresses)
+        return learner_pb2.TrainResponse(
+            epoch=request.epoch,
+            weights_version=self.learner.version,
+            metrics=metrics,
+            checkpoint_path=self.learner.last_checkpoint,
+            publish_error=self.learner.publish_error,
+        )
 
     @status.handler
     def PublishWeights(self, request, context):
@@ -130,7 +136,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         if request.HasField("env_spec"):
             if len(spec.action_space.shape) != 1:
                 raise InvalidRequest(f"env_spec.action_space: shape {list(spec.action_space.shape)} is not 1-D")
-            self.learner.setup(spaces_from_proto(spec.observation_space, "env_spec.observation_space"), int(spec.action_space.shape[0]))
+            self.learner.setup(
+                spaces_from_proto(spec.observation_space, "env_spec.observation_space"), int(spec.action_space.shape[0])
+            )
         if self.learner.model is None:
             raise FailedPrecondition("env_spec: required on the first PublishWeights")
         # a full set: PublishWeights starts a run or follows an inference server's restart
@@ -153,21 +161,34 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     @status.handler
     def Status(self, request, context):
         le = self.learner
-        return learner_pb2.LearnerStatus(epoch=le.epoch, weights_version=le.version, env_steps=le.env_steps,
-                                         last_checkpoint=le.last_checkpoint, elapsed_time_s=le.elapsed())
+        return learner_pb2.LearnerStatus(
+            epoch=le.epoch,
+            weights_version=le.version,
+            env_steps=le.env_steps,
+            last_checkpoint=le.last_checkpoint,
+            elapsed_time_s=le.elapsed(),
+        )
 
 
 def env_server_count(coordinator: str, timeout: float = 10.0) -> int | None:
     """How many env servers the run has now (the coordinator's registry; None: it lists none)."""
     with channels.channel(coordinator) as ch:
-        status = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(),
-                                                                         timeout=min(timeout, 10.0))
+        status = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(
+            coordinator_pb2.StatusRequest(), timeout=min(timeout, 10.0)
+        )
     envs = [s.index for s in status.services if s.role == coordinator_pb2.ENV]
     return max(envs) + 1 if envs else None
 
 
-def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | None = None, device: str = "cpu",
-          group: RankGroup | None = None):
+def serve(
+    cfg,
+    address: str,
+    run_dir: str,
+    index: int = 0,
+    coordinator: str | None = None,
+    device: str = "cpu",
+    group: RankGroup | None = None,
+):
     """Rank 0's gRPC face (a group of one unless ``group`` says otherwise); ``cfg``: the run config or the
     learner's view of it."""
     view = cfg if isinstance(cfg, LearnerView) else service_view(LearnerView, cfg)
@@ -176,12 +197,14 @@ def serve(cfg, address: str, run_dir: str, index: int = 0, coordinator: str | No
         learner.rollouts.scale_probe = lambda: env_server_count(coordinator, view.rpc_timeout_s)
     server = servers.make_server(max_workers=16)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(
-        LearnerServicer(learner, view.shared_memory == "auto"), server)
+        LearnerServicer(learner, view.shared_memory == "auto"), server
+    )
     servers.add_health_and_reflection(server, servers.service_name(learner_pb2, "LearnerService"))
     bound = servers.bind(server, address)
     server.start()
-    runtime = ServiceRuntime("learner", index, server, bound, coordinator, view.heartbeat_interval_s,
-                             view.heartbeat_timeout_s)
+    runtime = ServiceRuntime(
+        "learner", index, server, bound, coordinator, view.heartbeat_interval_s, view.heartbeat_timeout_s
+    )
     return server, bound, learner, runtime
 
 
@@ -198,8 +221,9 @@ def main(argv=None) -> int:
         learner.follow()
         learner.close()
         return 0
-    server, bound, learner, runtime = serve(view, args.address, args.run_dir, args.index, args.coordinator,
-                                            pick_device(), group)
+    server, bound, learner, runtime = serve(
+        view, args.address, args.run_dir, args.index, args.coordinator, pick_device(), group
+    )
     code = runtime.serve_until_stopped(cfg, args)
     learner.close()
     return code

@@ -27,10 +27,10 @@ import torch
 
 from rlfleet.config.views import SftView, as_view, service_view
 from rlfleet.data.datasets import Dataset
-from rlfleet.policies.hub import parse_hub_id, resolve_model_path
-from rlfleet.wire.spaces import TensorSpace
-from rlfleet.policies.models.actor_critic import to_torch_obs
 from rlfleet.policies import build_policy
+from rlfleet.policies.hub import parse_hub_id, resolve_model_path
+from rlfleet.policies.models.actor_critic import to_torch_obs
+from rlfleet.wire.spaces import TensorSpace
 
 
 def default_paths(view: SftView) -> tuple[pathlib.Path, pathlib.Path]:
@@ -73,26 +73,31 @@ class SFTTrainer:
 
     def __init__(self, view: SftView, dataset: Dataset, output: pathlib.Path, device: str = "cpu", log=print):
         if not isinstance(view, SftView):
-            raise TypeError(f"SFTTrainer takes the SFT config view (rlfleet.config.views.SftView), "
-                            f"not {type(view).__name__}")
+            raise TypeError(
+                f"SFTTrainer takes the SFT config view (rlfleet.config.views.SftView), not {type(view).__name__}"
+            )
         self.view, self.dataset, self.output, self.log = view, dataset, pathlib.Path(output), log
         self.device = torch.device(device)
         feats = dataset.observation_features
         self.obs_specs = {k: TensorSpace(tuple(v["shape"]), v["dtype"]) for k, v in feats.items()}
         torch.manual_seed(view.seed)
-        self.policy = build_policy(view.model, self.obs_specs, dataset.action_dim, view.normalize_obs,
-                                   view.logprob_type).to(self.device)
+        self.policy = build_policy(
+            view.model, self.obs_specs, dataset.action_dim, view.normalize_obs, view.logprob_type
+        ).to(self.device)
         if not hasattr(self.policy, "save_pretrained"):
-            raise ValueError(f"actor.model.model_type '{view.model.model_type}' has no checkpoint layout for "
-                             f"actor.model.model_path; supervised fine-tuning supports the VLA model types")
+            raise ValueError(
+                f"actor.model.model_type '{view.model.model_type}' has no checkpoint layout for "
+                f"actor.model.model_path; supervised fine-tuning supports the VLA model types"
+            )
         stats = dataset.action_statistics()
         if hasattr(self.policy, "set_action_statistics"):  # un-normalise with the demonstrations' own statistics
             proprio = dataset.observation_statistics("state") if view.model.use_proprio else None
             self.policy.set_action_statistics(stats, name=dataset.meta["env_id"], proprio=proprio)
         self.image_keys = sorted(k for k, spec in self.obs_specs.items() if spec.is_image)  # what image_shift moves
         self.obs, self.actions, self.instructions = chunk_samples(dataset, self.policy.num_action_chunks)
-        self.optimizer = torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad],
-                                          lr=view.lr, eps=view.adam_eps)
+        self.optimizer = torch.optim.Adam(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=view.lr, eps=view.adam_eps
+        )
         self.rng = np.random.default_rng(view.seed)
 
     @property
@@ -111,7 +116,7 @@ class SFTTrainer:
             B, H, W = v.shape[:3]
             padded = np.pad(v, ((0, 0), (s, s), (s, s), (0, 0)), mode="edge")
             dy, dx = self.rng.integers(0, 2 * s + 1, size=(2, B))
-            out[k] = np.stack([padded[i, dy[i]:dy[i] + H, dx[i]:dx[i] + W] for i in range(B)])
+            out[k] = np.stack([padded[i, dy[i] : dy[i] + H, dx[i] : dx[i] + W] for i in range(B)])
         return out
 
     def step(self, rows: np.ndarray) -> float:
@@ -142,17 +147,27 @@ class SFTTrainer:
                 losses.append(loss)
                 metrics.write(json.dumps({"step": step, "sft/loss": loss}) + "\n")
                 if step % every == 0 or step == sft.max_steps:
-                    self.log(f"  sft step {step:5d}/{sft.max_steps} | loss {np.mean(losses[-every:]):.4f} | "
-                             f"{time.perf_counter() - t0:6.1f}s")
+                    self.log(
+                        f"  sft step {step:5d}/{sft.max_steps} | loss {np.mean(losses[-every:]):.4f} | "
+                        f"{time.perf_counter() - t0:6.1f}s"
+                    )
         self.policy.eval()
-        return {"steps": sft.max_steps, "samples": self.num_samples, "episodes": len(self.dataset),
-                "first_loss": losses[0], "final_loss": float(np.mean(losses[-every:])),
-                "wall_time_s": round(time.perf_counter() - t0, 2)}
+        return {
+            "steps": sft.max_steps,
+            "samples": self.num_samples,
+            "episodes": len(self.dataset),
+            "first_loss": losses[0],
+            "final_loss": float(np.mean(losses[-every:])),
+            "wall_time_s": round(time.perf_counter() - t0, 2),
+        }
 
     def save(self, summary: dict) -> pathlib.Path:
         self.policy.save_pretrained(self.output)
-        (self.output / "sft_summary.json").write_text(json.dumps(
-            {**summary, "dataset": str(self.dataset.root), "model_type": self.view.model.model_type}, indent=1))
+        (self.output / "sft_summary.json").write_text(
+            json.dumps(
+                {**summary, "dataset": str(self.dataset.root), "model_type": self.view.model.model_type}, indent=1
+            )
+        )
         return self.output
 
 
@@ -174,12 +189,18 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, KeyError) as exc:  # a bad file is one line naming it (rlfleet.untrusted)
         print(f"sft: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
         return 1
-    print(f"sft: {view.model.model_type} on {len(dataset)} episodes ({trainer.num_samples} samples) from "
-          f"{dataset.root}, {view.max_steps} steps of batch {view.batch_size}", flush=True)
+    print(
+        f"sft: {view.model.model_type} on {len(dataset)} episodes ({trainer.num_samples} samples) from "
+        f"{dataset.root}, {view.max_steps} steps of batch {view.batch_size}",
+        flush=True,
+    )
     summary = trainer.train()
     path = trainer.save(summary)
-    print(f"sft: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['wall_time_s']:.0f}s; "
-          f"model written to {path}\n  fine-tune it with RL: actor.model.model_path={path}", flush=True)
+    print(
+        f"sft: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['wall_time_s']:.0f}s; "
+        f"model written to {path}\n  fine-tune it with RL: actor.model.model_path={path}",
+        flush=True,
+    )
     return 0
 
 

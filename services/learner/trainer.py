@@ -22,9 +22,18 @@ from services.learner.group import RankGroup
 from services.learner.sharding import full_tensor
 
 # the step statistics summed over micro batches and ranks (each already divided by its normaliser)
-STAT_KEYS = ("train/actor/policy_loss", "train/critic/value_loss", "train/actor/entropy_loss", "train/loss",
-             "train/critic/value_clip_ratio", "train/actor/approx_kl", "train/actor/clip_fraction",
-             "train/actor/clipped_ratio", "train/actor/ratio", "train/actor/kl_loss")
+STAT_KEYS = (
+    "train/actor/policy_loss",
+    "train/critic/value_loss",
+    "train/actor/entropy_loss",
+    "train/loss",
+    "train/critic/value_clip_ratio",
+    "train/actor/approx_kl",
+    "train/actor/clip_fraction",
+    "train/actor/clipped_ratio",
+    "train/actor/ratio",
+    "train/actor/kl_loss",
+)
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +54,7 @@ class Trainer:
         yields ``real=False`` batches of one padding row (its first) that must weigh nothing."""
         n = self.group.max_int(max(1, math.ceil(len(rows) / size)))
         for i in range(n):
-            ids = rows[i * size:(i + 1) * size]
+            ids = rows[i * size : (i + 1) * size]
             yield (ids, True) if len(ids) else (rows.new_zeros(1), False)
 
     @torch.no_grad()
@@ -79,8 +88,19 @@ class Trainer:
         return self.group.all_reduce(t)
 
     # --- one update -------------------------------------------------------------------------------------------
-    def update(self, model, optimizer, rows: dict[str, torch.Tensor], *, total: int, epoch: int, lr: float,
-               use_mask: bool, critic_only: bool = False, ref_model=None) -> dict[str, float]:
+    def update(
+        self,
+        model,
+        optimizer,
+        rows: dict[str, torch.Tensor],
+        *,
+        total: int,
+        epoch: int,
+        lr: float,
+        use_mask: bool,
+        critic_only: bool = False,
+        ref_model=None,
+    ) -> dict[str, float]:
         """Minibatch PPO/GRPO steps over this rank's ``rows`` (with 'index': their ids among the ``total`` rows
         of the whole batch). ``critic_only`` (critic warm-up): the loss is the value loss alone and only the
         critic's own modules step. ``ref_model``: the KL reference (None with LoRA: the policy, adapters off)."""
@@ -91,8 +111,9 @@ class Trainer:
         if "weights_version" in rows:
             stats.update(self._decouple_stale(model, rows, rows.pop("weights_version")))
         if alg.kl_beta > 0:  # algorithm.kl_beta: the reference's log-probs of the sampled actions
-            rows["ref_log_probs"] = self.reference_log_probs(model, ref_model, rows,
-                                                             torch.arange(local, device=self.device))
+            rows["ref_log_probs"] = self.reference_log_probs(
+                model, ref_model, rows, torch.arange(local, device=self.device)
+            )
         critic = {id(p) for p in model.critic_parameters()} if critic_only else set()
         if critic_only and not critic:
             raise FailedPrecondition("algorithm.critic_warmup_epochs: the policy has no critic modules to warm up")
@@ -159,20 +180,31 @@ class Trainer:
                 ev = model.evaluate(*self._inputs(rows, idx))
             log_probs, entropy = _at_least_fp32(ev.log_probs), _at_least_fp32(ev.entropy)
             if real:
-                first = torch.maximum(first, ((log_probs.detach() - rows["old_log_probs"][idx]).abs()
-                                              * (w[:, None] > 0)).max().to(first))
+                first = torch.maximum(
+                    first, ((log_probs.detach() - rows["old_log_probs"][idx]).abs() * (w[:, None] > 0)).max().to(first)
+                )
             width = log_probs.shape[1]
             w = w.to(log_probs.dtype)
             we = w[:, None].expand(-1, width) / (count * width)  # per-element weight of the policy terms
             pg, pg_stats = ppo.policy_loss_terms(
-                log_probs, rows["old_log_probs"][idx], adv[:, None].expand(-1, width),
-                clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c,
-                weights=rows["is_weights"][idx] if "is_weights" in rows else None)
+                log_probs,
+                rows["old_log_probs"][idx],
+                adv[:, None].expand(-1, width),
+                clip_ratio_low=alg.clip_ratio_low,
+                clip_ratio_high=alg.clip_ratio_high,
+                clip_ratio_c=alg.clip_ratio_c,
+                weights=rows["is_weights"][idx] if "is_weights" in rows else None,
+            )
             pg_loss = (pg * we).sum()
             wr = w / count  # per-row weight of the value and entropy terms
             if ev.values is not None and alg.loss_type == "actor_critic":
-                v, v_clipped = ppo.value_loss_terms(_at_least_fp32(ev.values), rows["old_values"][idx], rows["returns"][idx],
-                                                    value_clip=alg.value_clip, huber_delta=alg.huber_delta)
+                v, v_clipped = ppo.value_loss_terms(
+                    _at_least_fp32(ev.values),
+                    rows["old_values"][idx],
+                    rows["returns"][idx],
+                    value_clip=alg.value_clip,
+                    huber_delta=alg.huber_delta,
+                )
                 v_loss, v_clip = (v * wr).sum(), (v_clipped * wr).sum()
             else:  # no critic (GRPO)
                 v_loss = v_clip = torch.zeros((), device=log_probs.device)
@@ -183,18 +215,24 @@ class Trainer:
                 kl = (ppo.kl_penalty(log_probs, rows["ref_log_probs"][idx], alg.kl_penalty) * we).sum()
                 loss = loss + alg.kl_beta * kl
             (alg.value_loss_coef * v_loss if critic_only else loss).backward()
-            parts = {"train/actor/policy_loss": pg_loss, "train/critic/value_loss": v_loss,
-                     "train/actor/entropy_loss": ent, "train/loss": loss, "train/critic/value_clip_ratio": v_clip,
-                     "train/actor/kl_loss": kl,
-                     **{f"train/actor/{k}": (s * we).sum() for k, s in pg_stats.items()}}
+            parts = {
+                "train/actor/policy_loss": pg_loss,
+                "train/critic/value_loss": v_loss,
+                "train/actor/entropy_loss": ent,
+                "train/loss": loss,
+                "train/critic/value_clip_ratio": v_clip,
+                "train/actor/kl_loss": kl,
+                **{f"train/actor/{k}": (s * we).sum() for k, s in pg_stats.items()},
+            }
             for k, v in parts.items():
                 acc[k] += v.detach().to(torch.float64)
         if critic_only:  # no step for anything but the critic's own modules
             for p in model.parameters():
                 if id(p) not in critic:
                     p.grad = None
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                   alg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.grad is not None], alg.max_grad_norm
+        )
         optimizer.step()
         totals = self._sum([acc[k] for k in STAT_KEYS]).tolist()
         out = dict(zip(STAT_KEYS, totals))
@@ -221,8 +259,12 @@ class Trainer:
         rows["old_log_probs"] = rows["old_log_probs"].index_put((ids,), prox)
         rows["is_weights"] = weights
         s_raw, s_trunc, s_n = self._sum([raw.sum(), (raw > cap).float().sum(), raw.numel()]).tolist()
-        out.update({"train/actor/is_weight_mean": s_raw / max(s_n, 1.0),
-                    "train/actor/is_weight_truncated": s_trunc / max(s_n, 1.0)})
+        out.update(
+            {
+                "train/actor/is_weight_mean": s_raw / max(s_n, 1.0),
+                "train/actor/is_weight_truncated": s_trunc / max(s_n, 1.0),
+            }
+        )
         return out
 
     version = 0  # the learner's weights version (set by the learner before each update)

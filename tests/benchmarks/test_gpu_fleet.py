@@ -21,8 +21,13 @@ from benchmarks import gpu_fleet  # noqa: E402
 @pytest.mark.slow
 def test_cpu_mode_runs_every_part_and_writes_the_tables(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_fleet", "--cpu", "--out", str(out), "--work",
-                           str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_fleet", "--cpu", "--out", str(out), "--work", str(tmp_path / "work")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_fleet.json").read_text())
     table = (out / "gpu_fleet.md").read_text()
@@ -36,11 +41,20 @@ def test_cpu_mode_runs_every_part_and_writes_the_tables(tmp_path):
         assert [int(e["step"]) for e in r["epochs"]] == [1, 2] and r["measured_epochs"] == [2]
         assert r["how"].startswith("stopped after epoch 2's metrics")
         assert r["rollout_env_steps_per_s"] > 0 and r["epoch_env_steps_per_s"] > 0
-        assert {"time/rollout", "time/env", "time/inference_wait", "time/train", "time/weight_sync",
-                "time/epoch"} <= set(r["time_median_s"])
+        assert {
+            "time/rollout",
+            "time/env",
+            "time/inference_wait",
+            "time/train",
+            "time/weight_sync",
+            "time/epoch",
+        } <= set(r["time_median_s"])
         assert r["env_servers"] == 2 and r["envs_per_server"] == 4
         assert {role: d["processes"] for role, d in r["host_peak_rss_mib"].items()} == {
-            "learner": 1, "inference": 1, "env": 2}
+            "learner": 1,
+            "inference": 1,
+            "env": 2,
+        }
         assert r["services_up_s"] > 0 and r["first_epoch_logged_s"] >= r["services_up_s"]
         assert f"| {name} | {r['model']} | CPU | 2 x 4 | 2 | " in table
     inproc = parts["oft-inproc"]
@@ -64,10 +78,13 @@ def test_the_gpu_configs_are_valid_and_their_memory_fits_one_gpu(monkeypatch, tm
 
     sizes = {"oft": (7.5, 7.7), "pi0": (3.4, 3.6)}
     for gpu_gib, usable in ((79.6, 78), (139.8, 139)):
-        monkeypatch.setattr(footprint, "available_memory", lambda g=gpu_gib: ("the smallest of 1 GPU(s)", g * 2 ** 30))
+        monkeypatch.setattr(footprint, "available_memory", lambda g=gpu_gib: ("the smallest of 1 GPU(s)", g * 2**30))
         for family in ("oft", "pi0"):
-            overrides = gpu_fleet.vla_overrides(family, False, fleet=True, gpu_gib=gpu_gib) + \
-                gpu_fleet.fleet_overrides(f"{family}-fleet", False, tmp_path, 300) + ["runner.max_epochs=4"]
+            overrides = (
+                gpu_fleet.vla_overrides(family, False, fleet=True, gpu_gib=gpu_gib)
+                + gpu_fleet.fleet_overrides(f"{family}-fleet", False, tmp_path, 300)
+                + ["runner.max_epochs=4"]
+            )
             cfg = load_config(None, overrides)
             assert cfg.cluster.component_placement == {"actor,rollout": 0}
             assert cfg.env.train.init_params.image_size == 224 and cfg.actor.model.precision == "bf16"
@@ -75,15 +92,20 @@ def test_the_gpu_configs_are_valid_and_their_memory_fits_one_gpu(monkeypatch, tm
             est = gpu_fleet._estimate(overrides)
             low, high = sizes[family]
             assert low <= est["parameters_b"] <= high, est
-            assert est["collocated_gb"] <= usable * 2 ** 30 / 1e9 - 4, (gpu_gib, family, est)  # contexts, EGL
+            assert est["collocated_gb"] <= usable * 2**30 / 1e9 - 4, (gpu_gib, family, est)  # contexts, EGL
             if family == "pi0":
                 assert cfg.actor.model.openpi.train_expert_only == (gpu_gib < gpu_fleet.PI0_FULL_GIB)
     oft = load_config(None, gpu_fleet.vla_overrides("oft", False, fleet=True))
     assert (oft.actor.model.is_lora, oft.actor.model.lora_rank, list(oft.actor.model.extra_image_keys)) == (
-        True, 32, ["wrist"])
+        True,
+        32,
+        ["wrist"],
+    )
     assert oft.actor.model.vla.llm_layers == 32 and oft.actor.model.vla.use_dinov2
-    assert gpu_fleet.fleet_overrides("x", False, tmp_path, 60, env_on_gpu=True)[-2] == \
-        "cluster.component_placement={'actor,rollout,env': 0}"
+    assert (
+        gpu_fleet.fleet_overrides("x", False, tmp_path, 60, env_on_gpu=True)[-2]
+        == "cluster.component_placement={'actor,rollout,env': 0}"
+    )
 
 
 def test_weights_streams_get_the_publish_deadline(tmp_path):

@@ -14,8 +14,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _rows(text: str, first: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
-            if line.startswith(f"| {first}")]
+    return [
+        [c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith(f"| {first}")
+    ]
 
 
 def test_quick_mode_prints_every_row(tmp_path):
@@ -23,12 +24,27 @@ def test_quick_mode_prints_every_row(tmp_path):
 
     transports = ["grpc"] if shm_available() else ["grpc", "shm"]
     page = tmp_path / "wire-budget.md"
-    page.write_text("# prose above\n\n<!-- wire-budget:begin -->\nSTALE-TABLE\n<!-- wire-budget:end -->\n\n"
-                    "prose below\n")
+    page.write_text(
+        "# prose above\n\n<!-- wire-budget:begin -->\nSTALE-TABLE\n<!-- wire-budget:end -->\n\nprose below\n"
+    )
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.wire_budget", "--quick", "--markdown", str(page),
-                          "--transport", "both" if "shm" in transports else "grpc"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.wire_budget",
+            "--quick",
+            "--markdown",
+            str(page),
+            "--transport",
+            "both" if "shm" in transports else "grpc",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table, _, summary = out.stdout.split("command: `", 1)[1].partition("gRPC against shared memory")
     if "shm" in transports:  # one line per path, case and env count measured both ways
@@ -38,8 +54,9 @@ def test_quick_mode_prints_every_row(tmp_path):
     assert [r[1] for r in act] == [c for c in cases for _ in transports], act  # each case over each transport
     assert [r[0] for r in act] == [{"grpc": "Act", "shm": "Act (shm)"}[t] for t in transports] * 2, act
     assert [r[1] for r in push] == [r[1] for r in act], push
-    assert [r[1] for r in weights] == (["OpenVLA-OFT, LoRA r32 adapters, fp32"] * len(transports)
-                                       + ["pi0, full set, fp32"] * len(transports)), weights
+    assert [r[1] for r in weights] == (
+        ["OpenVLA-OFT, LoRA r32 adapters, fp32"] * len(transports) + ["pi0, full set, fp32"] * len(transports)
+    ), weights
     assert "LoRA r32 adapters (partial)" in weights[0][-1] and "full set" in weights[-1][-1], weights
     for row in act + push + weights:
         assert len(row) == 17, row

@@ -35,8 +35,17 @@ def gpus() -> int:
 
 
 def run_ranks(n: int, out: pathlib.Path, **opts) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", SCENARIOS,
-           "update", str(out), *[f"{k}={v}" for k, v in opts.items()]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        SCENARIOS,
+        "update",
+        str(out),
+        *[f"{k}={v}" for k, v in opts.items()],
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "result.json").read_text())
@@ -52,8 +61,10 @@ def test_two_nccl_ranks_take_the_step_one_rank_takes(tmp_path, model):
     a = load_file(str(tmp_path / "one" / "state.safetensors"))
     b = load_file(str(tmp_path / "two" / "state.safetensors"))
     diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-    print(f"\n[gpu] {model}: 2 NCCL ranks vs 1: max |diff| {diff:.2e}; memory per rank {two['memory']} "
-          f"(1 rank: {one['memory']})")
+    print(
+        f"\n[gpu] {model}: 2 NCCL ranks vs 1: max |diff| {diff:.2e}; memory per rank {two['memory']} "
+        f"(1 rank: {one['memory']})"
+    )
     assert diff < 1e-6
 
 
@@ -64,12 +75,20 @@ def test_bf16_update_on_cuda(tmp_path, model):
     the acting one, in fp32 (the control) and in bf16 autocast, and the losses are finite."""
     diffs = {}
     for precision in ("fp32", "bf16"):
-        result = run_ranks(1, tmp_path / precision, model=model, act_device="cuda", act_as_learner=1,
-                           **{"actor.model.precision": precision})
+        result = run_ranks(
+            1,
+            tmp_path / precision,
+            model=model,
+            act_device="cuda",
+            act_as_learner=1,
+            **{"actor.model.precision": precision},
+        )
         m = result["metrics"][0]
         diffs[precision] = m["train/actor/first_logprob_abs_diff"]
-        print(f"\n[gpu] {model} {precision} on CUDA: first |log p - log p_acted| {diffs[precision]:.2e}, "
-              f"loss {m['train/loss']:.4f}, grad norm {m['train/actor/grad_norm']:.3f}")
+        print(
+            f"\n[gpu] {model} {precision} on CUDA: first |log p - log p_acted| {diffs[precision]:.2e}, "
+            f"loss {m['train/loss']:.4f}, grad norm {m['train/actor/grad_norm']:.3f}"
+        )
         assert all(v == v for v in m.values())
     assert diffs["fp32"] < 1e-3 and diffs["bf16"] < 5e-2
 
@@ -78,13 +97,27 @@ def test_bf16_update_on_cuda(tmp_path, model):
 def test_memory_estimate_against_max_memory_allocated(tmp_path):
     """A mid-size OpenVLA-OFT full fine-tune, one update on CUDA: the start-up check's per-rank estimate must not
     be below what the update allocated, and not more than 3x above it."""
-    result = run_ranks(1, tmp_path / "mem", model="oft_lora", measure_cuda=1, **{
-        "actor.model.is_lora": "false", "actor.model.vla.llm_hidden_size": "1024", "actor.model.vla.llm_layers": "8",
-        "actor.model.vla.llm_intermediate_size": "2048", "actor.model.vla.llm_heads": "8",
-        "actor.model.vla.llm_kv_heads": "8", "actor.micro_batch_size": "8", "actor.global_batch_size": "8"})
+    result = run_ranks(
+        1,
+        tmp_path / "mem",
+        model="oft_lora",
+        measure_cuda=1,
+        **{
+            "actor.model.is_lora": "false",
+            "actor.model.vla.llm_hidden_size": "1024",
+            "actor.model.vla.llm_layers": "8",
+            "actor.model.vla.llm_intermediate_size": "2048",
+            "actor.model.vla.llm_heads": "8",
+            "actor.model.vla.llm_kv_heads": "8",
+            "actor.micro_batch_size": "8",
+            "actor.global_batch_size": "8",
+        },
+    )
     measured, estimate = result["cuda_max_allocated"], result["estimate_per_rank"]
-    print(f"\n[gpu] OFT 8x1024 full fine-tune, 1 rank: max_memory_allocated {measured / 1e9:.2f} GB, "
-          f"estimate {estimate / 1e9:.2f} GB (ratio {estimate / measured:.2f})")
+    print(
+        f"\n[gpu] OFT 8x1024 full fine-tune, 1 rank: max_memory_allocated {measured / 1e9:.2f} GB, "
+        f"estimate {estimate / 1e9:.2f} GB (ratio {estimate / measured:.2f})"
+    )
     assert measured <= estimate <= 3 * measured
 
 
@@ -95,14 +128,25 @@ def test_real_size_pi0_full_fine_tune_on_cuda(tmp_path):
     estimate is not below what the update allocated (nor more than 2x above it). Needs about 90 GB of GPU memory."""
     free, _total = torch.cuda.mem_get_info()
     if free < 95e9:
-        pytest.skip(f"needs about 95 GB of free GPU memory for the real-size π0's full fine-tune; {free / 1e9:.0f} GB free")
-    result = run_ranks(1, tmp_path / "real", model="pi0_real", measure_cuda=1, act_device="cuda",
-                      save_state=0, **{"actor.model.precision": "bf16"})
+        pytest.skip(
+            f"needs about 95 GB of free GPU memory for the real-size π0's full fine-tune; {free / 1e9:.0f} GB free"
+        )
+    result = run_ranks(
+        1,
+        tmp_path / "real",
+        model="pi0_real",
+        measure_cuda=1,
+        act_device="cuda",
+        save_state=0,
+        **{"actor.model.precision": "bf16"},
+    )
     m = result["metrics"][0]
     measured, estimate = result["cuda_max_allocated"], result["estimate_per_rank"]
-    print(f"\n[gpu] π0 3.5B full fine-tune, 1 rank, bf16 autocast: one update of 32 samples in "
-          f"{result['update_s']:.1f} s; max_memory_allocated {measured / 1e9:.1f} GB, estimate {estimate / 1e9:.1f} GB "
-          f"(ratio {estimate / measured:.2f}); loss {m['train/loss']:.4f}, grad norm {m['train/actor/grad_norm']:.3f}")
+    print(
+        f"\n[gpu] π0 3.5B full fine-tune, 1 rank, bf16 autocast: one update of 32 samples in "
+        f"{result['update_s']:.1f} s; max_memory_allocated {measured / 1e9:.1f} GB, estimate {estimate / 1e9:.1f} GB "
+        f"(ratio {estimate / measured:.2f}); loss {m['train/loss']:.4f}, grad norm {m['train/actor/grad_norm']:.3f}"
+    )
     assert all(v == v for v in m.values())
     assert measured <= estimate <= 2 * measured
 
@@ -112,12 +156,14 @@ def test_evaluation_learner_of_the_real_size_pi0_holds_its_weights_only(tmp_path
     """`coordinatorctl eval`'s learner (runner.only_eval) of the real-size π0 on CUDA: set-up allocates the weights and
     nothing for training (no optimizer, no Adam state); the memory check's estimate for it against the peak."""
     from rlfleet.config import fit, load_config
-    from rlfleet.wire.spaces import TensorSpace
     from rlfleet.config.views import learner_view
+    from rlfleet.wire.spaces import TensorSpace
     from services.learner.learner import Learner
 
-    cfg = load_config("metaworld_mt50_ppo_pi0", ["runner.only_eval=true", f"runner.logger.log_path={tmp_path}",
-                                                 "cluster.learner_num_threads=1"])
+    cfg = load_config(
+        "metaworld_mt50_ppo_pi0",
+        ["runner.only_eval=true", f"runner.logger.log_path={tmp_path}", "cluster.learner_num_threads=1"],
+    )
     specs = {"corner": TensorSpace((224, 224, 3), "uint8"), "state": TensorSpace((49,), "float32")}
     torch.cuda.reset_peak_memory_stats()
     learner = Learner(learner_view(cfg), tmp_path / "run", device="cuda")
@@ -128,9 +174,11 @@ def test_evaluation_learner_of_the_real_size_pi0_holds_its_weights_only(tmp_path
     finally:
         learner.close()
     estimate = fit.learner_footprint(cfg).rank_bytes(1, gpu=True, rows=cfg.actor.micro_batch_size)
-    print(f"\n[gpu] π0 3.5B evaluation learner (runner.only_eval), 1 rank: max_memory_allocated {measured / 1e9:.1f} GB, "
-          f"estimate {estimate / 1e9:.1f} GB, parameters {memory['parameters'] / 1e9:.1f} GB, optimizer "
-          f"{memory['optimizer']} B")
+    print(
+        f"\n[gpu] π0 3.5B evaluation learner (runner.only_eval), 1 rank: max_memory_allocated {measured / 1e9:.1f} GB, "
+        f"estimate {estimate / 1e9:.1f} GB, parameters {memory['parameters'] / 1e9:.1f} GB, optimizer "
+        f"{memory['optimizer']} B"
+    )
     assert memory["optimizer"] == 0 and learner.optimizer is None
     assert measured <= estimate * 1.05 and estimate <= 1.5 * measured
 
@@ -140,11 +188,26 @@ def test_vllm_backend_on_cuda(tmp_path):
     from tests.simenv import backend_python
 
     backend_python("vllm")  # skips, saying why, where the vLLM environment cannot be built
-    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start",
-                           "pandapickcube_vision_ppo_openvla_tiny", "rollout.backend=vllm",
-                           f"runner.logger.log_path={tmp_path}", "runner.max_epochs=2", "runner.val_check_interval=0",
-                           "env.eval.num_episodes=4", "env.eval.total_num_envs=4", "cluster.num_gpus_per_node=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator.cli",
+            "start",
+            "pandapickcube_vision_ppo_openvla_tiny",
+            "rollout.backend=vllm",
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=2",
+            "runner.val_check_interval=0",
+            "env.eval.num_episodes=4",
+            "env.eval.total_num_envs=4",
+            "cluster.num_gpus_per_node=1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(proc.stdout[-1500:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

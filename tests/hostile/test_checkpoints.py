@@ -79,8 +79,10 @@ def plant_metadata(run: Path, marker: Path) -> list[str]:
     md = read_metadata(_state(run))
     md.storage_meta.modules = [Payload(marker)]
     _write_metadata(_state(run), md)
-    return [".metadata: pickled global: expected only torch.distributed.checkpoint's metadata classes",
-            "found 'posix.system'"]
+    return [
+        ".metadata: pickled global: expected only torch.distributed.checkpoint's metadata classes",
+        "found 'posix.system'",
+    ]
 
 
 def plant_byte_item(run: Path, marker: Path) -> list[str]:
@@ -98,8 +100,10 @@ def plant_byte_item(run: Path, marker: Path) -> list[str]:
         f.write(buf.getvalue())
     md.storage_data[key] = _StorageInfo(rel, offset, len(buf.getvalue()))
     _write_metadata(state, md)
-    return [f"{rel}: item '{LR}': expected a plain value torch.load(weights_only=True) reads",
-            "unsupported GLOBAL posix.system"]
+    return [
+        f"{rel}: item '{LR}': expected a plain value torch.load(weights_only=True) reads",
+        "unsupported GLOBAL posix.system",
+    ]
 
 
 def plant_learner_state(run: Path, marker: Path) -> list[str]:
@@ -113,17 +117,21 @@ def plant_reward_rms(run: Path, marker: Path) -> list[str]:
     return ["reward_rms.safetensors: header length: expected at most"]
 
 
-PAYLOADS = {"metadata": plant_metadata, "byte item": plant_byte_item, "learner_state.json": plant_learner_state,
-            "reward_rms.safetensors": plant_reward_rms}
+PAYLOADS = {
+    "metadata": plant_metadata,
+    "byte item": plant_byte_item,
+    "learner_state.json": plant_learner_state,
+    "reward_rms.safetensors": plant_reward_rms,
+}
 # the reader each file would meet without rlfleet's checks (torch's own DCP reader and converter, pickle, torch.load)
 NAIVE = {
     "metadata": "from torch.distributed.checkpoint import FileSystemReader; "
-                "FileSystemReader(CKPT + '/state').read_metadata()",
+    "FileSystemReader(CKPT + '/state').read_metadata()",
     "byte item": "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
-                 "dcp_to_torch_save(CKPT + '/state', CKPT + '/../whole.pt')",
+    "dcp_to_torch_save(CKPT + '/state', CKPT + '/../whole.pt')",
     "learner_state.json": "import pickle; pickle.load(open(CKPT + '/learner_state.json', 'rb'))",
     "reward_rms.safetensors": "import torch; torch.load(open(CKPT + '/reward_rms.safetensors', 'rb'), "
-                              "weights_only=False)",
+    "weights_only=False)",
 }
 
 
@@ -162,10 +170,16 @@ def test_each_payload_runs_under_the_plain_reader(run, tmp_path, where):
     marker = tmp_path / "MARKER"
     PAYLOADS[where](run, marker)
     code = f"import sys; CKPT = sys.argv[1]; {NAIVE[where]}"
-    proc = subprocess.run([sys.executable, "-c", code, str(run / "checkpoints" / STEP)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert marker.exists(), (f"the {where} payload did not run under the plain reader: the test would prove "
-                             f"nothing\n{proc.stderr[-2000:]}")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(run / "checkpoints" / STEP)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert marker.exists(), (
+        f"the {where} payload did not run under the plain reader: the test would prove nothing\n{proc.stderr[-2000:]}"
+    )
 
 
 @pytest.mark.parametrize("which", ["eval", "export", "resume"])
@@ -218,9 +232,13 @@ def negative_offset(run: Path, tmp_path: Path) -> list[str]:
     return [f"storage_data['{WEIGHT}'] offset/length: expected non-negative integers, found -4096, 100"]
 
 
-LIES = {"truncated shard": truncate_shard, "relative path ../../x": metadata_points_outside,
-        "shard links outside": shard_links_outside, "absurd length": absurd_length,
-        "negative offset": negative_offset}
+LIES = {
+    "truncated shard": truncate_shard,
+    "relative path ../../x": metadata_points_outside,
+    "shard links outside": shard_links_outside,
+    "absurd length": absurd_length,
+    "negative offset": negative_offset,
+}
 
 
 @pytest.mark.parametrize("lie", list(LIES))
@@ -313,18 +331,22 @@ def test_the_learner_reports_a_bad_checkpoint_by_name_over_grpc(run, case, caplo
     from services.learner import server as learner_server
 
     state = json.loads((run / "checkpoints" / STEP / "learner_state.json").read_text())
-    spec = env_pb2.EnvSpec(env_id="PandaPickCube-v0", num_envs=8,
-                           observation_space=spaces_to_proto({k: TensorSpace.from_json(v)
-                                                              for k, v in state["obs_specs"].items()}),
-                           action_space=TensorSpace((state["action_dim"],), "float32", -1.0, 1.0).to_proto())
+    spec = env_pb2.EnvSpec(
+        env_id="PandaPickCube-v0",
+        num_envs=8,
+        observation_space=spaces_to_proto({k: TensorSpace.from_json(v) for k, v in state["obs_specs"].items()}),
+        action_space=TensorSpace((state["action_dim"],), "float32", -1.0, 1.0).to_proto(),
+    )
     if case == "learner_state.json":
         expect = _learner_state_bad_field(run)
     elif case == "reward_rms.safetensors":
         expect = _reward_rms_bad_header(run)
     else:
         # past the verification: the record itself fails to load, named by file and item
-        expect = [f"{_corrupt_tensor_record(run)}: item '{WEIGHT}' (bytes ",
-                  "expected a record torch.load(weights_only=True) reads"]
+        expect = [
+            f"{_corrupt_tensor_record(run)}: item '{WEIGHT}' (bytes ",
+            "expected a record torch.load(weights_only=True) reads",
+        ]
     cfg = load_config(run / "config.yaml", [f"runner.resume_dir={run}"])
     server, address, learner, _runtime = learner_server.serve(cfg, "127.0.0.1:0", str(run))
     try:
@@ -350,8 +372,17 @@ def test_two_ranks_name_a_bad_shard_and_neither_hangs(tmp_path):
     scenarios = ROOT / "tests" / "services" / "learner" / "rank_scenarios.py"
 
     def ranks(scenario, out, *opts, timeout=240):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(scenarios),
-               scenario, str(out), *opts]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(scenarios),
+            scenario,
+            str(out),
+            *opts,
+        ]
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
     proc = ranks("save", tmp_path / "saved", "epochs=1")
@@ -362,8 +393,9 @@ def test_two_ranks_name_a_bad_shard_and_neither_hangs(tmp_path):
     assert sorted(p.name for p in (ckpt / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert info.state["world_size"] == 2 and info.items[LR] == pytest.approx(1e-3)
     md = read_metadata(ckpt / "state")
-    key, sinfo = next((k, v) for k, v in md.storage_data.items()
-                      if k.fqn == WEIGHT and v.relative_path == "__1_0.distcp")
+    key, sinfo = next(
+        (k, v) for k, v in md.storage_data.items() if k.fqn == WEIGHT and v.relative_path == "__1_0.distcp"
+    )
     with open(ckpt / "state" / "__1_0.distcp", "r+b") as f:
         f.seek(sinfo.offset + sinfo.length - 64)
         f.write(b"\0" * 64)

@@ -15,14 +15,16 @@ import grpc
 import pytest
 
 from rlfleet.config import ConfigError, load_config, to_yaml
-from rlfleet.v1 import learner_pb2, learner_pb2_grpc
 from rlfleet.errors import InvalidRequest
+from rlfleet.v1 import learner_pb2, learner_pb2_grpc
 from rlfleet.wire import channels
 
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
-    f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(9))
+    f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+    for i in range(9)
+)
 
 
 @pytest.fixture
@@ -38,16 +40,22 @@ def _marker_payload(marker) -> str:
     return f"runner: !!python/object/apply:os.system ['touch {marker}']\n"
 
 
-@pytest.mark.parametrize("case", ["parse error", "alias bomb", "python tag", "symlink out", "interpolation",
-                                  "not a mapping", "too large"])
+@pytest.mark.parametrize(
+    "case", ["parse error", "alias bomb", "python tag", "symlink out", "interpolation", "not a mapping", "too large"]
+)
 def test_resume_names_a_bad_config_yaml_and_runs_nothing(tmp_path, run_folder, case):
     marker = tmp_path / "MARKER"
     cfg = run_folder / "config.yaml"
     outside = tmp_path / "elsewhere.yaml"
     outside.write_text(cfg.read_text())
-    text = {"parse error": "runner: [1,\n", "alias bomb": BOMB, "python tag": _marker_payload(marker),
-            "interpolation": "runner:\n  experiment_name: ${oc.env:HOME}\n", "not a mapping": "- 1\n- 2\n",
-            "too large": "# " + "x" * (5 << 20) + "\n"}.get(case)
+    text = {
+        "parse error": "runner: [1,\n",
+        "alias bomb": BOMB,
+        "python tag": _marker_payload(marker),
+        "interpolation": "runner:\n  experiment_name: ${oc.env:HOME}\n",
+        "not a mapping": "- 1\n- 2\n",
+        "too large": "# " + "x" * (5 << 20) + "\n",
+    }.get(case)
     if case == "symlink out":
         cfg.unlink()
         cfg.symlink_to(outside)
@@ -59,10 +67,15 @@ def test_resume_names_a_bad_config_yaml_and_runs_nothing(tmp_path, run_folder, c
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()
     assert err and "Traceback" not in proc.stderr, proc.stderr
-    expected = {"parse error": "line 2 column 1: expected valid YAML", "alias bomb": "without anchors or aliases",
-                "python tag": "found the tag '!!python/object/apply:os.system'",
-                "symlink out": "expected a path inside", "interpolation": "expected a resolved value",
-                "not a mapping": "expected a mapping of config groups", "too large": "expected at most"}[case]
+    expected = {
+        "parse error": "line 2 column 1: expected valid YAML",
+        "alias bomb": "without anchors or aliases",
+        "python tag": "found the tag '!!python/object/apply:os.system'",
+        "symlink out": "expected a path inside",
+        "interpolation": "expected a resolved value",
+        "not a mapping": "expected a mapping of config groups",
+        "too large": "expected at most",
+    }[case]
     assert expected in err[-1] and "config.yaml" in err[-1], err
     assert not marker.exists()
     assert took < 10, took
@@ -101,20 +114,31 @@ def test_register_refuses_config_text_with_aliases_or_tags():
 
 def test_coordinator_state_of_a_run_folder_is_checked(tmp_path):
     from rlfleet.config.views import coordinator_view
-    from services.coordinator.report import RunReport
     from rlfleet.untrusted import BadFile
+    from services.coordinator.report import RunReport
 
     cfg = load_config(None, [f"runner.resume_dir={tmp_path}"])
     report = RunReport(coordinator_view(cfg), tmp_path, quiet=True)
     state = tmp_path / "coordinator_state.json"
-    state.write_text(json.dumps({"lost_episodes": 3, "restarts": {"env[0]": 1},
-                                 "eval_history": [{"step": 2, "eval/success_once": 0.5},
-                                                  {"step": 4, "eval/success_once": 0.75}]}))
+    state.write_text(
+        json.dumps(
+            {
+                "lost_episodes": 3,
+                "restarts": {"env[0]": 1},
+                "eval_history": [{"step": 2, "eval/success_once": 0.5}, {"step": 4, "eval/success_once": 0.75}],
+            }
+        )
+    )
     assert report.load_state(resumed_step=3) == 3
     assert [e["step"] for e in report.eval_history] == [2]  # the evaluation past the checkpoint is redone
-    for body, field in (('{"eval_history": [{"step": "2"}]}', "eval_history"), ('{"restarts": {"x": -1}}', "restarts"),
-                        ('{"lost_episodes": 1e400}', "lost_episodes"), ("[1]", "top level"), ("{", "line 1 column 2"),
-                        (b"\x80\x04\x95\x10", "coordinator state: expected valid UTF-8 JSON")):
+    for body, field in (
+        ('{"eval_history": [{"step": "2"}]}', "eval_history"),
+        ('{"restarts": {"x": -1}}', "restarts"),
+        ('{"lost_episodes": 1e400}', "lost_episodes"),
+        ("[1]", "top level"),
+        ("{", "line 1 column 2"),
+        (b"\x80\x04\x95\x10", "coordinator state: expected valid UTF-8 JSON"),
+    ):
         state.write_bytes(body if isinstance(body, bytes) else body.encode())
         with pytest.raises(BadFile, match=f"coordinator_state.json: {field}"):
             report.load_state()
@@ -130,13 +154,21 @@ def learner_stub(cfg, tmp_path):
     learner.close()
 
 
-@pytest.mark.parametrize("step, metrics, why", [
-    (1, {"eval/x": math.nan}, "is not a finite number"), (1, {"eval/x": math.inf}, "is not a finite number"),
-    (1, {"": 1.0}, "is not a metric name"), (1, {"../../etc/x": 1.0}, "is not a metric name"),
-    (1, {"eval/../x": 1.0}, "is not a metric name"), (1, {"a b": 1.0}, "is not a metric name"),
-    (1, {"x" * 300: 1.0}, "is not a metric name"), (-2 ** 62, {"eval/x": 1.0}, "outside"),
-    (2 ** 62, {"eval/x": 1.0}, "outside"), (1, {f"m/{i}": 1.0 for i in range(5000)}, "at most 4096"),
-])
+@pytest.mark.parametrize(
+    "step, metrics, why",
+    [
+        (1, {"eval/x": math.nan}, "is not a finite number"),
+        (1, {"eval/x": math.inf}, "is not a finite number"),
+        (1, {"": 1.0}, "is not a metric name"),
+        (1, {"../../etc/x": 1.0}, "is not a metric name"),
+        (1, {"eval/../x": 1.0}, "is not a metric name"),
+        (1, {"a b": 1.0}, "is not a metric name"),
+        (1, {"x" * 300: 1.0}, "is not a metric name"),
+        (-(2**62), {"eval/x": 1.0}, "outside"),
+        (2**62, {"eval/x": 1.0}, "outside"),
+        (1, {f"m/{i}": 1.0 for i in range(5000)}, "at most 4096"),
+    ],
+)
 def test_log_metrics_refuses_what_is_not_a_metric(learner_stub, step, metrics, why):
     stub, run = learner_stub
     with pytest.raises(grpc.RpcError) as err:

@@ -30,8 +30,7 @@ from tests.services.coordinator.test_security import SERVICES, raw_call
 pytestmark = pytest.mark.slow
 
 SECRET = "the-secret-of-the-hostile-credentials-run"
-ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference",
-              coordinator_pb2.LEARNER: "learner"}
+ROLE_NAMES = {coordinator_pb2.ENV: "env", coordinator_pb2.INFERENCE: "inference", coordinator_pb2.LEARNER: "learner"}
 SERVICE_DESCRIPTORS = {  # the role whose servers host them -> their services
     "coordinator": [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]],
     **{ROLE_NAMES[r]: svcs for r, svcs in SERVICES.items()},
@@ -58,8 +57,8 @@ def process_credential(pid: int) -> str:
 
 def materials(token: str) -> list[bytes]:
     """Every value a credential holds, raw and as text, and the credential itself."""
-    body = json.loads(auth._unb64(token[len(auth.CREDENTIAL_PREFIX):]))
-    out = [token.encode(), token[len(auth.CREDENTIAL_PREFIX):].encode()]
+    body = json.loads(auth._unb64(token[len(auth.CREDENTIAL_PREFIX) :]))
+    out = [token.encode(), token[len(auth.CREDENTIAL_PREFIX) :].encode()]
     for value in body.values():
         if isinstance(value, str) and value not in auth.ROLES:
             out += [value.encode(), auth._unb64(value)]
@@ -73,10 +72,12 @@ def forgeries(token: str, target: str, index: int, callee: str) -> dict[str, lis
     as the run secret, and the old HMAC scheme's recipe (a verify key -> the caller's bearer)."""
     cred = auth.parse_credential(token)
     own = cred.index if cred.index is not None else index
-    out = {"its own bearer, relabelled": callers.credential_metadata(cred.bearer(own, callee), target, index),
-           "its key under its cert": callers.credential_metadata(
-               auth.Credential(target, index, (callee,), cred.key, cred.cert, None).bearer(index, callee),
-               target, index)}
+    out = {
+        "its own bearer, relabelled": callers.credential_metadata(cred.bearer(own, callee), target, index),
+        "its key under its cert": callers.credential_metadata(
+            auth.Credential(target, index, (callee,), cred.key, cred.cert, None).bearer(index, callee), target, index
+        ),
+    }
     seeds = {"its key": cred.key.private_bytes_raw()}
     for i, m in enumerate(materials(token)):
         seeds[f"value {i}, hashed"] = hashlib.sha256(m).digest()
@@ -95,20 +96,29 @@ def forgeries(token: str, target: str, index: int, callee: str) -> dict[str, lis
         issuer = Ed25519PrivateKey.from_private_bytes(seed)
         cert = issuer.sign(auth._cert_text(target, index, (callee,), auth._public(issuer)).encode())
         out[f"{name}, issuing itself"] = callers.credential_metadata(
-            auth.Credential(target, index, (callee,), issuer, cert, None).bearer(index, callee), target, index)
+            auth.Credential(target, index, (callee,), issuer, cert, None).bearer(index, callee), target, index
+        )
     return out
 
 
 # what each role may not do, and must not be able to make itself able to: a method owned by another role per server
-STOLEN = {"learner": [("inference", "/rlfleet.v1.InferenceService/UpdateWeights")],
-          "coordinator": [("learner", "/rlfleet.v1.LearnerService/Train"),
-                          ("learner", "/rlfleet.v1.LearnerService/LogMetrics"),
-                          ("env", "/rlfleet.v1.RolloutService/Collect")],
-          "env": [("learner", "/rlfleet.v1.LearnerService/PushRollout"),
-                  ("coordinator", "/rlfleet.v1.CoordinatorService/Register")],
-          "inference": [("coordinator", "/rlfleet.v1.CoordinatorService/Heartbeat")],
-          "ctl": [("coordinator", "/rlfleet.v1.CoordinatorService/Stop"),
-                  ("coordinator", "/rlfleet.v1.CoordinatorService/Scale")]}
+STOLEN = {
+    "learner": [("inference", "/rlfleet.v1.InferenceService/UpdateWeights")],
+    "coordinator": [
+        ("learner", "/rlfleet.v1.LearnerService/Train"),
+        ("learner", "/rlfleet.v1.LearnerService/LogMetrics"),
+        ("env", "/rlfleet.v1.RolloutService/Collect"),
+    ],
+    "env": [
+        ("learner", "/rlfleet.v1.LearnerService/PushRollout"),
+        ("coordinator", "/rlfleet.v1.CoordinatorService/Register"),
+    ],
+    "inference": [("coordinator", "/rlfleet.v1.CoordinatorService/Heartbeat")],
+    "ctl": [
+        ("coordinator", "/rlfleet.v1.CoordinatorService/Stop"),
+        ("coordinator", "/rlfleet.v1.CoordinatorService/Scale"),
+    ],
+}
 
 
 def call(channels, path: str, metadata) -> tuple[grpc.StatusCode, str]:
@@ -199,19 +209,26 @@ def test_no_leaked_credential_acts_as_another_role_or_fails_the_run(tmp_path, mo
         inf = auth.parse_credential(held["inference"])
         with grpc.insecure_channel(addresses["inference"]) as ch:
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
-            for md, words in ((auth.metadata(held["inference"], "inference", 0, to="inference"),
-                               "inference[0]'s credential calls coordinator servers, not inference servers"),
-                              (callers.credential_metadata(inf.bearer(0, "inference"), "learner", 0),
-                               "this credential is inference[0]'s, not learner[0]'s")):
+            for md, words in (
+                (
+                    auth.metadata(held["inference"], "inference", 0, to="inference"),
+                    "inference[0]'s credential calls coordinator servers, not inference servers",
+                ),
+                (
+                    callers.credential_metadata(inf.bearer(0, "inference"), "learner", 0),
+                    "this credential is inference[0]'s, not learner[0]'s",
+                ),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.UpdateWeights(iter([inference_pb2.WeightsChunk(version=2 ** 62)]), timeout=5, metadata=md)
+                    stub.UpdateWeights(iter([inference_pb2.WeightsChunk(version=2**62)]), timeout=5, metadata=md)
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and words in err.value.details()
             # 4. the learner's own identity: a made-up version is refused before anything is read
             learner_md = auth.metadata(SECRET, "learner", 0, to="inference")
-            for version in (2 ** 62, -1, 2 ** 31):
+            for version in (2**62, -1, 2**31):
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.UpdateWeights(iter([inference_pb2.WeightsChunk(version=version)]), timeout=5,
-                                       metadata=learner_md)
+                    stub.UpdateWeights(
+                        iter([inference_pb2.WeightsChunk(version=version)]), timeout=5, metadata=learner_md
+                    )
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
                 assert f"version: {version} is no weights version" in err.value.details()
 
@@ -220,22 +237,28 @@ def test_no_leaked_credential_acts_as_another_role_or_fails_the_run(tmp_path, mo
         st = wait_epoch(run, 3, proc)
         with grpc.insecure_channel(addresses["learner"]) as ch:
             stub = learner_pb2_grpc.LearnerServiceStub(ch)
-            for token, index, worker in ((auth.issue(SECRET, "env", 1), 1, 0), (auth.issue(SECRET, "env"), 1, 0),
-                                         (held["env"], 0, 1)):
+            for token, index, worker in (
+                (auth.issue(SECRET, "env", 1), 1, 0),
+                (auth.issue(SECRET, "env"), 1, 0),
+                (held["env"], 0, 1),
+            ):
                 chunk = learner_pb2.RolloutChunk(epoch=st.epoch + 1, worker_index=worker, num_steps=1, last=True)
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.PushRollout(iter([chunk]), timeout=5, metadata=auth.metadata(token, "env", index,
-                                                                                      to="learner"))
+                    stub.PushRollout(
+                        iter([chunk]), timeout=5, metadata=auth.metadata(token, "env", index, to="learner")
+                    )
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
                 assert f"env[{index}] pushed the rollout of worker {worker}" in err.value.details()
 
         # the legitimate path: each credential's own reads are served
         for role, token in held.items():
-            code, details = call(channels, "/rlfleet.v1.CoordinatorService/Status",
-                                 auth.metadata(token, role, 0, to="coordinator"))
+            code, details = call(
+                channels, "/rlfleet.v1.CoordinatorService/Status", auth.metadata(token, role, 0, to="coordinator")
+            )
             assert code == grpc.StatusCode.OK, (role, code, details)
-        code, details = call(channels, "/rlfleet.v1.LearnerService/Status",
-                             auth.metadata(held["env"], "env", 0, to="learner"))
+        code, details = call(
+            channels, "/rlfleet.v1.LearnerService/Status", auth.metadata(held["env"], "env", 0, to="learner")
+        )
         assert code == grpc.StatusCode.OK, details
         before = wait_epoch(run, st.epoch + 3, proc).epoch  # the run goes on
         # the operator stops it with the run folder's run_token (coordinatorctl stop)

@@ -29,9 +29,14 @@ def _episode(T: int, seed: int) -> Episode:
     rng = np.random.default_rng(seed)
     img = np.zeros((T, 32, 32, 3), np.uint8)
     img[:, :16] = (60 + 20 * seed, 140, 90)
-    return Episode({"cam": img, "state": rng.normal(size=(T, 3)).astype(np.float32)},
-                   rng.uniform(-1, 1, (T, 4)).astype(np.float32), np.zeros(T, np.float32), np.arange(T) == T - 1,
-                   f"task {seed}", seed)
+    return Episode(
+        {"cam": img, "state": rng.normal(size=(T, 3)).astype(np.float32)},
+        rng.uniform(-1, 1, (T, 4)).astype(np.float32),
+        np.zeros(T, np.float32),
+        np.arange(T) == T - 1,
+        f"task {seed}",
+        seed,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +87,11 @@ def opened(monkeypatch):
         return real_open(file, *a, **kw)
 
     def spy_av_open(file, *a, **kw):
-        seen.append(os.path.realpath(file) if isinstance(file, (str, os.PathLike)) else
-                    os.path.realpath(getattr(file, "name", "?")))
+        seen.append(
+            os.path.realpath(file)
+            if isinstance(file, (str, os.PathLike))
+            else os.path.realpath(getattr(file, "name", "?"))
+        )
         return real_av_open(file, *a, **kw)
 
     monkeypatch.setattr(ds, "open", spy_open, raising=False)
@@ -107,8 +115,11 @@ def test_a_video_path_template_out_of_the_dataset_is_refused_and_never_opened(da
     _info(dataset, video_path="../../secret/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4")
     with pytest.raises(OutsideRoot) as err:
         _read_all(dataset)
-    _one_line(err, f"{dataset / 'meta' / 'info.json'}: video_path: expected a path inside {dataset}, found "
-                   f"'../../secret/observation.images.cam/chunk-000/file-000.mp4'")
+    _one_line(
+        err,
+        f"{dataset / 'meta' / 'info.json'}: video_path: expected a path inside {dataset}, found "
+        f"'../../secret/observation.images.cam/chunk-000/file-000.mp4'",
+    )
     assert os.path.realpath(secret) not in opened and not any("secret" in p for p in opened)
 
 
@@ -142,20 +153,26 @@ def test_data_and_metadata_files_linked_or_templated_out_are_refused(dataset, tm
         assert "through a symbolic link" in str(err.value) and "\n" not in str(err.value), (rel, str(err.value))
 
 
-@pytest.mark.parametrize("template, found", [
-    ("videos/{video_key.__class__}/file-{file_index:03d}.mp4", "{video_key.__class__}"),
-    ("videos/{video_key}/file-{file_index:0>999999999}.mp4", "{file_index:0>999999999}"),
-    ("videos/{video_key!r}/{file_index}.mp4", "{video_key!r}"),
-    ("videos/{0}/{file_index}.mp4", "{0}"),
-    ("videos/{video_key/{file_index}.mp4", "unexpected '{' in field name"),
-])
+@pytest.mark.parametrize(
+    "template, found",
+    [
+        ("videos/{video_key.__class__}/file-{file_index:03d}.mp4", "{video_key.__class__}"),
+        ("videos/{video_key}/file-{file_index:0>999999999}.mp4", "{file_index:0>999999999}"),
+        ("videos/{video_key!r}/{file_index}.mp4", "{video_key!r}"),
+        ("videos/{0}/{file_index}.mp4", "{0}"),
+        ("videos/{video_key/{file_index}.mp4", "unexpected '{' in field name"),
+    ],
+)
 def test_templates_with_fields_of_their_own_are_refused(dataset, template, found):
     """Attribute access, a billion-wide padding, conversions, positional fields: refused before formatting."""
     _info(dataset, video_path=template)
     with pytest.raises(BadFile) as err:
         Dataset(dataset)
-    msg = _one_line(err, f"{dataset / 'meta' / 'info.json'}: video_path: expected a path template whose fields are "
-                         "{video_key}, {chunk_index}, {file_index}")
+    msg = _one_line(
+        err,
+        f"{dataset / 'meta' / 'info.json'}: video_path: expected a path template whose fields are "
+        "{video_key}, {chunk_index}, {file_index}",
+    )
     assert found in msg
 
 
@@ -165,7 +182,7 @@ def test_a_truncated_or_foreign_parquet_file_is_named(dataset):
     with pytest.raises(BadFile) as err:
         _read_all(dataset)
     _one_line(err, f"{dataset / DATA}: parquet footer: expected a parquet file, found ")
-    (dataset / DATA).write_bytes(b"PAR1" + b"\0" * 64 + data[-len(data) // 3:])  # a footer, pages that are not
+    (dataset / DATA).write_bytes(b"PAR1" + b"\0" * 64 + data[-len(data) // 3 :])  # a footer, pages that are not
     with pytest.raises(BadFile) as err:
         _read_all(dataset)
     _one_line(err, f"{dataset / DATA}: ")
@@ -182,8 +199,9 @@ def test_a_column_of_the_wrong_width_is_named_with_its_feature(dataset):
     (dataset / "meta" / "info.json").write_text(json.dumps(info))
     with pytest.raises(BadFile) as err:
         _read_all(dataset)
-    assert str(err.value) == (f"{dataset / DATA}: column 'observation.state': expected 13 numbers per row "
-                              f"(meta/info.json features), found 3")
+    assert str(err.value) == (
+        f"{dataset / DATA}: column 'observation.state': expected 13 numbers per row (meta/info.json features), found 3"
+    )
     # rows of uneven length in a list column, and strings where numbers belong
     table = pq.read_table(dataset / DATA)
     rows = [list(r) for r in table.column("observation.state").to_pylist()]
@@ -194,28 +212,39 @@ def test_a_column_of_the_wrong_width_is_named_with_its_feature(dataset):
     pq.write_table(table.set_column(i, "observation.state", pa.array(rows, pa.list_(pa.float32()))), dataset / DATA)
     with pytest.raises(BadFile) as err:
         _read_all(dataset)
-    assert str(err.value).endswith("column 'observation.state': expected 3 numbers per row (meta/info.json "
-                                   "features), found 2 in row 5")
+    assert str(err.value).endswith(
+        "column 'observation.state': expected 3 numbers per row (meta/info.json features), found 2 in row 5"
+    )
     j = table.column_names.index("next.reward")
     pq.write_table(table.set_column(j, "next.reward", pa.array(["x"] * table.num_rows)), dataset / DATA)
-    with pytest.raises(BadFile, match=r"column 'next.reward': expected numbers \(meta/info.json features\), "
-                                      r"found string$"):
+    with pytest.raises(
+        BadFile,
+        match=r"column 'next.reward': expected numbers \(meta/info.json features\), "
+        r"found string$",
+    ):
         _read_all(dataset)
 
 
-@pytest.mark.parametrize("change, start", [
-    ({"fps": "30"}, "fps: expected a number of frames per second in (0, 10000], found '30'"),
-    ({"fps": None}, "fps: expected a number"),
-    ({"total_episodes": 10**15}, "total_episodes: expected at most 10,000,000, found 1,000,000,000,000,000"),
-    ({"features": []}, "features: expected a JSON object of features"),
-    ({"features": {"action": {"dtype": "object", "shape": [4]}}}, "features['action'].dtype: expected one of"),
-    ({"features": {"action": {"dtype": "float32", "shape": [100000, 100000, 3]}}},
-     "features['action'].shape: expected at most 65,536, found 100,000"),
-    ({"features": {"action": {"dtype": "float32", "shape": [60000, 60000]}}},
-     "features['action'].shape (elements per frame): expected at most 67,108,864, found 3,600,000,000"),
-    ({"features": {"action": {"dtype": "float32", "shape": "4"}}}, "features['action'].shape: expected a list"),
-    ({"rlfleet": {"env_id": ["x"]}}, "rlfleet.env_id: expected a string"),
-])
+@pytest.mark.parametrize(
+    "change, start",
+    [
+        ({"fps": "30"}, "fps: expected a number of frames per second in (0, 10000], found '30'"),
+        ({"fps": None}, "fps: expected a number"),
+        ({"total_episodes": 10**15}, "total_episodes: expected at most 10,000,000, found 1,000,000,000,000,000"),
+        ({"features": []}, "features: expected a JSON object of features"),
+        ({"features": {"action": {"dtype": "object", "shape": [4]}}}, "features['action'].dtype: expected one of"),
+        (
+            {"features": {"action": {"dtype": "float32", "shape": [100000, 100000, 3]}}},
+            "features['action'].shape: expected at most 65,536, found 100,000",
+        ),
+        (
+            {"features": {"action": {"dtype": "float32", "shape": [60000, 60000]}}},
+            "features['action'].shape (elements per frame): expected at most 67,108,864, found 3,600,000,000",
+        ),
+        ({"features": {"action": {"dtype": "float32", "shape": "4"}}}, "features['action'].shape: expected a list"),
+        ({"rlfleet": {"env_id": ["x"]}}, "rlfleet.env_id: expected a string"),
+    ],
+)
 def test_info_json_fields_with_wrong_types_or_huge_shapes_are_named(dataset, change, start):
     _info(dataset, **change)
     with pytest.raises(BadFile) as err:
@@ -249,8 +278,9 @@ def test_episode_rows_that_disagree_are_named(dataset):
     pq.write_table(table.set_column(i, "dataset_to_index", pa.array([4, 10**6])), dataset / EPISODES)
     with pytest.raises(BadFile) as err:
         Dataset(dataset)
-    assert str(err.value) == (f"{dataset / EPISODES}: episode 1: dataset_to_index: expected dataset_from_index + "
-                              f"length = 8, found 1000000")
+    assert str(err.value) == (
+        f"{dataset / EPISODES}: episode 1: dataset_to_index: expected dataset_from_index + length = 8, found 1000000"
+    )
     j = table.column_names.index("length")
     pq.write_table(table.set_column(j, "length", pa.array(["four", "four"])), dataset / EPISODES)
     with pytest.raises(BadFile, match=r"file-000.parquet: length: expected an integer, found 'four'$"):
@@ -299,8 +329,11 @@ def test_an_image_feature_naming_a_file_outside_is_refused(dataset, tmp_path):
     table = pq.read_table(dataset / DATA)
     n = table.num_rows
     info = json.loads((dataset / "meta" / "info.json").read_text())
-    info["features"]["observation.images.front"] = {"dtype": "image", "shape": [32, 32, 3],
-                                                    "names": ["height", "width", "channels"]}
+    info["features"]["observation.images.front"] = {
+        "dtype": "image",
+        "shape": [32, 32, 3],
+        "names": ["height", "width", "channels"],
+    }
     info["rlfleet"]["observations"]["front"] = "observation.images.front"
     (dataset / "meta" / "info.json").write_text(json.dumps(info))
     image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -321,8 +354,10 @@ def test_an_image_feature_naming_a_file_outside_is_refused(dataset, tmp_path):
     write([{"bytes": buf.getvalue(), "path": None}] * n)
     with pytest.raises(BadFile) as err:
         _read_all(dataset)
-    assert str(err.value) == (f"{dataset / DATA}: column 'observation.images.front' row 0: expected a 32 x 32 image "
-                              f"(meta/info.json features), found 40 x 48")
+    assert str(err.value) == (
+        f"{dataset / DATA}: column 'observation.images.front' row 0: expected a 32 x 32 image "
+        f"(meta/info.json features), found 40 x 48"
+    )
     (dataset / "img.png").unlink()
     shutil.copy(outside, dataset / "img.png")  # the same PNG inside the dataset reads
     write([{"bytes": None, "path": "img.png"}] * n)
@@ -335,13 +370,24 @@ def test_sft_prints_one_line_naming_the_file(dataset, capsys):
     info = json.loads((dataset / "meta" / "info.json").read_text())
     info["features"]["observation.state"]["shape"] = [13]
     (dataset / "meta" / "info.json").write_text(json.dumps(info))
-    code = main(["--config", "pandapickcube_vision_sft_openvla_oft_tiny", "actor.model.vla.vision_layers=1",
-                 "actor.model.vla.llm_layers=1", "actor.model.num_action_chunks=2", "sft.max_steps=1",
-                 "cluster.learner_num_threads=1", f"sft.dataset_path={dataset}",
-                 "sft.dataset_keys={wrist: observation.images.cam, state: observation.state, action: action}"])
+    code = main(
+        [
+            "--config",
+            "pandapickcube_vision_sft_openvla_oft_tiny",
+            "actor.model.vla.vision_layers=1",
+            "actor.model.vla.llm_layers=1",
+            "actor.model.num_action_chunks=2",
+            "sft.max_steps=1",
+            "cluster.learner_num_threads=1",
+            f"sft.dataset_path={dataset}",
+            "sft.dataset_keys={wrist: observation.images.cam, state: observation.state, action: action}",
+        ]
+    )
     err = capsys.readouterr().err.strip()
-    assert code == 1 and err == (f"sft: {dataset / DATA}: column 'observation.state': expected 13 numbers per row "
-                                 f"(meta/info.json features), found 3"), err
+    assert code == 1 and err == (
+        f"sft: {dataset / DATA}: column 'observation.state': expected 13 numbers per row "
+        f"(meta/info.json features), found 3"
+    ), err
 
 
 def test_collect_demos_never_writes_through_a_link_or_over_someone_elses_folders(tmp_path):
@@ -355,8 +401,11 @@ def test_collect_demos_never_writes_through_a_link_or_over_someone_elses_folders
     os.symlink(precious, out / "data")
     with pytest.raises(OutsideRoot) as err:
         DatasetWriter(out, env_id="Toy-v0", simulator="gym", fps=10, source="test", overwrite=True)
-    _one_line(err, f"{out / 'data'}: dataset folder: expected a real folder data/ of the dataset (or none), found a "
-                   f"link to {precious}")
+    _one_line(
+        err,
+        f"{out / 'data'}: dataset folder: expected a real folder data/ of the dataset (or none), found a "
+        f"link to {precious}",
+    )
     assert (precious / "keep.txt").read_text() == "mine"
     (out / "data").unlink()
     (out / "videos").mkdir()
@@ -367,8 +416,9 @@ def test_collect_demos_never_writes_through_a_link_or_over_someone_elses_folders
     w = DatasetWriter(tmp_path / "fresh", env_id="Toy-v0", simulator="gym", fps=10, source="test")
     w.add(_episode(3, 1))
     w.close()
-    again = DatasetWriter(tmp_path / "fresh", env_id="Toy-v0", simulator="gym", fps=10, source="test",
-                          overwrite=True)  # an earlier dataset is replaced, as before
+    again = DatasetWriter(
+        tmp_path / "fresh", env_id="Toy-v0", simulator="gym", fps=10, source="test", overwrite=True
+    )  # an earlier dataset is replaced, as before
     again.add(_episode(2, 2))
     again.close()
     assert len(Dataset(tmp_path / "fresh")) == 1
@@ -377,8 +427,8 @@ def test_collect_demos_never_writes_through_a_link_or_over_someone_elses_folders
 def test_a_dataset_in_a_real_hub_cache_reads_through_its_blob_links(dataset, tmp_path, monkeypatch):
     """sft.dataset_path as a hub id: the snapshot's files are links into blobs/ (allowed), one linked elsewhere is
     refused."""
-    from services.learner.sft import open_dataset
     from rlfleet.config import load_config
+    from services.learner.sft import open_dataset
     from tests.hostile.test_hub_ids import COMMIT, hub_cache
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -20,9 +20,16 @@ from rlfleet.untrusted import BadFile, OutsideRoot
 from rlfleet.wire.spaces import TensorSpace
 
 SPECS = {"third_person": TensorSpace((32, 32, 3), "uint8"), "state": TensorSpace((7,), "float32")}
-TINY = ["actor.model.model_type=openvla_oft", "actor.model.vla.image_size=32", "actor.model.num_action_chunks=2",
-        "actor.model.vla.vision_layers=1", "actor.model.vla.llm_layers=1", "env.train.max_steps_per_rollout_epoch=32",
-        "actor.global_batch_size=256", "actor.micro_batch_size=256"]
+TINY = [
+    "actor.model.model_type=openvla_oft",
+    "actor.model.vla.image_size=32",
+    "actor.model.num_action_chunks=2",
+    "actor.model.vla.vision_layers=1",
+    "actor.model.vla.llm_layers=1",
+    "env.train.max_steps_per_rollout_epoch=32",
+    "actor.global_batch_size=256",
+    "actor.micro_batch_size=256",
+]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "89abcdef0123456789abcdef0123456789abcdef"
 
@@ -70,9 +77,29 @@ def offline_hub(tmp_path, monkeypatch):
     return tmp_path / "hf"
 
 
-@pytest.mark.parametrize("revision", ["../../../etc", "main/../..", "a..b", "..", ".hidden", "main.lock", "a//b",
-                                      "/main", "main/", "@", "main@{1}", "main~1", "a b", "a:b", "a\\b", "x.",
-                                      "a\nb", ""])
+@pytest.mark.parametrize(
+    "revision",
+    [
+        "../../../etc",
+        "main/../..",
+        "a..b",
+        "..",
+        ".hidden",
+        "main.lock",
+        "a//b",
+        "/main",
+        "main/",
+        "@",
+        "main@{1}",
+        "main~1",
+        "a b",
+        "a:b",
+        "a\\b",
+        "x.",
+        "a\nb",
+        "",
+    ],
+)
 def test_revisions_that_are_no_git_refs_are_refused_by_name(revision, offline_hub, saved):
     hub_cache(offline_hub, saved[0])
     (offline_hub / "hub" / "etc").mkdir()  # what ../../../etc would reach from refs/
@@ -98,8 +125,9 @@ def test_a_model_in_a_real_hub_cache_loads_through_its_blob_links(offline_hub, s
     _, snapshot = hub_cache(offline_hub, path, refs=("main", "refs/pr/1"))
     assert os.path.islink(snapshot / "model.safetensors")
     torch.manual_seed(1)  # a different fresh init: the weights must come from the cache
-    loaded = build_policy(_cfg("actor.model.model_path=tiny-org/tiny-oft@refs/pr/1").actor.model, SPECS, 4, True,
-                          "token_level")
+    loaded = build_policy(
+        _cfg("actor.model.model_path=tiny-org/tiny-oft@refs/pr/1").actor.model, SPECS, 4, True, "token_level"
+    )
     got = loaded.state_dict()
     assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
 

@@ -28,9 +28,17 @@ from rlfleet.wire.spaces import TensorSpace
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SPECS = {"third_person": TensorSpace((32, 32, 3), "uint8"), "state": TensorSpace((7,), "float32")}
-TINY = ["actor.model.model_type=openvla_oft", "actor.model.vla.image_size=32", "actor.model.num_action_chunks=2",
-        "actor.model.vla.vision_layers=1", "actor.model.vla.llm_layers=1", "actor.model.use_proprio=true",
-        "env.train.max_steps_per_rollout_epoch=32", "actor.global_batch_size=256", "actor.micro_batch_size=256"]
+TINY = [
+    "actor.model.model_type=openvla_oft",
+    "actor.model.vla.image_size=32",
+    "actor.model.num_action_chunks=2",
+    "actor.model.vla.vision_layers=1",
+    "actor.model.vla.llm_layers=1",
+    "actor.model.use_proprio=true",
+    "env.train.max_steps_per_rollout_epoch=32",
+    "actor.global_batch_size=256",
+    "actor.micro_batch_size=256",
+]
 TB = 1 << 40
 
 
@@ -122,9 +130,14 @@ def test_a_safetensors_header_claiming_a_terabyte_is_refused_without_allocating(
     read(length) before) refuse it, measured in a process of its own after a warm-up load of the good folder: well
     under a second, the peak RSS and Python's own allocations grow by a few MB at most."""
     _terabyte_file(rl / "model.safetensors", how)
-    proc = subprocess.run([sys.executable, "-c", MEASURE, str(folders / "rlfleet"), str(rl), json.dumps(TINY)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(folders / "rlfleet"), str(rl), json.dumps(TINY)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     for what, got in out.items():
@@ -134,9 +147,14 @@ def test_a_safetensors_header_claiming_a_terabyte_is_refused_without_allocating(
         assert ("header length" if how == "header length" else "tensor 'w' data_offsets") in msg, msg
         assert got["seconds"] < 0.5, (what, got)
         assert got["rss_growth"] < 32 * 2**20 and got["python_peak"] < 4 * 2**20, (what, got)
-    print(f"\n1 TB header ({how}): " + "; ".join(
-        f"{w} {g['seconds'] * 1e3:.1f} ms, peak RSS +{g['rss_growth'] / 2**20:.1f} MiB, Python peak "
-        f"{g['python_peak'] / 2**10:.0f} KiB" for w, g in out.items()))
+    print(
+        f"\n1 TB header ({how}): "
+        + "; ".join(
+            f"{w} {g['seconds'] * 1e3:.1f} ms, peak RSS +{g['rss_growth'] / 2**20:.1f} MiB, Python peak "
+            f"{g['python_peak'] / 2**10:.0f} KiB"
+            for w, g in out.items()
+        )
+    )
     # and in this process, through the same readers
     t0 = time.perf_counter()
     with pytest.raises(TooLarge):
@@ -187,18 +205,25 @@ def test_a_file_linked_out_of_the_folder_is_refused(rl, tmp_path, name):
 
 def test_config_sizes_beyond_their_bounds_or_beyond_the_weights_are_refused_before_building(rl, upstream):
     cfg = json.loads((rl / "config.json").read_text())
-    for key, value, field in (("vocab_size", 10**12, "vla.vocab_size"), ("llm_layers", 10**9, "vla.llm_layers"),
-                              ("llm_hidden_size", "wide", "vla.llm_hidden_size")):
+    for key, value, field in (
+        ("vocab_size", 10**12, "vla.vocab_size"),
+        ("llm_layers", 10**9, "vla.llm_layers"),
+        ("llm_hidden_size", "wide", "vla.llm_hidden_size"),
+    ):
         (rl / "config.json").write_text(json.dumps({**cfg, "vla": {**cfg["vla"], key: value}}))
         with pytest.raises(BadFile) as err:
             _load(rl)
         assert str(err.value).startswith(f"{rl / 'config.json'}: {field}: expected "), str(err.value)
     # within the bounds, but a model its 1-layer weights cannot fill: refused by the meta-device build, in seconds
-    (rl / "config.json").write_text(json.dumps({**cfg, "vla": {**cfg["vla"], "llm_layers": 1000,
-                                                               "llm_hidden_size": 4096, "vocab_size": 32000}}))
+    (rl / "config.json").write_text(
+        json.dumps({**cfg, "vla": {**cfg["vla"], "llm_layers": 1000, "llm_hidden_size": 4096, "vocab_size": 32000}})
+    )
     t0 = time.perf_counter()
-    with pytest.raises(TooLarge, match=r"config.json: sizes: expected a model of at most [\d,]+ elements \(its "
-                                       r"safetensors hold [\d,]+\), found sizes that build [\d,]+$"):
+    with pytest.raises(
+        TooLarge,
+        match=r"config.json: sizes: expected a model of at most [\d,]+ elements \(its "
+        r"safetensors hold [\d,]+\), found sizes that build [\d,]+$",
+    ):
         _load(rl)
     assert time.perf_counter() - t0 < 30
     up = json.loads((upstream / "config.json").read_text())
@@ -210,10 +235,12 @@ def test_config_sizes_beyond_their_bounds_or_beyond_the_weights_are_refused_befo
 
 def test_statistics_that_lie_are_named(rl):
     path = rl / "dataset_statistics.json"
-    for stats, field in (({"bridge": {"action": {"q01": [-1.0] * 3, "q99": [1.0] * 3}}}, "bridge.action.q01"),
-                         ({"bridge": {"action": {"q01": "low", "q99": [1.0] * 4}}}, "bridge.action.q01"),
-                         ({"bridge": {"action": {"q01": [-1.0] * 4, "q99": [1.0] * 5}}}, "bridge.action"),
-                         ({"bridge": ["q01"]}, "bridge")):
+    for stats, field in (
+        ({"bridge": {"action": {"q01": [-1.0] * 3, "q99": [1.0] * 3}}}, "bridge.action.q01"),
+        ({"bridge": {"action": {"q01": "low", "q99": [1.0] * 4}}}, "bridge.action.q01"),
+        ({"bridge": {"action": {"q01": [-1.0] * 4, "q99": [1.0] * 5}}}, "bridge.action"),
+        ({"bridge": ["q01"]}, "bridge"),
+    ):
         path.write_text(json.dumps(stats))
         with pytest.raises(BadFile) as err:
             _load(rl, "actor.model.unnorm_key=bridge")
@@ -231,13 +258,16 @@ def _plant_code(folder: pathlib.Path, module: str, marker: pathlib.Path) -> None
         "class EvilTokenizer(PreTrainedTokenizerFast): pass\n"
         "class OpenVLAConfig(PretrainedConfig): pass\n"
         "class OpenVLAForActionPrediction(PreTrainedModel): pass\n"
-        "class PrismaticProcessor: pass\nclass PrismaticImageProcessor: pass\n")
+        "class PrismaticProcessor: pass\nclass PrismaticImageProcessor: pass\n"
+    )
 
 
 def _poison_tokenizer_config(folder: pathlib.Path) -> None:
     tok = json.loads((folder / "tokenizer_config.json").read_text())
-    tok.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["tokenization_evil.EvilTokenizer",
-                                                                            "tokenization_evil.EvilTokenizer"]})
+    tok.update(
+        tokenizer_class="EvilTokenizer",
+        auto_map={"AutoTokenizer": ["tokenization_evil.EvilTokenizer", "tokenization_evil.EvilTokenizer"]},
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(tok))
 
 
@@ -270,16 +300,22 @@ def test_no_code_path_sets_trust_remote_code():
     wrong = []
     for path in sorted([*ROOT.glob("rlfleet/**/*.py"), *ROOT.glob("services/**/*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.keyword) and node.arg == "trust_remote_code" and not (
-                    isinstance(node.value, ast.Constant) and node.value.value is False):
+            if (
+                isinstance(node, ast.keyword)
+                and node.arg == "trust_remote_code"
+                and not (isinstance(node.value, ast.Constant) and node.value.value is False)
+            ):
                 wrong.append(f"{path.relative_to(ROOT)}:{node.value.lineno}")
     assert not wrong, wrong
 
 
 def test_a_tokenizer_file_beyond_its_bound_is_refused_before_parsing(upstream):
     os.truncate(upstream / "tokenizer.json", 300 * 2**20)  # sparse: no disk written
-    with pytest.raises(TooLarge, match=r"tokenizer.json: tokenizer.json: expected at most 268,435,456 bytes, found "
-                                       r"314,572,800 bytes$"):
+    with pytest.raises(
+        TooLarge,
+        match=r"tokenizer.json: tokenizer.json: expected at most 268,435,456 bytes, found "
+        r"314,572,800 bytes$",
+    ):
         _load(upstream)
 
 
@@ -311,8 +347,9 @@ PI0 = ["actor.model.model_type=openpi", "actor.model.num_action_chunks=4", "env.
 
 
 def _load_pi0(path):
-    return build_policy(load_config(None, [*PI0, f"actor.model.model_path={path}"]).actor.model, SPECS, 4, True,
-                        "chunk_level")
+    return build_policy(
+        load_config(None, [*PI0, f"actor.model.model_path={path}"]).actor.model, SPECS, 4, True, "chunk_level"
+    )
 
 
 def test_a_transformers_pi0_folder_is_checked_before_transformers_reads_it(pi0_folder, tmp_path):

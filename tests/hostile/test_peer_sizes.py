@@ -26,9 +26,9 @@ from tests.rlfleet.test_conformance import ROOT, _serve, example
 
 F32, U8 = tensor_pb2.FLOAT32, tensor_pb2.UINT8
 NUM_ENVS = 2
-SECONDS = 10.0              # to the named error, process start included
-GROWTH_MB = 200             # peak memory over an honest run of the same client
-ADDRESS_SPACE = 3 << 30     # the clients' cap: gigabytes allocated for a claim fail there, not on the machine
+SECONDS = 10.0  # to the named error, process start included
+GROWTH_MB = 200  # peak memory over an honest run of the same client
+ADDRESS_SPACE = 3 << 30  # the clients' cap: gigabytes allocated for a claim fail there, not on the machine
 
 
 def _tensor(a) -> tensor_pb2.Tensor:
@@ -56,7 +56,7 @@ class Liar(example.PointReach):
         self.lie = lie
         self.stopped = threading.Event()
         # the big parts of a lie, built once (the kit asks many times)
-        self._entries = _many_entries(10 ** 6) if lie == "keys_1e6" else b""
+        self._entries = _many_entries(10**6) if lie == "keys_1e6" else b""
         self._tensors = tensor_pb2.TensorMap()
         self._replies: dict[int, env_pb2.ResetResponse] = {}
         if lie == "reset_tensors_1e5":
@@ -73,7 +73,7 @@ class Liar(example.PointReach):
         if lie == "action_2e30":
             spec.action_space.shape[:] = [1 << 30]
         elif lie == "envs_2e31":
-            spec.num_envs = 2 ** 31 - 1
+            spec.num_envs = 2**31 - 1
             del spec.task_descriptions[:]
         elif lie == "obs_2e30":
             spec.observation_space["state"].CopyFrom(tensor_pb2.TensorSpec(dtype=F32, shape=[1 << 30], low=-3, high=3))
@@ -88,9 +88,9 @@ class Liar(example.PointReach):
         elif lie == "dtype_77":
             spec.action_space.dtype = 77
         elif lie == "episode_steps_2e31":
-            spec.max_episode_steps = 2 ** 31 - 1
+            spec.max_episode_steps = 2**31 - 1
         elif lie == "chunk_2e31":
-            spec.max_action_chunk = 2 ** 31 - 1
+            spec.max_action_chunk = 2**31 - 1
         elif lie == "env_id_1mib":
             spec.env_id = "x" * (1 << 20)
         elif lie == "description_1mib":
@@ -142,37 +142,37 @@ class Liar(example.PointReach):
 # lie -> what the refusal must say (both clients)
 DESCRIBE_LIES = {
     "action_2e30": "action_space.shape (elements): expected at most 65,536 per env (rlfleet.wire.limits."
-                   "MAX_ACTION_ELEMENTS, override with RLFLEET_MAX_ACTION_ELEMENTS), found 1,073,741,824",
+    "MAX_ACTION_ELEMENTS, override with RLFLEET_MAX_ACTION_ELEMENTS), found 1,073,741,824",
     "envs_2e31": "num_envs: expected at most 65,536 (rlfleet.wire.limits.MAX_ENVS, override with RLFLEET_MAX_ENVS), "
-                 "found 2,147,483,647",
+    "found 2,147,483,647",
     "obs_2e30": "observation_space['state'].shape (elements): expected at most 16,777,216 per env",
     "reset_of_every_env_too_big": "num_envs x observation bytes (4,096 x 196,624: a Reset of every env): expected at "
-                                  "most 268,435,456 bytes, one reply",
+    "most 268,435,456 bytes, one reply",
     "keys_1e6": "observation_space (entries): expected at most 256 (rlfleet.wire.limits.MAX_OBS_ENTRIES), "
-                "found 1,000,001",
+    "found 1,000,001",
     "deep_space": "observation_space['state'].shape (dimensions): expected at most 32",
     "dtype_77": "EnvSpec.action_space: dtype: unknown or unset dtype 77",  # not a size: named as the field's fault
     "episode_steps_2e31": "max_episode_steps: expected at most 1,000,000",
     "chunk_2e31": "max_action_chunk: expected at most 1,024 (rlfleet.wire.limits.MAX_ACTION_CHUNK), "
-                  "found 2,147,483,647",
+    "found 2,147,483,647",
     "env_id_1mib": "env_id: expected a string of at most 256 characters (rlfleet.wire.limits.MAX_NAME_CHARS), "
-                   "found 1,048,576 characters",
+    "found 1,048,576 characters",
     "description_1mib": "task_descriptions[0]: expected a string of at most 16,384 characters",
 }
 REPLY_LIES = {
     "reset_tensor_2e40": "observations['state']: shape [1048576, 1048576] has 1099511627776 elements, more than "
-                         "the limit",
+    "the limit",
     "reset_shape_bytes_mismatch": "observations['state']: 16 data bytes do not match shape [2, 268435456] of FLOAT32 "
-                                  "(2147483648 bytes expected)",
+    "(2147483648 bytes expected)",
     "reset_more_rows": "observations['state']: shape [3, 4] where [2, 4] was expected",
     "reset_instructions_1e5": "ResetResponse: instructions (count): expected at most 2 (one per row asked for, or "
-                              "none; 2 rows were asked for), found 100,000",
+    "none; 2 rows were asked for), found 100,000",
     "reset_instruction_1mib": "ResetResponse: instructions[0]: expected a string of at most 16,384 characters",
     "reset_tensors_1e5": "ResetResponse: observations (entries): expected at most 256",
     "step_tensor_2e40": "rewards: shape [1099511627776] has 1099511627776 elements, more than the limit",
     "step_more_rows": "observations['state']: shape [3, 4] where [2, 4] was expected",
     "step_episodes_1e5": "StepResponse: episodes (count): expected at most 2 (one per ended row; 2 rows were "
-                         "stepped), found 100,000",
+    "stepped), found 100,000",
 }
 # a Step stream that answers without end: answers carry no request id, so an answer is known to be unasked only when
 # it arrives with no request outstanding; one that arrives just after the client's next request is taken as that
@@ -191,12 +191,17 @@ def _peak():
     print(f"peak-kib {{hwm}}", flush=True)
 atexit.register(_peak)
 """
-CLI = PEAK + """
+CLI = (
+    PEAK
+    + """
 import runpy
 sys.argv = ["coordinatorctl", *sys.argv[1:]]
 runpy.run_module("services.coordinator.cli", run_name="__main__")
 """
-BRIDGE = PEAK + """
+)
+BRIDGE = (
+    PEAK
+    + """
 import time
 import numpy as np
 from rlfleet.errors import InvalidRequest
@@ -212,15 +217,22 @@ except (InvalidRequest, EnvConnectionLost) as exc:
     print(f"{type(exc).__name__}: {exc}")
 print(f"seconds {time.monotonic() - t0:.2f}")
 """
+)
 
 
 def _run(cmd: list[str], env: dict | None = None) -> tuple[str, float, float]:
     """Run a client as its own process under the address-space cap -> (its output, wall seconds, peak MB)."""
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              timeout=60,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        proc = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
     except subprocess.TimeoutExpired as exc:  # a hang is a failure, not a stuck suite
         raise AssertionError(f"{cmd[-3:]} did not end within 60s: {exc.output}") from None
     peak = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("peak-kib ")]
@@ -266,8 +278,9 @@ def _line_with(out: str, says: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("liar,says", [*DESCRIBE_LIES.items(), *REPLY_LIES.items()], indirect=["liar"],
-                         ids=[*DESCRIBE_LIES, *REPLY_LIES])
+@pytest.mark.parametrize(
+    "liar,says", [*DESCRIBE_LIES.items(), *REPLY_LIES.items()], indirect=["liar"], ids=[*DESCRIBE_LIES, *REPLY_LIES]
+)
 def test_check_env_names_the_claim_quickly_and_in_bounded_memory(liar, says, baseline):
     out, seconds, peak = check_env(liar)
     line = _line_with(out, says)
@@ -282,8 +295,12 @@ def test_check_env_names_the_claim_quickly_and_in_bounded_memory(liar, says, bas
     print(f"check-env {says[:50]!r}: {seconds:.2f}s, peak {peak:.0f} MB (honest {baseline['check-env']:.0f} MB)")
 
 
-@pytest.mark.parametrize("liar,says", [*DESCRIBE_LIES.items(), *REPLY_LIES.items(), *BRIDGE_ONLY.items()],
-                         indirect=["liar"], ids=[*DESCRIBE_LIES, *REPLY_LIES, *BRIDGE_ONLY])
+@pytest.mark.parametrize(
+    "liar,says",
+    [*DESCRIBE_LIES.items(), *REPLY_LIES.items(), *BRIDGE_ONLY.items()],
+    indirect=["liar"],
+    ids=[*DESCRIBE_LIES, *REPLY_LIES, *BRIDGE_ONLY],
+)
 def test_the_bridge_names_the_claim_quickly_and_in_bounded_memory(liar, says, baseline):
     out, seconds, peak = bridge(liar)
     line = _line_with(out, says)
@@ -306,7 +323,7 @@ def _checks():
 @pytest.mark.parametrize("liar", ["episode_steps_2e31"], indirect=True)
 def test_an_override_lets_a_longer_claim_through(liar):
     """RLFLEET_MAX_EPISODE_STEPS raises the limit for a simulator that needs it: the same server is then used."""
-    out, _, _ = bridge(liar, env={"RLFLEET_MAX_EPISODE_STEPS": str(2 ** 31)})
+    out, _, _ = bridge(liar, env={"RLFLEET_MAX_EPISODE_STEPS": str(2**31)})
     assert "no error" in out, out
     out, _, _ = bridge(liar, env={"RLFLEET_MAX_EPISODE_STEPS": "lots"})
     assert "RLFLEET_MAX_EPISODE_STEPS='lots': expected a positive integer" in out, out
@@ -322,12 +339,14 @@ def test_coordinatorctl_start_refuses_the_claim_before_anything_starts(liar):
 
 
 def test_limit_lines_name_the_peer_the_field_the_limit_and_the_claim():
-    spec = env_pb2.EnvSpec(num_envs=2 ** 31 - 1, max_episode_steps=5)
+    spec = env_pb2.EnvSpec(num_envs=2**31 - 1, max_episode_steps=5)
     spec.observation_space["state"].CopyFrom(tensor_pb2.TensorSpec(dtype=F32, shape=[4]))
     spec.action_space.CopyFrom(tensor_pb2.TensorSpec(dtype=F32, shape=[2]))
     (line,) = env_contract.limit_problems(spec, "10.0.0.1:5 EnvSpec")
-    assert line == ("10.0.0.1:5 EnvSpec: num_envs: expected at most 65,536 (rlfleet.wire.limits.MAX_ENVS, override "
-                    "with RLFLEET_MAX_ENVS), found 2,147,483,647 (docs/env-contract.md#limits)")
+    assert line == (
+        "10.0.0.1:5 EnvSpec: num_envs: expected at most 65,536 (rlfleet.wire.limits.MAX_ENVS, override "
+        "with RLFLEET_MAX_ENVS), found 2,147,483,647 (docs/env-contract.md#limits)"
+    )
     assert env_contract.spec_problems(spec) == [line.replace("10.0.0.1:5 EnvSpec", "EnvSpec")]
     spec.num_envs = limits.MAX_ENVS  # at the limit: accepted
     assert env_contract.limit_problems(spec) == []
@@ -349,9 +368,12 @@ class FloodingInference(inference_pb2_grpc.InferenceServiceServicer):
 
     def Act(self, request_iterator, context):
         for req in request_iterator:
-            resp = inference_pb2.ActResponse(request_id=req.request_id, weights_version=1,
-                                             actions=codec.encode(np.zeros((1, 1, 2), np.float32)),
-                                             log_probs=codec.encode(np.zeros((1, 1), np.float32)))
+            resp = inference_pb2.ActResponse(
+                request_id=req.request_id,
+                weights_version=1,
+                actions=codec.encode(np.zeros((1, 1, 2), np.float32)),
+                log_probs=codec.encode(np.zeros((1, 1), np.float32)),
+            )
             for _ in range(10_000):
                 if not context.is_active():
                     return

@@ -27,24 +27,35 @@ def test_no_identity_checks_nothing():
 
 def test_owning_role_with_its_own_credential_passes():
     as_server("learner")
-    caller = callers.check_caller("/rlfleet.v1.LearnerService/Train", auth.metadata(SECRET, "coordinator", to="learner"))
+    caller = callers.check_caller(
+        "/rlfleet.v1.LearnerService/Train", auth.metadata(SECRET, "coordinator", to="learner")
+    )
     assert (caller.role, caller.index) == ("coordinator", 0)
     # a read: any role's valid credential
-    assert callers.check_caller("/rlfleet.v1.LearnerService/Status",
-                            auth.metadata(SECRET, "ctl", to="learner")).role == "ctl"
-    assert callers.check_caller("/rlfleet.v1.LearnerService/PushRollout",
-                            auth.metadata(SECRET, "env", 7, to="learner")) == callers.Caller("env", 7)
+    assert (
+        callers.check_caller("/rlfleet.v1.LearnerService/Status", auth.metadata(SECRET, "ctl", to="learner")).role
+        == "ctl"
+    )
+    assert callers.check_caller(
+        "/rlfleet.v1.LearnerService/PushRollout", auth.metadata(SECRET, "env", 7, to="learner")
+    ) == callers.Caller("env", 7)
 
 
 def test_missing_or_wrong_credentials_are_unauthenticated():
     as_server("learner")
     good = auth.metadata(SECRET, "coordinator", to="learner")
-    for bad in ([], [(callers.TOKEN_KEY, SECRET)], [(callers.TOKEN_KEY, f"Bearer {SECRET}"), (callers.ROLE_KEY, "coordinator")],
-                auth.metadata("another-run", "coordinator", to="learner"),
-                auth.metadata(SECRET, "coordinator", to="inference"),  # the bearer for another callee role
-                [*good[:2], (callers.INDEX_KEY, "1")],  # index 0's bearer claiming index 1
-                [*good[:2], (callers.INDEX_KEY, "-1")], [*good[:2], (callers.INDEX_KEY, "9" * 40)],
-                [good[0], (callers.ROLE_KEY, "root"), good[2]], [(callers.TOKEN_KEY, "Bearer \u00e9"), *good[1:]]):
+    for bad in (
+        [],
+        [(callers.TOKEN_KEY, SECRET)],
+        [(callers.TOKEN_KEY, f"Bearer {SECRET}"), (callers.ROLE_KEY, "coordinator")],
+        auth.metadata("another-run", "coordinator", to="learner"),
+        auth.metadata(SECRET, "coordinator", to="inference"),  # the bearer for another callee role
+        [*good[:2], (callers.INDEX_KEY, "1")],  # index 0's bearer claiming index 1
+        [*good[:2], (callers.INDEX_KEY, "-1")],
+        [*good[:2], (callers.INDEX_KEY, "9" * 40)],
+        [good[0], (callers.ROLE_KEY, "root"), good[2]],
+        [(callers.TOKEN_KEY, "Bearer \u00e9"), *good[1:]],
+    ):
         with pytest.raises(AuthError) as err:
             callers.check_caller("/rlfleet.v1.LearnerService/Train", bad)
         assert err.value.args[0] == "UNAUTHENTICATED", bad
@@ -57,14 +68,22 @@ def test_roles_are_proven_not_declared():
     forged[1] = (callers.ROLE_KEY, "learner")
     with pytest.raises(AuthError) as err:
         callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", forged)
-    assert err.value.args == ("PERMISSION_DENIED", "this credential is env[0]'s, not learner[0]'s: a service acts "
-                                                   "only in its own role and index")
+    assert err.value.args == (
+        "PERMISSION_DENIED",
+        "this credential is env[0]'s, not learner[0]'s: a service acts only in its own role and index",
+    )
     with pytest.raises(AuthError) as err:  # honest about being env: still not the owner
         callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", auth.metadata(SECRET, "env", to="inference"))
-    assert err.value.args == ("PERMISSION_DENIED", "/rlfleet.v1.InferenceService/UpdateWeights is accepted only "
-                                                   "from learner, not from env")
-    assert callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights",
-                            auth.metadata(SECRET, "learner", to="inference")).role == "learner"
+    assert err.value.args == (
+        "PERMISSION_DENIED",
+        "/rlfleet.v1.InferenceService/UpdateWeights is accepted only from learner, not from env",
+    )
+    assert (
+        callers.check_caller(
+            "/rlfleet.v1.InferenceService/UpdateWeights", auth.metadata(SECRET, "learner", to="inference")
+        ).role
+        == "learner"
+    )
 
 
 def test_a_leaked_credential_signs_only_as_itself():
@@ -88,14 +107,18 @@ def test_a_leaked_credential_signs_only_as_itself():
     as_server("env")
     with pytest.raises(AuthError) as err:
         callers.check_caller("/rlfleet.v1.RolloutService/Collect", md(env.bearer(1, "env"), "env", 1))
-    assert err.value.args == ("PERMISSION_DENIED", "env[1]'s credential calls coordinator/inference/learner servers, "
-                                                   "not env servers")
+    assert err.value.args == (
+        "PERMISSION_DENIED",
+        "env[1]'s credential calls coordinator/inference/learner servers, not env servers",
+    )
     # an inference server's credential: nothing in it signs as the learner (the tester's UpdateWeights of 2**62)
     inf = auth.parse_credential(auth.issue(SECRET, "inference", 0))
     assert inf.to == ("coordinator",) and inf.root is not None
     as_server("inference")
-    for bearer in (inf.bearer(0, "inference"), auth.Credential("learner", 0, ("inference",), inf.key, inf.cert,
-                                                               None).bearer(0, "inference")):
+    for bearer in (
+        inf.bearer(0, "inference"),
+        auth.Credential("learner", 0, ("inference",), inf.key, inf.cert, None).bearer(0, "inference"),
+    ):
         with pytest.raises(AuthError) as err:
             callers.check_caller(update, md(bearer, "learner", 0))
         assert err.value.args[0] in ("PERMISSION_DENIED", "UNAUTHENTICATED"), err.value.args
@@ -103,10 +126,16 @@ def test_a_leaked_credential_signs_only_as_itself():
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     for seed in (inf.root, auth._mac(inf.root, "rlfleet/v2/root")):
-        forged = auth.Credential("learner", 0, ("inference",), inf.key,
-                                 Ed25519PrivateKey.from_private_bytes(seed).sign(
-                                     auth._cert_text("learner", 0, ("inference",), auth._public(inf.key)).encode()),
-                                 None)
+        forged = auth.Credential(
+            "learner",
+            0,
+            ("inference",),
+            inf.key,
+            Ed25519PrivateKey.from_private_bytes(seed).sign(
+                auth._cert_text("learner", 0, ("inference",), auth._public(inf.key)).encode()
+            ),
+            None,
+        )
         with pytest.raises(AuthError) as err:
             callers.check_caller(update, md(forged.bearer(0, "inference"), "learner", 0))
         assert err.value.args[0] == "UNAUTHENTICATED" and "a cert this run did not issue" in err.value.args[1]
@@ -174,11 +203,18 @@ def test_every_owned_method_exists():
     """The ownership table names real methods (a renamed RPC must not silently lose its check)."""
     from rlfleet.v1 import coordinator_pb2, env_pb2, inference_pb2, learner_pb2, rollout_pb2
 
-    real = {f"/{s.full_name}/{m.name}" for mod in (coordinator_pb2, inference_pb2, learner_pb2, rollout_pb2)
-            for s in mod.DESCRIPTOR.services_by_name.values() for m in s.methods}
+    real = {
+        f"/{s.full_name}/{m.name}"
+        for mod in (coordinator_pb2, inference_pb2, learner_pb2, rollout_pb2)
+        for s in mod.DESCRIPTOR.services_by_name.values()
+        for m in s.methods
+    }
     assert set(callers.METHOD_ROLES) <= real, set(callers.METHOD_ROLES) - real
-    services = {s.full_name for mod in (coordinator_pb2, env_pb2, inference_pb2, learner_pb2, rollout_pb2)
-                for s in mod.DESCRIPTOR.services_by_name.values()}
+    services = {
+        s.full_name
+        for mod in (coordinator_pb2, env_pb2, inference_pb2, learner_pb2, rollout_pb2)
+        for s in mod.DESCRIPTOR.services_by_name.values()
+    }
     assert set(callers.SERVICE_ROLES) == services  # every service's calls carry a bearer
 
 

@@ -71,7 +71,7 @@ def test_element_count_cannot_overflow_past_the_size_check():
     """[2**32, 2**32] with 0 bytes used to pass (the int64 product wraps to 0) and fail later as INTERNAL."""
     from rlfleet.wire import codec
 
-    msg = codec.Tensor(dtype=codec.DType.FLOAT32, shape=[2 ** 32, 2 ** 32], data=b"")
+    msg = codec.Tensor(dtype=codec.DType.FLOAT32, shape=[2**32, 2**32], data=b"")
     with pytest.raises(codec.CodecError, match=r"has 18446744073709551616 elements, more than the limit"):
         codec.decode(msg, "obs")
     with pytest.raises(codec.CodecError, match="40 dimensions; at most 32"):
@@ -83,8 +83,8 @@ def test_element_count_cannot_overflow_past_the_size_check():
 def test_a_tiny_weights_chunk_declaring_a_huge_tensor_allocates_nothing_big():
     import tracemalloc
 
-    from rlfleet.wire import codec, weights
     from rlfleet.v1 import inference_pb2
+    from rlfleet.wire import codec, weights
 
     chunk = inference_pb2.WeightsChunk(version=1, name="w", offset=0)
     chunk.data.dtype = codec.DType.FLOAT32
@@ -99,8 +99,7 @@ def test_a_tiny_weights_chunk_declaring_a_huge_tensor_allocates_nothing_big():
 
 
 def test_policy_output_from_torch_to_numpy_and_by_rows():
-    out = PolicyOutput(torch.ones(4, 1, 2, dtype=torch.float64), torch.zeros(4, 1), None,
-                       {"tokens": torch.arange(4)})
+    out = PolicyOutput(torch.ones(4, 1, 2, dtype=torch.float64), torch.zeros(4, 1), None, {"tokens": torch.arange(4)})
     assert out.weights_version == -1  # straight from a policy: not stamped
     res = out.to_numpy(5, rows=3)  # the fourth row is batch padding
     assert res.actions.dtype == np.float32 and res.actions.shape == (3, 1, 2) and res.weights_version == 5
@@ -116,11 +115,18 @@ FI = {"actions": InputSpec((2,), "float32")}
 
 
 def rollout(T=4, N=3):
-    tm = {"obs.state": np.zeros((T, N, 3), np.float32), "actions": np.zeros((T, N, 1, 2), np.float32),
-          "fi.actions": np.zeros((T, N, 2), np.float32), "log_probs": np.zeros((T, N, 1), np.float32),
-          "values": np.zeros((T, N), np.float32), "rewards": np.ones((T, N), np.float32),
-          "terminated": np.zeros((T, N), bool), "truncated": np.zeros((T, N), bool),
-          "bootstrap_values": np.zeros((T, N), np.float32), "loss_mask": np.ones((T, N), bool)}
+    tm = {
+        "obs.state": np.zeros((T, N, 3), np.float32),
+        "actions": np.zeros((T, N, 1, 2), np.float32),
+        "fi.actions": np.zeros((T, N, 2), np.float32),
+        "log_probs": np.zeros((T, N, 1), np.float32),
+        "values": np.zeros((T, N), np.float32),
+        "rewards": np.ones((T, N), np.float32),
+        "terminated": np.zeros((T, N), bool),
+        "truncated": np.zeros((T, N), bool),
+        "bootstrap_values": np.zeros((T, N), np.float32),
+        "loss_mask": np.ones((T, N), bool),
+    }
     return tm, {"last_values": np.zeros(N, np.float32)}
 
 
@@ -136,16 +142,20 @@ def test_every_bounded_field_is_documented_and_a_good_rollout_passes():
     assert check(*rollout()) == (4, 3)
 
 
-@pytest.mark.parametrize("field", ["values", "actions", "rewards", "bootstrap_values", "log_probs", "fi.actions",
-                                   "obs.state", "last_values"])
+@pytest.mark.parametrize(
+    "field", ["values", "actions", "rewards", "bootstrap_values", "log_probs", "fi.actions", "obs.state", "last_values"]
+)
 @pytest.mark.parametrize("value", [3e38, -3e38])
 def test_finite_but_huge_values_are_refused_naming_the_field(field, value):
     tm, pe = rollout()
     target = pe if field == "last_values" else tm
     target[field] = target[field].copy()
     target[field].reshape(-1)[-1] = value
-    with pytest.raises(SchemaError, match=rf"rollout\['{field}'\]: value {re.escape(f'{value:.4g}')} at index "
-                                          rf"\[.*\] is beyond the schema's bound"):
+    with pytest.raises(
+        SchemaError,
+        match=rf"rollout\['{field}'\]: value {re.escape(f'{value:.4g}')} at index "
+        rf"\[.*\] is beyond the schema's bound",
+    ):
         check(tm, pe)
 
 
@@ -167,15 +177,21 @@ def test_non_finite_values_name_the_place():
 def test_an_extra_trailing_dimension_is_refused(field):
     tm, pe = rollout()
     tm[field] = tm[field][..., None]
-    with pytest.raises(SchemaError, match=rf"rollout\['{field}'\]: shape \[4, 3, 1\] where \[(4, 3|T, N)\] was "
-                                          rf"expected"):
+    with pytest.raises(
+        SchemaError,
+        match=rf"rollout\['{field}'\]: shape \[4, 3, 1\] where \[(4, 3|T, N)\] was "
+        rf"expected",
+    ):
         check(tm, pe)
 
 
 def test_forward_inputs_must_be_the_policys():
     tm, pe = rollout()
-    with pytest.raises(SchemaError, match=r"rollout\['fi.actions'\]: float32 \[4, 3, 7\] where float "
-                                          r"\[4, 3, \*\[2\]\]"):
+    with pytest.raises(
+        SchemaError,
+        match=r"rollout\['fi.actions'\]: float32 \[4, 3, 7\] where float "
+        r"\[4, 3, \*\[2\]\]",
+    ):
         check(dict(tm, **{"fi.actions": np.zeros((4, 3, 7), np.float32)}), pe)
     with pytest.raises(SchemaError, match=r"rollout\['fi.actions'\]: int64 \[4, 3, 2\] where float"):
         check(dict(tm, **{"fi.actions": np.zeros((4, 3, 2), np.int64)}), pe)

@@ -8,8 +8,16 @@ from omegaconf import OmegaConf
 
 from rlfleet.config import CONFIG_DIR, ConfigError, config_from_yaml, env_server_config, load_config, to_yaml
 from rlfleet.config.schema import comments, schema_keys
-from rlfleet.config.views import (VIEWS, CoordinatorView, EnvView, InferenceView, LearnerView, build_view,
-                                  field_docs, learner_view)
+from rlfleet.config.views import (
+    VIEWS,
+    CoordinatorView,
+    EnvView,
+    InferenceView,
+    LearnerView,
+    build_view,
+    field_docs,
+    learner_view,
+)
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
@@ -39,13 +47,16 @@ def test_views_are_frozen_and_typed():
         view.model.hidden_dims = [4]
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    ("algorithm.gamma", "high", "float"),
-    ("actor.micro_batch_size", 1.5, "int"),
-    ("runner.logger.logger_backends", "tensorboard", "list of str"),
-    ("algorithm.normalize_obs", 1, "bool"),
-    ("runner.resume_dir", 3, "str or null"),
-])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("algorithm.gamma", "high", "float"),
+        ("actor.micro_batch_size", 1.5, "int"),
+        ("runner.logger.logger_backends", "tensorboard", "list of str"),
+        ("algorithm.normalize_obs", 1, "bool"),
+        ("runner.resume_dir", 3, "str or null"),
+    ],
+)
 def test_wrong_type_refused_naming_the_key(key, value, expected):
     cfg = load_config()
     OmegaConf.update(cfg, key, value)  # what a hand-edited run folder's config.yaml could hold
@@ -78,8 +89,10 @@ def test_configuration_page_reference_is_in_step_with_the_schema():
 
     page = docs.PAGE.read_text()
     assert docs.BEGIN in page and docs.END in page
-    assert not docs.stale(), (f"docs/configuration.md's reference is out of step with the schema's comments "
-                              f"(rlfleet/configs/pandapickcube_ppo.yaml and the size YAMLs): run `{docs.FIX}`")
+    assert not docs.stale(), (
+        f"docs/configuration.md's reference is out of step with the schema's comments "
+        f"(rlfleet/configs/pandapickcube_ppo.yaml and the size YAMLs): run `{docs.FIX}`"
+    )
     for key in schema_keys():  # every key, its default and its comment
         if not key.group:
             assert f"| `{key.path}` |" in page, key.path

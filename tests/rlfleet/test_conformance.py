@@ -26,7 +26,9 @@ NUM_CHECKS = len(conformance.Checker.NAMES)
 
 
 def _example_module():
-    spec = importlib.util.spec_from_file_location("point_reach_example", ROOT / "examples" / "point_reach_env_server.py")
+    spec = importlib.util.spec_from_file_location(
+        "point_reach_example", ROOT / "examples" / "point_reach_env_server.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -49,12 +51,17 @@ def _by_name(results):
 
 
 def test_example_server_passes_every_check_from_the_cli():
-    sim = subprocess.Popen([sys.executable, "examples/point_reach_env_server.py", "--address", "127.0.0.1:0",
-                            "--num-envs", "4"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    sim = subprocess.Popen(
+        [sys.executable, "examples/point_reach_env_server.py", "--address", "127.0.0.1:0", "--num-envs", "4"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         address = sim.stdout.readline().split()[-1]
-        proc = subprocess.run([*CTL, "check-env", address, "--close"], capture_output=True, text=True, timeout=120,
-                              cwd=ROOT)
+        proc = subprocess.run(
+            [*CTL, "check-env", address, "--close"], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"{NUM_CHECKS} passed, 0 failed, 0 skipped" in proc.stdout, proc.stdout
         assert "PASS  close" in proc.stdout and "PASS  simulator_crash" in proc.stdout
@@ -75,9 +82,14 @@ def test_check_env_help_works_like_every_other_subcommand():
 def test_built_in_env_server_passes(auto_reset):
     from services.env.server import serve_env_only
 
-    cfg = small_config("env.train.total_num_envs=3", "rollout.pipeline_stage_num=1", "actor.global_batch_size=48",
-                       "actor.micro_batch_size=48", "env.train.max_episode_steps=12",
-                       f"env.train.auto_reset={str(auto_reset).lower()}")
+    cfg = small_config(
+        "env.train.total_num_envs=3",
+        "rollout.pipeline_stage_num=1",
+        "actor.global_batch_size=48",
+        "actor.micro_batch_size=48",
+        "env.train.max_episode_steps=12",
+        f"env.train.auto_reset={str(auto_reset).lower()}",
+    )
     server, address, env = serve_env_only(cfg, "127.0.0.1:0")
     try:
         results = conformance.check_env(address, close=True)
@@ -103,13 +115,19 @@ def test_a_server_of_the_first_published_contract_is_checked_as_version_0(tmp_pa
         assert not [r for r in by.values() if r.status == conformance.FAIL], by
         assert "version 0" in by["describe"].detail and "max_action_chunk 0 reads as 1" in by["describe"].detail
         assert {n for n, r in by.items() if r.status == conformance.SKIP} == {
-            "instructions", "chunks", "reset_state_ids", "simulator_crash", "close"}
+            "instructions",
+            "chunks",
+            "reset_state_ids",
+            "simulator_crash",
+            "close",
+        }
         assert "not stated" in by["stream_limit"].detail
     finally:
         sim.kill()
 
 
 # --- a broken server: one defect per case ------------------------------------------------------------------------
+
 
 class Broken(example.PointReach):
     """The example server with one contract breach (``defect``), or none. ``auto_reset=False`` adds the frozen
@@ -161,7 +179,7 @@ class Broken(example.PointReach):
         if d == "state_below_minus_one_accepted":
             states = [max(-1, s) for s in states]
         if d == "state_count_mismatch_accepted" and states and ids:
-            states = (states + [-1] * len(ids))[:len(ids)]
+            states = (states + [-1] * len(ids))[: len(ids)]
         if d == "duplicate_ids_in_reset_accepted":
             ids = list(dict.fromkeys(ids))
         if d == "seeds_count_accepted" and seeds and ids and len(seeds) != len(ids):
@@ -197,8 +215,9 @@ class Broken(example.PointReach):
         act = np.frombuffer(data, np.float64 if item == 8 else np.float32).reshape(shape).astype(np.float32)
         act = act[:, None] if act.ndim == 2 else act
         if not 1 <= act.shape[1] <= example.MAX_ACTION_CHUNK + (d == "chunk_over_max_accepted"):
-            raise example.BadRequest(f"actions: chunk of {act.shape[1]} sub-steps; this server accepts "
-                                     f"1..{example.MAX_ACTION_CHUNK}")
+            raise example.BadRequest(
+                f"actions: chunk of {act.shape[1]} sub-steps; this server accepts 1..{example.MAX_ACTION_CHUNK}"
+            )
         if not np.isfinite(act).all():
             if d == "bad_request_moves_env":
                 self.pos[self._stepping] += 0.1  # stepped before validating
@@ -254,7 +273,7 @@ class Broken(example.PointReach):
         ended = np.zeros(n, bool)
         ended[frozen] = True
         terminated[frozen, 0] = True
-        limit = 10 ** 9 if d == "truncation_ignored" else self.max_steps
+        limit = 10**9 if d == "truncation_ignored" else self.max_steps
         if d == "unnamed_envs_move":
             self.pos[[k for k in range(self.n) if k not in set(ids.tolist())]] += 0.01
         final_rows, final_obs, episodes = [], [], []
@@ -275,9 +294,13 @@ class Broken(example.PointReach):
                     final_rows.append(j)
                     final_obs.append(self._obs([i])[0])
                     stats = tensor_pb2.EpisodeStats(
-                        env_id=int(i), length=int(self.t[i]), success_once=bool(self.hit[i]),
-                        success_at_end=bool(success[j, c]), instruction=self._instruction(i),
-                        reset_state_id=-1 if d == "state_not_reported" else int(self.state_id[i]))
+                        env_id=int(i),
+                        length=int(self.t[i]),
+                        success_once=bool(self.hit[i]),
+                        success_at_end=bool(success[j, c]),
+                        instruction=self._instruction(i),
+                        reset_state_id=-1 if d == "state_not_reported" else int(self.state_id[i]),
+                    )
                     setattr(stats, "return", 0.0 if d == "wrong_episode_return" else float(self.ret[i]))
                     episodes.append(stats)
         if d == "frozen_success":
@@ -299,10 +322,15 @@ class Broken(example.PointReach):
             truncated_t.data = truncated_t.data.replace(b"\x01", b"\x02")
         return env_pb2.StepResponse(
             observations=tensor_pb2.TensorMap(tensors={"state": example.tensor(self._obs(ids))}),
-            rewards=example.tensor(reward), terminated=example.tensor(terminated), truncated=truncated_t,
+            rewards=example.tensor(reward),
+            terminated=example.tensor(terminated),
+            truncated=truncated_t,
             success=example.tensor(success),
             final_observations=tensor_pb2.TensorMap(tensors={"state": example.tensor(final)}),
-            final_rows=final_rows, episodes=episodes, instructions=[self._instruction(i) for i in ids])
+            final_rows=final_rows,
+            episodes=episodes,
+            instructions=[self._instruction(i) for i in ids],
+        )
 
 
 # defect -> (the check that must fail, what its detail must say); one rule of docs/env-contract.md each
@@ -351,8 +379,9 @@ def test_the_unbroken_server_passes_in_both_modes(auto_reset):
     server, address = _serve(Broken(None, auto_reset=auto_reset))
     try:
         results = conformance.check_env(address, close=True)
-        assert [r.status for r in results] == [conformance.PASS] * NUM_CHECKS, \
-            [(r.name, r.detail) for r in results if r.status != conformance.PASS]
+        assert [r.status for r in results] == [conformance.PASS] * NUM_CHECKS, [
+            (r.name, r.detail) for r in results if r.status != conformance.PASS
+        ]
     finally:
         server.stop(0)
 
@@ -395,11 +424,13 @@ def test_cli_exit_codes():
         assert f"{NUM_CHECKS - 2} passed, 1 failed, 1 skipped: describe" in proc.stdout, proc.stdout
     finally:
         server.stop(0)
-    proc = subprocess.run([*CTL, "check-env", "127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [*CTL, "check-env", "127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode == 2 and "no gRPC server answered at 127.0.0.1:1" in proc.stdout, proc.stdout
-    proc = subprocess.run([*CTL, "check-env", "127.0.0.1:1", "--only", "nonsense"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [*CTL, "check-env", "127.0.0.1:1", "--only", "nonsense"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode == 2 and "unknown check(s) ['nonsense']" in proc.stdout, proc.stdout
 
 
@@ -407,7 +438,9 @@ def test_cli_exit_codes():
 def test_metaworld_env_server_in_its_own_environment_passes():
     from tests.simenv import run_in_env
 
-    out = run_in_env("metaworld", """
+    out = run_in_env(
+        "metaworld",
+        """
 import json
 from rlfleet.simulators import conformance
 from rlfleet.config import load_config
@@ -417,7 +450,8 @@ cfg = load_config("metaworld_mt1_ppo_mlp", ["env.train.total_num_envs=2", "env.t
 server, address, env = serve_env_only(cfg, "127.0.0.1:0")
 results = conformance.check_env(address, close=True)
 print(json.dumps({r.name: [r.status, r.detail] for r in results}))
-""")
+""",
+    )
     failed = {k: v for k, v in out.items() if v[0] == conformance.FAIL}
     assert not failed, failed
     assert out["describe"][1].startswith("metaworld:")

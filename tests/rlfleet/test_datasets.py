@@ -18,7 +18,7 @@ def _image(T: int, seed: int, size: int = 32) -> np.ndarray:
     img = np.zeros((T, size, size, 3), np.uint8)
     for t in range(T):
         img[t, : size // 2] = (80 + 16 * (t % 8), 164, 100 + 10 * seed % 50)
-        img[t, size // 2:] = (174, 80 + 14 * (t % 9), 124)
+        img[t, size // 2 :] = (174, 80 + 14 * (t % 9), 124)
     return img
 
 
@@ -33,9 +33,15 @@ def assert_close_frames(got: np.ndarray, want: np.ndarray) -> None:
 
 def _episode(T: int, seed: int) -> Episode:
     rng = np.random.default_rng(seed)
-    return Episode({"image": _image(T, seed), "state": rng.normal(size=(T, 3)).astype(np.float32)},
-                   rng.uniform(-1, 1, (T, 4)).astype(np.float32), np.arange(T, dtype=np.float32),
-                   np.arange(T) == T - 1, f"do thing {seed % 2}", seed, 3)
+    return Episode(
+        {"image": _image(T, seed), "state": rng.normal(size=(T, 3)).astype(np.float32)},
+        rng.uniform(-1, 1, (T, 4)).astype(np.float32),
+        np.arange(T, dtype=np.float32),
+        np.arange(T) == T - 1,
+        f"do thing {seed % 2}",
+        seed,
+        3,
+    )
 
 
 def _write(root, eps, **kw) -> Dataset:
@@ -50,8 +56,10 @@ def test_round_trip_and_statistics(tmp_path):
     eps = [_episode(5, 1), _episode(7, 2)]
     d = _write(tmp_path / "d", eps)
     assert len(d) == 2 and d.action_dim == 4 and d.meta["total_frames"] == 12 and d.meta["env_id"] == "X-v0"
-    assert d.observation_features == {"image": {"dtype": "uint8", "shape": [32, 32, 3]},
-                                      "state": {"dtype": "float32", "shape": [3]}}
+    assert d.observation_features == {
+        "image": {"dtype": "uint8", "shape": [32, 32, 3]},
+        "state": {"dtype": "float32", "shape": [3]},
+    }
     for i, ep in enumerate(eps):
         back = d.episode(i)
         np.testing.assert_array_equal(back.actions, ep.actions)
@@ -64,8 +72,11 @@ def test_round_trip_and_statistics(tmp_path):
     stats = d.action_statistics()
     acts = np.concatenate([e.actions for e in eps])
     np.testing.assert_allclose(stats["q99"], np.quantile(acts, 0.99, axis=0), rtol=1e-6)
-    np.testing.assert_allclose(d.observation_statistics("state")["mean"],
-                               np.concatenate([e.observations["state"] for e in eps]).mean(0), rtol=1e-5)
+    np.testing.assert_allclose(
+        d.observation_statistics("state")["mean"],
+        np.concatenate([e.observations["state"] for e in eps]).mean(0),
+        rtol=1e-5,
+    )
 
 
 def test_the_files_are_lerobots_v30_layout(tmp_path):
@@ -74,23 +85,37 @@ def test_the_files_are_lerobots_v30_layout(tmp_path):
     _write(tmp_path / "d", eps)
     root = tmp_path / "d"
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    assert files == ["data/chunk-000/file-000.parquet", "meta/episodes/chunk-000/file-000.parquet", "meta/info.json",
-                     "meta/stats.json", "meta/tasks.parquet",
-                     "videos/observation.images.image/chunk-000/file-000.mp4"]
+    assert files == [
+        "data/chunk-000/file-000.parquet",
+        "meta/episodes/chunk-000/file-000.parquet",
+        "meta/info.json",
+        "meta/stats.json",
+        "meta/tasks.parquet",
+        "videos/observation.images.image/chunk-000/file-000.mp4",
+    ]
     info = json.loads((root / "meta" / "info.json").read_text())
     assert info["codebase_version"] == "v3.0" and info["fps"] == 10 and info["total_episodes"] == 3
     assert info["total_frames"] == 15 and info["total_tasks"] == 2 and info["splits"] == {"train": "0:3"}
     assert info["data_path"] == "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
     assert info["video_path"] == "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
     feats = info["features"]
-    assert feats["observation.images.image"]["dtype"] == "video" and feats["observation.images.image"]["shape"] == \
-        [32, 32, 3] and feats["observation.images.image"]["info"]["video.codec"] == "av1"
+    assert (
+        feats["observation.images.image"]["dtype"] == "video"
+        and feats["observation.images.image"]["shape"] == [32, 32, 3]
+        and feats["observation.images.image"]["info"]["video.codec"] == "av1"
+    )
     assert feats["observation.state"] == {"dtype": "float32", "shape": [3], "names": None}
-    assert {k: feats[k]["dtype"] for k in ("action", "next.reward", "next.success", "timestamp", "index")} == \
-        {"action": "float32", "next.reward": "float32", "next.success": "bool", "timestamp": "float32",
-         "index": "int64"}
-    assert info["rlfleet"]["env_id"] == "X-v0" and info["rlfleet"]["observations"] == \
-        {"image": "observation.images.image", "state": "observation.state"}
+    assert {k: feats[k]["dtype"] for k in ("action", "next.reward", "next.success", "timestamp", "index")} == {
+        "action": "float32",
+        "next.reward": "float32",
+        "next.success": "bool",
+        "timestamp": "float32",
+        "index": "int64",
+    }
+    assert info["rlfleet"]["env_id"] == "X-v0" and info["rlfleet"]["observations"] == {
+        "image": "observation.images.image",
+        "state": "observation.state",
+    }
     frames = pq.read_table(root / "data/chunk-000/file-000.parquet").to_pydict()
     assert frames["index"] == list(range(15)) and frames["episode_index"] == [0] * 5 + [1] * 7 + [2] * 3
     assert frames["frame_index"][5:8] == [0, 1, 2] and frames["timestamp"][6] == pytest.approx(0.1)
@@ -118,9 +143,12 @@ def test_the_key_map_names_the_policy_inputs(tmp_path):
     assert d.observation_features == {"third_person": {"dtype": "uint8", "shape": [32, 32, 3]}}
     assert set(d.episode(0).observations) == {"third_person"}
     assert set(Dataset(tmp_path / "d", {"action": "action"}).observation_features) == {"image", "state"}  # defaults
-    with pytest.raises(ValueError, match=r"'wrist' is mapped to the feature 'observation.images.wrist' "
-                                         r"\(sft.dataset_keys\), which the dataset does not have; its features: "
-                                         r"action, episode_index, .*observation.images.image, observation.state"):
+    with pytest.raises(
+        ValueError,
+        match=r"'wrist' is mapped to the feature 'observation.images.wrist' "
+        r"\(sft.dataset_keys\), which the dataset does not have; its features: "
+        r"action, episode_index, .*observation.images.image, observation.state",
+    ):
         Dataset(tmp_path / "d", {"wrist": "observation.images.wrist"})
     with pytest.raises(ValueError, match="'action' is mapped to the feature 'act'"):
         Dataset(tmp_path / "d", {"state": "observation.state", "action": "act"})
@@ -146,8 +174,10 @@ def test_incomplete_old_or_foreign_folders_are_refused(tmp_path):
     np.savez(old / "data" / "chunk-000" / "episode_000000.npz", action=np.zeros((2, 4)))
     (old / "meta").mkdir()
     (old / "meta" / "episodes.jsonl").write_text('{"episode_index": 0, "length": 2}\n')
-    with pytest.raises(ValueError, match="npz demonstration folder of an older rlfleet.*re-collect it with "
-                                         "`coordinatorctl collect-demos CONFIG`"):
+    with pytest.raises(
+        ValueError,
+        match="npz demonstration folder of an older rlfleet.*re-collect it with `coordinatorctl collect-demos CONFIG`",
+    ):
         Dataset(old)
     (old / "meta" / "info.json").write_text(json.dumps({"format": "rlfleet-episodes", "version": 1}))
     with pytest.raises(ValueError, match="npz demonstration folder.*re-collect"):
@@ -179,8 +209,11 @@ def test_files_roll_over_past_their_size(tmp_path, monkeypatch):
     eps = [_episode(40, 1), _episode(30, 2), _episode(3, 3)]  # long enough that the encoder has written packets
     d = _write(tmp_path / "d", eps)
     root = tmp_path / "d"
-    assert sorted(p.name for p in (root / "data" / "chunk-000").iterdir()) == \
-        ["file-000.parquet", "file-001.parquet", "file-002.parquet"]
+    assert sorted(p.name for p in (root / "data" / "chunk-000").iterdir()) == [
+        "file-000.parquet",
+        "file-001.parquet",
+        "file-002.parquet",
+    ]
     assert len(list((root / "videos" / "observation.images.image" / "chunk-000").iterdir())) == 3
     for i, ep in enumerate(eps):
         back = d.episode(i)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlfleet.wire import codec, env_contract
 from rlfleet.simulators import conformance
 from rlfleet.v1 import env_pb2, tensor_pb2
+from rlfleet.wire import codec, env_contract
 
 DOC = (Path(__file__).resolve().parents[2] / env_contract.DOC).read_text()
 
@@ -42,24 +42,39 @@ def _spec(**fields) -> env_pb2.EnvSpec:
 
 def test_zero_values_of_later_fields_read_as_their_defaults():
     v = env_contract.read(_spec())
-    assert (v.version, v.max_action_chunk, v.max_step_streams, v.streams_stated, v.num_reset_states, v.simulator) == \
-        ("0", 1, 1, False, 0, "external")
+    assert (v.version, v.max_action_chunk, v.max_step_streams, v.streams_stated, v.num_reset_states, v.simulator) == (
+        "0",
+        1,
+        1,
+        False,
+        0,
+        "external",
+    )
     assert not v.lists_final_rows and env_contract.spec_problems(_spec()) == []
     v = env_contract.read(_spec(contract_version="1", max_action_chunk=4, max_step_streams=3, simulator="mine"))
-    assert (v.version, v.max_action_chunk, v.max_step_streams, v.streams_stated, v.simulator) == \
-        ("1", 4, 3, True, "mine")
+    assert (v.version, v.max_action_chunk, v.max_step_streams, v.streams_stated, v.simulator) == (
+        "1",
+        4,
+        3,
+        True,
+        "mine",
+    )
 
 
 def test_what_a_run_cannot_use_is_named_with_its_section():
     assert env_contract.run_problems(_spec(contract_version="1", max_action_chunk=2), policy_chunk=2) == []
     (why,) = env_contract.run_problems(_spec(contract_version="1"), policy_chunk=4)
-    assert why.startswith("EnvSpec.max_action_chunk is 0 (0 reads as 1); the policy acts in chunks of 4") and \
-        why.endswith("(docs/env-contract.md#action-chunks)")
+    assert why.startswith(
+        "EnvSpec.max_action_chunk is 0 (0 reads as 1); the policy acts in chunks of 4"
+    ) and why.endswith("(docs/env-contract.md#action-chunks)")
     bad = _spec(contract_version="2", max_episode_steps=0)
     bad.action_space.dtype = tensor_pb2.FLOAT64
     problems = env_contract.spec_problems(bad)
-    assert [p.split(" ")[0] for p in problems] == ["EnvSpec.contract_version", "EnvSpec.max_episode_steps",
-                                                    "EnvSpec.action_space"], problems
+    assert [p.split(" ")[0] for p in problems] == [
+        "EnvSpec.contract_version",
+        "EnvSpec.max_episode_steps",
+        "EnvSpec.action_space",
+    ], problems
 
 
 def _final(rows: int) -> tensor_pb2.TensorMap:

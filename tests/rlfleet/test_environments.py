@@ -7,8 +7,7 @@ import threading
 
 import pytest
 
-from rlfleet.simulators import environments
-from rlfleet.simulators import SIMULATORS, Environment, get_simulator
+from rlfleet.simulators import SIMULATORS, Environment, environments, get_simulator
 
 TINY = Environment(name="tiny", pip=("six",), check="import six, grpc, omegaconf")
 
@@ -19,8 +18,9 @@ def test_lock_key_follows_what_is_installed():
     assert environments.lock_key(a) != environments.lock_key(Environment(name="x", pip=("six==1.17.0",)))
     assert environments.env_path(a, "/e").name.startswith("x-")
     # packages installed without their dependencies count too (and an environment without any keeps its key)
-    assert environments.lock_key(Environment(name="x", pip=("six==1.16.0",), no_deps=("lerobot==0.4.4",))) != \
-        environments.lock_key(a)
+    assert environments.lock_key(
+        Environment(name="x", pip=("six==1.16.0",), no_deps=("lerobot==0.4.4",))
+    ) != environments.lock_key(a)
 
 
 def test_registry_names_and_errors():
@@ -36,8 +36,10 @@ def test_registry_names_and_errors():
 def test_build_once_cached_and_concurrent_callers_wait(tmp_path):
     lines: list[str] = []
     results = []
-    threads = [threading.Thread(target=lambda: results.append(environments.ensure(TINY, str(tmp_path), lines.append)))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(environments.ensure(TINY, str(tmp_path), lines.append)))
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -67,6 +69,7 @@ def test_no_deps_packages_are_installed_without_their_dependencies(tmp_path):
     lines: list[str] = []
     python = environments.ensure(env, str(tmp_path), lines.append)
     assert any("--no-deps" in line and "python-dateutil" in line for line in lines), lines
-    out = subprocess.run([str(python), "-c", "import dateutil; print(dateutil.__version__)"], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [str(python), "-c", "import dateutil; print(dateutil.__version__)"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr

@@ -37,8 +37,11 @@ def test_a_new_family_is_one_entry(toy, tmp_path):
         load_config(None, ["actor.model.model_type=toy", "actor.model.toy.hiden=3"])
     with pytest.raises(ConfigError, match="'actor.model.toy.width' = 'x' has the wrong type \\(expected int or null"):
         load_config(None, ["actor.model.toy.width=x"])
-    with pytest.raises(ConfigError, match="'actor.model.is_lora': training LoRA adapters is for model_type openvla and "
-                                          "openvla_oft; model_type is 'toy'"):
+    with pytest.raises(
+        ConfigError,
+        match="'actor.model.is_lora': training LoRA adapters is for model_type openvla and "
+        "openvla_oft; model_type is 'toy'",
+    ):
         load_config(None, ["actor.model.model_type=toy", "actor.model.is_lora=true"])
     assert load_config(None, ["actor.model.model_type=toy", "actor.model.num_action_chunks=2"])  # in its options
     # the footprint: a family with a footprint function is checked before a run, by its function
@@ -85,8 +88,9 @@ def test_unregistered_family_is_unknown():
         load_config(None, ["actor.model.toy.hidden=3"])
 
 
-@pytest.mark.parametrize("group, module", [("vla", "rlfleet.policies.models.openvla"),
-                                           ("openpi", "rlfleet.policies.models.openpi")])
+@pytest.mark.parametrize(
+    "group, module", [("vla", "rlfleet.policies.models.openvla"), ("openpi", "rlfleet.policies.models.openpi")]
+)
 def test_size_yaml_is_the_modules_defaults(group, module):
     """A family's size YAML is the one place its defaults are written: the config's group and its module's TINY
     (what a partial sizes dict falls back to) both read it."""
@@ -108,12 +112,16 @@ def test_default_config_carries_no_vla_sizes():
     assert cfg.actor.model.vla.image_size == 64 and cfg.actor.model.openpi.image_size == 32
 
 
-@pytest.mark.parametrize("module", ["rlfleet.data.checkpoint_files", "rlfleet.policies.families",
-                                    "rlfleet.policies.backends", "rlfleet.config"])
+@pytest.mark.parametrize(
+    "module",
+    ["rlfleet.data.checkpoint_files", "rlfleet.policies.families", "rlfleet.policies.backends", "rlfleet.config"],
+)
 def test_imports_no_torch(module):
-    code = (f"import sys, {module}\n"
-            "from rlfleet.data.checkpoint_files import find_checkpoint, latest_checkpoint, specs_from_json\n"
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        f"import sys, {module}\n"
+        "from rlfleet.data.checkpoint_files import find_checkpoint, latest_checkpoint, specs_from_json\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -130,8 +138,9 @@ def test_find_checkpoint(tmp_path):
     assert find_checkpoint(run) == (checkpoint_dir(run, 10), run)
     assert find_checkpoint(run, 3) == (checkpoint_dir(run, 3), run)
     assert find_checkpoint(checkpoint_dir(run, 2))[0] == checkpoint_dir(run, 2)
-    with pytest.raises(CheckpointNotFound, match="--step 11: no complete checkpoint global_step_11 .*complete ones: "
-                                                 "2, 3, 10"):
+    with pytest.raises(
+        CheckpointNotFound, match="--step 11: no complete checkpoint global_step_11 .*complete ones: 2, 3, 10"
+    ):
         find_checkpoint(run, 11)
     with pytest.raises(CheckpointNotFound, match="is the checkpoint of another step"):
         find_checkpoint(checkpoint_dir(run, 2), 3)

@@ -18,9 +18,18 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _cfg(*overrides):
-    return load_config(None, ["actor.model.model_type=openvla_oft", "actor.model.vla.image_size=32",
-                              "actor.model.num_action_chunks=2", "env.train.max_steps_per_rollout_epoch=32",
-                              "actor.global_batch_size=256", "actor.micro_batch_size=256", *overrides])
+    return load_config(
+        None,
+        [
+            "actor.model.model_type=openvla_oft",
+            "actor.model.vla.image_size=32",
+            "actor.model.num_action_chunks=2",
+            "env.train.max_steps_per_rollout_epoch=32",
+            "actor.global_batch_size=256",
+            "actor.micro_batch_size=256",
+            *overrides,
+        ],
+    )
 
 
 def _fill_cache(hf_home, saved, repo="tiny-org/tiny-oft"):
@@ -43,8 +52,10 @@ def offline_hub(tmp_path, monkeypatch):
 
 def test_parse_hub_id():
     assert parse_hub_id("openvla/openvla-7b") == ("openvla/openvla-7b", None)
-    assert parse_hub_id("moojink/openvla-7b-oft-finetuned-libero-spatial@main") == \
-        ("moojink/openvla-7b-oft-finetuned-libero-spatial", "main")
+    assert parse_hub_id("moojink/openvla-7b-oft-finetuned-libero-spatial@main") == (
+        "moojink/openvla-7b-oft-finetuned-libero-spatial",
+        "main",
+    )
     for not_an_id in ("/abs/folder", "runs/x/sft_model", "./a/b", "../a/b", "name"):
         assert parse_hub_id(not_an_id) is None
 
@@ -57,14 +68,14 @@ def test_a_hub_id_builds_the_policy_from_the_offline_cache(tmp_path, offline_hub
     snapshot = _fill_cache(offline_hub, tmp_path / "released")
     from huggingface_hub import snapshot_download  # huggingface_hub itself finds it, offline
 
-    assert snapshot_download("tiny-org/tiny-oft", cache_dir=str(offline_hub / "hub"), local_files_only=True) == \
-        str(snapshot)
+    assert snapshot_download("tiny-org/tiny-oft", cache_dir=str(offline_hub / "hub"), local_files_only=True) == str(
+        snapshot
+    )
     assert resolve_model_path("tiny-org/tiny-oft") == str(snapshot)
     assert resolve_model_path(f"tiny-org/tiny-oft@{COMMIT}") == str(snapshot)
     assert resolve_model_path(str(tmp_path / "released")) == str(tmp_path / "released")  # a folder: as today
     torch.manual_seed(1)  # a different fresh init: the weights must come from the cache
-    loaded = build_policy(_cfg("actor.model.model_path=tiny-org/tiny-oft").actor.model, SPECS, 4, True,
-                          "token_level")
+    loaded = build_policy(_cfg("actor.model.model_path=tiny-org/tiny-oft").actor.model, SPECS, 4, True, "token_level")
     want, got = trained.state_dict(), loaded.state_dict()
     assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
 
@@ -95,16 +106,38 @@ def test_start_with_an_unresolvable_hub_id_fails_in_seconds(offline_hub, tmp_pat
     import time
 
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start",
-                           "pandapickcube_vision_ppo_openvla_tiny", "actor.model.model_path=nobody/no-such-vla",
-                           f"runner.logger.log_path={tmp_path / 'runs'}"],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator.cli",
+            "start",
+            "pandapickcube_vision_ppo_openvla_tiny",
+            "actor.model.model_path=nobody/no-such-vla",
+            f"runner.logger.log_path={tmp_path / 'runs'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "config error: 'actor.model.model_path': hub model 'nobody/no-such-vla'" in proc.stderr
     assert str(offline_hub / "hub") in proc.stderr and time.monotonic() - t0 < 60
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.log"))
-    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "eval", "nobody/no-such-vla",
-                           "--config", "pandapickcube_vision_ppo_openvla_tiny"],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert proc.returncode == 2 and "hub model 'nobody/no-such-vla' is not in the hub cache" in proc.stderr, \
-        proc.stderr
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator.cli",
+            "eval",
+            "nobody/no-such-vla",
+            "--config",
+            "pandapickcube_vision_ppo_openvla_tiny",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+    assert proc.returncode == 2 and "hub model 'nobody/no-such-vla' is not in the hub cache" in proc.stderr, proc.stderr

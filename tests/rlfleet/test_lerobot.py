@@ -37,9 +37,15 @@ def test_a_dataset_rlfleet_writes_loads_in_lerobot(tmp_path):
     eps = []
     w = DatasetWriter(tmp_path / "d", env_id="PandaPickCubeVision-v0", simulator="gym", fps=10, source="test")
     for e, T in enumerate((6, 9, 4)):
-        ep = Episode({"wrist": _image(T, e), "state": rng.normal(size=(T, 7)).astype(np.float32)},
-                     rng.uniform(-1, 1, (T, 4)).astype(np.float32), rng.normal(size=T).astype(np.float32),
-                     np.arange(T) == T - 1, f"pick the cube {e % 2}", 500 + e, -1)
+        ep = Episode(
+            {"wrist": _image(T, e), "state": rng.normal(size=(T, 7)).astype(np.float32)},
+            rng.uniform(-1, 1, (T, 4)).astype(np.float32),
+            rng.normal(size=T).astype(np.float32),
+            np.arange(T) == T - 1,
+            f"pick the cube {e % 2}",
+            500 + e,
+            -1,
+        )
         w.add(ep)
         eps.append(ep)
     w.close()
@@ -49,8 +55,9 @@ def test_a_dataset_rlfleet_writes_loads_in_lerobot(tmp_path):
     assert out["frame_index"] == [*range(6), *range(9), *range(4)]
     assert out["tasks"] == ["pick the cube 0"] * 6 + ["pick the cube 1"] * 9 + ["pick the cube 0"] * 4
     np.testing.assert_array_equal(np.asarray(out["action"], np.float32), np.concatenate([e.actions for e in eps]))
-    np.testing.assert_array_equal(np.asarray(out["state"], np.float32),
-                                  np.concatenate([e.observations["state"] for e in eps]))
+    np.testing.assert_array_equal(
+        np.asarray(out["state"], np.float32), np.concatenate([e.observations["state"] for e in eps])
+    )
     np.testing.assert_array_equal(np.asarray(out["reward"], np.float32), np.concatenate([e.rewards for e in eps]))
     assert out["success"] == [bool(s) for e in eps for s in e.success]
     np.testing.assert_allclose(out["stats_action_mean"], np.concatenate([e.actions for e in eps]).mean(0), rtol=1e-5)
@@ -58,4 +65,4 @@ def test_a_dataset_rlfleet_writes_loads_in_lerobot(tmp_path):
     images = np.asarray(out["image"], np.uint8)  # decoded by lerobot (torchcodec), frame by timestamp
     bounds = np.cumsum([0] + [e.length for e in eps])
     for i, ep in enumerate(eps):
-        assert_close_frames(images[bounds[i]:bounds[i + 1]], ep.observations["wrist"])
+        assert_close_frames(images[bounds[i] : bounds[i + 1]], ep.observations["wrist"])

@@ -14,8 +14,11 @@ from rlfleet.data import loggers
 from rlfleet.data.loggers import LoggerOptions
 from rlfleet.data.metrics import MetricsLogger, read_metrics
 
-STEPS = {1: {"train/loss": 0.5, "train/success": 0.25}, 2: {"train/loss": 0.4, "train/success": 0.5},
-         3: {"train/loss": 0.3, "train/success": 0.75, "eval/nan": math.nan}}
+STEPS = {
+    1: {"train/loss": 0.5, "train/success": 0.25},
+    2: {"train/loss": 0.4, "train/success": 0.5},
+    3: {"train/loss": 0.3, "train/success": 0.75, "eval/nan": math.nan},
+}
 
 
 def _log_steps(log: MetricsLogger, steps=STEPS) -> None:
@@ -27,16 +30,16 @@ def _leveldb_records(path, ident: bytes):
     """The records of a LevelDB-log file (W&B's and SwanLab's run files): a 7-byte file header, then 32 KiB
     blocks of records, each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
     data = path.read_bytes()
-    assert data[:len(ident)] == ident, data[:8]
+    assert data[: len(ident)] == ident, data[:8]
     pos, block, chunks = 7, 32768, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # too little room for a header: the block's padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:
             break
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 1:
             yield chunk
@@ -56,8 +59,9 @@ def _wandb_history(run_file) -> dict[int, dict[str, float]]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
-            items = {(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                     for item in record.history.item}
+            items = {
+                (item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item
+            }
             out[int(items.pop("_step"))] = {k: v for k, v in items.items() if not k.startswith("_")}
     return out
 
@@ -134,12 +138,21 @@ def test_swanlab_run_holds_the_logged_values_and_a_restart_continues_its_id(tmp_
 
 
 def test_logger_backend_names_and_modes_are_checked_with_did_you_mean():
-    cfg = load_config(None, ["runner.logger.logger_backends=[tensorboard,wandb,swanlab]",
-                             "runner.logger.wandb_mode=offline", "runner.logger.swanlab_mode=local"])
+    cfg = load_config(
+        None,
+        [
+            "runner.logger.logger_backends=[tensorboard,wandb,swanlab]",
+            "runner.logger.wandb_mode=offline",
+            "runner.logger.swanlab_mode=local",
+        ],
+    )
     assert list(cfg.runner.logger.logger_backends) == ["tensorboard", "wandb", "swanlab"]
     assert list(load_config(None).runner.logger.logger_backends) == ["tensorboard"]  # the default stays
-    with pytest.raises(ConfigError, match=r"'runner.logger.logger_backends': unknown logger backend 'wandbb'; "
-                                          r"did you mean 'wandb'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'runner.logger.logger_backends': unknown logger backend 'wandbb'; "
+        r"did you mean 'wandb'\?",
+    ):
         load_config(None, ["runner.logger.logger_backends=[wandb,wandbb]"])
     with pytest.raises(ConfigError, match=r"'runner.logger.wandb_mode': 'ofline' is not one of online, offline"):
         load_config(None, ["runner.logger.wandb_mode=ofline"])
@@ -160,11 +173,13 @@ def test_start_with_a_logger_package_missing_fails_in_seconds_naming_the_pip_com
     from services.coordinator import cli
 
     real = loggers.importlib.util.find_spec
-    monkeypatch.setattr(loggers.importlib.util, "find_spec", lambda name, *a: None if name == "swanlab"
-                        else real(name, *a))
+    monkeypatch.setattr(
+        loggers.importlib.util, "find_spec", lambda name, *a: None if name == "swanlab" else real(name, *a)
+    )
     started = time.monotonic()
-    code = cli.main(["start", "runner.logger.logger_backends=[tensorboard,swanlab]",
-                     f"runner.logger.log_path={tmp_path}"])
+    code = cli.main(
+        ["start", "runner.logger.logger_backends=[tensorboard,swanlab]", f"runner.logger.log_path={tmp_path}"]
+    )
     assert code == 2 and time.monotonic() - started < 30
     err = capsys.readouterr().err
     assert "'runner.logger.logger_backends': swanlab not installed" in err

@@ -1,12 +1,10 @@
 import numpy as np
+import pytest
 import torch
 
+from rlfleet.policies.models.actor_critic import ActorCritic, RunningMeanStd
 from rlfleet.wire import weights
 from rlfleet.wire.spaces import TensorSpace
-from rlfleet.policies.models.actor_critic import ActorCritic, RunningMeanStd
-
-
-import pytest
 
 
 @pytest.mark.parametrize("logprob_type, width", [("chunk_level", 1), ("action_level", 1), ("token_level", 4)])
@@ -33,11 +31,17 @@ def test_running_mean_std_matches_numpy():
 
 
 def test_cnn_policy_on_images():
-    specs = {"state": TensorSpace((7,), "float32"), "wrist": TensorSpace((32, 32, 3), "uint8"),
-             "third_person": TensorSpace((32, 32, 3), "uint8")}
+    specs = {
+        "state": TensorSpace((7,), "float32"),
+        "wrist": TensorSpace((32, 32, 3), "uint8"),
+        "third_person": TensorSpace((32, 32, 3), "uint8"),
+    }
     m = ActorCritic(specs, 4, model_type="cnn", image_feature_dim=32)
-    obs = {"state": torch.randn(2, 7), "wrist": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8),
-           "third_person": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8)}
+    obs = {
+        "state": torch.randn(2, 7),
+        "wrist": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8),
+        "third_person": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8),
+    }
     out = m.act(obs)
     assert out.actions.shape == (2, 1, 4) and torch.isfinite(out.log_probs).all()
 

@@ -4,13 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.wire.spaces import TensorSpace
+from rlfleet.errors import InvalidRequest
+from rlfleet.policies.base import sample_categorical
 from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.wire.codec import RowNoise, row_keys
-from rlfleet.policies.base import sample_categorical
-from rlfleet.errors import InvalidRequest
+from rlfleet.wire.spaces import TensorSpace
 from services.inference.engine import InferenceEngine
-
 from tests.conftest import small_config
 
 
@@ -57,7 +56,7 @@ def test_a_keyed_rows_action_is_the_same_in_any_batch():
     keys = row_keys(np.arange(37), 0, 3)
     batch = engine.act_now({"state": obs}, False, None, keys)
     for i in (0, 5, 36):
-        alone = engine.act_now({"state": obs[i:i + 1]}, False, None, keys[i:i + 1])
+        alone = engine.act_now({"state": obs[i : i + 1]}, False, None, keys[i : i + 1])
         assert np.array_equal(alone.actions[0], batch.actions[i])
         assert np.array_equal(alone.log_probs[0], batch.log_probs[i])
         assert np.array_equal(alone.values[0], batch.values[i])

@@ -8,27 +8,39 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
+from rlfleet.wire.spaces import TensorSpace
 from services.learner import ppo
 
-SPECS = {"third_person": TensorSpace((32, 32, 3), "uint8"), "wrist": TensorSpace((32, 32, 3), "uint8"),
-         "state": TensorSpace((7,), "float32")}
+SPECS = {
+    "third_person": TensorSpace((32, 32, 3), "uint8"),
+    "wrist": TensorSpace((32, 32, 3), "uint8"),
+    "state": TensorSpace((7,), "float32"),
+}
 INSTR = ["pick up the red cube"] * 4 + ["open the drawer"] * 4
 
 
 def _policy(logprob_type="chunk_level", *overrides):
-    cfg = load_config(None, ["actor.model.model_type=openpi", "actor.model.num_action_chunks=4",
-                             "env.train.max_steps_per_rollout_epoch=32", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "actor.model.model_type=openpi",
+            "actor.model.num_action_chunks=4",
+            "env.train.max_steps_per_rollout_epoch=32",
+            *overrides,
+        ],
+    )
     torch.manual_seed(0)
     return build_policy(cfg.actor.model, SPECS, 4, True, logprob_type)
 
 
 def _obs(n=8):
     g = torch.Generator().manual_seed(3)
-    return {"third_person": torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g),
-            "wrist": torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g),
-            "state": torch.randn(n, 7, generator=g)}
+    return {
+        "third_person": torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g),
+        "wrist": torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g),
+        "state": torch.randn(n, 7, generator=g),
+    }
 
 
 PI05 = ("actor.model.openpi.pi05=true", "actor.model.max_prompt_tokens=80")
@@ -69,8 +81,9 @@ def test_ppo_steps_raise_the_log_prob_of_advantaged_chunks(variant):
     losses = []
     for _ in range(5):
         ev = p.evaluate(obs, out.forward_inputs)
-        loss, _ = ppo.policy_loss(ev.log_probs, out.log_probs, adv[:, None], clip_ratio_low=0.2,
-                                  clip_ratio_high=0.2, clip_ratio_c=None)
+        loss, _ = ppo.policy_loss(
+            ev.log_probs, out.log_probs, adv[:, None], clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -93,8 +106,9 @@ def test_train_expert_only_freezes_the_vlm_and_bad_sizes_are_named():
 
 
 def test_flow_noise_learns_its_std_within_bounds_and_evaluates_the_ode():
-    p = _policy("chunk_level", *FLOW_NOISE, "actor.model.openpi.noise_std_min=0.1",
-                "actor.model.openpi.noise_std_max=0.3")
+    p = _policy(
+        "chunk_level", *FLOW_NOISE, "actor.model.openpi.noise_std_min=0.1", "actor.model.openpi.noise_std_max=0.3"
+    )
     obs = _obs()
     out = p.act(obs, False, INSTR)
     chain = out.forward_inputs["chain"]
@@ -145,8 +159,9 @@ def test_pi05_saved_and_loaded_acts_the_same(tmp_path, variant):
     obs = _obs()
     p.save_pretrained(tmp_path / "m")
     # an SFT model has no noise head: Flow-Noise RL from it starts a fresh one
-    q = _policy("chunk_level", "actor.model.max_prompt_tokens=80", *FLOW_NOISE,
-                f"actor.model.model_path={tmp_path / 'm'}")
+    q = _policy(
+        "chunk_level", "actor.model.max_prompt_tokens=80", *FLOW_NOISE, f"actor.model.model_path={tmp_path / 'm'}"
+    )
     assert q.pi05 and q.noise_method == "flow_noise"
     assert torch.equal(p.act(obs, True, INSTR).actions, q.act(obs, True, INSTR).actions)
 
@@ -171,23 +186,48 @@ def _transformers_pi0_checkpoint(path, chunk=4):
     """A tiny π0 saved by transformers itself (PI0ForConditionalGeneration.save_pretrained, sharded) with a real
     tokenizer's files next to it: the layout of transformers' π0 checkpoints (lerobot/pi0_base)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GemmaConfig, PaliGemmaConfig, PI0Config, PI0ForConditionalGeneration, \
-        PreTrainedTokenizerFast
+    from transformers import (
+        GemmaConfig,
+        PaliGemmaConfig,
+        PI0Config,
+        PI0ForConditionalGeneration,
+        PreTrainedTokenizerFast,
+    )
 
     words = ["<pad>", "<eos>", "<bos>", "<unk>", "pick", "up", "the", "red", "cube", "open", "drawer", "\n"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(str(path))
-    text = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=32)
-    vision = dict(image_size=32, patch_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  intermediate_size=64)
-    cfg = PI0Config(vlm_config=PaliGemmaConfig(vision_config=vision, text_config=text, image_token_id=95,
-                                               projection_dim=64),
-                    dit_config=GemmaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=32),
-                    chunk_size=chunk, max_state_dim=16, max_action_dim=8, num_inference_steps=10)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(str(path))
+    text = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    vision = dict(
+        image_size=32, patch_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    cfg = PI0Config(
+        vlm_config=PaliGemmaConfig(vision_config=vision, text_config=text, image_token_id=95, projection_dim=64),
+        dit_config=GemmaConfig(
+            vocab_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+        ),
+        chunk_size=chunk,
+        max_state_dim=16,
+        max_action_dim=8,
+        num_inference_steps=10,
+    )
     torch.manual_seed(5)
     model = PI0ForConditionalGeneration(cfg)
     model.save_pretrained(str(path), max_shard_size="100KB")
@@ -203,7 +243,14 @@ def test_a_transformers_pi0_checkpoint_loads_and_round_trips(tmp_path):
     theirs = model.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in p.pi0.state_dict().items())
     ids, mask = p.tokenize(["pick up the red cube"], 1, "cpu")
-    assert ids[0][mask[0].bool()].tolist() == [2, 4, 5, 6, 7, 8]  # <bos> + the checkpoint's own ids (its "\n" is dropped)
+    assert ids[0][mask[0].bool()].tolist() == [
+        2,
+        4,
+        5,
+        6,
+        7,
+        8,
+    ]  # <bos> + the checkpoint's own ids (its "\n" is dropped)
     obs = _obs()
     out = p.act(obs, False, INSTR)
     assert out.actions.shape == (8, 4, 4)
@@ -214,8 +261,15 @@ def test_a_transformers_pi0_checkpoint_loads_and_round_trips(tmp_path):
     q = _policy("chunk_level", f"actor.model.model_path={tmp_path / 'ours'}")
     assert torch.equal(p.act(obs, True, INSTR).actions, q.act(obs, True, INSTR).actions)
     with pytest.raises(ValueError, match="num_action_chunks: 5, but the π0 checkpoint predicts chunks of 4"):
-        load = load_config(None, ["actor.model.model_type=openpi", "actor.model.num_action_chunks=5",
-                                  "env.train.max_steps_per_rollout_epoch=40", f"actor.model.model_path={hub}"])
+        load = load_config(
+            None,
+            [
+                "actor.model.model_type=openpi",
+                "actor.model.num_action_chunks=5",
+                "env.train.max_steps_per_rollout_epoch=40",
+                f"actor.model.model_path={hub}",
+            ],
+        )
         build_policy(load.actor.model, SPECS, 4, True, "chunk_level")
     with pytest.raises(ValueError, match="openpi.pi05: .* is a transformers π0 checkpoint"):
         _policy("chunk_level", f"actor.model.model_path={hub}", *PI05)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlfleet.config import load_config
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
+from rlfleet.wire.spaces import TensorSpace
 
 IMAGE = TensorSpace((224, 224, 3), "uint8")
 
@@ -23,11 +23,17 @@ def _build(name: str, specs: dict, action_dim: int):
         return cfg, build_policy(cfg.actor.model, specs, action_dim, True, cfg.algorithm.logprob_type)
 
 
-@pytest.mark.parametrize("name, specs", [
-    ("maniskill_pickcube_ppo_openvla", {"pixels": IMAGE, "state": TensorSpace((25,), "float32")}),
-    ("maniskill_put_on_plate_ppo_openvla", {"pixels": IMAGE, "state": TensorSpace((25,), "float32")}),
-    ("libero_spatial_grpo_openvla_oft", {"agentview": IMAGE, "wrist": IMAGE, "state": TensorSpace((8,), "float32")}),
-])
+@pytest.mark.parametrize(
+    "name, specs",
+    [
+        ("maniskill_pickcube_ppo_openvla", {"pixels": IMAGE, "state": TensorSpace((25,), "float32")}),
+        ("maniskill_put_on_plate_ppo_openvla", {"pixels": IMAGE, "state": TensorSpace((25,), "float32")}),
+        (
+            "libero_spatial_grpo_openvla_oft",
+            {"agentview": IMAGE, "wrist": IMAGE, "state": TensorSpace((8,), "float32")},
+        ),
+    ],
+)
 def test_openvla_7b_architecture(name, specs):
     cfg, policy = _build(name, specs, 7)
     heads = _count(policy.value_head) if getattr(policy, "value_head", None) is not None else 0
@@ -60,7 +66,10 @@ def test_a_real_size_config_is_refused_in_seconds_where_it_cannot_fit(tmp_path):
     cfg = load_config("metaworld_mt50_ppo_pi0", [])
     fp = footprint.estimate(cfg.actor.model, "chunk_level")
     assert fp.parameters == 3_518_742_497  # π0 (the expert's unused token table included) + a value head
-    assert fp.inference_bytes("bf16") == 2 * 2 * fp.parameters and fp.learner_bytes() == 4 * fp.parameters + 12 * fp.trainable
+    assert (
+        fp.inference_bytes("bf16") == 2 * 2 * fp.parameters
+        and fp.learner_bytes() == 4 * fp.parameters + 12 * fp.trainable
+    )
     tiny = load_config("pandapickcube_vision_ppo_openvla_tiny", [])
     small = footprint.estimate(tiny.actor.model, "token_level")
     assert small.parameters < 5_000_000 and fit.check(tiny) is None  # tiny models fit anywhere

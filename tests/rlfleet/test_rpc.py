@@ -14,8 +14,8 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rlfleet.errors import ResourceExhausted
-from rlfleet.wire import auth, channels, servers, streams
 from rlfleet.v1 import coordinator_pb2
+from rlfleet.wire import auth, channels, servers, streams
 
 SECRET = "rpc-test-secret"
 STATUS = "/rlfleet.v1.CoordinatorService/Status"
@@ -39,11 +39,25 @@ class Toy:
 def serve(max_workers=2, max_concurrent_rpcs=None, **kw):
     server = servers.make_server(max_workers=max_workers, max_concurrent_rpcs=max_concurrent_rpcs, **kw)
     toy = Toy()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("rlfleet.v1.CoordinatorService", {
-        "Status": grpc.unary_unary_rpc_method_handler(toy.status, coordinator_pb2.StatusRequest.FromString,
-                                                      coordinator_pb2.RunStatus.SerializeToString),
-        "Register": grpc.unary_unary_rpc_method_handler(toy.register, coordinator_pb2.RegisterRequest.FromString,
-                                                        coordinator_pb2.RegisterResponse.SerializeToString)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "rlfleet.v1.CoordinatorService",
+                {
+                    "Status": grpc.unary_unary_rpc_method_handler(
+                        toy.status,
+                        coordinator_pb2.StatusRequest.FromString,
+                        coordinator_pb2.RunStatus.SerializeToString,
+                    ),
+                    "Register": grpc.unary_unary_rpc_method_handler(
+                        toy.register,
+                        coordinator_pb2.RegisterRequest.FromString,
+                        coordinator_pb2.RegisterResponse.SerializeToString,
+                    ),
+                },
+            )
+        ]
+    )
     servers.add_health_and_reflection(server, "rlfleet.v1.CoordinatorService")
     address = servers.bind(server, "127.0.0.1:0")
     server.start()
@@ -64,9 +78,9 @@ def quick_idle(monkeypatch):
 
 def status(ch, md, timeout=2.0):
     t0 = time.monotonic()
-    reply = ch.unary_unary(STATUS, coordinator_pb2.StatusRequest.SerializeToString,
-                           coordinator_pb2.RunStatus.FromString)(coordinator_pb2.StatusRequest(), timeout=timeout,
-                                                                 metadata=md)
+    reply = ch.unary_unary(
+        STATUS, coordinator_pb2.StatusRequest.SerializeToString, coordinator_pb2.RunStatus.FromString
+    )(coordinator_pb2.StatusRequest(), timeout=timeout, metadata=md)
     assert reply.phase == "training"
     return time.monotonic() - t0
 
@@ -104,7 +118,8 @@ class IdleReflection:
 def list_services(address: str) -> set[str]:
     with grpc.insecure_channel(address) as ch:
         replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
         return {s.name for r in replies for s in r.list_services_response.service}
 
 
@@ -126,7 +141,10 @@ def test_idle_reflection_streams_never_take_the_services_threads(credentials, qu
             assert len(refused) == 40 - servers.OPEN_STREAMS and max(t for _, t in refused) < 2.0
             time.sleep(servers.OPEN_STREAM_IDLE_S + 1.0)
             outcomes = Counter(name for name, _ in flood.outcomes)
-            assert outcomes == {"RESOURCE_EXHAUSTED": 40 - servers.OPEN_STREAMS, "DEADLINE_EXCEEDED": servers.OPEN_STREAMS}
+            assert outcomes == {
+                "RESOURCE_EXHAUSTED": 40 - servers.OPEN_STREAMS,
+                "DEADLINE_EXCEEDED": servers.OPEN_STREAMS,
+            }
             assert "rlfleet.v1.CoordinatorService" in list_services(address)
             assert status(ch, credentials) < 1.0
     finally:
@@ -163,9 +181,13 @@ def test_bytes_that_are_no_message_get_named_statuses(credentials):
                 call(garbage, timeout=5, metadata=auth.metadata(SECRET, "env", to="coordinator"))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "not a valid rlfleet.v1.RegisterRequest" in err.value.details()
-            reply = coordinator_pb2.RegisterResponse.FromString(call(
-                coordinator_pb2.RegisterRequest(address="h:1").SerializeToString(), timeout=5,
-                metadata=auth.metadata(SECRET, "env", to="coordinator")))
+            reply = coordinator_pb2.RegisterResponse.FromString(
+                call(
+                    coordinator_pb2.RegisterRequest(address="h:1").SerializeToString(),
+                    timeout=5,
+                    metadata=auth.metadata(SECRET, "env", to="coordinator"),
+                )
+            )
             assert reply.accepted
             assert status(ch, credentials) < 1.0
     finally:
@@ -178,8 +200,11 @@ def test_requests_over_the_receive_limit_are_refused(credentials):
         with grpc.insecure_channel(address, options=channels.OPTIONS) as ch:
             call = ch.unary_unary(REGISTER)
             with pytest.raises(grpc.RpcError) as err:
-                call(coordinator_pb2.RegisterRequest(address="x" * (2 << 20)).SerializeToString(), timeout=10,
-                     metadata=auth.metadata(SECRET, "env", to="coordinator"))
+                call(
+                    coordinator_pb2.RegisterRequest(address="x" * (2 << 20)).SerializeToString(),
+                    timeout=10,
+                    metadata=auth.metadata(SECRET, "env", to="coordinator"),
+                )
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert status(ch, credentials) < 1.0
     finally:
@@ -194,14 +219,19 @@ def test_on_call_sees_proven_callers_before_the_pool(credentials):
     Toy.gate = threading.Event()
     try:
         with grpc.insecure_channel(address) as ch:
-            status_call = ch.unary_unary(STATUS, coordinator_pb2.StatusRequest.SerializeToString,
-                                         coordinator_pb2.RunStatus.FromString)
-            busy = [status_call.future(coordinator_pb2.StatusRequest(), timeout=15, metadata=credentials)
-                    for _ in range(1 + servers.RESERVED_THREADS)]  # every thread of the pool
+            status_call = ch.unary_unary(
+                STATUS, coordinator_pb2.StatusRequest.SerializeToString, coordinator_pb2.RunStatus.FromString
+            )
+            busy = [
+                status_call.future(coordinator_pb2.StatusRequest(), timeout=15, metadata=credentials)
+                for _ in range(1 + servers.RESERVED_THREADS)
+            ]  # every thread of the pool
             time.sleep(0.5)
             queued = ch.unary_unary(REGISTER).future(
-                coordinator_pb2.RegisterRequest(address="h:1").SerializeToString(), timeout=15,
-                metadata=auth.metadata(SECRET, "env", 3, to="coordinator"))
+                coordinator_pb2.RegisterRequest(address="h:1").SerializeToString(),
+                timeout=15,
+                metadata=auth.metadata(SECRET, "env", 3, to="coordinator"),
+            )
             time.sleep(0.5)
             assert (REGISTER, "env[3]") in seen and not queued.done()  # seen while it waits for a thread
             Toy.gate.set()

@@ -9,8 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ARRAYS = {
     "third_person": np.random.default_rng(0).integers(0, 256, (16, 224, 224, 3), dtype=np.uint8),
     "wrist": np.random.default_rng(1).integers(0, 256, (16, 64, 64, 3), dtype=np.uint8),
-    "state": np.random.default_rng(2).normal(size=(16, 7)).astype(np.float32),   # small: inline
+    "state": np.random.default_rng(2).normal(size=(16, 7)).astype(np.float32),  # small: inline
     "f64": np.random.default_rng(3).normal(size=(16, 1024)),
     "f16": np.random.default_rng(4).normal(size=(64, 1024)).astype(np.float16),
     "i64": np.arange(16 * 4096, dtype=np.int64).reshape(16, 4096),
@@ -82,8 +80,11 @@ def test_buffers_go_by_handle_without_a_copy_and_move_on_a_generation():
         arena.release()
         again = arena.buffers({"obs.cam": ((4, 8, 64, 64, 3), np.uint8)})["obs.cam"]  # the same memory, next generation
         assert again.__array_interface__["data"][0] == buf.__array_interface__["data"][0]
-        with pytest.raises(shm.BadHandle, match=r"^rollout\['obs.cam'\]\.shared\.generation: 1, the segment is at "
-                                                 r"generation 2 \(a stale handle"):
+        with pytest.raises(
+            shm.BadHandle,
+            match=r"^rollout\['obs.cam'\]\.shared\.generation: 1, the segment is at "
+            r"generation 2 \(a stale handle",
+        ):
             reader.read(ref, np.dtype(np.uint8), buf.size, "rollout['obs.cam']")
     finally:
         reader.close()
@@ -157,8 +158,10 @@ def test_a_regular_file_the_server_has_open_is_refused(good, tmp_path):
     secret = tmp_path / "checkpoint.bin"
     secret.write_bytes(b"RLFSHM01" + bytes(4096))  # even with our magic in it
     with open(secret, "rb") as f:
-        refused(tensor(forged(good[1], pid=os.getpid(), fd=f.fileno())),
-                f"shared.fd: fd {f.fileno()} of process {os.getpid()} is not an rlfleet shared-memory segment")
+        refused(
+            tensor(forged(good[1], pid=os.getpid(), fd=f.fileno())),
+            f"shared.fd: fd {f.fileno()} of process {os.getpid()} is not an rlfleet shared-memory segment",
+        )
     with open(secret, "rb") as f:  # a deleted file is not one either
         secret.unlink()
         refused(tensor(forged(good[1], fd=f.fileno())), "is not an rlfleet shared-memory segment")
@@ -206,8 +209,11 @@ def test_a_pid_or_fd_that_holds_nothing_is_refused(good):
 
 
 def test_handles_where_inline_bytes_are_expected_and_both_at_once_are_refused(good):
-    with pytest.raises(codec.CodecError, match=r"^obs\.shared: a shared-memory handle where inline bytes \(data\) "
-                                               r"are expected"):
+    with pytest.raises(
+        codec.CodecError,
+        match=r"^obs\.shared: a shared-memory handle where inline bytes \(data\) "
+        r"are expected",
+    ):
         codec.decode(tensor(good[1]), "obs")
     both = tensor(good[1])
     both.data = bytes(256)
@@ -243,13 +249,25 @@ sys.stdin.readline()  # keeps the mapping until killed
 
 
 def _python(code):
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
 
 
 def _ref(d):
-    return tensor_pb2.SharedRef(pid=d["pid"], fd=d["fd"], offset=d["offset"], length=d["length"],
-                                generation=d["generation"], key=bytes.fromhex(d["key"]))
+    return tensor_pb2.SharedRef(
+        pid=d["pid"],
+        fd=d["fd"],
+        offset=d["offset"],
+        length=d["length"],
+        generation=d["generation"],
+        key=bytes.fromhex(d["key"]),
+    )
 
 
 def holders(name_part: str) -> dict[int, list[str]]:
@@ -282,8 +300,11 @@ def test_kill9_of_the_writer_mid_transfer_leaves_no_segment():
         os.kill(child.pid, signal.SIGKILL)  # mid-transfer: the reader still maps the segment
         child.wait(10)
         # the dead writer's handle is refused by name, and the reader dropped its mapping on the way
-        with pytest.raises(shm.BadHandle, match=rf"shared\.pid: process {d['pid']} has no fd {d['fd']} \(the writer "
-                                                r"exited"):
+        with pytest.raises(
+            shm.BadHandle,
+            match=rf"shared\.pid: process {d['pid']} has no fd {d['fd']} \(the writer "
+            r"exited",
+        ):
             reader.read(_ref(d), np.dtype(np.uint8), d["length"])
         assert holders(tag) == {}  # no process of this host holds or maps it: the kernel has freed it
         reader.close()
@@ -298,8 +319,19 @@ def test_kill9_of_the_reader_leaves_no_segment_once_the_writer_drops_it():
     _, (ref,) = arena.pack([np.full(1 << 20, 3, np.uint8)])
     child = _python(READER)
     try:
-        child.stdin.write(json.dumps({"pid": ref.pid, "fd": ref.fd, "offset": ref.offset, "length": ref.length,
-                                      "generation": ref.generation, "key": ref.key.hex()}) + "\n")
+        child.stdin.write(
+            json.dumps(
+                {
+                    "pid": ref.pid,
+                    "fd": ref.fd,
+                    "offset": ref.offset,
+                    "length": ref.length,
+                    "generation": ref.generation,
+                    "key": ref.key.hex(),
+                }
+            )
+            + "\n"
+        )
         child.stdin.flush()
         assert int(child.stdout.readline()) == 3 << 20  # another process read it
         name = arena.segments()[0].name
@@ -343,8 +375,12 @@ def test_a_weights_set_by_handle_assembles_to_the_inline_bits():
 
     from rlfleet.wire import weights
 
-    state = {"w": torch.randn(300, 300), "b16": torch.randn(256, 512).to(torch.bfloat16),
-             "steps": torch.arange(20_000, dtype=torch.int64), "small": torch.randn(3)}
+    state = {
+        "w": torch.randn(300, 300),
+        "b16": torch.randn(256, 512).to(torch.bfloat16),
+        "steps": torch.arange(20_000, dtype=torch.int64),
+        "small": torch.randn(3),
+    }
     arena, reader = shm.Arena("weights", slots=2), shm.Reader()
     try:
         chunks = [type(c).FromString(c.SerializeToString()) for c in weights.iter_chunks(state, 5, arena=arena)]
@@ -353,8 +389,10 @@ def test_a_weights_set_by_handle_assembles_to_the_inline_bits():
         _, inline, _, _, _ = weights.assemble(weights.iter_chunks(state, 5, chunk_bytes=4096))
         for k, t in state.items():
             assert got[k].dtype == inline[k].dtype == t.dtype and got[k].shape == t.shape
-            assert torch.equal(got[k].view(torch.int16) if t.dtype == torch.bfloat16 else got[k],
-                               t.view(torch.int16) if t.dtype == torch.bfloat16 else t), k
+            assert torch.equal(
+                got[k].view(torch.int16) if t.dtype == torch.bfloat16 else got[k],
+                t.view(torch.int16) if t.dtype == torch.bfloat16 else t,
+            ), k
         moved = weights.inference_pb2.WeightsChunk()
         moved.CopyFrom(chunks[0])
         moved.offset = 8

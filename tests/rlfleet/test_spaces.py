@@ -9,8 +9,10 @@ IMG = TensorSpace((16, 16, 3), np.uint8)
 
 
 def libero():
-    return ({"agentview": IMG, "wrist": IMG, "state": TensorSpace((8,), np.float32, -2, 2)},
-            TensorSpace((7,), np.float32, -1, 1))
+    return (
+        {"agentview": IMG, "wrist": IMG, "state": TensorSpace((8,), np.float32, -2, 2)},
+        TensorSpace((7,), np.float32, -1, 1),
+    )
 
 
 def metaworld():
@@ -29,14 +31,21 @@ def test_joint_spaces_take_every_entry_pad_1d_and_widen_actions():
         fit_check(own, act, obs, action)  # each server fits the joint spaces
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda o, a: ({**o, "pixels": TensorSpace((32, 32, 3), np.uint8)}, a),
-     "observation 'pixels': env[1] has shape [32, 32, 3] but env[0] has [16, 16, 3]; only 1-D entries are padded "
-     "(give both simulators the same image size"),
-    (lambda o, a: ({**o, "state": TensorSpace((8,), np.float64)}, a),
-     "observation 'state': env[1] has float64 [8] but env[0] has float32 [39]"),
-    (lambda o, a: (o, TensorSpace((2, 4), np.float32)), "action spaces: env[1] has shape [2, 4]"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda o, a: ({**o, "pixels": TensorSpace((32, 32, 3), np.uint8)}, a),
+            "observation 'pixels': env[1] has shape [32, 32, 3] but env[0] has [16, 16, 3]; only 1-D entries are padded "
+            "(give both simulators the same image size",
+        ),
+        (
+            lambda o, a: ({**o, "state": TensorSpace((8,), np.float64)}, a),
+            "observation 'state': env[1] has float64 [8] but env[0] has float32 [39]",
+        ),
+        (lambda o, a: (o, TensorSpace((2, 4), np.float32)), "action spaces: env[1] has shape [2, 4]"),
+    ],
+)
 def test_joint_spaces_name_what_cannot_be_joined(change, message):
     with pytest.raises(ValueError) as err:
         joint_spaces({"env[1]": change(*libero()), "env[0]": metaworld()})
@@ -55,8 +64,11 @@ def test_fit_check_refuses_what_padding_cannot_do():
 
 def test_pad_observations_zero_pads_and_fills_missing_entries():
     obs, _ = joint_spaces({"a": libero(), "b": metaworld()})
-    rows = {"agentview": np.full((2, 16, 16, 3), 7, np.uint8), "wrist": np.ones((2, 16, 16, 3), np.uint8),
-            "state": np.arange(16, dtype=np.float32).reshape(2, 8)}
+    rows = {
+        "agentview": np.full((2, 16, 16, 3), 7, np.uint8),
+        "wrist": np.ones((2, 16, 16, 3), np.uint8),
+        "state": np.arange(16, dtype=np.float32).reshape(2, 8),
+    }
     out = pad_observations(rows, obs, 2)
     assert out["state"].shape == (2, 39) and out["state"][:, :8].tolist() == rows["state"].tolist()
     assert not out["state"][:, 8:].any() and not out["pixels"].any() and out["pixels"].shape == (2, 16, 16, 3)

@@ -8,9 +8,17 @@ import grpc
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor as FD
 
+from rlfleet.v1 import (
+    coordinator_pb2,
+    env_pb2,
+    inference_pb2,
+    learner_pb2,
+    learner_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    tensor_pb2,
+)
 from rlfleet.wire import channels, codec
-from rlfleet.v1 import (coordinator_pb2, env_pb2, inference_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2,
-                        rollout_pb2_grpc, tensor_pb2)
 
 
 def tensors():
@@ -21,8 +29,12 @@ def tensors():
     yield codec.encode(np.full((1, 4), np.nan, np.float32))
     yield codec.encode(np.zeros((3,), np.int64))
     # a shared-memory handle no one was offered: pid 1's stdin, a huge offset, no key (issue 34)
-    yield codec.Tensor(dtype=codec.DType.FLOAT32, shape=[1, 4], shared=tensor_pb2.SharedRef(
-        pid=1, fd=0, offset=2**63, length=16, generation=1, key=b"k" * 16))
+    yield codec.Tensor(
+        dtype=codec.DType.FLOAT32,
+        shape=[1, 4],
+        shared=tensor_pb2.SharedRef(pid=1, fd=0, offset=2**63, length=16, generation=1, key=b"k" * 16),
+    )
+
 
 def mutations(desc, depth=0):
     """(label, message) with one field set to an edge value."""
@@ -31,7 +43,11 @@ def mutations(desc, depth=0):
     for f in desc.fields:
         vals = []
         if f.type in (FD.TYPE_INT32, FD.TYPE_INT64, FD.TYPE_SINT32, FD.TYPE_SINT64):
-            vals = [-1, -2**31 if f.type in (FD.TYPE_INT32, FD.TYPE_SINT32) else -2**62, 2**31 - 1 if f.type in (FD.TYPE_INT32, FD.TYPE_SINT32) else 2**62]
+            vals = [
+                -1,
+                -(2**31) if f.type in (FD.TYPE_INT32, FD.TYPE_SINT32) else -(2**62),
+                2**31 - 1 if f.type in (FD.TYPE_INT32, FD.TYPE_SINT32) else 2**62,
+            ]
         elif f.type in (FD.TYPE_UINT32, FD.TYPE_UINT64):
             vals = [2**32 - 1 if f.type == FD.TYPE_UINT32 else 2**63]
         elif f.type in (FD.TYPE_FLOAT, FD.TYPE_DOUBLE):
@@ -45,11 +61,17 @@ def mutations(desc, depth=0):
         elif f.type == FD.TYPE_MESSAGE and f.message_type.full_name == "rlfleet.v1.TensorMap":
             vals = []
             for t in tensors():
-                m = tensor_pb2.TensorMap(); m.tensors["state"].CopyFrom(t); vals.append(m)
+                m = tensor_pb2.TensorMap()
+                m.tensors["state"].CopyFrom(t)
+                vals.append(m)
         elif f.type == FD.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:
             vt = f.message_type.fields_by_name["value"]
             if vt.type == FD.TYPE_MESSAGE and vt.message_type.full_name == "rlfleet.v1.TensorSpec":
-                vals = [{"state": tensor_pb2.TensorSpec(dtype=99, shape=[4])}, {"state": tensor_pb2.TensorSpec(dtype=1, shape=[-3])}, {"state": tensor_pb2.TensorSpec(dtype=1, shape=[2**40, 2**40])}]
+                vals = [
+                    {"state": tensor_pb2.TensorSpec(dtype=99, shape=[4])},
+                    {"state": tensor_pb2.TensorSpec(dtype=1, shape=[-3])},
+                    {"state": tensor_pb2.TensorSpec(dtype=1, shape=[2**40, 2**40])},
+                ]
             elif vt.type in (FD.TYPE_DOUBLE, FD.TYPE_FLOAT):
                 vals = [{"x": float("nan")}, {"": 1.0}]
             elif vt.type == FD.TYPE_STRING:
@@ -58,7 +80,8 @@ def mutations(desc, depth=0):
                 vals = [{"x": t} for t in tensors()]
         elif f.type == FD.TYPE_MESSAGE and depth < 1:
             for label, sub in mutations(f.message_type, depth + 1):
-                if label == "empty": continue
+                if label == "empty":
+                    continue
                 m = cls()
                 if f.is_repeated:
                     getattr(m, f.name).add().CopyFrom(sub)
@@ -72,11 +95,15 @@ def mutations(desc, depth=0):
                 if f.type == FD.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:
                     target = getattr(m, f.name)
                     for k, x in v.items():
-                        if hasattr(x, "CopyFrom"): target[k].CopyFrom(x)
-                        else: target[k] = x
+                        if hasattr(x, "CopyFrom"):
+                            target[k].CopyFrom(x)
+                        else:
+                            target[k] = x
                 elif f.is_repeated:
-                    if f.type == FD.TYPE_MESSAGE: getattr(m, f.name).add().CopyFrom(v)
-                    else: getattr(m, f.name).append(v)
+                    if f.type == FD.TYPE_MESSAGE:
+                        getattr(m, f.name).add().CopyFrom(v)
+                    else:
+                        getattr(m, f.name).append(v)
                 elif f.type == FD.TYPE_MESSAGE:
                     getattr(m, f.name).CopyFrom(v)
                 else:
@@ -122,7 +149,8 @@ def test_fleet_services_answer_malformed_requests_with_named_errors(fleet):
     rs = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
     spec = rs.Describe(env_pb2.DescribeEnvRequest())
     learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
-        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr])
+    )
 
     def fill(m, msg, label):  # reach past the "no inference server given" check
         if m.name in ("Collect", "Evaluate") and label != "empty" and "inference_addresses" not in label:
@@ -130,9 +158,16 @@ def test_fleet_services_answer_malformed_requests_with_named_errors(fleet):
             if m.name == "Collect" and not msg.learner_address:
                 msg.learner_address = fleet.learner_addr
 
-    bad, calls = _fuzz([(fleet.env_addr, env_pb2, "EnvService"), (fleet.env_addr, rollout_pb2, "RolloutService"),
-                        (fleet.inf_addr, inference_pb2, "InferenceService"),
-                        (fleet.learner_addr, learner_pb2, "LearnerService")], fill, skip=("Close",))
+    bad, calls = _fuzz(
+        [
+            (fleet.env_addr, env_pb2, "EnvService"),
+            (fleet.env_addr, rollout_pb2, "RolloutService"),
+            (fleet.inf_addr, inference_pb2, "InferenceService"),
+            (fleet.learner_addr, learner_pb2, "LearnerService"),
+        ],
+        fill,
+        skip=("Close",),
+    )
     assert calls > 200
     assert not bad, "\n".join(map(str, bad))
     assert rs.Describe(env_pb2.DescribeEnvRequest()).num_envs > 0  # still serving
@@ -174,30 +209,38 @@ def _push(fleet, rollout, worker=0):
 
 
 def _collect(fleet, **fields):
-    req = {"epoch": 0, "num_steps": 4, "inference_addresses": [fleet.inf_addr], "learner_address": fleet.learner_addr,
-           **fields}
-    rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr)).Collect(rollout_pb2.CollectRequest(**req),
-                                                                             timeout=30)
+    req = {
+        "epoch": 0,
+        "num_steps": 4,
+        "inference_addresses": [fleet.inf_addr],
+        "learner_address": fleet.learner_addr,
+        **fields,
+    }
+    rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr)).Collect(
+        rollout_pb2.CollectRequest(**req), timeout=30
+    )
 
 
 def _huge_space(fleet, to):
-    from rlfleet.wire import weights
-    from rlfleet.wire.spaces import TensorSpace
     from rlfleet.policies.models.actor_critic import ActorCritic
     from rlfleet.v1 import inference_pb2_grpc
+    from rlfleet.wire import weights
+    from rlfleet.wire.spaces import TensorSpace
 
-    huge = tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[2 ** 31])  # exactly the codec's limit
+    huge = tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[2**31])  # exactly the codec's limit
     if to == "learner":
         spec = env_pb2.EnvSpec()
         spec.observation_space["state"].CopyFrom(huge)
         spec.action_space.CopyFrom(tensor_pb2.TensorSpec(dtype=codec.DType.FLOAT32, shape=[4]))
         learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
-            learner_pb2.PublishWeightsRequest(env_spec=spec), timeout=30)
+            learner_pb2.PublishWeightsRequest(env_spec=spec), timeout=30
+        )
     else:
         state = ActorCritic({"state": TensorSpace((13,), "float32")}, 4, hidden_dims=[8]).state_dict()
         inference_pb2_grpc.InferenceServiceStub(channels.channel(fleet.inf_addr)).UpdateWeights(
-            weights.iter_chunks(state, 7, obs_specs={"state": TensorSpace((2 ** 31,), "float32")}, action_dim=4),
-            timeout=30)
+            weights.iter_chunks(state, 7, obs_specs={"state": TensorSpace((2**31,), "float32")}, action_dim=4),
+            timeout=30,
+        )
 
 
 def _dead():
@@ -211,35 +254,87 @@ def _dead():
 DEAD = _dead()
 I, F, U = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE
 ISSUE_25 = [  # (what, call, status, text the answer must hold); run in this order against one fleet
-    ("PublishWeights: a 2**31-element observation space", lambda f: _huge_space(f, "learner"), I,
-     "env_spec.observation_space: one observation row declares 8192 MiB"),
-    ("UpdateWeights: a 2**31-element observation space", lambda f: _huge_space(f, "inference"), I,
-     "observation_space: one observation row declares 8192 MiB"),
+    (
+        "PublishWeights: a 2**31-element observation space",
+        lambda f: _huge_space(f, "learner"),
+        I,
+        "env_spec.observation_space: one observation row declares 8192 MiB",
+    ),
+    (
+        "UpdateWeights: a 2**31-element observation space",
+        lambda f: _huge_space(f, "inference"),
+        I,
+        "observation_space: one observation row declares 8192 MiB",
+    ),
     ("PushRollout: values 3e38", lambda f: _push(f, _rollout("values", 3e38)), I, "rollout['values']: value 3e+38"),
     ("PushRollout: actions 3e38", lambda f: _push(f, _rollout("actions", 3e38)), I, "rollout['actions']: value 3e+38"),
     ("PushRollout: rewards 3e38", lambda f: _push(f, _rollout("rewards", 3e38)), I, "rollout['rewards']: value 3e+38"),
-    ("PushRollout: values [T, N, 3]", lambda f: _push(f, _rollout("values", shape=(8, 8, 3))), I,
-     "rollout['values']: shape [8, 8, 3] where [8, 8] was expected"),
-    ("PushRollout: terminated [T, N, 3]", lambda f: _push(f, _rollout("terminated", shape=(8, 8, 3))), I,
-     "rollout['terminated']: shape [8, 8, 3]"),
-    ("PushRollout: bootstrap_values [T, N, 3]", lambda f: _push(f, _rollout("bootstrap_values", shape=(8, 8, 3))), I,
-     "rollout['bootstrap_values']: shape [8, 8, 3]"),
-    ("PushRollout: fi.actions of width 7", lambda f: _push(f, _rollout("fi.actions", shape=(8, 8, 7))), I,
-     "rollout['fi.actions']: float32 [8, 8, 7] where float [8, 8, *[4]] was expected"),
-    ("PushRollout: an all-false loss_mask", lambda f: _push(f, _rollout("loss_mask", shape=(8, 8))), I,
-     "rollout['loss_mask']: all 64 samples are masked out"),
-    ("PushRollout: worker 40 of a 1-server run", lambda f: _push(f, _rollout(), worker=40), I,
-     "worker_index: 40 is not one of this run's env servers (0..0"),
-    ("Collect: an unreachable learner_address", lambda f: _collect(f, learner_address=DEAD), U,
-     f"learner_address: no learner answered at {DEAD}"),
-    ("Collect: the learner refuses the rollout", lambda f: _collect(f, epoch=10 ** 9), I,
-     f"did not take the rollout of epoch 1000000000: INVALID_ARGUMENT: epoch: a rollout for epoch 1000000000"),
-    ("Collect: min_weights_version far ahead", lambda f: _collect(f, min_weights_version=2 ** 40), F,
-     "min_weights_version: inference served weights version 0"),
-    ("Collect: garbage inference address", lambda f: _collect(f, inference_addresses=["[unclosed: {"]), I,
-     "inference_addresses[0]: '[unclosed: {' is not an address"),
-    ("Collect: unreachable inference address", lambda f: _collect(f, inference_addresses=[DEAD]), U,
-     f"inference server {DEAD} did not answer"),
+    (
+        "PushRollout: values [T, N, 3]",
+        lambda f: _push(f, _rollout("values", shape=(8, 8, 3))),
+        I,
+        "rollout['values']: shape [8, 8, 3] where [8, 8] was expected",
+    ),
+    (
+        "PushRollout: terminated [T, N, 3]",
+        lambda f: _push(f, _rollout("terminated", shape=(8, 8, 3))),
+        I,
+        "rollout['terminated']: shape [8, 8, 3]",
+    ),
+    (
+        "PushRollout: bootstrap_values [T, N, 3]",
+        lambda f: _push(f, _rollout("bootstrap_values", shape=(8, 8, 3))),
+        I,
+        "rollout['bootstrap_values']: shape [8, 8, 3]",
+    ),
+    (
+        "PushRollout: fi.actions of width 7",
+        lambda f: _push(f, _rollout("fi.actions", shape=(8, 8, 7))),
+        I,
+        "rollout['fi.actions']: float32 [8, 8, 7] where float [8, 8, *[4]] was expected",
+    ),
+    (
+        "PushRollout: an all-false loss_mask",
+        lambda f: _push(f, _rollout("loss_mask", shape=(8, 8))),
+        I,
+        "rollout['loss_mask']: all 64 samples are masked out",
+    ),
+    (
+        "PushRollout: worker 40 of a 1-server run",
+        lambda f: _push(f, _rollout(), worker=40),
+        I,
+        "worker_index: 40 is not one of this run's env servers (0..0",
+    ),
+    (
+        "Collect: an unreachable learner_address",
+        lambda f: _collect(f, learner_address=DEAD),
+        U,
+        f"learner_address: no learner answered at {DEAD}",
+    ),
+    (
+        "Collect: the learner refuses the rollout",
+        lambda f: _collect(f, epoch=10**9),
+        I,
+        "did not take the rollout of epoch 1000000000: INVALID_ARGUMENT: epoch: a rollout for epoch 1000000000",
+    ),
+    (
+        "Collect: min_weights_version far ahead",
+        lambda f: _collect(f, min_weights_version=2**40),
+        F,
+        "min_weights_version: inference served weights version 0",
+    ),
+    (
+        "Collect: garbage inference address",
+        lambda f: _collect(f, inference_addresses=["[unclosed: {"]),
+        I,
+        "inference_addresses[0]: '[unclosed: {' is not an address",
+    ),
+    (
+        "Collect: unreachable inference address",
+        lambda f: _collect(f, inference_addresses=[DEAD]),
+        U,
+        f"inference server {DEAD} did not answer",
+    ),
 ]
 
 
@@ -254,8 +349,11 @@ def test_issue_25_inputs_get_named_statuses_and_lose_nothing(fleet, monkeypatch)
     wrong = []
     for i, (what, call, code, text) in enumerate(ISSUE_25):
         if i == 2:  # the policy's spaces from here on (after the two space cases)
-            lstub.PublishWeights(learner_pb2.PublishWeightsRequest(
-                env_spec=rs.Describe(env_pb2.DescribeEnvRequest()), inference_addresses=[fleet.inf_addr]))
+            lstub.PublishWeights(
+                learner_pb2.PublishWeightsRequest(
+                    env_spec=rs.Describe(env_pb2.DescribeEnvRequest()), inference_addresses=[fleet.inf_addr]
+                )
+            )
             _push(fleet, _rollout())  # good data before the bad: it must be kept
         try:
             call(fleet)
@@ -268,8 +366,9 @@ def test_issue_25_inputs_get_named_statuses_and_lose_nothing(fleet, monkeypatch)
     assert fleet.learner.rollouts.pending[(0, 0)]["time"]["rewards"].shape == (8, 8)
     # every server still serves: a real epoch collects and trains
     _collect(fleet)
-    resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]),
-                       timeout=60)
+    resp = lstub.Train(
+        learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]), timeout=60
+    )
     assert resp.weights_version == 1 and fleet.engine.version == 1
     assert lstub.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(), timeout=60).path
 
@@ -309,11 +408,15 @@ def test_bytes_that_are_no_message_get_invalid_argument(fleet, cfg, tmp_path):
     coord = Coordinator(cfg, tmp_path / "run", quiet=True)
     server = serve(coord, "127.0.0.1:0")
     try:
-        bad, calls = _garbage([(fleet.env_addr, env_pb2, "EnvService"),
-                               (fleet.env_addr, rollout_pb2, "RolloutService"),
-                               (fleet.inf_addr, inference_pb2, "InferenceService"),
-                               (fleet.learner_addr, learner_pb2, "LearnerService"),
-                               (coord.address, coordinator_pb2, "CoordinatorService")])
+        bad, calls = _garbage(
+            [
+                (fleet.env_addr, env_pb2, "EnvService"),
+                (fleet.env_addr, rollout_pb2, "RolloutService"),
+                (fleet.inf_addr, inference_pb2, "InferenceService"),
+                (fleet.learner_addr, learner_pb2, "LearnerService"),
+                (coord.address, coordinator_pb2, "CoordinatorService"),
+            ]
+        )
     finally:
         server.stop(0)
     assert calls > 20

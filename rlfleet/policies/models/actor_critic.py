@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
+from rlfleet.wire.spaces import TensorSpace
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 
@@ -71,7 +71,9 @@ class ImageEncoder(nn.Module):
         self.proj = nn.Sequential(nn.Linear(c_in * 16, out_dim), nn.ReLU())
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        x = image.permute(0, 3, 1, 2).to(self.proj[0].weight.dtype) / 255.0  # the parameters' dtype (fp32; fp64 in tests)
+        x = (
+            image.permute(0, 3, 1, 2).to(self.proj[0].weight.dtype) / 255.0
+        )  # the parameters' dtype (fp32; fp64 in tests)
         return self.proj(self.conv(x))
 
 
@@ -82,10 +84,20 @@ class ActorCritic(PolicyMixin, nn.Module):
     through one ``ImageEncoder`` each (model_type 'cnn').
     """
 
-    def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, *, model_type: str = "mlp",
-                 hidden_dims=(256, 256), activation: str = "tanh", init_log_std: float = -0.5,
-                 cnn_channels=(16, 32, 32), image_feature_dim: int = 128, normalize_obs: bool = True,
-                 logprob_type: str = "action_level"):
+    def __init__(
+        self,
+        obs_specs: Mapping[str, TensorSpace],
+        action_dim: int,
+        *,
+        model_type: str = "mlp",
+        hidden_dims=(256, 256),
+        activation: str = "tanh",
+        init_log_std: float = -0.5,
+        cnn_channels=(16, 32, 32),
+        image_feature_dim: int = 128,
+        normalize_obs: bool = True,
+        logprob_type: str = "action_level",
+    ):
         super().__init__()
         self.logprob_type = logprob_type
         self.obs_specs = dict(obs_specs)
@@ -99,8 +111,9 @@ class ActorCritic(PolicyMixin, nn.Module):
             raise ValueError("model_type 'cnn' needs image observations; the env provides none")
         vec_dim = sum(int(np.prod(self.obs_specs[k].shape)) for k in self.vector_keys)
         self.obs_rms = RunningMeanStd((vec_dim,)) if (normalize_obs and vec_dim) else None
-        self.encoders = nn.ModuleDict({
-            k: ImageEncoder(self.obs_specs[k].shape, list(cnn_channels), image_feature_dim) for k in self.image_keys})
+        self.encoders = nn.ModuleDict(
+            {k: ImageEncoder(self.obs_specs[k].shape, list(cnn_channels), image_feature_dim) for k in self.image_keys}
+        )
         in_dim = vec_dim + image_feature_dim * len(self.image_keys)
         hidden = list(hidden_dims)
         self.actor_mean = _mlp([in_dim, *hidden, action_dim], activation, out_gain=0.01)
@@ -140,8 +153,9 @@ class ActorCritic(PolicyMixin, nn.Module):
         return reduce_log_probs(dist.log_prob(actions)[:, None, :], self.logprob_type)
 
     @torch.no_grad()
-    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False, instructions=None,
-            noise=None) -> PolicyOutput:
+    def act(
+        self, obs: Mapping[str, torch.Tensor], deterministic: bool = False, instructions=None, noise=None
+    ) -> PolicyOutput:
         """Raw (unclipped) Gaussian samples, or the means; the env clips to its bounds."""
         dist, values = self.distribution(obs)
         if deterministic:
@@ -152,23 +166,37 @@ class ActorCritic(PolicyMixin, nn.Module):
             actions = dist.sample()
         return PolicyOutput(actions[:, None, :], self._log_probs(dist, actions), values, {"actions": actions})
 
-    def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
-                 instructions=None) -> PolicyEval:
+    def evaluate(
+        self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor], instructions=None
+    ) -> PolicyEval:
         dist, values = self.distribution(obs)
         return PolicyEval(self._log_probs(dist, forward_inputs["actions"]), dist.entropy().sum(-1), values)
 
     def value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.critic(self.features(obs)).squeeze(-1)
 
-
     @classmethod
-    def from_config(cls, model_cfg, obs_specs: Mapping[str, TensorSpace], action_dim: int, normalize_obs: bool,
-                    logprob_type: str = "action_level") -> ActorCritic:
+    def from_config(
+        cls,
+        model_cfg,
+        obs_specs: Mapping[str, TensorSpace],
+        action_dim: int,
+        normalize_obs: bool,
+        logprob_type: str = "action_level",
+    ) -> ActorCritic:
         """The ``actor.model`` group -> a policy for an env's spaces (rlfleet.policies.build_policy)."""
-        return cls(obs_specs, action_dim, model_type=model_cfg.model_type, hidden_dims=list(model_cfg.hidden_dims),
-                   activation=model_cfg.activation, init_log_std=model_cfg.init_log_std,
-                   cnn_channels=list(model_cfg.cnn_channels), image_feature_dim=model_cfg.image_feature_dim,
-                   normalize_obs=normalize_obs, logprob_type=logprob_type)
+        return cls(
+            obs_specs,
+            action_dim,
+            model_type=model_cfg.model_type,
+            hidden_dims=list(model_cfg.hidden_dims),
+            activation=model_cfg.activation,
+            init_log_std=model_cfg.init_log_std,
+            cnn_channels=list(model_cfg.cnn_channels),
+            image_feature_dim=model_cfg.image_feature_dim,
+            normalize_obs=normalize_obs,
+            logprob_type=logprob_type,
+        )
 
 
 def to_torch_obs(obs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -39,9 +39,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rlfleet.policies.models.openvla import ByteTokenizer, has_tokenizer_files, load_hf_tokenizer, save_tokenizer
 from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
 from rlfleet.policies.families import FAMILIES
+from rlfleet.policies.models.openvla import ByteTokenizer, has_tokenizer_files, load_hf_tokenizer, save_tokenizer
 
 # actor.model.openpi defaults: a tiny π0 that runs on CPU, written once, in the family's size YAML (openpi_sizes.yaml
 # beside this module; its entry in rlfleet.policies.families names it)
@@ -96,20 +96,41 @@ def _keep_input(module, inputs, _output):
 def sizes_from_pi0_config(cfg) -> dict:
     """A transformers ``PI0Config`` -> the ``actor.model.openpi`` sizes it amounts to (the architecture keys)."""
     vision, text, expert = cfg.vlm_config.vision_config, cfg.vlm_config.text_config, cfg.dit_config
-    return dict(image_size=vision.image_size, patch_size=vision.patch_size, vision_hidden_size=vision.hidden_size,
-                vision_layers=vision.num_hidden_layers, vision_heads=vision.num_attention_heads,
-                vision_intermediate_size=vision.intermediate_size, vlm_hidden_size=text.hidden_size,
-                vlm_layers=text.num_hidden_layers, vlm_heads=text.num_attention_heads,
-                vlm_intermediate_size=text.intermediate_size, expert_hidden_size=expert.hidden_size,
-                expert_layers=expert.num_hidden_layers, expert_intermediate_size=expert.intermediate_size,
-                head_dim=text.head_dim, vocab_size=text.vocab_size, max_state_dim=cfg.max_state_dim,
-                max_action_dim=cfg.max_action_dim)
+    return dict(
+        image_size=vision.image_size,
+        patch_size=vision.patch_size,
+        vision_hidden_size=vision.hidden_size,
+        vision_layers=vision.num_hidden_layers,
+        vision_heads=vision.num_attention_heads,
+        vision_intermediate_size=vision.intermediate_size,
+        vlm_hidden_size=text.hidden_size,
+        vlm_layers=text.num_hidden_layers,
+        vlm_heads=text.num_attention_heads,
+        vlm_intermediate_size=text.intermediate_size,
+        expert_hidden_size=expert.hidden_size,
+        expert_layers=expert.num_hidden_layers,
+        expert_intermediate_size=expert.intermediate_size,
+        head_dim=text.head_dim,
+        vocab_size=text.vocab_size,
+        max_state_dim=cfg.max_state_dim,
+        max_action_dim=cfg.max_action_dim,
+    )
 
 
 class Pi0Policy(PolicyMixin, nn.Module):
-    def __init__(self, obs_specs: Mapping, action_dim: int, *, sizes: Mapping | None = None,
-                 num_action_chunks: int = 5, max_prompt_tokens: int = 48, add_value_head: bool = True,
-                 logprob_type: str = "chunk_level", pretrained=None, tokenizer=None):
+    def __init__(
+        self,
+        obs_specs: Mapping,
+        action_dim: int,
+        *,
+        sizes: Mapping | None = None,
+        num_action_chunks: int = 5,
+        max_prompt_tokens: int = 48,
+        add_value_head: bool = True,
+        logprob_type: str = "chunk_level",
+        pretrained=None,
+        tokenizer=None,
+    ):
         """``pretrained``: a loaded ``PI0ForConditionalGeneration`` (a transformers π0 checkpoint) whose config fixes
         the architecture; otherwise one is built from ``sizes``. ``tokenizer``: the checkpoint's (PaliGemma's);
         otherwise rlfleet's byte tokenizer (tiny models)."""
@@ -127,51 +148,86 @@ class Pi0Policy(PolicyMixin, nn.Module):
         self.state_keys = sorted(k for k, v in obs_specs.items() if not v.is_image)
         state_dim = sum(math.prod(obs_specs[k].shape) for k in self.state_keys)
         if state_dim > s["max_state_dim"] or action_dim > s["max_action_dim"]:
-            raise ValueError(f"actor.model.openpi: state ({state_dim}) / action ({action_dim}) dims exceed "
-                             f"max_state_dim {s['max_state_dim']} / max_action_dim {s['max_action_dim']}")
+            raise ValueError(
+                f"actor.model.openpi: state ({state_dim}) / action ({action_dim}) dims exceed "
+                f"max_state_dim {s['max_state_dim']} / max_action_dim {s['max_action_dim']}"
+            )
         self.num_steps = int(s["num_denoise_steps"])
         self.noise_level = float(s["noise_level"])
         if self.num_steps < 1 or self.noise_level <= 0:
             raise ValueError("actor.model.openpi: num_denoise_steps must be >= 1 and noise_level > 0")
         self.noise_method, self.pi05 = str(s["noise_method"]), bool(s["pi05"])
         if self.noise_method not in NOISE_METHODS:
-            raise ValueError(f"actor.model.openpi.noise_method: '{self.noise_method}' is not one of "
-                             f"{', '.join(NOISE_METHODS)}")
+            raise ValueError(
+                f"actor.model.openpi.noise_method: '{self.noise_method}' is not one of {', '.join(NOISE_METHODS)}"
+            )
         self.std_min, self.std_max = float(s["noise_std_min"]), float(s["noise_std_max"])
         if not 0 < self.std_min <= self.std_max:
-            raise ValueError(f"actor.model.openpi: need 0 < noise_std_min <= noise_std_max, got "
-                             f"{self.std_min}, {self.std_max}")
+            raise ValueError(
+                f"actor.model.openpi: need 0 < noise_std_min <= noise_std_max, got {self.std_min}, {self.std_max}"
+            )
         self.state_dim = state_dim
         self.tokenizer = tokenizer or ByteTokenizer()
         self.max_prompt_tokens = int(max_prompt_tokens)
         if self.pi05 and self.max_prompt_tokens < self._state_text_tokens() + 8:
-            raise ValueError(f"actor.model.max_prompt_tokens: {self.max_prompt_tokens} cannot hold π0.5's prompt with "
-                             f"a {state_dim}-D state as text ({self._state_text_tokens()} tokens before the "
-                             f"instruction): raise it to at least {self._state_text_tokens() + 32}")
+            raise ValueError(
+                f"actor.model.max_prompt_tokens: {self.max_prompt_tokens} cannot hold π0.5's prompt with "
+                f"a {state_dim}-D state as text ({self._state_text_tokens()} tokens before the "
+                f"instruction): raise it to at least {self._state_text_tokens() + 32}"
+            )
         self.tokens_per_image = (int(s["image_size"]) // int(s["patch_size"])) ** 2
-        vision = dict(image_size=s["image_size"], patch_size=s["patch_size"], hidden_size=s["vision_hidden_size"],
-                      num_hidden_layers=s["vision_layers"], num_attention_heads=s["vision_heads"],
-                      intermediate_size=s["vision_intermediate_size"])
-        text = dict(vocab_size=s["vocab_size"], hidden_size=s["vlm_hidden_size"],
-                    intermediate_size=s["vlm_intermediate_size"], num_hidden_layers=s["vlm_layers"],
-                    num_attention_heads=s["vlm_heads"], num_key_value_heads=1, head_dim=s["head_dim"])
-        expert = GemmaConfig(vocab_size=8, hidden_size=s["expert_hidden_size"],
-                             intermediate_size=s["expert_intermediate_size"], num_hidden_layers=s["expert_layers"],
-                             num_attention_heads=s["vlm_heads"], num_key_value_heads=1, head_dim=s["head_dim"])
+        vision = dict(
+            image_size=s["image_size"],
+            patch_size=s["patch_size"],
+            hidden_size=s["vision_hidden_size"],
+            num_hidden_layers=s["vision_layers"],
+            num_attention_heads=s["vision_heads"],
+            intermediate_size=s["vision_intermediate_size"],
+        )
+        text = dict(
+            vocab_size=s["vocab_size"],
+            hidden_size=s["vlm_hidden_size"],
+            intermediate_size=s["vlm_intermediate_size"],
+            num_hidden_layers=s["vlm_layers"],
+            num_attention_heads=s["vlm_heads"],
+            num_key_value_heads=1,
+            head_dim=s["head_dim"],
+        )
+        expert = GemmaConfig(
+            vocab_size=8,
+            hidden_size=s["expert_hidden_size"],
+            intermediate_size=s["expert_intermediate_size"],
+            num_hidden_layers=s["expert_layers"],
+            num_attention_heads=s["vlm_heads"],
+            num_key_value_heads=1,
+            head_dim=s["head_dim"],
+        )
         if s["expert_layers"] != s["vlm_layers"]:
-            raise ValueError("actor.model.openpi: the action expert attends layer by layer to the VLM's cache: "
-                             "expert_layers must equal vlm_layers")
+            raise ValueError(
+                "actor.model.openpi: the action expert attends layer by layer to the VLM's cache: "
+                "expert_layers must equal vlm_layers"
+            )
         if pretrained is None:
-            cfg = PI0Config(vlm_config=PaliGemmaConfig(vision_config=vision, text_config=text,
-                                                       image_token_id=int(s["vocab_size"]) - 1,
-                                                       projection_dim=s["vlm_hidden_size"]),
-                            dit_config=expert, chunk_size=self.num_action_chunks, max_state_dim=s["max_state_dim"],
-                            max_action_dim=s["max_action_dim"], num_inference_steps=self.num_steps)
+            cfg = PI0Config(
+                vlm_config=PaliGemmaConfig(
+                    vision_config=vision,
+                    text_config=text,
+                    image_token_id=int(s["vocab_size"]) - 1,
+                    projection_dim=s["vlm_hidden_size"],
+                ),
+                dit_config=expert,
+                chunk_size=self.num_action_chunks,
+                max_state_dim=s["max_state_dim"],
+                max_action_dim=s["max_action_dim"],
+                num_inference_steps=self.num_steps,
+            )
             pretrained = PI0ForConditionalGeneration(cfg)
         elif pretrained.config.chunk_size != self.num_action_chunks:
-            raise ValueError(f"actor.model.num_action_chunks: {self.num_action_chunks}, but the π0 checkpoint "
-                             f"predicts chunks of {pretrained.config.chunk_size}; set it to "
-                             f"{pretrained.config.chunk_size}")
+            raise ValueError(
+                f"actor.model.num_action_chunks: {self.num_action_chunks}, but the π0 checkpoint "
+                f"predicts chunks of {pretrained.config.chunk_size}; set it to "
+                f"{pretrained.config.chunk_size}"
+            )
         self.pi0 = pretrained
         self.image_token_id = int(self.pi0.config.vlm_config.image_token_id)
         # the expert reads embeddings, never token ids; transformers sizes its token table like the VLM's (263M
@@ -187,18 +243,28 @@ class Pi0Policy(PolicyMixin, nn.Module):
             for layer in expert.layers:
                 layer.input_layernorm = AdaRMSNorm(layer.input_layernorm, h, self._cond)
                 layer.post_attention_layernorm = AdaRMSNorm(layer.post_attention_layernorm, h, self._cond)
-                for branch, norm in ((layer.self_attn, layer.input_layernorm),
-                                     (layer.mlp, layer.post_attention_layernorm)):
+                for branch, norm in (
+                    (layer.self_attn, layer.input_layernorm),
+                    (layer.mlp, layer.post_attention_layernorm),
+                ):
                     object.__setattr__(branch, "gate_norm", norm)  # a reference, not a submodule
                     branch.register_forward_hook(_gate_output)
             expert.norm = AdaRMSNorm(expert.norm, h, self._cond)
         self.pi0.action_out_proj.last_input = None  # the expert's output features of the last pass (noise head)
         self.pi0.action_out_proj.register_forward_hook(_keep_input)
-        self.noise_head = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, int(s["max_action_dim"]))) \
-            if self.noise_method == "flow_noise" else None
+        self.noise_head = (
+            nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, int(s["max_action_dim"])))
+            if self.noise_method == "flow_noise"
+            else None
+        )
         self.has_critic = bool(add_value_head)
-        self.value_head = nn.Sequential(nn.Linear(s["vlm_hidden_size"], s["value_hidden_size"]), nn.GELU(),
-                                        nn.Linear(s["value_hidden_size"], 1)) if add_value_head else None
+        self.value_head = (
+            nn.Sequential(
+                nn.Linear(s["vlm_hidden_size"], s["value_hidden_size"]), nn.GELU(), nn.Linear(s["value_hidden_size"], 1)
+            )
+            if add_value_head
+            else None
+        )
         if s["train_expert_only"]:
             for p in self.pi0.model.vlm.parameters():
                 p.requires_grad_(False)
@@ -213,8 +279,9 @@ class Pi0Policy(PolicyMixin, nn.Module):
             return None
         return torch.cat([obs[k].reshape(n, -1).to(self._dtype) for k in self.state_keys], 1)
 
-    def tokenize(self, instructions: Sequence[str] | None, n: int, device,
-                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def tokenize(
+        self, instructions: Sequence[str] | None, n: int, device, state: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Instructions (π0.5: and the state as text) -> right-padded ids [n, P] and mask [n, P] (image tokens are
         added in _prefix)."""
         P = self.max_prompt_tokens
@@ -229,12 +296,12 @@ class Pi0Policy(PolicyMixin, nn.Module):
                 state_text = " ".join(str(int(b)) for b in bins[i]) if state is not None else ""
                 head = self.tokenizer.encode("Task: ")
                 tail = self.tokenizer.encode(f", State: {state_text};\nAction: ")
-                task = self.tokenizer.encode(text)[:P - 1 - len(head) - len(tail)]
+                task = self.tokenizer.encode(text)[: P - 1 - len(head) - len(tail)]
                 toks = [self.tokenizer.bos_token_id, *head, *task, *tail]
             else:
                 toks = [self.tokenizer.bos_token_id, *self.tokenizer.encode(text + "\n")][:P]
-            ids[i, :len(toks)] = torch.tensor(toks)
-            mask[i, :len(toks)] = 1
+            ids[i, : len(toks)] = torch.tensor(toks)
+            mask[i, : len(toks)] = 1
         return ids.to(device), mask.to(device)
 
     def _inputs(self, obs: Mapping[str, torch.Tensor], prompt_ids, prompt_mask):
@@ -248,20 +315,26 @@ class Pi0Policy(PolicyMixin, nn.Module):
             cams.append(x * 2.0 - 1.0)  # SigLIP's [-1, 1]
         pixel_values = torch.stack(cams, 1)
         n_img = len(cams) * self.tokens_per_image
-        ids = torch.cat([torch.full((n, n_img), self.image_token_id, dtype=torch.long, device=prompt_ids.device),
-                         prompt_ids], 1)
+        ids = torch.cat(
+            [torch.full((n, n_img), self.image_token_id, dtype=torch.long, device=prompt_ids.device), prompt_ids], 1
+        )
         mask = torch.cat([torch.ones((n, n_img), dtype=torch.long, device=prompt_ids.device), prompt_mask], 1)
         state = torch.zeros((n, int(self.sizes["max_state_dim"])), device=prompt_ids.device, dtype=self._dtype)
         flat = self._flat_state(obs, n)
         if flat is not None:
-            state[:, :flat.shape[1]] = flat
+            state[:, : flat.shape[1]] = flat
         return ids, mask, pixel_values, torch.ones((n, len(cams)), dtype=torch.bool, device=ids.device), state
 
     def _prefix(self, ids, mask, pixel_values, pixel_mask):
         """The VLM over [images][prompt]: its KV cache (for the expert) and the value-head features."""
         model = self.pi0.model
-        out = model.vlm(inputs_embeds=model.embed_prefix(ids, pixel_values, pixel_mask), attention_mask=mask,
-                        position_ids=mask.cumsum(-1) - 1, token_type_ids=torch.zeros_like(mask), use_cache=True)
+        out = model.vlm(
+            inputs_embeds=model.embed_prefix(ids, pixel_values, pixel_mask),
+            attention_mask=mask,
+            position_ids=mask.cumsum(-1) - 1,
+            token_type_ids=torch.zeros_like(mask),
+            use_cache=True,
+        )
         m = mask[..., None].to(out.last_hidden_state.dtype)
         pooled = (out.last_hidden_state * m).sum(1) / m.sum(1).clamp(min=1.0)
         return out.past_key_values, pooled
@@ -273,8 +346,14 @@ class Pi0Policy(PolicyMixin, nn.Module):
         if self.pi05:
             v = self._velocity_pi05(x, t, mask, cache, prefix_len)
         else:
-            v = self.pi0(state=state, noise=x, timestep=t, attention_mask=mask, pixel_attention_mask=pixel_mask,
-                         past_key_values=cache).logits
+            v = self.pi0(
+                state=state,
+                noise=x,
+                timestep=t,
+                attention_mask=mask,
+                pixel_attention_mask=pixel_mask,
+                past_key_values=cache,
+            ).logits
         cache.crop(prefix_len - cache.get_seq_length())  # the expert's tokens never stay in the prefix cache
         return v
 
@@ -287,14 +366,27 @@ class Pi0Policy(PolicyMixin, nn.Module):
         tokens = embed.action_in_proj(x)
         n, chunk = tokens.shape[:2]
         full = torch.cat([mask, mask.new_ones((n, chunk))], 1)
-        blocks = torch.cat([torch.zeros(prefix_len, dtype=torch.long, device=x.device),
-                            torch.ones(chunk, dtype=torch.long, device=x.device)])[None].expand(n, -1)
-        attn = create_causal_mask(config=self.pi0.config.dit_config, inputs_embeds=tokens, attention_mask=full,
-                                  past_key_values=cache, block_sequence_ids=blocks)
+        blocks = torch.cat(
+            [
+                torch.zeros(prefix_len, dtype=torch.long, device=x.device),
+                torch.ones(chunk, dtype=torch.long, device=x.device),
+            ]
+        )[None].expand(n, -1)
+        attn = create_causal_mask(
+            config=self.pi0.config.dit_config,
+            inputs_embeds=tokens,
+            attention_mask=full,
+            past_key_values=cache,
+            block_sequence_ids=blocks,
+        )
         self._cond.value = self.time_mlp(embed.sinusoid_embeds(t).to(tokens.dtype))
         try:
-            out = self.pi0.model.dit(inputs_embeds=tokens, attention_mask=attn,
-                                     position_ids=(full.cumsum(1) - 1)[:, -chunk:], past_key_values=cache)
+            out = self.pi0.model.dit(
+                inputs_embeds=tokens,
+                attention_mask=attn,
+                position_ids=(full.cumsum(1) - 1)[:, -chunk:],
+                past_key_values=cache,
+            )
         finally:
             self._cond.value = None
         return self.pi0.action_out_proj(out.last_hidden_state[:, -chunk:])
@@ -319,7 +411,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         t_ = t[:, None, None]
         one_minus = (1.0 - t_).clamp(min=1.0 / self.num_steps)
         sigma = self.noise_level * torch.sqrt(t_ / one_minus)
-        mean = x + (v + sigma ** 2 / (2.0 * t_.clamp(min=1e-6)) * (x + (1.0 - t_) * v)) * dt
+        mean = x + (v + sigma**2 / (2.0 * t_.clamp(min=1e-6)) * (x + (1.0 - t_) * v)) * dt
         return mean, sigma * math.sqrt(-dt)
 
     def _log_prob(self, x_next, mean, std):
@@ -327,15 +419,20 @@ class Pi0Policy(PolicyMixin, nn.Module):
         a = slice(0, self.action_dim)
         std = std.expand_as(mean)[..., a]
         z = (x_next[..., a] - mean[..., a]) / std
-        return -0.5 * z ** 2 - torch.log(std) - 0.5 * math.log(2 * math.pi)
+        return -0.5 * z**2 - torch.log(std) - 0.5 * math.log(2 * math.pi)
 
     def _value(self, pooled):
         return None if self.value_head is None else self.value_head(pooled.to(self._dtype)).squeeze(-1)
 
     # --- the policy interface -------------------------------------------------------------------------------
     @torch.no_grad()
-    def act(self, obs: Mapping[str, torch.Tensor], deterministic: bool = False,
-            instructions: Sequence[str] | None = None, noise=None) -> PolicyOutput:
+    def act(
+        self,
+        obs: Mapping[str, torch.Tensor],
+        deterministic: bool = False,
+        instructions: Sequence[str] | None = None,
+        noise=None,
+    ) -> PolicyOutput:
         any_key = self.image_keys[0]
         n, device = obs[any_key].shape[0], obs[any_key].device
         prompt_ids, prompt_mask = self.tokenize(instructions, n, device, self._flat_state(obs, n))
@@ -371,9 +468,13 @@ class Pi0Policy(PolicyMixin, nn.Module):
             lp_std = torch.where(here, std.expand_as(mean), lp_std)
             x = new
         per_dim = self._log_prob(x_next, lp_mean, lp_std)
-        actions = x[..., :self.action_dim]
-        return PolicyOutput(actions, reduce_log_probs(per_dim, self.logprob_type), self._value(pooled),
-                            {**prompt, "x_t": x_j, "x_next": x_next, "denoise_step": j})
+        actions = x[..., : self.action_dim]
+        return PolicyOutput(
+            actions,
+            reduce_log_probs(per_dim, self.logprob_type),
+            self._value(pooled),
+            {**prompt, "x_t": x_j, "x_next": x_next, "denoise_step": j},
+        )
 
     @staticmethod
     def _start_noise(shape, deterministic: bool, noise, device) -> torch.Tensor:
@@ -404,8 +505,12 @@ class Pi0Policy(PolicyMixin, nn.Module):
                 x = mean + std * eps
                 per_dim = per_dim + self._log_prob(x, mean, std)
             chain.append(x)
-        return PolicyOutput(x[..., :self.action_dim], reduce_log_probs(per_dim, self.logprob_type),
-                            self._value(pooled), {**prompt, "chain": torch.stack(chain, 1)})
+        return PolicyOutput(
+            x[..., : self.action_dim],
+            reduce_log_probs(per_dim, self.logprob_type),
+            self._value(pooled),
+            {**prompt, "chain": torch.stack(chain, 1)},
+        )
 
     def _evaluate_flow_noise(self, state, mask, pixel_mask, cache, chain):
         """The chain's joint log density per action element and the entropy of its K Gaussian steps."""
@@ -417,29 +522,38 @@ class Pi0Policy(PolicyMixin, nn.Module):
             mean = x - self._velocity(state, x, t, mask, pixel_mask, cache) / self.num_steps
             std = self._noise_std()
             per_dim = per_dim + self._log_prob(chain[:, k + 1], mean, std)
-            entropy = entropy + (0.5 + 0.5 * math.log(2 * math.pi)
-                                 + torch.log(std[..., :self.action_dim])).flatten(1).sum(1)
+            entropy = entropy + (0.5 + 0.5 * math.log(2 * math.pi) + torch.log(std[..., : self.action_dim])).flatten(
+                1
+            ).sum(1)
         return per_dim, entropy
 
-    def evaluate(self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor],
-                 instructions: Sequence[str] | None = None) -> PolicyEval:
-        ids, mask, pixels, pixel_mask, state = self._inputs(obs, forward_inputs["prompt_ids"].long(),
-                                                            forward_inputs["prompt_mask"].long())
+    def evaluate(
+        self,
+        obs: Mapping[str, torch.Tensor],
+        forward_inputs: Mapping[str, torch.Tensor],
+        instructions: Sequence[str] | None = None,
+    ) -> PolicyEval:
+        ids, mask, pixels, pixel_mask, state = self._inputs(
+            obs, forward_inputs["prompt_ids"].long(), forward_inputs["prompt_mask"].long()
+        )
         cache, pooled = self._prefix(ids, mask, pixels, pixel_mask)
         if self.noise_method == "flow_noise":
-            per_dim, entropy = self._evaluate_flow_noise(state, mask, pixel_mask, cache, forward_inputs["chain"].to(self._dtype))
+            per_dim, entropy = self._evaluate_flow_noise(
+                state, mask, pixel_mask, cache, forward_inputs["chain"].to(self._dtype)
+            )
             return PolicyEval(reduce_log_probs(per_dim, self.logprob_type), entropy, self._value(pooled))
         x_j, x_next = forward_inputs["x_t"].to(self._dtype), forward_inputs["x_next"].to(self._dtype)
         t = 1.0 - forward_inputs["denoise_step"].to(self._dtype) / self.num_steps
         v = self._velocity(state, x_j, t, mask, pixel_mask, cache)
         mean, std = self._step_gaussian(x_j, v, t)
         per_dim = self._log_prob(x_next, mean, std)
-        std = std.expand_as(mean)[..., :self.action_dim]
+        std = std.expand_as(mean)[..., : self.action_dim]
         entropy = (0.5 + 0.5 * math.log(2 * math.pi) + torch.log(std)).flatten(1).sum(1)
         return PolicyEval(reduce_log_probs(per_dim, self.logprob_type), entropy, self._value(pooled))
 
-    def bc_loss(self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor,
-                instructions: Sequence[str] | None = None) -> torch.Tensor:
+    def bc_loss(
+        self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor, instructions: Sequence[str] | None = None
+    ) -> torch.Tensor:
         """π0's flow-matching loss on demonstrated chunks [n, chunk, action_dim]: at a time t ~ Beta(1.5, 1)
         (π0's schedule, weighted to the noisy end) the expert's velocity at x_t = t noise + (1 - t) a must be
         noise - a."""
@@ -448,7 +562,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         ids, mask, pixels, pixel_mask, state = self._inputs(obs, prompt_ids, prompt_mask)
         cache, _ = self._prefix(ids, mask, pixels, pixel_mask)
         target = torch.zeros((n, self.num_action_chunks, int(self.sizes["max_action_dim"])), device=device)
-        target[..., :self.action_dim] = actions.float().view(n, self.num_action_chunks, self.action_dim)
+        target[..., : self.action_dim] = actions.float().view(n, self.num_action_chunks, self.action_dim)
         noise = torch.randn_like(target)
         t = torch.distributions.Beta(1.5, 1.0).sample((n,)).to(device) * 0.999 + 0.001
         x_t = t[:, None, None] * noise + (1.0 - t[:, None, None]) * target
@@ -465,10 +579,14 @@ class Pi0Policy(PolicyMixin, nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().clone() for k, v in self.state_dict().items()},
-                  str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps({"model_type": "openpi", "openpi": self.sizes,
-                                                      "num_action_chunks": self.num_action_chunks}, indent=2))
+        save_file(
+            {k: v.detach().contiguous().clone() for k, v in self.state_dict().items()}, str(path / "model.safetensors")
+        )
+        (path / "config.json").write_text(
+            json.dumps(
+                {"model_type": "openpi", "openpi": self.sizes, "num_action_chunks": self.num_action_chunks}, indent=2
+            )
+        )
         save_tokenizer(self.tokenizer, path)
 
     def save_upstream(self, path, step: int | None = None, max_shard_size: int | str = "5GB"):
@@ -483,8 +601,10 @@ class Pi0Policy(PolicyMixin, nn.Module):
         from rlfleet.policies.models.openvla.tokenizers import save_tokenizer_files
 
         if self.pi05:
-            raise ValueError("π0.5 (actor.model.openpi.pi05) has no upstream layout transformers loads (transformers "
-                             "has no π0.5 class): export it with --layout rlfleet")
+            raise ValueError(
+                "π0.5 (actor.model.openpi.pi05) has no upstream layout transformers loads (transformers "
+                "has no π0.5 class): export it with --layout rlfleet"
+            )
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.pi0.save_pretrained(str(path), max_shard_size=max_shard_size)
@@ -492,42 +612,67 @@ class Pi0Policy(PolicyMixin, nn.Module):
         return path
 
     @classmethod
-    def from_config(cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
-                    logprob_type: str = "chunk_level") -> Pi0Policy:
+    def from_config(
+        cls, model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool, logprob_type: str = "chunk_level"
+    ) -> Pi0Policy:
         """Build from ``actor.model``: from the ``openpi`` sizes, or from ``model_path``, a checkpoint directory in
         rlfleet's layout (``config.json`` with model_type ``openpi``, ``model.safetensors``, optional ``tokenizer/``)
         or in transformers' π0 layout (``config.json`` with model_type ``pi0``, safetensors, possibly sharded, and
         PaliGemma's tokenizer files, as ``lerobot/pi0_base``)."""
         sizes = dict(model_cfg.openpi)
         # the architecture comes from a checkpoint; the RL-side knobs always from the config
-        keep = ("noise_level", "train_expert_only", "num_denoise_steps", "value_hidden_size", "noise_method",
-                "noise_std_min", "noise_std_max")
-        kwargs = dict(num_action_chunks=model_cfg.num_action_chunks, max_prompt_tokens=model_cfg.max_prompt_tokens,
-                      add_value_head=model_cfg.add_value_head, logprob_type=logprob_type)
+        keep = (
+            "noise_level",
+            "train_expert_only",
+            "num_denoise_steps",
+            "value_hidden_size",
+            "noise_method",
+            "noise_std_min",
+            "noise_std_max",
+        )
+        kwargs = dict(
+            num_action_chunks=model_cfg.num_action_chunks,
+            max_prompt_tokens=model_cfg.max_prompt_tokens,
+            add_value_head=model_cfg.add_value_head,
+            logprob_type=logprob_type,
+        )
         if not model_cfg.model_path:
             return cls(obs_specs, action_dim, sizes=sizes, **kwargs)
         from pathlib import Path
 
         from rlfleet.policies.hub import resolve_model_path
-        from rlfleet.policies.model_folder import (check_build_fits, check_sizes, elements, has_file, load_tensors,
-                                                   read_config, tensor_headers)
+        from rlfleet.policies.model_folder import (
+            check_build_fits,
+            check_sizes,
+            elements,
+            has_file,
+            load_tensors,
+            read_config,
+            tensor_headers,
+        )
         from rlfleet.untrusted import BadFile
 
         path = Path(resolve_model_path(model_cfg.model_path))  # a folder, or a hub id's snapshot in the hub cache
         if not has_file(path, "config.json"):
-            raise FileNotFoundError(f"actor.model.model_path: {path} has no config.json (a π0 checkpoint directory: "
-                                    f"rlfleet's layout or transformers' PI0 layout)")
+            raise FileNotFoundError(
+                f"actor.model.model_path: {path} has no config.json (a π0 checkpoint directory: "
+                f"rlfleet's layout or transformers' PI0 layout)"
+            )
         saved = read_config(path)  # inside the folder, bounded
         knobs = {k: sizes[k] for k in keep if k in sizes}
         if saved.get("model_type") == "pi0":
             return cls._from_transformers_layout(path, knobs, bool(sizes.get("pi05")), obs_specs, action_dim, kwargs)
         if saved.get("model_type") != "openpi":
-            raise ValueError(f"actor.model.model_path: {path}/config.json has model_type "
-                             f"'{saved.get('model_type')}'; model_type 'openpi' loads 'openpi' (rlfleet's layout) "
-                             f"or 'pi0' (transformers' PI0 layout)")
+            raise ValueError(
+                f"actor.model.model_path: {path}/config.json has model_type "
+                f"'{saved.get('model_type')}'; model_type 'openpi' loads 'openpi' (rlfleet's layout) "
+                f"or 'pi0' (transformers' PI0 layout)"
+            )
         if not has_file(path, "model.safetensors"):
-            raise FileNotFoundError(f"actor.model.model_path: {path} needs model.safetensors next to config.json "
-                                    f"(rlfleet's π0 checkpoint layout, written by save_pretrained)")
+            raise FileNotFoundError(
+                f"actor.model.model_path: {path} needs model.safetensors next to config.json "
+                f"(rlfleet's π0 checkpoint layout, written by save_pretrained)"
+            )
         arch = saved.get("openpi", {})
         if not isinstance(arch, dict):
             raise BadFile(path / "config.json", "openpi", "a JSON object of sizes", type(arch).__name__)
@@ -537,6 +682,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
 
         def make():
             return cls(obs_specs, action_dim, sizes={**arch, **knobs}, tokenizer=tokenizer, **kwargs)
+
         check_build_fits(make, elements(headers), path / "config.json", "openpi")
         policy = make()
         missing, unexpected = policy.load_state_dict(load_tensors(path, ["model.safetensors"]), strict=False)
@@ -544,8 +690,7 @@ class Pi0Policy(PolicyMixin, nn.Module):
         missing = [k for k in missing if not k.startswith(fresh)]
         unexpected = [k for k in unexpected if not k.startswith(fresh)]
         if missing or unexpected:
-            raise ValueError(f"{path}/model.safetensors: missing tensors {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
+            raise ValueError(f"{path}/model.safetensors: missing tensors {missing[:3]}, unexpected {unexpected[:3]}")
         return policy
 
     @classmethod
@@ -555,17 +700,28 @@ class Pi0Policy(PolicyMixin, nn.Module):
         from transformers import PI0ForConditionalGeneration
 
         if pi05:
-            raise ValueError(f"actor.model.openpi.pi05: {path} is a transformers π0 checkpoint (model_type pi0); "
-                             f"transformers has no π0.5 class, so π0.5 loads only from rlfleet's layout")
-        from rlfleet.policies.model_folder import (check_build_fits, check_sizes, elements, has_file, read_config,
-                                                   shard_names, tensor_headers)
+            raise ValueError(
+                f"actor.model.openpi.pi05: {path} is a transformers π0 checkpoint (model_type pi0); "
+                f"transformers has no π0.5 class, so π0.5 loads only from rlfleet's layout"
+            )
+        from rlfleet.policies.model_folder import (
+            check_build_fits,
+            check_sizes,
+            elements,
+            has_file,
+            read_config,
+            shard_names,
+            tensor_headers,
+        )
         from rlfleet.untrusted import BadFile
 
         tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else path
         if not has_tokenizer_files(tokenizer_dir):
-            raise FileNotFoundError(f"actor.model.model_path: {path} is a transformers π0 checkpoint without its "
-                                    f"tokenizer (tokenizer.json / tokenizer.model / tokenizer_config.json, PaliGemma's, "
-                                    f"in the directory or in tokenizer/)")
+            raise FileNotFoundError(
+                f"actor.model.model_path: {path} is a transformers π0 checkpoint without its "
+                f"tokenizer (tokenizer.json / tokenizer.model / tokenizer_config.json, PaliGemma's, "
+                f"in the directory or in tokenizer/)"
+            )
         # what transformers' from_pretrained reads, checked first: config.json (sizes bounded), the weights (safetensors
         # only, each shard named by the index inside the folder, every header consistent), no peft adapter (it would
         # be applied with sizes of its own), generation_config.json bounded
@@ -573,27 +729,47 @@ class Pi0Policy(PolicyMixin, nn.Module):
         config = read_config(path)
         check_sizes(config, source)
         if has_file(path, "adapter_config.json"):
-            raise BadFile(path / "adapter_config.json", "file", "no peft adapter beside a transformers π0 checkpoint "
-                          "(rlfleet loads the full weights; merge the adapter into them first)")
+            raise BadFile(
+                path / "adapter_config.json",
+                "file",
+                "no peft adapter beside a transformers π0 checkpoint "
+                "(rlfleet loads the full weights; merge the adapter into them first)",
+            )
         read_config(path, "generation_config.json", required=False)
         shards = shard_names(path)
         if not shards:
-            raise FileNotFoundError(f"actor.model.model_path: {path} has no model.safetensors(.index.json) "
-                                    f"(transformers' π0 layout; rlfleet reads no pickled weights)")
+            raise FileNotFoundError(
+                f"actor.model.model_path: {path} has no model.safetensors(.index.json) "
+                f"(transformers' π0 layout; rlfleet reads no pickled weights)"
+            )
         headers = tensor_headers(path, shards)
         from transformers import PI0Config
 
         try:
             pi0_config = PI0Config.from_dict(config)
         except Exception as exc:  # noqa: BLE001 - transformers' own validation of the config's fields
-            raise BadFile(source, "config", "a transformers PI0Config", f"{type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
+            raise BadFile(
+                source,
+                "config",
+                "a transformers PI0Config",
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+            ) from None
         import copy
 
         check_build_fits(lambda: PI0ForConditionalGeneration(copy.deepcopy(pi0_config)), elements(headers), source)
-        model = PI0ForConditionalGeneration.from_pretrained(str(path), config=pi0_config, local_files_only=True,
-                                                            dtype=torch.float32, use_safetensors=True,
-                                                            trust_remote_code=False)
-        return cls(obs_specs, action_dim, sizes=knobs, pretrained=model,
-                   tokenizer=load_hf_tokenizer(tokenizer_dir, within=path),
-                   **kwargs)
+        model = PI0ForConditionalGeneration.from_pretrained(
+            str(path),
+            config=pi0_config,
+            local_files_only=True,
+            dtype=torch.float32,
+            use_safetensors=True,
+            trust_remote_code=False,
+        )
+        return cls(
+            obs_specs,
+            action_dim,
+            sizes=knobs,
+            pretrained=model,
+            tokenizer=load_hf_tokenizer(tokenizer_dir, within=path),
+            **kwargs,
+        )

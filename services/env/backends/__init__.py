@@ -11,8 +11,8 @@ by string, so this module imports none of them.
 
 from __future__ import annotations
 
-from rlfleet.registry import load_object, lookup
 from rlfleet.errors import InvalidRequest
+from rlfleet.registry import load_object, lookup
 
 # simulator -> "module:Class" implementing services.env.backends.base.SimBackend
 SIM_BACKENDS = {

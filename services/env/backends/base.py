@@ -49,10 +49,10 @@ class StepResult:
     ended), ``episodes`` one entry per ended episode and ``instructions`` each row's current instruction."""
 
     obs: dict[str, np.ndarray]
-    rewards: np.ndarray     # float32  a backend's: [n]
+    rewards: np.ndarray  # float32  a backend's: [n]
     terminated: np.ndarray  # bool     the task ended (success or failure) by the simulator's own rule
-    truncated: np.ndarray   # bool     a time limit (a backend: its own; VecEnv adds max_episode_steps)
-    success: np.ndarray     # bool     the task's own success signal at this step
+    truncated: np.ndarray  # bool     a time limit (a backend: its own; VecEnv adds max_episode_steps)
+    success: np.ndarray  # bool     the task's own success signal at this step
     final_obs: dict[str, np.ndarray] = field(default_factory=dict)
     final_rows: np.ndarray = field(default_factory=_no_rows)
     episodes: list[EpisodeStat] = field(default_factory=list)
@@ -61,15 +61,28 @@ class StepResult:
     def to_proto(self) -> env_pb2.StepResponse:
         """The StepResponse an EnvService answers with."""
         return env_pb2.StepResponse(
-            observations=codec.encode_map(self.obs), rewards=codec.encode(self.rewards),
-            terminated=codec.encode(self.terminated), truncated=codec.encode(self.truncated),
-            success=codec.encode(self.success), final_observations=codec.encode_map(self.final_obs),
-            final_rows=[int(r) for r in self.final_rows], instructions=self.instructions,
-            episodes=[codec.episode_to_proto(e) for e in self.episodes])
+            observations=codec.encode_map(self.obs),
+            rewards=codec.encode(self.rewards),
+            terminated=codec.encode(self.terminated),
+            truncated=codec.encode(self.truncated),
+            success=codec.encode(self.success),
+            final_observations=codec.encode_map(self.final_obs),
+            final_rows=[int(r) for r in self.final_rows],
+            instructions=self.instructions,
+            episodes=[codec.episode_to_proto(e) for e in self.episodes],
+        )
 
     @classmethod
-    def from_proto(cls, resp: env_pb2.StepResponse, per: list[int], obs_specs, view: env_contract.View, *,
-                   instruction_of, record_instructions) -> StepResult:
+    def from_proto(
+        cls,
+        resp: env_pb2.StepResponse,
+        per: list[int],
+        obs_specs,
+        view: env_contract.View,
+        *,
+        instruction_of,
+        record_instructions,
+    ) -> StepResult:
         """A StepResponse of a server of any contract version (``view``) for ``per`` = [n] or [n, chunk] stepped
         rows. An ended episode without its own instruction takes its env's (``instruction_of(env_id)``) before
         ``record_instructions(texts)`` records the response's and returns each row's current one.
@@ -85,11 +98,25 @@ class StepResult:
         return cls(
             codec.decode_map(resp.observations, "observations", specs=obs_specs, batch=n, writable=True),
             codec.decode(resp.rewards, "rewards", shape=per, dtype=np.float32, finite=True),
-            term, trunc, codec.decode(resp.success, "success", shape=per, dtype=bool), final, rows,
-            [EpisodeStat(e.env_id, codec.episode_return(e), e.length, e.success_once, e.success_at_end,
-                         -1 if version0 else e.reset_state_id, e.instruction or instruction_of(e.env_id))
-             for e in resp.episodes],  # (before this response's instructions replace the ended episodes')
-            record_instructions(resp.instructions))
+            term,
+            trunc,
+            codec.decode(resp.success, "success", shape=per, dtype=bool),
+            final,
+            rows,
+            [
+                EpisodeStat(
+                    e.env_id,
+                    codec.episode_return(e),
+                    e.length,
+                    e.success_once,
+                    e.success_at_end,
+                    -1 if version0 else e.reset_state_id,
+                    e.instruction or instruction_of(e.env_id),
+                )
+                for e in resp.episodes
+            ],  # (before this response's instructions replace the ended episodes')
+            record_instructions(resp.instructions),
+        )
 
     def per_row(self) -> StepResult:
         """Chunked per-step arrays ``[n, chunk]`` reduced to one value per row (``chunk_level``): rewards summed,
@@ -126,8 +153,9 @@ class SimBackend(abc.ABC):
         self.num_envs = num_envs
 
     @abc.abstractmethod
-    def reset(self, env_ids: np.ndarray, seeds: Sequence[int | None],
-              state_ids: Sequence[int | None]) -> tuple[dict[str, np.ndarray], list[str]]:
+    def reset(
+        self, env_ids: np.ndarray, seeds: Sequence[int | None], state_ids: Sequence[int | None]
+    ) -> tuple[dict[str, np.ndarray], list[str]]:
         """Reset the slots ``env_ids``; ``seeds[j]``/``state_ids[j]`` (None = not given) belong to slot
         ``env_ids[j]``. A state id is in [0, num_reset_states). Returns (observations with one row per
         slot in order, the instruction text of each slot's new episode ('' when the task has none))."""
@@ -148,8 +176,10 @@ class SimBackend(abc.ABC):
         """A scripted expert's action for each slot's current state ``[n, *action_shape]`` (privileged: it may
         read simulator state the observations do not show). Used to collect demonstrations; a backend without
         an expert says so."""
-        raise BackendUnavailable(f"{self.name}: '{self.env_id}' has no scripted expert to collect demonstrations "
-                                 f"from (built-in experts: PandaPickCube*, Meta-World tasks)")
+        raise BackendUnavailable(
+            f"{self.name}: '{self.env_id}' has no scripted expert to collect demonstrations "
+            f"from (built-in experts: PandaPickCube*, Meta-World tasks)"
+        )
 
     def close(self) -> None:
         """Release the simulators."""

@@ -35,35 +35,63 @@ def _flatten(prefix: str, node, out: dict) -> None:
 class BehaviorBackend(SimBackend):
     name = "behavior"
 
-    def __init__(self, env_id: str, num_envs: int, *, scene_model: str = "Rs_int", robot: str = "R1",
-                 image_size: int = 128, action_frequency: int = 30, **unknown):
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        *,
+        scene_model: str = "Rs_int",
+        robot: str = "R1",
+        image_size: int = 128,
+        action_frequency: int = 30,
+        **unknown,
+    ):
         super().__init__(env_id, num_envs)
         if unknown:
-            raise InvalidRequest(f"behavior: unknown init_params {sorted(unknown)} (known: scene_model, robot, "
-                                 f"image_size, action_frequency)")
+            raise InvalidRequest(
+                f"behavior: unknown init_params {sorted(unknown)} (known: scene_model, robot, "
+                f"image_size, action_frequency)"
+            )
         if num_envs != 1:
-            raise InvalidRequest(f"behavior: one OmniGibson simulation per env server (num_envs 1, got {num_envs}); "
-                                 f"scale with cluster.num_env_servers")
+            raise InvalidRequest(
+                f"behavior: one OmniGibson simulation per env server (num_envs 1, got {num_envs}); "
+                f"scale with cluster.num_env_servers"
+            )
         preflight()
         try:
             import omnigibson as og
         except Exception as exc:  # noqa: BLE001 - Isaac Sim raises many kinds of import errors
-            raise BackendUnavailable(f"omnigibson does not import here ({type(exc).__name__}: {exc}); it needs "
-                                     f"Isaac Sim (NVIDIA's pip index) and numpy<2 in the behavior environment") from None
+            raise BackendUnavailable(
+                f"omnigibson does not import here ({type(exc).__name__}: {exc}); it needs "
+                f"Isaac Sim (NVIDIA's pip index) and numpy<2 in the behavior environment"
+            ) from None
         self.image_size = int(image_size)
         config = {
             "env": {"action_frequency": action_frequency, "physics_frequency": 120},
             "scene": {"type": "InteractiveTraversableScene", "scene_model": scene_model},
-            "robots": [{"type": robot, "obs_modalities": ["rgb", "proprio"], "action_normalize": True,
-                        "sensor_config": {"VisionSensor": {"sensor_kwargs": {"image_height": self.image_size,
-                                                                             "image_width": self.image_size}}}}],
+            "robots": [
+                {
+                    "type": robot,
+                    "obs_modalities": ["rgb", "proprio"],
+                    "action_normalize": True,
+                    "sensor_config": {
+                        "VisionSensor": {
+                            "sensor_kwargs": {"image_height": self.image_size, "image_width": self.image_size}
+                        }
+                    },
+                }
+            ],
             "task": {"type": "BehaviorTask", "activity_name": env_id, "online_object_sampling": False},
         }
         self.env = og.Environment(configs=config)
         obs, _ = self.env.reset()
         flat = self._obs(obs)
-        space = {k: TensorSpace(v.shape, v.dtype, 0 if v.dtype == np.uint8 else -np.inf,
-                                255 if v.dtype == np.uint8 else np.inf) for k, v in flat.items()}
+        space = {
+            k: TensorSpace(
+                v.shape, v.dtype, 0 if v.dtype == np.uint8 else -np.inf, 255 if v.dtype == np.uint8 else np.inf
+            )
+            for k, v in flat.items()
+        }
         act = self.env.action_space
         if hasattr(act, "spaces"):  # one robot: its Box
             act = next(iter(act.spaces.values()))
@@ -84,15 +112,20 @@ class BehaviorBackend(SimBackend):
 
     def reset(self, env_ids, seeds, state_ids):
         if seeds[0] is not None:
-            np.random.seed(int(seeds[0]) % (2 ** 32))
+            np.random.seed(int(seeds[0]) % (2**32))
         obs, _ = self.env.reset()
         return {k: v[None] for k, v in self._obs(obs).items()}, [self.instruction]
 
     def step(self, env_ids, actions) -> StepResult:
         obs, reward, terminated, truncated, info = self.env.step(actions[0])
         success = bool(info.get("done", {}).get("success", False))
-        return StepResult({k: v[None] for k, v in self._obs(obs).items()}, np.array([reward], np.float32),
-                           np.array([terminated], bool), np.array([truncated], bool), np.array([success]))
+        return StepResult(
+            {k: v[None] for k, v in self._obs(obs).items()},
+            np.array([reward], np.float32),
+            np.array([terminated], bool),
+            np.array([truncated], bool),
+            np.array([success]),
+        )
 
     def close(self) -> None:
         import omnigibson as og

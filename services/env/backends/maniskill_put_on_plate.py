@@ -33,8 +33,6 @@ import cv2
 import numpy as np
 import sapien
 import torch
-from sapien.physx import PhysxMaterial
-
 from mani_skill.envs.tasks.digital_twins.base_env import BaseDigitalTwinEnv
 from mani_skill.envs.tasks.digital_twins.bridge_dataset_eval.base_env import (
     BRIDGE_DATASET_ASSET_PATH,
@@ -45,6 +43,7 @@ from mani_skill.utils import sapien_utils
 from mani_skill.utils.geometry import rotation_conversions
 from mani_skill.utils.registration import register_env
 from mani_skill.utils.structs.pose import Pose
+from sapien.physx import PhysxMaterial
 
 from services.env.backends import put_on_plate_assets as assets
 
@@ -73,8 +72,7 @@ def pose_configs(obj_z: float = 0.90, plate_z: float = 0.90) -> tuple[np.ndarray
     steps = np.linspace(0.0, 1.0, 6)
     grid = np.array([[a, b] for a in steps for b in steps]) * 2 - 1
     xy = grid * 0.075 + np.array([-0.16, 0.0])
-    pairs = [(i, j) for i in range(len(xy)) for j in range(len(xy))
-             if i != j and np.linalg.norm(xy[j] - xy[i]) > 0.070]
+    pairs = [(i, j) for i in range(len(xy)) for j in range(len(xy)) if i != j and np.linalg.norm(xy[j] - xy[i]) > 0.070]
     xyz = np.array([[[*xy[i], obj_z], [*xy[j], plate_z]] for i, j in pairs])
     yaws = (0.0, np.pi / 4, np.pi / 2, 3 * np.pi / 4)
     quat = np.array([[[np.cos(y / 2), 0, 0, np.sin(y / 2)], [1.0, 0, 0, 0]] for y in yaws])
@@ -121,19 +119,27 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
         n_plate, n_bg = len(self.plate_names), self.bg_count
         n_pos, n_quat = len(self.xyz_configs), len(self.quat_configs)
         e = episode_id.long() % self.total_num_trials
-        return {"obj": e // (n_plate * n_bg * n_pos * n_quat) + self.obj_offset,
-                "plate": (e // (n_bg * n_pos * n_quat)) % n_plate,
-                "bg": (e // (n_pos * n_quat)) % n_bg + self.bg_offset,
-                "pos": (e // n_quat) % n_pos, "quat": e % n_quat}
+        return {
+            "obj": e // (n_plate * n_bg * n_pos * n_quat) + self.obj_offset,
+            "plate": (e // (n_bg * n_pos * n_quat)) % n_plate,
+            "bg": (e // (n_pos * n_quat)) % n_bg + self.bg_offset,
+            "pos": (e // n_quat) % n_pos,
+            "quat": e % n_quat,
+        }
 
     # --- scene ----------------------------------------------------------------------------------------------
     def _build_model(self, folder, entry: dict, name: str, pose: sapien.Pose):
         scale = float(self._episode_rng.choice(entry.get("scale", [1.0]))) if entry.get("scale") else 1.0
-        material = PhysxMaterial(static_friction=self.obj_static_friction,
-                                 dynamic_friction=self.obj_dynamic_friction, restitution=0.0)
+        material = PhysxMaterial(
+            static_friction=self.obj_static_friction, dynamic_friction=self.obj_dynamic_friction, restitution=0.0
+        )
         builder = self.scene.create_actor_builder()
-        builder.add_multiple_convex_collisions_from_file(filename=str(folder / "collision.obj"), scale=[scale] * 3,
-                                                         material=material, density=entry.get("density", 1000))
+        builder.add_multiple_convex_collisions_from_file(
+            filename=str(folder / "collision.obj"),
+            scale=[scale] * 3,
+            material=material,
+            density=entry.get("density", 1000),
+        )
         builder.add_visual_from_file(filename=str(assets.visual_file(folder)), scale=[scale] * 3)
         builder.initial_pose = pose
         size = (np.array(entry["bbox"]["max"]) - np.array(entry["bbox"]["min"])) * scale
@@ -156,13 +162,15 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
         root = assets.carrot_dir()
         self.objs_obj, self.objs_plate, obj_sizes, plate_sizes = [], [], [], []
         for k, name in enumerate(self.obj_names):
-            actor, size = self._build_model(root / "more_carrot" / name, self.model_db_obj[name], name,
-                                            sapien.Pose(self._parking(0, k)))
+            actor, size = self._build_model(
+                root / "more_carrot" / name, self.model_db_obj[name], name, sapien.Pose(self._parking(0, k))
+            )
             self.objs_obj.append(actor)
             obj_sizes.append(size)
         for k, name in enumerate(self.plate_names):
-            actor, size = self._build_model(root / "more_plate" / name, self.model_db_plate[name], name,
-                                            sapien.Pose(self._parking(1, k)))
+            actor, size = self._build_model(
+                root / "more_plate" / name, self.model_db_plate[name], name, sapien.Pose(self._parking(1, k))
+            )
             self.objs_plate.append(actor)
             plate_sizes.append(size)
         self.obj_sizes = torch.stack(obj_sizes).to(self.device)
@@ -175,8 +183,14 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
         self._keep_ids = torch.unique(torch.cat([i.reshape(-1).to(self.device) for i in ids]))
         sensor = self._sensor_configs.get(CAMERA) if hasattr(self, "_sensor_configs") else None
         if sensor is not None and not hasattr(self, "_background_stack"):
-            self._background_stack = torch.from_numpy(np.stack(
-                [cv2.resize(b, (sensor.width, sensor.height), interpolation=cv2.INTER_AREA) for b in self._backgrounds]))
+            self._background_stack = torch.from_numpy(
+                np.stack(
+                    [
+                        cv2.resize(b, (sensor.width, sensor.height), interpolation=cv2.INTER_AREA)
+                        for b in self._backgrounds
+                    ]
+                )
+            )
 
     def _initialize_episode(self, env_idx: torch.Tensor, options: dict):
         with torch.device(self.device):
@@ -187,18 +201,21 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
                 self.obj_extent, self.plate_extent = torch.zeros(n, 3), torch.zeros(n, 3)
                 self.consecutive_grasp = torch.zeros(n, dtype=torch.int32)
                 self.prev_staged = torch.zeros(n)
-                self.episode_stats = {k: torch.zeros(n, dtype=torch.bool)
-                                      for k in ("is_src_obj_grasped", "consecutive_grasp", "src_on_target")}
+                self.episode_stats = {
+                    k: torch.zeros(n, dtype=torch.bool)
+                    for k in ("is_src_obj_grasped", "consecutive_grasp", "src_on_target")
+                }
             if options.get("episode_id") is not None:
                 eid = torch.as_tensor(options["episode_id"], dtype=torch.long).reshape(-1)
                 eid = eid.expand(b) if eid.numel() == 1 else eid
             else:
-                eid = torch.as_tensor(self._batched_episode_rng[env_idx.cpu().numpy()].randint(0, self.total_num_trials),
-                                      dtype=torch.long).reshape(b)
+                eid = torch.as_tensor(
+                    self._batched_episode_rng[env_idx.cpu().numpy()].randint(0, self.total_num_trials), dtype=torch.long
+                ).reshape(b)
             self.episode_ids[env_idx] = eid % self.total_num_trials
             for key, value in self.decompose(eid).items():
                 self.sel[key][env_idx] = value
-            xyz = torch.as_tensor(self.xyz_configs, dtype=torch.float32)[self.sel["pos"][env_idx]]    # [b, 2, 3]
+            xyz = torch.as_tensor(self.xyz_configs, dtype=torch.float32)[self.sel["pos"][env_idx]]  # [b, 2, 3]
             quat = torch.as_tensor(self.quat_configs, dtype=torch.float32)[self.sel["quat"][env_idx]]  # [b, 2, 4]
             for kind, (actors, key) in enumerate(((self.objs_obj, "obj"), (self.objs_plate, "plate"))):
                 for k, actor in enumerate(actors):
@@ -207,8 +224,10 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
                     q = torch.where(chosen, quat[:, kind], torch.tensor([1.0, 0, 0, 0]).expand(b, 4))
                     actor.set_pose(Pose.create_from_pq(p=p, q=q))
             # bounding-box extents in the world frame at the start orientation (RLinf's rule)
-            for extent, sizes, kind, key in ((self.obj_extent, self.obj_sizes, 0, "obj"),
-                                             (self.plate_extent, self.plate_sizes, 1, "plate")):
+            for extent, sizes, kind, key in (
+                (self.obj_extent, self.obj_sizes, 0, "obj"),
+                (self.plate_extent, self.plate_sizes, 1, "plate"),
+            ):
                 rot = rotation_conversions.quaternion_to_matrix(quat[:, kind])
                 extent[env_idx] = (rot.abs() @ sizes[self.sel[key][env_idx]][..., None])[..., 0]
             self.agent.robot.set_pose(ROBOT_POSE)
@@ -235,12 +254,15 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
         obj_p = self._per_env(self.objs_obj, obj_ids, lambda a: a.pose.p)
         plate_p = self._per_env(self.objs_plate, plate_ids, lambda a: a.pose.p)
         grasped = self._per_env(self.objs_obj, obj_ids, lambda a: self.agent.is_grasping(a))
-        self.consecutive_grasp = torch.where(grasped, self.consecutive_grasp + 1, torch.zeros_like(self.consecutive_grasp))
+        self.consecutive_grasp = torch.where(
+            grasped, self.consecutive_grasp + 1, torch.zeros_like(self.consecutive_grasp)
+        )
         contact = torch.zeros(self.num_envs, device=self.device)
         for k in torch.unique(obj_ids).tolist():
             for m in torch.unique(plate_ids).tolist():
-                force = torch.linalg.norm(self.scene.get_pairwise_contact_forces(self.objs_obj[k], self.objs_plate[m]),
-                                          dim=1)
+                force = torch.linalg.norm(
+                    self.scene.get_pairwise_contact_forces(self.objs_obj[k], self.objs_plate[m]), dim=1
+                )
                 mask = (obj_ids == k) & (plate_ids == m)
                 contact[mask] = force[mask]
         offset = obj_p - plate_p
@@ -255,8 +277,11 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
         return dict(**{k: v.clone() for k, v in stats.items()}, success=on_plate)
 
     def compute_dense_reward(self, obs, action, info):
-        staged = (0.1 * info["is_src_obj_grasped"].float() + 0.1 * info["consecutive_grasp"].float()
-                  + 1.0 * (info["success"] & info["is_src_obj_grasped"]).float())
+        staged = (
+            0.1 * info["is_src_obj_grasped"].float()
+            + 0.1 * info["consecutive_grasp"].float()
+            + 1.0 * (info["success"] & info["is_src_obj_grasped"]).float()
+        )
         reward = staged - self.prev_staged
         self.prev_staged = staged
         return reward
@@ -265,9 +290,10 @@ class PutOnPlateInScene25MainV3(BaseBridgeEnv):
         return self.compute_dense_reward(obs, action, info) / 1.2
 
     def get_language_instruction(self, **kwargs) -> list[str]:
-        return [f"put {self.model_db_obj[self.obj_names[o]]['name']} on "
-                f"{self.model_db_plate[self.plate_names[p]]['name']}"
-                for o, p in zip(self.sel["obj"].tolist(), self.sel["plate"].tolist())]
+        return [
+            f"put {self.model_db_obj[self.obj_names[o]]['name']} on {self.model_db_plate[self.plate_names[p]]['name']}"
+            for o, p in zip(self.sel["obj"].tolist(), self.sel["plate"].tolist())
+        ]
 
     # --- observations: the episode's background image behind the robot and the objects -------------------
     def _get_obs_sensor_data(self, apply_texture_transforms: bool = True):

@@ -31,19 +31,23 @@ from services.env.backends.base import BackendUnavailable
 
 # RLinf's ManiSkill task ids that rlfleet does not implement (RLinf's earlier versions of its own task)
 RLINF_ONLY = ("PutOnPlateInScene25Main-v2", "PutOnPlateInScene25Main-v1")
-VULKAN_FIX = ("SAPIEN (ManiSkill's simulator) needs a Vulkan driver even for state observations. On a CPU host "
-              "that is Mesa's lavapipe >= 25 (Debian 12: apt-get install -t bookworm-backports mesa-vulkan-drivers "
-              "libvulkan1, after adding 'deb http://deb.debian.org/debian bookworm-backports main' to the apt "
-              "sources; `coordinatorctl envs install maniskill` does this when run as root); on a GPU host, the "
-              "NVIDIA driver's Vulkan ICD (libnvidia-gl) and libvulkan1")
+VULKAN_FIX = (
+    "SAPIEN (ManiSkill's simulator) needs a Vulkan driver even for state observations. On a CPU host "
+    "that is Mesa's lavapipe >= 25 (Debian 12: apt-get install -t bookworm-backports mesa-vulkan-drivers "
+    "libvulkan1, after adding 'deb http://deb.debian.org/debian bookworm-backports main' to the apt "
+    "sources; `coordinatorctl envs install maniskill` does this when run as root); on a GPU host, the "
+    "NVIDIA driver's Vulkan ICD (libnvidia-gl) and libvulkan1"
+)
 
 
 def _rlinf_message(env_id: str) -> str:
-    return (f"maniskill: '{env_id}' is an earlier version of RLinf's task (RLinf's own task code), not of the "
-            f"public mani-skill 3.0.1 package nor of rlfleet, which implements PutOnPlateInScene25Main-v3 (on "
-            f"RLinf's assets). Use PutOnPlateInScene25Main-v3, a public task (PickCube-v1, PushCube-v1, "
-            f"PutCarrotOnPlateInScene-v1, ...), or run RLinf's ManiSkill as an external env server "
-            f"(cluster.external_env_addresses)")
+    return (
+        f"maniskill: '{env_id}' is an earlier version of RLinf's task (RLinf's own task code), not of the "
+        f"public mani-skill 3.0.1 package nor of rlfleet, which implements PutOnPlateInScene25Main-v3 (on "
+        f"RLinf's assets). Use PutOnPlateInScene25Main-v3, a public task (PickCube-v1, PushCube-v1, "
+        f"PutCarrotOnPlateInScene-v1, ...), or run RLinf's ManiSkill as an external env server "
+        f"(cluster.external_env_addresses)"
+    )
 
 
 # --- host checks -----------------------------------------------------------------------------------------------
@@ -55,17 +59,23 @@ def vulkan_problem() -> str | None:
     if not ctypes.util.find_library("vulkan"):
         return "the Vulkan loader (libvulkan.so.1) is not installed. " + VULKAN_FIX
     listed = [f for v in ("VK_ICD_FILENAMES", "VK_DRIVER_FILES") for f in os.environ.get(v, "").split(os.pathsep) if f]
-    icds = [f for f in listed if os.path.exists(f)] if listed else \
-        [f for d in ICD_DIRS for f in glob.glob(os.path.join(d, "*.json"))]
+    icds = (
+        [f for f in listed if os.path.exists(f)]
+        if listed
+        else [f for d in ICD_DIRS for f in glob.glob(os.path.join(d, "*.json"))]
+    )
     if not icds:
         where = "the files in VK_ICD_FILENAMES/VK_DRIVER_FILES" if listed else ", ".join(ICD_DIRS)
         return f"no Vulkan driver (ICD) is installed ({where}: none found). " + VULKAN_FIX
     if all("lvp_icd" in os.path.basename(f) for f in icds) and shutil.which("dpkg-query"):
-        version = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "mesa-vulkan-drivers"],
-                                 capture_output=True, text=True).stdout.strip()
+        version = subprocess.run(
+            ["dpkg-query", "-W", "-f", "${Version}", "mesa-vulkan-drivers"], capture_output=True, text=True
+        ).stdout.strip()
         if version and subprocess.run(["dpkg", "--compare-versions", version, "lt", "25"]).returncode == 0:
-            return (f"the only Vulkan driver is Mesa {version} lavapipe, which SAPIEN rejects (Mesa >= 25 works). "
-                    + VULKAN_FIX)
+            return (
+                f"the only Vulkan driver is Mesa {version} lavapipe, which SAPIEN rejects (Mesa >= 25 works). "
+                + VULKAN_FIX
+            )
     return None
 
 
@@ -101,9 +111,11 @@ def import_maniskill():
             from mani_skill.utils import download_asset
             from mani_skill.utils.registration import REGISTERED_ENVS
     except ImportError as exc:
-        raise BackendUnavailable(f"mani_skill is not installed in this environment ({exc}); env servers for "
-                                 f"simulator_type=maniskill run from its own environment: "
-                                 f"`coordinatorctl envs install maniskill`") from None
+        raise BackendUnavailable(
+            f"mani_skill is not installed in this environment ({exc}); env servers for "
+            f"simulator_type=maniskill run from its own environment: "
+            f"`coordinatorctl envs install maniskill`"
+        ) from None
 
     def refuse(message: str) -> bool:
         raise _AssetPrompt(message)
@@ -140,7 +152,8 @@ def enable_gpu_physx() -> None:
         raise BackendUnavailable(
             f"maniskill: sim_backend gpu needs SAPIEN's PhysX GPU library {lib} ({state}: {type(exc).__name__}: "
             f"{first}); SAPIEN downloads it from {url} on first use: fetch that zip where a network allows and unzip "
-            f"it into {folder}, or use sim_backend cpu") from None
+            f"it into {folder}, or use sim_backend cpu"
+        ) from None
 
 
 def missing_assets(env_id: str, robot_uids=None) -> list[tuple[str, list[str]]]:
@@ -156,8 +169,9 @@ def missing_assets(env_id: str, robot_uids=None) -> list[tuple[str, list[str]]]:
     def missing(ids: Sequence[str]) -> list[str]:
         gone = []
         for uid in ids:
-            sources = assets.expand_data_group_into_individual_data_source_ids(uid) if uid in assets.DATA_GROUPS \
-                else [uid]
+            sources = (
+                assets.expand_data_group_into_individual_data_source_ids(uid) if uid in assets.DATA_GROUPS else [uid]
+            )
             gone += [s for s in sources if s in assets.DATA_SOURCES and not assets.is_data_source_downloaded(s)]
         return gone
 
@@ -196,7 +210,9 @@ def download_assets(task: str | None, dry_run: bool = False) -> int:
         for t in backed:
             gone = [uid for uid, _ in missing_assets(t)]
             if t in put_on_plate_assets.TASKS and put_on_plate_assets.rlinf_missing():
-                gone.append(f"RLinf's {put_on_plate_assets.RLINF_HUB_DATASET} set (`envs assets maniskill {t}` says how)")
+                gone.append(
+                    f"RLinf's {put_on_plate_assets.RLINF_HUB_DATASET} set (`envs assets maniskill {t}` says how)"
+                )
             print(f"{t}: " + ("assets present" if not gone else "missing " + ", ".join(gone)))
         print(f"({len(backed)} asset-backed tasks; ManiSkill's data folder ($MS_ASSET_DIR/data): {where})")
         return 0
@@ -221,8 +237,10 @@ def download_assets(task: str | None, dry_run: bool = False) -> int:
         if not dry_run:
             code = subprocess.run(cmd.split()).returncode
             if code != 0:
-                print(f"{task}: the download of {uid} failed (exit {code}); where the network cannot reach ManiSkill's "
-                      f"asset hosts, copy the assets into {where} from a machine that can")
+                print(
+                    f"{task}: the download of {uid} failed (exit {code}); where the network cannot reach ManiSkill's "
+                    f"asset hosts, copy the assets into {where} from a machine that can"
+                )
                 return 1
     if rlinf:
         print("\n".join(put_on_plate_assets.rlinf_instructions(task)))
@@ -246,21 +264,28 @@ def _sources_for(path: str) -> list[str]:
 
 def _assets_error(env_id: str, what: list[tuple[str, list[str]]] | str) -> BackendUnavailable:
     if isinstance(what, str):
-        return BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({what.strip()}); "
-                                  f"download them with: {_download_command(env_id)} (into $MS_ASSET_DIR, default "
-                                  f"~/.maniskill/data)")
-    names = "; ".join(f"{uid}: {', '.join(ids[:3])}" + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
-                      for uid, ids in what)
+        return BackendUnavailable(
+            f"maniskill: {env_id} needs assets that are not downloaded ({what.strip()}); "
+            f"download them with: {_download_command(env_id)} (into $MS_ASSET_DIR, default "
+            f"~/.maniskill/data)"
+        )
+    names = "; ".join(
+        f"{uid}: {', '.join(ids[:3])}" + (f" and {len(ids) - 3} more" if len(ids) > 3 else "") for uid, ids in what
+    )
     cmds = " && ".join(_download_command(uid) for uid, _ in what)
-    return BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({names}); download them "
-                              f"with: {cmds} (into $MS_ASSET_DIR, default ~/.maniskill/data)")
+    return BackendUnavailable(
+        f"maniskill: {env_id} needs assets that are not downloaded ({names}); download them "
+        f"with: {cmds} (into $MS_ASSET_DIR, default ~/.maniskill/data)"
+    )
 
 
 def _vulkan_error(env_id: str, exc: BaseException) -> BackendUnavailable | None:
     text = str(exc)
     if any(m in text for m in ("rendering device", "vk::", "Vulkan", "vulkan", "ErrorIncompatibleDriver")):
-        return BackendUnavailable(f"maniskill: {env_id} could not start SAPIEN's renderer ({type(exc).__name__}: "
-                                  f"{text}). {vulkan_problem() or VULKAN_FIX}")
+        return BackendUnavailable(
+            f"maniskill: {env_id} could not start SAPIEN's renderer ({type(exc).__name__}: "
+            f"{text}). {vulkan_problem() or VULKAN_FIX}"
+        )
     return None
 
 
@@ -271,9 +296,11 @@ def make_task(env_id: str, **kwargs):
     if env_id in RLINF_ONLY:
         raise BackendUnavailable(_rlinf_message(env_id))
     if env_id not in registry:
-        raise InvalidRequest(f"maniskill: unknown task '{env_id}'{did_you_mean(env_id, registry)}"
-                             + f" ({len(registry)} tasks in mani-skill 3.0.1; e.g. PickCube-v1, PushCube-v1, "
-                               f"StackCube-v1, PegInsertionSide-v1)")
+        raise InvalidRequest(
+            f"maniskill: unknown task '{env_id}'{did_you_mean(env_id, registry)}"
+            + f" ({len(registry)} tasks in mani-skill 3.0.1; e.g. PickCube-v1, PushCube-v1, "
+            f"StackCube-v1, PegInsertionSide-v1)"
+        )
     if env_id in put_on_plate_assets.TASKS:
         why = put_on_plate_assets.problem(env_id)
         if why:
@@ -298,28 +325,38 @@ def make_task(env_id: str, **kwargs):
         if not os.path.abspath(missing).startswith(os.path.abspath(str(ASSET_DIR))):
             raise
         uids = _sources_for(missing)
-        how = " && ".join(_download_command(u) for u in uids) if uids else \
-            f"{_download_command(env_id)} (`-l scene` / `-l task_assets` list the downloadable sets)"
-        raise BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded ({missing} is "
-                                 f"missing); download them with: {how} (into $MS_ASSET_DIR, default "
-                                 f"~/.maniskill/data)") from None
+        how = (
+            " && ".join(_download_command(u) for u in uids)
+            if uids
+            else f"{_download_command(env_id)} (`-l scene` / `-l task_assets` list the downloadable sets)"
+        )
+        raise BackendUnavailable(
+            f"maniskill: {env_id} needs assets that are not downloaded ({missing} is "
+            f"missing); download them with: {how} (into $MS_ASSET_DIR, default "
+            f"~/.maniskill/data)"
+        ) from None
     except ImportError as exc:  # a task with extra requirements (DrawSVG-v1: svgpathtools)
-        raise BackendUnavailable(f"maniskill: {env_id} needs a package the maniskill environment does not "
-                                 f"install ({exc}); add it to MANISKILL_ENV.pip in rlfleet/simulators.py") from None
+        raise BackendUnavailable(
+            f"maniskill: {env_id} needs a package the maniskill environment does not "
+            f"install ({exc}); add it to MANISKILL_ENV.pip in rlfleet/simulators.py"
+        ) from None
     except NotImplementedError as exc:  # an obs/reward mode the task does not support
         raise InvalidRequest(f"maniskill: {env_id}: {exc}") from None
     except AssertionError as exc:  # ManiSkill checks the control mode (and other arguments) by assert
         if "control_mode" in kwargs and "supported modes" in str(exc):
-            raise InvalidRequest(f"maniskill: {env_id} has no control_mode {kwargs['control_mode']!r} ({exc})") \
-                from None
+            raise InvalidRequest(
+                f"maniskill: {env_id} has no control_mode {kwargs['control_mode']!r} ({exc})"
+            ) from None
         raise
     except RuntimeError as exc:
         err = _vulkan_error(env_id, exc)
         if err:
             raise err from None
         if "download_asset" in str(exc):  # e.g. "Partnet Mobility dataset not found. Download it by running ..."
-            raise BackendUnavailable(f"maniskill: {env_id} needs assets that are not downloaded: {exc} (with this "
-                                     f"environment's python: {sys.executable}; add -y to skip the prompt)") from None
+            raise BackendUnavailable(
+                f"maniskill: {env_id} needs assets that are not downloaded: {exc} (with this "
+                f"environment's python: {sys.executable}; add -y to skip the prompt)"
+            ) from None
         raise
 
 
@@ -337,5 +374,7 @@ def check_install() -> None:
     import mani_skill
     import sapien
 
-    print(f"maniskill: PushCube-v1 created, reset and stepped (mani-skill {mani_skill.__version__}, sapien "
-          f"{sapien.__version__}, torch {torch.__version__})")
+    print(
+        f"maniskill: PushCube-v1 created, reset and stepped (mani-skill {mani_skill.__version__}, sapien "
+        f"{sapien.__version__}, torch {torch.__version__})"
+    )

@@ -18,17 +18,22 @@ from __future__ import annotations
 import numpy as np
 
 from rlfleet.errors import InvalidRequest
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.registry import did_you_mean
+from rlfleet.wire.spaces import TensorSpace
 from services.env.backends.base import BackendUnavailable, SimBackend, StepResult
 
 BENCHMARKS = ("MT10", "MT25", "MT50", "ML10", "ML25", "ML45")
 INSTRUCTIONS = {  # Meta-World ships no language; short imperative descriptions of the MT10 tasks
-    "reach": "reach the goal position", "push": "push the puck to the goal",
-    "pick-place": "pick up the puck and place it at the goal", "door-open": "open the door",
-    "drawer-open": "open the drawer", "drawer-close": "close the drawer",
-    "button-press-topdown": "press the button from the top", "peg-insert-side": "insert the peg into the hole",
-    "window-open": "slide the window open", "window-close": "slide the window closed",
+    "reach": "reach the goal position",
+    "push": "push the puck to the goal",
+    "pick-place": "pick up the puck and place it at the goal",
+    "door-open": "open the door",
+    "drawer-open": "open the drawer",
+    "drawer-close": "close the drawer",
+    "button-press-topdown": "press the button from the top",
+    "peg-insert-side": "insert the peg into the hole",
+    "window-open": "slide the window open",
+    "window-close": "slide the window closed",
 }
 _UNKNOWN = object()
 
@@ -41,19 +46,33 @@ def instruction_for(env_name: str) -> str:
 class MetaWorldBackend(SimBackend):
     name = "metaworld"
 
-    def __init__(self, env_id: str, num_envs: int, *, split: str = "train", benchmark_seed: int = 0,
-                 one_hot_task_id: bool | None = None, camera: str | None = None, image_size: int = 64,
-                 flip_images: bool = True, **unknown):
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        *,
+        split: str = "train",
+        benchmark_seed: int = 0,
+        one_hot_task_id: bool | None = None,
+        camera: str | None = None,
+        image_size: int = 64,
+        flip_images: bool = True,
+        **unknown,
+    ):
         super().__init__(env_id, num_envs)
         if unknown:
-            raise InvalidRequest(f"metaworld: unknown init_params {sorted(unknown)} (known: split, benchmark_seed, "
-                                 f"one_hot_task_id, camera, image_size, flip_images)")
+            raise InvalidRequest(
+                f"metaworld: unknown init_params {sorted(unknown)} (known: split, benchmark_seed, "
+                f"one_hot_task_id, camera, image_size, flip_images)"
+            )
         try:
             import metaworld
         except ImportError as exc:
-            raise BackendUnavailable(f"metaworld is not installed in this environment ({exc}); env servers for "
-                                     f"simulator_type=metaworld run from its own environment: "
-                                     f"`coordinatorctl envs install metaworld`") from None
+            raise BackendUnavailable(
+                f"metaworld is not installed in this environment ({exc}); env servers for "
+                f"simulator_type=metaworld run from its own environment: "
+                f"`coordinatorctl envs install metaworld`"
+            ) from None
         if split not in ("train", "test"):
             raise InvalidRequest(f"metaworld: split must be train or test, got {split!r}")
         if env_id in BENCHMARKS:
@@ -62,8 +81,10 @@ class MetaWorldBackend(SimBackend):
             bench = metaworld.MT1(env_id, seed=benchmark_seed)
         else:
             known = list(metaworld.MT1.ENV_NAMES) + list(BENCHMARKS)
-            raise InvalidRequest(f"metaworld: unknown task '{env_id}'{did_you_mean(env_id, known)}"
-                                 + f" (a task such as reach-v3, or one of {', '.join(BENCHMARKS)})")
+            raise InvalidRequest(
+                f"metaworld: unknown task '{env_id}'{did_you_mean(env_id, known)}"
+                + f" (a task such as reach-v3, or one of {', '.join(BENCHMARKS)})"
+            )
         if split == "test" and not env_id.startswith("ML"):
             raise InvalidRequest(f"metaworld: '{env_id}' has no test split (only ML benchmarks do)")
         classes = bench.test_classes if split == "test" else bench.train_classes
@@ -74,7 +95,9 @@ class MetaWorldBackend(SimBackend):
         per_class = min(len(v) for v in by_class.values())
         C = len(self.class_names)
         # state id k -> class k % C, variation k // C
-        self.states = [(self.class_names[k % C], by_class[self.class_names[k % C]][k // C]) for k in range(C * per_class)]
+        self.states = [
+            (self.class_names[k % C], by_class[self.class_names[k % C]][k // C]) for k in range(C * per_class)
+        ]
         self.one_hot = (C > 1) if one_hot_task_id is None else bool(one_hot_task_id)
         self.camera, self.image_size, self.flip = camera, int(image_size), flip_images
         self._slots: list[dict[str, object]] = [{} for _ in range(num_envs)]
@@ -105,8 +128,9 @@ class MetaWorldBackend(SimBackend):
         if env is None:
             kwargs = {}
             if self.camera:
-                kwargs = dict(render_mode="rgb_array", camera_name=self.camera, width=self.image_size,
-                              height=self.image_size)
+                kwargs = dict(
+                    render_mode="rgb_array", camera_name=self.camera, width=self.image_size, height=self.image_size
+                )
             env = self.classes[class_name](**kwargs)
             env.model.vis.quality.shadowsize = 0  # shadows cost most of the rendering time
             self._slots[slot][class_name] = env
@@ -139,7 +163,7 @@ class MetaWorldBackend(SimBackend):
             env = self._env(i, class_name)
             env.set_task(task)
             if seed is not None:
-                env.seed(int(seed) % (2 ** 31))
+                env.seed(int(seed) % (2**31))
             raw, _ = env.reset()
             self._current[i] = env
             self._raw[i] = raw

@@ -108,12 +108,16 @@ def problem(env_id: str) -> str | None:
         return None
     parts = []
     if rlinf:
-        parts.append(f"RLinf's task assets are missing ({_names(rlinf)}): download RLinf's set with `hf download "
-                     f"--repo-type dataset {RLINF_HUB_DATASET} --local-dir {rlinf_asset_dir()}` (or set "
-                     f"MANISKILL_ASSET_DIR to the folder that holds its carrot/)")
+        parts.append(
+            f"RLinf's task assets are missing ({_names(rlinf)}): download RLinf's set with `hf download "
+            f"--repo-type dataset {RLINF_HUB_DATASET} --local-dir {rlinf_asset_dir()}` (or set "
+            f"MANISKILL_ASSET_DIR to the folder that holds its carrot/)"
+        )
     if maniskill:
-        parts.append(f"ManiSkill's WidowX/Bridge assets are missing ({_names(maniskill)}): `coordinatorctl envs "
-                     f"assets maniskill {env_id}` downloads them")
+        parts.append(
+            f"ManiSkill's WidowX/Bridge assets are missing ({_names(maniskill)}): `coordinatorctl envs "
+            f"assets maniskill {env_id}` downloads them"
+        )
     return f"maniskill: {env_id} needs its assets: " + "; ".join(parts)
 
 
@@ -122,8 +126,10 @@ def rlinf_instructions(env_id: str) -> list[str]:
     gone = _missing_rlinf()
     if not gone:
         return [f"{env_id}: RLinf's task assets are present in {carrot_dir()}"]
-    return [f"{env_id}: RLinf's task assets (objects, plate, table overlays) are missing ({_names(gone)}); "
-            f"ManiSkill's downloader has no source for them. Download RLinf's set (the Hugging Face dataset "
-            f"{RLINF_HUB_DATASET}) with: hf download --repo-type dataset {RLINF_HUB_DATASET} --local-dir "
-            f"{rlinf_asset_dir()}   (or copy an existing RLinf assets folder, the one holding carrot/, there; or "
-            f"set MANISKILL_ASSET_DIR to it)"]
+    return [
+        f"{env_id}: RLinf's task assets (objects, plate, table overlays) are missing ({_names(gone)}); "
+        f"ManiSkill's downloader has no source for them. Download RLinf's set (the Hugging Face dataset "
+        f"{RLINF_HUB_DATASET}) with: hf download --repo-type dataset {RLINF_HUB_DATASET} --local-dir "
+        f"{rlinf_asset_dir()}   (or copy an existing RLinf assets folder, the one holding carrot/, there; or "
+        f"set MANISKILL_ASSET_DIR to it)"
+    ]

@@ -3,6 +3,7 @@
 - ``PandaPickCube-v0``        state observations (13,), see :mod:`.panda_pick_cube`
 - ``PandaPickCubeVision-v0``  dict of third-person / wrist RGB images + 7-d proprio
 """
+
 from services.env.gym_envs import register_built_in
 
 from .panda_pick_cube import (  # noqa: F401

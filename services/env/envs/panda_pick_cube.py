@@ -32,6 +32,7 @@ and |tcp - cube| <= 0.05.
 ``terminated`` is always False (the TimeLimit wrapper truncates at 50 steps).
 ``reset(seed=s)`` is deterministic; ``reset(options={"cube_xy": (x, y)})`` places the cube explicitly.
 """
+
 from __future__ import annotations
 
 import copy
@@ -208,8 +209,14 @@ def build_model(
     link7 = spec.body("panda0_link7")
     for site in link7.sites:
         site.group = 5  # hide the kitchen model's end_effector marker from cameras
-    link7.add_site(name="tcp", pos=[0.0, 0.0, TCP_Z_IN_LINK7], quat=[0.92388, 0.0, 0.0, -0.382683],
-                   size=[0.008, 0.0, 0.0], rgba=[0.0, 1.0, 0.0, 0.0], group=4)
+    link7.add_site(
+        name="tcp",
+        pos=[0.0, 0.0, TCP_Z_IN_LINK7],
+        quat=[0.92388, 0.0, 0.0, -0.382683],
+        size=[0.008, 0.0, 0.0],
+        rgba=[0.0, 1.0, 0.0, 0.0],
+        group=4,
+    )
 
     # Arm servos and joints.
     for i in range(7):
@@ -220,8 +227,10 @@ def build_model(
         a.gainprm[0] *= arm_kp_scale
         a.biasprm[1] *= arm_kp_scale
     # Gripper: fast, firm position servos (the kitchen model's fingers have armature 5 and are slow).
-    for jn, an in (("robot:panda0_finger_joint1", "r_gripper_finger_joint"),
-                   ("robot:panda0_finger_joint2", "l_gripper_finger_joint")):
+    for jn, an in (
+        ("robot:panda0_finger_joint1", "r_gripper_finger_joint"),
+        ("robot:panda0_finger_joint2", "l_gripper_finger_joint"),
+    ):
         j = spec.joint(jn)
         j.damping = [finger_damping, 0.0, 0.0]
         j.armature = finger_armature
@@ -232,8 +241,9 @@ def build_model(
 
     if with_cameras:
         tp_pos = (1.0, -0.45, 0.95)
-        spec.worldbody.add_camera(name="third_person", pos=list(tp_pos),
-                                  xyaxes=list(_lookat_xyaxes(tp_pos, (0.45, 0.0, 0.2))), fovy=45.0)
+        spec.worldbody.add_camera(
+            name="third_person", pos=list(tp_pos), xyaxes=list(_lookat_xyaxes(tp_pos, (0.45, 0.0, 0.2))), fovy=45.0
+        )
         # Wrist camera on the hand, beside the fingers (perpendicular to the closing axis), looking
         # along the gripper towards the fingertips.
         c, s = math.cos(-math.pi / 4), math.sin(-math.pi / 4)
@@ -361,18 +371,27 @@ class PandaPickCubeEnv(gym.Env):
         self._null_gain = float(null_gain)
 
         cams = _with_cameras or render_mode == "rgb_array"
-        self.model = _cached_model(timestep=physics_dt, with_cameras=cams, with_visuals=cams,
-                                   image_size=max(_image_size, self.render_size), **model_kwargs)
+        self.model = _cached_model(
+            timestep=physics_dt,
+            with_cameras=cams,
+            with_visuals=cams,
+            image_size=max(_image_size, self.render_size),
+            **model_kwargs,
+        )
         self.data = mujoco.MjData(self.model)
         m, d = self.model, self.data
 
         self._tcp_id = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_SITE, "tcp")
         cube_jnt = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, "cube_joint")
         self._cube_qadr = int(m.jnt_qposadr[cube_jnt])
-        arm_q = [int(m.jnt_qposadr[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, f"robot:panda0_joint{i}")])
-                 for i in range(1, 8)]
-        fin_q = [int(m.jnt_qposadr[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, f"robot:panda0_finger_joint{i}")])
-                 for i in (1, 2)]
+        arm_q = [
+            int(m.jnt_qposadr[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, f"robot:panda0_joint{i}")])
+            for i in range(1, 8)
+        ]
+        fin_q = [
+            int(m.jnt_qposadr[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_JOINT, f"robot:panda0_finger_joint{i}")])
+            for i in (1, 2)
+        ]
         assert arm_q == list(range(7)) and fin_q == [7, 8] and self._cube_qadr == 9, "unexpected layout"
         self._jnt_lo = m.jnt_range[:7, 0].copy()
         self._jnt_hi = m.jnt_range[:7, 1].copy()
@@ -385,7 +404,7 @@ class PandaPickCubeEnv(gym.Env):
         self._ctrl_fing = d.ctrl[7:9]
         self._tcp = d.site_xpos[self._tcp_id]
         self._tcp_mat = d.site_xmat[self._tcp_id]
-        self._cube_pos = d.qpos[self._cube_qadr:self._cube_qadr + 3]
+        self._cube_pos = d.qpos[self._cube_qadr : self._cube_qadr + 3]
         # Scratch buffers.
         self._jacp = np.zeros((3, m.nv))
         self._jacr = np.zeros((3, m.nv))
@@ -449,8 +468,7 @@ class PandaPickCubeEnv(gym.Env):
         x = self._tcp_mat.tolist()  # row-major 3x3; columns are the site axes
         # orientation error 0.5 * sum_i col_i(R) x col_i(R_des), R_des columns (1,0,0), (0,-1,0),
         # (0,0,-1): TCP z axis down, fingers closing along world y.
-        self._err[:] = (tx - px, ty - py, tz - pz,
-                        0.5 * (x[7] - x[5]), 0.5 * (x[6] + x[2]), -0.5 * (x[3] + x[1]))
+        self._err[:] = (tx - px, ty - py, tz - pz, 0.5 * (x[7] - x[5]), 0.5 * (x[6] + x[2]), -0.5 * (x[3] + x[1]))
         e = self._err
         J, A, z, v6, y = self._J, self._A, self._z, self._v6, self._y
         q = self._q_arm
@@ -496,7 +514,7 @@ class PandaPickCubeEnv(gym.Env):
         if options and "cube_xy" in options:
             cx, cy = map(float, options["cube_xy"])
         a = self._cube_qadr
-        d.qpos[a:a + 7] = (cx, cy, CUBE_HALF, 1.0, 0.0, 0.0, 0.0)
+        d.qpos[a : a + 7] = (cx, cy, CUBE_HALF, 1.0, 0.0, 0.0, 0.0)
         mujoco.mj_forward(m, d)
         self._refresh()
         info = {"success": False, "task_description": self.task_description}
@@ -572,11 +590,13 @@ class PandaPickCubeVisionEnv(PandaPickCubeEnv):
     def _make_observation_space(self):
         s = self.image_size
         img = spaces.Box(0, 255, (s, s, 3), np.uint8)
-        return spaces.Dict({
-            "third_person": img,
-            "wrist": spaces.Box(0, 255, (s, s, 3), np.uint8),
-            "state": spaces.Box(_OBS_LOW[:7], _OBS_HIGH[:7], dtype=np.float32),
-        })
+        return spaces.Dict(
+            {
+                "third_person": img,
+                "wrist": spaces.Box(0, 255, (s, s, 3), np.uint8),
+                "state": spaces.Box(_OBS_LOW[:7], _OBS_HIGH[:7], dtype=np.float32),
+            }
+        )
 
     def _get_obs(self):
         r = self._img_renderer

@@ -32,8 +32,18 @@ def main() -> None:
 
     die_with_parent()
     run_dir = pathlib.Path(sys.argv[sys.argv.index("--run-dir") + 1])
-    seen = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-                                                "CUDA_VISIBLE_DEVICES", "RLFLEET_PARENT_PID", "RLFLEET_RUN_TOKEN")}
+    seen = {
+        key: os.environ.get(key)
+        for key in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "TORCHELASTIC_RUN_ID",
+            "CUDA_VISIBLE_DEVICES",
+            "RLFLEET_PARENT_PID",
+            "RLFLEET_RUN_TOKEN",
+        )
+    }
     seen.update(pid=os.getpid(), ppid=os.getppid(), launched_pid=launched_pid(), argv=sys.argv[1:])
     tmp = run_dir / f".rank_{seen['RANK']}.json"
     tmp.write_text(json.dumps(seen))

@@ -8,26 +8,34 @@ import math
 
 import pytest
 
-from services.coordinator.bottleneck import (ASYNC_HIDDEN, WINDOW, BottleneckWindow, FleetShape, diagnose,
-                                             mean_metrics)
+from services.coordinator.bottleneck import ASYNC_HIDDEN, WINDOW, BottleneckWindow, FleetShape, diagnose, mean_metrics
 from services.coordinator.report import RunReport
 
 
 def epoch(step=1.0, rollout=0.8, env=0.5, wait=0.1, train=0.15, sync=0.03, rpc=None, **extra):
     """One epoch's time/* metrics (seconds); ``extra``: more keys, '__' for '/' (wire__act_bytes)."""
-    m = {"time/step": step, "time/rollout": rollout, "time/env": env, "time/inference_wait": wait,
-         "time/train": train, "time/weight_sync": sync,
-         "time/train_rpc": rpc if rpc is not None else train + sync + 0.01}
+    m = {
+        "time/step": step,
+        "time/rollout": rollout,
+        "time/env": env,
+        "time/inference_wait": wait,
+        "time/train": train,
+        "time/weight_sync": sync,
+        "time/train_rpc": rpc if rpc is not None else train + sync + 0.01,
+    }
     m.update({k.replace("__", "/"): v for k, v in extra.items()})
     return m
 
 
-SYNC2 = FleetShape(env_servers=1, inference_servers=1, stages=2, max_staleness=0, max_batch_size=256,
-                   rows_in_flight=64, act_rounds=16)
-SYNC1 = FleetShape(env_servers=1, inference_servers=1, stages=1, max_staleness=0, max_batch_size=256,
-                   rows_in_flight=64, act_rounds=16)
-ASYNC = FleetShape(env_servers=2, inference_servers=1, stages=2, max_staleness=1, max_batch_size=256,
-                   rows_in_flight=64, act_rounds=16)
+SYNC2 = FleetShape(
+    env_servers=1, inference_servers=1, stages=2, max_staleness=0, max_batch_size=256, rows_in_flight=64, act_rounds=16
+)
+SYNC1 = FleetShape(
+    env_servers=1, inference_servers=1, stages=1, max_staleness=0, max_batch_size=256, rows_in_flight=64, act_rounds=16
+)
+ASYNC = FleetShape(
+    env_servers=2, inference_servers=1, stages=2, max_staleness=1, max_batch_size=256, rows_in_flight=64, act_rounds=16
+)
 
 
 # --- sync ---------------------------------------------------------------------------------------------------------
@@ -79,9 +87,11 @@ def test_sync_learner_limits_suggests_async():
 def test_balanced_when_no_part_dominates():
     d = diagnose([epoch(rollout=0.75, env=0.28, wait=0.25, rpc=0.25)], SYNC2)
     assert d.part == "balanced"
-    assert d.line == ("no single part limits: env stepping 28%, the inference wait 25%, the learner 25%, the "
-                      "rollout's other work 22% of the epoch: algorithm.max_staleness=1 would overlap the learner's "
-                      "25% with collection")
+    assert d.line == (
+        "no single part limits: env stepping 28%, the inference wait 25%, the learner 25%, the "
+        "rollout's other work 22% of the epoch: algorithm.max_staleness=1 would overlap the learner's "
+        "25% with collection"
+    )
     # the largest part must also lead the next by MARGIN: 36% against 33% is a tie, not a verdict
     d = diagnose([epoch(rollout=0.85, env=0.36, wait=0.33, rpc=0.15)], SYNC2)
     assert d.part == "balanced" and d.line.endswith("of the epoch")  # a learner of 15%: no async hint
@@ -92,8 +102,9 @@ def test_balanced_when_no_part_dominates():
 def test_unattributed_rollout_time_is_named_as_such():
     d = diagnose([epoch(env=0.2, wait=0.1)], SYNC2)  # 0.5 s of the 0.8 s rollout in no timer
     assert d.part == "rest"
-    assert "own work (request encoding, rollout bookkeeping, the push to the learner) takes 63% of the rollout" \
-        in d.line
+    assert (
+        "own work (request encoding, rollout bookkeeping, the push to the learner) takes 63% of the rollout" in d.line
+    )
     assert "no time/wire/* reported" in d.line
 
 
@@ -101,14 +112,28 @@ def test_unattributed_rollout_time_is_named_as_such():
 def test_async_learner_limits_when_collection_hides_behind_it():
     d = diagnose([epoch(rollout=0.05, env=0.4, wait=0.1, train=0.85, sync=0.05, rpc=0.95)], ASYNC)
     assert d.part == "learner"
-    assert d.line.startswith("the learner limits: it takes 95% of the epoch (update 85%, weight sync 5%) and waits "
-                             "only 5% for data")
+    assert d.line.startswith(
+        "the learner limits: it takes 95% of the epoch (update 85%, weight sync 5%) and waits only 5% for data"
+    )
     assert "max_staleness=1" not in d.line and "more env servers or staleness will not help" in d.line
 
 
 def test_async_learner_publishing_weights_limits():
-    d = diagnose([epoch(rollout=0.02, env=0.3, wait=0.1, train=0.3, sync=0.6, rpc=0.95,
-                        train__weight_sync_bytes=390e6, time__wire__weights_s=0.2)], ASYNC)
+    d = diagnose(
+        [
+            epoch(
+                rollout=0.02,
+                env=0.3,
+                wait=0.1,
+                train=0.3,
+                sync=0.6,
+                rpc=0.95,
+                train__weight_sync_bytes=390e6,
+                time__wire__weights_s=0.2,
+            )
+        ],
+        ASYNC,
+    )
     assert d.part == "learner"
     assert "publishing weights takes 60% of the epoch (390.0 MB, 20% serialising)" in d.line
 
@@ -117,8 +142,10 @@ def test_async_collection_limits_shares_are_of_the_epoch_the_collection_spans():
     # the learner waits 50% of the epoch for data: the env servers collect back to back, one collection per epoch
     d = diagnose([epoch(rollout=0.5, env=0.7, wait=0.1, rpc=0.5)], ASYNC)
     assert d.part == "env"
-    assert d.line.startswith("env stepping takes 70% of the rollout and the inference server waits on it (the "
-                             "learner waits 50% of the epoch for it): add env servers (cluster.num_env_servers=3)")
+    assert d.line.startswith(
+        "env stepping takes 70% of the rollout and the inference server waits on it (the "
+        "learner waits 50% of the epoch for it): add env servers (cluster.num_env_servers=3)"
+    )
     assert "learner" not in d.line.split(":")[1]  # the learner is hidden behind collection: not a candidate
 
 
@@ -136,15 +163,22 @@ def test_async_inference_wait_with_one_stage():
 
 
 # --- the wire -----------------------------------------------------------------------------------------------------
-WIRE = dict(time__wire__act_s=0.3, time__wire__rollout_s=0.08, wire__act_bytes=19.3e6 * 16,
-            wire__rollout_bytes=1.2e9, wire__weights_bytes=30e6, time__wire__weights_s=0.01)
+WIRE = dict(
+    time__wire__act_s=0.3,
+    time__wire__rollout_s=0.08,
+    wire__act_bytes=19.3e6 * 16,
+    wire__rollout_bytes=1.2e9,
+    wire__weights_bytes=30e6,
+    time__wire__weights_s=0.01,
+)
 
 
 def test_wire_limits_with_bytes_per_step():
     d = diagnose([epoch(env=0.22, wait=0.2, **WIRE)], SYNC2)
     assert d.part == "wire"
-    assert d.line.startswith("the wire takes 48% of the rollout (38% of the epoch) (Act 19.3 MB/step, rollout push "
-                             "1.20 GB)")
+    assert d.line.startswith(
+        "the wire takes 48% of the rollout (38% of the epoch) (Act 19.3 MB/step, rollout push 1.20 GB)"
+    )
     assert "run env and inference servers on one host (shared memory) or add pipeline stages" in d.line
     assert d.shares["rollout_wire"] == pytest.approx(0.475)
 
@@ -235,13 +269,33 @@ def test_summary_carries_the_line(tmp_path):
     from tests.conftest import small_config
 
     report = RunReport(coordinator_view(small_config()), tmp_path, quiet=True)
-    summary = report.write_summary(env_id="x", epochs=0, env_steps=0, train_time=0.0, stop_why="test", final=None,
-                                   ckpt="", lost_episodes=0, restarts={}, last_metrics={})
+    summary = report.write_summary(
+        env_id="x",
+        epochs=0,
+        env_steps=0,
+        train_time=0.0,
+        stop_why="test",
+        final=None,
+        ckpt="",
+        lost_episodes=0,
+        restarts={},
+        last_metrics={},
+    )
     assert summary["bottleneck"] is None  # no epoch: nothing to say
     for e in range(3):
         report.note_epoch(e, epoch(env=0.6, wait=0.1), SYNC2)
-    summary = report.write_summary(env_id="x", epochs=3, env_steps=0, train_time=0.0, stop_why="test", final=None,
-                                   ckpt="", lost_episodes=0, restarts={}, last_metrics={})
+    summary = report.write_summary(
+        env_id="x",
+        epochs=3,
+        env_steps=0,
+        train_time=0.0,
+        stop_why="test",
+        final=None,
+        ckpt="",
+        lost_episodes=0,
+        restarts={},
+        last_metrics={},
+    )
     assert summary["bottleneck"].startswith("env stepping takes 75% of the rollout")
     assert summary["bottleneck_detail"]["part"] == "env" and summary["bottleneck_detail"]["epochs"] == 2
     assert 0 < summary["bottleneck_detail"]["shares"]["env"] <= 1

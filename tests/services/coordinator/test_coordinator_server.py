@@ -10,13 +10,13 @@ import time
 import grpc
 import pytest
 
-from rlfleet.wire import auth, callers
 from rlfleet.config import to_yaml
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+from rlfleet.wire import auth, callers
 from services.coordinator.coordinator import Coordinator
 from services.coordinator.launcher import AttachLauncher
-from services.coordinator.service_registry import HealthMonitor
 from services.coordinator.server import serve
+from services.coordinator.service_registry import HealthMonitor
 from tests.conftest import small_config
 
 SECRET = "coordinator-test-secret"
@@ -47,8 +47,14 @@ def coordinator(tmp_path):
 
 
 def register_request(coord, **fields):
-    base = dict(role=coordinator_pb2.ENV, index=0, address="127.0.0.1:50100", pid=4242, incarnation="abc123",
-                config_yaml=to_yaml(coord.cfg))
+    base = dict(
+        role=coordinator_pb2.ENV,
+        index=0,
+        address="127.0.0.1:50100",
+        pid=4242,
+        incarnation="abc123",
+        config_yaml=to_yaml(coord.cfg),
+    )
     return coordinator_pb2.RegisterRequest(**{**base, **fields})
 
 
@@ -65,8 +71,11 @@ def test_register_checks_its_claim_field_by_field(coordinator):
     coord, stub = coordinator()
     cases = {
         "empty config_yaml": (dict(config_yaml=""), grpc.StatusCode.INVALID_ARGUMENT, "config_yaml: empty"),
-        "'::not an address::'": (dict(address="::not an address::"), grpc.StatusCode.INVALID_ARGUMENT,
-                                 "is not an address (host:port"),
+        "'::not an address::'": (
+            dict(address="::not an address::"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "is not an address (host:port",
+        ),
         "3 kB address": (dict(address="a" * 3000 + ":1"), grpc.StatusCode.INVALID_ARGUMENT, "3002 characters"),
         "50 MB address": (dict(address="a" * (50 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
         "no port": (dict(address="127.0.0.1"), grpc.StatusCode.INVALID_ARGUMENT, "is not an address (host:port"),
@@ -77,8 +86,11 @@ def test_register_checks_its_claim_field_by_field(coordinator):
         "no incarnation": (dict(incarnation=""), grpc.StatusCode.INVALID_ARGUMENT, "incarnation"),
         "role unset": (dict(role=0), grpc.StatusCode.INVALID_ARGUMENT, "role: 0"),
         "negative index": (dict(index=-1), grpc.StatusCode.INVALID_ARGUMENT, "index: -1"),
-        "another config": (dict(config_yaml=to_yaml(coord.cfg).replace("gamma: 0.95", "gamma: 0.5")),
-                           grpc.StatusCode.FAILED_PRECONDITION, "'algorithm.gamma' is 0.5 there"),
+        "another config": (
+            dict(config_yaml=to_yaml(coord.cfg).replace("gamma: 0.95", "gamma: 0.5")),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "'algorithm.gamma' is 0.5 there",
+        ),
     }
     for label, (fields, want, words) in cases.items():
         code, details = code_of(stub.Register, register_request(coord, **fields), timeout=30, metadata=md("env"))
@@ -97,28 +109,39 @@ def test_a_service_speaks_only_for_itself(coordinator):
     attempts = [
         (stub.Register, register_request(coord, role=coordinator_pb2.LEARNER), md("env")),
         (stub.Register, register_request(coord, index=1), md("env", 0)),
-        (stub.Heartbeat, coordinator_pb2.HeartbeatRequest(role=coordinator_pb2.LEARNER, index=0, incarnation="x"),
-         md("env")),
+        (
+            stub.Heartbeat,
+            coordinator_pb2.HeartbeatRequest(role=coordinator_pb2.LEARNER, index=0, incarnation="x"),
+            md("env"),
+        ),
     ]
     for call, request, metadata in attempts:
         code, details = code_of(call, request, timeout=10, metadata=metadata)
         assert code == grpc.StatusCode.PERMISSION_DENIED and "speaks only for itself" in details, (code, details)
     forged = md("env")
     forged[1] = (callers.ROLE_KEY, "learner")  # claiming the role with env's bearer
-    code, details = code_of(stub.Register, register_request(coord, role=coordinator_pb2.LEARNER), timeout=10,
-                            metadata=forged)
+    code, details = code_of(
+        stub.Register, register_request(coord, role=coordinator_pb2.LEARNER), timeout=10, metadata=forged
+    )
     assert code == grpc.StatusCode.PERMISSION_DENIED and "env[0]'s, not learner[0]'s" in details
     code, _ = code_of(stub.Register, register_request(coord), timeout=10, metadata=md("ctl"))
     assert code == grpc.StatusCode.PERMISSION_DENIED
-    code, _ = code_of(stub.Register, register_request(coord), timeout=10,
-                      metadata=auth.metadata("an old secret", "env", 0, to="coordinator"))
+    code, _ = code_of(
+        stub.Register,
+        register_request(coord),
+        timeout=10,
+        metadata=auth.metadata("an old secret", "env", 0, to="coordinator"),
+    )
     assert code == grpc.StatusCode.UNAUTHENTICATED
     assert not coord.registry.services[("learner", 0)].ready.is_set()
-    assert stub.Register(register_request(coord, role=coordinator_pb2.LEARNER), timeout=10,
-                         metadata=md("learner")).accepted
-    assert not stub.Heartbeat(coordinator_pb2.HeartbeatRequest(role=coordinator_pb2.LEARNER, index=0,
-                                                               incarnation="abc123"),
-                              timeout=5, metadata=md("learner")).shutdown
+    assert stub.Register(
+        register_request(coord, role=coordinator_pb2.LEARNER), timeout=10, metadata=md("learner")
+    ).accepted
+    assert not stub.Heartbeat(
+        coordinator_pb2.HeartbeatRequest(role=coordinator_pb2.LEARNER, index=0, incarnation="abc123"),
+        timeout=5,
+        metadata=md("learner"),
+    ).shutdown
 
 
 def test_stop_while_attach_mode_waits_for_services(coordinator):
@@ -147,8 +170,9 @@ def test_heartbeats_waiting_for_a_busy_coordinator_still_count(coordinator):
     """Every server thread busy (slow Status calls): the learner's heartbeats queue unanswered, yet it is not
     declared dead (they are noted as they arrive); once they stop arriving, it is, after the timeout."""
     coord, stub = coordinator("cluster.launcher=attach", "cluster.heartbeat_timeout_s=1.5")
-    assert stub.Register(register_request(coord, role=coordinator_pb2.LEARNER), timeout=10,
-                         metadata=md("learner")).accepted
+    assert stub.Register(
+        register_request(coord, role=coordinator_pb2.LEARNER), timeout=10, metadata=md("learner")
+    ).accepted
     gate = threading.Event()
     plain_status = coord.status
     coord.status = lambda: (gate.wait(30), plain_status())[1]
@@ -158,8 +182,13 @@ def test_heartbeats_waiting_for_a_busy_coordinator_still_count(coordinator):
     beats = []
     try:
         for _ in range(8):  # 4 s of heartbeats, none answered
-            beats.append(stub.Heartbeat.future(coordinator_pb2.HeartbeatRequest(
-                role=coordinator_pb2.LEARNER, index=0, incarnation="abc123"), timeout=60, metadata=md("learner")))
+            beats.append(
+                stub.Heartbeat.future(
+                    coordinator_pb2.HeartbeatRequest(role=coordinator_pb2.LEARNER, index=0, incarnation="abc123"),
+                    timeout=60,
+                    metadata=md("learner"),
+                )
+            )
             time.sleep(0.5)
         assert not any(b.done() for b in beats) and coord.fate.fatal is None
         time.sleep(2.5)  # silence: now it is dead
@@ -175,8 +204,11 @@ def test_status_carries_the_bottleneck_line(coordinator):
     coord, stub = coordinator("cluster.num_env_servers=2")
     assert stub.Status(coordinator_pb2.StatusRequest(), timeout=10, metadata=md()).bottleneck == ""
     for epoch in range(3):
-        coord.report.note_epoch(epoch, {"time/step": 1.0, "time/rollout": 0.8, "time/env": 0.6,
-                                        "time/inference_wait": 0.1, "time/train_rpc": 0.2}, coord.fleet_shape())
+        coord.report.note_epoch(
+            epoch,
+            {"time/step": 1.0, "time/rollout": 0.8, "time/env": 0.6, "time/inference_wait": 0.1, "time/train_rpc": 0.2},
+            coord.fleet_shape(),
+        )
     line = stub.Status(coordinator_pb2.StatusRequest(), timeout=10, metadata=md()).bottleneck
     assert line.startswith("env stepping takes 75% of the rollout (60% of the epoch)")
     assert "cluster.num_env_servers=3" in line  # two configured: one more

@@ -20,8 +20,13 @@ def k8s_docs(cfg, out) -> list[dict]:
         kubernetes_validate.validate(doc, "1.33", strict=True)
     return docs
 
-GPU_RUN = ["cluster.num_env_servers=2", "cluster.num_inference_servers=1", "cluster.num_gpus_per_node=8",
-           "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}"]
+
+GPU_RUN = [
+    "cluster.num_env_servers=2",
+    "cluster.num_inference_servers=1",
+    "cluster.num_gpus_per_node=8",
+    "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}",
+]
 
 
 def test_the_plan_lists_every_process_with_its_gpus():
@@ -37,8 +42,10 @@ def test_k8s_manifests_validate_and_map_the_placement(tmp_path):
     docs = k8s_docs(cfg, tmp_path)
     sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
     assert {k: v["spec"]["replicas"] for k, v in sets.items()} == {"learner": 1, "inference": 1, "env": 2}
-    gpus = {k: v["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
-            for k, v in sets.items()}
+    gpus = {
+        k: v["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        for k, v in sets.items()
+    }
     assert gpus == {"learner": 8, "inference": 4, "env": 2}
     env = sets["env"]["spec"]["template"]["spec"]["containers"][0]
     assert env["readinessProbe"] == {"grpc": {"port": 50054}, "periodSeconds": 10}
@@ -78,8 +85,13 @@ def test_simulator_env_servers_use_their_own_image():
     cmd = deploy.service_command(cfg, env, "env-0")
     assert cmd[:5] == ["python", "-m", "services.env.environment", "exec", "metaworld"]
     assert deploy.images(cfg)["rlfleet-metaworld:cpu"] == {
-        "target": "simulator", "args": {"BASE_IMAGE": "python:3.11-slim-bookworm",
-                                        "TORCH_INDEX_URL": deploy.CPU_TORCH_INDEX, "SIMULATOR": "metaworld"}}
+        "target": "simulator",
+        "args": {
+            "BASE_IMAGE": "python:3.11-slim-bookworm",
+            "TORCH_INDEX_URL": deploy.CPU_TORCH_INDEX,
+            "SIMULATOR": "metaworld",
+        },
+    }
 
 
 def test_vllm_inference_servers_use_the_vllm_image():
@@ -95,11 +107,35 @@ def test_vllm_inference_servers_use_the_vllm_image():
 
 
 def test_cli_writes_and_names_bad_keys(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "deploy", "k8s",
-                          "cluster.num_env_servers=2", "--out", str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator.cli",
+            "deploy",
+            "k8s",
+            "cluster.num_env_servers=2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and (tmp_path / "rlfleet-k8s.yaml").exists(), out.stderr
-    bad = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "deploy", "compose",
-                          "cluster.num_env_servrs=2", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator.cli",
+            "deploy",
+            "compose",
+            "cluster.num_env_servrs=2",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "unknown config key 'cluster.num_env_servrs'" in bad.stderr
     assert not (tmp_path / "x").exists()
 
@@ -159,8 +195,10 @@ def test_each_container_gets_its_own_credential_not_the_run_secret(tmp_path, mon
     # an env pod's credential, claiming the learner at an inference server: refused
     try:
         auth.set_identity("env", secrets[f"{run}-env-credential"], 1)
-        md = [(k, "learner" if k == callers.ROLE_KEY else v)
-              for k, v in callers.call_metadata("/rlfleet.v1.InferenceService/Act")]
+        md = [
+            (k, "learner" if k == callers.ROLE_KEY else v)
+            for k, v in callers.call_metadata("/rlfleet.v1.InferenceService/Act")
+        ]
         auth.set_identity("inference", secrets[f"{run}-inference-credential"], 0)
         with pytest.raises(AuthError) as err:
             callers.check_caller("/rlfleet.v1.InferenceService/UpdateWeights", md)

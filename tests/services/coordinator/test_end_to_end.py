@@ -17,16 +17,25 @@ import time
 
 import pytest
 
-from rlfleet.wire import channels
 from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+from rlfleet.wire import channels
 
 pytestmark = pytest.mark.slow
 
-TINY = ["env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=25", "env.eval.total_num_envs=4",
-        "env.eval.num_episodes=4", "actor.micro_batch_size=100", "actor.global_batch_size=100",
-        "algorithm.update_epoch=2", "actor.model.hidden_dims=[32,32]", "runner.max_env_steps=null",
-        "runner.max_wall_time_s=null", "cluster.heartbeat_timeout_s=8"]
+TINY = [
+    "env.train.total_num_envs=8",
+    "env.train.max_steps_per_rollout_epoch=25",
+    "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4",
+    "actor.micro_batch_size=100",
+    "actor.global_batch_size=100",
+    "algorithm.update_epoch=2",
+    "actor.model.hidden_dims=[32,32]",
+    "runner.max_env_steps=null",
+    "runner.max_wall_time_s=null",
+    "cluster.heartbeat_timeout_s=8",
+]
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
 
 
@@ -49,8 +58,13 @@ def assert_coordinator_loaded_no_env_code(path) -> None:
 
 def start(tmp_path, *args, name="e2e"):
     cmd = [*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", f"runner.experiment_name={name}", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=modules_env(tmp_path / f"{name}-modules.json"))
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=modules_env(tmp_path / f"{name}-modules.json"),
+    )
 
 
 def finish(proc, timeout=240):
@@ -82,8 +96,9 @@ def credential(run_dir, role="ctl", to="coordinator", index=0):
 def status(run_dir):
     info = json.loads((run_dir / "coordinator.json").read_text())
     with channels.channel(info["address"]) as ch:
-        return coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(coordinator_pb2.StatusRequest(), timeout=5,
-                                                                      metadata=credential(run_dir))
+        return coordinator_pb2_grpc.CoordinatorServiceStub(ch).Status(
+            coordinator_pb2.StatusRequest(), timeout=5, metadata=credential(run_dir)
+        )
 
 
 def wait_epoch(run_dir, epoch, proc, timeout=180):
@@ -142,9 +157,16 @@ def assert_no_orphans(pids, timeout=15):
 
 def test_run_writes_run_folder_and_resumes(tmp_path):
     # two env servers and two inference servers: envs split over servers, stages over inference servers
-    code, out = finish(start(tmp_path, "runner.max_epochs=3", "runner.val_check_interval=2",
-                             "runner.save_interval=2", "cluster.num_env_servers=2",
-                             "cluster.num_inference_servers=2"))
+    code, out = finish(
+        start(
+            tmp_path,
+            "runner.max_epochs=3",
+            "runner.val_check_interval=2",
+            "runner.save_interval=2",
+            "cluster.num_env_servers=2",
+            "cluster.num_inference_servers=2",
+        )
+    )
     assert code == 0, out
     assert_coordinator_loaded_no_env_code(tmp_path / "e2e-modules.json")  # gym, the main environment
     assert "starting 2 env server(s), 2 inference server(s)" in out
@@ -157,15 +179,21 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["env_steps"] == 3 * 8 * 25
     assert summary["final_eval"]["eval/num_episodes"] == 4
-    assert {p.name for p in (run / "logs").iterdir()} == {"env_0.log", "env_1.log", "inference_0.log",
-                                                           "inference_1.log", "learner_0.log"}
+    assert {p.name for p in (run / "logs").iterdir()} == {
+        "env_0.log",
+        "env_1.log",
+        "inference_0.log",
+        "inference_1.log",
+        "learner_0.log",
+    }
     records = read_metrics(run)
     assert [r["step"] for r in records if "train/actor/policy_loss" in r] == [1, 2, 3]
     assert any("eval/success_once" in r for r in records)
     assert "final evaluation: success_once" in out and str(run) in out
     # --resume continues at epoch 4 with the same counters
-    proc = subprocess.run([*CTL, "start", "--resume", str(run), "runner.max_epochs=5"], capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [*CTL, "start", "--resume", str(run), "runner.max_epochs=5"], capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed at epoch 3, 600 env steps" in proc.stdout
     records = read_metrics(run)
@@ -175,9 +203,15 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("staleness", ["0", "1", "2"], ids=["sync", "async", "async2"])
 def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness):
-    proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
-                 "actor.global_batch_size=400", "actor.micro_batch_size=200", f"algorithm.max_staleness={staleness}",
-                 name="envkill")
+    proc = start(
+        tmp_path,
+        "runner.max_epochs=1000",
+        "env.train.max_steps_per_rollout_epoch=100",
+        "actor.global_batch_size=400",
+        "actor.micro_batch_size=200",
+        f"algorithm.max_staleness={staleness}",
+        name="envkill",
+    )
     run = tmp_path / "envkill"
     all_pids = kill_and_wait_restart(run, proc, coordinator_pb2.ENV, min_epoch=4)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -193,8 +227,12 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness)
     steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
     assert all(b - a == 800 for a, b in zip(steps, steps[1:]))
     # the counts survive --resume
-    resumed = subprocess.run([*CTL, "start", "--resume", str(run), f"runner.max_epochs={summary['epochs'] + 1}"],
-                             capture_output=True, text=True, timeout=240)
+    resumed = subprocess.run(
+        [*CTL, "start", "--resume", str(run), f"runner.max_epochs={summary['epochs'] + 1}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     again = json.loads((run / "summary.json").read_text())
     assert again["lost_episodes"] == 8 and again["restarts"] == {"env[0]": 1}
@@ -203,8 +241,13 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness)
 
 @pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
 def test_learner_killed_then_resume_and_stop(tmp_path, staleness):
-    proc = start(tmp_path, "runner.max_epochs=1000", "runner.save_interval=1", f"algorithm.max_staleness={staleness}",
-                 name="learnerkill")
+    proc = start(
+        tmp_path,
+        "runner.max_epochs=1000",
+        "runner.save_interval=1",
+        f"algorithm.max_staleness={staleness}",
+        name="learnerkill",
+    )
     run = tmp_path / "learnerkill"
     st = wait_epoch(run, 3, proc)
     pids = {s.role: s.pid for s in st.services}
@@ -218,8 +261,9 @@ def test_learner_killed_then_resume_and_stop(tmp_path, staleness):
     ckpt = latest_checkpoint(run)  # the kill may have hit a checkpoint being written: that one is skipped
     last = json.loads((ckpt / "learner_state.json").read_text())
     # resume: same step count and optimizer state, then `coordinatorctl stop`
-    proc = subprocess.Popen([*CTL, "start", "--resume", str(run)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*CTL, "start", "--resume", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     st = wait_epoch(run, last["epoch"] + 3, proc)
     pids2 = [s.pid for s in st.services]
     stop = subprocess.run([*CTL, "stop", str(run)], capture_output=True, text=True, timeout=30)
@@ -234,15 +278,22 @@ def test_learner_killed_then_resume_and_stop(tmp_path, staleness):
     assert steps == sorted(set(steps))  # each epoch once: the records after the checkpoint were dropped on resume
 
 
-@pytest.mark.parametrize("args, message", [
-    (["env.train.totl_num_envs=8"], "unknown config key 'env.train.totl_num_envs'; did you mean 'env.train.total_num_envs'"),
-    (["env.train.env_id=PandaPickCub-v0"], "unknown env id 'PandaPickCub-v0'; did you mean 'PandaPickCube-v0'"),
-    (["rollout.pipeline_stage_num=3"], "must split evenly into 3 stages"),
-    (["runner.only_eval=true"], "'runner.only_eval': true means evaluation only, which `coordinatorctl eval"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["env.train.totl_num_envs=8"],
+            "unknown config key 'env.train.totl_num_envs'; did you mean 'env.train.total_num_envs'",
+        ),
+        (["env.train.env_id=PandaPickCub-v0"], "unknown env id 'PandaPickCub-v0'; did you mean 'PandaPickCube-v0'"),
+        (["rollout.pipeline_stage_num=3"], "must split evenly into 3 stages"),
+        (["runner.only_eval=true"], "'runner.only_eval': true means evaluation only, which `coordinatorctl eval"),
+    ],
+)
 def test_config_errors_name_the_key(args, message, tmp_path):
-    proc = subprocess.run([*CTL, "start", f"runner.logger.log_path={tmp_path}", *args], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [*CTL, "start", f"runner.logger.log_path={tmp_path}", *args], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir()), "a rejected config must not start anything"
@@ -260,26 +311,54 @@ def test_attach_to_services_started_elsewhere(tmp_path):
     from rlfleet.config import load_config, to_yaml
 
     config = tmp_path / "attach.yaml"
-    config.write_text(to_yaml(load_config(None, [
-        *TINY, "cluster.launcher=attach", f"cluster.coordinator_address={coordinator}", "runner.max_epochs=2",
-        "runner.experiment_name=attach", f"runner.logger.log_path={tmp_path}"])))
+    config.write_text(
+        to_yaml(
+            load_config(
+                None,
+                [
+                    *TINY,
+                    "cluster.launcher=attach",
+                    f"cluster.coordinator_address={coordinator}",
+                    "runner.max_epochs=2",
+                    "runner.experiment_name=attach",
+                    f"runner.logger.log_path={tmp_path}",
+                ],
+            )
+        )
+    )
     # a service started with a different config is refused, with the key named
     odd_config = tmp_path / "odd.yaml"
     odd_config.write_text(config.read_text().replace("gamma: 0.95", "gamma: 0.5"))
     env = dict(os.environ, RLFLEET_RUN_TOKEN="attach-test-token")  # the deployment hands every part the credential
     # a service without the credential does not start
-    bare = subprocess.run([sys.executable, "-m", "services.inference.server", "--config", str(config),
-                           "--coordinator", coordinator], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if k != "RLFLEET_RUN_TOKEN"})
+    bare = subprocess.run(
+        [sys.executable, "-m", "services.inference.server", "--config", str(config), "--coordinator", coordinator],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "RLFLEET_RUN_TOKEN"},
+    )
     assert bare.returncode == 3 and "no run credential: set RLFLEET_RUN_TOKEN" in bare.stderr, bare.stderr
-    odd = subprocess.Popen([sys.executable, "-m", "services.inference.server", "--config", str(odd_config),
-                            "--coordinator", coordinator], stdout=subprocess.PIPE, text=True, env=env)
+    odd = subprocess.Popen(
+        [sys.executable, "-m", "services.inference.server", "--config", str(odd_config), "--coordinator", coordinator],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     services = []
-    for module, extra in (("services.learner.server", ["--run-dir", str(tmp_path / "attach")]),
-                          ("services.inference.server", []), ("services.env.server", [])):
-        services.append(subprocess.Popen(
-            [sys.executable, "-m", module, "--config", str(config), "--coordinator", coordinator, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+    for module, extra in (
+        ("services.learner.server", ["--run-dir", str(tmp_path / "attach")]),
+        ("services.inference.server", []),
+        ("services.env.server", []),
+    ):
+        services.append(
+            subprocess.Popen(
+                [sys.executable, "-m", module, "--config", str(config), "--coordinator", coordinator, *extra],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
+            )
+        )
     proc = subprocess.run([*CTL, "start", str(config)], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "final evaluation: success_once" in proc.stdout
@@ -292,9 +371,15 @@ def test_attach_to_services_started_elsewhere(tmp_path):
 
 @pytest.mark.parametrize("staleness", ["0", "1", "2"], ids=["sync", "async", "async2"])
 def test_inference_server_killed_is_restarted_and_reloaded(tmp_path, staleness):
-    proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
-                 "actor.global_batch_size=400", "actor.micro_batch_size=200", f"algorithm.max_staleness={staleness}",
-                 name="infkill")
+    proc = start(
+        tmp_path,
+        "runner.max_epochs=1000",
+        "env.train.max_steps_per_rollout_epoch=100",
+        "actor.global_batch_size=400",
+        "actor.micro_batch_size=200",
+        f"algorithm.max_staleness={staleness}",
+        name="infkill",
+    )
     run = tmp_path / "infkill"
     pids = kill_and_wait_restart(run, proc, coordinator_pb2.INFERENCE, min_epoch=5)
     proc.send_signal(signal.SIGINT)
@@ -308,13 +393,27 @@ def test_inference_server_killed_is_restarted_and_reloaded(tmp_path, staleness):
 
 def test_external_simulator_plugs_in(tmp_path):
     """examples/point_reach_env_server.py implements EnvService from scratch; the fleet trains on it."""
-    sim = subprocess.Popen([sys.executable, "examples/point_reach_env_server.py", "--address", "127.0.0.1:0",
-                            "--num-envs", "8"], stdout=subprocess.PIPE, text=True)
+    sim = subprocess.Popen(
+        [sys.executable, "examples/point_reach_env_server.py", "--address", "127.0.0.1:0", "--num-envs", "8"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = sim.stdout.readline().split()[-1]
-        proc = subprocess.run([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
-                               "runner.experiment_name=external", f"cluster.external_env_addresses=[{address}]"],
-                              capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [
+                *CTL,
+                "start",
+                *TINY,
+                f"runner.logger.log_path={tmp_path}",
+                "runner.max_epochs=3",
+                "runner.experiment_name=external",
+                f"cluster.external_env_addresses=[{address}]",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "env PointReach-v0: 8 envs" in proc.stdout
         summary = json.loads((tmp_path / "external" / "summary.json").read_text())
@@ -341,8 +440,11 @@ def _free_port() -> int:
 
 
 def _point_reach(port: int) -> subprocess.Popen:
-    sim = subprocess.Popen([sys.executable, "examples/point_reach_env_server.py", "--address", f"127.0.0.1:{port}",
-                            "--num-envs", "8"], stdout=subprocess.PIPE, text=True)
+    sim = subprocess.Popen(
+        [sys.executable, "examples/point_reach_env_server.py", "--address", f"127.0.0.1:{port}", "--num-envs", "8"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     sim.stdout.readline()  # serving
     return sim
 
@@ -350,10 +452,21 @@ def _point_reach(port: int) -> subprocess.Popen:
 def test_external_simulator_killed_mid_rollout_costs_episodes_not_the_run(tmp_path):
     port = _free_port()
     sim = _point_reach(port)
-    proc = subprocess.Popen([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=8",
-                             "runner.experiment_name=extkill", f"cluster.external_env_addresses=[127.0.0.1:{port}]",
-                             "runner.val_check_interval=0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            *CTL,
+            "start",
+            *TINY,
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=8",
+            "runner.experiment_name=extkill",
+            f"cluster.external_env_addresses=[127.0.0.1:{port}]",
+            "runner.val_check_interval=0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_epoch(tmp_path / "extkill", 2, proc)
         sim.kill()  # kill -9 of the simulator, mid-rollout
@@ -374,8 +487,9 @@ def test_external_simulator_killed_mid_rollout_costs_episodes_not_the_run(tmp_pa
 
 
 def test_env_server_killed_mid_evaluation_is_retried(tmp_path):
-    proc = start(tmp_path, "runner.max_epochs=4", "runner.val_check_interval=2", "env.eval.num_episodes=40",
-                 name="evalkill")
+    proc = start(
+        tmp_path, "runner.max_epochs=4", "runner.val_check_interval=2", "env.eval.num_episodes=40", name="evalkill"
+    )
     run = tmp_path / "evalkill"
     end = time.monotonic() + 180
     while time.monotonic() < end:
@@ -398,8 +512,15 @@ def test_env_server_killed_mid_evaluation_is_retried(tmp_path):
 def test_evaluation_cut_off_by_a_kill_is_redone_on_resume(tmp_path):
     """The checkpoint of epoch 2 is saved before its evaluation: kill -9 the coordinator (its services die with it)
     while that evaluation runs, and --resume evaluates epoch 2 before training on, so the history has no hole."""
-    proc = start(tmp_path, "runner.max_epochs=4", "runner.val_check_interval=2", "runner.save_interval=2",
-                 "env.eval.num_episodes=400", "runner.eval_before_train=false", name="evalcut")
+    proc = start(
+        tmp_path,
+        "runner.max_epochs=4",
+        "runner.val_check_interval=2",
+        "runner.save_interval=2",
+        "env.eval.num_episodes=400",
+        "runner.eval_before_train=false",
+        name="evalcut",
+    )
     run = tmp_path / "evalcut"
     end = time.monotonic() + 180
     while time.monotonic() < end:
@@ -414,8 +535,9 @@ def test_evaluation_cut_off_by_a_kill_is_redone_on_resume(tmp_path):
     assert (run / "checkpoints" / "global_step_2" / "learner_state.json").exists()
     state = json.loads((run / "coordinator_state.json").read_text())
     assert not any(h["step"] == 2 for h in state["eval_history"])
-    resumed = subprocess.run([*CTL, "start", "--resume", str(run), "env.eval.num_episodes=4"], capture_output=True,
-                             text=True, timeout=240)
+    resumed = subprocess.run(
+        [*CTL, "start", "--resume", str(run), "env.eval.num_episodes=4"], capture_output=True, text=True, timeout=240
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "evaluating epoch 2 again" in resumed.stdout
     summary = json.loads((run / "summary.json").read_text())
@@ -426,10 +548,23 @@ def test_evaluation_cut_off_by_a_kill_is_redone_on_resume(tmp_path):
 
 def test_any_gymnasium_id_trains(tmp_path):
     """A gymnasium id that is not ours (Pendulum-v1: 1-d action in [-2, 2], no success signal) runs end to end."""
-    proc = subprocess.run([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
-                           "runner.experiment_name=pendulum", "env.train.env_id=Pendulum-v1",
-                           "env.eval.env_id=Pendulum-v1", "env.train.max_episode_steps=40",
-                           "env.eval.max_episode_steps=40"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            *TINY,
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=3",
+            "runner.experiment_name=pendulum",
+            "env.train.env_id=Pendulum-v1",
+            "env.eval.env_id=Pendulum-v1",
+            "env.train.max_episode_steps=40",
+            "env.eval.max_episode_steps=40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "pendulum" / "summary.json").read_text())
     assert summary["env_id"] == "Pendulum-v1" and summary["env_steps"] == 3 * 8 * 25
@@ -442,11 +577,26 @@ def test_metaworld_run_uses_its_own_environment(tmp_path):
     while this process keeps the main environment's mujoco."""
     import mujoco
 
-    proc = subprocess.run([*CTL, "start", "metaworld_mt1_ppo_mlp", f"runner.logger.log_path={tmp_path}",
-                           "runner.max_epochs=2", "runner.experiment_name=mw", "env.train.total_num_envs=8",
-                           "env.train.max_steps_per_rollout_epoch=32", "env.eval.total_num_envs=5",
-                           "env.eval.num_episodes=10", "actor.micro_batch_size=128", "actor.global_batch_size=256"],
-                          capture_output=True, text=True, timeout=600, env=modules_env(tmp_path / "modules.json"))
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            "metaworld_mt1_ppo_mlp",
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=2",
+            "runner.experiment_name=mw",
+            "env.train.total_num_envs=8",
+            "env.train.max_steps_per_rollout_epoch=32",
+            "env.eval.total_num_envs=5",
+            "env.eval.num_episodes=10",
+            "actor.micro_batch_size=128",
+            "actor.global_batch_size=256",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=modules_env(tmp_path / "modules.json"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
     log = (tmp_path / "mw" / "logs" / "env_0.log").read_text()
@@ -459,9 +609,19 @@ def test_metaworld_run_uses_its_own_environment(tmp_path):
 @pytest.mark.sim
 def test_unknown_task_in_a_simulator_environment_fails_fast_without_restarts(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run([*CTL, "start", "metaworld_mt1_ppo_mlp", f"runner.logger.log_path={tmp_path}",
-                           "env.train.env_id=reech-v3", "runner.experiment_name=badtask"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            "metaworld_mt1_ppo_mlp",
+            f"runner.logger.log_path={tmp_path}",
+            "env.train.env_id=reech-v3",
+            "runner.experiment_name=badtask",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert "env[0] could not start" in proc.stderr and "unknown task 'reech-v3'; did you mean 'reach-v3'" in proc.stderr
     assert "restarting" not in proc.stdout and time.monotonic() - t0 < 60
@@ -469,15 +629,34 @@ def test_unknown_task_in_a_simulator_environment_fails_fast_without_restarts(tmp
 
 @pytest.mark.sim
 def test_libero_runs_end_to_end_and_evaluates_on_fixed_initial_states(tmp_path):
-    proc = subprocess.run([*CTL, "start", "libero_spatial_ppo_cnn", f"runner.logger.log_path={tmp_path}",
-                           "runner.max_epochs=1", "runner.experiment_name=libero", "env.train.total_num_envs=2",
-                           "env.train.max_episode_steps=16", "env.train.max_steps_per_rollout_epoch=16",
-                           "env.eval.total_num_envs=2", "env.eval.num_episodes=2", "env.eval.max_episode_steps=8",
-                           "env.eval.video_episodes=2", "rollout.pipeline_stage_num=1", "actor.micro_batch_size=32",
-                           "actor.global_batch_size=32",
-                           "env.train.init_params.fast_render=true", "env.eval.init_params.fast_render=true",
-                           "env.train.init_params.image_size=32", "env.eval.init_params.image_size=32"],
-                          capture_output=True, text=True, timeout=900, env=modules_env(tmp_path / "modules.json"))
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            "libero_spatial_ppo_cnn",
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=1",
+            "runner.experiment_name=libero",
+            "env.train.total_num_envs=2",
+            "env.train.max_episode_steps=16",
+            "env.train.max_steps_per_rollout_epoch=16",
+            "env.eval.total_num_envs=2",
+            "env.eval.num_episodes=2",
+            "env.eval.max_episode_steps=8",
+            "env.eval.video_episodes=2",
+            "rollout.pipeline_stage_num=1",
+            "actor.micro_batch_size=32",
+            "actor.global_batch_size=32",
+            "env.train.init_params.fast_render=true",
+            "env.eval.init_params.fast_render=true",
+            "env.train.init_params.image_size=32",
+            "env.eval.init_params.image_size=32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=modules_env(tmp_path / "modules.json"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
     log = (tmp_path / "libero" / "logs" / "env_0.log").read_text()
@@ -495,27 +674,54 @@ def test_two_simulators_in_one_run_each_from_its_own_environment(tmp_path):
     """env.per_server: env server 0 hosts LIBERO (libero environment), env server 1 Meta-World (metaworld
     environment), both on mujoco 3.3.0 while the main environment keeps its own; one policy acts in their joint
     spaces and the evaluation reports success per simulator."""
-    small = ["env.train.total_num_envs=2", "env.train.max_episode_steps=16", "env.train.max_steps_per_rollout_epoch=16",
-             "env.eval.total_num_envs=2", "env.eval.num_episodes=4", "env.eval.max_episode_steps=8",
-             "env.eval.video_episodes=4", "rollout.pipeline_stage_num=1", "actor.micro_batch_size=32", "actor.global_batch_size=32",
-             "env.train.init_params.fast_render=true", "env.eval.init_params.fast_render=true",
-             "env.train.init_params.image_size=32", "env.eval.init_params.image_size=32",
-             "env.per_server=[{},{simulator_type: metaworld, env_id: reach-v3, max_episode_steps: 16, "
-             "init_params: {camera: corner, image_size: 32}}]"]
-    proc = subprocess.run([*CTL, "start", "libero_metaworld_ppo_cnn", f"runner.logger.log_path={tmp_path}",
-                           "runner.max_epochs=2", "runner.experiment_name=mix", *small],
-                          capture_output=True, text=True, timeout=900, env=modules_env(tmp_path / "modules.json"))
+    small = [
+        "env.train.total_num_envs=2",
+        "env.train.max_episode_steps=16",
+        "env.train.max_steps_per_rollout_epoch=16",
+        "env.eval.total_num_envs=2",
+        "env.eval.num_episodes=4",
+        "env.eval.max_episode_steps=8",
+        "env.eval.video_episodes=4",
+        "rollout.pipeline_stage_num=1",
+        "actor.micro_batch_size=32",
+        "actor.global_batch_size=32",
+        "env.train.init_params.fast_render=true",
+        "env.eval.init_params.fast_render=true",
+        "env.train.init_params.image_size=32",
+        "env.eval.init_params.image_size=32",
+        "env.per_server=[{},{simulator_type: metaworld, env_id: reach-v3, max_episode_steps: 16, "
+        "init_params: {camera: corner, image_size: 32}}]",
+    ]
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            "libero_metaworld_ppo_cnn",
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=2",
+            "runner.experiment_name=mix",
+            *small,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=modules_env(tmp_path / "modules.json"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
-    assert ("env[0] libero:libero_spatial (agentview[32, 32, 3], state[8], wrist[32, 32, 3]; action 7-D); "
-            "env[1] metaworld:reach-v3 (pixels[32, 32, 3], state[39]; action 4-D)") in proc.stdout
-    assert "joint spaces: agentview[32, 32, 3], pixels[32, 32, 3], state[39], wrist[32, 32, 3]; action 7-D" \
-        in proc.stdout
+    assert (
+        "env[0] libero:libero_spatial (agentview[32, 32, 3], state[8], wrist[32, 32, 3]; action 7-D); "
+        "env[1] metaworld:reach-v3 (pixels[32, 32, 3], state[39]; action 4-D)"
+    ) in proc.stdout
+    assert (
+        "joint spaces: agentview[32, 32, 3], pixels[32, 32, 3], state[39], wrist[32, 32, 3]; action 7-D" in proc.stdout
+    )
     logs = tmp_path / "mix" / "logs"
     libero_log, metaworld_log = (logs / "env_0.log").read_text(), (logs / "env_1.log").read_text()
     assert "libero:libero_spatial" in libero_log and "robosuite 1.4.0" in libero_log and "mujoco 3.3.0" in libero_log
-    assert "metaworld:reach-v3" in metaworld_log and "metaworld 3.1.1" in metaworld_log \
-        and "mujoco 3.3.0" in metaworld_log
+    assert (
+        "metaworld:reach-v3" in metaworld_log and "metaworld 3.1.1" in metaworld_log and "mujoco 3.3.0" in metaworld_log
+    )
     assert "/envs/libero-" in libero_log and "/envs/metaworld-" in metaworld_log  # two environments
     import mujoco
 
@@ -548,8 +754,11 @@ def test_scale_env_servers_during_a_run(tmp_path):
         while time.monotonic() < end:
             st = status(run)
             envs = [s for s in st.services if s.role == coordinator_pb2.ENV]
-            if len(envs) == 2 and all(s.alive for s in envs) and \
-                    any(r.get("env/env_steps") for r in read_metrics(run)[-1:]):
+            if (
+                len(envs) == 2
+                and all(s.alive for s in envs)
+                and any(r.get("env/env_steps") for r in read_metrics(run)[-1:])
+            ):
                 steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
                 if len(steps) >= 3 and steps[-1] - steps[-2] == 400:
                     break
@@ -563,8 +772,10 @@ def test_scale_env_servers_during_a_run(tmp_path):
         end = time.monotonic() + 60
         while time.monotonic() < end:
             steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
-            if len([s for s in status(run).services if s.role == coordinator_pb2.ENV]) == 1 and \
-                    steps[-1] - steps[-2] == 200:
+            if (
+                len([s for s in status(run).services if s.role == coordinator_pb2.ENV]) == 1
+                and steps[-1] - steps[-2] == 200
+            ):
                 break
             time.sleep(0.3)
         else:
@@ -586,10 +797,16 @@ def test_async_collects_ahead_while_training(tmp_path, depth):
     most N weights versions old (rollout/staleness), those more than one version old are trained with truncated
     importance weights, every epoch is trained exactly once, and the run finishes as usual."""
     # a long update (many passes) so the envs do get N epochs ahead of it
-    code, out = finish(start(tmp_path, "runner.max_epochs=8", "runner.val_check_interval=4",
-                             f"algorithm.max_staleness={depth}",
-                             f"algorithm.update_epoch={10 if depth == 1 else 150}",
-                             name="async"))
+    code, out = finish(
+        start(
+            tmp_path,
+            "runner.max_epochs=8",
+            "runner.val_check_interval=4",
+            f"algorithm.max_staleness={depth}",
+            f"algorithm.update_epoch={10 if depth == 1 else 150}",
+            name="async",
+        )
+    )
     assert code == 0, out
     records = [r for r in read_metrics(tmp_path / "async") if "rollout/staleness" in r]
     assert [r["step"] for r in records] == list(range(1, 9))
@@ -607,15 +824,19 @@ def test_async_collects_ahead_while_training(tmp_path, depth):
     assert summary["epochs"] == 8 and summary["final_eval"]["eval/num_episodes"] == 4
 
 
-
 @pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
 def test_bottleneck_line_in_status_console_and_summary(tmp_path, staleness):
     """A live run's `coordinatorctl status` has a "bottleneck: ..." line (services/coordinator/bottleneck.py), the
     console says it once a window of epochs is in, and summary.json and the end-of-run summary carry it."""
     from services.coordinator.bottleneck import WINDOW
 
-    proc = start(tmp_path, "runner.max_epochs=1000", "runner.val_check_interval=0",
-                 f"algorithm.max_staleness={staleness}", name="diagnosed")
+    proc = start(
+        tmp_path,
+        "runner.max_epochs=1000",
+        "runner.val_check_interval=0",
+        f"algorithm.max_staleness={staleness}",
+        name="diagnosed",
+    )
     run = tmp_path / "diagnosed"
     wait_epoch(run, WINDOW + 2, proc)
     status_out = subprocess.run([*CTL, "status", str(run)], capture_output=True, text=True, timeout=30)
@@ -646,8 +867,12 @@ def test_one_seed_gives_the_same_run_twice(tmp_path):
     """Synchronous mode repeats bit for bit per seed, with two env servers and two pipeline stages feeding one
     dynamic batcher: sampling noise is keyed per env and step (rlfleet.wire.codec), act batches are padded so a row's
     numbers do not depend on its batch companions, env seeds come from the run seed. Another seed differs."""
-    args = ["runner.max_epochs=3", "runner.val_check_interval=3", "cluster.num_env_servers=2",
-            "rollout.pipeline_stage_num=2"]
+    args = [
+        "runner.max_epochs=3",
+        "runner.val_check_interval=3",
+        "cluster.num_env_servers=2",
+        "rollout.pipeline_stage_num=2",
+    ]
     runs = {}
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
         code, out = finish(start(tmp_path, *args, f"runner.seed={seed}", name=name))

@@ -14,10 +14,20 @@ import pytest
 from rlfleet.data.intervals import wilson
 
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
-TINY = ["env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=25", "env.eval.total_num_envs=4",
-        "env.eval.num_episodes=4", "actor.micro_batch_size=100", "actor.global_batch_size=100",
-        "algorithm.update_epoch=2", "actor.model.hidden_dims=[32,32]", "runner.max_env_steps=null",
-        "runner.max_wall_time_s=null", "runner.max_epochs=2", "runner.val_check_interval=0"]
+TINY = [
+    "env.train.total_num_envs=8",
+    "env.train.max_steps_per_rollout_epoch=25",
+    "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4",
+    "actor.micro_batch_size=100",
+    "actor.global_batch_size=100",
+    "algorithm.update_epoch=2",
+    "actor.model.hidden_dims=[32,32]",
+    "runner.max_env_steps=null",
+    "runner.max_wall_time_s=null",
+    "runner.max_epochs=2",
+    "runner.val_check_interval=0",
+]
 
 
 def ctl(*args, timeout=300):
@@ -67,8 +77,9 @@ def test_a_checkpoint_compared_with_itself_differs_by_zero(run, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a, b = (json.loads((out / x / "report.json").read_text()) for x in "AB")
     assert a["evaluated"]["kind"] == "checkpoint" and b["evaluated"]["kind"] == "run"
-    assert [(e["seed"], e["return"], e["success_once"]) for e in a["episodes"]] == \
-        [(e["seed"], e["return"], e["success_once"]) for e in b["episodes"]]  # the same episodes, the same policy
+    assert [(e["seed"], e["return"], e["success_once"]) for e in a["episodes"]] == [
+        (e["seed"], e["return"], e["success_once"]) for e in b["episodes"]
+    ]  # the same episodes, the same policy
     c = json.loads((out / "compare.json").read_text())
     for metric in ("success_once", "success_at_end"):
         d = c["overall"][metric]
@@ -79,17 +90,25 @@ def test_a_checkpoint_compared_with_itself_differs_by_zero(run, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["{tmp}/no-such-run"], "no-such-run: no such folder"),
-    (["{tmp}"], "neither a run folder"),
-    (["{run}", "actor.model.hidden_dims=[64,64]"],
-     "not a checkpoint of the config's actor.model (mlp): actor_mean.0.bias [32] in the checkpoint, [64] in the "
-     "config's model"),
-    (["{run}", "env.eval.env_id=NoSuchTask-v9"], "'env.eval.env_id': unknown env id 'NoSuchTask-v9'"),
-    (["{run}", "--config", "pandapickcube_vision_ppo_openvla_tiny"],
-     "a checkpoint of a mlp policy (its run's config.yaml), and the config's actor.model.model_type is openvla"),
-    (["{run}", "no.such_key=1"], "config error"),
-], ids=["missing", "not-a-run", "other-shape", "unknown-task", "other-model-type", "bad-key"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{tmp}/no-such-run"], "no-such-run: no such folder"),
+        (["{tmp}"], "neither a run folder"),
+        (
+            ["{run}", "actor.model.hidden_dims=[64,64]"],
+            "not a checkpoint of the config's actor.model (mlp): actor_mean.0.bias [32] in the checkpoint, [64] in the "
+            "config's model",
+        ),
+        (["{run}", "env.eval.env_id=NoSuchTask-v9"], "'env.eval.env_id': unknown env id 'NoSuchTask-v9'"),
+        (
+            ["{run}", "--config", "pandapickcube_vision_ppo_openvla_tiny"],
+            "a checkpoint of a mlp policy (its run's config.yaml), and the config's actor.model.model_type is openvla",
+        ),
+        (["{run}", "no.such_key=1"], "config error"),
+    ],
+    ids=["missing", "not-a-run", "other-shape", "unknown-task", "other-model-type", "bad-key"],
+)
 def test_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
     proc = ctl("eval", *[a.format(run=run, tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -99,15 +118,19 @@ def test_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["{tmp}/no-such-run", "{tmp}/out"], "no-such-run: no such folder"),
-    (["{run}", "--step", "7", "{tmp}/out"], "--step 7: no complete checkpoint global_step_7 in"),
-    (["{run}", "{full}"], "full: exists and is not empty"),
-    (["{run}", "{tmp}/out"], "mlp policies have no released layout to export"),
-    (["{run}/checkpoints/global_step_2", "--lora", "adapter", "{tmp}/out"], "mlp policies have no released layout"),
-    (["{run}", "--layout", "hub", "{tmp}/out"], "--layout: 'hub' is not one of upstream, rlfleet"),
-    (["{run}", "--layout", "rlfleet", "{tmp}/out"], "mlp policies have no released layout"),
-], ids=["missing", "no-such-step", "out-not-empty", "mlp", "mlp-checkpoint", "unknown-layout", "mlp-rlfleet-layout"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{tmp}/no-such-run", "{tmp}/out"], "no-such-run: no such folder"),
+        (["{run}", "--step", "7", "{tmp}/out"], "--step 7: no complete checkpoint global_step_7 in"),
+        (["{run}", "{full}"], "full: exists and is not empty"),
+        (["{run}", "{tmp}/out"], "mlp policies have no released layout to export"),
+        (["{run}/checkpoints/global_step_2", "--lora", "adapter", "{tmp}/out"], "mlp policies have no released layout"),
+        (["{run}", "--layout", "hub", "{tmp}/out"], "--layout: 'hub' is not one of upstream, rlfleet"),
+        (["{run}", "--layout", "rlfleet", "{tmp}/out"], "mlp policies have no released layout"),
+    ],
+    ids=["missing", "no-such-step", "out-not-empty", "mlp", "mlp-checkpoint", "unknown-layout", "mlp-rlfleet-layout"],
+)
 def test_export_bad_inputs_give_one_line_and_exit_code_2(run, tmp_path, args, message):
     full = tmp_path / "full"
     full.mkdir()
@@ -125,8 +148,12 @@ def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
     upstream layout, OpenVLA's, sharded, without the value head; rlfleet's with it), and the upstream export compared
     with its checkpoint on the same episodes: the same outcome, episode by episode."""
     name = "pandapickcube_vision_ppo_openvla_tiny"
-    short = ["runner.max_epochs=1", "runner.val_check_interval=0", "env.eval.num_episodes=4",
-             "env.eval.total_num_envs=4"]
+    short = [
+        "runner.max_epochs=1",
+        "runner.val_check_interval=0",
+        "env.eval.num_episodes=4",
+        "env.eval.total_num_envs=4",
+    ]
     proc = ctl("start", name, f"runner.logger.log_path={tmp_path}", *short, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ckpt = tmp_path / name / "checkpoints" / "global_step_1"
@@ -141,30 +168,47 @@ def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
     assert (ours / "model.safetensors").is_file() and (ours / "config.json").is_file()
     # the exported weights are the checkpoint's: the same policy built from each, tensor by tensor (the upstream
     # layout has no value head: it starts fresh)
-    code = ("import sys, json, pathlib, torch; from rlfleet.config import load_config; "
-            "from rlfleet.policies import build_policy; from services.learner.checkpoint import load_policy_state; "
-            "from rlfleet.data.checkpoint_files import specs_from_json; c = pathlib.Path(sys.argv[1]); "
-            "st = json.loads((c / 'learner_state.json').read_text()); "
-            "obs, adim = specs_from_json(st['obs_specs']), st['action_dim']; "
-            "cfg = load_config(c.parent.parent / 'config.yaml'); m = cfg.actor.model; "
-            "a = build_policy(m, obs, adim, True, cfg.algorithm.logprob_type); load_policy_state(c, a); sa = a.state_dict()\n"
-            "for e, but in zip(sys.argv[2::2], sys.argv[3::2]):\n"
-            " b = build_policy(load_config(c.parent.parent / 'config.yaml', [f'actor.model.model_path={e}']).actor.model,"
-            " obs, adim, True, cfg.algorithm.logprob_type); sb = b.state_dict()\n"
-            " assert set(sa) == set(sb), set(sa) ^ set(sb)\n"
-            " bad = [k for k in sa if not k.startswith(but) and not torch.equal(sa[k], sb[k])]; assert not bad, bad[:3]\n"
-            "print('equal', len(sa))")
-    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(export), "value_head.", str(ours), "-"],
-                          capture_output=True, text=True, timeout=200)
+    code = (
+        "import sys, json, pathlib, torch; from rlfleet.config import load_config; "
+        "from rlfleet.policies import build_policy; from services.learner.checkpoint import load_policy_state; "
+        "from rlfleet.data.checkpoint_files import specs_from_json; c = pathlib.Path(sys.argv[1]); "
+        "st = json.loads((c / 'learner_state.json').read_text()); "
+        "obs, adim = specs_from_json(st['obs_specs']), st['action_dim']; "
+        "cfg = load_config(c.parent.parent / 'config.yaml'); m = cfg.actor.model; "
+        "a = build_policy(m, obs, adim, True, cfg.algorithm.logprob_type); load_policy_state(c, a); sa = a.state_dict()\n"
+        "for e, but in zip(sys.argv[2::2], sys.argv[3::2]):\n"
+        " b = build_policy(load_config(c.parent.parent / 'config.yaml', [f'actor.model.model_path={e}']).actor.model,"
+        " obs, adim, True, cfg.algorithm.logprob_type); sb = b.state_dict()\n"
+        " assert set(sa) == set(sb), set(sa) ^ set(sb)\n"
+        " bad = [k for k in sa if not k.startswith(but) and not torch.equal(sa[k], sb[k])]; assert not bad, bad[:3]\n"
+        "print('equal', len(sa))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ckpt), str(export), "value_head.", str(ours), "-"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("equal"), proc.stderr[-3000:]
     out = tmp_path / "cmp"
-    proc = ctl("eval", "--compare", ckpt, export, "--config", tmp_path / name / "config.yaml", "--out", out,
-               "env.eval.video_episodes=1", timeout=500)
+    proc = ctl(
+        "eval",
+        "--compare",
+        ckpt,
+        export,
+        "--config",
+        tmp_path / name / "config.yaml",
+        "--out",
+        out,
+        "env.eval.video_episodes=1",
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a, b = (json.loads((out / x / "report.json").read_text()) for x in "AB")
     assert b["evaluated"]["kind"] == "model" and a["evaluated"]["kind"] == "checkpoint"
-    assert [(e["success_once"], e["length"]) for e in a["episodes"]] == \
-        [(e["success_once"], e["length"]) for e in b["episodes"]]
+    assert [(e["success_once"], e["length"]) for e in a["episodes"]] == [
+        (e["success_once"], e["length"]) for e in b["episodes"]
+    ]
     assert [e["return"] for e in a["episodes"]] == pytest.approx([e["return"] for e in b["episodes"]], abs=1e-4)
     assert json.loads((out / "compare.json").read_text())["overall"]["success_once"]["difference"] == 0
     for r, x in ((a, "A"), (b, "B")):  # videos as in training: the first N episodes, seed and outcome in the name
@@ -177,12 +221,25 @@ def test_exported_vla_model_folder_evaluates_like_its_checkpoint(tmp_path):
 def test_metaworld_mt10_is_evaluated_on_its_fixed_initial_states_per_task(tmp_path):
     """A benchmark with fixed initial states (env.eval.use_fixed_reset_state_ids in the MT10 config): episode i
     starts from state i, the report is broken down per task, and the run's final evaluation is reproduced."""
-    proc = ctl("start", "metaworld_mt10_ppo_mlp", f"runner.logger.log_path={tmp_path}", "runner.experiment_name=mt10",
-               "runner.max_epochs=1", "runner.val_check_interval=0", "env.train.total_num_envs=10",
-               "env.train.max_steps_per_rollout_epoch=16", "env.eval.total_num_envs=5", "env.eval.num_episodes=10",
-               "env.eval.max_episode_steps=20", "actor.micro_batch_size=80", "actor.global_batch_size=160",
-               "actor.model.hidden_dims=[32,32]", "runner.max_wall_time_s=null", "runner.max_env_steps=null",
-               timeout=600)
+    proc = ctl(
+        "start",
+        "metaworld_mt10_ppo_mlp",
+        f"runner.logger.log_path={tmp_path}",
+        "runner.experiment_name=mt10",
+        "runner.max_epochs=1",
+        "runner.val_check_interval=0",
+        "env.train.total_num_envs=10",
+        "env.train.max_steps_per_rollout_epoch=16",
+        "env.eval.total_num_envs=5",
+        "env.eval.num_episodes=10",
+        "env.eval.max_episode_steps=20",
+        "actor.micro_batch_size=80",
+        "actor.global_batch_size=160",
+        "actor.model.hidden_dims=[32,32]",
+        "runner.max_wall_time_s=null",
+        "runner.max_env_steps=null",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "mt10"
     proc = ctl("eval", run, "env.eval.num_episodes=12", timeout=600)
@@ -199,19 +256,43 @@ def test_metaworld_mt10_is_evaluated_on_its_fixed_initial_states_per_task(tmp_pa
 
 # --- without services ----------------------------------------------------------------------------------------------
 def _report(outcomes, returns=None):
-    rows = [{"episode": i, "seed": 10 + i, "reset_state_id": -1, "task": "T" if i % 2 else "U", "instruction": "",
-             "success_once": s, "success_at_end": s, "return": (returns or [float(s)] * len(outcomes))[i],
-             "length": 5} for i, s in enumerate(outcomes)]
+    rows = [
+        {
+            "episode": i,
+            "seed": 10 + i,
+            "reset_state_id": -1,
+            "task": "T" if i % 2 else "U",
+            "instruction": "",
+            "success_once": s,
+            "success_at_end": s,
+            "return": (returns or [float(s)] * len(outcomes))[i],
+            "length": 5,
+        }
+        for i, s in enumerate(outcomes)
+    ]
     from services.coordinator.offline_eval import group_stats
 
     tasks = {}
     for r in rows:
         tasks.setdefault(r["task"], []).append(r)
-    return {"evaluated": {"path": "x", "kind": "checkpoint", "checkpoint": "x", "model_type": "mlp"},
-            "env": {"simulator": "gym", "env_id": "E", "num_episodes": len(rows), "seed": 10,
-                    "fixed_initial_states": False, "deterministic": True, "max_episode_steps": 5},
-            "overall": group_stats(rows), "tasks": {k: group_stats(v) for k, v in tasks.items()},
-            "lost_episodes": 0, "eval_time_s": 0.0, "videos": [], "episodes": rows}
+    return {
+        "evaluated": {"path": "x", "kind": "checkpoint", "checkpoint": "x", "model_type": "mlp"},
+        "env": {
+            "simulator": "gym",
+            "env_id": "E",
+            "num_episodes": len(rows),
+            "seed": 10,
+            "fixed_initial_states": False,
+            "deterministic": True,
+            "max_episode_steps": 5,
+        },
+        "overall": group_stats(rows),
+        "tasks": {k: group_stats(v) for k, v in tasks.items()},
+        "lost_episodes": 0,
+        "eval_time_s": 0.0,
+        "videos": [],
+        "episodes": rows,
+    }
 
 
 def test_report_and_comparison_arithmetic():
@@ -239,7 +320,14 @@ def test_report_and_comparison_arithmetic():
 def test_training_eval_lines_carry_the_interval():
     from services.coordinator.report import eval_line
 
-    line = eval_line({"eval/success_once": 0.8, "eval/return": 1.5, "eval/num_episodes": 100.0,
-                      "eval/libero/success_once": 0.5, "eval/libero/num_episodes": 50.0})
+    line = eval_line(
+        {
+            "eval/success_once": 0.8,
+            "eval/return": 1.5,
+            "eval/num_episodes": 100.0,
+            "eval/libero/success_once": 0.5,
+            "eval/libero/num_episodes": 50.0,
+        }
+    )
     assert line.startswith("success_once 80.0% [71.1, 86.7] return 1.50 over 100 episodes")
     assert "(libero 50.0% [36.6, 63.4])" in line

@@ -23,18 +23,38 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
-TINY = ["env.train.total_num_envs=8", "env.train.max_steps_per_rollout_epoch=25", "env.eval.total_num_envs=4",
-        "env.eval.num_episodes=4", "actor.micro_batch_size=100", "actor.global_batch_size=100",
-        "algorithm.update_epoch=2", "actor.model.hidden_dims=[32,32]", "runner.max_env_steps=null",
-        "runner.max_wall_time_s=null", "cluster.heartbeat_timeout_s=8"]
+TINY = [
+    "env.train.total_num_envs=8",
+    "env.train.max_steps_per_rollout_epoch=25",
+    "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4",
+    "actor.micro_batch_size=100",
+    "actor.global_batch_size=100",
+    "algorithm.update_epoch=2",
+    "actor.model.hidden_dims=[32,32]",
+    "runner.max_env_steps=null",
+    "runner.max_wall_time_s=null",
+    "cluster.heartbeat_timeout_s=8",
+]
 
 
 def test_a_server_of_the_first_published_contract_trains_to_the_end(tmp_path):
     sim, address = start_server(build_stubs(tmp_path / "stubs"), num_envs=8, max_steps=20)
     try:
-        proc = subprocess.run([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
-                               f"cluster.external_env_addresses=[{address}]"],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        proc = subprocess.run(
+            [
+                *CTL,
+                "start",
+                *TINY,
+                f"runner.logger.log_path={tmp_path}",
+                "runner.max_epochs=3",
+                f"cluster.external_env_addresses=[{address}]",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         run = tmp_path / "external_Cursor-v0"  # named after the simulator it ran, not the default config
         summary = json.loads((run / "summary.json").read_text())
@@ -54,7 +74,9 @@ def test_a_server_of_the_first_published_contract_trains_to_the_end(tmp_path):
 def _unusable_server():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("point_reach_example", ROOT / "examples" / "point_reach_env_server.py")
+    spec = importlib.util.spec_from_file_location(
+        "point_reach_example", ROOT / "examples" / "point_reach_env_server.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 
@@ -74,24 +96,43 @@ def _unusable_server():
 def test_a_server_rlfleet_cannot_use_is_refused_before_anything_starts(tmp_path):
     server, address = _unusable_server()
     try:
-        proc = subprocess.run([*CTL, "start", *TINY, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
-                               f"cluster.external_env_addresses=[{address}]"],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        proc = subprocess.run(
+            [
+                *CTL,
+                "start",
+                *TINY,
+                f"runner.logger.log_path={tmp_path}",
+                "runner.max_epochs=3",
+                f"cluster.external_env_addresses=[{address}]",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = proc.stderr.strip().splitlines()
-        assert lines == [f"coordinatorctl: config error: 'cluster.external_env_addresses[0]': the external env at "
-                         f"{address} cannot be used: EnvSpec.contract_version is '7'; rlfleet knows versions '0', "
-                         f"'1' ('' reads as '0') (docs/env-contract.md#versions)"], proc.stderr
+        assert lines == [
+            f"coordinatorctl: config error: 'cluster.external_env_addresses[0]': the external env at "
+            f"{address} cannot be used: EnvSpec.contract_version is '7'; rlfleet knows versions '0', "
+            f"'1' ('' reads as '0') (docs/env-contract.md#versions)"
+        ], proc.stderr
         assert not list(tmp_path.iterdir())  # no run folder, no service started
         # the bridge itself refuses it the same way (deployments that start it without coordinatorctl start)
         cfg = tmp_path / "run.yaml"
         cfg.write_text(to_yaml(small_config(f"cluster.external_env_addresses=[{address}]")))
-        bridge = subprocess.run([sys.executable, "-m", "services.env.server", "--config", str(cfg), "--external-env",
-                                 address], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        bridge = subprocess.run(
+            [sys.executable, "-m", "services.env.server", "--config", str(cfg), "--external-env", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert bridge.returncode != 0
         assert bridge.stderr.strip().splitlines()[-1] == (
             f"rlfleet env[0]: cannot start the simulator: external env {address} cannot be used: "
             f"EnvSpec.contract_version is '7'; rlfleet knows versions '0', '1' ('' reads as '0') "
-            f"(docs/env-contract.md#versions)"), bridge.stderr
+            f"(docs/env-contract.md#versions)"
+        ), bridge.stderr
     finally:
         server.stop(0)

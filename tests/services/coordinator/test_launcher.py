@@ -1,13 +1,19 @@
 """Placement -> CUDA_VISIBLE_DEVICES per process, and the coordinator's config comparison (no processes)."""
 
 from rlfleet.config import load_config, to_yaml
-from services.coordinator.service_registry import config_difference
 from services.coordinator.launcher import LocalLauncher
+from services.coordinator.service_registry import config_difference
 
 
 def test_devices_follow_component_placement(tmp_path):
-    cfg = load_config(None, ["cluster.num_gpus_per_node=8", "cluster.num_env_servers=2",
-                             "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}"])
+    cfg = load_config(
+        None,
+        [
+            "cluster.num_gpus_per_node=8",
+            "cluster.num_env_servers=2",
+            "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}",
+        ],
+    )
     launcher = LocalLauncher(cfg, tmp_path, tmp_path / "config.yaml", "127.0.0.1:1")
     assert launcher.devices_for("env", 0) == "0,1"
     assert launcher.devices_for("env", 1) == "2,3"
@@ -30,8 +36,10 @@ def test_config_difference_names_the_key():
 
     from rlfleet.errors import InvalidRequest
 
-    for bad, why in (("cluster: [unclosed", "config_yaml: line 1 column 19: expected valid YAML"),
-                     ("- a list", "config_yaml: is not a mapping")):
+    for bad, why in (
+        ("cluster: [unclosed", "config_yaml: line 1 column 19: expected valid YAML"),
+        ("- a list", "config_yaml: is not a mapping"),
+    ):
         with pytest.raises(InvalidRequest, match=why.replace("[", r"\[")):
             config_difference(cfg, bad)
 
@@ -66,11 +74,12 @@ def test_cpu_placement_errors_name_the_key():
     from rlfleet.config import ConfigError
 
     for override, cores, why in (
-            ("{env: 0-2}", [0, 1], "'cluster.cpu_placement.env': CPU core 2 in '0-2' is outside"),
-            ("{env: 1}", [0, 2], r"'cluster.cpu_placement.env': core\(s\) \[1\] of '1' are not usable here"),
-            ("{envs: 0}", [0, 1], "unknown component 'envs'.*did you mean 'env'"),
-            ("{env: x}", [0, 1], "'cluster.cpu_placement.env': 'x' is not a CPU core range"),
-            ("{env,rollout: 0}", [0, 1], "'cluster.cpu_placement.env': no CPU core range given .* quote a key")):
+        ("{env: 0-2}", [0, 1], "'cluster.cpu_placement.env': CPU core 2 in '0-2' is outside"),
+        ("{env: 1}", [0, 2], r"'cluster.cpu_placement.env': core\(s\) \[1\] of '1' are not usable here"),
+        ("{envs: 0}", [0, 1], "unknown component 'envs'.*did you mean 'env'"),
+        ("{env: x}", [0, 1], "'cluster.cpu_placement.env': 'x' is not a CPU core range"),
+        ("{env,rollout: 0}", [0, 1], "'cluster.cpu_placement.env': no CPU core range given .* quote a key"),
+    ):
         with pytest.raises(ConfigError, match=why):
             _cpus(load_config(None, [f"cluster.cpu_placement={override}"]), cores)
 
@@ -103,8 +112,15 @@ def test_a_service_pins_itself_to_its_cores():
     import sys
 
     core = sorted(os.sched_getaffinity(0))[-1]
-    code = "import os; from rlfleet.wire.service import pin_to_placed_cores; pin_to_placed_cores(); " \
-           "print(sorted(os.sched_getaffinity(0)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "RLFLEET_CPU_CORES": str(core)})
+    code = (
+        "import os; from rlfleet.wire.service import pin_to_placed_cores; pin_to_placed_cores(); "
+        "print(sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "RLFLEET_CPU_CORES": str(core)},
+    )
     assert out.stdout.strip() == f"[{core}]"

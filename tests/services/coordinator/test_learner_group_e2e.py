@@ -38,8 +38,16 @@ def ranks_of(agent: int) -> dict[int, int]:
 
 
 def test_two_learner_ranks_train_and_checkpoint_in_shards(tmp_path):
-    code, out = finish(start(tmp_path, "runner.max_epochs=4", "runner.val_check_interval=2", "runner.save_interval=2",
-                             "cluster.learner_world_size=2", name="ranks2"))
+    code, out = finish(
+        start(
+            tmp_path,
+            "runner.max_epochs=4",
+            "runner.val_check_interval=2",
+            "runner.save_interval=2",
+            "cluster.learner_world_size=2",
+            name="ranks2",
+        )
+    )
     assert code == 0, out
     assert "1 learner of 2 ranks" in out
     run = tmp_path / "ranks2"
@@ -54,8 +62,9 @@ def test_two_learner_ranks_train_and_checkpoint_in_shards(tmp_path):
 
 
 def test_killing_a_learner_rank_stops_the_run_then_it_resumes_on_one_rank(tmp_path):
-    proc = start(tmp_path, "runner.max_epochs=1000", "runner.save_interval=1", "cluster.learner_world_size=2",
-                 name="rankkill")
+    proc = start(
+        tmp_path, "runner.max_epochs=1000", "runner.save_interval=1", "cluster.learner_world_size=2", name="rankkill"
+    )
     run = tmp_path / "rankkill"
     st = wait_epoch(run, 3, proc)
     pids = {s.role: s.pid for s in st.services}
@@ -75,10 +84,16 @@ def test_killing_a_learner_rank_stops_the_run_then_it_resumes_on_one_rank(tmp_pa
     last = json.loads((ckpt / "learner_state.json").read_text())
     assert last["world_size"] == 2
     # the sharded checkpoint of 2 ranks resumes on 1
-    resumed = subprocess.run([*CTL, "start", "--resume", str(run), "cluster.learner_world_size=1",
-                              f"runner.max_epochs={last['epoch'] + 3}"], capture_output=True, text=True, timeout=240)
+    resumed = subprocess.run(
+        [*CTL, "start", "--resume", str(run), "cluster.learner_world_size=1", f"runner.max_epochs={last['epoch'] + 3}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed at epoch {last['epoch'] + 1}, {last['env_steps']} env steps" in resumed.stdout
     log = (run / "logs" / "learner_0.log").read_text()
-    assert f"resumed from {ckpt} (epoch {last['epoch']}, env steps {last['env_steps']}, saved by 2 rank(s), " \
-           f"resumed by 1)" in log
+    assert (
+        f"resumed from {ckpt} (epoch {last['epoch']}, env steps {last['env_steps']}, saved by 2 rank(s), "
+        f"resumed by 1)" in log
+    )

@@ -18,10 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from rlfleet.wire import auth
 from rlfleet.config import ConfigError, learner_layout, load_config
-from rlfleet.wire.service import CANNOT_START
 from rlfleet.v1 import coordinator_pb2
+from rlfleet.wire import auth
+from rlfleet.wire.service import CANNOT_START
 from services.coordinator import deploy
 from services.coordinator.launcher import AGENT, LocalLauncher
 from services.coordinator.plan import process_plan
@@ -32,8 +32,12 @@ from tests.services.coordinator.test_deploy import k8s_docs
 ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 CPU_RANKS = rank_probe.CPU_RANKS
 ONE_NODE = ["cluster.num_gpus_per_node=8", "cluster.component_placement={env: 0-3, rollout: 4-7, actor: 0-7}"]
-TWO_NODES = ["cluster.num_nodes=2", "cluster.num_gpus_per_node=8", "cluster.num_env_servers=2",
-             "cluster.component_placement={env: 0-7, rollout: 8-15, actor: 0-15}"]
+TWO_NODES = [
+    "cluster.num_nodes=2",
+    "cluster.num_gpus_per_node=8",
+    "cluster.num_env_servers=2",
+    "cluster.component_placement={env: 0-7, rollout: 8-15, actor: 0-15}",
+]
 
 
 def learner(cfg):
@@ -49,7 +53,10 @@ def test_cpu_ranks_run_torchrun_standalone():
     spec = learner(load_config(None, CPU_RANKS))
     assert (spec.nnodes, spec.nproc_per_node, spec.world_size, spec.gpus) == (1, 2, 2, ())
     cmd = spec.command("run.yaml", "127.0.0.1:0", "127.0.0.1:9", "/runs/x")
-    agent_flags, target = cmd[:cmd.index("services.learner.server") - 1], cmd[cmd.index("services.learner.server") - 1:]
+    agent_flags, target = (
+        cmd[: cmd.index("services.learner.server") - 1],
+        cmd[cmd.index("services.learner.server") - 1 :],
+    )
     assert agent_flags[:2] == ["-m", "torch.distributed.run"]
     assert "--standalone" in agent_flags and "--master-port" not in agent_flags  # a free port: runs never collide
     assert flag(agent_flags, "--nproc-per-node") == "2" and flag(agent_flags, "--nnodes") == "1"
@@ -83,25 +90,41 @@ def test_sixteen_gpus_over_two_nodes_are_two_nodes_of_eight_ranks():
     with pytest.raises(ValueError, match="rendezvous address"):
         spec.command("c", "a", "k", "r")
     # half of each node is 2 x 4 ranks
-    half = load_config(None, ["cluster.num_nodes=2", "cluster.num_gpus_per_node=8",
-                              "cluster.component_placement={'env,rollout': all, actor: '4-11'}"])
+    half = load_config(
+        None,
+        [
+            "cluster.num_nodes=2",
+            "cluster.num_gpus_per_node=8",
+            "cluster.component_placement={'env,rollout': all, actor: '4-11'}",
+        ],
+    )
     assert learner_layout(half) == (2, 4)
 
 
-@pytest.mark.parametrize("overrides, why", [
-    (["cluster.learner_world_size=0"], r"'cluster.learner_world_size': must be an integer >= 1, got 0"),
-    (["cluster.learner_world_size=1.5"], r"'cluster.learner_world_size': must be an integer >= 1"),
-    (ONE_NODE + ["cluster.learner_world_size=4"],
-     r"'cluster.learner_world_size': 4 ranks, but the actor is placed on 8 GPU\(s\) "
-     r"\(cluster.component_placement.actor = '0-7'\).*leave it at 1 or set 8"),
-    (["cluster.num_nodes=2", "cluster.num_gpus_per_node=8",
-      "cluster.component_placement={'env,rollout': all, actor: 0-11}"],
-     r"'cluster.component_placement.actor': .*same number of GPUs on each node.*8 on node 0, 4 on node 1"),
-    (["cluster.learner_collective_timeout_s=0"], r"'cluster.learner_collective_timeout_s': must be > 0"),
-    (["cluster.learner_master_port=0"], r"'cluster.learner_master_port': must be a port number in 1..65535"),
-    (["cluster.learner_master_port=65536"], r"'cluster.learner_master_port'"),
-    (["actor.weights_bucket_mb=0"], r"'actor.weights_bucket_mb': must be > 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        (["cluster.learner_world_size=0"], r"'cluster.learner_world_size': must be an integer >= 1, got 0"),
+        (["cluster.learner_world_size=1.5"], r"'cluster.learner_world_size': must be an integer >= 1"),
+        (
+            ONE_NODE + ["cluster.learner_world_size=4"],
+            r"'cluster.learner_world_size': 4 ranks, but the actor is placed on 8 GPU\(s\) "
+            r"\(cluster.component_placement.actor = '0-7'\).*leave it at 1 or set 8",
+        ),
+        (
+            [
+                "cluster.num_nodes=2",
+                "cluster.num_gpus_per_node=8",
+                "cluster.component_placement={'env,rollout': all, actor: 0-11}",
+            ],
+            r"'cluster.component_placement.actor': .*same number of GPUs on each node.*8 on node 0, 4 on node 1",
+        ),
+        (["cluster.learner_collective_timeout_s=0"], r"'cluster.learner_collective_timeout_s': must be > 0"),
+        (["cluster.learner_master_port=0"], r"'cluster.learner_master_port': must be a port number in 1..65535"),
+        (["cluster.learner_master_port=65536"], r"'cluster.learner_master_port'"),
+        (["actor.weights_bucket_mb=0"], r"'actor.weights_bucket_mb': must be > 0"),
+    ],
+)
 def test_config_errors_name_the_key(overrides, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, overrides)
@@ -122,8 +145,10 @@ def test_k8s_learner_over_two_nodes_is_an_indexed_job(tmp_path):
     assert ranks["ports"][0]["port"] == 29500
     # the gRPC service: pod 0 only (rank 0 serves gRPC)
     grpc_svc = services["learner"]
-    assert grpc_svc["selector"] == {**job["template"]["metadata"]["labels"],
-                                    "batch.kubernetes.io/job-completion-index": "0"}
+    assert grpc_svc["selector"] == {
+        **job["template"]["metadata"]["labels"],
+        "batch.kubernetes.io/job-completion-index": "0",
+    }
     assert grpc_svc["ports"][0]["port"] == 50052
     (container,) = pod["containers"]
     cmd = container["command"]
@@ -214,13 +239,16 @@ class _FakeLauncher:
         return ""
 
 
-@pytest.mark.parametrize("registered, code, fatal", [
-    ("agent", 1, "learner[0] died: exited with code 1"),
-    # a rank failing after the group came up (its own code, through the agent) is a death, not a failed start
-    ("agent", CANNOT_START, "learner[0] died: exited with code 3"),
-    (None, CANNOT_START, "learner[0] could not start"),
-    ("rank", 1, None),  # a pid the launcher did not start: its exit is not matched (only heartbeats would tell)
-])
+@pytest.mark.parametrize(
+    "registered, code, fatal",
+    [
+        ("agent", 1, "learner[0] died: exited with code 1"),
+        # a rank failing after the group came up (its own code, through the agent) is a death, not a failed start
+        ("agent", CANNOT_START, "learner[0] died: exited with code 3"),
+        (None, CANNOT_START, "learner[0] could not start"),
+        ("rank", 1, None),  # a pid the launcher did not start: its exit is not matched (only heartbeats would tell)
+    ],
+)
 def test_health_monitor_matches_the_agents_exit_to_the_learner(tmp_path, registered, code, fatal):
     cfg = load_config(None, CPU_RANKS + ["cluster.heartbeat_timeout_s=60"])
     agent, rank = 4242, 4243
@@ -300,8 +328,9 @@ time.sleep(120)
 
 
 def test_a_killed_coordinator_takes_the_agent_and_its_ranks(tmp_path, probe_env):
-    coordinator = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(tmp_path)], stdout=subprocess.PIPE,
-                                   text=True, cwd=ROOT)
+    coordinator = subprocess.Popen(
+        [sys.executable, "-c", COORDINATOR, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     agent = 0
     try:
         agent = int(coordinator.stdout.readline())
@@ -339,4 +368,3 @@ def test_a_rank_that_cannot_start_ends_the_group_with_its_code(tmp_path, probe_e
         assert fate.fatal.startswith("learner[0] could not start") and "rank 1 exited with code 3" in fate.fatal
     finally:
         launcher.stop_all(timeout=2)
-

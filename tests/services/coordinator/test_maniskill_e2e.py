@@ -20,13 +20,30 @@ def test_maniskill_pushcube_runs_end_to_end_in_its_own_environment(tmp_path):
     from tests.simenv import sim_python
 
     sim_python("maniskill")  # builds the environment first (or skips, saying why), outside the run's timings
-    proc = subprocess.run([*CTL, "start", "maniskill_pushcube_ppo_mlp", f"runner.logger.log_path={tmp_path}",
-                           "runner.max_epochs=2", "runner.experiment_name=ms", "env.train.total_num_envs=4",
-                           "env.train.max_steps_per_rollout_epoch=25", "env.train.max_episode_steps=25",
-                           "env.eval.total_num_envs=4", "env.eval.num_episodes=4", "env.eval.max_episode_steps=10",
-                           "actor.micro_batch_size=50", "actor.global_batch_size=100", "algorithm.update_epoch=2",
-                           "actor.model.hidden_dims=[32,32]"],
-                          capture_output=True, text=True, timeout=300, env=modules_env(tmp_path / "modules.json"))
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            "maniskill_pushcube_ppo_mlp",
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=2",
+            "runner.experiment_name=ms",
+            "env.train.total_num_envs=4",
+            "env.train.max_steps_per_rollout_epoch=25",
+            "env.train.max_episode_steps=25",
+            "env.eval.total_num_envs=4",
+            "env.eval.num_episodes=4",
+            "env.eval.max_episode_steps=10",
+            "actor.micro_batch_size=50",
+            "actor.global_batch_size=100",
+            "algorithm.update_epoch=2",
+            "actor.model.hidden_dims=[32,32]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=modules_env(tmp_path / "modules.json"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_coordinator_loaded_no_env_code(tmp_path / "modules.json")
     log = (tmp_path / "ms" / "logs" / "env_0.log").read_text()

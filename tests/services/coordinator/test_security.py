@@ -19,18 +19,28 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet.wire import auth, callers, servers
 from rlfleet.config import load_config, to_yaml
 from rlfleet.data.metrics import read_metrics
-from rlfleet.v1 import (coordinator_pb2, coordinator_pb2_grpc, env_pb2, inference_pb2, inference_pb2_grpc,
-                        learner_pb2, learner_pb2_grpc, rollout_pb2)
+from rlfleet.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    env_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    learner_pb2,
+    learner_pb2_grpc,
+    rollout_pb2,
+)
+from rlfleet.wire import auth, callers, servers
 from tests.services.coordinator.test_end_to_end import CTL, credential, finish, start, wait_epoch
 
 pytestmark = pytest.mark.slow
 
 SERVICES = {  # role -> the rlfleet services its server hosts
-    coordinator_pb2.ENV: [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
-                          env_pb2.DESCRIPTOR.services_by_name["EnvService"]],
+    coordinator_pb2.ENV: [
+        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+        env_pb2.DESCRIPTOR.services_by_name["EnvService"],
+    ],
     coordinator_pb2.INFERENCE: [inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]],
     coordinator_pb2.LEARNER: [learner_pb2.DESCRIPTOR.services_by_name["LearnerService"]],
 }
@@ -90,21 +100,28 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, m
         with grpc.insecure_channel(addresses[coordinator_pb2.INFERENCE]) as ch:
             with pytest.raises(grpc.RpcError) as err:
                 inference_pb2_grpc.InferenceServiceStub(ch).UpdateWeights(
-                    iter([inference_pb2.WeightsChunk(version=2 ** 62)]), timeout=5)
+                    iter([inference_pb2.WeightsChunk(version=2**62)]), timeout=5
+                )
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with grpc.insecure_channel(coord) as ch:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-            for call, req in ((stub.Register, coordinator_pb2.RegisterRequest(role=coordinator_pb2.ENV, index=0,
-                                                                               address="127.0.0.1:1")),
-                              (stub.Stop, coordinator_pb2.StopRequest(reason="attack"))):
+            for call, req in (
+                (
+                    stub.Register,
+                    coordinator_pb2.RegisterRequest(role=coordinator_pb2.ENV, index=0, address="127.0.0.1:1"),
+                ),
+                (stub.Stop, coordinator_pb2.StopRequest(reason="attack")),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     call(req, timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with grpc.insecure_channel(addresses[coordinator_pb2.LEARNER]) as ch:
             stub = learner_pb2_grpc.LearnerServiceStub(ch)
-            for call, req in ((stub.LogMetrics, learner_pb2.LogMetricsRequest(step=1, metrics={"eval/forged": 1.0})),
-                              (stub.Train, learner_pb2.TrainRequest(epoch=99)),
-                              (stub.SaveCheckpoint, learner_pb2.SaveCheckpointRequest())):
+            for call, req in (
+                (stub.LogMetrics, learner_pb2.LogMetricsRequest(step=1, metrics={"eval/forged": 1.0})),
+                (stub.Train, learner_pb2.TrainRequest(epoch=99)),
+                (stub.SaveCheckpoint, learner_pb2.SaveCheckpointRequest()),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     call(req, timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -114,8 +131,11 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, m
 
             # with a credential, a state-changing call from a role that does not own it is still refused
             with pytest.raises(grpc.RpcError) as err:
-                stub.LogMetrics(learner_pb2.LogMetricsRequest(step=1, metrics={"eval/forged": 1.0}), timeout=5,
-                                metadata=auth.metadata(SECRET, "env", to="learner"))
+                stub.LogMetrics(
+                    learner_pb2.LogMetricsRequest(step=1, metrics={"eval/forged": 1.0}),
+                    timeout=5,
+                    metadata=auth.metadata(SECRET, "env", to="learner"),
+                )
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "accepted only from coordinator, not from env" in err.value.details()
             # and an allowed read works with it
@@ -125,31 +145,40 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, m
         # issue 25, with the credentials the run hands its env server: roles are proven, not declared
         env_cred = auth.issue(SECRET, "env", 0)  # what env[0] holds (its RLFLEET_RUN_TOKEN)
         auth.set_identity("env", env_cred, 0)
-        env_md = {to: callers.call_metadata(f"/rlfleet.v1.{svc}/x")
-                  for to, svc in (("coordinator", "CoordinatorService"), ("inference", "InferenceService"))}
+        env_md = {
+            to: callers.call_metadata(f"/rlfleet.v1.{svc}/x")
+            for to, svc in (("coordinator", "CoordinatorService"), ("inference", "InferenceService"))
+        }
         auth.set_identity("env", None)
         as_learner = [(k, "learner" if k == callers.ROLE_KEY else v) for k, v in env_md["inference"]]
         with grpc.insecure_channel(addresses[coordinator_pb2.INFERENCE]) as ch:
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
-            for metadata, words in ((as_learner, "env[0]'s, not learner[0]'s"),
-                                    (env_md["inference"], "accepted only from learner, not from env")):
+            for metadata, words in (
+                (as_learner, "env[0]'s, not learner[0]'s"),
+                (env_md["inference"], "accepted only from learner, not from env"),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.UpdateWeights(iter([inference_pb2.WeightsChunk(version=2 ** 62)]), timeout=5,
-                                       metadata=metadata)
+                    stub.UpdateWeights(iter([inference_pb2.WeightsChunk(version=2**62)]), timeout=5, metadata=metadata)
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and words in err.value.details()
         config = to_yaml(load_config(run / "config.yaml"))
-        claim = dict(role=coordinator_pb2.ENV, index=0, address="127.0.0.1:1", pid=1, incarnation="x",
-                     config_yaml=config)
+        claim = dict(
+            role=coordinator_pb2.ENV, index=0, address="127.0.0.1:1", pid=1, incarnation="x", config_yaml=config
+        )
         with grpc.insecure_channel(coord) as ch:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-            for fields, want in ((dict(role=coordinator_pb2.LEARNER), grpc.StatusCode.PERMISSION_DENIED),
-                                 (dict(index=1), grpc.StatusCode.PERMISSION_DENIED),
-                                 (dict(config_yaml=""), grpc.StatusCode.INVALID_ARGUMENT),
-                                 (dict(address="::not an address::"), grpc.StatusCode.INVALID_ARGUMENT),
-                                 (dict(address="a" * (50 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED)):
+            for fields, want in (
+                (dict(role=coordinator_pb2.LEARNER), grpc.StatusCode.PERMISSION_DENIED),
+                (dict(index=1), grpc.StatusCode.PERMISSION_DENIED),
+                (dict(config_yaml=""), grpc.StatusCode.INVALID_ARGUMENT),
+                (dict(address="::not an address::"), grpc.StatusCode.INVALID_ARGUMENT),
+                (dict(address="a" * (50 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.Register(coordinator_pb2.RegisterRequest(**{**claim, **fields}), timeout=30,
-                                  metadata=env_md["coordinator"])
+                    stub.Register(
+                        coordinator_pb2.RegisterRequest(**{**claim, **fields}),
+                        timeout=30,
+                        metadata=env_md["coordinator"],
+                    )
                 assert err.value.code() == want, (fields.keys(), err.value.code(), err.value.details()[:200])
             with pytest.raises(grpc.RpcError) as err:  # the operator's credential is needed to stop the run
                 stub.Stop(coordinator_pb2.StopRequest(reason="attack"), timeout=5, metadata=env_md["coordinator"])
@@ -157,14 +186,16 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, m
 
         # health and reflection answer without the token, on every service
         for address, names in [(coord, ["rlfleet.v1.CoordinatorService"])] + [
-                (addresses[role], [s.full_name for s in svcs]) for role, svcs in SERVICES.items()]:
+            (addresses[role], [s.full_name for s in svcs]) for role, svcs in SERVICES.items()
+        ]:
             with grpc.insecure_channel(address) as ch:
                 health = health_pb2_grpc.HealthStub(ch)
                 for name in ["", *names]:
                     reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING, (address, name)
                 listing = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+                )
                 listed = {s.name for r in listing for s in r.list_services_response.service}
                 assert set(names) | {"grpc.health.v1.Health"} <= listed, (address, listed)
 
@@ -207,7 +238,8 @@ def test_idle_reflection_streams_leave_a_live_run_untouched(tmp_path):
                 floods.append([IdleReflection(a, 40) for a in targets])  # the second wave
             t0 = time.monotonic()
             st = coordinator_pb2_grpc.CoordinatorServiceStub(grpc.insecure_channel(coord)).Status(
-                coordinator_pb2.StatusRequest(), timeout=5, metadata=credential(run))
+                coordinator_pb2.StatusRequest(), timeout=5, metadata=credential(run)
+            )
             learner.Status(learner_pb2.LearnerStatusRequest(), timeout=5, metadata=credential(run, to="learner"))
             worst = max(worst, time.monotonic() - t0)
             if st.phase == "training":
@@ -245,10 +277,21 @@ def test_stop_reaches_an_attach_mode_coordinator_waiting_for_its_services(tmp_pa
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     env = dict(os.environ, RLFLEET_RUN_TOKEN="attach-stop-secret")
-    proc = subprocess.Popen([*CTL, "start", "cluster.launcher=attach", f"cluster.coordinator_address={address}",
-                             "cluster.startup_timeout_s=300", f"runner.logger.log_path={tmp_path}",
-                             "runner.experiment_name=attachstop"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            *CTL,
+            "start",
+            "cluster.launcher=attach",
+            f"cluster.coordinator_address={address}",
+            "cluster.startup_timeout_s=300",
+            f"runner.logger.log_path={tmp_path}",
+            "runner.experiment_name=attachstop",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         lines = []
         for line in proc.stdout:
@@ -256,8 +299,7 @@ def test_stop_reaches_an_attach_mode_coordinator_waiting_for_its_services(tmp_pa
             if "waiting for services to register" in line:
                 break
         assert not (tmp_path / "attachstop" / "run_token").exists()  # the deployment's secret stays out of the folder
-        stop = subprocess.run([*CTL, "stop", "--address", address], capture_output=True, text=True, timeout=60,
-                              env=env)
+        stop = subprocess.run([*CTL, "stop", "--address", address], capture_output=True, text=True, timeout=60, env=env)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         t0 = time.monotonic()
         code = proc.wait(30)

@@ -14,30 +14,81 @@ from rlfleet.data.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
-SHORT = ["env.train.max_episode_steps=16", "env.eval.max_episode_steps=16", "env.train.total_num_envs=4",
-         "env.eval.total_num_envs=4", "env.eval.num_episodes=4"]
+SHORT = [
+    "env.train.max_episode_steps=16",
+    "env.eval.max_episode_steps=16",
+    "env.train.total_num_envs=4",
+    "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4",
+]
 
 
-@pytest.mark.parametrize("rl_config,extra", [("pandapickcube_vision_ppo_openvla_oft_sft", []),
-                                             ("pandapickcube_vision_grpo_openvla_oft_sft", ["algorithm.group_size=2"])])
+@pytest.mark.parametrize(
+    "rl_config,extra",
+    [
+        ("pandapickcube_vision_ppo_openvla_oft_sft", []),
+        ("pandapickcube_vision_grpo_openvla_oft_sft", ["algorithm.group_size=2"]),
+    ],
+)
 def test_demos_sft_then_rl(tmp_path, rl_config, extra):
     sft_cfg = "pandapickcube_vision_sft_openvla_oft_tiny"
     common = [f"runner.logger.log_path={tmp_path}", *SHORT]
-    demos = subprocess.run([*CTL, "collect-demos", sft_cfg, *common, "sft.num_demos=3", "sft.only_successful=false",
-                            "env.train.max_steps_per_rollout_epoch=16", "actor.global_batch_size=16",
-                            "actor.micro_batch_size=16"], capture_output=True, text=True, timeout=300)
+    demos = subprocess.run(
+        [
+            *CTL,
+            "collect-demos",
+            sft_cfg,
+            *common,
+            "sft.num_demos=3",
+            "sft.only_successful=false",
+            "env.train.max_steps_per_rollout_epoch=16",
+            "actor.global_batch_size=16",
+            "actor.micro_batch_size=16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert demos.returncode == 0, demos.stdout[-2000:] + demos.stderr[-2000:]
     assert "wrote 3 episodes" in demos.stdout
-    sft = subprocess.run([*CTL, "sft", sft_cfg, *common, "sft.max_steps=4", "sft.batch_size=8",
-                          "env.train.max_steps_per_rollout_epoch=16", "actor.global_batch_size=16",
-                          "actor.micro_batch_size=16"], capture_output=True, text=True, timeout=300)
+    sft = subprocess.run(
+        [
+            *CTL,
+            "sft",
+            sft_cfg,
+            *common,
+            "sft.max_steps=4",
+            "sft.batch_size=8",
+            "env.train.max_steps_per_rollout_epoch=16",
+            "actor.global_batch_size=16",
+            "actor.micro_batch_size=16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert sft.returncode == 0, sft.stdout[-2000:] + sft.stderr[-2000:]
     model = tmp_path / sft_cfg / "sft_model"
     assert (model / "model.safetensors").is_file() and "actor.model.model_path=" in sft.stdout
-    rl = subprocess.run([*CTL, "start", rl_config, *common, f"actor.model.model_path={model}",
-                         "runner.max_epochs=2", "runner.val_check_interval=0", "env.eval.video_episodes=2",
-                         "env.train.max_steps_per_rollout_epoch=16", "actor.global_batch_size=16",
-                         "actor.micro_batch_size=16", *extra], capture_output=True, text=True, timeout=400)
+    rl = subprocess.run(
+        [
+            *CTL,
+            "start",
+            rl_config,
+            *common,
+            f"actor.model.model_path={model}",
+            "runner.max_epochs=2",
+            "runner.val_check_interval=0",
+            "env.eval.video_episodes=2",
+            "env.train.max_steps_per_rollout_epoch=16",
+            "actor.global_batch_size=16",
+            "actor.micro_batch_size=16",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert rl.returncode == 0, rl.stdout[-3000:] + rl.stderr[-3000:]
     run = tmp_path / rl_config
     summary = json.loads((run / "summary.json").read_text())

@@ -6,7 +6,6 @@ recovers as it does over plain gRPC; the tiny OpenVLA-OFT at 224 px learns the s
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 
@@ -16,8 +15,14 @@ from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2
 from rlfleet.wire import shm
 from tests.rlfleet.test_shm import dev_shm, holders
-from tests.services.coordinator.test_end_to_end import (CTL, _learning_record, assert_no_orphans, finish,
-                                                        kill_and_wait_restart, start)
+from tests.services.coordinator.test_end_to_end import (
+    CTL,
+    _learning_record,
+    assert_no_orphans,
+    finish,
+    kill_and_wait_restart,
+    start,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(shm.unavailable()), reason="no shared memory here")]
 
@@ -34,8 +39,14 @@ def test_kill9_with_shared_memory_leaves_no_segment_and_the_run_recovers(tmp_pat
     monkeypatch.setenv("RLFLEET_SHM_MIN_BYTES", "0")  # every tensor by handle, however small (the MLP run's are)
     before = dev_shm()
     name = f"shmkill{coordinator_pb2.Role.Name(role).lower()}"
-    proc = start(tmp_path, "runner.max_epochs=1000", "env.train.max_steps_per_rollout_epoch=100",
-                 "actor.global_batch_size=400", "actor.micro_batch_size=200", name=name)
+    proc = start(
+        tmp_path,
+        "runner.max_epochs=1000",
+        "env.train.max_steps_per_rollout_epoch=100",
+        "actor.global_batch_size=400",
+        "actor.micro_batch_size=200",
+        name=name,
+    )
     run = tmp_path / name
     pids = kill_and_wait_restart(run, proc, role, min_epoch=4)  # the killed one last
     dead = pids[-1]
@@ -59,9 +70,16 @@ def test_kill9_with_shared_memory_leaves_no_segment_and_the_run_recovers(tmp_pat
     assert all(b - a == 800 for a, b in zip(steps, steps[1:]))
 
 
-OFT_224 = ["runner.max_epochs=2", "runner.val_check_interval=0", "rollout.pipeline_stage_num=1",
-           "env.train.init_params={image_size: 224}", "env.eval.init_params={image_size: 224}",
-           "env.eval.num_episodes=4", "env.eval.total_num_envs=4", "runner.seed=3"]
+OFT_224 = [
+    "runner.max_epochs=2",
+    "runner.val_check_interval=0",
+    "rollout.pipeline_stage_num=1",
+    "env.train.init_params={image_size: 224}",
+    "env.eval.init_params={image_size: 224}",
+    "env.eval.num_episodes=4",
+    "env.eval.total_num_envs=4",
+    "runner.seed=3",
+]
 
 
 def test_oft_at_224px_learns_the_same_numbers_with_and_without_shared_memory(tmp_path):
@@ -69,9 +87,20 @@ def test_oft_at_224px_learns_the_same_numbers_with_and_without_shared_memory(tmp
 
     runs = {}
     for mode in ("auto", "inline"):
-        proc = subprocess.run([*CTL, "start", "pandapickcube_vision_grpo_openvla_oft_tiny", *OFT_224,
-                               f"cluster.shared_memory={mode}", f"runner.logger.log_path={tmp_path}",
-                               f"runner.experiment_name={mode}"], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                *CTL,
+                "start",
+                "pandapickcube_vision_grpo_openvla_oft_tiny",
+                *OFT_224,
+                f"cluster.shared_memory={mode}",
+                f"runner.logger.log_path={tmp_path}",
+                f"runner.experiment_name={mode}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[mode] = read_metrics(tmp_path / mode)
     shared, inline = runs["auto"], runs["inline"]

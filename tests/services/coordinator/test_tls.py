@@ -10,22 +10,56 @@ import pytest
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.services.coordinator.test_end_to_end import CTL, finish, start
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificates")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificates"),
+]
 
 
 def make_certs(d):
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=rlfleet test CA")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rlfleet test CA",
+    )
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=127.0.0.1")
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "host.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-        "host.pem", "-days", "2", "-extfile", "san.ext")
-    return [f"cluster.tls.cert_file={d / 'host.pem'}", f"cluster.tls.key_file={d / 'host.key'}",
-            f"cluster.tls.ca_file={d / 'ca.pem'}", "cluster.tls.client_auth=true"]
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "host.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "host.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    )
+    return [
+        f"cluster.tls.cert_file={d / 'host.pem'}",
+        f"cluster.tls.key_file={d / 'host.key'}",
+        f"cluster.tls.ca_file={d / 'ca.pem'}",
+        "cluster.tls.client_auth=true",
+    ]
 
 
 def test_a_run_over_mutual_tls_and_plaintext_is_refused(tmp_path):
@@ -55,4 +89,3 @@ def test_a_run_over_mutual_tls_and_plaintext_is_refused(tmp_path):
             proc.kill()
     assert code == 0, out
     assert "runner.max_epochs=6 reached" in out
-

@@ -15,21 +15,39 @@ pytestmark = pytest.mark.slow
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
 
 
-@pytest.mark.parametrize("name, lora, ranks", [
-    ("pandapickcube_vision_ppo_openvla_tiny", False, 1),
-    ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 1),
-    pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 1, marks=pytest.mark.sim),
-    pytest.param("metaworld_mt10_ppo_pi05_tiny", False, 1, marks=pytest.mark.sim),
-    # the learner as 2 ranks (FSDP2 over gloo): LoRA adapters sharded, the π0 expert's blocks sharded
-    ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 2),
-    pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 2, marks=pytest.mark.sim)],
-    ids=lambda v: f"{v}rank" if isinstance(v, int) else None)
+@pytest.mark.parametrize(
+    "name, lora, ranks",
+    [
+        ("pandapickcube_vision_ppo_openvla_tiny", False, 1),
+        ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 1),
+        pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 1, marks=pytest.mark.sim),
+        pytest.param("metaworld_mt10_ppo_pi05_tiny", False, 1, marks=pytest.mark.sim),
+        # the learner as 2 ranks (FSDP2 over gloo): LoRA adapters sharded, the π0 expert's blocks sharded
+        ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 2),
+        pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 2, marks=pytest.mark.sim),
+    ],
+    ids=lambda v: f"{v}rank" if isinstance(v, int) else None,
+)
 def test_vla_config_runs_end_to_end(tmp_path, name, lora, ranks):
     # the LoRA run also takes a KL penalty: its reference is the base with the adapters off (no second copy)
     kl = ["algorithm.kl_beta=0.05"] if lora else []
-    proc = subprocess.run([*CTL, "start", name, f"runner.logger.log_path={tmp_path}", "runner.max_epochs=3",
-                           "runner.val_check_interval=2", "env.eval.num_episodes=4", "env.eval.total_num_envs=4",
-                           f"cluster.learner_world_size={ranks}", *kl], capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            name,
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=3",
+            "runner.val_check_interval=2",
+            "env.eval.num_episodes=4",
+            "env.eval.total_num_envs=4",
+            f"cluster.learner_world_size={ranks}",
+            *kl,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / name
     summary = json.loads((run / "summary.json").read_text())
@@ -58,10 +76,23 @@ def test_vllm_backend_trains_end_to_end_through_a_failed_reload(tmp_path):
     from tests.simenv import backend_python
 
     backend_python("vllm")  # built (or skipped with the reason) before the run's clock starts
-    proc = subprocess.run([*CTL, "start", name, "rollout.backend=vllm", f"runner.logger.log_path={tmp_path}",
-                           "runner.max_epochs=3", "runner.val_check_interval=2", "env.eval.num_episodes=4",
-                           "env.eval.total_num_envs=4"], capture_output=True, text=True, timeout=500,
-                          env={**os.environ, "RLFLEET_FAULT_VLLM_RELOAD_FAILURES": "1"})
+    proc = subprocess.run(
+        [
+            *CTL,
+            "start",
+            name,
+            "rollout.backend=vllm",
+            f"runner.logger.log_path={tmp_path}",
+            "runner.max_epochs=3",
+            "runner.val_check_interval=2",
+            "env.eval.num_episodes=4",
+            "env.eval.total_num_envs=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={**os.environ, "RLFLEET_FAULT_VLLM_RELOAD_FAILURES": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / name
     rows = [r for r in read_metrics(run) if "train/loss" in r]
@@ -69,4 +100,6 @@ def test_vllm_backend_trains_end_to_end_through_a_failed_reload(tmp_path):
     for r in rows:
         assert r["train/actor/first_logprob_abs_diff"] < 1e-3, r
     log = (run / "logs" / "inference_0.log").read_text()
-    assert "vllm" in log.lower() and "reload for version 1 failed" in log and "rebuilding the engine" in log, log[-3000:]
+    assert "vllm" in log.lower() and "reload for version 1 failed" in log and "rebuilding the engine" in log, log[
+        -3000:
+    ]

@@ -41,8 +41,18 @@ def test_an_env_without_an_expert_says_so(tmp_path):
 
 
 def test_cli_writes_a_vision_dataset(tmp_path, capsys):
-    code = main(["--config", "pandapickcube_vision_sft_openvla_oft_tiny", "--out", str(tmp_path / "d"),
-                 "--episodes", "2", "env.train.max_episode_steps=12", "sft.only_successful=false"])
+    code = main(
+        [
+            "--config",
+            "pandapickcube_vision_sft_openvla_oft_tiny",
+            "--out",
+            str(tmp_path / "d"),
+            "--episodes",
+            "2",
+            "env.train.max_episode_steps=12",
+            "sft.only_successful=false",
+        ]
+    )
     assert code == 0
     d = Dataset(tmp_path / "d")
     assert len(d) == 2 and d.meta["env_id"] == "PandaPickCubeVision-v0"

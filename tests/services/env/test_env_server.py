@@ -6,8 +6,8 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet.wire import channels, codec, servers
 from rlfleet.v1 import env_pb2, env_pb2_grpc
+from rlfleet.wire import channels, codec, servers
 
 
 @pytest.fixture
@@ -47,25 +47,44 @@ def _expect_invalid(call, match):
 def test_bad_requests_get_invalid_argument_and_server_survives(env_stub):
     nan = np.zeros((1, 4), np.float32)
     nan[0, 0] = np.nan
-    _expect_invalid(lambda: list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=codec.encode(nan))])),
-                    "actions: non-finite value nan")
-    _expect_invalid(lambda: list(step_stream(env_stub, [env_pb2.StepRequest(
-        env_ids=[0], actions=codec.encode(np.zeros((1, 5), np.float32)))])), "actions: shape [1, 5]")
+    _expect_invalid(
+        lambda: list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=codec.encode(nan))])),
+        "actions: non-finite value nan",
+    )
+    _expect_invalid(
+        lambda: list(
+            step_stream(
+                env_stub, [env_pb2.StepRequest(env_ids=[0], actions=codec.encode(np.zeros((1, 5), np.float32)))]
+            )
+        ),
+        "actions: shape [1, 5]",
+    )
     malformed = codec.encode(np.zeros((1, 4), np.float32))
     malformed.data = b"\x00" * 3
-    _expect_invalid(lambda: list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=malformed)])),
-                    "actions: 3 data bytes do not match shape [1, 4]")
-    _expect_invalid(lambda: list(step_stream(env_stub, [env_pb2.StepRequest(
-        env_ids=[0], actions=codec.encode(np.zeros((1, 4), np.int64)))])), "dtype INT64 where FLOAT32")
+    _expect_invalid(
+        lambda: list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=malformed)])),
+        "actions: 3 data bytes do not match shape [1, 4]",
+    )
+    _expect_invalid(
+        lambda: list(
+            step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=codec.encode(np.zeros((1, 4), np.int64)))])
+        ),
+        "dtype INT64 where FLOAT32",
+    )
     _expect_invalid(lambda: env_stub.Reset(env_pb2.ResetRequest(env_ids=[99])), "env_ids: unknown env id 99")
-    _expect_invalid(lambda: env_stub.Reset(env_pb2.ResetRequest(env_ids=[0, 1], seeds=[1])), "seeds: 1 seeds for 2 envs")
+    _expect_invalid(
+        lambda: env_stub.Reset(env_pb2.ResetRequest(env_ids=[0, 1], seeds=[1])), "seeds: 1 seeds for 2 envs"
+    )
     _expect_invalid(lambda: env_stub.Reset(env_pb2.ResetRequest(env_ids=[0], seeds=[-5])), "seeds: -5 is not in")
-    huge = codec.Tensor(dtype=codec.DType.FLOAT32, shape=[2 ** 32, 2 ** 32], data=b"")
-    _expect_invalid(lambda: list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=huge)])),
-                    "more than the limit")
+    huge = codec.Tensor(dtype=codec.DType.FLOAT32, shape=[2**32, 2**32], data=b"")
+    _expect_invalid(
+        lambda: list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=huge)])), "more than the limit"
+    )
     # still serving
     assert env_stub.Describe(env_pb2.DescribeEnvRequest()).num_envs > 0
-    out = list(step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=codec.encode(np.zeros((1, 4), np.float32)))]))
+    out = list(
+        step_stream(env_stub, [env_pb2.StepRequest(env_ids=[0], actions=codec.encode(np.zeros((1, 4), np.float32)))])
+    )
     assert len(out) == 1
 
 
@@ -81,8 +100,11 @@ def test_rollout_worker_in_front_of_external_env(cfg, tmp_path, fleet):
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
         lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(bridge.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[bridge.inf_addr]))
-        resp = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=6, inference_addresses=[bridge.inf_addr],
-                                                        learner_address=bridge.learner_addr))
+        resp = rstub.Collect(
+            rollout_pb2.CollectRequest(
+                epoch=0, num_steps=6, inference_addresses=[bridge.inf_addr], learner_address=bridge.learner_addr
+            )
+        )
         assert resp.env_steps == 6 * cfg.env.train.total_num_envs
         assert (0, 0) in bridge.learner.rollouts.pending
     finally:
@@ -142,16 +164,25 @@ def test_unreachable_inference_fails_collect_in_time_and_the_server_recovers(tmp
         rstub = _rollout_stub(fleet.env_addr)
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=["127.0.0.1:1"],
-                                                     learner_address=fleet.learner_addr), timeout=30)
+            rstub.Collect(
+                rollout_pb2.CollectRequest(
+                    epoch=0, num_steps=4, inference_addresses=["127.0.0.1:1"], learner_address=fleet.learner_addr
+                ),
+                timeout=30,
+            )
         assert time.monotonic() - t0 < 10
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert "127.0.0.1:1" in err.value.details() and "did not answer within 2s" in err.value.details()
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
         learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
-            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
-        ok = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
-                                                      learner_address=fleet.learner_addr), timeout=30)
+            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr])
+        )
+        ok = rstub.Collect(
+            rollout_pb2.CollectRequest(
+                epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr
+            ),
+            timeout=30,
+        )
         assert ok.env_steps == 4 * cfg.env.train.total_num_envs
     finally:
         fleet.close()
@@ -163,20 +194,35 @@ def test_evaluate_is_bounded_and_cancellable(fleet):
     from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2
 
     rstub = _rollout_stub(fleet.env_addr)
-    _expect_invalid(lambda: rstub.Evaluate(rollout_pb2.EvaluateRequest(
-        num_episodes=10**9, seed=0, inference_addresses=[fleet.inf_addr])), "num_episodes: 1000000000 is not in")
-    _expect_invalid(lambda: rstub.Evaluate(rollout_pb2.EvaluateRequest(
-        num_episodes=2, seed=-1, inference_addresses=[fleet.inf_addr])), "seed: -1 is not in [0, 2**31)")
+    _expect_invalid(
+        lambda: rstub.Evaluate(
+            rollout_pb2.EvaluateRequest(num_episodes=10**9, seed=0, inference_addresses=[fleet.inf_addr])
+        ),
+        "num_episodes: 1000000000 is not in",
+    )
+    _expect_invalid(
+        lambda: rstub.Evaluate(
+            rollout_pb2.EvaluateRequest(num_episodes=2, seed=-1, inference_addresses=[fleet.inf_addr])
+        ),
+        "seed: -1 is not in [0, 2**31)",
+    )
     spec = rstub.Describe(env_pb2.DescribeEnvRequest())
     learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
-        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr])
+    )
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:  # 100k episodes would take hours: the deadline stops it
-        rstub.Evaluate(rollout_pb2.EvaluateRequest(num_episodes=100_000, seed=0, deterministic=True,
-                                                   inference_addresses=[fleet.inf_addr]), timeout=4)
+        rstub.Evaluate(
+            rollout_pb2.EvaluateRequest(
+                num_episodes=100_000, seed=0, deterministic=True, inference_addresses=[fleet.inf_addr]
+            ),
+            timeout=4,
+        )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 8
-    res = rstub.Evaluate(rollout_pb2.EvaluateRequest(num_episodes=2, seed=0, deterministic=True,
-                                                     inference_addresses=[fleet.inf_addr]), timeout=60)
+    res = rstub.Evaluate(
+        rollout_pb2.EvaluateRequest(num_episodes=2, seed=0, deterministic=True, inference_addresses=[fleet.inf_addr]),
+        timeout=60,
+    )
     assert len(res.episodes) == 2  # the worker is free again
 
 
@@ -210,8 +256,15 @@ def test_collect_and_evaluate_in_the_policy_spaces_of_a_run_over_several_simulat
     inner = fleet.worker.env
     real_step = inner.step
     inner.step = lambda ids, actions: (stepped.append(np.asarray(actions).shape), real_step(ids, actions))[1]
-    resp = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
-                                                    learner_address=fleet.learner_addr, policy_spec=joint))
+    resp = rstub.Collect(
+        rollout_pb2.CollectRequest(
+            epoch=0,
+            num_steps=4,
+            inference_addresses=[fleet.inf_addr],
+            learner_address=fleet.learner_addr,
+            policy_spec=joint,
+        )
+    )
     assert resp.env_steps == 4 * cfg.env.train.total_num_envs
     part = fleet.learner.rollouts.pending[(0, 0)]["time"]
     n = cfg.env.train.total_num_envs
@@ -221,14 +274,25 @@ def test_collect_and_evaluate_in_the_policy_spaces_of_a_run_over_several_simulat
     assert part["actions"].shape[-1] == own_action + 3
     assert stepped and all(s[-1] == own_action for s in stepped)
     assert rstub.Describe(env_pb2.DescribeEnvRequest()).action_space.shape[0] == own_action
-    ev = rstub.Evaluate(rollout_pb2.EvaluateRequest(num_episodes=2, seed=7, deterministic=True,
-                                                    inference_addresses=[fleet.inf_addr], policy_spec=joint))
+    ev = rstub.Evaluate(
+        rollout_pb2.EvaluateRequest(
+            num_episodes=2, seed=7, deterministic=True, inference_addresses=[fleet.inf_addr], policy_spec=joint
+        )
+    )
     assert len(ev.episodes) == 2
     small = _joint_spec(own, own_state - 1, own_action, extra_entry=False)
-    _expect_invalid(lambda: rstub.Collect(rollout_pb2.CollectRequest(
-        epoch=1, num_steps=2, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr,
-        policy_spec=small)), "policy_spec: env[0] (gym:PandaPickCube-v0) cannot act in the run's policy spaces: "
-                             "observation 'state'")
+    _expect_invalid(
+        lambda: rstub.Collect(
+            rollout_pb2.CollectRequest(
+                epoch=1,
+                num_steps=2,
+                inference_addresses=[fleet.inf_addr],
+                learner_address=fleet.learner_addr,
+                policy_spec=small,
+            )
+        ),
+        "policy_spec: env[0] (gym:PandaPickCube-v0) cannot act in the run's policy spaces: observation 'state'",
+    )
 
 
 # --- issue 25: Collect's peers unreachable, refusing or slow ------------------------------------------------------
@@ -246,7 +310,8 @@ def _published(fleet):
     rstub = _rollout_stub(fleet.env_addr)
     spec = rstub.Describe(env_pb2.DescribeEnvRequest())
     learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
-        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
+        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr])
+    )
     return rstub
 
 
@@ -264,9 +329,8 @@ def test_collect_names_what_is_wrong_with_its_peers_and_the_worker_stays_free(fl
     import time
 
     from rlfleet.v1 import rollout_pb2
-    from services.env import server as env_server
-
     from rlfleet.wire import clients as policy_client
+    from services.env import server as env_server
 
     monkeypatch.setattr(env_server, "LEARNER_CONNECT_TIMEOUT_S", 2.0)
     monkeypatch.setattr(policy_client, "CONNECT_TIMEOUT_S", 2.0)
@@ -278,12 +342,14 @@ def test_collect_names_what_is_wrong_with_its_peers_and_the_worker_stays_free(fl
     assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
     assert e.details() == f"learner_address: no learner answered at {dead} within 2s (unreachable)"
     assert time.monotonic() - t0 < 8  # before any step was collected for it
-    e = _collect_error(rstub, **dict(good, epoch=10 ** 9))  # the learner refuses the rollout: its status, named
+    e = _collect_error(rstub, **dict(good, epoch=10**9))  # the learner refuses the rollout: its status, named
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
-    assert e.details().startswith(f"the learner at {fleet.learner_addr} did not take the rollout of epoch "
-                                  f"1000000000: INVALID_ARGUMENT: epoch: a rollout for epoch 1000000000")
+    assert e.details().startswith(
+        f"the learner at {fleet.learner_addr} did not take the rollout of epoch "
+        f"1000000000: INVALID_ARGUMENT: epoch: a rollout for epoch 1000000000"
+    )
     assert "_InactiveRpcError" not in e.details()
-    e = _collect_error(rstub, **dict(good, min_weights_version=10 ** 6))
+    e = _collect_error(rstub, **dict(good, min_weights_version=10**6))
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e.details()
     assert "min_weights_version: inference served weights version 0; epoch 0 needs version >= 1000000" in e.details()
     for garbage in ("x" * 1000, "\x00", "[unclosed: {", ""):
@@ -323,8 +389,12 @@ def test_a_learner_that_never_answers_costs_the_caller_its_deadline_not_the_work
         t0 = time.monotonic()
         e = _collect_error(rstub, timeout=6, inference_addresses=[fleet.inf_addr], learner_address=stuck_addr)
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        ok = rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr],
-                                                      learner_address=fleet.learner_addr), timeout=30)
+        ok = rstub.Collect(
+            rollout_pb2.CollectRequest(
+                epoch=0, num_steps=4, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr
+            ),
+            timeout=30,
+        )
         assert ok.env_steps > 0 and time.monotonic() - t0 < 15
     finally:
         release.set()

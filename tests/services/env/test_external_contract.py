@@ -16,18 +16,20 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlfleet.wire import channels
 from rlfleet.errors import InvalidRequest
 from rlfleet.v1 import env_pb2, env_pb2_grpc, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.env.vec_env_interface import VecEnvInterface
+from rlfleet.wire import channels
 from services.env.remote import MAX_SIMULATOR_FAULTS, RemoteVecEnv
+from services.env.vec_env_interface import VecEnvInterface
 from tests.conftest import Fleet, small_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("point_reach_example", ROOT / "examples" / "point_reach_env_server.py")
+    spec = importlib.util.spec_from_file_location(
+        "point_reach_example", ROOT / "examples" / "point_reach_env_server.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -90,9 +92,14 @@ def _collect(fleet, num_steps=12):
     rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
     spec = rstub.Describe(env_pb2.DescribeEnvRequest())
     learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr)).PublishWeights(
-        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
-    return rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=num_steps, inference_addresses=[fleet.inf_addr],
-                                                    learner_address=fleet.learner_addr), timeout=120)
+        learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr])
+    )
+    return rstub.Collect(
+        rollout_pb2.CollectRequest(
+            epoch=0, num_steps=num_steps, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr
+        ),
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("fault", ["malformed", "internal"])
@@ -107,8 +114,11 @@ def test_a_bad_answer_mid_rollout_costs_the_episodes_in_flight_not_the_run(cfg8,
         assert (0, 0) in fleet.learner.rollouts.pending  # the epoch was collected again, whole
         assert sim.resets > resets_before  # fresh episodes after each loss
         out = capsys.readouterr().out
-        says = ("sent a bad StepResponse: rewards" if fault == "malformed"
-                else "INTERNAL: physics step failed: the solver diverged")
+        says = (
+            "sent a bad StepResponse: rewards"
+            if fault == "malformed"
+            else "INTERNAL: physics step failed: the solver diverged"
+        )
         assert says in out and "episodes in flight are lost" in out, out
     finally:
         fleet.close()
@@ -117,7 +127,7 @@ def test_a_bad_answer_mid_rollout_costs_the_episodes_in_flight_not_the_run(cfg8,
 
 
 def test_a_server_that_keeps_answering_badly_stops_the_call_with_the_reason(cfg8, tmp_path):
-    server, address = _serve(Faulty(8, "malformed", at=3, times=10 ** 6))
+    server, address = _serve(Faulty(8, "malformed", at=3, times=10**6))
     fleet = Fleet(cfg8, tmp_path / "run", external_env=address)
     try:
         with pytest.raises(grpc.RpcError) as err:
@@ -139,19 +149,28 @@ def test_a_refusal_mid_rollout_stops_at_once_with_the_server_message(cfg8, tmp_p
         with pytest.raises(grpc.RpcError) as err:
             _collect(fleet)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "refused Step: FAILED_PRECONDITION: the envs were closed (Close) (was it closed? rlfleet never " \
-               "calls Close" in err.value.details(), err.value.details()
+        assert (
+            "refused Step: FAILED_PRECONDITION: the envs were closed (Close) (was it closed? rlfleet never "
+            "calls Close" in err.value.details()
+        ), err.value.details()
     finally:
         fleet.close()
         server.stop(0)
 
 
-@pytest.mark.parametrize("describe,chunk,says", [
-    ({"contract_version": "7"}, 1, "EnvSpec.contract_version is '7'; rlfleet knows versions '0', '1'"),
-    ({"max_action_chunk": 0}, 2, "EnvSpec.max_action_chunk is 0 (0 reads as 1); the policy acts in chunks of 2 "
-                                 "(actor.model.num_action_chunks) (docs/env-contract.md#action-chunks)"),
-    ({"max_episode_steps": 0}, 1, "EnvSpec.max_episode_steps is 0; must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "describe,chunk,says",
+    [
+        ({"contract_version": "7"}, 1, "EnvSpec.contract_version is '7'; rlfleet knows versions '0', '1'"),
+        (
+            {"max_action_chunk": 0},
+            2,
+            "EnvSpec.max_action_chunk is 0 (0 reads as 1); the policy acts in chunks of 2 "
+            "(actor.model.num_action_chunks) (docs/env-contract.md#action-chunks)",
+        ),
+        ({"max_episode_steps": 0}, 1, "EnvSpec.max_episode_steps is 0; must be >= 1"),
+    ],
+)
 def test_a_server_rlfleet_cannot_use_is_refused_when_the_bridge_starts(describe, chunk, says):
     server, address = _serve(Faulty(4, **describe))
     try:

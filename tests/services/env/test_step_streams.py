@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet.wire import auth, codec, servers
 from rlfleet.v1 import env_pb2, env_pb2_grpc
+from rlfleet.wire import auth, codec, servers
 from services.env.server import EnvServicer, env_kwargs
 from services.env.vec_env import VecEnv
 
@@ -25,8 +25,9 @@ def env_server(cfg):
     auth.set_identity("env", auth.issue(SECRET, "env", 0), 0)
     env = VecEnv(**env_kwargs(cfg, "train", 2, 0, True))
     server = servers.make_server(max_workers=8)
-    env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(env, owns_env=True, step_idle_reclaim_s=RECLAIM_S),
-                                                  server)
+    env_pb2_grpc.add_EnvServiceServicer_to_server(
+        EnvServicer(env, owns_env=True, step_idle_reclaim_s=RECLAIM_S), server
+    )
     address = servers.bind(server, "127.0.0.1:0")
     server.start()
     ch = grpc.insecure_channel(address)

@@ -117,9 +117,9 @@ def test_one_vec_env_interface():
     """VecEnv, PolicySpaceEnv (and RemoteVecEnv: test_external_contract) implement VecEnvInterface with explicit
     members (no __getattr__ passthrough); a chunk steps through step_chunk into one result per row."""
     from rlfleet.wire.spaces import TensorSpace
-    from services.env.vec_env_interface import VecEnvInterface, step_chunk
     from services.env.policy_spaces import PolicySpaceEnv
     from services.env.remote import RemoteVecEnv
+    from services.env.vec_env_interface import VecEnvInterface, step_chunk
 
     env = make(2)
     obs = {**env.observation_space, "extra": TensorSpace((3,), np.float32)}
@@ -129,8 +129,12 @@ def test_one_vec_env_interface():
         assert isinstance(e, VecEnvInterface)
     for cls in (VecEnv, PolicySpaceEnv, RemoteVecEnv):
         assert "__getattr__" not in vars(cls), cls
-    assert (wrapped.num_envs, wrapped.max_episode_steps, wrapped.simulator, wrapped.contract_version) == \
-        (2, 5, "gym", "1")
+    assert (wrapped.num_envs, wrapped.max_episode_steps, wrapped.simulator, wrapped.contract_version) == (
+        2,
+        5,
+        "gym",
+        "1",
+    )
     assert wrapped.observation_space["extra"].shape == (3,) and wrapped.action_space.shape == (6,)
     assert wrapped.reset()["extra"].shape == (2, 3)
     out = step_chunk(wrapped, [0, 1], np.zeros((2, 3, 6), np.float32))

@@ -26,7 +26,9 @@ def test_every_registered_backend_has_one_implementation():
     assert set(factory.IMPLEMENTATIONS) == set(BACKENDS)
     hf = make_inference_backend("hf")
     assert isinstance(hf, DynamicBatcher) and isinstance(hf, InferenceBackend) and hf.name == "hf"
-    with pytest.raises(ValueError, match=r"rollout.backend: unknown backend 'vlm'; did you mean 'vllm'\? \(known: hf, vllm\)"):
+    with pytest.raises(
+        ValueError, match=r"rollout.backend: unknown backend 'vlm'; did you mean 'vllm'\? \(known: hf, vllm\)"
+    ):
         make_inference_backend("vlm")
     with pytest.raises(ValueError, match="unknown backend 'tgi'"):
         InferenceEngine(small_config().actor.model, backend="tgi")
@@ -34,6 +36,7 @@ def test_every_registered_backend_has_one_implementation():
 
 class Recording(InferenceBackend):
     """A backend that answers every request with zeros and records what the engine asked of it."""
+
     name = "recording"
 
     def __init__(self, on_fatal=None):
@@ -49,8 +52,15 @@ class Recording(InferenceBackend):
 
     def submit(self, request):
         self.calls.append(("submit", request.rows, request.stream))
-        request.future.set_result(PolicyOutput(np.zeros((request.rows, 1, 4), np.float32),
-                                               np.zeros((request.rows, 1), np.float32), None, {}, self.version))
+        request.future.set_result(
+            PolicyOutput(
+                np.zeros((request.rows, 1, 4), np.float32),
+                np.zeros((request.rows, 1), np.float32),
+                None,
+                {},
+                self.version,
+            )
+        )
 
     def stats(self):
         return BackendStats(sum(1 for c in self.calls if c[0] == "submit"), 3, 12)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.wire import channels, codec, weights
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies.models.actor_critic import ActorCritic
 from rlfleet.v1 import inference_pb2, inference_pb2_grpc
+from rlfleet.wire import channels, codec, weights
 from rlfleet.wire.clients import GrpcPolicyClient, PolicyError
+from rlfleet.wire.spaces import TensorSpace
 
 SPECS = {"state": TensorSpace((13,), "float32")}
 
@@ -198,7 +198,7 @@ def test_declared_spaces_are_checked_before_anything_is_built(inference):
     publish(addr, 1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()
-    for shape in ([2 ** 31], [2 ** 16, 2 ** 15], [2 ** 26 + 1]):
+    for shape in ([2**31], [2**16, 2**15], [2**26 + 1]):
         with pytest.raises(grpc.RpcError) as err:
             _update_with_spaces(addr, {"state": TensorSpace(tuple(shape), "float32")}, version=2)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
@@ -222,7 +222,7 @@ def test_a_policy_that_would_not_fit_the_memory_budget_is_resource_exhausted(inf
     real_build = engine_module.build_policy
     monkeypatch.setattr(engine_module, "build_policy", lambda *a, **kw: built.append(a) or real_build(*a, **kw))
     addr, engine = inference
-    engine.memory_budget_bytes = 8 * 2 ** 20  # two copies of an MLP for 100k-float observations: ~50 MB
+    engine.memory_budget_bytes = 8 * 2**20  # two copies of an MLP for 100k-float observations: ~50 MB
     with pytest.raises(grpc.RpcError) as err:
         _update_with_spaces(addr, {"state": TensorSpace((100_000,), "float32")})
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
@@ -294,8 +294,9 @@ def test_weights_through_shared_memory_are_the_grpc_path_bits(inference, monkeyp
         pub = WeightPublisher(shared_memory=shared_memory)
         pub.publish([addr], version, gather, names, names, SPECS, 4)
         assert (pub.last_wire.shm_bytes > 0) == shared_memory
-        assert pub.last_wire.shm_bytes == (sum(t.numel() * t.element_size() for t in state.values())
-                                           if shared_memory else 0)
+        assert pub.last_wire.shm_bytes == (
+            sum(t.numel() * t.element_size() for t in state.values()) if shared_memory else 0
+        )
         served = engine.model.state_dict()
         assert engine.version == version
         for n in names:
@@ -304,7 +305,6 @@ def test_weights_through_shared_memory_are_the_grpc_path_bits(inference, monkeyp
 
 
 def test_forged_observation_handles_are_invalid_argument_naming_the_field(inference, tmp_path):
-    from rlfleet.v1 import tensor_pb2
     from rlfleet.wire import shm
 
     addr, _ = inference
@@ -330,11 +330,14 @@ def test_forged_observation_handles_are_invalid_argument_naming_the_field(infere
     try:
         assert "observations['state'].shared.key: does not match" in act_with(key=bytes(16))
         with open(held, "rb") as f:  # a file the server's process has open (the server runs in this process)
-            assert (f"observations['state'].shared.fd: fd {f.fileno()} of process {os.getpid()} is not an rlfleet "
-                    f"shared-memory segment") in act_with(fd=f.fileno())
+            assert (
+                f"observations['state'].shared.fd: fd {f.fileno()} of process {os.getpid()} is not an rlfleet "
+                f"shared-memory segment"
+            ) in act_with(fd=f.fileno())
         assert "observations['state'].shared.offset: bytes [" in act_with(offset=1 << 30)
-        assert "observations['state'].shared.generation: 7, the segment is at generation 1 (a stale handle" in \
-            act_with(generation=7)
+        assert "observations['state'].shared.generation: 7, the segment is at generation 1 (a stale handle" in act_with(
+            generation=7
+        )
         other = os.memfd_create("not-ours")
         try:
             assert "is not an rlfleet shared-memory segment" in act_with(fd=other)
@@ -359,15 +362,17 @@ def test_a_server_with_shared_memory_off_takes_inline_bytes_only(cfg):
         assert client.result(0).actions.shape == (2, 1, 4)
         client.close()
         arena = shm.Arena("unasked", slots=1, min_bytes=0)
-        req = inference_pb2.ActRequest(request_id=0,
-                                       observations=codec.encode_map({"state": np.zeros((2, 13), np.float32)},
-                                                                     arena=arena))
+        req = inference_pb2.ActRequest(
+            request_id=0, observations=codec.encode_map({"state": np.zeros((2, 13), np.float32)}, arena=arena)
+        )
         with pytest.raises(grpc.RpcError) as err:
             list(inference_pb2_grpc.InferenceServiceStub(channels.channel(addr)).Act(iter([req])))
         arena.close()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "observations['state'].shared: a shared-memory handle where inline bytes (data) are expected" in \
-            err.value.details()
+        assert (
+            "observations['state'].shared: a shared-memory handle where inline bytes (data) are expected"
+            in err.value.details()
+        )
     finally:
         srv.stop(0)
         engine.stop()

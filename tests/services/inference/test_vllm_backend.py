@@ -18,8 +18,11 @@ def test_backend_config_errors_name_the_key_and_the_reason():
     assert load_config(VLA, ["rollout.backend=vllm"]).rollout.backend == "vllm"
     with pytest.raises(ConfigError, match=r"'rollout.backend': unknown backend 'vlm'; did you mean 'vllm'\?"):
         load_config(VLA, ["rollout.backend=vlm"])
-    with pytest.raises(ConfigError, match=r"'rollout.backend': backend 'vllm' does not serve model_type "
-                                          r"'openvla_oft' \(OpenVLA-OFT decodes"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'rollout.backend': backend 'vllm' does not serve model_type "
+        r"'openvla_oft' \(OpenVLA-OFT decodes",
+    ):
         load_config(VLA, ["rollout.backend=vllm", "actor.model.model_type=openvla_oft"])
     with pytest.raises(ConfigError, match="does not serve model_type 'mlp'"):
         load_config(None, ["rollout.backend=vllm"])
@@ -30,8 +33,14 @@ def test_checkpoint_names_map_to_the_language_model_only():
     assert lm_weight_name("llm.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
     assert lm_weight_name("language_model.lm_head.weight") == "lm_head.weight"  # OpenVLA's hub layout
     assert lm_weight_name("model.embed_tokens.weight") == "model.embed_tokens.weight"  # a weight update's names
-    for other in ("vision.siglip.embeddings.patch_embedding.weight", "projector.net.0.weight", "value_head.0.bias",
-                  "action_query", "vision_backbone.featurizer.blocks.0.attn.qkv.weight", "projector.fc1.weight"):
+    for other in (
+        "vision.siglip.embeddings.patch_embedding.weight",
+        "projector.net.0.weight",
+        "value_head.0.bias",
+        "action_query",
+        "vision_backbone.featurizer.blocks.0.attn.qkv.weight",
+        "projector.fc1.weight",
+    ):
         assert lm_weight_name(other) is None, other
 
 
@@ -161,9 +170,9 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_vllm_decoder_matches_hf_and_survives_reload_failures():
     r = run_in_env("backend:vllm", DECODER_CHECKS, timeout=600)
-    assert r["greedy_same"], r                               # same weights and observations: same greedy actions
+    assert r["greedy_same"], r  # same weights and observations: same greedy actions
     assert r["same_keys_same_tokens"] and r["sampled_bins_spread"] > 8, r  # seeded per row, and really sampled
-    assert r["logp_max_diff"] < 1e-3, r                      # the learner's recomputation (acceptance: 1e-3)
+    assert r["logp_max_diff"] < 1e-3, r  # the learner's recomputation (acceptance: 1e-3)
     assert r["value_max_diff"] < 1e-5, r
     assert r["weights_version"] == 0
     assert r["streams_match_alone"] and r["streams_steps"] <= 8, r  # 4 streams in the same engine steps

@@ -14,17 +14,25 @@ import torch
 
 from rlfleet.config import load_config
 from rlfleet.policies import build_policy
+from rlfleet.policies.models.openvla.hub_layout import openvla_hub_problems, safetensors_index_problems
+from rlfleet.policies.models.openvla.tokenizers import ByteTokenizer
 from rlfleet.wire.spaces import TensorSpace
 from services.learner import checkpoint
 from services.learner.batch import RewardScaler
-from rlfleet.policies.models.openvla.hub_layout import openvla_hub_problems, safetensors_index_problems
-from rlfleet.policies.models.openvla.tokenizers import ByteTokenizer
 from services.learner.export import ExportError, export_checkpoint, write_export
 
 SPECS = {"third_person": TensorSpace((32, 32, 3), "uint8"), "state": TensorSpace((7,), "float32")}
-OFT = ["actor.model.model_type=openvla_oft", "actor.model.vla.image_size=32", "actor.model.num_action_chunks=2",
-       "actor.model.is_lora=true", "actor.model.lora_rank=4", "actor.model.use_proprio=true",
-       "env.train.max_steps_per_rollout_epoch=32", "actor.global_batch_size=256", "actor.micro_batch_size=256"]
+OFT = [
+    "actor.model.model_type=openvla_oft",
+    "actor.model.vla.image_size=32",
+    "actor.model.num_action_chunks=2",
+    "actor.model.is_lora=true",
+    "actor.model.lora_rank=4",
+    "actor.model.use_proprio=true",
+    "env.train.max_steps_per_rollout_epoch=32",
+    "actor.global_batch_size=256",
+    "actor.micro_batch_size=256",
+]
 PI0 = ["actor.model.model_type=openpi", "actor.model.num_action_chunks=4", "env.train.max_steps_per_rollout_epoch=32"]
 
 
@@ -41,9 +49,19 @@ def _trained_checkpoint(tmp_path, overrides):
     ckpt = tmp_path / "checkpoints" / "global_step_1"
     ckpt.mkdir(parents=True)
     checkpoint.save_sharded(ckpt, policy, opt)
-    checkpoint.write_leader_files(ckpt, RewardScaler(cfg.algorithm.gamma).state_dict(), {
-        "epoch": 0, "weights_version": 1, "env_steps": 0, "elapsed_s": 0.0, "action_dim": 4,
-        "obs_specs": {k: s.to_json() for k, s in SPECS.items()}, "world_size": 1})
+    checkpoint.write_leader_files(
+        ckpt,
+        RewardScaler(cfg.algorithm.gamma).state_dict(),
+        {
+            "epoch": 0,
+            "weights_version": 1,
+            "env_steps": 0,
+            "elapsed_s": 0.0,
+            "action_dim": 4,
+            "obs_specs": {k: s.to_json() for k, s in SPECS.items()},
+            "world_size": 1,
+        },
+    )
     return cfg, policy, ckpt
 
 
@@ -77,8 +95,12 @@ def test_oft_lora_merged_and_as_adapter(tmp_path):
     want = _merged_state(trained)
     merged = export_checkpoint(cfg, ckpt, tmp_path / "merged", layout="rlfleet")
     assert {"config.json", "model.safetensors"} <= {p.name for p in merged.iterdir()}
-    back = build_policy(load_config(None, [*OFT, "actor.model.is_lora=false",
-                                           f"actor.model.model_path={merged}"]).actor.model, SPECS, 4, True)
+    back = build_policy(
+        load_config(None, [*OFT, "actor.model.is_lora=false", f"actor.model.model_path={merged}"]).actor.model,
+        SPECS,
+        4,
+        True,
+    )
     assert _equal(back.state_dict(), want)
 
     adapter = export_checkpoint(cfg, ckpt, tmp_path / "adapter", lora="adapter", layout="rlfleet")
@@ -94,8 +116,9 @@ def test_oft_lora_merged_and_as_adapter(tmp_path):
     got = {f"llm.{k}": v for k, v in llm.state_dict().items()}
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in got)
     modules = load_file(str(adapter / "modules.safetensors"))
-    assert any(k.startswith("proprio_projector.") for k in modules) and any(k.startswith("value_head.")
-                                                                            for k in modules)
+    assert any(k.startswith("proprio_projector.") for k in modules) and any(
+        k.startswith("value_head.") for k in modules
+    )
     assert all(torch.equal(v, want[k]) for k, v in modules.items())
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] is None
 
@@ -108,8 +131,15 @@ def test_oft_lora_in_openvlas_released_layout(tmp_path):
     want = _merged_state(trained)
     out = export_checkpoint(cfg, ckpt, tmp_path / "up", max_shard_size="200KB")
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-            "preprocessor_config.json", "processor_config.json", "proprio_projector--1_checkpoint.pt"} <= names
+    assert {
+        "config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "proprio_projector--1_checkpoint.pt",
+    } <= names
     assert len([n for n in names if n.startswith("model-000")]) > 1 and "model.safetensors" not in names
     assert openvla_hub_problems(out) == []  # index <-> shards, and each tensor's shape for config.json's sizes
     config = json.loads((out / "config.json").read_text())
@@ -122,8 +152,12 @@ def test_oft_lora_in_openvlas_released_layout(tmp_path):
     proj = torch.load(out / "proprio_projector--1_checkpoint.pt", weights_only=True)
     assert sorted(proj) == ["module.fc1.bias", "module.fc1.weight", "module.fc2.bias", "module.fc2.weight"]
     _tokenizer_files_load(out)
-    back = build_policy(load_config(None, [*OFT, "actor.model.is_lora=false",
-                                           f"actor.model.model_path={out}"]).actor.model, SPECS, 4, True)
+    back = build_policy(
+        load_config(None, [*OFT, "actor.model.is_lora=false", f"actor.model.model_path={out}"]).actor.model,
+        SPECS,
+        4,
+        True,
+    )
     assert _equal(back.state_dict(), want, but="value_head.")
 
     # the adapter in the release's module names: peft applies it to a model whose LM is `language_model`
@@ -152,26 +186,40 @@ def test_openvla_released_layout_round_trips_dinosiglip(tmp_path):
     none) and acts and evaluates the same after loading; an OFT action query away from zero is refused."""
     from tests.rlfleet.test_openvla import INSTR, _obs, _to_openvla_hub
 
-    sizes = ["actor.model.vla.use_dinov2=true", "actor.model.vla.dino_registers=4",
-             "actor.model.vla.dino_hidden_size=96", "actor.model.vla.dino_heads=4",
-             "actor.model.vla.dino_intermediate_size=192", "actor.model.vla.vision_heads=2",
-             "actor.model.vla.image_size=32", "actor.model.vla.vocab_size=1088", "actor.model.vla.action_token_end=1024"]
+    sizes = [
+        "actor.model.vla.use_dinov2=true",
+        "actor.model.vla.dino_registers=4",
+        "actor.model.vla.dino_hidden_size=96",
+        "actor.model.vla.dino_heads=4",
+        "actor.model.vla.dino_intermediate_size=192",
+        "actor.model.vla.vision_heads=2",
+        "actor.model.vla.image_size=32",
+        "actor.model.vla.vocab_size=1088",
+        "actor.model.vla.action_token_end=1024",
+    ]
     cfg = load_config(None, ["actor.model.model_type=openvla", *sizes])
     torch.manual_seed(0)
-    specs = {"third_person": TensorSpace((32, 32, 3), "uint8"), "wrist": TensorSpace((32, 32, 3), "uint8"),
-             "state": TensorSpace((7,), "float32")}
+    specs = {
+        "third_person": TensorSpace((32, 32, 3), "uint8"),
+        "wrist": TensorSpace((32, 32, 3), "uint8"),
+        "state": TensorSpace((7,), "float32"),
+    }
     p = build_policy(cfg.actor.model, specs, 4, True, "token_level")
     with torch.no_grad():  # the loader test's convention: a zero CLS position
         p.vision.dino.embeddings.position_embeddings[:, 0] = 0.0
     from safetensors.torch import load_file
 
-    hub = {k: v for f in write_export(p, tmp_path / "zero-cls").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    hub = {
+        k: v for f in write_export(p, tmp_path / "zero-cls").glob("*.safetensors") for k, v in load_file(str(f)).items()
+    }
     assert _equal(hub, _to_openvla_hub(p)) and openvla_hub_problems(tmp_path / "zero-cls") == []
     with torch.no_grad():
         p.vision.dino.embeddings.position_embeddings[:, 0].normal_()
     out = write_export(p, tmp_path / "up")
     config = json.loads((out / "config.json").read_text())
-    assert config["use_fused_vision_backbone"] and config["pad_to_multiple_of"] == 64 and len(config["image_sizes"]) == 2
+    assert (
+        config["use_fused_vision_backbone"] and config["pad_to_multiple_of"] == 64 and len(config["image_sizes"]) == 2
+    )
     other = load_config(None, ["actor.model.model_type=openvla", f"actor.model.model_path={out}"])  # TINY's heads
     q = build_policy(other.actor.model, specs, 4, True, "token_level")  # heads from config.json's rlfleet entry
     assert q.vision.dino.config.num_attention_heads == 4 and q.vision.siglip.config.num_attention_heads == 2
@@ -179,9 +227,17 @@ def test_openvla_released_layout_round_trips_dinosiglip(tmp_path):
     want, got = p.act(obs, True, INSTR), q.act(obs, True, INSTR)
     assert torch.equal(want.forward_inputs["action_bins"], got.forward_inputs["action_bins"])
     assert (q.evaluate(obs, want.forward_inputs, INSTR).log_probs - want.log_probs).abs().max() < 1e-5
-    cfg = load_config(None, ["actor.model.model_type=openvla_oft", "actor.model.vla.image_size=32",
-                             "actor.model.num_action_chunks=2", "env.train.max_steps_per_rollout_epoch=32",
-                             "actor.global_batch_size=256", "actor.micro_batch_size=256"])
+    cfg = load_config(
+        None,
+        [
+            "actor.model.model_type=openvla_oft",
+            "actor.model.vla.image_size=32",
+            "actor.model.num_action_chunks=2",
+            "env.train.max_steps_per_rollout_epoch=32",
+            "actor.global_batch_size=256",
+            "actor.micro_batch_size=256",
+        ],
+    )
     oft = build_policy(cfg.actor.model, SPECS, 4, True, "token_level")
     with torch.no_grad():
         oft.action_query.add_(0.1)
@@ -192,8 +248,13 @@ def test_openvla_released_layout_round_trips_dinosiglip(tmp_path):
 def test_pi0_both_layouts_and_adapter_refused(tmp_path):
     cfg, trained, ckpt = _trained_checkpoint(tmp_path, PI0)
     out = export_checkpoint(cfg, ckpt, tmp_path / "pi0", layout="rlfleet")
-    back = build_policy(load_config(None, [*PI0, f"actor.model.model_path={out}"]).actor.model, SPECS, 4, True,
-                        cfg.algorithm.logprob_type)
+    back = build_policy(
+        load_config(None, [*PI0, f"actor.model.model_path={out}"]).actor.model,
+        SPECS,
+        4,
+        True,
+        cfg.algorithm.logprob_type,
+    )
     assert _equal(back.state_dict(), trained.state_dict())
 
     # transformers' π0 layout (lerobot/pi0_base as rlfleet loads it): PI0ForConditionalGeneration reads it back
@@ -203,8 +264,13 @@ def test_pi0_both_layouts_and_adapter_refused(tmp_path):
     assert any(k.startswith("paligemma_with_expert.paligemma.") for k in index)  # lerobot's names
     assert any(k.startswith("paligemma_with_expert.gemma_expert.") for k in index)
     _tokenizer_files_load(up)
-    back = build_policy(load_config(None, [*PI0, f"actor.model.model_path={up}"]).actor.model, SPECS, 4, True,
-                        cfg.algorithm.logprob_type)
+    back = build_policy(
+        load_config(None, [*PI0, f"actor.model.model_path={up}"]).actor.model,
+        SPECS,
+        4,
+        True,
+        cfg.algorithm.logprob_type,
+    )
     assert _equal(back.state_dict(), trained.state_dict(), but="value_head.")
     with pytest.raises(ExportError, match="trained without LoRA"):
         write_export(trained, tmp_path / "nope", lora="adapter")

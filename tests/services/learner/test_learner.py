@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from rlfleet.config.views import learner_view
 from rlfleet.data.metrics import read_metrics
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.wire.codec import EpisodeStat
-from rlfleet.config.views import learner_view
+from rlfleet.wire.spaces import TensorSpace
 from services.learner.learner import Learner, latest_checkpoint, update_threads
 
 SPECS = {"state": TensorSpace((13,), "float32")}
@@ -22,12 +22,18 @@ SPECS = {"state": TensorSpace((13,), "float32")}
 def fake_rollout(T=16, N=8, seed=0):
     rng = np.random.default_rng(seed)
     actions = rng.normal(size=(T, N, 4)).astype(np.float32)
-    tm = {"obs.state": rng.normal(size=(T, N, 13)).astype(np.float32),
-          "actions": actions[:, :, None], "fi.actions": actions,
-          "log_probs": np.full((T, N, 1), -4.0, np.float32), "values": np.zeros((T, N), np.float32),
-          "rewards": rng.random((T, N)).astype(np.float32), "terminated": np.zeros((T, N), bool),
-          "truncated": np.zeros((T, N), bool), "bootstrap_values": np.zeros((T, N), np.float32),
-          "loss_mask": np.ones((T, N), bool)}
+    tm = {
+        "obs.state": rng.normal(size=(T, N, 13)).astype(np.float32),
+        "actions": actions[:, :, None],
+        "fi.actions": actions,
+        "log_probs": np.full((T, N, 1), -4.0, np.float32),
+        "values": np.zeros((T, N), np.float32),
+        "rewards": rng.random((T, N)).astype(np.float32),
+        "terminated": np.zeros((T, N), bool),
+        "truncated": np.zeros((T, N), bool),
+        "bootstrap_values": np.zeros((T, N), np.float32),
+        "loss_mask": np.ones((T, N), bool),
+    }
     if T:
         tm["truncated"][T // 2] = True
     return tm, {"last_values": np.zeros(N, np.float32)}, [EpisodeStat(0, 3.0, 8, True, True)]
@@ -85,12 +91,29 @@ def test_train_logs_rlinf_metrics_and_checkpoints(learner, tmp_path):
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     learner.rollouts.receive(0, 0, tm, pe, eps)
     m = learner.train(0, [0])
-    for key in ("train/actor/policy_loss", "train/actor/approx_kl", "train/actor/clip_fraction",
-                "train/actor/clipped_ratio", "train/actor/grad_norm", "train/actor/lr", "train/actor/entropy_loss",
-                "train/critic/value_loss", "train/critic/value_clip_ratio", "train/critic/explained_variance",
-                "train/loss", "env/success_once", "env/return", "env/episode_len", "env/reward",
-                "rollout/advantages_mean", "rollout/advantages_max", "rollout/advantages_min",
-                "rollout/returns_mean", "rollout/rewards", "time/train"):
+    for key in (
+        "train/actor/policy_loss",
+        "train/actor/approx_kl",
+        "train/actor/clip_fraction",
+        "train/actor/clipped_ratio",
+        "train/actor/grad_norm",
+        "train/actor/lr",
+        "train/actor/entropy_loss",
+        "train/critic/value_loss",
+        "train/critic/value_clip_ratio",
+        "train/critic/explained_variance",
+        "train/loss",
+        "env/success_once",
+        "env/return",
+        "env/episode_len",
+        "env/reward",
+        "rollout/advantages_mean",
+        "rollout/advantages_max",
+        "rollout/advantages_min",
+        "rollout/returns_mean",
+        "rollout/rewards",
+        "time/train",
+    ):
         assert key in m, key
     assert learner.version == 1 and learner.env_steps == 16 * 8
     assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
@@ -270,23 +293,26 @@ def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
     starting model), so the learner holds no second copy of the weights."""
     from rlfleet.config import load_config
 
-    cfg = load_config("pandapickcube_vision_grpo_openvla_oft_tiny",
-                      ["algorithm.kl_beta=0.1", "actor.model.vla.image_size=32", "actor.model.lora_rank=4"])
+    cfg = load_config(
+        "pandapickcube_vision_grpo_openvla_oft_tiny",
+        ["algorithm.kl_beta=0.1", "actor.model.vla.image_size=32", "actor.model.lora_rank=4"],
+    )
     specs = {"third_person": TensorSpace((32, 32, 3), "uint8"), "state": TensorSpace((7,), "float32")}
     le = Learner(learner_view(cfg), tmp_path / "run")
     try:
         le.setup(specs, 4)
         assert le.ref_model is None and le.model.trains_adapters_only
         g = torch.Generator().manual_seed(0)
-        obs = {"third_person": torch.randint(0, 256, (6, 32, 32, 3), dtype=torch.uint8, generator=g),
-               "state": torch.randn(6, 7, generator=g)}
+        obs = {
+            "third_person": torch.randint(0, 256, (6, 32, 32, 3), dtype=torch.uint8, generator=g),
+            "state": torch.randn(6, 7, generator=g),
+        }
         with torch.no_grad():
             start = le.model.act(obs, False, ["pick up the red cube and lift it"] * 6)
             for name, p in le.model.named_parameters():
                 if "lora_B" in name:  # what training does: the adapters move, the base stays
                     p.add_(torch.randn_like(p) * 0.3)
-        rows = {**{f"obs.{k}": v for k, v in obs.items()},
-                **{f"fi.{k}": v for k, v in start.forward_inputs.items()}}
+        rows = {**{f"obs.{k}": v for k, v in obs.items()}, **{f"fi.{k}": v for k, v in start.forward_inputs.items()}}
         every = torch.arange(6)
         moved = le.trainer.log_probs(le.model, rows, every)
         ref = le.trainer.reference_log_probs(le.model, le.ref_model, rows, every)
@@ -302,8 +328,11 @@ def test_forward_inputs_are_checked_against_what_the_policy_produces(learner):
 
     assert learner.rollouts.fi_specs == {"actions": InputSpec((4,), "float32")}  # asked of the policy at set-up
     tm, pe, eps = fake_rollout()
-    with pytest.raises(InvalidRequest, match=r"rollout\['fi.actions'\]: float32 \[16, 8, 7\] where float "
-                                             r"\[16, 8, \*\[4\]\] was expected"):
+    with pytest.raises(
+        InvalidRequest,
+        match=r"rollout\['fi.actions'\]: float32 \[16, 8, 7\] where float "
+        r"\[16, 8, \*\[4\]\] was expected",
+    ):
         learner.rollouts.receive(0, 0, dict(tm, **{"fi.actions": np.zeros((16, 8, 7), np.float32)}), pe, eps)
     with pytest.raises(InvalidRequest, match=r"unknown tensors \['fi.tokens'\]"):
         learner.rollouts.receive(0, 0, dict(tm, **{"fi.tokens": np.zeros((16, 8, 3), np.int64)}), pe, eps)
@@ -372,9 +401,12 @@ def test_rollouts_of_workers_the_run_does_not_have_are_refused(learner):
     """40 rollouts for made-up worker indices took the learner from 369 to 1656 MB until the next Train."""
     tm, pe, eps = fake_rollout()
     assert learner.rollouts.num_workers == 1  # cluster.num_env_servers
-    for worker in (1, 5, 2 ** 31 - 1, -1):
-        with pytest.raises(InvalidRequest, match=rf"worker_index: {worker} is not one of this run's env servers "
-                                                 r"\(0\.\.0"):
+    for worker in (1, 5, 2**31 - 1, -1):
+        with pytest.raises(
+            InvalidRequest,
+            match=rf"worker_index: {worker} is not one of this run's env servers "
+            r"\(0\.\.0",
+        ):
             learner.rollouts.receive(0, worker, tm, pe, eps)
     assert not learner.rollouts.pending
     # the run scales up (coordinatorctl scale env 3): the new servers push before the Train that names them;

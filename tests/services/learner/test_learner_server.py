@@ -4,10 +4,10 @@ import grpc
 import numpy as np
 import pytest
 
-from rlfleet.wire import channels, servers
 from rlfleet.v1 import learner_pb2_grpc
-from rlfleet.wire.codec import Rollout
+from rlfleet.wire import channels, servers
 from rlfleet.wire.clients import push_rollout, rollout_chunks
+from rlfleet.wire.codec import Rollout
 from tests.services.learner.test_learner import SPECS, fake_rollout
 
 
@@ -48,10 +48,16 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
     from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
     from tests.conftest import Fleet, small_config
 
-    cfg = small_config("env.train.env_id=PandaPickCubeVision-v0", "env.train.total_num_envs=4",
-                       "env.train.max_steps_per_rollout_epoch=8", "env.train.init_params={image_size: 32}",
-                       "actor.model.model_type=cnn", "actor.micro_batch_size=16", "actor.global_batch_size=32",
-                       "actor.model.image_feature_dim=32")
+    cfg = small_config(
+        "env.train.env_id=PandaPickCubeVision-v0",
+        "env.train.total_num_envs=4",
+        "env.train.max_steps_per_rollout_epoch=8",
+        "env.train.init_params={image_size: 32}",
+        "actor.model.model_type=cnn",
+        "actor.micro_batch_size=16",
+        "actor.global_batch_size=32",
+        "actor.model.image_feature_dim=32",
+    )
     fleet = Fleet(cfg, tmp_path / "run")
     try:
         rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
@@ -60,8 +66,11 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
         assert spec.task_descriptions[0] == "pick up the red cube and lift it"
         lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
-        rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
-                                                 learner_address=fleet.learner_addr))
+        rstub.Collect(
+            rollout_pb2.CollectRequest(
+                epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr
+            )
+        )
         images = fleet.learner.rollouts.pending[(0, 0)]["time"]["obs.third_person"]
         assert images.shape == (8, 4, 32, 32, 3) and images.dtype == np.uint8 and images.std() > 1
         resp = lstub.Train(learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.inf_addr]))
@@ -71,42 +80,74 @@ def test_vision_images_flow_through_the_pipeline(tmp_path):
         fleet.close()
 
 
-@pytest.mark.parametrize("model, logprob_type", [("mlp", "action_level"), ("mlp", "token_level"),
-                                                  ("mlp", "chunk_level"), ("cnn", "token_level"),
-                                                  ("openvla", "token_level"), ("openvla_oft", "action_level"),
-                                                  ("openvla_oft", "chunk_level"), ("openpi", "chunk_level"),
-                                                  ("openpi", "token_level"), ("openpi+pi05+flow_noise", "chunk_level"),
-                                                  ("openvla_oft+bf16", "chunk_level"), ("openpi+bf16", "chunk_level"),
-                                                  ("openvla_oft+bf16+bf16_weights", "token_level")])
+@pytest.mark.parametrize(
+    "model, logprob_type",
+    [
+        ("mlp", "action_level"),
+        ("mlp", "token_level"),
+        ("mlp", "chunk_level"),
+        ("cnn", "token_level"),
+        ("openvla", "token_level"),
+        ("openvla_oft", "action_level"),
+        ("openvla_oft", "chunk_level"),
+        ("openpi", "chunk_level"),
+        ("openpi", "token_level"),
+        ("openpi+pi05+flow_noise", "chunk_level"),
+        ("openvla_oft+bf16", "chunk_level"),
+        ("openpi+bf16", "chunk_level"),
+        ("openvla_oft+bf16+bf16_weights", "token_level"),
+    ],
+)
 def test_learner_recomputes_the_inference_log_probs_exactly(tmp_path, model, logprob_type):
     """First PPO epoch: the learner's recomputed log-probs equal the inference server's (ratio starts at 1)."""
     from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
     from tests.conftest import Fleet, small_config
 
     model, *variant = model.split("+")
-    options = {"pi05": ["actor.model.openpi.pi05=true", "actor.model.max_prompt_tokens=80"],
-               "flow_noise": ["actor.model.openpi.noise_method=flow_noise"], "bf16": ["actor.model.precision=bf16"],
-               "bf16_weights": ["rollout.weights_precision=bf16"]}
+    options = {
+        "pi05": ["actor.model.openpi.pi05=true", "actor.model.max_prompt_tokens=80"],
+        "flow_noise": ["actor.model.openpi.noise_method=flow_noise"],
+        "bf16": ["actor.model.precision=bf16"],
+        "bf16_weights": ["rollout.weights_precision=bf16"],
+    }
     vision = ["env.train.env_id=PandaPickCubeVision-v0", "env.train.init_params={image_size: 32}"]
     chunk = 2 if model in ("openvla_oft", "openpi") else 1
-    extra = {"mlp": [], "cnn": [*vision, "actor.model.image_feature_dim=32"],
-             "openvla": [*vision, "actor.model.vla.image_size=32"],
-             # OFT: a chunk of 2 actions per call, LoRA adapters only
-             "openvla_oft": [*vision, "actor.model.vla.image_size=32", "actor.model.num_action_chunks=2",
-                             "actor.model.is_lora=true", "actor.model.lora_rank=4", "env.train.max_steps_per_rollout_epoch=16"],
-             "openpi": [*vision, "actor.model.num_action_chunks=2", "env.train.max_steps_per_rollout_epoch=16"]}[model]
-    cfg = small_config(f"actor.model.model_type={model}", f"algorithm.logprob_type={logprob_type}",
-                       "env.train.total_num_envs=4", "env.train.max_steps_per_rollout_epoch=8",
-                       "actor.micro_batch_size=16", "actor.global_batch_size=32", *extra,
-                       *[o for v in variant for o in options[v]])
+    extra = {
+        "mlp": [],
+        "cnn": [*vision, "actor.model.image_feature_dim=32"],
+        "openvla": [*vision, "actor.model.vla.image_size=32"],
+        # OFT: a chunk of 2 actions per call, LoRA adapters only
+        "openvla_oft": [
+            *vision,
+            "actor.model.vla.image_size=32",
+            "actor.model.num_action_chunks=2",
+            "actor.model.is_lora=true",
+            "actor.model.lora_rank=4",
+            "env.train.max_steps_per_rollout_epoch=16",
+        ],
+        "openpi": [*vision, "actor.model.num_action_chunks=2", "env.train.max_steps_per_rollout_epoch=16"],
+    }[model]
+    cfg = small_config(
+        f"actor.model.model_type={model}",
+        f"algorithm.logprob_type={logprob_type}",
+        "env.train.total_num_envs=4",
+        "env.train.max_steps_per_rollout_epoch=8",
+        "actor.micro_batch_size=16",
+        "actor.global_batch_size=32",
+        *extra,
+        *[o for v in variant for o in options[v]],
+    )
     fleet = Fleet(cfg, tmp_path / "run")
     try:
         rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
         spec = rstub.Describe(env_pb2.DescribeEnvRequest())
         lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
-        rstub.Collect(rollout_pb2.CollectRequest(epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr],
-                                                 learner_address=fleet.learner_addr))
+        rstub.Collect(
+            rollout_pb2.CollectRequest(
+                epoch=0, num_steps=8, inference_addresses=[fleet.inf_addr], learner_address=fleet.learner_addr
+            )
+        )
         pending = fleet.learner.rollouts.pending[(0, 0)]["time"]
         width = {"action_level": chunk, "chunk_level": 1, "token_level": 4 * chunk}[logprob_type]
         assert pending["log_probs"].shape == (8, 4, width) and pending["actions"].shape == (8, 4, chunk, 4)
@@ -130,10 +171,17 @@ def test_grpo_groups_share_a_start_and_train_without_a_critic(tmp_path):
     from rlfleet.v1 import env_pb2, learner_pb2, rollout_pb2, rollout_pb2_grpc
     from tests.conftest import Fleet, small_config
 
-    cfg = small_config("algorithm.adv_type=grpo", "algorithm.loss_type=actor", "algorithm.group_size=4",
-                       "env.train.auto_reset=false", "env.train.max_episode_steps=10",
-                       "env.train.max_steps_per_rollout_epoch=10", "actor.micro_batch_size=40",
-                       "actor.global_batch_size=80", "algorithm.filter_rewards=[-1000.0, 1000.0]")
+    cfg = small_config(
+        "algorithm.adv_type=grpo",
+        "algorithm.loss_type=actor",
+        "algorithm.group_size=4",
+        "env.train.auto_reset=false",
+        "env.train.max_episode_steps=10",
+        "env.train.max_steps_per_rollout_epoch=10",
+        "actor.micro_batch_size=40",
+        "actor.global_batch_size=80",
+        "algorithm.filter_rewards=[-1000.0, 1000.0]",
+    )
     fleet = Fleet(cfg, tmp_path / "run")
     try:
         rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
@@ -141,13 +189,21 @@ def test_grpo_groups_share_a_start_and_train_without_a_critic(tmp_path):
         lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
         lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.inf_addr]))
         for epoch in range(2):
-            rstub.Collect(rollout_pb2.CollectRequest(epoch=epoch, num_steps=10, inference_addresses=[fleet.inf_addr],
-                                                     learner_address=fleet.learner_addr, min_weights_version=epoch))
+            rstub.Collect(
+                rollout_pb2.CollectRequest(
+                    epoch=epoch,
+                    num_steps=10,
+                    inference_addresses=[fleet.inf_addr],
+                    learner_address=fleet.learner_addr,
+                    min_weights_version=epoch,
+                )
+            )
             first = fleet.learner.rollouts.pending[(epoch, 0)]["time"]["obs.state"][0]  # [8 envs, 13]
             assert np.allclose(first[:4], first[0]) and np.allclose(first[4:], first[4])  # two groups
             assert not np.allclose(first[0], first[4])
-            resp = lstub.Train(learner_pb2.TrainRequest(epoch=epoch, worker_indices=[0],
-                                                        inference_addresses=[fleet.inf_addr]))
+            resp = lstub.Train(
+                learner_pb2.TrainRequest(epoch=epoch, worker_indices=[0], inference_addresses=[fleet.inf_addr])
+            )
             m = resp.metrics
             assert m["rollout/grpo_groups"] == 2 and np.isfinite(m["train/actor/policy_loss"])
             assert m["train/critic/value_loss"] == 0.0 and "train/critic/explained_variance" not in m
@@ -175,16 +231,18 @@ def test_publish_to_a_dead_inference_server_fails_fast(learner_stub):
 
 
 def test_rollouts_for_far_epochs_and_0d_tensors_are_refused_before_buffering(learner_stub):
-    from rlfleet.wire import codec
     from rlfleet.v1 import learner_pb2
+    from rlfleet.wire import codec
 
     stub, learner = learner_stub
     tm, pe, eps = fake_rollout(T=8)
-    chunks = list(rollout_chunks(Rollout(tm, pe, eps), 10 ** 9, 0, "inc"))
+    chunks = list(rollout_chunks(Rollout(tm, pe, eps), 10**9, 0, "inc"))
     with pytest.raises(grpc.RpcError) as err:
         stub.PushRollout(iter(chunks))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "a rollout for epoch 1000000000; this learner trained epoch -1 and accepts epochs 0..1" in err.value.details()
+    assert (
+        "a rollout for epoch 1000000000; this learner trained epoch -1 and accepts epochs 0..1" in err.value.details()
+    )
     bad = learner_pb2.RolloutChunk(epoch=0, num_steps=1, last=True)
     codec.encode(np.float32(1.0), bad.data.tensors["rewards"])
     with pytest.raises(grpc.RpcError) as err:
@@ -204,6 +262,7 @@ def _bad(field, value=None, shape=None, pe=False):
             target[field] = target[field].copy()
             target[field].reshape(-1)[3] = value
         return Rollout(tm, pe_, eps)
+
     return make
 
 
@@ -282,7 +341,7 @@ def test_rollouts_for_workers_the_run_does_not_have_are_refused_before_buffering
         stub = learner_pb2_grpc.LearnerServiceStub(channels.channel(addr))
         big = Rollout(*fake_rollout(T=64))
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        for worker in (1, 7, 40, 2 ** 31 - 1):
+        for worker in (1, 7, 40, 2**31 - 1):
             with pytest.raises(grpc.RpcError) as err:
                 stub.PushRollout(rollout_chunks(big, 0, worker, "inc"), timeout=30)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

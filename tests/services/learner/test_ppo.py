@@ -38,8 +38,9 @@ def test_policy_loss_importance_weights_scale_each_sample():
     kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None)
     loss, _ = ppo.policy_loss(new, old, adv, weights=torch.tensor([2.0, 1.0, 0.5, 0.0]), **kw)
     assert np.isclose(loss.item(), np.mean([-2.4, -0.5, 0.75, 0.0]))
-    assert torch.equal(ppo.policy_loss(new, old, adv, weights=torch.ones(4), **kw)[0],
-                       ppo.policy_loss(new, old, adv, **kw)[0])
+    assert torch.equal(
+        ppo.policy_loss(new, old, adv, weights=torch.ones(4), **kw)[0], ppo.policy_loss(new, old, adv, **kw)[0]
+    )
 
 
 def test_value_loss_clip_and_huber():
@@ -50,7 +51,7 @@ def test_value_loss_clip_and_huber():
     assert np.isclose(unclipped.item(), 0.5)
     # pessimistic max of unclipped and clipped errors: here the clipped prediction (0.2) is worse
     clipped, ratio = ppo.value_loss(v, old, torch.tensor([3.0]), value_clip=0.2, huber_delta=None)
-    assert np.isclose(clipped.item(), 0.5 * 2.8 ** 2) and ratio.item() == 1.0
+    assert np.isclose(clipped.item(), 0.5 * 2.8**2) and ratio.item() == 1.0
     same, ratio = ppo.value_loss(v, old, ret, value_clip=0.2, huber_delta=None)
     assert np.isclose(same.item(), 0.5) and ratio.item() == 0.0
     huber, _ = ppo.value_loss(torch.tensor([4.0]), old, ret, value_clip=None, huber_delta=1.0)
@@ -67,14 +68,14 @@ def test_grpo_advantages_groups_and_filter():
 
     T, N = 4, 6  # 3 groups of 2
     rewards = torch.zeros(T, N)
-    rewards[0, 0] = 1.0          # group 0: one success, one failure
-    rewards[:, 2:4] = 1.0        # group 1: both succeed (all-success)
+    rewards[0, 0] = 1.0  # group 0: one success, one failure
+    rewards[:, 2:4] = 1.0  # group 1: both succeed (all-success)
     mask = torch.ones(T, N)
-    mask[2:, 1] = 0.0            # env 1 ended after 2 steps
+    mask[2:, 1] = 0.0  # env 1 ended after 2 steps
     adv, new_mask, stats = grpo_advantages(rewards, mask, 2)
-    assert torch.allclose(adv[:, 0], torch.full((T,), 1.0), atol=1e-4)   # (1 - 0.5) / 0.5
+    assert torch.allclose(adv[:, 0], torch.full((T,), 1.0), atol=1e-4)  # (1 - 0.5) / 0.5
     assert torch.allclose(adv[:, 1], torch.full((T,), -1.0), atol=1e-4)
-    assert torch.allclose(adv[:, 2:], torch.zeros(T, 4))                  # no spread: zero advantage
+    assert torch.allclose(adv[:, 2:], torch.zeros(T, 4))  # no spread: zero advantage
     assert torch.equal(new_mask, mask) and stats["rollout/grpo_groups"] == 3
     adv, new_mask, stats = grpo_advantages(rewards, mask, 2, filter_range=(0.1, 3.9))
     assert new_mask[:, 2:4].sum() == 0 and new_mask[:, 4:].sum() == 0 and new_mask[:, :2].sum() == mask[:, :2].sum()
@@ -87,7 +88,7 @@ def test_kl_penalty_estimators():
     d = lp - ref
     assert torch.allclose(ppo.kl_penalty(lp, ref, "kl"), d)
     assert torch.allclose(ppo.kl_penalty(lp, ref, "abs"), d.abs())
-    assert torch.allclose(ppo.kl_penalty(lp, ref, "mse"), 0.5 * d ** 2)
+    assert torch.allclose(ppo.kl_penalty(lp, ref, "mse"), 0.5 * d**2)
     k3 = ppo.kl_penalty(lp, ref, "low_var_kl")
     assert torch.allclose(k3, torch.exp(-d) + d - 1.0)
     assert k3[0] == 0 and (k3 >= 0).all()

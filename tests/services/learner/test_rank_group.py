@@ -30,8 +30,17 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def run_ranks(n: int, out: Path, scenario: str = "update", **opts) -> dict:
     """``scenario`` of rank_scenarios.py on ``n`` ranks (torchrun, standalone) -> rank 0's result.json."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", SCENARIOS,
-           scenario, str(out), *[f"{k}={v}" for k, v in opts.items()]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        SCENARIOS,
+        scenario,
+        str(out),
+        *[f"{k}={v}" for k, v in opts.items()],
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "result.json").read_text())
@@ -103,8 +112,7 @@ def test_sharded_checkpoint_resumes_at_another_world_size(tmp_path, saved, resum
     run_ranks(saved, tmp_path / "saved", "save", float64=1, epochs=1)
     shards = sorted(p.name for p in (tmp_path / "saved" / "run" / "checkpoints" / "global_step_1" / "state").iterdir())
     assert len([s for s in shards if s.endswith(".distcp")]) == saved
-    result = run_ranks(resumed, tmp_path / "resumed", "resume", float64=1, epochs=2,
-                       resume=tmp_path / "saved" / "run")
+    result = run_ranks(resumed, tmp_path / "resumed", "resume", float64=1, epochs=2, resume=tmp_path / "saved" / "run")
     assert result["epoch"] == 1 and len(result["metrics"]) == 1  # it went on from epoch 1
     assert max_diff(tmp_path / "straight", tmp_path / "resumed") < 1e-9
 
@@ -120,8 +128,13 @@ def test_env_blocks_balance_samples_and_never_split_a_group():
 
 
 def test_tensors_cross_ranks_as_bytes_not_pickle():
-    tensors = {"a": torch.randn(3, 4, dtype=torch.float64), "m": torch.tensor([True, False]),
-               "b": torch.randn(2).to(torch.bfloat16), "e": torch.zeros(0, 5), "i": torch.arange(6).reshape(2, 3)}
+    tensors = {
+        "a": torch.randn(3, 4, dtype=torch.float64),
+        "m": torch.tensor([True, False]),
+        "b": torch.randn(2).to(torch.bfloat16),
+        "e": torch.zeros(0, 5),
+        "i": torch.arange(6).reshape(2, 3),
+    }
     layout, buf = _pack(tensors)
     assert buf.dtype == torch.uint8 and json.dumps(layout)  # a JSON layout and raw bytes
     back = _unpack(json.loads(json.dumps(layout)), buf)
@@ -140,11 +153,25 @@ def _by_hand(tmp_path: Path, sleep: float) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, SCENARIOS, "idle", str(tmp_path / "out"), f"sleep={sleep}",
-                                       "hb=3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, SCENARIOS, "idle", str(tmp_path / "out"), f"sleep={sleep}", "hb=3"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 

@@ -12,15 +12,23 @@ import torch
 from rlfleet.config import ConfigError, load_config
 from rlfleet.config.views import SftView, build_view
 from rlfleet.data.datasets import Dataset, DatasetWriter, Episode
-from rlfleet.wire.spaces import TensorSpace
 from rlfleet.policies import build_policy
+from rlfleet.wire.spaces import TensorSpace
 from services.learner.sft import SFTTrainer, chunk_samples
 
 SPECS = {"third_person": TensorSpace((64, 64, 3), "uint8"), "state": TensorSpace((7,), "float32")}
-TINY = ["actor.model.model_type=openvla_oft", "actor.model.num_action_chunks=2", "actor.model.add_value_head=false",
-        "actor.model.image_key=third_person", "actor.model.vla.vision_layers=1", "actor.model.vla.llm_layers=1",
-        "algorithm.logprob_type=token_level", "env.train.max_steps_per_rollout_epoch=16",
-        "actor.micro_batch_size=64", "actor.global_batch_size=128"]
+TINY = [
+    "actor.model.model_type=openvla_oft",
+    "actor.model.num_action_chunks=2",
+    "actor.model.add_value_head=false",
+    "actor.model.image_key=third_person",
+    "actor.model.vla.vision_layers=1",
+    "actor.model.vla.llm_layers=1",
+    "algorithm.logprob_type=token_level",
+    "env.train.max_steps_per_rollout_epoch=16",
+    "actor.micro_batch_size=64",
+    "actor.global_batch_size=128",
+]
 
 
 def _dataset(root, episodes=3, T=6) -> Dataset:
@@ -30,8 +38,16 @@ def _dataset(root, episodes=3, T=6) -> Dataset:
         img = np.zeros((T, 64, 64, 3), np.uint8)
         img[:, :, :32] = 255 * (e % 2)  # the image tells which way to move
         act = np.tile(np.array([1.0 if e % 2 else -1.0, 0.5, -0.5, 0.0], np.float32), (T, 1))
-        w.add(Episode({"third_person": img, "state": rng.normal(size=(T, 7)).astype(np.float32)}, act,
-                      np.zeros(T, np.float32), np.zeros(T, bool), f"task {e % 2}", e))
+        w.add(
+            Episode(
+                {"third_person": img, "state": rng.normal(size=(T, 7)).astype(np.float32)},
+                act,
+                np.zeros(T, np.float32),
+                np.zeros(T, bool),
+                f"task {e % 2}",
+                e,
+            )
+        )
     w.close()
     return Dataset(root)
 
@@ -75,8 +91,7 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, proprio):
             d.observation_statistics("joints")
     rl_cfg = load_config(None, [*TINY_, f"actor.model.model_path={path}", "actor.model.unnorm_key=Toy-v0"])
     loaded = build_policy(rl_cfg.actor.model, SPECS, 4, True, "token_level")
-    obs = {"third_person": torch.from_numpy(d.episode(1).observations["third_person"][:2]),
-           "state": torch.zeros(2, 7)}
+    obs = {"third_person": torch.from_numpy(d.episode(1).observations["third_person"][:2]), "state": torch.zeros(2, 7)}
     want = trainer.policy.act(obs, True, ["task 1"] * 2).actions
     got = loaded.act(obs, True, ["task 1"] * 2).actions
     torch.testing.assert_close(got, want)
@@ -86,19 +101,29 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, proprio):
 def test_pi0_flow_matching_sft_round_trips_through_model_path(tmp_path):
     torch.manual_seed(0)
     d = _dataset(tmp_path / "d", episodes=2, T=4)
-    args = ["actor.model.model_type=openpi", "actor.model.num_action_chunks=2", "algorithm.logprob_type=chunk_level",
-            "env.train.max_steps_per_rollout_epoch=16", "actor.micro_batch_size=64", "actor.global_batch_size=128"]
+    args = [
+        "actor.model.model_type=openpi",
+        "actor.model.num_action_chunks=2",
+        "algorithm.logprob_type=chunk_level",
+        "env.train.max_steps_per_rollout_epoch=16",
+        "actor.micro_batch_size=64",
+        "actor.global_batch_size=128",
+    ]
     cfg = load_config(None, [*args, "sft.max_steps=25", "sft.batch_size=8", "sft.lr=1e-3"])
     trainer = SFTTrainer(build_view(SftView, cfg), d, tmp_path / "out", log=lambda s: None)
     summary = trainer.train()
     assert summary["final_loss"] < summary["first_loss"], summary
     path = trainer.save(summary)
-    loaded = build_policy(load_config(None, [*args, f"actor.model.model_path={path}"]).actor.model, SPECS, 4, True,
-                          "chunk_level")
-    obs = {"third_person": torch.from_numpy(d.episode(0).observations["third_person"][:2]),
-           "state": torch.from_numpy(d.episode(0).observations["state"][:2])}
-    torch.testing.assert_close(loaded.act(obs, True, ["task 0"] * 2).actions,
-                               trainer.policy.act(obs, True, ["task 0"] * 2).actions)
+    loaded = build_policy(
+        load_config(None, [*args, f"actor.model.model_path={path}"]).actor.model, SPECS, 4, True, "chunk_level"
+    )
+    obs = {
+        "third_person": torch.from_numpy(d.episode(0).observations["third_person"][:2]),
+        "state": torch.from_numpy(d.episode(0).observations["state"][:2]),
+    }
+    torch.testing.assert_close(
+        loaded.act(obs, True, ["task 0"] * 2).actions, trainer.policy.act(obs, True, ["task 0"] * 2).actions
+    )
 
 
 def test_random_shift_moves_each_image_by_at_most_the_shift_and_leaves_the_rest(tmp_path):
@@ -176,9 +201,17 @@ def test_lerobots_image_features_read_exactly(lerobot_dataset):
     np.testing.assert_array_equal(video.actions, ep.actions)
 
 
-SFT_CLI = ["--config", "pandapickcube_vision_sft_openvla_oft_tiny", "actor.model.vla.vision_layers=1",
-           "actor.model.vla.llm_layers=1", "actor.model.num_action_chunks=2", "sft.max_steps=60",
-           "sft.batch_size=12", "sft.lr=1e-3", "cluster.learner_num_threads=1"]
+SFT_CLI = [
+    "--config",
+    "pandapickcube_vision_sft_openvla_oft_tiny",
+    "actor.model.vla.vision_layers=1",
+    "actor.model.vla.llm_layers=1",
+    "actor.model.num_action_chunks=2",
+    "sft.max_steps=60",
+    "sft.batch_size=12",
+    "sft.lr=1e-3",
+    "cluster.learner_num_threads=1",
+]
 KEYS = "sft.dataset_keys={wrist: observation.images.front, state: observation.state, action: action}"
 
 
@@ -187,8 +220,10 @@ def test_a_dataset_lerobot_writes_trains_with_sft_through_the_key_map(tmp_path, 
 
     d = Dataset(lerobot_dataset, {"wrist": "observation.images.front", "state": "observation.state"})
     assert len(d) == 4 and d.action_dim == 4 and d.meta["env_id"] == "toy"
-    assert d.observation_features == {"wrist": {"dtype": "uint8", "shape": [64, 64, 3]},
-                                      "state": {"dtype": "float32", "shape": [7]}}
+    assert d.observation_features == {
+        "wrist": {"dtype": "uint8", "shape": [64, 64, 3]},
+        "state": {"dtype": "float32", "shape": [7]},
+    }
     ep = d.episode(1)
     assert ep.instruction == "task 1" and ep.length == 6 and (ep.actions[:, 0] == 1.0).all()
     assert np.abs(ep.observations["wrist"][:, :, :32].astype(int) - 200).mean() < 4  # lerobot's video, decoded
@@ -205,9 +240,13 @@ def test_a_dataset_lerobot_writes_trains_with_sft_through_the_key_map(tmp_path, 
     # a key the map names that the dataset lacks: one clear line naming it and the dataset's features
     code = main([*SFT_CLI, f"sft.dataset_path={lerobot_dataset}", "sft.dataset_keys={wrist: observation.images.top}"])
     err = capsys.readouterr().err
-    assert code == 1 and "'wrist' is mapped to the feature 'observation.images.top' (sft.dataset_keys), which the " \
-        "dataset does not have; its features: action, episode_index, frame_index, index, observation.images.front, " \
-        "observation.state, task_index, timestamp" in err, err
+    assert (
+        code == 1
+        and "'wrist' is mapped to the feature 'observation.images.top' (sft.dataset_keys), which the "
+        "dataset does not have; its features: action, episode_index, frame_index, index, observation.images.front, "
+        "observation.state, task_index, timestamp"
+        in err
+    ), err
 
 
 def _fill_dataset_cache(hf_home, dataset, repo="someone/toy-demos"):
@@ -234,12 +273,23 @@ def test_a_hub_dataset_id_reads_from_the_offline_cache(tmp_path, monkeypatch):
     snapshot = _fill_dataset_cache(tmp_path / "hf", tmp_path / "d")
     d = open_dataset(load_config(None, [*TINY, "sft.dataset_path=someone/toy-demos"]))
     assert d.root == snapshot and len(d) == 3 and d.meta["env_id"] == "Toy-v0"
-    keyed = open_dataset(load_config(None, [*TINY, "sft.dataset_path=someone/toy-demos",
-                                            "sft.dataset_keys={third_person: observation.images.third_person}"]))
+    keyed = open_dataset(
+        load_config(
+            None,
+            [
+                *TINY,
+                "sft.dataset_path=someone/toy-demos",
+                "sft.dataset_keys={third_person: observation.images.third_person}",
+            ],
+        )
+    )
     assert set(keyed.observation_features) == {"third_person"}
-    with pytest.raises(FileNotFoundError, match=r"sft.dataset_path: hub dataset 'someone/missing' is not in the hub "
-                                                r"cache .*HF_HUB_OFFLINE is set.*hf download someone/missing "
-                                                r"--repo-type dataset"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"sft.dataset_path: hub dataset 'someone/missing' is not in the hub "
+        r"cache .*HF_HUB_OFFLINE is set.*hf download someone/missing "
+        r"--repo-type dataset",
+    ):
         open_dataset(load_config(None, [*TINY, "sft.dataset_path=someone/missing"]))
 
 
@@ -267,16 +317,34 @@ def test_rlfleet_writes_the_files_and_fields_lerobot_writes(tmp_path, lerobot_da
     rng = np.random.default_rng(0)
     w = DatasetWriter(tmp_path / "ours", env_id="Toy-v0", simulator="gym", fps=10, source="test")
     for e in range(4):
-        w.add(Episode({"front": np.full((6, 64, 64, 3), 60, np.uint8), "state": rng.normal(size=(6, 7)).astype(
-            np.float32)}, np.zeros((6, 4), np.float32), np.zeros(6, np.float32), np.zeros(6, bool), f"task {e % 2}"))
+        w.add(
+            Episode(
+                {"front": np.full((6, 64, 64, 3), 60, np.uint8), "state": rng.normal(size=(6, 7)).astype(np.float32)},
+                np.zeros((6, 4), np.float32),
+                np.zeros(6, np.float32),
+                np.zeros(6, bool),
+                f"task {e % 2}",
+            )
+        )
     w.close()
     ours, theirs = tmp_path / "ours", lerobot_dataset
     tree = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())  # noqa: E731
     assert tree(ours) == tree(theirs)
     info = {r: json.loads((r / "meta" / "info.json").read_text()) for r in (ours, theirs)}
     assert set(info[ours]) == set(info[theirs]) | {"rlfleet"}
-    for key in ("codebase_version", "chunks_size", "data_files_size_in_mb", "video_files_size_in_mb", "fps", "splits",
-                "data_path", "video_path", "total_episodes", "total_frames", "total_tasks"):
+    for key in (
+        "codebase_version",
+        "chunks_size",
+        "data_files_size_in_mb",
+        "video_files_size_in_mb",
+        "fps",
+        "splits",
+        "data_path",
+        "video_path",
+        "total_episodes",
+        "total_frames",
+        "total_tasks",
+    ):
         assert info[ours][key] == info[theirs][key], key
     f_ours, f_theirs = info[ours]["features"], info[theirs]["features"]
     assert set(f_ours) == set(f_theirs) | {"next.reward", "next.success"}
@@ -286,8 +354,10 @@ def test_rlfleet_writes_the_files_and_fields_lerobot_writes(tmp_path, lerobot_da
     columns = lambda path: pq.read_schema(path).names  # noqa: E731
     data = "data/chunk-000/file-000.parquet"
     assert set(columns(ours / data)) == set(columns(theirs / data)) | {"next.reward", "next.success"}
-    assert pq.read_schema(ours / data).field("observation.state").type == \
-        pq.read_schema(theirs / data).field("observation.state").type
+    assert (
+        pq.read_schema(ours / data).field("observation.state").type
+        == pq.read_schema(theirs / data).field("observation.state").type
+    )
     episodes = "meta/episodes/chunk-000/file-000.parquet"
     extra = {c for c in columns(ours / episodes) if c.startswith(("rlfleet/", "stats/next."))}
     assert set(columns(ours / episodes)) - extra == set(columns(theirs / episodes))
@@ -295,5 +365,8 @@ def test_rlfleet_writes_the_files_and_fields_lerobot_writes(tmp_path, lerobot_da
     stats = {r: json.loads((r / "meta" / "stats.json").read_text()) for r in (ours, theirs)}
     assert set(stats[ours]) == set(stats[theirs]) | {"next.reward", "next.success"}
     assert set(stats[ours]["observation.images.front"]) == set(stats[theirs]["observation.images.front"])
-    assert np.asarray(stats[ours]["observation.images.front"]["mean"]).shape == \
-        np.asarray(stats[theirs]["observation.images.front"]["mean"]).shape == (3, 1, 1)
+    assert (
+        np.asarray(stats[ours]["observation.images.front"]["mean"]).shape
+        == np.asarray(stats[theirs]["observation.images.front"]["mean"]).shape
+        == (3, 1, 1)
+    )

@@ -41,17 +41,49 @@ Modules, by role:
 """
 
 from rlfleet.policies.models.openvla.action_head import ActionHeadMixin
-from rlfleet.policies.models.openvla.architecture import (IMAGENET_MEAN, IMAGENET_STD, SIGLIP_MEAN, SIGLIP_STD, TINY,
-                                                          OpenVLAArchitecture, Projector, VisionBackbone,
-                                                          count_parameters)
+from rlfleet.policies.models.openvla.architecture import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SIGLIP_MEAN,
+    SIGLIP_STD,
+    TINY,
+    OpenVLAArchitecture,
+    Projector,
+    VisionBackbone,
+    count_parameters,
+)
 from rlfleet.policies.models.openvla.checkpoint import CheckpointMixin, load_checkpoint_dir
 from rlfleet.policies.models.openvla.hub_layout import load_openvla_hub_dir
 from rlfleet.policies.models.openvla.policy import OpenVLAPolicy
 from rlfleet.policies.models.openvla.serving import ServingMixin, lm_weight_name
-from rlfleet.policies.models.openvla.tokenizers import (PROMPT, ByteTokenizer, has_tokenizer_files, load_hf_tokenizer,
-                                                        save_tokenizer)
+from rlfleet.policies.models.openvla.tokenizers import (
+    PROMPT,
+    ByteTokenizer,
+    has_tokenizer_files,
+    load_hf_tokenizer,
+    save_tokenizer,
+)
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "PROMPT", "SIGLIP_MEAN", "SIGLIP_STD", "TINY", "ActionHeadMixin",
-           "ByteTokenizer", "CheckpointMixin", "OpenVLAArchitecture", "OpenVLAPolicy", "Projector", "ServingMixin",
-           "VisionBackbone", "count_parameters", "has_tokenizer_files", "lm_weight_name", "load_checkpoint_dir",
-           "load_hf_tokenizer", "load_openvla_hub_dir", "save_tokenizer"]
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "PROMPT",
+    "SIGLIP_MEAN",
+    "SIGLIP_STD",
+    "TINY",
+    "ActionHeadMixin",
+    "ByteTokenizer",
+    "CheckpointMixin",
+    "OpenVLAArchitecture",
+    "OpenVLAPolicy",
+    "Projector",
+    "ServingMixin",
+    "VisionBackbone",
+    "count_parameters",
+    "has_tokenizer_files",
+    "lm_weight_name",
+    "load_checkpoint_dir",
+    "load_hf_tokenizer",
+    "load_openvla_hub_dir",
+    "save_tokenizer",
+]

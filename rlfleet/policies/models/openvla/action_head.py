@@ -24,8 +24,11 @@ class ActionHeadMixin:
         self.unnorm_stats = dict(unnorm_stats) if unnorm_stats else None  # written back by save_pretrained
         self.unnorm_name = "dataset"  # the dataset_statistics.json key save_pretrained writes them under
         mask = (unnorm_stats or {}).get("mask")  # OpenVLA keeps masked-out dimensions (the gripper) normalised
-        self.register_buffer("unnorm_mask", torch.tensor(mask if mask is not None else [True] * action_dim,
-                                                         dtype=torch.bool), persistent=False)
+        self.register_buffer(
+            "unnorm_mask",
+            torch.tensor(mask if mask is not None else [True] * action_dim, dtype=torch.bool),
+            persistent=False,
+        )
 
     def _action_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., H] -> logits over the action ids only [..., n_bins], ordered by bin."""
@@ -45,9 +48,12 @@ class ActionHeadMixin:
         """Sampled bins [n, D] and their log-probs [n, D] -> the PolicyOutput (actions, log-probs at the
         granularity, forward inputs)."""
         per_dim = logp.view(bins.shape[0], self.num_action_chunks, self.action_dim)
-        return PolicyOutput(self._decode_actions(bins), reduce_log_probs(per_dim, self.logprob_type), value,
-                            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8),
-                             "action_bins": bins})
+        return PolicyOutput(
+            self._decode_actions(bins),
+            reduce_log_probs(per_dim, self.logprob_type),
+            value,
+            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(torch.uint8), "action_bins": bins},
+        )
 
     def action_bins(self, actions: torch.Tensor) -> torch.Tensor:
         """Actions [n, chunk, dim] -> the bins [n, chunk*dim] whose centres decode nearest to them (OpenVLA's
@@ -73,5 +79,4 @@ class ActionHeadMixin:
             self.proprio_stats = {"q01": list(proprio["q01"]), "q99": list(proprio["q99"])}
         self.q01.copy_(torch.tensor(stats["q01"], dtype=self.q01.dtype))
         self.q99.copy_(torch.tensor(stats["q99"], dtype=self.q99.dtype))
-        self.unnorm_stats = {"q01": list(stats["q01"]), "q99": list(stats["q99"]),
-                             "mask": self.unnorm_mask.tolist()}
+        self.unnorm_stats = {"q01": list(stats["q01"]), "q99": list(stats["q99"]), "mask": self.unnorm_mask.tolist()}

@@ -24,8 +24,14 @@ class CheckpointMixin:
     ``OpenVLAPolicy``."""
 
     @classmethod
-    def from_config(cls: type[_Policy], model_cfg, obs_specs: Mapping, action_dim: int, normalize_obs: bool,
-                    logprob_type: str = "token_level") -> _Policy:
+    def from_config(
+        cls: type[_Policy],
+        model_cfg,
+        obs_specs: Mapping,
+        action_dim: int,
+        normalize_obs: bool,
+        logprob_type: str = "token_level",
+    ) -> _Policy:
         sizes = {k: (list(v) if k == "prompt_suffix_ids" else v) for k, v in model_cfg.vla.items()}
         tokenizer, stats, state = None, None, None
         model_path = resolve_model_path(model_cfg.model_path)  # a folder, or a hub id's snapshot in the hub cache
@@ -35,15 +41,26 @@ class CheckpointMixin:
                 _check_stats_width(stats, action_dim)
 
         def make():
-            return cls(obs_specs, action_dim, model_type=model_cfg.model_type, sizes=sizes,
-                       num_action_chunks=model_cfg.num_action_chunks, temperature=model_cfg.temperature,
-                       image_key=model_cfg.image_key, max_prompt_tokens=model_cfg.max_prompt_tokens,
-                       add_value_head=model_cfg.add_value_head, is_lora=False,
-                       gradient_checkpointing=model_cfg.gradient_checkpointing,
-                       unnorm_stats=stats["action"] if stats else None, tokenizer=tokenizer,
-                       logprob_type=logprob_type, use_proprio=model_cfg.use_proprio,
-                       proprio_stats=stats["proprio"] if stats else None,
-                       extra_image_keys=list(model_cfg.extra_image_keys or ()))
+            return cls(
+                obs_specs,
+                action_dim,
+                model_type=model_cfg.model_type,
+                sizes=sizes,
+                num_action_chunks=model_cfg.num_action_chunks,
+                temperature=model_cfg.temperature,
+                image_key=model_cfg.image_key,
+                max_prompt_tokens=model_cfg.max_prompt_tokens,
+                add_value_head=model_cfg.add_value_head,
+                is_lora=False,
+                gradient_checkpointing=model_cfg.gradient_checkpointing,
+                unnorm_stats=stats["action"] if stats else None,
+                tokenizer=tokenizer,
+                logprob_type=logprob_type,
+                use_proprio=model_cfg.use_proprio,
+                proprio_stats=stats["proprio"] if stats else None,
+                extra_image_keys=list(model_cfg.extra_image_keys or ()),
+            )
+
         if state is not None:  # the sizes the folder gave must not build more than its weights fill
             check_build_fits(make, sum(v.numel() for v in state.values()), Path(model_path) / "config.json")
         policy = make()
@@ -55,15 +72,22 @@ class CheckpointMixin:
             missing, unexpected = policy.load_state_dict(state, strict=False)
             # a fresh critic is expected; DINOv2's mask token is never used for inference; OpenVLA-OFT's released
             # checkpoints have no action query: OFT zeroes the action positions' embeddings, as its zero init does
-            missing = [k for k in missing if not k.startswith("value_head.") and not k.endswith("mask_token")
-                       and k != "action_query"]
+            missing = [
+                k
+                for k in missing
+                if not k.startswith("value_head.") and not k.endswith("mask_token") and k != "action_query"
+            ]
             if missing or unexpected:
                 hint = ""
                 if any(k.startswith("proprio_projector.") for k in missing + unexpected):
-                    hint = (f"; the checkpoint was trained {'without' if model_cfg.use_proprio else 'with'} a "
-                            f"proprio projector: set actor.model.use_proprio={str(not model_cfg.use_proprio).lower()}")
-                raise ValueError(f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]}{hint}")
+                    hint = (
+                        f"; the checkpoint was trained {'without' if model_cfg.use_proprio else 'with'} a "
+                        f"proprio projector: set actor.model.use_proprio={str(not model_cfg.use_proprio).lower()}"
+                    )
+                raise ValueError(
+                    f"{model_cfg.model_path}/model.safetensors: missing tensors {missing[:3]}, "
+                    f"unexpected {unexpected[:3]}{hint}"
+                )
         if model_cfg.is_lora:
             policy.enable_lora(model_cfg.lora_rank)
         return policy
@@ -75,9 +99,15 @@ class CheckpointMixin:
             p.requires_grad_(False)
         with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for users to do
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            self.llm = get_peft_model(self.llm, LoraConfig(
-                r=int(rank), lora_alpha=int(rank), lora_dropout=0.0,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+            self.llm = get_peft_model(
+                self.llm,
+                LoraConfig(
+                    r=int(rank),
+                    lora_alpha=int(rank),
+                    lora_dropout=0.0,
+                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                ),
+            )
         for head in (self.value_head, self.proprio_projector):  # new modules train in full (OFT trains its projector)
             if head is not None:
                 for p in head.parameters():
@@ -107,17 +137,30 @@ class CheckpointMixin:
     def _stats_entry(self) -> dict | None:
         if not self.unnorm_stats:
             return None
-        return {self.unnorm_name: {"action": self.unnorm_stats,
-                                   **({"proprio": self.proprio_stats} if self.proprio_stats else {})}}
+        return {
+            self.unnorm_name: {
+                "action": self.unnorm_stats,
+                **({"proprio": self.proprio_stats} if self.proprio_stats else {}),
+            }
+        }
 
     def save_upstream(self, path: str | Path, step: int | None = None, max_shard_size: int | str = "5GB") -> Path:
         """Write this model in OpenVLA's released layout (``openvla/openvla-7b``'s; OpenVLA-OFT's proprio projector
         file), LoRA merged: ``hub_layout.save_openvla_hub_dir``, the inverse of the loader's key mapping."""
         from rlfleet.policies.models.openvla.hub_layout import save_openvla_hub_dir
 
-        return save_openvla_hub_dir(Path(path), self._merged_state(), self.sizes, model_type=self.model_type,
-                                    tokenizer=self.tokenizer, stats=self._stats_entry(), num_images=self.num_images,
-                                    image_keys=self.image_keys, step=step, max_shard_size=max_shard_size)
+        return save_openvla_hub_dir(
+            Path(path),
+            self._merged_state(),
+            self.sizes,
+            model_type=self.model_type,
+            tokenizer=self.tokenizer,
+            stats=self._stats_entry(),
+            num_images=self.num_images,
+            image_keys=self.image_keys,
+            step=step,
+            max_shard_size=max_shard_size,
+        )
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write this model in the checkpoint layout ``model_path`` loads (LoRA merged into the base weights)."""
@@ -127,9 +170,17 @@ class CheckpointMixin:
         path.mkdir(parents=True, exist_ok=True)
         state = self._merged_state()
         save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps({"model_type": self.model_type, "vla": self.sizes,
-                                                      "num_images_in_input": self.num_images,
-                                                      "image_keys": self.image_keys}, indent=2))
+        (path / "config.json").write_text(
+            json.dumps(
+                {
+                    "model_type": self.model_type,
+                    "vla": self.sizes,
+                    "num_images_in_input": self.num_images,
+                    "image_keys": self.image_keys,
+                },
+                indent=2,
+            )
+        )
         save_tokenizer(self.tokenizer, path)
         if self.unnorm_stats:
             (path / "dataset_statistics.json").write_text(json.dumps(self._stats_entry(), indent=1))
@@ -146,8 +197,9 @@ def load_checkpoint_dir(path: str | Path, unnorm_key: str | None, fallback: Mapp
     if cfg is not None and "vision_backbone_id" in cfg:
         return load_openvla_hub_dir(path, unnorm_key, fallback)
     if cfg is None or not has_file(path, "model.safetensors"):
-        raise FileNotFoundError(f"actor.model.model_path: {path} needs config.json and model.safetensors "
-                                f"(rlfleet's VLA checkpoint layout)")
+        raise FileNotFoundError(
+            f"actor.model.model_path: {path} needs config.json and model.safetensors (rlfleet's VLA checkpoint layout)"
+        )
     vla = cfg.get("vla", {})
     if not isinstance(vla, dict):
         raise BadFile(path / "config.json", "vla", "a JSON object of sizes", type(vla).__name__)
@@ -163,8 +215,9 @@ def _check_stats_width(stats: Mapping, action_dim: int) -> None:
     """The picked action statistics un-normalise ``action_dim`` dimensions."""
     n = len(stats["action"]["q01"])
     if n != action_dim:
-        raise BadFile(stats["source"], f"{stats['field']}.q01", f"{action_dim} values (the action's dimensions)",
-                      f"{n}")
+        raise BadFile(
+            stats["source"], f"{stats['field']}.q01", f"{action_dim} values (the action's dimensions)", f"{n}"
+        )
 
 
 def _check_cameras(path: Path, image_keys: Sequence[str]) -> None:
@@ -174,6 +227,8 @@ def _check_cameras(path: Path, image_keys: Sequence[str]) -> None:
     n = cfg.get("num_images_in_input")
     if n is not None and check_count("num_images_in_input", n, 64, source=path / "config.json") != len(image_keys):
         trained = cfg.get("image_keys") or f"{n} cameras"
-        raise ValueError(f"actor.model.model_path: {path} was trained on {n} image(s) ({trained}); this policy sees "
-                         f"{len(image_keys)} ({list(image_keys)}): set actor.model.image_key and "
-                         f"actor.model.extra_image_keys to match")
+        raise ValueError(
+            f"actor.model.model_path: {path} was trained on {n} image(s) ({trained}); this policy sees "
+            f"{len(image_keys)} ({list(image_keys)}): set actor.model.image_key and "
+            f"actor.model.extra_image_keys to match"
+        )

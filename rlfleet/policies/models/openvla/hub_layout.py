@@ -10,8 +10,15 @@ from pathlib import Path
 
 import torch
 
-from rlfleet.policies.model_folder import (check_sizes, has_file, load_pt_weights, load_tensors, read_config,
-                                           shard_names, tensor_headers)
+from rlfleet.policies.model_folder import (
+    check_sizes,
+    has_file,
+    load_pt_weights,
+    load_tensors,
+    read_config,
+    shard_names,
+    tensor_headers,
+)
 from rlfleet.policies.models.openvla.architecture import TINY
 from rlfleet.policies.models.openvla.tokenizers import has_tokenizer_files, load_hf_tokenizer
 from rlfleet.untrusted import BadFile, check_count, folder_root
@@ -36,8 +43,12 @@ def _pick_stats(all_stats: Mapping, unnorm_key: str | None, where: Path, field: 
     proprio = entry.get("proprio")
     if proprio is not None:
         _check_stats(proprio, where, f"{name}.proprio")
-    return {"action": action, "proprio": proprio, "source": where,
-            "field": f"{name}.action" if "action" in entry else name}
+    return {
+        "action": action,
+        "proprio": proprio,
+        "source": where,
+        "field": f"{name}.action" if "action" in entry else name,
+    }
 
 
 def _check_stats(stats, where: Path, field: str, most: int = 4096) -> None:
@@ -48,8 +59,11 @@ def _check_stats(stats, where: Path, field: str, most: int = 4096) -> None:
     widths = []
     for key in ("q01", "q99"):
         values = stats.get(key)
-        if not isinstance(values, list) or not 0 < len(values) <= most or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        if (
+            not isinstance(values, list)
+            or not 0 < len(values) <= most
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+        ):
             raise BadFile(where, f"{field}.{key}", f"a list of 1 to {most} finite numbers", repr(values)[:80])
         widths.append(len(values))
     mask = stats.get("mask")
@@ -71,7 +85,7 @@ def _read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _vit_blocks(state: Mapping, prefix: str) -> int:
-    return len({k[len(prefix):].split(".")[0] for k in state if k.startswith(prefix)})
+    return len({k[len(prefix) :].split(".")[0] for k in state if k.startswith(prefix)})
 
 
 def _heads_for(timm_id: str | None, fallback: int) -> int:
@@ -97,8 +111,11 @@ _CONVERT = {
 RLFLEET_HINTS = "rlfleet"  # config.json: sizes the weights cannot tell (attention heads), written by the export
 _HINTED = ("vision_heads", "dino_heads", "prompt_suffix_ids", "value_hidden_size")
 HUB_LLM, OUR_LLM = "language_model.", "llm."  # the Llama LM: the same names under each prefix
-HUB_SIGLIP_FUSED, HUB_SIGLIP_ALONE, HUB_DINO = ("vision_backbone.fused_featurizer.", "vision_backbone.featurizer.",
-                                                "vision_backbone.featurizer.")
+HUB_SIGLIP_FUSED, HUB_SIGLIP_ALONE, HUB_DINO = (
+    "vision_backbone.fused_featurizer.",
+    "vision_backbone.featurizer.",
+    "vision_backbone.featurizer.",
+)
 OUR_SIGLIP, OUR_DINO = "vision.siglip.", "vision.dino."
 PROPRIO_LAYERS = (("fc1", 0), ("fc2", 2))  # OpenVLA-OFT's ProprioProjector fc1/fc2 <-> proprio_projector.0/.2
 
@@ -107,33 +124,44 @@ def _vit_rows(src: str, dst: str, n_blocks: int, dino: bool, registers: bool) ->
     """Prismatic's timm ViT names (``src``) <-> transformers' SigLIP / DINOv2 names (``dst``)."""
     emb = f"{dst}embeddings."
     if dino:
-        rows = [("patch_embed.proj.weight", f"{emb}patch_embeddings.projection.weight", "same"),
-                ("patch_embed.proj.bias", f"{emb}patch_embeddings.projection.bias", "same"),
-                ("cls_token", f"{emb}cls_token", "same"), ("pos_embed", f"{emb}position_embeddings", "patch_pos"),
-                ("norm.weight", f"{dst}layernorm.weight", "same"), ("norm.bias", f"{dst}layernorm.bias", "same")]
+        rows = [
+            ("patch_embed.proj.weight", f"{emb}patch_embeddings.projection.weight", "same"),
+            ("patch_embed.proj.bias", f"{emb}patch_embeddings.projection.bias", "same"),
+            ("cls_token", f"{emb}cls_token", "same"),
+            ("pos_embed", f"{emb}position_embeddings", "patch_pos"),
+            ("norm.weight", f"{dst}layernorm.weight", "same"),
+            ("norm.bias", f"{dst}layernorm.bias", "same"),
+        ]
         rows += [("reg_token", f"{emb}register_tokens", "same")] if registers else []
     else:
-        rows = [("patch_embed.proj.weight", f"{emb}patch_embedding.weight", "same"),
-                ("patch_embed.proj.bias", f"{emb}patch_embedding.bias", "same"),
-                ("pos_embed", f"{emb}position_embedding.weight", "row"),
-                ("norm.weight", f"{dst}post_layernorm.weight", "same"),
-                ("norm.bias", f"{dst}post_layernorm.bias", "same")]
+        rows = [
+            ("patch_embed.proj.weight", f"{emb}patch_embedding.weight", "same"),
+            ("patch_embed.proj.bias", f"{emb}patch_embedding.bias", "same"),
+            ("pos_embed", f"{emb}position_embedding.weight", "row"),
+            ("norm.weight", f"{dst}post_layernorm.weight", "same"),
+            ("norm.bias", f"{dst}post_layernorm.bias", "same"),
+        ]
     rows = [(src + a, (b,), kind) for a, b, kind in rows]
-    att_name, out_name, n1, n2 = ("attention.", "o_proj", "norm1", "norm2") if dino else \
-        ("self_attn.", "out_proj", "layer_norm1", "layer_norm2")
+    att_name, out_name, n1, n2 = (
+        ("attention.", "o_proj", "norm1", "norm2") if dino else ("self_attn.", "out_proj", "layer_norm1", "layer_norm2")
+    )
     for i in range(n_blocks):
         b, d = f"{src}blocks.{i}.", f"{dst}encoder.layer.{i}." if dino else f"{dst}encoder.layers.{i}."
         att = d + att_name
         for kind in ("weight", "bias"):
-            rows += [(f"{b}attn.qkv.{kind}", tuple(f"{att}{q}.{kind}" for q in ("q_proj", "k_proj", "v_proj")), "qkv"),
-                     (f"{b}attn.proj.{kind}", (f"{att}{out_name}.{kind}",), "same"),
-                     (f"{b}norm1.{kind}", (f"{d}{n1}.{kind}",), "same"),
-                     (f"{b}norm2.{kind}", (f"{d}{n2}.{kind}",), "same"),
-                     (f"{b}mlp.fc1.{kind}", (f"{d}mlp.fc1.{kind}",), "same"),
-                     (f"{b}mlp.fc2.{kind}", (f"{d}mlp.fc2.{kind}",), "same")]
+            rows += [
+                (f"{b}attn.qkv.{kind}", tuple(f"{att}{q}.{kind}" for q in ("q_proj", "k_proj", "v_proj")), "qkv"),
+                (f"{b}attn.proj.{kind}", (f"{att}{out_name}.{kind}",), "same"),
+                (f"{b}norm1.{kind}", (f"{d}{n1}.{kind}",), "same"),
+                (f"{b}norm2.{kind}", (f"{d}{n2}.{kind}",), "same"),
+                (f"{b}mlp.fc1.{kind}", (f"{d}mlp.fc1.{kind}",), "same"),
+                (f"{b}mlp.fc2.{kind}", (f"{d}mlp.fc2.{kind}",), "same"),
+            ]
         if dino:
-            rows += [(f"{b}ls1.scale_factor", (f"{d}layer_scale1.lambda1",), "same"),
-                     (f"{b}ls2.scale_factor", (f"{d}layer_scale2.lambda1",), "same")]
+            rows += [
+                (f"{b}ls1.scale_factor", (f"{d}layer_scale1.lambda1",), "same"),
+                (f"{b}ls2.scale_factor", (f"{d}layer_scale2.lambda1",), "same"),
+            ]
     return rows
 
 
@@ -153,13 +181,13 @@ def hub_to_ours(state: Mapping, rows) -> dict[str, torch.Tensor]:
     out = {}
     for hub, ours, kind in rows:
         out.update(zip(ours, _CONVERT[kind][0](state[hub])))
-    out.update({OUR_LLM + k[len(HUB_LLM):]: v for k, v in state.items() if k.startswith(HUB_LLM)})
+    out.update({OUR_LLM + k[len(HUB_LLM) :]: v for k, v in state.items() if k.startswith(HUB_LLM)})
     return out
 
 
 def ours_to_hub(state: Mapping, rows) -> dict[str, torch.Tensor]:
     out = {hub: _CONVERT[kind][1]([state[o] for o in ours]) for hub, ours, kind in rows}
-    out.update({HUB_LLM + k[len(OUR_LLM):]: v for k, v in state.items() if k.startswith(OUR_LLM)})
+    out.update({HUB_LLM + k[len(OUR_LLM) :]: v for k, v in state.items() if k.startswith(OUR_LLM)})
     return out
 
 
@@ -175,9 +203,13 @@ def load_openvla_hub_dir(path: Path, unnorm_key: str | None, fallback: Mapping |
     text = cfg.get("text_config") or {}
     timm_ids = cfg.get("timm_model_ids") or []
     image_sizes = cfg.get("image_sizes") or [224]
-    for name, value, kind in ((RLFLEET_HINTS, hints, dict), ("text_config", text, dict),
-                              ("timm_model_ids", timm_ids, list), ("image_sizes", image_sizes, list),
-                              ("norm_stats", cfg.get("norm_stats") or {}, dict)):
+    for name, value, kind in (
+        (RLFLEET_HINTS, hints, dict),
+        ("text_config", text, dict),
+        ("timm_model_ids", timm_ids, list),
+        ("image_sizes", image_sizes, list),
+        ("norm_stats", cfg.get("norm_stats") or {}, dict),
+    ):
         if not isinstance(value, kind):
             raise BadFile(source, name, f"a JSON {'object' if kind is dict else 'array'}", type(value).__name__)
     if not all(t is None or isinstance(t, str) for t in timm_ids):
@@ -207,31 +239,46 @@ def _sizes_and_state(cfg, state, hints, fallback, text, timm_ids, image_sizes):
     sig_src = "vision_backbone.fused_featurizer." if fused else "vision_backbone.featurizer."
     sig_w = state[f"{sig_src}patch_embed.proj.weight"]
     vocab = int(state["language_model.lm_head.weight"].shape[0])
-    sizes = {**TINY, "patch_size": int(sig_w.shape[-1]), "vision_hidden_size": int(sig_w.shape[0]),
-             "vision_layers": _vit_blocks(state, f"{sig_src}blocks."), "vision_heads": _heads_for(timm_ids[-1] if timm_ids else None, fallback["vision_heads"]),
-             "vision_intermediate_size": int(state[f"{sig_src}blocks.0.mlp.fc1.weight"].shape[0]),
-             "image_size": int(image_sizes[0]), "use_dinov2": fused,
-             "llm_hidden_size": int(state["language_model.model.embed_tokens.weight"].shape[1]),
-             "llm_layers": _vit_blocks(state, "language_model.model.layers."),
-             "llm_heads": int(text.get("num_attention_heads", 32)),
-             "llm_kv_heads": int(text.get("num_key_value_heads") or text.get("num_attention_heads", 32)),
-             "llm_intermediate_size": int(state["language_model.model.layers.0.mlp.gate_proj.weight"].shape[0]),
-             "llm_rms_norm_eps": float(text.get("rms_norm_eps", 1e-5)),
-             "llm_rope_theta": float(text.get("rope_theta", 10000.0)), "vocab_size": vocab,
-             "action_token_end": vocab - int(cfg.get("pad_to_multiple_of", 0)),
-             "n_action_bins": int(cfg.get("n_action_bins", 256)), "value_hidden_size": int(fallback["value_hidden_size"]),
-             "prompt_suffix_ids": list(hints["prompt_suffix_ids"]) if "prompt_suffix_ids" in hints else
-             [29871] if vocab - int(cfg.get("pad_to_multiple_of", 0)) == 32000 else []}
+    sizes = {
+        **TINY,
+        "patch_size": int(sig_w.shape[-1]),
+        "vision_hidden_size": int(sig_w.shape[0]),
+        "vision_layers": _vit_blocks(state, f"{sig_src}blocks."),
+        "vision_heads": _heads_for(timm_ids[-1] if timm_ids else None, fallback["vision_heads"]),
+        "vision_intermediate_size": int(state[f"{sig_src}blocks.0.mlp.fc1.weight"].shape[0]),
+        "image_size": int(image_sizes[0]),
+        "use_dinov2": fused,
+        "llm_hidden_size": int(state["language_model.model.embed_tokens.weight"].shape[1]),
+        "llm_layers": _vit_blocks(state, "language_model.model.layers."),
+        "llm_heads": int(text.get("num_attention_heads", 32)),
+        "llm_kv_heads": int(text.get("num_key_value_heads") or text.get("num_attention_heads", 32)),
+        "llm_intermediate_size": int(state["language_model.model.layers.0.mlp.gate_proj.weight"].shape[0]),
+        "llm_rms_norm_eps": float(text.get("rms_norm_eps", 1e-5)),
+        "llm_rope_theta": float(text.get("rope_theta", 10000.0)),
+        "vocab_size": vocab,
+        "action_token_end": vocab - int(cfg.get("pad_to_multiple_of", 0)),
+        "n_action_bins": int(cfg.get("n_action_bins", 256)),
+        "value_hidden_size": int(fallback["value_hidden_size"]),
+        "prompt_suffix_ids": list(hints["prompt_suffix_ids"])
+        if "prompt_suffix_ids" in hints
+        else [29871]
+        if vocab - int(cfg.get("pad_to_multiple_of", 0)) == 32000
+        else [],
+    }
     dino_blocks = None
     if fused:
         src = HUB_DINO
         dw = state[f"{src}patch_embed.proj.weight"]
         dino_blocks = _vit_blocks(state, f"{src}blocks.")
-        sizes.update(dino_hidden_size=int(dw.shape[0]), dino_layers=dino_blocks,
-                     dino_heads=_heads_for(timm_ids[0] if timm_ids else None,
-                                           fallback["dino_heads"] or fallback["vision_heads"]),
-                     dino_intermediate_size=int(state[f"{src}blocks.0.mlp.fc1.weight"].shape[0]),
-                     dino_registers=int(state[f"{src}reg_token"].shape[1]) if f"{src}reg_token" in state else 0)
+        sizes.update(
+            dino_hidden_size=int(dw.shape[0]),
+            dino_layers=dino_blocks,
+            dino_heads=_heads_for(
+                timm_ids[0] if timm_ids else None, fallback["dino_heads"] or fallback["vision_heads"]
+            ),
+            dino_intermediate_size=int(state[f"{src}blocks.0.mlp.fc1.weight"].shape[0]),
+            dino_registers=int(state[f"{src}reg_token"].shape[1]) if f"{src}reg_token" in state else 0,
+        )
     mapped = hub_to_ours(state, openvla_rows(sizes["vision_layers"], dino_blocks, bool(sizes.get("dino_registers"))))
     return sizes, mapped
 
@@ -243,19 +290,23 @@ def _load_oft_components(path: Path) -> dict[str, torch.Tensor]:
     (``action_head--*.pt``: OFT's L1-regression or diffusion head) is refused: rlfleet decodes action tokens."""
     heads = sorted(path.glob("action_head--*.pt"))
     if heads:
-        raise ValueError(f"actor.model.model_path: {path} predicts continuous actions with {heads[0].name} (OpenVLA-OFT's "
-                         f"L1-regression or diffusion action head); rlfleet's openvla_oft decodes discrete action "
-                         f"tokens from the LM head, so it needs a checkpoint fine-tuned on action tokens")
+        raise ValueError(
+            f"actor.model.model_path: {path} predicts continuous actions with {heads[0].name} (OpenVLA-OFT's "
+            f"L1-regression or diffusion action head); rlfleet's openvla_oft decodes discrete action "
+            f"tokens from the LM head, so it needs a checkpoint fine-tuned on action tokens"
+        )
     files = sorted(path.glob("proprio_projector--*.pt"))
     if not files:
         return {}
     if len(files) > 1:
-        raise ValueError(f"actor.model.model_path: {path} holds {len(files)} proprio projectors "
-                         f"({[f.name for f in files]}); keep the one of the checkpoint's step")
+        raise ValueError(
+            f"actor.model.model_path: {path} holds {len(files)} proprio projectors "
+            f"({[f.name for f in files]}); keep the one of the checkpoint's step"
+        )
     state = load_pt_weights(files[0], folder_root(path))  # weights only, memory-mapped, inside the folder
     out = {}
     for k, v in state.items():
-        name = k[len("module."):] if k.startswith("module.") else k
+        name = k[len("module.") :] if k.startswith("module.") else k
         layer, _, kind = name.partition(".")
         if layer not in dict(PROPRIO_LAYERS) or kind not in ("weight", "bias"):
             raise ValueError(f"{files[0]}: unexpected tensor '{k}' (OpenVLA-OFT's proprio projector has fc1 and fc2)")
@@ -274,8 +325,17 @@ def _is(sizes: Mapping, ref: Mapping) -> bool:
     return all(sizes.get(k) == v for k, v in ref.items())
 
 
-def hub_config(sizes: Mapping, *, model_type: str, stats: Mapping | None, num_images: int, image_keys,
-               pad_token_id: int, bos_token_id: int, dtype: str) -> dict:
+def hub_config(
+    sizes: Mapping,
+    *,
+    model_type: str,
+    stats: Mapping | None,
+    num_images: int,
+    image_keys,
+    pad_token_id: int,
+    bos_token_id: int,
+    dtype: str,
+) -> dict:
     """config.json of OpenVLA's released layout (Prismatic's ``OpenVLAConfig`` keys) for these sizes, plus
     ``rlfleet``: what the weights cannot tell (attention heads) for loading it back here."""
     fused = bool(sizes.get("use_dinov2"))
@@ -290,25 +350,54 @@ def hub_config(sizes: Mapping, *, model_type: str, stats: Mapping | None, num_im
     vocab = int(sizes["vocab_size"])
     action_end = int(sizes.get("action_token_end") or vocab)
     llama = _is(sizes, _OPENVLA_7B_LLM) and action_end == 32000
-    text = {"model_type": "llama", "vocab_size": vocab, "hidden_size": int(sizes["llm_hidden_size"]),
-            "intermediate_size": int(sizes["llm_intermediate_size"]), "num_hidden_layers": int(sizes["llm_layers"]),
-            "num_attention_heads": int(sizes["llm_heads"]), "num_key_value_heads": int(sizes["llm_kv_heads"]),
-            "rms_norm_eps": float(sizes["llm_rms_norm_eps"]), "rope_theta": float(sizes["llm_rope_theta"]),
-            "pad_token_id": pad_token_id, "bos_token_id": bos_token_id, "torch_dtype": dtype}
-    cfg = {"architectures": ["OpenVLAForActionPrediction"],
-           "auto_map": {"AutoConfig": "configuration_prismatic.OpenVLAConfig",
-                        "AutoModelForVision2Seq": "modeling_prismatic.OpenVLAForActionPrediction"},
-           "model_type": "openvla", "vision_backbone_id": backbone,
-           "llm_backbone_id": "llama2-7b-pure" if llama else f"rlfleet-llama-{sizes['llm_hidden_size']}",
-           "arch_specifier": "no-align+fused-gelu-mlp" if fused else "no-align+gelu-mlp",
-           "use_fused_vision_backbone": fused, "image_resize_strategy": "resize-naive",
-           "image_sizes": [image] * len(timm), "timm_model_ids": timm, "timm_override_act_layers": [None] * len(timm),
-           "llm_max_length": 2048, "pad_token_id": pad_token_id, "pad_to_multiple_of": vocab - action_end,
-           "output_projector_states": False, "n_action_bins": int(sizes["n_action_bins"]),
-           "norm_stats": dict(stats or {}), "text_config": text, "torch_dtype": dtype,
-           "num_images_in_input": int(num_images), "image_keys": list(image_keys),
-           RLFLEET_HINTS: {"model_type": model_type, **{k: (list(sizes[k]) if k == "prompt_suffix_ids" else sizes[k])
-                                                         for k in _HINTED if sizes.get(k) is not None}}}
+    text = {
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": int(sizes["llm_hidden_size"]),
+        "intermediate_size": int(sizes["llm_intermediate_size"]),
+        "num_hidden_layers": int(sizes["llm_layers"]),
+        "num_attention_heads": int(sizes["llm_heads"]),
+        "num_key_value_heads": int(sizes["llm_kv_heads"]),
+        "rms_norm_eps": float(sizes["llm_rms_norm_eps"]),
+        "rope_theta": float(sizes["llm_rope_theta"]),
+        "pad_token_id": pad_token_id,
+        "bos_token_id": bos_token_id,
+        "torch_dtype": dtype,
+    }
+    cfg = {
+        "architectures": ["OpenVLAForActionPrediction"],
+        "auto_map": {
+            "AutoConfig": "configuration_prismatic.OpenVLAConfig",
+            "AutoModelForVision2Seq": "modeling_prismatic.OpenVLAForActionPrediction",
+        },
+        "model_type": "openvla",
+        "vision_backbone_id": backbone,
+        "llm_backbone_id": "llama2-7b-pure" if llama else f"rlfleet-llama-{sizes['llm_hidden_size']}",
+        "arch_specifier": "no-align+fused-gelu-mlp" if fused else "no-align+gelu-mlp",
+        "use_fused_vision_backbone": fused,
+        "image_resize_strategy": "resize-naive",
+        "image_sizes": [image] * len(timm),
+        "timm_model_ids": timm,
+        "timm_override_act_layers": [None] * len(timm),
+        "llm_max_length": 2048,
+        "pad_token_id": pad_token_id,
+        "pad_to_multiple_of": vocab - action_end,
+        "output_projector_states": False,
+        "n_action_bins": int(sizes["n_action_bins"]),
+        "norm_stats": dict(stats or {}),
+        "text_config": text,
+        "torch_dtype": dtype,
+        "num_images_in_input": int(num_images),
+        "image_keys": list(image_keys),
+        RLFLEET_HINTS: {
+            "model_type": model_type,
+            **{
+                k: (list(sizes[k]) if k == "prompt_suffix_ids" else sizes[k])
+                for k in _HINTED
+                if sizes.get(k) is not None
+            },
+        },
+    }
     if llama:
         cfg["hf_llm_id"] = "meta-llama/Llama-2-7b-hf"
     return cfg
@@ -322,20 +411,42 @@ def hub_processor_configs(sizes: Mapping) -> dict[str, dict]:
     fused, image = bool(sizes.get("use_dinov2")), int(sizes["image_size"])
     means = ([list(IMAGENET_MEAN)] if fused else []) + [list(SIGLIP_MEAN)]
     stds = ([list(IMAGENET_STD)] if fused else []) + [list(SIGLIP_STD)]
-    auto = {"AutoImageProcessor": "processing_prismatic.PrismaticImageProcessor",
-            "AutoProcessor": "processing_prismatic.PrismaticProcessor"}
-    return {"preprocessor_config.json": {
-                "auto_map": auto, "image_processor_type": "PrismaticImageProcessor",
-                "processor_class": "PrismaticProcessor", "image_resize_strategy": "resize-naive",
-                "input_sizes": [[3, image, image]] * len(means), "interpolations": ["bicubic"] * len(means),
-                "means": means, "stds": stds, "use_fused_vision_backbone": fused},
-            "processor_config.json": {"auto_map": {"AutoProcessor": auto["AutoProcessor"]},
-                                      "processor_class": "PrismaticProcessor"}}
+    auto = {
+        "AutoImageProcessor": "processing_prismatic.PrismaticImageProcessor",
+        "AutoProcessor": "processing_prismatic.PrismaticProcessor",
+    }
+    return {
+        "preprocessor_config.json": {
+            "auto_map": auto,
+            "image_processor_type": "PrismaticImageProcessor",
+            "processor_class": "PrismaticProcessor",
+            "image_resize_strategy": "resize-naive",
+            "input_sizes": [[3, image, image]] * len(means),
+            "interpolations": ["bicubic"] * len(means),
+            "means": means,
+            "stds": stds,
+            "use_fused_vision_backbone": fused,
+        },
+        "processor_config.json": {
+            "auto_map": {"AutoProcessor": auto["AutoProcessor"]},
+            "processor_class": "PrismaticProcessor",
+        },
+    }
 
 
-def save_openvla_hub_dir(path: Path, state: Mapping[str, torch.Tensor], sizes: Mapping, *, model_type: str,
-                         tokenizer, stats: Mapping | None, num_images: int, image_keys, step: int | None = None,
-                         max_shard_size: int | str = "5GB") -> Path:
+def save_openvla_hub_dir(
+    path: Path,
+    state: Mapping[str, torch.Tensor],
+    sizes: Mapping,
+    *,
+    model_type: str,
+    tokenizer,
+    stats: Mapping | None,
+    num_images: int,
+    image_keys,
+    step: int | None = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
     """This policy's weights (``state``, LoRA merged, this policy's names) -> OpenVLA's released layout in ``path``:
     config.json, (sharded) safetensors in Prismatic's names with model.safetensors.index.json, the tokenizer's and
     processor's files, dataset_statistics.json, and OpenVLA-OFT's ``proprio_projector--<step>_checkpoint.pt``. The
@@ -348,34 +459,57 @@ def save_openvla_hub_dir(path: Path, state: Mapping[str, torch.Tensor], sizes: M
     path = Path(path)
     query = state.get("action_query")
     if query is not None and bool(query.detach().ne(0).any()):
-        raise ValueError("the OFT action query trained away from zero, and OpenVLA-OFT's layout has none (it zeroes "
-                         "the action positions' embeddings): export it with --layout rlfleet")
+        raise ValueError(
+            "the OFT action query trained away from zero, and OpenVLA-OFT's layout has none (it zeroes "
+            "the action positions' embeddings): export it with --layout rlfleet"
+        )
     state = {k: v.detach() for k, v in state.items()}
     if f"{OUR_DINO}embeddings.cls_token" in state:  # timm's DINOv2 has no CLS position: fold it into the token
         pos = state[f"{OUR_DINO}embeddings.position_embeddings"]
         state[f"{OUR_DINO}embeddings.cls_token"] = state[f"{OUR_DINO}embeddings.cls_token"] + pos[:, :1]
         state[f"{OUR_DINO}embeddings.position_embeddings"] = torch.cat([torch.zeros_like(pos[:, :1]), pos[:, 1:]], 1)
     fused = f"{OUR_DINO}embeddings.cls_token" in state
-    rows = openvla_rows(_vit_blocks(state, f"{OUR_SIGLIP}encoder.layers."),
-                        _vit_blocks(state, f"{OUR_DINO}encoder.layer.") if fused else None,
-                        f"{OUR_DINO}embeddings.register_tokens" in state)
+    rows = openvla_rows(
+        _vit_blocks(state, f"{OUR_SIGLIP}encoder.layers."),
+        _vit_blocks(state, f"{OUR_DINO}encoder.layer.") if fused else None,
+        f"{OUR_DINO}embeddings.register_tokens" in state,
+    )
     hub = ours_to_hub(state, rows)
     path.mkdir(parents=True, exist_ok=True)
-    save_torch_state_dict({k: v.contiguous().clone() for k, v in hub.items()}, str(path),
-                          max_shard_size=max_shard_size, metadata={"format": "pt"})
+    save_torch_state_dict(
+        {k: v.contiguous().clone() for k, v in hub.items()},
+        str(path),
+        max_shard_size=max_shard_size,
+        metadata={"format": "pt"},
+    )
     dtype = str(next(iter(hub.values())).dtype).removeprefix("torch.")
     pad, bos = tokenizer.pad_token_id, tokenizer.bos_token_id
-    (path / "config.json").write_text(json.dumps(hub_config(
-        sizes, model_type=model_type, stats=stats, num_images=num_images, image_keys=image_keys,
-        pad_token_id=pad, bos_token_id=bos, dtype=dtype), indent=2))
+    (path / "config.json").write_text(
+        json.dumps(
+            hub_config(
+                sizes,
+                model_type=model_type,
+                stats=stats,
+                num_images=num_images,
+                image_keys=image_keys,
+                pad_token_id=pad,
+                bos_token_id=bos,
+                dtype=dtype,
+            ),
+            indent=2,
+        )
+    )
     for name, content in hub_processor_configs(sizes).items():
         (path / name).write_text(json.dumps(content, indent=2))
     save_tokenizer_files(tokenizer, path)
     if stats:
         (path / "dataset_statistics.json").write_text(json.dumps(stats, indent=1))
     if "proprio_projector.0.weight" in state:  # as OFT's training script saves it (from DDP: module.-prefixed)
-        proj = {f"module.{fc}.{kind}": state[f"proprio_projector.{i}.{kind}"].clone()
-                for fc, i in PROPRIO_LAYERS for kind in ("weight", "bias")}
+        proj = {
+            f"module.{fc}.{kind}": state[f"proprio_projector.{i}.{kind}"].clone()
+            for fc, i in PROPRIO_LAYERS
+            for kind in ("weight", "bias")
+        }
         torch.save(proj, path / f"proprio_projector--{int(step or 0)}_checkpoint.pt")
     return path
 
@@ -421,8 +555,17 @@ def openvla_hub_problems(path: Path) -> list[str]:
     path = Path(path)
     problems = safetensors_index_problems(path)
     cfg = read_config(path)
-    for key in ("vision_backbone_id", "llm_backbone_id", "image_sizes", "n_action_bins", "norm_stats", "text_config",
-                "timm_model_ids", "use_fused_vision_backbone", "pad_to_multiple_of"):
+    for key in (
+        "vision_backbone_id",
+        "llm_backbone_id",
+        "image_sizes",
+        "n_action_bins",
+        "norm_stats",
+        "text_config",
+        "timm_model_ids",
+        "use_fused_vision_backbone",
+        "pad_to_multiple_of",
+    ):
         if key not in cfg:
             problems.append(f"config.json: no {key}")
     shapes, want = _shapes(path), {}
@@ -430,15 +573,28 @@ def openvla_hub_problems(path: Path) -> list[str]:
     H, V, inter = t["hidden_size"], t["vocab_size"], t["intermediate_size"]
     hd = H // t["num_attention_heads"]
     q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
-    want.update({"language_model.model.embed_tokens.weight": (V, H), "language_model.lm_head.weight": (V, H),
-                 "language_model.model.norm.weight": (H,)})
+    want.update(
+        {
+            "language_model.model.embed_tokens.weight": (V, H),
+            "language_model.lm_head.weight": (V, H),
+            "language_model.model.norm.weight": (H,),
+        }
+    )
     for i in range(t["num_hidden_layers"]):
         b = f"language_model.model.layers.{i}."
-        want.update({f"{b}self_attn.q_proj.weight": (q, H), f"{b}self_attn.k_proj.weight": (kv, H),
-                     f"{b}self_attn.v_proj.weight": (kv, H), f"{b}self_attn.o_proj.weight": (H, q),
-                     f"{b}mlp.gate_proj.weight": (inter, H), f"{b}mlp.up_proj.weight": (inter, H),
-                     f"{b}mlp.down_proj.weight": (H, inter), f"{b}input_layernorm.weight": (H,),
-                     f"{b}post_attention_layernorm.weight": (H,)})
+        want.update(
+            {
+                f"{b}self_attn.q_proj.weight": (q, H),
+                f"{b}self_attn.k_proj.weight": (kv, H),
+                f"{b}self_attn.v_proj.weight": (kv, H),
+                f"{b}self_attn.o_proj.weight": (H, q),
+                f"{b}mlp.gate_proj.weight": (inter, H),
+                f"{b}mlp.up_proj.weight": (inter, H),
+                f"{b}mlp.down_proj.weight": (H, inter),
+                f"{b}input_layernorm.weight": (H,),
+                f"{b}post_attention_layernorm.weight": (H,),
+            }
+        )
     fused = bool(cfg["use_fused_vision_backbone"])
     known = {"vit_so400m_patch14_siglip_224": (1152, 27, 14), "vit_large_patch14_reg4_dinov2.lvd142m": (1024, 24, 14)}
     widths = []
@@ -454,18 +610,34 @@ def openvla_hub_problems(path: Path) -> list[str]:
             problems.append(f"{src}: width {D}, {blocks} blocks, patch {p}; {timm_id} has {known[timm_id]}")
         n_patch = (int(cfg["image_sizes"][j]) // p) ** 2
         I = shapes.get(f"{src}blocks.0.mlp.fc1.weight", (0,))[0]
-        want.update({f"{src}patch_embed.proj.weight": (D, 3, p, p), f"{src}patch_embed.proj.bias": (D,),
-                     f"{src}pos_embed": (1, n_patch, D), f"{src}norm.weight": (D,), f"{src}norm.bias": (D,)})
+        want.update(
+            {
+                f"{src}patch_embed.proj.weight": (D, 3, p, p),
+                f"{src}patch_embed.proj.bias": (D,),
+                f"{src}pos_embed": (1, n_patch, D),
+                f"{src}norm.weight": (D,),
+                f"{src}norm.bias": (D,),
+            }
+        )
         if src == HUB_DINO and fused:
             want[f"{src}cls_token"] = (1, 1, D)
             if f"{src}reg_token" in shapes:
                 want[f"{src}reg_token"] = (1, shapes[f"{src}reg_token"][1], D)
         for i in range(blocks):
             b = f"{src}blocks.{i}."
-            want.update({f"{b}attn.qkv.weight": (3 * D, D), f"{b}attn.qkv.bias": (3 * D,),
-                         f"{b}attn.proj.weight": (D, D), f"{b}attn.proj.bias": (D,), f"{b}mlp.fc1.weight": (I, D),
-                         f"{b}mlp.fc1.bias": (I,), f"{b}mlp.fc2.weight": (D, I), f"{b}mlp.fc2.bias": (D,),
-                         **{f"{b}{n}.{k}": (D,) for n in ("norm1", "norm2") for k in ("weight", "bias")}})
+            want.update(
+                {
+                    f"{b}attn.qkv.weight": (3 * D, D),
+                    f"{b}attn.qkv.bias": (3 * D,),
+                    f"{b}attn.proj.weight": (D, D),
+                    f"{b}attn.proj.bias": (D,),
+                    f"{b}mlp.fc1.weight": (I, D),
+                    f"{b}mlp.fc1.bias": (I,),
+                    f"{b}mlp.fc2.weight": (D, I),
+                    f"{b}mlp.fc2.bias": (D,),
+                    **{f"{b}{n}.{k}": (D,) for n in ("norm1", "norm2") for k in ("weight", "bias")},
+                }
+            )
             if src == HUB_DINO and fused:
                 want.update({f"{b}ls1.scale_factor": (D,), f"{b}ls2.scale_factor": (D,)})
         widths.append(D)
@@ -474,8 +646,9 @@ def openvla_hub_problems(path: Path) -> list[str]:
     for i, (a, b) in enumerate(dims):
         want.update({f"projector.fc{i + 1}.weight": (b, a), f"projector.fc{i + 1}.bias": (b,)})
     problems += [f"{k}: missing (expected {list(s)})" for k, s in want.items() if k not in shapes]
-    problems += [f"{k}: {list(shapes[k])}, expected {list(s)}" for k, s in want.items()
-                 if k in shapes and shapes[k] != s]
+    problems += [
+        f"{k}: {list(shapes[k])}, expected {list(s)}" for k, s in want.items() if k in shapes and shapes[k] != s
+    ]
     # timm's SigLIP has a MAP head (attn_pool.*) that Prismatic never runs: allowed, not required (rlfleet holds none)
     problems += [f"{k}: not a tensor of this architecture" for k in shapes if k not in want and ".attn_pool." not in k]
     return problems

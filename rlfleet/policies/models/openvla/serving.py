@@ -34,16 +34,20 @@ class ServingMixin:
         rows = [emb[i][mask[i].bool()] for i in range(emb.shape[0])]
         return rows, value, {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
 
-    def output_from_tokens(self, tokens: torch.Tensor, token_log_probs: torch.Tensor, values, prompt_inputs
-                           ) -> PolicyOutput:
+    def output_from_tokens(
+        self, tokens: torch.Tensor, token_log_probs: torch.Tensor, values, prompt_inputs
+    ) -> PolicyOutput:
         """Decoded action token ids [n, D] and their log-probs (over the action ids, at this temperature) [n, D]
         -> the PolicyOutput that act() would give for them."""
         bins = (self.action_end - 1 - tokens.long()).to(self.bin_centres.device)
         if bool(((bins < 0) | (bins >= self.n_bins)).any()):
-            raise ValueError(f"decoded tokens outside the action ids {self.action_end - self.n_bins}.."
-                             f"{self.action_end - 1}: {tokens.tolist()}")
-        return self._output(bins, token_log_probs.float(), values, prompt_inputs["prompt_ids"],
-                            prompt_inputs["prompt_mask"])
+            raise ValueError(
+                f"decoded tokens outside the action ids {self.action_end - self.n_bins}.."
+                f"{self.action_end - 1}: {tokens.tolist()}"
+            )
+        return self._output(
+            bins, token_log_probs.float(), values, prompt_inputs["prompt_ids"], prompt_inputs["prompt_mask"]
+        )
 
 
 def lm_weight_name(name: str) -> str | None:
@@ -53,6 +57,5 @@ def lm_weight_name(name: str) -> str | None:
     LM names; the vLLM backend loads checkpoints and weight updates through it."""
     for prefix in ("llm.", "language_model."):
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return name if name.startswith(("model.", "lm_head.")) else None
-

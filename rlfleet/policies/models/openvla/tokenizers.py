@@ -42,8 +42,12 @@ def load_hf_tokenizer(path: Path, *, within: Path | None = None):
         from rlfleet.untrusted import BadFile
 
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-        raise BadFile(path, "tokenizer", "files transformers' AutoTokenizer loads without running the folder's code",
-                      f"{type(exc).__name__}: {first[:160]}") from None
+        raise BadFile(
+            path,
+            "tokenizer",
+            "files transformers' AutoTokenizer loads without running the folder's code",
+            f"{type(exc).__name__}: {first[:160]}",
+        ) from None
     finally:
         logging.set_verbosity(level)
 
@@ -74,13 +78,17 @@ def byte_tokenizer_as_hf():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     chars = bytes_to_unicode()  # byte -> the printable character byte-level BPE writes it as
-    specials = {"<pad>": ByteTokenizer.pad_token_id, "<s>": ByteTokenizer.bos_token_id,
-                "</s>": ByteTokenizer.eos_token_id}
+    specials = {
+        "<pad>": ByteTokenizer.pad_token_id,
+        "<s>": ByteTokenizer.bos_token_id,
+        "</s>": ByteTokenizer.eos_token_id,
+    }
     tok = Tokenizer(models.BPE(vocab={**specials, **{chars[b]: 3 + b for b in range(256)}}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   split_special_tokens=True)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", split_special_tokens=True
+    )
 
 
 def save_tokenizer_files(tokenizer, path: Path) -> None:

@@ -71,25 +71,39 @@ def _stage(path: Path) -> None:
     trimesh.util.concatenate([table, floor]).export(path)
 
 
-def _link(name: str, geometry: str | None = None, origin=(0, 0, 0), collide: bool = False, mass: float = 0.2,
-          rgba: str = "0.2 0.2 0.2 1") -> str:
+def _link(
+    name: str,
+    geometry: str | None = None,
+    origin=(0, 0, 0),
+    collide: bool = False,
+    mass: float = 0.2,
+    rgba: str = "0.2 0.2 0.2 1",
+) -> str:
     xyz = " ".join(str(v) for v in origin)
     shape = ""
     if geometry:
-        shape = (f'<visual><origin xyz="{xyz}"/><geometry>{geometry}</geometry>'
-                 f'<material name="{name}_m"><color rgba="{rgba}"/></material></visual>')
+        shape = (
+            f'<visual><origin xyz="{xyz}"/><geometry>{geometry}</geometry>'
+            f'<material name="{name}_m"><color rgba="{rgba}"/></material></visual>'
+        )
         if collide:
             shape += f'<collision><origin xyz="{xyz}"/><geometry>{geometry}</geometry></collision>'
-    return (f'<link name="{name}"><inertial><origin xyz="{xyz}"/><mass value="{mass}"/>'
-            f'<inertia ixx="1e-4" ixy="0" ixz="0" iyy="1e-4" iyz="0" izz="1e-4"/></inertial>{shape}</link>')
+    return (
+        f'<link name="{name}"><inertial><origin xyz="{xyz}"/><mass value="{mass}"/>'
+        f'<inertia ixx="1e-4" ixy="0" ixz="0" iyy="1e-4" iyz="0" izz="1e-4"/></inertial>{shape}</link>'
+    )
 
 
 def _joint(name: str, kind: str, parent: str, child: str, origin, axis=(0, 0, 1), limits=(-3.14, 3.14)) -> str:
-    out = (f'<joint name="{name}" type="{kind}"><parent link="{parent}"/><child link="{child}"/>'
-           f'<origin xyz="{" ".join(str(v) for v in origin)}"/>')
+    out = (
+        f'<joint name="{name}" type="{kind}"><parent link="{parent}"/><child link="{child}"/>'
+        f'<origin xyz="{" ".join(str(v) for v in origin)}"/>'
+    )
     if kind != "fixed":
-        out += (f'<axis xyz="{" ".join(str(v) for v in axis)}"/>'
-                f'<limit lower="{limits[0]}" upper="{limits[1]}" effort="100" velocity="3"/>')
+        out += (
+            f'<axis xyz="{" ".join(str(v) for v in axis)}"/>'
+            f'<limit lower="{limits[0]}" upper="{limits[1]}" effort="100" velocity="3"/>'
+        )
     return out + "</joint>"
 
 
@@ -105,29 +119,41 @@ def stand_in_widowx() -> str:
         _link("lower_forearm_link", '<box size="0.075 0.03 0.03"/>', (0.0375, 0, 0)),
         _link("wrist_link", '<box size="0.065 0.03 0.03"/>', (0.0325, 0, 0)),
         _link("gripper_link", '<box size="0.043 0.05 0.03"/>', (0.0215, 0, 0)),
-        _link("ee_arm_link"), _link("gripper_bar_link", '<box size="0.01 0.09 0.02"/>', (0, 0, 0)),
+        _link("ee_arm_link"),
+        _link("gripper_bar_link", '<box size="0.01 0.09 0.02"/>', (0, 0, 0)),
         _link("fingers_link"),
-        _link("left_finger_link", '<box size="0.04 0.01 0.02"/>', (0.02, 0.005, 0), collide=True, mass=0.05,
-              rgba="0.8 0.8 0.8 1"),
-        _link("right_finger_link", '<box size="0.04 0.01 0.02"/>', (0.02, -0.005, 0), collide=True, mass=0.05,
-              rgba="0.8 0.8 0.8 1"),
+        _link(
+            "left_finger_link",
+            '<box size="0.04 0.01 0.02"/>',
+            (0.02, 0.005, 0),
+            collide=True,
+            mass=0.05,
+            rgba="0.8 0.8 0.8 1",
+        ),
+        _link(
+            "right_finger_link",
+            '<box size="0.04 0.01 0.02"/>',
+            (0.02, -0.005, 0),
+            collide=True,
+            mass=0.05,
+            rgba="0.8 0.8 0.8 1",
+        ),
         _link("ee_gripper_link"),
     ]
     joints = [
         _joint("waist", "revolute", "base_link", "shoulder_link", (0, 0, 0.072), (0, 0, 1)),
         _joint("shoulder", "revolute", "shoulder_link", "upper_arm_link", (0, 0, 0.03865), (0, 1, 0), (-1.88, 1.99)),
-        _joint("elbow", "revolute", "upper_arm_link", "upper_forearm_link", (0.04975, 0, 0.25), (0, 1, 0),
-               (-2.15, 1.6)),
+        _joint(
+            "elbow", "revolute", "upper_arm_link", "upper_forearm_link", (0.04975, 0, 0.25), (0, 1, 0), (-2.15, 1.6)
+        ),
         _joint("forearm_roll", "revolute", "upper_forearm_link", "lower_forearm_link", (0.175, 0, 0), (1, 0, 0)),
-        _joint("wrist_angle", "revolute", "lower_forearm_link", "wrist_link", (0.075, 0, 0), (0, 1, 0),
-               (-1.75, 2.15)),
+        _joint("wrist_angle", "revolute", "lower_forearm_link", "wrist_link", (0.075, 0, 0), (0, 1, 0), (-1.75, 2.15)),
         _joint("wrist_rotate", "revolute", "wrist_link", "gripper_link", (0.065, 0, 0), (1, 0, 0)),
         _joint("ee_arm", "fixed", "gripper_link", "ee_arm_link", (0.043, 0, 0)),
         _joint("gripper_bar", "fixed", "ee_arm_link", "gripper_bar_link", (0, 0, 0)),
         _joint("ee_bar", "fixed", "gripper_bar_link", "fingers_link", (0.023, 0, 0)),
         _joint("left_finger", "prismatic", "fingers_link", "left_finger_link", (0, 0, 0), (0, 1, 0), (0.015, 0.037)),
-        _joint("right_finger", "prismatic", "fingers_link", "right_finger_link", (0, 0, 0), (0, -1, 0),
-               (0.015, 0.037)),
+        _joint("right_finger", "prismatic", "fingers_link", "right_finger_link", (0, 0, 0), (0, -1, 0), (0.015, 0.037)),
         _joint("ee_gripper", "fixed", "fingers_link", "ee_gripper_link", (0.027575, 0, 0)),
     ]
     return '<?xml version="1.0"?>\n<robot name="wx250s">' + "".join(links + joints) + "</robot>\n"

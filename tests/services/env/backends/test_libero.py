@@ -3,12 +3,12 @@ environment has no libero."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.simenv import run_in_env
 
 pytestmark = pytest.mark.sim
+
 
 def _run(code: str, timeout: float = 240.0, **env_vars: str) -> dict:
     """Run in the LIBERO environment (built on first use; the test is skipped, saying why, if it cannot be)."""
@@ -91,8 +91,11 @@ def test_libero_backend_in_its_own_environment():
         assert suite in unknown_suite
     assert "camera_size" in unknown_param
 
-    assert out["spaces"] == {"agentview": [[32, 32, 3], "uint8"], "wrist": [[32, 32, 3], "uint8"],
-                             "state": [[8], "float32"]}
+    assert out["spaces"] == {
+        "agentview": [[32, 32, 3], "uint8"],
+        "wrist": [[32, 32, 3], "uint8"],
+        "state": [[8], "float32"],
+    }
     assert out["action"] == [[7], -1.0, 1.0]
     assert out["max_episode_steps"] == 240 and out["num_reset_states"] == 500  # 10 tasks x 50 init states
 
@@ -104,8 +107,11 @@ def test_libero_backend_in_its_own_environment():
     assert [d["instruction"] for d in described[:10]] == out["suite_language"]
 
     assert out["reset_texts"] == out["suite_language"][:2] and out["reset_texts"][0] != out["reset_texts"][1]
-    assert out["reset_obs"] == {"agentview": [[2, 32, 32, 3], "uint8"], "wrist": [[2, 32, 32, 3], "uint8"],
-                                "state": [[2, 8], "float32"]}
+    assert out["reset_obs"] == {
+        "agentview": [[2, 32, 32, 3], "uint8"],
+        "wrist": [[2, 32, 32, 3], "uint8"],
+        "state": [[2, 8], "float32"],
+    }
     assert min(out["image_std"]) > 5 and out["in_space"]
     assert out["same_twice"] and out["same_across_slots"] and out["seeded_same"]
 
@@ -145,7 +151,9 @@ def test_missing_assets_name_the_fix(tmp_path):
 @pytest.mark.sim
 def test_libero_env_server_passes_the_contract_checks():
     """`coordinatorctl check-env` semantics against a standalone LIBERO env server (one task, small images)."""
-    out = run_in_env("libero", """
+    out = run_in_env(
+        "libero",
+        """
 import json
 from rlfleet.simulators import conformance
 from rlfleet.config import load_config
@@ -157,7 +165,9 @@ cfg = load_config("libero_spatial_ppo_cnn", [
 server, address, env = serve_env_only(cfg, "127.0.0.1:0")
 results = conformance.check_env(address, close=True, timeout=120)
 print(json.dumps({r.name: [r.status, r.detail, round(r.seconds, 1)] for r in results}))
-""", timeout=900)
+""",
+        timeout=900,
+    )
     failed = {k: v for k, v in out.items() if v[0] == "FAIL"}
     assert not failed, failed
     assert out["describe"][1].startswith("libero:libero_spatial") and "50 reset states" in out["describe"][1], out

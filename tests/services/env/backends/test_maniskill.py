@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from rlfleet.simulators import environments
-from rlfleet.simulators import MANISKILL_ENV, Environment
+from rlfleet.simulators import MANISKILL_ENV, Environment, environments
 from tests.simenv import run_in_env
 
 CODE = r"""
@@ -130,7 +129,9 @@ def test_maniskill_refuses_unknown_rlinf_only_and_asset_tasks_without_prompting(
 def test_gpu_simulation_without_sapiens_physx_gpu_library_names_the_file_and_the_fix(tmp_path):
     """SAPIEN fetches libPhysXGpu_64.so from GitHub on first GPU use (it is in no wheel): a host that cannot (the
     device machines here, as measured) gets one line naming the file, where it comes from and where it goes."""
-    out = run_in_env("maniskill", r"""
+    out = run_in_env(
+        "maniskill",
+        r"""
 import json, requests
 def offline(*a, **k):
     raise requests.exceptions.ConnectionError("Failed to resolve 'github.com'")
@@ -142,7 +143,10 @@ try:
     print(json.dumps({"raised": None}))
 except BackendUnavailable as exc:
     print(json.dumps({"raised": str(exc)}))
-""", timeout=120, HOME=str(tmp_path))
+""",
+        timeout=120,
+        HOME=str(tmp_path),
+    )
     msg = out["raised"]
     assert msg and f"{tmp_path}/.sapien/physx/" in msg and "libPhysXGpu_64.so (missing: ConnectionError" in msg, msg
     assert "github.com/sapien-sim/physx-precompiled/releases/download/" in msg and "sim_backend cpu" in msg
@@ -152,7 +156,9 @@ except BackendUnavailable as exc:
 def test_maniskill_env_server_in_its_own_environment_passes_the_contract_checks():
     from rlfleet.simulators import conformance
 
-    out = run_in_env("maniskill", """
+    out = run_in_env(
+        "maniskill",
+        """
 import json
 from rlfleet.simulators import conformance
 from rlfleet.config import load_config
@@ -163,7 +169,9 @@ cfg = load_config("maniskill_pushcube_ppo_mlp", ["env.train.total_num_envs=2", "
 server, address, env = serve_env_only(cfg, "127.0.0.1:0")
 results = conformance.check_env(address, close=True)
 print(json.dumps({r.name: [r.status, r.detail] for r in results}))
-""", timeout=180)
+""",
+        timeout=180,
+    )
     failed = {k: v for k, v in out.items() if v[0] == conformance.FAIL}
     assert not failed, failed
     assert out["describe"][1].startswith("maniskill:")
@@ -182,8 +190,11 @@ def test_preflight_refuses_rlinf_only_task_and_a_host_without_vulkan(monkeypatch
     monkeypatch.setenv("MS_ASSET_DIR", "/nonexistent/ms")
     monkeypatch.delenv("MANISKILL_ASSET_DIR", raising=False)
     cfg = load_config("maniskill_put_on_plate_ppo_openvla", [])
-    with pytest.raises(BackendUnavailable, match=r"needs its assets: RLinf's task assets are missing "
-                                                 r"\(/nonexistent/ms/data/carrot/more_carrot/model_db.json"):
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"needs its assets: RLinf's task assets are missing "
+        r"\(/nonexistent/ms/data/carrot/more_carrot/model_db.json",
+    ):
         maniskill_setup.preflight(cfg)
     monkeypatch.setenv("VK_ICD_FILENAMES", "/nonexistent/icd.json")
     monkeypatch.setattr(maniskill_setup.ctypes.util, "find_library", lambda name: "libvulkan.so.1")
@@ -195,9 +206,20 @@ def test_preflight_refuses_rlinf_only_task_and_a_host_without_vulkan(monkeypatch
 
 def test_start_with_an_rlinf_only_task_fails_in_seconds(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start", "maniskill_pushcube_ppo_mlp",
-                           "env.train.env_id=PutOnPlateInScene25Main-v2", f"runner.logger.log_path={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator.cli",
+            "start",
+            "maniskill_pushcube_ppo_mlp",
+            "env.train.env_id=PutOnPlateInScene25Main-v2",
+            f"runner.logger.log_path={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "PutOnPlateInScene25Main-v2" in proc.stderr and "not of the public mani-skill 3.0.1" in proc.stderr
     assert time.monotonic() - t0 < 30
@@ -213,8 +235,10 @@ def test_apt_entries_with_minimum_versions_and_backports_sources():
     assert cmds[1] == ["apt-get", "update", "-qq"]
     assert cmds[2][-3:] == ["-t", codename, "mesa-vulkan-drivers"]
     plain = Environment(name="p", pip=(), apt=("libegl1",))
-    assert environments.apt_install_commands(plain, ["libegl1"]) == [["apt-get", "update", "-qq"],
-                                                                     ["apt-get", "install", "-y", "-qq", "libegl1"]]
+    assert environments.apt_install_commands(plain, ["libegl1"]) == [
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "libegl1"],
+    ]
     # an installed package counts only at its minimum version (dpkg itself is always installed)
     assert environments.missing_apt(Environment(name="d", pip=(), apt=("dpkg>=1.0", "dpkg"))) == []
     assert environments.missing_apt(Environment(name="d", pip=(), apt=("dpkg>=999",))) == ["dpkg>=999"]
@@ -222,16 +246,23 @@ def test_apt_entries_with_minimum_versions_and_backports_sources():
     import hashlib
     import json
 
-    blob = json.dumps({"pip": environments.requirements(plain), "apt": ["libegl1"], "python": "3.11",
-                       "setup": None, "check": ""}, sort_keys=True)
+    blob = json.dumps(
+        {"pip": environments.requirements(plain), "apt": ["libegl1"], "python": "3.11", "setup": None, "check": ""},
+        sort_keys=True,
+    )
     assert environments.lock_key(plain) == hashlib.sha256(blob.encode()).hexdigest()[:12]
     assert environments.lock_key(MANISKILL_ENV) != environments.lock_key(
-        Environment(**{**MANISKILL_ENV.__dict__, "apt_sources": ()}))
+        Environment(**{**MANISKILL_ENV.__dict__, "apt_sources": ()})
+    )
 
 
 def test_missing_apt_packages_without_root_name_the_commands(tmp_path, monkeypatch):
-    env = Environment(name="vk", pip=("six",), apt=("libvulkan1", "mesa-vulkan-drivers>=25"),
-                      apt_sources=("deb http://deb.debian.org/debian {codename}-backports main",))
+    env = Environment(
+        name="vk",
+        pip=("six",),
+        apt=("libvulkan1", "mesa-vulkan-drivers>=25"),
+        apt_sources=("deb http://deb.debian.org/debian {codename}-backports main",),
+    )
     monkeypatch.setattr(environments, "missing_apt", lambda e: ["mesa-vulkan-drivers>=25"])
     monkeypatch.setattr(environments.os, "geteuid", lambda: 1000)
     with pytest.raises(environments.EnvironmentError_) as info:
@@ -253,19 +284,40 @@ def test_envs_assets_names_the_download_and_refuses_rlinf_only_tasks():
 
     sim_python("maniskill")  # built (or a named skip/failure) before the CLI is timed
     cli = [sys.executable, "-m", "services.coordinator.cli"]
-    out = subprocess.run([*cli, "envs", "assets", "maniskill", "PutCarrotOnPlateInScene-v1", "--dry-run"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [*cli, "envs", "assets", "maniskill", "PutCarrotOnPlateInScene-v1", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "bridge_v2_real2sim" in out.stdout and "-m mani_skill.utils.download_asset PutCarrotOnPlateInScene-v1 -y" \
-        in out.stdout
-    rlinf = subprocess.run([*cli, "envs", "assets", "maniskill", "PutOnPlateInScene25Main-v2"],
-                           capture_output=True, text=True, timeout=300)
+    assert (
+        "bridge_v2_real2sim" in out.stdout
+        and "-m mani_skill.utils.download_asset PutCarrotOnPlateInScene-v1 -y" in out.stdout
+    )
+    rlinf = subprocess.run(
+        [*cli, "envs", "assets", "maniskill", "PutOnPlateInScene25Main-v2"], capture_output=True, text=True, timeout=300
+    )
     assert rlinf.returncode == 2 and "earlier version of RLinf's task" in rlinf.stdout
-    typo = subprocess.run([*cli, "envs", "assets", "maniskill", "PickCub-v1"], capture_output=True, text=True,
-                          timeout=300)
+    typo = subprocess.run(
+        [*cli, "envs", "assets", "maniskill", "PickCub-v1"], capture_output=True, text=True, timeout=300
+    )
     assert typo.returncode == 2 and "did you mean 'PickCube-v1'" in typo.stdout
     t0 = time.monotonic()
-    start = subprocess.run([*cli, "start", "maniskill_pickcube_ppo_openvla", "env.train.env_id=PutOnPlateInScene25Main-v2",
-                            "env.eval.env_id=PutOnPlateInScene25Main-v2"], capture_output=True, text=True, timeout=60)
+    start = subprocess.run(
+        [
+            *cli,
+            "start",
+            "maniskill_pickcube_ppo_openvla",
+            "env.train.env_id=PutOnPlateInScene25Main-v2",
+            "env.eval.env_id=PutOnPlateInScene25Main-v2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     took = time.monotonic() - t0
-    assert start.returncode == 2 and "earlier version of RLinf's task" in start.stderr and took < 5, (took, start.stderr)
+    assert start.returncode == 2 and "earlier version of RLinf's task" in start.stderr and took < 5, (
+        took,
+        start.stderr,
+    )

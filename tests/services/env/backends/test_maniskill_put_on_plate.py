@@ -88,11 +88,20 @@ print(json.dumps(out))
 @pytest.mark.sim
 def test_put_on_plate_resets_steps_renders_and_succeeds_through_an_env_server(tmp_path):
     t0 = time.monotonic()
-    out = run_in_env("maniskill", SERVE.replace("sys.argv[1]", repr(str(tmp_path))), timeout=600,
-                     MS_ASSET_DIR=str(tmp_path), MANISKILL_ASSET_DIR="")
+    out = run_in_env(
+        "maniskill",
+        SERVE.replace("sys.argv[1]", repr(str(tmp_path))),
+        timeout=600,
+        MS_ASSET_DIR=str(tmp_path),
+        MANISKILL_ASSET_DIR="",
+    )
     took = time.monotonic() - t0
-    assert out["spec"] == {"obs": {"pixels": [96, 96, 3], "state": [out["spec"]["obs"]["state"][0]]},
-                           "action": [7], "max_episode_steps": 20, "num_reset_states": 3 * 2 * 784 * 4}, out["spec"]
+    assert out["spec"] == {
+        "obs": {"pixels": [96, 96, 3], "state": [out["spec"]["obs"]["state"][0]]},
+        "action": [7],
+        "max_episode_steps": 20,
+        "num_reset_states": 3 * 2 * 784 * 4,
+    }, out["spec"]
     assert out["instructions"][0] == out["instructions"][1]
     assert out["instructions"][0] in ("put green cube on plate", "put red can on plate", "put yellow block on plate")
     assert out["pixels"][:2] == [[2, 96, 96, 3], "uint8"] and out["pixels"][2] > 5 and out["same_seed_same_image"]
@@ -104,8 +113,10 @@ def test_put_on_plate_resets_steps_renders_and_succeeds_through_an_env_server(tm
     assert out["state_same"]
     # RLinf's order: object = id // (1 plate x 2 backgrounds x 784 positions x 4 yaws): id 5 -> 0, 4 + 6272 -> 1
     assert out["obj_of_state"] == 1 and out["state_other_object"][0] != out["state_other_object"][1]
-    print(f"put-on-plate env server: start {out['start_s']:.1f} s, reset {out['reset_s']:.2f} s, step "
-          f"{out['step_s']:.2f} s, whole test {took:.1f} s")
+    print(
+        f"put-on-plate env server: start {out['start_s']:.1f} s, reset {out['reset_s']:.2f} s, step "
+        f"{out['step_s']:.2f} s, whole test {took:.1f} s"
+    )
 
 
 @pytest.mark.sim
@@ -120,16 +131,25 @@ def test_put_on_plate_without_assets_stops_the_start_in_seconds_naming_the_fix(t
     env = {**os.environ, "MS_ASSET_DIR": str(tmp_path)}
     env.pop("MANISKILL_ASSET_DIR", None)
     cli = [sys.executable, "-m", "services.coordinator.cli"]
-    out = subprocess.run([*cli, "envs", "assets", "maniskill", "PutOnPlateInScene25Main-v3", "--dry-run"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [*cli, "envs", "assets", "maniskill", "PutOnPlateInScene25Main-v3", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert "-m mani_skill.utils.download_asset widowx250s -y" in out.stdout
     assert "-m mani_skill.utils.download_asset PutOnPlateInScene25Main-v3 -y" in out.stdout  # bridge_v2_real2sim
     assert f"hf download --repo-type dataset RLinf/maniskill_assets --local-dir {tmp_path}/data" in out.stdout
     t0 = time.monotonic()
-    start = subprocess.run([*cli, "start", "maniskill_put_on_plate_ppo_openvla",
-                            f"runner.logger.log_path={tmp_path}/runs"], capture_output=True, text=True, timeout=60,
-                           env=env)
+    start = subprocess.run(
+        [*cli, "start", "maniskill_put_on_plate_ppo_openvla", f"runner.logger.log_path={tmp_path}/runs"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     took = time.monotonic() - t0
     assert start.returncode == 2, start.stdout + start.stderr
     line = start.stderr.strip().splitlines()[-1]

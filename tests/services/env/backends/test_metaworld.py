@@ -72,9 +72,22 @@ def test_scripted_expert_demonstrations_from_the_metaworld_environment(tmp_path)
 
     from rlfleet.data.datasets import Dataset
 
-    proc = subprocess.run([sys.executable, "-m", "services.coordinator.cli", "collect-demos",
-                           "metaworld_mt1_sft_pi0_tiny", f"runner.logger.log_path={tmp_path}", "--episodes", "2",
-                           "env.train.max_episode_steps=60"], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator.cli",
+            "collect-demos",
+            "metaworld_mt1_sft_pi0_tiny",
+            f"runner.logger.log_path={tmp_path}",
+            "--episodes",
+            "2",
+            "env.train.max_episode_steps=60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     d = Dataset(tmp_path / "metaworld_mt1_sft_pi0_tiny" / "demos")
     assert len(d) == 2 and d.meta["simulator"] == "metaworld"

@@ -50,10 +50,15 @@ print(json.dumps({"checked": checked, "loaded": loaded}))
 
 def test_the_envs_register_and_pass_gymnasiums_checker_without_the_services_stack():
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", BLOCKED_MAKE_CHECK], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKED_MAKE_CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["checked"] == ["rlfleet/PandaPickCube-v0", "PandaPickCube-v0", "rlfleet/PandaPickCubeVision-v0",
-                                 "PandaPickCubeVision-v0"], result
+    assert result["checked"] == [
+        "rlfleet/PandaPickCube-v0",
+        "PandaPickCube-v0",
+        "rlfleet/PandaPickCubeVision-v0",
+        "PandaPickCubeVision-v0",
+    ], result
     assert result["loaded"] == [], result

@@ -1,4 +1,5 @@
 """Tests for the MuJoCo Franka Panda pick-cube envs (services.env.envs)."""
+
 import math
 import warnings
 
