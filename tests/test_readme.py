@@ -142,6 +142,11 @@ RULES = [
         lambda a: (a[:2] == ("bash", "scripts/test.sh"))
         or (_prog(a) in ("python", "python3") and a[1:3] == ("-m", "pytest")),
     ),
+    Rule(
+        "the lint step (scripts/lint.sh): CI runs it before the suite",
+        "skip",
+        lambda a: a[:2] == ("bash", "scripts/lint.sh"),
+    ),
     Rule("a training run (scripts/run.sh)", "skip", lambda a: a[:2] == ("bash", "scripts/run.sh")),
     Rule(
         "needs Docker, a cluster or a GPU (docker, docker-compose, kubectl, compose_e2e.sh, nvidia-smi, gpu_fleet.sh)",
