@@ -56,6 +56,7 @@ def main() -> int:
                     f"rollout.backend={backend}",
                     f"runner.seed={seed}",
                     f"runner.logger.log_path={base}",
+                    "runner.early_stop_success_rate=null",  # the curves over the whole budget
                     *args.overrides,
                 ]
                 print("$", " ".join(cmd), flush=True)

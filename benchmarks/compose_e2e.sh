@@ -74,7 +74,7 @@ fi
 say "coordinatorctl deploy compose -> $OUT"
 rm -rf "$OUT"
 .venv/bin/coordinatorctl deploy compose "runner.experiment_name=compose_e2e" "cluster.num_env_servers=2" \
-  "runner.early_stop_success_rate=0.95" "$@" --out "$OUT" --tag "$TAG" >/dev/null
+  "runner.early_stop_success_rate=0.95" "runner.early_stop_evals=1" "$@" --out "$OUT" --tag "$TAG" >/dev/null
 
 say "docker build rlfleet:$TAG (deploy/Dockerfile, target rlfleet)"
 t0=$(date +%s)

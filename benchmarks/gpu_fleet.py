@@ -209,6 +209,7 @@ def mlp_overrides(cpu: bool, log_path: pathlib.Path, budget_s: float) -> list[st
         "runner.seed=1",
         f"cluster.num_env_servers={ENV_SERVERS[cpu]}",
         "runner.early_stop_success_rate=0.95",
+        "runner.early_stop_evals=1",
         f"runner.max_wall_time_s={max(20, int(budget_s) - 25)}",
         "runner.logger.logger_backends=[]",
     ]

@@ -73,7 +73,9 @@ def produce(row: Row, log_path: str, fresh: bool) -> None:
         run([*CTL, "collect-demos", row.sft_config, *paths])
     if fresh or not (sft_dir / "sft_model" / "model.safetensors").is_file():
         run([*CTL, "sft", row.sft_config, *paths])
-    run([*CTL, "start", row.rl_config, *paths, f"actor.model.model_path={sft_dir / 'sft_model'}"])
+    # the table's runs train their whole budget (no early stop: runner.early_stop_success_rate)
+    rl = [*paths, "runner.early_stop_success_rate=null", f"actor.model.model_path={sft_dir / 'sft_model'}"]
+    run([*CTL, "start", row.rl_config, *rl])
 
 
 def table(rows: dict[str, Row], log_path: str) -> list[dict]:

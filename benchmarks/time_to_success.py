@@ -4,8 +4,8 @@
     python benchmarks/time_to_success.py --run-dir runs/X        # only analyse an existing run
 
 Each (mode, seed) is one `coordinatorctl start` of the default run (plus the overrides) with an evaluation of
-100 seeded episodes every 5 epochs, stopped at 95% (runner.early_stop_success_rate). Times are training wall time
-from the first rollout, evaluations excluded (their time is subtracted); env steps are training env steps. The
+100 seeded episodes every 5 epochs, stopped at the first evaluation at 95% (runner.early_stop_success_rate,
+runner.early_stop_evals=1). Times are training wall time from the first rollout, evaluations excluded (their time is subtracted); env steps are training env steps. The
 whole-loop rate is training env steps / training wall time (evaluations excluded), next to the raw simulator's
 steps/s on all cores (the physical limit: benchmarks/throughput.py's raw stepping, one process per core), with
 random actions and, where the task has a scripted expert, with the expert's actions (the grasp-and-lift steps of a
@@ -126,6 +126,7 @@ def main() -> None:
                 "--quiet",
                 "runner.val_check_interval=5",
                 "runner.early_stop_success_rate=0.95",
+                "runner.early_stop_evals=1",  # the time to the first evaluation at 95%
                 f"runner.seed={seed}",
                 MODES[mode],
                 f"runner.experiment_name={name}",

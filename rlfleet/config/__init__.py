@@ -661,6 +661,17 @@ def _check_runtime(cfg: DictConfig) -> None:
         "algorithm.importance_weight_cap",
         f"must be >= 1 (an importance weight of 1 is an on-policy sample), got {alg.importance_weight_cap}",
     )
+    rate = cfg.runner.early_stop_success_rate
+    _require(
+        rate is None or 0.0 <= rate <= 1.0,
+        "runner.early_stop_success_rate",
+        f"must be null (train the full budget) or a success rate in [0, 1], got {rate}",
+    )
+    _require(
+        cfg.runner.early_stop_evals >= 1,
+        "runner.early_stop_evals",
+        f"must be >= 1 (evaluations in a row at runner.early_stop_success_rate), got {cfg.runner.early_stop_evals}",
+    )
     _require(alg.kl_beta >= 0.0, "algorithm.kl_beta", f"must be >= 0 (0 = no KL penalty), got {alg.kl_beta}")
     _require(
         alg.kl_penalty in KL_PENALTIES,

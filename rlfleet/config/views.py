@@ -238,6 +238,7 @@ class CoordinatorView:
     max_env_steps: int | None = _key("runner.max_env_steps")
     max_wall_time_s: float | None = _key("runner.max_wall_time_s")
     early_stop_success_rate: float | None = _key("runner.early_stop_success_rate")
+    early_stop_evals: int = _key("runner.early_stop_evals")
     val_check_interval: int = _key("runner.val_check_interval")
     eval_before_train: bool = _key("runner.eval_before_train")
     save_interval: int = _key("runner.save_interval")

@@ -31,7 +31,7 @@ from services.coordinator.bottleneck import FleetShape
 from services.coordinator.calls import CallFailed, FleetCalls, describe, retryable
 from services.coordinator.evaluation import Evaluator
 from services.coordinator.launcher import make_launcher
-from services.coordinator.report import RunReport, eval_line
+from services.coordinator.report import RunReport, eval_line, learned
 from services.coordinator.service_registry import (
     ROLE_NAMES,
     HealthMonitor,
@@ -437,7 +437,6 @@ class Coordinator:
             ev = self.evaluate(0)
             self.say(f"  eval @ start: {eval_line(ev)}")
             self._save_state()
-        resumed_eval = None
         if (
             start_epoch
             and view.val_check_interval
@@ -447,8 +446,8 @@ class Coordinator:
             # the killed run saved this checkpoint, then was cut off while evaluating it: redo that evaluation
             self.phase = "evaluating"
             self.say(f"  evaluating epoch {start_epoch} again (the run stopped before its evaluation ended) ...")
-            resumed_eval = self.evaluate(start_epoch)
-            self.say(f"  eval @ epoch {start_epoch}: {eval_line(resumed_eval)}")
+            ev = self.evaluate(start_epoch)
+            self.say(f"  eval @ epoch {start_epoch}: {eval_line(ev)}")
             self._save_state()
         self.phase = "training"
         self.t_train = time.monotonic()
@@ -457,10 +456,14 @@ class Coordinator:
         pool = ThreadPoolExecutor(self.MAX_ENV_SERVERS)  # threads start as needed: room for `scale env N`
         depth = view.max_staleness  # async: collections started ahead of the epoch being trained
         ahead: deque = deque()  # (epoch, futures), oldest first
-        target = view.early_stop_success_rate
-        done = resumed_eval is not None and target is not None and resumed_eval["eval/success_once"] >= target
+        target, in_a_row = view.early_stop_success_rate, view.early_stop_evals
+        # resumed, and the policy resumed from was evaluated (now, or before the run stopped): the evaluations in a
+        # row (the eval history survives --resume) may already be enough
+        resumed_learned = start_epoch and history and history[-1]["step"] == start_epoch
+        why = learned(history, target, in_a_row) if resumed_learned else None
+        done = why is not None
         if done:
-            stop_why = f"eval success_once {resumed_eval['eval/success_once']:.1%} >= runner.early_stop_success_rate"
+            stop_why = why
         try:
             while not done:
                 if epoch >= view.max_epochs:
@@ -503,8 +506,9 @@ class Coordinator:
                 if view.val_check_interval and epoch % view.val_check_interval == 0:
                     ev = self.evaluate(epoch)
                     self.say(f"  eval @ epoch {epoch}: {eval_line(ev)}")
-                    if target is not None and ev["eval/success_once"] >= target:
-                        stop_why = f"eval success_once {ev['eval/success_once']:.1%} >= runner.early_stop_success_rate"
+                    why = learned(history, target, in_a_row)
+                    if why:
+                        stop_why = why
                         break
         except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "a service call")) from exc

@@ -37,6 +37,25 @@ def eval_line(ev: dict) -> str:
     )
 
 
+def learned(history: list[dict], rate: float | None, evals: int) -> str | None:
+    """Why the run stops early, or None: the last ``evals`` evaluations of ``history`` (the run's, in order; it
+    survives --resume in coordinator_state.json) all reached ``rate`` (runner.early_stop_success_rate, None: off;
+    runner.early_stop_evals)."""
+    if rate is None:
+        return None
+    row: list[float] = []
+    for e in reversed(history):
+        v = e.get("eval/success_once")
+        if v is None or not v >= rate:
+            break
+        row.append(v)
+    if len(row) < evals:
+        return None
+    got = ", ".join(f"{v:.1%}" for v in reversed(row[:evals]))
+    in_a_row = f"{evals} evaluations in a row" if evals > 1 else "1 evaluation"
+    return f"eval success_once >= {rate * 100:g}% on {in_a_row} ({got}; runner.early_stop_success_rate)"
+
+
 class RunReport:
     def __init__(self, view: CoordinatorView | None, run_dir: pathlib.Path, quiet: bool = False):
         self.view, self.run_dir, self.quiet = view, run_dir, quiet
