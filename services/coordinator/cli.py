@@ -2,7 +2,7 @@
 
 coordinatorctl start [CONFIG] [key=value ...]     # default: PPO on PandaPickCube-v0, all services local
 coordinatorctl start --resume RUN_DIR [key=value ...]
-coordinatorctl status [RUN_DIR | --address HOST:PORT]
+coordinatorctl status [RUN_DIR | --address HOST:PORT]   # an ended run's folder: how it ended (its summary)
 coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
 coordinatorctl scale env N [RUN_DIR | --address HOST:PORT]  # env servers of a running run, from the next epoch
 coordinatorctl envs [install NAME | remove NAME]    # simulators, their environments, install one ahead
@@ -251,18 +251,26 @@ def _find_run(args) -> tuple[str, str | None]:
             pathlib.Path("runs").glob("*/coordinator.json"), key=lambda p: p.stat().st_mtime, reverse=True
         )
     for path in candidates:
-        if path.exists():
-            from rlfleet.untrusted import read_json
-
-            info = read_json(path, max_bytes=65536, what="coordinator address file")
-            if not isinstance(info.get("pid"), int) or not isinstance(info.get("address"), str):
-                raise SystemExit(f"coordinatorctl: {path}: expected {{\"pid\": int, \"address\": str}}")
-            try:
-                os.kill(info["pid"], 0)
-            except OSError:
-                continue
-            return info["address"], str(path.parent)
+        address = _live_address(path)
+        if address is not None:
+            return address, str(path.parent)
     raise SystemExit("coordinatorctl: no running coordinator found (give RUN_DIR or --address)")
+
+
+def _live_address(path: pathlib.Path) -> str | None:
+    """The address in a run folder's coordinator.json when its coordinator process is alive, else None."""
+    if not path.exists():
+        return None
+    from rlfleet.untrusted import read_json
+
+    info = read_json(path, max_bytes=65536, what="coordinator address file")
+    if not isinstance(info.get("pid"), int) or not isinstance(info.get("address"), str):
+        raise SystemExit(f"coordinatorctl: {path}: expected {{\"pid\": int, \"address\": str}}")
+    try:
+        os.kill(info["pid"], 0)
+    except OSError:
+        return None
+    return info["address"]
 
 
 def _coordinator_stub(args):
@@ -286,6 +294,13 @@ def _coordinator_stub(args):
 
 
 def _status(args) -> int:
+    if args.run_dir and not args.address and _live_address(pathlib.Path(args.run_dir) / "coordinator.json") is None:
+        from services.coordinator.ended import ended_run
+
+        lines = ended_run(args.run_dir)  # a finished, stopped or crashed run: what its folder says
+        if lines:
+            print("\n".join(lines))
+            return 0
     address, stub = _coordinator_stub(args)
     try:
         st = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)

@@ -71,6 +71,13 @@ def test_a_run_stops_after_n_evaluations_in_a_row_counted_over_resume(tmp_path):
     )
     assert first.returncode == 0, first.stdout + first.stderr
     assert "training done after" in first.stdout and "runner.max_epochs=2 reached" in first.stdout
+    # `coordinatorctl status RUN_DIR` of the ended run: its summary, not "no running coordinator"
+    status = subprocess.run([*CTL, "status", str(run)], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.startswith(f"early: ended: runner.max_epochs=2 reached  ({run})"), status.stdout
+    assert "  final evaluation: success_once " in status.stdout and "over 4 episodes" in status.stdout
+    assert "  2 epochs, 400 env steps" in status.stdout
+    assert f"last checkpoint: {run / 'checkpoints' / 'global_step_2'}" in status.stdout
     # resumed with room for 10 epochs: the third evaluation in a row (epoch 3) ends it
     resumed = subprocess.run(
         [*CTL, "start", "--resume", str(run), "runner.max_epochs=10"], capture_output=True, text=True, timeout=240
@@ -85,3 +92,7 @@ def test_a_run_stops_after_n_evaluations_in_a_row_counted_over_resume(tmp_path):
     assert summary["final_eval"]["eval/num_episodes"] == 4 and summary["final_eval"] == summary["eval_history"][-1]
     assert summary["checkpoint"].endswith("global_step_3")
     assert "final evaluation: success_once" in resumed.stdout and "last checkpoint:" in resumed.stdout
+    status = subprocess.run([*CTL, "status", str(run)], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.startswith(f"early: ended: {why}"), status.stdout
+    assert "  3 epochs, 600 env steps" in status.stdout and "global_step_3" in status.stdout
