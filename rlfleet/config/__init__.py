@@ -702,7 +702,54 @@ def _check_runtime(cfg: DictConfig) -> None:
         )
     parse_placement(cfg.cluster.component_placement, cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node)
     parse_placement(cfg.cluster.cpu_placement, 1 << 16, "cluster.cpu_placement", "CPU core")  # syntax; cores at launch
+    _check_collocated(cfg)
     _check_learner_ranks(cfg)
+
+
+ROLLOUT_IN_ENV = "env"  # cluster.component_placement.rollout: env -> the policy acts in each env server's process
+
+
+def rollout_in_env(cfg) -> bool:
+    """Collocated acting (issue 37): ``cluster.component_placement`` places the rollout component in the env
+    servers (``rollout: env``): each env server acts with the policy in its own process, the learner publishes
+    the weights to the env servers, and no inference server runs."""
+    placement = cfg.cluster.component_placement
+    items = placement.items() if hasattr(placement, "items") else []
+    return any(
+        str(spec).strip() == ROLLOUT_IN_ENV and "rollout" in [n.strip() for n in str(names).split(",")]
+        for names, spec in items
+    )
+
+
+def _check_collocated(cfg) -> None:
+    """What collocated acting cannot do: a policy whose family does not act collocated (a VLA: one copy per env
+    server, no batching across them), another inference backend than the policy's own ``act`` (hf), pipeline
+    stages (in one process the env waits for the policy either way: there is nothing to overlap)."""
+    if not rollout_in_env(cfg):
+        return
+    from rlfleet.policies.families import FAMILIES
+
+    key = "cluster.component_placement.rollout"
+    family = FAMILIES.get(cfg.actor.model.model_type)
+    ok = [name for name, f in FAMILIES.items() if f.collocated]
+    _require(
+        family is not None and family.collocated,
+        key,
+        f"'{ROLLOUT_IN_ENV}' (acting in each env server's process) is for small policies ({', '.join(ok)}); "
+        f"a policy of model_type {cfg.actor.model.model_type} acts on inference servers: drop rollout: {ROLLOUT_IN_ENV} "
+        f"(e.g. cluster.component_placement={{env,rollout,actor: all}})",
+    )
+    _require(
+        cfg.rollout.backend == "hf",
+        key,
+        f"'{ROLLOUT_IN_ENV}' acts with the policy's own act (rollout.backend: hf), not '{cfg.rollout.backend}'",
+    )
+    _require(
+        cfg.rollout.pipeline_stage_num == 1,
+        key,
+        f"'{ROLLOUT_IN_ENV}' with rollout.pipeline_stage_num={cfg.rollout.pipeline_stage_num}: in one process the "
+        f"envs wait for the policy either way, so pipeline stages overlap nothing; set rollout.pipeline_stage_num=1",
+    )
 
 
 def _is_int(value) -> bool:
@@ -818,7 +865,19 @@ def parse_placement(
     """{'env,rollout': '0-3', 'actor': 'all'} -> {'env': [0..3], 'rollout': [0..3], 'actor': [...]}."""
     out: dict[str, list[int]] = {}
     items = placement.items() if hasattr(placement, "items") else []
+    in_env = False
     for names, spec in items:
+        if str(spec).strip() == ROLLOUT_IN_ENV and unit == "GPU":  # rollout: env (collocated acting)
+            if [n.strip() for n in str(names).split(",")] != ["rollout"]:
+                raise ConfigError(
+                    f"'{key}.{names}': '{ROLLOUT_IN_ENV}' places only the rollout component (rollout: env: the "
+                    f"policy acts in each env server's process, on the env's GPUs)"
+                )
+            if "rollout" in out:
+                raise ConfigError(f"'{key}': component 'rollout' is placed twice")
+            in_env = True
+            out["rollout"] = []
+            continue
         ranks = parse_ranks(spec, world, f"{key}.{names}", unit)
         for name in str(names).split(","):
             name = name.strip()
@@ -832,6 +891,8 @@ def parse_placement(
             out[name] = ranks
     for name in COMPONENTS:
         out.setdefault(name, [])
+    if in_env:
+        out["rollout"] = list(out["env"])
     return out
 
 

@@ -58,6 +58,9 @@ class Family:
     upstream_refused_by: tuple[str, str] | None = None  # (actor.model key, reason): true rules out --layout upstream
     loads: tuple[str, ...] = ()  # config.json model types of model folders its loader takes (eval)
     batch_invariant_rows: int = 0  # rollout.batch_invariant_rows when null (padding cost: 0 for big models)
+    # may act in each env server's own process (cluster.component_placement.rollout: env): small policies whose
+    # Act round trip costs more than the policy (issue 37); never a VLA (one copy per env server, no batching)
+    collocated: bool = False
 
     def export_refusal(self, model_cfg, layout: str) -> str | None:
         """None when `coordinatorctl export --layout LAYOUT` writes this family (with this ``actor.model``), else
@@ -102,12 +105,14 @@ FAMILIES: dict[str, Family] = {
             "Gaussian actor-critic on state observations",
             why_not={"vllm": _WHY_NOT_VLLM_GAUSSIAN.format("MLP")},
             batch_invariant_rows=32,
+            collocated=True,
         ),
         Family(
             "cnn",
             "rlfleet.policies.models.actor_critic:ActorCritic",
             "Gaussian actor-critic on images + state (a small CNN)",
             why_not={"vllm": _WHY_NOT_VLLM_GAUSSIAN.format("CNN")},
+            collocated=True,
         ),
         Family(
             "openvla",

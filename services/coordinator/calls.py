@@ -104,14 +104,15 @@ class FleetCalls:
         deadline = time.monotonic() + self.view.startup_timeout_s
         with self.weights_lock:
             while True:
-                for i in range(reg.counts["inference"]):
-                    reg.wait("inference", i, max(1.0, deadline - time.monotonic()))
+                role = reg.policy_role  # inference servers, or the env servers acting themselves (collocated)
+                for i in range(reg.counts[role]):
+                    reg.wait(role, i, max(1.0, deadline - time.monotonic()))
                 generation = reg.inference_generation()
                 if generation == self.weights_generation:
                     return
                 try:
                     self.learner().PublishWeights(
-                        learner_pb2.PublishWeightsRequest(inference_addresses=reg.addresses("inference")), timeout=120
+                        learner_pb2.PublishWeightsRequest(inference_addresses=reg.policy_addresses()), timeout=120
                     )
                     self.weights_generation = generation
                     return

@@ -269,6 +269,8 @@ class Coordinator:
     def _collect(self, index: int, epoch: int, min_version: int) -> rollout_pb2.CollectResponse:
         calls, reg = self.calls, self.registry
         while True:
+            if reg.collocated:  # an env server that (re)started holds no policy yet: the learner publishes first
+                calls.ensure_inference_weights()
             svc, stub = calls.rollout_stub(index)
             incarnation, generation = svc.incarnation, reg.inference_generation()
             try:
@@ -279,7 +281,7 @@ class Coordinator:
                         rollout_pb2.CollectRequest(
                             epoch=epoch,
                             num_steps=self.view.max_steps_per_rollout_epoch // self.view.num_action_chunks,
-                            inference_addresses=reg.addresses("inference"),
+                            inference_addresses=reg.act_addresses(),
                             learner_address=reg.addresses("learner")[0],
                             min_weights_version=min_version,
                             policy_spec=self.calls.policy_spec,
@@ -383,7 +385,9 @@ class Coordinator:
         ranks = f" of {nnodes * per_node} ranks" if nnodes * per_node > 1 else ""
         ranks += f" on {nnodes} nodes" if nnodes > 1 else ""
         self.say(
-            f"  starting {reg.counts['env']} env server(s), {reg.counts['inference']} inference server(s), "
+            f"  starting {reg.counts['env']} env server(s), "
+            + ("acting with the policy themselves (rollout: env), " if reg.collocated else "")
+            + f"{reg.counts['inference']} inference server(s), "
             f"1 learner{ranks} ({view.launcher} launcher, coordinator at {self.address})"
         )
         try:
@@ -411,7 +415,7 @@ class Coordinator:
             )
         learner = calls.learner()
         pub = learner.PublishWeights(
-            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=reg.addresses("inference")),
+            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=reg.policy_addresses()),
             timeout=max(120.0, rpc_timeout),
         )
         calls.weights_published()
@@ -591,7 +595,7 @@ class Coordinator:
                         learner_pb2.TrainRequest(
                             epoch=epoch,
                             worker_indices=list(range(reg.counts["env"])),
-                            inference_addresses=reg.addresses("inference"),
+                            inference_addresses=reg.policy_addresses(),
                             extra_metrics={k: v for k, v in extra.items() if math.isfinite(v)},
                         ),
                         timeout=self.view.collect_timeout_s,

@@ -76,6 +76,8 @@ class Evaluator:
 
         def piece(i, first, count):
             for _ in range(self.view.max_restarts + 1):
+                if calls.registry.collocated:  # a (re)started env server holds no policy until the learner publishes
+                    calls.ensure_inference_weights()
                 svc, stub = calls.rollout_stub(i)
                 incarnation, generation = svc.incarnation, calls.registry.inference_generation()
                 try:
@@ -85,7 +87,7 @@ class Evaluator:
                             first_episode=first,
                             seed=ev.seed,
                             deterministic=ev.deterministic,
-                            inference_addresses=calls.registry.addresses("inference"),
+                            inference_addresses=calls.registry.act_addresses(),
                             use_reset_state_ids=ev.use_fixed_reset_state_ids,
                             video_episodes=ev.video_episodes,
                             video_dir=video_dir,

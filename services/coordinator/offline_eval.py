@@ -312,7 +312,7 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
         if target.checkpoint is not None:
             _check_env_spaces(spec, target)
         pub = calls.learner().PublishWeights(
-            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=reg.addresses("inference")),
+            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=reg.policy_addresses()),
             timeout=max(120.0, timeout),
         )
         calls.weights_published()

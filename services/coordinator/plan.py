@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.config import ConfigError, cuda_visible_devices, env_server_config, learner_layout, parse_placement
+from rlfleet.config import (
+    ConfigError,
+    cuda_visible_devices,
+    env_server_config,
+    learner_layout,
+    parse_placement,
+    rollout_in_env,
+)
 
 MODULES = {"env": "services.env.server", "inference": "services.inference.server", "learner": "services.learner.server"}
 COMPONENT = {"env": "env", "inference": "rollout", "learner": "actor"}  # RLinf's component names per role
@@ -144,7 +151,9 @@ def process_plan(cfg, num_env_servers: int | None = None, cores: list[int] | Non
     cl = cfg.cluster
     placement = parse_placement(cl.component_placement, cl.num_nodes * cl.num_gpus_per_node)
     cpu = cpu_placement(cfg, sorted(cores)) if cores else None  # None: no process is pinned
-    counts = {"learner": 1, "inference": cl.num_inference_servers, "env": num_env_servers or cl.num_env_servers}
+    # rollout: env (collocated acting): the env servers act with the policy themselves, no inference server runs
+    inference = 0 if rollout_in_env(cfg) else cl.num_inference_servers
+    counts = {"learner": 1, "inference": inference, "env": num_env_servers or cl.num_env_servers}
     ext = list(cl.external_env_addresses)
     nnodes, per_node = learner_layout(cfg)
     out = []

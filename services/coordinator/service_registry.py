@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from rlfleet.config import rollout_in_env
 from rlfleet.config.views import CoordinatorView, as_view
 from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.v1 import coordinator_pb2
@@ -143,7 +144,10 @@ class Registry:
         self.fate = fate
         self.say = say
         self.logs_hint = logs_hint  # where to look when a service does not come up
-        self.counts = {"env": cfg.cluster.num_env_servers, "inference": cfg.cluster.num_inference_servers, "learner": 1}
+        # rollout: env (collocated acting): no inference server; the env servers hold the policy and take its weights
+        self.collocated = rollout_in_env(cfg)
+        inference = 0 if self.collocated else cfg.cluster.num_inference_servers
+        self.counts = {"env": cfg.cluster.num_env_servers, "inference": inference, "learner": 1}
         self.services = {(r, i): Service(r, i) for r, n in self.counts.items() for i in range(n)}
         self.retired: set[tuple[str, int]] = set()  # scaled away: told to shut down through heartbeats
         self.lock = threading.Lock()
@@ -212,11 +216,25 @@ class Registry:
     def addresses(self, role: str) -> list[str]:
         return [self.services[(role, i)].address for i in range(self.counts[role])]
 
+    @property
+    def policy_role(self) -> str:
+        """The role whose servers hold the acting policy and take the learner's weights: inference, or env when
+        the env servers act themselves (collocated acting)."""
+        return "env" if self.collocated else "inference"
+
+    def policy_addresses(self) -> list[str]:
+        """Where the learner publishes weights (and, with inference servers, where env servers ask for actions)."""
+        return self.addresses(self.policy_role)
+
+    def act_addresses(self) -> list[str]:
+        """The inference servers an env server asks for actions (none: it acts itself, collocated)."""
+        return [] if self.collocated else self.addresses("inference")
+
     def inference_generation(self) -> tuple:
-        """Changes whenever an inference server dies or comes back."""
-        return tuple(
-            (s.incarnation, s.ready.is_set()) for (r, _), s in sorted(self.services.items()) if r == "inference"
-        )
+        """Changes whenever a server holding the policy (an inference server; with collocated acting an env
+        server) dies or comes back."""
+        role = self.policy_role
+        return tuple((s.incarnation, s.ready.is_set()) for (r, _), s in sorted(self.services.items()) if r == role)
 
     def add(self, role: str, indices: range) -> None:
         with self.lock:

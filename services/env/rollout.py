@@ -439,8 +439,12 @@ class PolicyRunner:
         act_timeout_s: float = 120.0,
         reconnect_timeout_s: float = 120.0,
         shared_memory: bool = True,
+        local_policy=None,
     ):
         self.worker, self.index = worker, index
+        # collocated acting: the policy held in this process (rlfleet.policies.local.LocalPolicy), acted with
+        # directly whatever inference addresses a call names; None: ask the inference servers over Act streams
+        self.local_policy = local_policy
         self.act_timeout_s, self.reconnect_timeout_s = act_timeout_s, reconnect_timeout_s
         self.shared_memory = shared_memory  # observations by handle to inference servers on this host
         self._policy = None  # Act streams kept open across calls: (addresses, stages, action width) -> client
@@ -451,8 +455,9 @@ class PolicyRunner:
         key = (tuple(addresses), stages, self.worker.action_dim)
         if self._policy_key != key:
             self.drop_policy()
+            target = self.local_policy if self.local_policy is not None else list(addresses)
             self._policy = make_policy_client(
-                list(addresses), stages, self.worker.action_dim, self.act_timeout_s, self.shared_memory
+                target, stages, self.worker.action_dim, self.act_timeout_s, self.shared_memory
             )
             self._policy_key = key
         return self._policy

@@ -11,6 +11,7 @@ Python environment (rlfleet.simulators.environments), so it imports nothing but 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -18,11 +19,12 @@ import time
 import numpy as np
 from opentelemetry import trace
 
-from rlfleet.config import env_server_config, load_service_config
-from rlfleet.config.views import EnvView, as_view, build_view, service_view
+from rlfleet.config import env_server_config, load_service_config, rollout_in_env
+from rlfleet.config.views import EnvView, InferenceView, as_view, build_view, service_view
 from rlfleet.errors import Cancelled, FailedPrecondition, InvalidRequest
-from rlfleet.v1 import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from rlfleet.wire import codec, servers, shm, status, streams, tracing
+from rlfleet.policies.local import LocalPolicy
+from rlfleet.v1 import env_pb2, env_pb2_grpc, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlfleet.wire import codec, servers, shm, status, streams, tracing, weights
 from rlfleet.wire.addresses import check_address
 from rlfleet.wire.clients import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
 from rlfleet.wire.clients import WireStats, learner_reachable, push_rollout
@@ -136,6 +138,66 @@ def _should_stop(context, margin: float = 2.0):
     return check
 
 
+class CollocatedPolicyServicer(inference_pb2_grpc.InferenceServiceServicer):
+    """Collocated acting (``cluster.component_placement.rollout: env``, issue 37): this env server holds the policy
+    (rlfleet.policies.local.LocalPolicy) and takes the learner's weights on the inference service's own methods,
+    so the learner's publisher and the protocol are the same as toward an inference server: the shared-memory
+    handshake, ``UpdateWeights`` (the learner's alone: rlfleet.wire.callers.METHOD_ROLES) and ``Describe``. It
+    serves no ``Act``: its rollout worker acts in this process."""
+
+    def __init__(self, policy: LocalPolicy, shared_memory: bool = True):
+        self.policy = policy
+        self.shared_memory = shared_memory  # read weights by handle from a learner on this host
+
+    @status.handler
+    def SharedMemory(self, request, context):
+        return shm.answer(request, self.shared_memory)
+
+    @status.handler
+    def UpdateWeights(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is not None:  # a made-up or stale version is refused before the set's tensors are read
+            self.policy.check_version(first.version)
+            request_iterator = itertools.chain([first], request_iterator)
+        reader = shm.Reader() if self.shared_memory else None
+        try:
+            version, state, obs_specs, action_dim, partial = weights.assemble(request_iterator, shm=reader)
+        finally:
+            if reader is not None:
+                reader.close()
+        self.policy.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
+        return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
+
+    @status.handler
+    def Describe(self, request, context):
+        policy = self.policy
+        return inference_pb2.InferenceInfo(
+            model_type=policy.model_cfg.model_type,
+            weights_version=policy.version,
+            num_parameters=policy.num_parameters,
+            requests_served=policy.requests_served,
+            batches_run=policy.requests_served,
+            mean_batch_rows=0.0,
+        )
+
+
+def local_policy(view: InferenceView) -> LocalPolicy:
+    """The policy a collocated env server acts with: the inference view's (the run config's rollout keys), acting
+    as an inference server would (the same padding of a batch, the same noise keys)."""
+    from rlfleet.policies.families import get_family
+
+    rows = view.batch_invariant_rows
+    if rows is None:
+        rows = get_family(view.model.model_type).batch_invariant_rows
+    return LocalPolicy(
+        view.model,
+        normalize_obs=view.normalize_obs,
+        logprob_type=view.logprob_type,
+        batch_invariant_rows=rows,
+        weights_precision=view.weights_precision,
+    )
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
@@ -146,6 +208,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         act_timeout_s: float = 120.0,
         reconnect_timeout_s: float = 120.0,
         shared_memory: bool = True,
+        local_policy: LocalPolicy | None = None,
     ):
         self.worker, self.index, self.incarnation = worker, index, incarnation
         self.runner = PolicyRunner(
@@ -154,6 +217,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             act_timeout_s=act_timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
             shared_memory=shared_memory,
+            local_policy=local_policy,
         )
         # the rollout's observation buffers live in a shared-memory segment of this process: a learner on this host
         # that accepts handles copies them from there (no encoding here); any other gets them inline
@@ -201,7 +265,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 f"{request.num_steps * row_bytes / 2**30:.1f} GiB; at most "
                 f"{MAX_ROLLOUT_BYTES / 2**30:.0f} GiB per Collect"
             )
-        if not request.inference_addresses:
+        if not request.inference_addresses and self.runner.local_policy is None:
             raise InvalidRequest("inference_addresses: at least one inference server is needed")
         for i, address in enumerate(request.inference_addresses):
             check_address(address, f"inference_addresses[{i}]")
@@ -268,7 +332,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidRequest(f"seed: {request.seed} is not in [0, 2**31)")
         if request.first_episode < 0:
             raise InvalidRequest(f"first_episode: must be >= 0, got {request.first_episode}")
-        if not request.inference_addresses:
+        if not request.inference_addresses and self.runner.local_policy is None:
             raise InvalidRequest("inference_addresses: at least one inference server is needed")
         for i, address in enumerate(request.inference_addresses):
             check_address(address, f"inference_addresses[{i}]")
@@ -361,11 +425,23 @@ def build_worker(
     return env, worker
 
 
-def serve(view: EnvView, address: str, index: int = 0, coordinator: str | None = None, external_env: str | None = None):
+def serve(
+    view: EnvView,
+    address: str,
+    index: int = 0,
+    coordinator: str | None = None,
+    external_env: str | None = None,
+    policy: InferenceView | None = None,
+):
     """Start env server ``index``: ``view`` is its view (of ``env_server_config(cfg, index)``), or the run config
-    (that server's view is built from it)."""
+    (that server's view is built from it). ``policy``: the inference view of a run with collocated acting
+    (``cluster.component_placement.rollout: env``; from a run config: built when it says so): this server then
+    holds the policy, takes its weights from the learner and acts itself."""
     if not isinstance(view, EnvView):
+        if policy is None and rollout_in_env(view):
+            policy = build_view(InferenceView, view)
         view = build_view(EnvView, env_server_config(view, index))
+    held = local_policy(policy) if policy is not None else None
     external_eval = None
     if external_env and len(view.external_eval_env_addresses) > index:
         external_eval = view.external_eval_env_addresses[index]
@@ -384,9 +460,15 @@ def serve(view: EnvView, address: str, index: int = 0, coordinator: str | None =
             act_timeout_s=view.act_timeout_s,
             reconnect_timeout_s=view.external_env_reconnect_timeout_s,
             shared_memory=view.shared_memory == "auto",
+            local_policy=held,
         ),
         server,
     )
+    if held is not None:
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+            CollocatedPolicyServicer(held, view.shared_memory == "auto"), server
+        )
+        names.append(servers.service_name(inference_pb2, "InferenceService"))
     servers.add_health_and_reflection(server, *names)
     runtime.address = servers.bind(server, address)
     server.start()
@@ -430,7 +512,10 @@ def main(argv=None) -> int:
         env.close()
         return 0
     try:
-        server, bound, worker, runtime = serve(view, args.address, args.index, args.coordinator, args.external_env)
+        policy = service_view(InferenceView, run_cfg) if rollout_in_env(run_cfg) else None  # collocated acting
+        server, bound, worker, runtime = serve(
+            view, args.address, args.index, args.coordinator, args.external_env, policy
+        )
     except Exception as exc:  # noqa: BLE001 - a simulator that cannot start: say why in one line
         from services.env.backends.base import BackendUnavailable
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from opentelemetry import metrics, propagate, trace
 
-from rlfleet.policies.models.actor_critic import to_torch_obs
-from rlfleet.wire.codec import PolicyOutput, RowNoise
+from rlfleet.policies.local import forward
+from rlfleet.wire.codec import PolicyOutput
 from services.inference.backend import ActRequest, BackendStats, InferenceBackend, policy_lock
 
 _tracer = trace.get_tracer("rlfleet")
@@ -83,24 +83,16 @@ class DynamicBatcher(InferenceBackend):
     def _forward(self, obs: dict[str, np.ndarray], deterministic: bool, instructions, keys) -> PolicyOutput:
         """One batch through the served policy copy. With ``keys`` (one per row) each row's sampling noise comes
         from its key (rlfleet.wire.codec), so the row's action does not depend on the batch."""
-        rows = next(iter(obs.values())).shape[0]
-        block = self.batch_invariant_rows
-        if block > 0 and rows % block:  # a whole number of blocks: the kernels then treat every row alike
-            pad = block - rows % block
-            obs = {k: np.concatenate([v, np.repeat(v[:1], pad, 0)]) for k, v in obs.items()}
-            instructions = None if instructions is None else [*instructions, *[instructions[0]] * pad]
-            keys = None if keys is None else np.concatenate([keys, np.repeat(keys[:1], pad)])
         with self._served_lock:
             model, version = self._model, self._version
             lock = policy_lock(model)
             lock.acquire()  # held while the batch runs: an update never loads into a model in use
         try:
-            tobs = {k: v.to(self.device) for k, v in to_torch_obs(obs).items()}
-            with model.precision():
-                out = model.act(tobs, deterministic, instructions, noise=None if keys is None else RowNoise(keys))
+            return forward(
+                model, obs, deterministic, instructions, keys, self.device, self.batch_invariant_rows, version
+            )
         finally:
             lock.release()
-        return out.to_numpy(version, rows)
 
     def _loop(self) -> None:
         while True:

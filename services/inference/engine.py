@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlfleet.errors import FailedPrecondition, InvalidRequest
-from rlfleet.policies import build_policy, footprint
+from rlfleet.errors import InvalidRequest
+from rlfleet.policies import build_policy, footprint, local
 from rlfleet.wire.codec import PolicyOutput
 from rlfleet.wire.spaces import TensorSpace
 from services.inference.backend import ActRequest, BackendOptions, InferenceBackend, policy_lock
@@ -29,9 +29,7 @@ from services.inference.factory import make_inference_backend
 log = logging.getLogger("rlfleet.inference")
 
 
-# a weights version is the learner's count of updates, one per epoch (a resumed learner goes on from its
-# checkpoint's): no run reaches 2**31 (68 years at an epoch a second); beyond it a version is made up
-MAX_WEIGHTS_VERSION = 2**31 - 1
+MAX_WEIGHTS_VERSION = local.MAX_WEIGHTS_VERSION  # (rlfleet.policies.local: the checks every policy holder makes)
 
 
 @dataclass(frozen=True)
@@ -131,9 +129,7 @@ class InferenceEngine:
         self._check_state(
             state, {n: tuple(t.shape) for n, t in target.state_dict().items()}, partial=partial and not rebuild
         )
-        for name, tensor in state.items():
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise InvalidRequest(f"weights['{name}']: non-finite values")
+        local.check_finite(state)
         with policy_lock(target):  # a batch still running on this copy finishes first
             target.load_state_dict(state, strict=False)
             target.eval()
@@ -158,13 +154,7 @@ class InferenceEngine:
         than the one served (the same again is a republish). Versions go up by one per epoch, but may skip: a
         server that missed a publish gets the next one (the learner sends it a full set), a restarted one (serving
         none) takes the learner's current one, whatever it is."""
-        if not 0 <= version <= MAX_WEIGHTS_VERSION:
-            raise InvalidRequest(
-                f"version: {version} is no weights version (0..{MAX_WEIGHTS_VERSION}: the learner's "
-                f"count of updates, one per epoch); serving {self.version}"
-            )
-        if version < self.version:
-            raise InvalidRequest(f"version: stale weights version {version} (serving {self.version})")
+        local.check_version(version, self.version)
 
     def _plan(self, obs_specs: dict[str, TensorSpace], action_dim: int):
         """Before a (re)build for new spaces: their observation row, and the two copies of the policy they imply
@@ -186,51 +176,15 @@ class InferenceEngine:
 
     def _check_state(self, state: dict[str, torch.Tensor], shapes: dict[str, tuple], partial: bool) -> None:
         """A weights set against the policy's tensors: no unknown names, every tensor in a full set, their shapes."""
-        unknown = sorted(set(state) - set(shapes))
-        if unknown:
-            raise InvalidRequest(f"weights: unknown tensor '{unknown[0]}' for this {self.model_cfg.model_type} policy")
-        if not partial:
-            missing = sorted(set(shapes) - set(state))
-            if missing:
-                raise InvalidRequest(f"weights: full set is missing tensor '{missing[0]}'")
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(shapes[name]):
-                raise InvalidRequest(
-                    f"weights['{name}']: shape {list(tensor.shape)} where {list(shapes[name])} was expected"
-                )
+        local.check_state(state, shapes, partial, self.model_cfg.model_type)
 
     # --- acting -----------------------------------------------------------------------------------------------
     def validate_obs(self, obs: dict[str, np.ndarray]) -> int:
-        if self.model is None:
-            raise FailedPrecondition("no policy weights loaded yet (the learner publishes them at start)")
-        specs = self.obs_specs
-        if set(obs) != set(specs):
-            raise InvalidRequest(f"observations: keys {sorted(obs)} do not match the policy's {sorted(specs)}")
-        n = None
-        for key, arr in obs.items():
-            spec = specs[key]
-            if arr.ndim != len(spec.shape) + 1 or tuple(arr.shape[1:]) != spec.shape:
-                raise InvalidRequest(
-                    f"observations['{key}']: shape {list(arr.shape)} where {['N', *spec.shape]} was expected"
-                )
-            if arr.dtype.name != spec.dtype:
-                raise InvalidRequest(f"observations['{key}']: dtype {arr.dtype.name} where {spec.dtype} was expected")
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise InvalidRequest(f"observations['{key}']: non-finite values")
-            if n is not None and arr.shape[0] != n:
-                raise InvalidRequest(f"observations['{key}']: batch {arr.shape[0]} differs from the other keys' {n}")
-            n = arr.shape[0]
-        if not n:
-            raise InvalidRequest("observations: empty batch")
-        return n
+        return local.validate_obs(obs, self.obs_specs if self.model is not None else None)
 
     @staticmethod
     def check_noise_keys(noise_keys, rows: int) -> np.ndarray | None:
-        if noise_keys is None or len(noise_keys) == 0:
-            return None
-        if len(noise_keys) != rows:
-            raise InvalidRequest(f"noise_keys: {len(noise_keys)} keys for {rows} observation rows")
-        return np.asarray(noise_keys, dtype=np.uint64)
+        return local.check_noise_keys(noise_keys, rows)
 
     def _request(
         self,

@@ -205,3 +205,24 @@ def test_each_container_gets_its_own_credential_not_the_run_secret(tmp_path, mon
         assert err.value.args[0] == "PERMISSION_DENIED"
     finally:
         auth.set_identity("env", None)
+
+
+def test_collocated_acting_deploys_no_inference_server(tmp_path):
+    """cluster.component_placement.rollout: env (issue 37): the env servers act themselves, on the env's GPUs;
+    neither compose nor Kubernetes gets an inference service, credential or image."""
+    cfg = load_config(
+        None,
+        [
+            "cluster.num_env_servers=2",
+            "cluster.num_gpus_per_node=8",
+            "cluster.component_placement={env: 0-3, rollout: env, actor: 4-7}",
+            "rollout.pipeline_stage_num=1",
+        ],
+    )
+    plan = {s.name: s for s in process_plan(cfg)}
+    assert list(plan) == ["learner-0", "env-0", "env-1"] and plan["env-1"].gpus == (2, 3)
+    docs = k8s_docs(cfg, tmp_path / "k8s")
+    assert not [d for d in docs if "inference" in d["metadata"]["name"]]
+    deploy.write("compose", cfg, tmp_path / "compose")
+    services = yaml.safe_load((tmp_path / "compose" / "docker-compose.yml").read_text())["services"]
+    assert list(services) == ["coordinator", "learner-0", "env-0", "env-1"]

@@ -37,6 +37,8 @@ TINY = [
     "cluster.heartbeat_timeout_s=8",
 ]
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
+# collocated acting (issue 37): each env server acts with the policy in its own process, no inference server
+COLLOCATED = ("cluster.component_placement.rollout=env", "rollout.pipeline_stage_num=1")
 
 
 SIM_PACKAGES = ("metaworld", "mani_skill", "sapien", "robosuite", "libero", "omnigibson")
@@ -201,8 +203,12 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
     assert json.loads((run / "summary.json").read_text())["env_steps"] == 5 * 8 * 25
 
 
-@pytest.mark.parametrize("staleness", ["0", "1", "2"], ids=["sync", "async", "async2"])
-def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness):
+@pytest.mark.parametrize(
+    "staleness, placement",
+    [("0", ()), ("1", ()), ("2", ()), ("0", COLLOCATED), ("1", COLLOCATED)],
+    ids=["sync", "async", "async2", "collocated-sync", "collocated-async"],
+)
+def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness, placement):
     proc = start(
         tmp_path,
         "runner.max_epochs=1000",
@@ -210,6 +216,7 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness)
         "actor.global_batch_size=400",
         "actor.micro_batch_size=200",
         f"algorithm.max_staleness={staleness}",
+        *placement,
         name="envkill",
     )
     run = tmp_path / "envkill"
@@ -239,13 +246,18 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness)
     assert len(again["eval_history"]) >= len(summary["eval_history"])
 
 
-@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async"])
-def test_learner_killed_then_resume_and_stop(tmp_path, staleness):
+@pytest.mark.parametrize(
+    "staleness, placement",
+    [("0", ()), ("1", ()), ("0", COLLOCATED), ("1", COLLOCATED)],
+    ids=["sync", "async", "collocated-sync", "collocated-async"],
+)
+def test_learner_killed_then_resume_and_stop(tmp_path, staleness, placement):
     proc = start(
         tmp_path,
         "runner.max_epochs=1000",
         "runner.save_interval=1",
         f"algorithm.max_staleness={staleness}",
+        *placement,
         name="learnerkill",
     )
     run = tmp_path / "learnerkill"

@@ -1,0 +1,93 @@
+"""rlfleet.policies.local: the policy a collocated env server holds (cluster.component_placement.rollout: env,
+issue 37) acts as the inference engine does: the same checks of weights and observations, the same actions for the
+same weights and noise keys (so a collocated run samples what an inference server would), and the config that
+turns it on refuses what cannot run collocated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlfleet.config import ConfigError, load_config, parse_placement, rollout_in_env
+from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.policies import build_policy
+from rlfleet.policies.local import LocalPolicy
+from rlfleet.wire.codec import row_keys
+from rlfleet.wire.spaces import TensorSpace
+from services.inference.engine import InferenceEngine
+from tests.conftest import small_config
+
+torch.set_num_threads(1)
+
+SPECS = {"state": TensorSpace((13,), "float32")}
+ON = ["cluster.component_placement.rollout=env", "rollout.pipeline_stage_num=1"]
+
+
+def _weights(cfg):
+    torch.manual_seed(0)
+    return build_policy(cfg.actor.model, SPECS, 4, True).state_dict()
+
+
+def test_local_policy_acts_as_the_inference_engine():
+    cfg = small_config()
+    state = _weights(cfg)
+    engine = InferenceEngine(cfg.actor.model, batch_invariant_rows=32)
+    engine.set_weights(3, state, obs_specs=SPECS, action_dim=4)
+    local = LocalPolicy(cfg.actor.model, batch_invariant_rows=32)
+    with pytest.raises(FailedPrecondition, match="no policy weights loaded yet"):
+        local.act_now({"state": np.zeros((2, 13), np.float32)}, False)
+    local.set_weights(3, state, obs_specs=SPECS, action_dim=4)
+    obs = {"state": np.random.default_rng(0).normal(size=(5, 13)).astype(np.float32)}
+    keys = row_keys(np.arange(5, dtype=np.int64) + 7, 2, 11)
+    for deterministic in (True, False):
+        a = engine.act_now(obs, deterministic, None, keys)
+        b = local.act_now(obs, deterministic, None, keys)
+        assert b.weights_version == a.weights_version == 3
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_array_equal(a.log_probs, b.log_probs)
+        np.testing.assert_array_equal(a.values, b.values)
+    # one row alone gets the action it got in the batch (its noise is its key's)
+    one = local.act_now({"state": obs["state"][2:3]}, False, None, keys[2:3])
+    np.testing.assert_array_equal(one.actions[0], local.act_now(obs, False, None, keys).actions[2])
+
+
+def test_local_policy_checks_weights_and_observations():
+    cfg = small_config()
+    state = _weights(cfg)
+    local = LocalPolicy(cfg.actor.model)
+    with pytest.raises(InvalidRequest, match="first weights set must describe"):
+        local.set_weights(0, state)
+    local.set_weights(2, state, obs_specs=SPECS, action_dim=4)
+    with pytest.raises(InvalidRequest, match="stale weights version 1 \\(serving 2\\)"):
+        local.set_weights(1, state)
+    name = next(iter(state))
+    with pytest.raises(InvalidRequest, match="full set is missing tensor"):
+        local.set_weights(3, {name: state[name]})
+    local.set_weights(3, {name: state[name] * 0}, partial=True)  # a partial update
+    assert local.version == 3 and torch.equal(local.model.state_dict()[name], state[name] * 0)
+    with pytest.raises(InvalidRequest, match="observations\\['state'\\]: shape"):
+        local.act_now({"state": np.zeros((2, 12), np.float32)}, False)
+    with pytest.raises(InvalidRequest, match="noise_keys: 1 keys for 2"):
+        local.act_now({"state": np.zeros((2, 13), np.float32)}, False, None, [1])
+
+
+def test_collocated_placement_and_what_it_refuses():
+    assert not rollout_in_env(load_config(None, []))
+    cfg = load_config(None, ON)
+    assert rollout_in_env(cfg)
+    assert parse_placement({"env": "0-1", "actor": "2", "rollout": "env"}, 4) == {
+        "env": [0, 1],
+        "actor": [2],
+        "rollout": [0, 1],
+    }
+    from services.coordinator.plan import process_plan
+
+    assert [p.role for p in process_plan(cfg)] == ["learner", "env"]  # no inference server
+    assert [p.role for p in process_plan(load_config(None, []))] == ["learner", "inference", "env"]
+    with pytest.raises(ConfigError, match="rollout.pipeline_stage_num=1"):
+        load_config(None, ["cluster.component_placement.rollout=env"])
+    with pytest.raises(ConfigError, match="for small policies \\(mlp, cnn\\); a policy of model_type openvla"):
+        load_config(None, [*ON, "actor.model.model_type=openvla"])
+    with pytest.raises(ConfigError, match="'env' places only the rollout component"):
+        load_config(None, ["cluster.component_placement={'env,rollout': env}", "rollout.pipeline_stage_num=1"])
