@@ -175,6 +175,7 @@ RULES = [
         "run",
         lambda a: _ctl(a, "deploy") and len(a) > 2 and a[2] in ("compose", "k8s"),
     ),
+    Rule("coordinatorctl configs (the list)", "run", lambda a: _ctl(a, "configs") and not a[2:]),
     Rule("coordinatorctl envs (the list)", "run", lambda a: _ctl(a, "envs") and a[2:] in ((), ("list",))),
     Rule(
         "coordinatorctl envs install|remove: builds or deletes an environment (network, minutes)",

@@ -259,6 +259,21 @@ def _interpolation(node, prefix: str = "") -> tuple[str, str] | None:
     return None
 
 
+def builtin_configs() -> list[str]:
+    """The names of the built-in configs (``rlfleet/configs/NAME.yaml``), sorted."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def config_not_found(path: str | pathlib.Path) -> str:
+    """A config that is neither a file nor a built-in name: the nearest built-in name, and where the list is."""
+    names = builtin_configs()
+    name = pathlib.Path(path).name.removesuffix(".yaml").removesuffix(".yml")
+    return (
+        f"config file '{path}' not found{did_you_mean(name, names)} (neither a file nor one of the {len(names)} "
+        f"built-in configs: `coordinatorctl configs` lists them)"
+    )
+
+
 def load_config(
     path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), *, root: str | pathlib.Path | None = None
 ) -> DictConfig:
@@ -273,8 +288,7 @@ def load_config(
         if not path.exists() and (CONFIG_DIR / f"{path}.yaml").exists():
             path = CONFIG_DIR / f"{path}.yaml"
         if not path.exists():
-            names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            raise ConfigError(f"config file '{path}' not found (built-in configs: {names})")
+            raise ConfigError(config_not_found(path))
         user = read_config_file(path, root)
         _check_keys(schema, user, str(path))
         cfg = _merge(cfg, user)

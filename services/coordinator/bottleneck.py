@@ -98,6 +98,7 @@ class FleetShape:
     max_batch_size: int | None = None  # rollout.max_batch_size
     rows_in_flight: int | None = None  # every train env of every env server (env.train.total_num_envs)
     act_rounds: int | None = None  # Act requests per stage per epoch (max_steps_per_rollout_epoch / action chunk)
+    collocated: bool = False  # cluster.component_placement.rollout: env (the env servers act; no inference server)
 
     @classmethod
     def from_config(cls, cfg, env_servers: int | None = None, inference_servers: int | None = None) -> FleetShape:
@@ -118,6 +119,9 @@ class FleetShape:
         chunk = max(1, int(get("actor.model.num_action_chunks", 1)))
         steps = int(get("env.train.max_steps_per_rollout_epoch", 0)) // chunk
         batch = get("rollout.max_batch_size", None)
+        placement = get("cluster.component_placement", {})
+        items = placement.items() if hasattr(placement, "items") else []
+        collocated = any(str(v).strip() == "env" and "rollout" in str(k).replace(" ", "").split(",") for k, v in items)
         return cls(
             env_servers=envs,
             inference_servers=int(inference_servers or get("cluster.num_inference_servers", 1)),
@@ -126,6 +130,7 @@ class FleetShape:
             max_batch_size=int(batch) if batch else None,
             rows_in_flight=per_server * envs or None,
             act_rounds=steps or None,
+            collocated=collocated,
         )
 
 
@@ -265,6 +270,16 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
             "learner",
             f"the learner takes {_pct(top)} of the epoch ({learner_detail}) while the env "
             f"servers idle: with algorithm.max_staleness=1 collection overlaps it" + then,
+        )
+    if part == "env" and shape.collocated:  # no inference server, no stages: only more env servers help
+        advice = f"add env servers (cluster.num_env_servers={shape.env_servers + 1})"
+        return done("env", f"env stepping takes {of_rollout('env')}{wait_note}: {advice}" + then)
+    if part == "inference" and shape.collocated:
+        return done(
+            "inference",
+            f"env servers spend {of_rollout('inference_wait')} acting with the policy in their own process "
+            f"(rollout: env){wait_note}: a policy this costly batches better on inference servers (drop "
+            f"cluster.component_placement.rollout: env)" + then,
         )
     if part == "env":
         advice = f"add env servers (cluster.num_env_servers={shape.env_servers + 1})"

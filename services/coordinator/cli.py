@@ -5,6 +5,7 @@ coordinatorctl start --resume RUN_DIR [key=value ...]
 coordinatorctl status [RUN_DIR | --address HOST:PORT]   # an ended run's folder: how it ended (its summary)
 coordinatorctl stop   [RUN_DIR | --address HOST:PORT]
 coordinatorctl scale env N [RUN_DIR | --address HOST:PORT]  # env servers of a running run, from the next epoch
+coordinatorctl configs                              # the built-in configs (start NAME)
 coordinatorctl envs [install NAME | remove NAME]    # simulators, their environments, install one ahead
 coordinatorctl check-env HOST:PORT                  # an EnvService against the env contract
 coordinatorctl collect-demos CONFIG [key=value ...] # scripted-expert demonstrations of env.train -> sft.dataset_path
@@ -184,6 +185,25 @@ def _envs(args) -> int:
         "\nan environment is built on first use by `coordinatorctl start`; build one ahead with "
         "`coordinatorctl envs install NAME`"
     )
+    return 0
+
+
+def _configs(args) -> int:
+    """The built-in configs, each with the first sentence of its opening comment."""
+    from rlfleet.config import CONFIG_DIR, builtin_configs
+
+    names = builtin_configs()
+    width = max(map(len, names))
+    print(f"{len(names)} built-in configs ({CONFIG_DIR}); `coordinatorctl start NAME` runs one\n")
+    for name in names:
+        head = []
+        for line in (CONFIG_DIR / f"{name}.yaml").read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            head.append(line.lstrip("# ").strip())
+        text = " ".join(head)
+        first = text.split(". ")[0].rstrip(".")
+        print(f"{name:<{width}}  {first[:90] + ('...' if len(first) > 90 else '')}")
     return 0
 
 
@@ -546,6 +566,7 @@ def main(argv=None) -> int:
         q = sub.add_parser(name, help=f"{name} of a running coordinator")
         q.add_argument("run_dir", nargs="?", default=None)
         q.add_argument("--address", default=None)
+    sub.add_parser("configs", help="list the built-in configs (coordinatorctl start NAME)")
     q = sub.add_parser("scale", help="change the number of env servers of a running run (next epoch)")
     q.add_argument("role", choices=("env",))
     q.add_argument("count", type=int)
@@ -635,6 +656,8 @@ def main(argv=None) -> int:
         from rlfleet.simulators.conformance import main as check_env_main
 
         return check_env_main(args.rest)
+    if args.command == "configs":
+        return _configs(args)
     if args.command == "envs":
         return _envs(args)
     if args.command in ("collect-demos", "sft"):

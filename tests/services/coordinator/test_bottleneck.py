@@ -299,3 +299,21 @@ def test_summary_carries_the_line(tmp_path):
     assert summary["bottleneck"].startswith("env stepping takes 75% of the rollout")
     assert summary["bottleneck_detail"]["part"] == "env" and summary["bottleneck_detail"]["epochs"] == 2
     assert 0 < summary["bottleneck_detail"]["shares"]["env"] <= 1
+
+
+def test_collocated_acting_never_asks_for_stages_or_inference_servers():
+    """cluster.component_placement.rollout: env (issue 37): no inference server and one stage (more are refused),
+    so the advice is more env servers, or the inference-server placement for a policy that costly."""
+    shape = FleetShape.from_config(
+        {"cluster": {"component_placement": {"rollout": "env"}}, "rollout": {"pipeline_stage_num": 1}}
+    )
+    assert (
+        shape.collocated
+        and not FleetShape.from_config({"cluster": {"component_placement": {"env,rollout": 0}}}).collocated
+    )
+    d = diagnose([epoch(env=0.5, wait=0.25)], shape)
+    assert d.part == "env" and "add env servers (cluster.num_env_servers=2)" in d.line
+    assert "pipeline_stage_num" not in d.line and "inference server" not in d.line
+    d = diagnose([epoch(env=0.2, wait=0.55)], shape)
+    assert d.part == "inference" and "acting with the policy in their own process" in d.line
+    assert "pipeline_stage_num" not in d.line and "num_inference_servers" not in d.line
