@@ -30,6 +30,7 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlfleet.config import load_config, to_yaml  # noqa: E402
+from rlfleet.policies.families import get_family  # noqa: E402
 from rlfleet.simulators import (
     environments,  # noqa: E402
     get_simulator,  # noqa: E402
@@ -210,18 +211,23 @@ def _spawn(module: str, config: str, extra=(), python: str = sys.executable) -> 
     raise RuntimeError(f"{module} did not start")
 
 
-def pipeline(cfg, stages: int, epochs: int, shared_memory: str | None = None) -> float:
+def pipeline(cfg, stages: int, epochs: int, shared_memory: str | None = None, collocated: bool = False) -> float:
+    """``collocated``: cluster.component_placement.rollout: env (issue 37): the env server acts with the policy in
+    its own process and takes the weights from the learner; two processes, no inference server."""
     cfg.rollout.pipeline_stage_num = stages
     if shared_memory is not None:
         cfg.cluster.shared_memory = shared_memory
+    if collocated:
+        cfg.cluster.component_placement = {"env,actor": "all", "rollout": "env"}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.yaml")
         with open(path, "w") as f:
             f.write(to_yaml(cfg))
         procs = []
         try:
-            p, inf = _spawn("services.inference.server", path)
-            procs.append(p)
+            if not collocated:
+                p, inf = _spawn("services.inference.server", path)
+                procs.append(p)
             p, learner = _spawn("services.learner.server", path, ["--run-dir", os.path.join(tmp, "run")])
             procs.append(p)
             p, env = _spawn("services.env.server", path, python=python_for(cfg.env.train.simulator_type))
@@ -229,11 +235,12 @@ def pipeline(cfg, stages: int, epochs: int, shared_memory: str | None = None) ->
             rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(env))
             spec = rstub.Describe(env_pb2.DescribeEnvRequest())
             lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(learner))
-            lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[inf]))
+            targets = [env] if collocated else [inf]  # where the weights go
+            lstub.PublishWeights(learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=targets))
             req = rollout_pb2.CollectRequest(
                 epoch=0,
                 num_steps=cfg.env.train.max_steps_per_rollout_epoch,
-                inference_addresses=[inf],
+                inference_addresses=[] if collocated else [inf],
                 learner_address=learner,
             )
             rstub.Collect(req)  # warm-up
@@ -256,6 +263,12 @@ def main() -> None:
         choices=("auto", "inline", "both"),
         help="cluster.shared_memory for the pipeline (both: auto, then inline in columns of their own)",
     )
+    ap.add_argument(
+        "--collocated",
+        action="store_true",
+        help="also the collocated placement (cluster.component_placement.rollout: env, S=1: env server and learner, "
+        "no inference server), for the cases whose policy may act collocated",
+    )
     ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)  # internal: raw_sim in a simulator environment
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--raw-actions", default="random", choices=RAW_ACTIONS, help=argparse.SUPPRESS)
@@ -265,7 +278,7 @@ def main() -> None:
 
         print(json.dumps({"rate": _raw_here(config_from_yaml(args.raw), args.steps, args.raw_actions)}))
         return
-    rows = []
+    rows, collocated = [], []
     for name, overrides in CASES.items():
         if args.only and name not in args.only.split(","):
             continue
@@ -288,6 +301,9 @@ def main() -> None:
                 pipeline(load_config(None, overrides), 2, args.epochs, "inline"),
             )
         rows.append((name, cfg.env.train.simulator_type, cfg.env.train.env_id, n, raw, local, s1, s2, off))
+        if args.collocated and get_family(cfg.actor.model.model_type).collocated:
+            col = pipeline(load_config(None, overrides), 1, args.epochs, first, collocated=True)
+            collocated.append(f"| {name} | {col:,.0f} | {s1:,.0f} | {s2:,.0f} | {col / s2:.2f} |")
     both = args.shared_memory == "both"
     print()
     extra = " S=1, gRPC only | S=2, gRPC only | S=1 / in-process, gRPC only |" if both else ""
@@ -308,6 +324,10 @@ def main() -> None:
         f"\n(env steps/s; pipeline = 3 processes over gRPC on loopback, cluster.shared_memory: {args.shared_memory}; "
         "in-process needs torch, so only for simulators of the main environment)"
     )
+    if collocated:
+        print("\n| case | collocated (rollout: env, S=1) | pipeline S=1 | pipeline S=2 | collocated / S=2 |")
+        print("|---" * 5 + "|")
+        print("\n".join(collocated))
 
 
 if __name__ == "__main__":
