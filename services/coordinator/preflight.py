@@ -5,6 +5,8 @@ copies must fit this machine (rlfleet.config.fit)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -32,6 +34,8 @@ def preflight_local(cfg) -> None:
                 f"server hosts both (use the same simulator, or external eval servers)"
             )
     errors = env_side_preflight(cfg)
+    if errors and install_missing(cfg):  # e.g. ManiSkill's Vulkan: installed as `envs install` would, then asked again
+        errors = env_side_preflight(cfg)
     if errors:
         raise ConfigError(errors[0])  # already "'key': why"
     from rlfleet.config import fit
@@ -39,6 +43,59 @@ def preflight_local(cfg) -> None:
     why = fit.check(cfg)  # a real-size VLA where there is no memory for it: say so now, not by OOM kills
     if why:
         raise ConfigError(f"'actor.model': {why}")
+
+
+def can_install_system_packages() -> bool:
+    """Whether this process can do what `coordinatorctl envs install NAME` does for a simulator's Debian packages
+    (rlfleet.simulators.environments.ensure_system_packages: apt-get, as root)."""
+    return os.geteuid() == 0 and shutil.which("apt-get") is not None and shutil.which("dpkg") is not None
+
+
+def missing_system_packages(cfg) -> dict[str, list[str]]:
+    """{simulator: its environment's Debian packages missing on this host} for the simulators of the run's local
+    env servers ({} where dpkg is absent: not a Debian host, nothing rlfleet can install)."""
+    from rlfleet.config import env_server_config
+    from rlfleet.simulators import environments
+
+    if shutil.which("dpkg") is None:
+        return {}
+    sims = {
+        env_server_config(cfg, i).env[split].simulator_type
+        for i in range(cfg.cluster.num_env_servers)
+        for split in ("train", "eval")
+    }
+    out = {}
+    for name in sorted(sims):
+        env = environments.environment_of(name)
+        missing = environments.missing_apt(env) if env is not None and env.apt else []
+        if missing:
+            out[name] = missing
+    return out
+
+
+def install_missing(cfg, log=print) -> bool:
+    """`coordinatorctl start` does what `coordinatorctl envs install NAME` does when the run's simulators lack Debian
+    packages (ManiSkill's Vulkan loader and driver, say) and this process can install them (root, apt-get): the
+    packages, then the simulator's environment (built if not yet), with their progress on the console. -> whether it
+    installed anything; False (nothing done) where it cannot, and the preflight's refusal names the command."""
+    missing = missing_system_packages(cfg)
+    if not missing or not can_install_system_packages():
+        return False
+    from rlfleet.simulators import environments
+    from services.coordinator import launcher
+
+    for name, packages in missing.items():
+        log(
+            f"  {name} needs Debian packages this host lacks ({', '.join(packages)}): installing them as "
+            f"`coordinatorctl envs install {name}` does (root, apt-get) ..."
+        )
+        try:
+            environments.ensure_system_packages(environments.environment_of(name), log)
+            python = launcher.simulator_python(name, cfg.cluster.envs_dir, log)
+        except environments.EnvironmentError_ as exc:
+            raise ConfigError(f"'env.train.simulator_type': installing {name} failed: {exc}") from None
+        log(f"  {name}: installed (its environment: {python})")
+    return True
 
 
 def preflight_model(cfg) -> None:
