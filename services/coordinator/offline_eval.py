@@ -318,7 +318,7 @@ def run_session(cfg, target: Target, out: pathlib.Path, token: str, quiet: bool 
         calls.weights_published()
         say(
             f"  services up in {time.monotonic() - t0:.1f}s; weights version {pub.weights_version} on "
-            f"{reg.counts['inference']} inference server(s); evaluating {ev.num_episodes} episodes of "
+            f"{reg.counts[reg.policy_role]} {reg.policy_role} server(s); evaluating {ev.num_episodes} episodes of "
             f"{spec.env_id} (seeds {ev.seed}..{ev.seed + ev.num_episodes - 1}"
             + (", fixed initial states" if ev.use_fixed_reset_state_ids else "")
             + ")"
