@@ -751,10 +751,12 @@ def test_two_simulators_in_one_run_each_from_its_own_environment(tmp_path):
     assert "final evaluation: success_once" in proc.stdout and "(libero " in proc.stdout
 
 
-def test_scale_env_servers_during_a_run(tmp_path):
+@pytest.mark.parametrize("placement", [(), COLLOCATED], ids=["inference-server", "collocated"])
+def test_scale_env_servers_during_a_run(tmp_path, placement):
     """`coordinatorctl scale env 2` adds a server at the next epoch (samples per epoch double: envs per server are
-    fixed), `scale env 1` retires it again; the run goes on throughout."""
-    proc = start(tmp_path, "runner.max_epochs=1000", name="scale")
+    fixed), `scale env 1` retires it again; the run goes on throughout. Collocated, the new server gets the
+    weights from the learner before it collects."""
+    proc = start(tmp_path, "runner.max_epochs=1000", *placement, name="scale")
     run = tmp_path / "scale"
     try:
         st = wait_epoch(run, 2, proc)
