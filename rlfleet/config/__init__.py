@@ -758,6 +758,17 @@ def _check_collocated(cfg) -> None:
         key,
         f"'{ROLLOUT_IN_ENV}' acts with the policy's own act (rollout.backend: hf), not '{cfg.rollout.backend}'",
     )
+    from rlfleet.simulators import get_simulator
+
+    if not cfg.cluster.external_env_addresses:  # a bridge to an external simulator runs in the main environment
+        sims = {env_server_config(cfg, i).env.train.simulator_type for i in range(cfg.cluster.num_env_servers)}
+        own = sorted(s for s in sims if get_simulator(s).environment is not None)
+        _require(
+            not own,
+            key,
+            f"'{ROLLOUT_IN_ENV}': the {', '.join(own)} env servers run in their simulator's own Python environment, "
+            f"which carries no policy code (torch); act on inference servers (drop rollout: {ROLLOUT_IN_ENV})",
+        )
     _require(
         cfg.rollout.pipeline_stage_num == 1,
         key,

@@ -181,7 +181,7 @@ class CollocatedPolicyServicer(inference_pb2_grpc.InferenceServiceServicer):
         )
 
 
-def local_policy(view: InferenceView) -> LocalPolicy:
+def local_policy(view: InferenceView, device: str = "cpu") -> LocalPolicy:
     """The policy a collocated env server acts with: the inference view's (the run config's rollout keys), acting
     as an inference server would (the same padding of a batch, the same noise keys)."""
     from rlfleet.policies.families import get_family
@@ -195,6 +195,7 @@ def local_policy(view: InferenceView) -> LocalPolicy:
         logprob_type=view.logprob_type,
         batch_invariant_rows=rows,
         weights_precision=view.weights_precision,
+        device=device,
     )
 
 
@@ -441,7 +442,11 @@ def serve(
         if policy is None and rollout_in_env(view):
             policy = build_view(InferenceView, view)
         view = build_view(EnvView, env_server_config(view, index))
-    held = local_policy(policy) if policy is not None else None
+    held = None
+    if policy is not None:  # on the env's GPU when this server was placed on one (rollout: env)
+        from rlfleet.wire.service import pick_device
+
+        held = local_policy(policy, pick_device())
     external_eval = None
     if external_env and len(view.external_eval_env_addresses) > index:
         external_eval = view.external_eval_env_addresses[index]

@@ -89,5 +89,15 @@ def test_collocated_placement_and_what_it_refuses():
         load_config(None, ["cluster.component_placement.rollout=env"])
     with pytest.raises(ConfigError, match="for small policies \\(mlp, cnn\\); a policy of model_type openvla"):
         load_config(None, [*ON, "actor.model.model_type=openvla"])
+    with pytest.raises(ConfigError, match="metaworld env servers run in their simulator's own Python environment"):
+        load_config(
+            None,
+            [
+                *ON,
+                *(f"env.{s}.simulator_type=metaworld" for s in ("train", "eval")),
+                "env.train.env_id=reach-v3",
+                "env.eval.env_id=reach-v3",
+            ],
+        )
     with pytest.raises(ConfigError, match="'env' places only the rollout component"):
         load_config(None, ["cluster.component_placement={'env,rollout': env}", "rollout.pipeline_stage_num=1"])
