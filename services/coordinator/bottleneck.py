@@ -234,7 +234,7 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
 
     names = {
         "env": "env stepping",
-        "inference": "the inference wait",
+        "inference": "acting in the env servers" if shape.collocated else "the inference wait",
         "wire": "the wire",
         "rest": "the rollout's other work",
         "learner": "the learner",

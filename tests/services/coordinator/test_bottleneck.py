@@ -317,3 +317,5 @@ def test_collocated_acting_never_asks_for_stages_or_inference_servers():
     d = diagnose([epoch(env=0.2, wait=0.55)], shape)
     assert d.part == "inference" and "acting with the policy in their own process" in d.line
     assert "pipeline_stage_num" not in d.line and "num_inference_servers" not in d.line
+    d = diagnose([epoch(env=0.3, wait=0.25, train=0.2)], shape)
+    assert d.part == "balanced" and "acting in the env servers" in d.line and "inference" not in d.line

@@ -74,7 +74,12 @@ def test_collocated_status_and_who_may_update_weights(tmp_path):
             assert "accepted only from learner" in err.value.details()
         status = subprocess.run([*CTL, "status", str(run)], capture_output=True, text=True, timeout=30)
         assert status.returncode == 0, status.stderr
-        assert "inference" not in status.stdout.split("services")[-1], status.stdout
+        lines = [ln.strip() for ln in status.stdout.splitlines()]
+        assert [ln.split()[0] for ln in lines if ln.startswith(("env[", "learner[", "inference["))] == [
+            "env[0]",
+            "learner[0]",
+        ], status.stdout
+        assert "the inference wait" not in status.stdout, status.stdout  # the bottleneck line's name: acting
     finally:
         subprocess.run([*CTL, "stop", str(run)], capture_output=True, text=True, timeout=30)
     code, out = finish(proc)
