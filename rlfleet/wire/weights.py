@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
 from rlfleet.v1 import inference_pb2, tensor_pb2
-from rlfleet.wire import codec
+from rlfleet.wire import codec, shm
 from rlfleet.wire.codec import CodecError, DType
 from rlfleet.wire.spaces import TensorSpace, spaces_from_proto
 
@@ -83,6 +84,27 @@ def _check_coverage(name: str, spans: list[tuple[int, int]], nbytes: int) -> Non
         pos = end
     if pos != nbytes:
         raise CodecError(f"weights['{name}']: bytes [{pos}, {nbytes}) were never sent")
+
+
+def receive(
+    chunks: Iterator[inference_pb2.WeightsChunk], holder, shared_memory: bool
+) -> inference_pb2.UpdateWeightsResponse:
+    """One UpdateWeights stream into ``holder`` (the inference engine, or an env server's in-process policy: anything
+    with ``check_version`` and ``set_weights``): a made-up or stale version is refused before the set's tensors are
+    read; with ``shared_memory`` tensors may come by handle from a sender on this host (the reader is closed however
+    the stream ends)."""
+    first = next(chunks, None)
+    if first is not None:
+        holder.check_version(first.version)
+        chunks = itertools.chain([first], chunks)
+    reader = shm.Reader() if shared_memory else None
+    try:
+        version, state, obs_specs, action_dim, partial = assemble(chunks, shm=reader)
+    finally:
+        if reader is not None:
+            reader.close()
+    holder.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
+    return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
 
 
 def assemble(chunks: Iterable[inference_pb2.WeightsChunk], shm=None):

@@ -11,7 +11,6 @@ Python environment (rlfleet.simulators.environments), so it imports nothing but 
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 import time
@@ -155,18 +154,7 @@ class CollocatedPolicyServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @status.handler
     def UpdateWeights(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is not None:  # a made-up or stale version is refused before the set's tensors are read
-            self.policy.check_version(first.version)
-            request_iterator = itertools.chain([first], request_iterator)
-        reader = shm.Reader() if self.shared_memory else None
-        try:
-            version, state, obs_specs, action_dim, partial = weights.assemble(request_iterator, shm=reader)
-        finally:
-            if reader is not None:
-                reader.close()
-        self.policy.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
-        return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
+        return weights.receive(request_iterator, self.policy, self.shared_memory)
 
     @status.handler
     def Describe(self, request, context):

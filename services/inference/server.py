@@ -5,8 +5,6 @@ python -m services.inference.server --config run/config.yaml --address 127.0.0.1
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from rlfleet.config import load_service_config
@@ -72,18 +70,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @status.handler
     def UpdateWeights(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is not None:  # a made-up or stale version is refused before the set's tensors are read
-            self.engine.check_version(first.version)
-            request_iterator = itertools.chain([first], request_iterator)
-        reader = shm.Reader() if self.shared_memory else None
-        try:
-            version, state, obs_specs, action_dim, partial = weights.assemble(request_iterator, shm=reader)
-        finally:
-            if reader is not None:
-                reader.close()
-        self.engine.set_weights(version, state, obs_specs=obs_specs, action_dim=action_dim, partial=partial)
-        return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
+        return weights.receive(request_iterator, self.engine, self.shared_memory)
 
     @status.handler
     def Describe(self, request, context):
