@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from rlfleet.config import ConfigError, load_config
 from services.coordinator.report import learned
+from tests.services.coordinator.tiny_run import CTL
+from tests.services.coordinator.tiny_run import TINY as TINY_RUN
 
-CTL = [sys.executable, "-m", "services.coordinator.cli"]
 TINY = [
-    "env.train.total_num_envs=8",
-    "env.train.max_steps_per_rollout_epoch=25",
-    "env.eval.total_num_envs=4",
-    "env.eval.num_episodes=4",
-    "actor.micro_batch_size=100",
-    "actor.global_batch_size=100",
-    "algorithm.update_epoch=2",
-    "actor.model.hidden_dims=[32,32]",
-    "runner.max_env_steps=null",
-    "runner.max_wall_time_s=null",
+    *TINY_RUN,
     "runner.val_check_interval=1",
     "runner.early_stop_success_rate=0.0",  # every evaluation reaches it: the count of evaluations decides
 ]

@@ -20,23 +20,15 @@ import pytest
 from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
 from rlfleet.wire import channels
+from tests.services.coordinator.tiny_run import CTL
+from tests.services.coordinator.tiny_run import TINY as TINY_RUN
 
 pytestmark = pytest.mark.slow
 
 TINY = [
-    "env.train.total_num_envs=8",
-    "env.train.max_steps_per_rollout_epoch=25",
-    "env.eval.total_num_envs=4",
-    "env.eval.num_episodes=4",
-    "actor.micro_batch_size=100",
-    "actor.global_batch_size=100",
-    "algorithm.update_epoch=2",
-    "actor.model.hidden_dims=[32,32]",
-    "runner.max_env_steps=null",
-    "runner.max_wall_time_s=null",
+    *TINY_RUN,
     "cluster.heartbeat_timeout_s=8",
 ]
-CTL = [sys.executable, "-m", "services.coordinator.cli"]
 # collocated acting (issue 37): each env server acts with the policy in its own process, no inference server
 COLLOCATED = ("cluster.component_placement.rollout=env", "rollout.pipeline_stage_num=1")
 

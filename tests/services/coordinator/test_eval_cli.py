@@ -12,19 +12,11 @@ import sys
 import pytest
 
 from rlfleet.data.intervals import wilson
+from tests.services.coordinator.tiny_run import CTL
+from tests.services.coordinator.tiny_run import TINY as TINY_RUN
 
-CTL = [sys.executable, "-m", "services.coordinator.cli"]
 TINY = [
-    "env.train.total_num_envs=8",
-    "env.train.max_steps_per_rollout_epoch=25",
-    "env.eval.total_num_envs=4",
-    "env.eval.num_episodes=4",
-    "actor.micro_batch_size=100",
-    "actor.global_batch_size=100",
-    "algorithm.update_epoch=2",
-    "actor.model.hidden_dims=[32,32]",
-    "runner.max_env_steps=null",
-    "runner.max_wall_time_s=null",
+    *TINY_RUN,
     "runner.max_epochs=2",
     "runner.val_check_interval=0",
 ]

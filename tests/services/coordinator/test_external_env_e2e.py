@@ -18,22 +18,14 @@ from rlfleet.config import to_yaml
 from rlfleet.v1 import env_pb2_grpc
 from tests.conftest import small_config
 from tests.fixtures.env_contract_v0 import build_stubs, start_server
+from tests.services.coordinator.tiny_run import CTL
+from tests.services.coordinator.tiny_run import TINY as TINY_RUN
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-CTL = [sys.executable, "-m", "services.coordinator.cli"]
 TINY = [
-    "env.train.total_num_envs=8",
-    "env.train.max_steps_per_rollout_epoch=25",
-    "env.eval.total_num_envs=4",
-    "env.eval.num_episodes=4",
-    "actor.micro_batch_size=100",
-    "actor.global_batch_size=100",
-    "algorithm.update_epoch=2",
-    "actor.model.hidden_dims=[32,32]",
-    "runner.max_env_steps=null",
-    "runner.max_wall_time_s=null",
+    *TINY_RUN,
     "cluster.heartbeat_timeout_s=8",
 ]
 
