@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 from opentelemetry import trace
@@ -21,9 +22,8 @@ from opentelemetry import trace
 from rlfleet.config import env_server_config, load_service_config, rollout_in_env
 from rlfleet.config.views import EnvView, InferenceView, as_view, build_view, service_view
 from rlfleet.errors import Cancelled, FailedPrecondition, InvalidRequest
-from rlfleet.policies.local import LocalPolicy
 from rlfleet.v1 import env_pb2, env_pb2_grpc, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from rlfleet.wire import codec, servers, shm, status, streams, tracing, weights
+from rlfleet.wire import codec, servers, shm, status, streams, tracing
 from rlfleet.wire.addresses import check_address
 from rlfleet.wire.clients import CONNECT_TIMEOUT_S as LEARNER_CONNECT_TIMEOUT_S
 from rlfleet.wire.clients import WireStats, learner_reachable, push_rollout
@@ -33,6 +33,11 @@ from services.env.remote import EnvConnectionLost
 from services.env.rollout import PolicyRunner, RolloutWorker
 from services.env.vec_env import VecEnv
 from services.env.vec_env_interface import VecEnvInterface
+
+if (
+    TYPE_CHECKING
+):  # torch: only a collocated env server (the main environment) holds a policy; simulator environments have none
+    from rlfleet.policies.local import LocalPolicy
 
 MAX_STEP_STREAMS = 4  # concurrent EnvService.Step streams per server (more: RESOURCE_EXHAUSTED)
 STEP_IDLE_RECLAIM_S = 30.0  # with every Step slot taken, a stream idle this long is closed for a newcomer
@@ -154,6 +159,8 @@ class CollocatedPolicyServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @status.handler
     def UpdateWeights(self, request_iterator, context):
+        from rlfleet.wire import weights  # torch: imported where a policy is held
+
         return weights.receive(request_iterator, self.policy, self.shared_memory)
 
     @status.handler
@@ -173,6 +180,7 @@ def local_policy(view: InferenceView, device: str = "cpu") -> LocalPolicy:
     """The policy a collocated env server acts with: the inference view's (the run config's rollout keys), acting
     as an inference server would (the same padding of a batch, the same noise keys)."""
     from rlfleet.policies.families import get_family
+    from rlfleet.policies.local import LocalPolicy
 
     rows = view.batch_invariant_rows
     if rows is None:
