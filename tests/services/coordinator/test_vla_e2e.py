@@ -19,10 +19,9 @@ CTL = [sys.executable, "-m", "services.coordinator.cli"]
     "name, lora, ranks",
     [
         ("pandapickcube_vision_ppo_openvla_tiny", False, 1),
-        ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 1),
-        pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 1, marks=pytest.mark.sim),
         pytest.param("metaworld_mt10_ppo_pi05_tiny", False, 1, marks=pytest.mark.sim),
-        # the learner as 2 ranks (FSDP2 over gloo): LoRA adapters sharded, the π0 expert's blocks sharded
+        # the learner as 2 ranks (FSDP2 over gloo): LoRA adapters sharded, the π0 expert's blocks sharded. One rank of
+        # the same configs is what tests/services/learner/test_rank_group.py compares these two ranks with, step by step
         ("pandapickcube_vision_grpo_openvla_oft_tiny", True, 2),
         pytest.param("metaworld_mt10_ppo_pi0_tiny", False, 2, marks=pytest.mark.sim),
     ],

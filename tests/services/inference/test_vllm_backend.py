@@ -5,6 +5,8 @@ reload failure, an engine that cannot be rebuilt, an engine step that fails mid-
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rlfleet.config import ConfigError, load_config
@@ -168,8 +170,8 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_vllm_decoder_matches_hf_and_survives_reload_failures():
-    r = run_in_env("backend:vllm", DECODER_CHECKS, timeout=600)
+def test_vllm_decoder_matches_hf_and_survives_reload_failures(vllm_checks):
+    r = vllm_checks["decoder"]
     assert r["greedy_same"], r  # same weights and observations: same greedy actions
     assert r["same_keys_same_tokens"] and r["sampled_bins_spread"] > 8, r  # seeded per row, and really sampled
     assert r["logp_max_diff"] < 1e-3, r  # the learner's recomputation (acceptance: 1e-3)
@@ -230,8 +232,8 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_vllm_serves_lora_adapters_and_their_updates():
-    r = run_in_env("backend:vllm", LORA_CHECKS, timeout=600)
+def test_vllm_serves_lora_adapters_and_their_updates(vllm_checks):
+    r = vllm_checks["lora"]
     assert r["lora_greedy_same"] and r["lora_after_update_same"], r
     assert r["lora_logp_diff"] < 1e-3, r
     assert r["n_sync"] < 40, r  # a partial update: the adapters and the value head only
@@ -275,8 +277,29 @@ for e in (hf, vl):
 '''
 
 
+# the three check scripts run one after another in one process of the vLLM environment (vLLM's import and start-up
+# take about 15 s there, paid once): each in its own namespace, each printing its one JSON line
+RUN_ALL = r'''
+import contextlib, io, json, sys
+out = {}
+for name, code in json.loads(sys.argv[1]).items():
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code, f"<{name} checks>", "exec"), {"__name__": f"{name}_checks"})
+    out[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def vllm_checks():
+    blocks = {"decoder": DECODER_CHECKS, "lora": LORA_CHECKS, "layout": LAYOUT_CHECKS}
+    code = "import sys; sys.argv[1:] = [" + repr(json.dumps(blocks)) + "]\n" + RUN_ALL
+    return run_in_env("backend:vllm", code, timeout=800)
+
+
 @pytest.mark.slow
-def test_vllm_decodes_the_openvla_7b_layout_with_a_padded_vocabulary():
-    r = run_in_env("backend:vllm", LAYOUT_CHECKS, timeout=600)
+def test_vllm_decodes_the_openvla_7b_layout_with_a_padded_vocabulary(vllm_checks):
+    r = vllm_checks["layout"]
     assert r["greedy_same"] and r["logp_diff"] < 1e-3, r
     assert r["shape"] == [6, 1, 7] and 0 <= r["max_bin"] < 256, r
