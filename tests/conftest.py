@@ -62,3 +62,22 @@ def fleet(cfg, tmp_path):
     f = Fleet(cfg, tmp_path / "run")
     yield f
     f.close()
+
+
+# scripts/test.sh runs the suite on two pytest-xdist workers (-n 2 --dist loadgroup). The tests that start fleets of
+# processes (the coordinator's end-to-end runs, learner rank groups, the benchmarks' runs) or count what the whole
+# host holds (/dev/shm, /proc) go to one worker, one at a time, as in a serial run; everything else (one process, or
+# servers in this process) runs on the other worker beside them. Without xdist the mark does nothing.
+ONE_AT_A_TIME = (
+    "tests/services/coordinator/",
+    "tests/benchmarks/",
+    "tests/services/learner/test_rank_group.py",
+    "tests/rlfleet/test_shm.py",
+    "tests/gpu/",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(ONE_AT_A_TIME):
+            item.add_marker(pytest.mark.xdist_group("fleet"))

@@ -155,5 +155,5 @@ def test_put_on_plate_without_assets_stops_the_start_in_seconds_naming_the_fix(t
     line = start.stderr.strip().splitlines()[-1]
     assert "PutOnPlateInScene25Main-v3 needs its assets" in line and "RLinf/maniskill_assets" in line, line
     assert "coordinatorctl envs assets maniskill PutOnPlateInScene25Main-v3" in line
-    assert took < 5, took
+    assert took < 15, took  # seconds, not a download (room for the suite's other worker beside this test)
     print(f"start without assets stopped in {took:.2f} s")
