@@ -1,0 +1,248 @@
+"""Soft Actor-Critic, top to bottom: the networks and one update on a batch of transitions (Haarnoja et al. 2018,
+with the tuned temperature of the second paper), as every learner rank runs it on its part of the batch.
+
+- The actor is a squashed Gaussian: a = tanh(u), u ~ N(mu(s), sigma(s)); its log-prob carries tanh's change of
+  variables, log pi(a|s) = log N(u) - sum log(1 - tanh(u)^2). Actions live in [-1, 1] (the env contract's action
+  range for continuous control).
+- ``num_critics`` Q networks (two: the clipped double-Q of TD3/SAC) and their target copies, Polyak-averaged with
+  ``tau`` after each critic step. ``layer_norm`` puts LayerNorm after each hidden layer of the critics (RLPD).
+- The temperature alpha is learned towards a target entropy of -action_dim (``target_entropy``: null) or a given
+  value; ``init_alpha`` starts it.
+
+Losses are sums over the rows a rank holds divided by the batch's global row count, and gradients are summed over
+the ranks before each optimizer step, so N ranks take exactly the step one process takes on the whole batch (the
+parameters are replicated: SAC's networks are small next to a VLA's). The sampling noise of the actor comes in with
+the batch (``noise``, ``next_noise``: standard normals per row), so a row's numbers do not depend on which rank
+holds it.
+
+Metric names follow RLinf's: ``train/critic/*``, ``train/actor/*``, ``train/alpha``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlfleet.wire.spaces import TensorSpace
+
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+
+
+@dataclass
+class SacConfig:
+    """The update's settings (the algorithm.* keys of an off-policy run)."""
+
+    gamma: float = 0.99  # discount
+    tau: float = 0.005  # Polyak step of the target critics
+    actor_lr: float = 3e-4  # Adam learning rate of the actor
+    critic_lr: float = 3e-4  # Adam learning rate of the critics
+    alpha_lr: float = 3e-4  # Adam learning rate of log(alpha)
+    init_alpha: float = 1.0  # the temperature at the start
+    target_entropy: float | None = None  # null: -action_dim
+    num_critics: int = 2  # Q networks; the target takes the minimum over them
+    layer_norm: bool = False  # LayerNorm in the critics' hidden layers (RLPD)
+    hidden_dims: tuple[int, ...] = (256, 256)  # hidden layers of the actor and each critic
+
+
+class Encoder(nn.Module):
+    """Observations -> one feature vector: the flattened float observations, and a small conv net per camera
+    (uint8 HxWx3, scaled to [0, 1])."""
+
+    def __init__(self, obs_specs: Mapping[str, TensorSpace]):
+        super().__init__()
+        self.keys = sorted(obs_specs)
+        self.cams = nn.ModuleDict()
+        width = 0
+        for k in self.keys:
+            s = obs_specs[k]
+            if np.dtype(s.dtype) == np.uint8:
+                net = nn.Sequential(
+                    nn.Conv2d(3, 16, 5, stride=2, padding=2),
+                    nn.ReLU(),
+                    nn.Conv2d(16, 32, 3, stride=2, padding=1),
+                    nn.ReLU(),
+                    nn.Conv2d(32, 32, 3, stride=2, padding=1),
+                    nn.ReLU(),
+                    nn.AdaptiveAvgPool2d(2),
+                    nn.Flatten(),
+                )
+                self.cams[k] = net
+                width += 32 * 4
+            else:
+                width += int(math.prod(s.shape))
+        self.width = width
+
+    def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        parts = []
+        for k in self.keys:
+            x = obs[k]
+            if k in self.cams:
+                p = next(self.cams[k].parameters())
+                x = x.permute(0, 3, 1, 2).to(p.dtype) / 255.0
+                parts.append(self.cams[k](x))
+            else:
+                parts.append(x.reshape(len(x), -1))
+        dtype = next((p.dtype for p in self.parameters()), parts[0].dtype)
+        return torch.cat([p.to(dtype) for p in parts], dim=1)
+
+
+def _mlp(sizes: list[int], layer_norm: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            if layer_norm:
+                layers.append(nn.LayerNorm(sizes[i + 1]))
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class Actor(nn.Module):
+    def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, hidden: tuple[int, ...]):
+        super().__init__()
+        self.encoder = Encoder(obs_specs)
+        self.net = _mlp([self.encoder.width, *hidden, 2 * action_dim], False)
+
+    def forward(self, obs, noise: torch.Tensor | None = None):
+        """-> (action in [-1, 1], its log-prob, the mean action). ``noise`` None: the mean action (log-prob of it)."""
+        mu, log_std = self.net(self.encoder(obs)).chunk(2, dim=-1)
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
+        std = log_std.exp()
+        u = mu if noise is None else mu + std * noise.to(mu.dtype)
+        a = torch.tanh(u)
+        z = (u - mu) / std
+        logp = (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        logp = logp - (2 * (math.log(2) - u - nn.functional.softplus(-2 * u))).sum(-1)  # log(1 - tanh(u)^2), stably
+        return a, logp, torch.tanh(mu)
+
+
+class Critic(nn.Module):
+    def __init__(
+        self, obs_specs: Mapping[str, TensorSpace], action_dim: int, hidden: tuple[int, ...], layer_norm: bool
+    ):
+        super().__init__()
+        self.encoder = Encoder(obs_specs)
+        self.net = _mlp([self.encoder.width + action_dim, *hidden, 1], layer_norm)
+
+    def forward(self, obs, action: torch.Tensor) -> torch.Tensor:
+        f = self.encoder(obs)
+        return self.net(torch.cat([f, action.to(f.dtype)], dim=-1)).squeeze(-1)
+
+
+class SacAgent(nn.Module):
+    """The actor, the critics, their targets and log(alpha): everything a checkpoint of SAC holds (the optimizers
+    are :class:`SacUpdate`'s)."""
+
+    def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, cfg: SacConfig):
+        super().__init__()
+        self.cfg, self.action_dim = cfg, int(action_dim)
+        self.actor = Actor(obs_specs, action_dim, tuple(cfg.hidden_dims))
+        self.critics = nn.ModuleList(
+            Critic(obs_specs, action_dim, tuple(cfg.hidden_dims), cfg.layer_norm) for _ in range(cfg.num_critics)
+        )
+        self.targets = copy.deepcopy(self.critics)
+        for p in self.targets.parameters():
+            p.requires_grad_(False)
+        self.log_alpha = nn.Parameter(torch.tensor(math.log(cfg.init_alpha)))
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.log_alpha.exp()
+
+    @property
+    def target_entropy(self) -> float:
+        return -float(self.action_dim) if self.cfg.target_entropy is None else float(self.cfg.target_entropy)
+
+    def min_q(self, critics: nn.ModuleList, obs, action) -> torch.Tensor:
+        return torch.stack([c(obs, action) for c in critics]).min(0).values
+
+
+class SacUpdate:
+    """One SAC step at a time on a batch of this rank's rows; ``all_reduce`` sums a tensor over the learner's ranks
+    (in place; the identity in a group of one)."""
+
+    def __init__(self, agent: SacAgent, all_reduce=lambda t: t):
+        cfg = agent.cfg
+        self.agent, self.cfg, self.all_reduce = agent, cfg, all_reduce
+        self.actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=cfg.actor_lr)
+        self.critic_opt = torch.optim.Adam(agent.critics.parameters(), lr=cfg.critic_lr)
+        self.alpha_opt = torch.optim.Adam([agent.log_alpha], lr=cfg.alpha_lr)
+
+    def _sync(self, params) -> None:
+        """Sum the gradients of ``params`` over the ranks (one flat all-reduce)."""
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def _sum(self, *values: torch.Tensor) -> list[float]:
+        t = torch.stack([v.detach().to(torch.float64) for v in values])
+        return self.all_reduce(t).tolist()
+
+    def step(self, batch: Mapping[str, torch.Tensor], total_rows: int, update_actor: bool = True) -> dict[str, float]:
+        """One critic step, then (``update_actor``) one actor and one temperature step, then the targets' Polyak
+        step. ``batch``: obs.*, next_obs.*, action, reward, terminated, noise, next_noise (this rank's rows);
+        ``total_rows``: the batch's rows over every rank (the losses' normaliser)."""
+        agent, cfg = self.agent, self.cfg
+        obs = {k[4:]: v for k, v in batch.items() if k.startswith("obs.")}
+        next_obs = {k[9:]: v for k, v in batch.items() if k.startswith("next_obs.")}
+        n = float(total_rows)
+        alpha = agent.alpha.detach()
+
+        # critics: soft TD targets from the target critics, the minimum over them
+        with torch.no_grad():
+            next_a, next_logp, _ = agent.actor(next_obs, batch["next_noise"])
+            q_next = agent.min_q(agent.targets, next_obs, next_a) - alpha * next_logp
+            not_done = 1.0 - batch["terminated"].to(q_next.dtype)
+            target = batch["reward"].to(q_next.dtype) + cfg.gamma * not_done * q_next
+        qs = [c(obs, batch["action"]) for c in agent.critics]
+        critic_loss = sum(((q - target) ** 2).sum() for q in qs) * (0.5 / n)
+        self.critic_opt.zero_grad(set_to_none=True)
+        critic_loss.backward()
+        self._sync(agent.critics.parameters())
+        self.critic_opt.step()
+        q_sum, td_abs = self._sum(qs[0].sum(), (qs[0] - target).abs().sum())
+        (loss_c,) = self._sum(critic_loss)
+        out = {
+            "train/critic/loss": loss_c,
+            "train/critic/q_mean": q_sum / n,
+            "train/critic/td_error_abs": td_abs / n,
+        }
+
+        if update_actor:
+            a, logp, _ = agent.actor(obs, batch["noise"])
+            q = agent.min_q(agent.critics, obs, a)
+            actor_loss = (alpha * logp - q).sum() / n
+            self.actor_opt.zero_grad(set_to_none=True)
+            actor_loss.backward()
+            self._sync(agent.actor.parameters())
+            self.actor_opt.step()
+            for (
+                p
+            ) in agent.critics.parameters():  # the actor's loss reached the critics too: that gradient is not theirs
+                p.grad = None
+            alpha_loss = -(agent.log_alpha * (logp.detach() + agent.target_entropy)).sum() / n
+            self.alpha_opt.zero_grad(set_to_none=True)
+            alpha_loss.backward()
+            self._sync([agent.log_alpha])
+            self.alpha_opt.step()
+            loss_a, loss_t, ent = self._sum(actor_loss, alpha_loss, -logp.detach().sum())
+            out.update({"train/actor/loss": loss_a, "train/actor/entropy": ent / n, "train/alpha_loss": loss_t})
+
+        with torch.no_grad():  # the targets follow the critics
+            for t, s in zip(agent.targets.parameters(), agent.critics.parameters()):
+                t.lerp_(s, cfg.tau)
+        out["train/alpha"] = float(agent.alpha.detach())
+        return out
