@@ -29,6 +29,22 @@ def small_config(*overrides: str):
     return load_config(None, [*SMALL, *overrides])
 
 
+@pytest.fixture(autouse=True)
+def _scheduling_stays_as_it_was():
+    """No test may leave the test process with another scheduling policy: SVT-AV1 (the dataset writer's encoder)
+    switches its caller to SCHED_FIFO 99 when run as root, and a real-time test process whose threads busy-wait
+    starves every other process on a 2-core machine (a suite that never ends). Put back, and the test named."""
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    yield
+    after = os.sched_getscheduler(0), os.sched_getparam(0)
+    if after != before:
+        os.sched_setscheduler(0, *before)
+        pytest.fail(
+            f"the test process's scheduling changed from policy {before[0]} (priority {before[1].sched_priority}) "
+            f"to policy {after[0]} (priority {after[1].sched_priority}); put back"
+        )
+
+
 @pytest.fixture
 def cfg():
     return small_config()

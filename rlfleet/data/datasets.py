@@ -32,6 +32,7 @@ by lerobot itself (video or image features), with a map of the policy's input na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -187,10 +188,33 @@ def _jsonable(stats: dict[str, np.ndarray]) -> dict[str, list]:
 # ---------------------------------------------------------------------------------------------------------- video
 
 
+@contextlib.contextmanager
+def _keep_scheduling():
+    """SVT-AV1 (``VIDEO_CODEC``), run as root, switches the thread that drives it to real-time scheduling (SCHED_FIFO,
+    priority 99) and keeps it there after the encoder is gone: a process that wrote a dataset then outranks everything
+    else on its cores, and any busy wait of its own starves the other processes (on 2 cores, the whole machine).
+    This puts the calling thread's policy back as it was around each call into the encoder."""
+    try:
+        before = os.sched_getscheduler(0), os.sched_getparam(0)
+    except (AttributeError, OSError):  # no POSIX scheduling here: nothing to keep
+        yield
+        return
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != before:
+            os.sched_setscheduler(0, *before)
+
+
 class _VideoFile:
-    """One mp4 file of one camera, episodes appended frame after frame (PyAV, ``VIDEO_CODEC``)."""
+    """One mp4 file of one camera, episodes appended frame after frame (PyAV, ``VIDEO_CODEC``). Every call into the
+    encoder runs under :func:`_keep_scheduling`."""
 
     def __init__(self, path: Path, fps: int, height: int, width: int, channels: int):
+        with _keep_scheduling():
+            self._open(path, fps, height, width, channels)
+
+    def _open(self, path: Path, fps: int, height: int, width: int, channels: int) -> None:
         import av
 
         os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its whole configuration per file otherwise
@@ -205,6 +229,10 @@ class _VideoFile:
 
     def add(self, frames: np.ndarray) -> tuple[float, float]:
         """Append an episode's frames [T, H, W, C]; its (from, to) timestamps in this file."""
+        with _keep_scheduling():
+            return self._add(frames)
+
+    def _add(self, frames: np.ndarray) -> tuple[float, float]:
         import av
 
         start = self.frames
@@ -224,9 +252,10 @@ class _VideoFile:
         return self.bytes / 2**20
 
     def close(self) -> None:
-        for packet in self.stream.encode(None):
-            self.container.mux(packet)
-        self.container.close()
+        with _keep_scheduling():
+            for packet in self.stream.encode(None):
+                self.container.mux(packet)
+            self.container.close()
 
 
 def decode_video(

@@ -5,6 +5,7 @@ feature)."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -219,3 +220,45 @@ def test_files_roll_over_past_their_size(tmp_path, monkeypatch):
         back = d.episode(i)
         np.testing.assert_array_equal(back.actions, ep.actions)
         assert_close_frames(back.observations["image"], ep.observations["image"])
+
+
+RAW_SVT = r"""
+import os, numpy as np, av
+c = av.open(os.environ["OUT"], "w")
+s = c.add_stream("libsvtav1", rate=10)
+s.width, s.height, s.pix_fmt = 32, 32, "yuv420p"
+for i in range(4):
+    for p in s.encode(av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")):
+        c.mux(p)
+for p in s.encode(None):
+    c.mux(p)
+c.close()
+print(os.sched_getscheduler(0))
+"""
+
+
+def test_writing_a_video_leaves_the_writers_scheduling_as_it_was(tmp_path):
+    """SVT-AV1 run as root switches the thread that drives it to SCHED_FIFO 99 (shown first with PyAV alone, in a
+    subprocess); the dataset writer's video file puts the policy back after each call into the encoder."""
+    import subprocess
+    import sys
+
+    from rlfleet.data.datasets import _VideoFile
+
+    if os.geteuid() == 0:
+        raw = subprocess.run(
+            [sys.executable, "-c", RAW_SVT],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OUT": str(tmp_path / "raw.mp4"), "SVT_LOG": "1"},
+        )
+        assert raw.returncode == 0, raw.stderr[-2000:]
+        assert int(raw.stdout.split()[-1]) == os.SCHED_FIFO  # the encoder's doing, without the writer's guard
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    video = _VideoFile(tmp_path / "v.mp4", 10, 32, 32, 3)
+    assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before
+    video.add(np.zeros((4, 32, 32, 3), np.uint8))
+    assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before
+    video.close()
+    assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before and video.frames == 4
