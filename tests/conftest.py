@@ -93,6 +93,7 @@ ONE_AT_A_TIME = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into each test's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(ONE_AT_A_TIME):

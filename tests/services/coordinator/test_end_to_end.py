@@ -201,10 +201,13 @@ def test_run_writes_run_folder_and_resumes(tmp_path):
     ids=["sync", "async", "async2", "collocated-sync", "collocated-async"],
 )
 def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness, placement):
+    # the kill lands 0.3 s into a rollout: collocated acting collects 100 steps in about that time, so its rollouts
+    # are made 4x longer to keep the kill inside one
+    steps = 400 if placement else 100
     proc = start(
         tmp_path,
         "runner.max_epochs=1000",
-        "env.train.max_steps_per_rollout_epoch=100",
+        f"env.train.max_steps_per_rollout_epoch={steps}",
         "actor.global_batch_size=400",
         "actor.micro_batch_size=200",
         f"algorithm.max_staleness={staleness}",
@@ -223,8 +226,8 @@ def test_env_server_killed_mid_run_is_restarted_then_ctrl_c(tmp_path, staleness,
     lost = [r["env/lost_episodes"] for r in read_metrics(run) if "env/lost_episodes" in r]
     assert lost[0] == 0 and lost[-1] == 8
     # every trained epoch had the full batch: the partial rollout never reached the learner
-    steps = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
-    assert all(b - a == 800 for a, b in zip(steps, steps[1:]))
+    counts = [r["env/env_steps"] for r in read_metrics(run) if "env/env_steps" in r]
+    assert all(b - a == 8 * steps for a, b in zip(counts, counts[1:]))
     # the counts survive --resume
     resumed = subprocess.run(
         [*CTL, "start", "--resume", str(run), f"runner.max_epochs={summary['epochs'] + 1}"],
