@@ -395,14 +395,14 @@ def _server_main(kind: str, spec: dict, conn) -> None:
             c0, w0 = time.process_time(), time.perf_counter()
             r = reader() if use_shm else None
             time_major: dict[str, list] = {}
-            per_env: dict[str, np.ndarray] = {}
+            tail: dict[str, np.ndarray] = {}
             decode = 0.0
             for chunk in request_iterator:  # as services/learner/server.py's PushRollout, then RolloutStore.receive
                 t0 = _cpu()
                 data = codec.decode_map(chunk.data, "rollout", **shm_kw(r))
                 for k, v in data.items():
-                    if chunk.last and k in codec.PER_ENV:
-                        per_env[k] = v
+                    if chunk.last and codec.is_tail(k):
+                        tail[k] = v
                     else:
                         time_major.setdefault(k, []).append(v)
                 [codec.episode_from_proto(e) for e in chunk.episodes]
@@ -416,7 +416,7 @@ def _server_main(kind: str, spec: dict, conn) -> None:
                 r.close()
             T, N = codec.check_rollout(
                 whole,
-                per_env,
+                tail,
                 obs_specs=obs_specs,
                 chunk=spec["chunk"],
                 action_dim=spec["action_dim"],
@@ -647,7 +647,10 @@ def _client_rollout(spec: dict, address: str) -> dict:
     tm["terminated"][:] = False
     tm["truncated"][:] = False
     eps = [codec.EpisodeStat(i % n, 1.0, 50, True, True, -1, spec["instruction"]) for i in range(n)]
-    rollout = codec.Rollout(tm, {"last_values": _fill((n,), np.float32, rng)}, eps)
+    # the tail: each env's observation after the last step (no episode ends inside this rollout)
+    rollout = codec.Rollout(
+        tm, codec.make_tail({k[4:]: v[-1].copy() for k, v in tm.items() if k.startswith("obs.")}), eps
+    )
     st: dict[str, list] = {
         "encode": [],
         "serialise": [],

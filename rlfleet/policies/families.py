@@ -184,6 +184,13 @@ def get_family(model_type: str) -> Family:
     return lookup(FAMILIES, model_type, "model_type")
 
 
+def batch_invariant_rows(configured: int | None, model_type: str) -> int:
+    """rollout.batch_invariant_rows, with null resolved by the policy family's entry (its ``batch_invariant_rows``):
+    the block size every holder of the policy pads its batches to (the inference server's acting, the learner's
+    bootstrap values), so a row's numbers do not depend on what it was batched with."""
+    return get_family(model_type).batch_invariant_rows if configured is None else int(configured)
+
+
 def size_groups() -> dict[str, Family]:
     """{group: the first family that owns it}; families sharing a group must name the same file."""
     groups: dict[str, Family] = {}

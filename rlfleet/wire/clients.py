@@ -83,7 +83,7 @@ def rollout_chunks(
         chunk = learner_pb2.RolloutChunk(
             epoch=epoch, worker_index=worker_index, worker_incarnation=incarnation, t_start=0, num_steps=T, last=True
         )
-        codec.encode_map({**rollout.time_major, **rollout.per_env}, chunk.data, arena=arena)
+        codec.encode_map({**rollout.time_major, **rollout.tail}, chunk.data, arena=arena)
         chunk.episodes.extend(codec.episode_to_proto(e) for e in rollout.episodes)
         yield chunk
         return
@@ -97,7 +97,7 @@ def rollout_chunks(
         )
         codec.encode_map({k: v[t0:t1] for k, v in rollout.time_major.items()}, chunk.data)
         if last:
-            codec.encode_map(rollout.per_env, chunk.data)
+            codec.encode_map(rollout.tail, chunk.data)
             chunk.episodes.extend(codec.episode_to_proto(e) for e in rollout.episodes)
         yield chunk
 

@@ -10,14 +10,18 @@ received. In sections, in this order:
 - The Act's per-row noise keys (:func:`row_keys`, :class:`RowNoise`): reproducible sampling noise, keyed per env and
   step.
 
-A worker's epoch is a :class:`Rollout`: time-major tensors ``[T, N, ...]`` (T steps of N envs) and per-env tensors
-``[N]``, plus the episodes that ended (:class:`EpisodeStat`, the ``EpisodeStats`` message on the wire). Its tensors,
-by name:
+A worker's epoch is a :class:`Rollout`: time-major tensors ``[T, N, ...]`` (T steps of N envs) and its tail, plus
+the episodes that ended (:class:`EpisodeStat`, the ``EpisodeStats`` message on the wire). It is algorithm-neutral:
+what the envs saw and did, and what the acting policy answered; nothing in it is computed for one algorithm. Its
+tensors, by name:
 
-- the fixed fields of :data:`TIME_MAJOR` (dtype, and the shape after ``[T, N]``);
+- the fixed fields of :data:`TIME_MAJOR` (dtype, and the shape after ``[T, N]``): actions, the acting policy's
+  log-probs and values, rewards, terminations and truncations as separate flags, the loss mask, weights versions;
 - ``obs.<key>``: each observation entry, as the env's observation space says;
 - ``fi.<key>``: the forward inputs the learner needs to recompute the log-probs (the policy's ``forward_inputs``);
-- ``last_values`` (:data:`PER_ENV`): V(obs after the last step) per env, in the last chunk of the stream.
+- the tail, in the last chunk of the stream: ``next_obs.<key>`` ``[N, ...]``, each env's observation after the last
+  step, and ``final_obs.<key>`` ``[M, ...]`` at rows ``final_index`` ``[M]`` (t * N + n), the final observation of
+  each episode that ended in the rollout (every truncated one at least). The learner bootstraps from them.
 
 Bounds: a float field's ``bound`` (and :data:`OBS_BOUND`, :data:`FI_BOUND` for the prefixed tensors) is the largest
 magnitude a value may have. They are far above anything a simulator or policy here produces (rewards are at most
@@ -261,6 +265,9 @@ def decode_map(
 # --- The rollout schema: what an env server pushes (PushRollout) and what the learner takes ---------------------------
 OBS = "obs."  # prefix of observation tensors
 FI = "fi."  # prefix of forward-input tensors
+NEXT_OBS = "next_obs."  # prefix of the observations after a rollout's last step, per env [N, ...]
+FINAL_OBS = "final_obs."  # prefix of the final observations of the episodes that ended in the rollout [M, ...]
+FINAL_INDEX = "final_index"  # [M] int64: the row t * N + n of each final observation, increasing
 
 
 @dataclass(frozen=True)
@@ -288,9 +295,6 @@ TIME_MAJOR: dict[str, Field] = {
     "rewards": Field(np.float32, "", doc="reward of the step (a chunk's rewards summed)", bound=REWARD_BOUND),
     "terminated": Field(np.bool_, "", doc="the episode ended at this step"),
     "truncated": Field(np.bool_, "", doc="the episode was cut at this step (time limit)"),
-    "bootstrap_values": Field(
-        np.float32, "", doc="V(final obs) of a truncated episode's last step, else 0", bound=VALUE_BOUND
-    ),
     "loss_mask": Field(
         np.bool_,
         "",
@@ -298,15 +302,39 @@ TIME_MAJOR: dict[str, Field] = {
     ),
     "weights_version": Field(np.int64, "", required=False, doc="the weights version the sample was acted with"),
 }
-PER_ENV: dict[str, Field] = {"last_values": Field(np.float32, "", doc="V(obs after the last step)", bound=VALUE_BOUND)}
+# What the rollout carries beside its [T, N] rows, sent with its last chunk (the "tail"): the observations after the
+# last step (``next_obs.<k>``, [N, ...]) and the final observation of every episode that ended during the rollout
+# (``final_obs.<k>``, [M, ...], at rows ``final_index``). With them the learner has every transition's next
+# observation (row t's is row t + 1's observation, or its final one where its episode ended, or next_obs after the
+# last step): an algorithm bootstraps from them (PPO's V(final obs) of truncated episodes, SAC's targets) in the
+# learner, with the weights it trains.
+
+
+def is_tail(name: str) -> bool:
+    """Whether rollout tensor ``name`` belongs to the tail (not [T, N, ...])."""
+    return name == FINAL_INDEX or name.startswith((NEXT_OBS, FINAL_OBS))
+
+
+def make_tail(
+    next_obs: Mapping[str, np.ndarray], final_index=(), final_obs: Mapping[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """A rollout's tail from the observations after its last step ({key: [N, ...]}) and the final observations
+    ({key: [M, ...]}) of the episodes that ended at rows ``final_index`` (t * N + n; none by default)."""
+    tail = {FINAL_INDEX: np.asarray(final_index, np.int64).reshape(-1)}
+    for k, v in next_obs.items():
+        tail[f"{NEXT_OBS}{k}"] = np.asarray(v)
+        tail[f"{FINAL_OBS}{k}"] = (
+            np.asarray(final_obs[k]) if final_obs is not None else np.zeros((0, *np.shape(v)[1:]), np.asarray(v).dtype)
+        )
+    return tail
 
 
 def bound_of(name: str) -> float | None:
     """The largest magnitude accepted in float tensor ``name`` (None: any finite value)."""
-    f = TIME_MAJOR.get(name) or PER_ENV.get(name)
+    f = TIME_MAJOR.get(name)
     if f is not None:
         return f.bound
-    if name.startswith(OBS):
+    if name.startswith((OBS, NEXT_OBS, FINAL_OBS)):
         return OBS_BOUND
     if name.startswith(FI):
         return FI_BOUND
@@ -350,10 +378,10 @@ class EpisodeStat:
 
 @dataclass
 class Rollout:
-    """One worker's epoch: time-major arrays [T, N, ...] plus per-env arrays [N, ...]."""
+    """One worker's epoch: time-major arrays [T, N, ...] plus its tail (next and final observations)."""
 
     time_major: dict[str, np.ndarray]
-    per_env: dict[str, np.ndarray]
+    tail: dict[str, np.ndarray]
     episodes: list = field(default_factory=list)  # EpisodeStat (env side) or EpisodeStats messages (learner)
 
 
@@ -369,7 +397,6 @@ def empty_buffers(T: int, n: int, observation_space: Mapping, alloc=None) -> dic
         rewards=np.empty((T, n), np.float32),
         terminated=np.zeros((T, n), bool),
         truncated=np.zeros((T, n), bool),
-        bootstrap_values=np.zeros((T, n), np.float32),
         loss_mask=np.ones((T, n), bool),
         weights_version=np.full((T, n), -1, np.int64),
     )
@@ -411,7 +438,7 @@ def _kind(dtype) -> str:
 
 def check_rollout(
     time_major: Mapping[str, np.ndarray],
-    per_env: Mapping[str, np.ndarray],
+    tail: Mapping[str, np.ndarray],
     *,
     obs_specs: Mapping,
     chunk: int,
@@ -426,15 +453,20 @@ def check_rollout(
     missing = [k for k, f in TIME_MAJOR.items() if f.required and k not in time_major]
     missing += [f"{OBS}{k}" for k in obs_specs if f"{OBS}{k}" not in time_major]
     missing += [f"{FI}{k}" for k in (fi_specs or {}) if f"{FI}{k}" not in time_major]
-    missing += [k for k in PER_ENV if k not in per_env]
+    missing += [f"{p}{k}" for p in (NEXT_OBS, FINAL_OBS) for k in obs_specs if f"{p}{k}" not in tail]
+    missing += [FINAL_INDEX] if FINAL_INDEX not in tail else []
     if missing:
         raise SchemaError(f"rollout: missing tensors {missing}")
     unknown = [k for k in time_major if k not in TIME_MAJOR and not k.startswith((OBS, FI))]
     unknown += [f"{OBS}{k[len(OBS) :]}" for k in time_major if k.startswith(OBS) and k[len(OBS) :] not in obs_specs]
     if fi_specs is not None:
         unknown += [k for k in time_major if k.startswith(FI) and k[len(FI) :] not in fi_specs]
+    unknown += [k for k in tail if not is_tail(k) or (k != FINAL_INDEX and k.split(".", 1)[1] not in obs_specs)]
     if unknown:
-        raise SchemaError(f"rollout: unknown tensors {unknown} (the schema: {sorted(TIME_MAJOR)}, obs.*, fi.*)")
+        raise SchemaError(
+            f"rollout: unknown tensors {unknown} (the schema: {sorted(TIME_MAJOR)}, {OBS}*, {FI}*; its tail: "
+            f"{NEXT_OBS}*, {FINAL_OBS}*, {FINAL_INDEX})"
+        )
     if time_major["rewards"].ndim != 2:
         raise SchemaError(f"rollout['rewards']: shape {list(time_major['rewards'].shape)} where [T, N] was expected")
     T, N = time_major["rewards"].shape
@@ -477,14 +509,45 @@ def check_rollout(
         raise SchemaError(
             f"rollout['loss_mask']: all {T * N} samples are masked out; a rollout needs at least one sample that trains"
         )
-    for k, f in PER_ENV.items():
-        v = per_env[k]
-        if v.dtype != f.dtype:
-            raise SchemaError(f"rollout['{k}']: dtype {v.dtype.name} where {np.dtype(f.dtype).name} was expected")
-        if v.shape != (N,):
-            raise SchemaError(f"rollout['{k}']: shape {list(v.shape)} where [{N}] was expected")
-        _check_values(k, v)
+    _check_tail(time_major, tail, obs_specs, T, N)
     return T, N
+
+
+def _check_tail(time_major, tail, obs_specs, T: int, N: int) -> None:
+    """The rollout's next and final observations: one per env after the last step, one per episode that ended."""
+    index = tail[FINAL_INDEX]
+    if index.dtype != np.int64 or index.ndim != 1:
+        raise SchemaError(
+            f"rollout['{FINAL_INDEX}']: {index.dtype.name} {list(index.shape)} where int64 [M] was expected"
+        )
+    M = len(index)
+    if M and (index[0] < 0 or index[-1] >= T * N or (np.diff(index) <= 0).any()):
+        raise SchemaError(
+            f"rollout['{FINAL_INDEX}']: rows must increase within 0..{T * N - 1} (t * N + n); found {index[:8].tolist()}"
+        )
+    ended = (time_major["terminated"] | time_major["truncated"]).reshape(-1)
+    if M and not ended[index].all():
+        row = int(index[~ended[index]][0])
+        raise SchemaError(
+            f"rollout['{FINAL_INDEX}']: row {row} (t={row // N}, env {row % N}) has a final observation but its "
+            f"episode did not end there"
+        )
+    cut = np.flatnonzero(time_major["truncated"].reshape(-1))
+    if len(cut) and not np.isin(cut, index).all():
+        row = int(cut[~np.isin(cut, index)][0])
+        raise SchemaError(
+            f"rollout['{FINAL_INDEX}']: the episode truncated at row {row} (t={row // N}, env {row % N}) has no final "
+            f"observation; the learner bootstraps its value from it"
+        )
+    for k, spec in obs_specs.items():
+        for name, lead in ((f"{NEXT_OBS}{k}", N), (f"{FINAL_OBS}{k}", M)):
+            arr = tail[name]
+            if arr.shape != (lead, *spec.shape) or arr.dtype.name != spec.dtype:
+                raise SchemaError(
+                    f"rollout['{name}']: {arr.dtype.name} {list(arr.shape)} where {spec.dtype} "
+                    f"[{lead}, *{list(spec.shape)}] was expected"
+                )
+            _check_values(name, arr)
 
 
 # --- Episodes: EpisodeStat <-> the EpisodeStats message ---------------------------------------------------------------

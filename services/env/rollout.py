@@ -22,7 +22,7 @@ from opentelemetry import metrics, trace
 from rlfleet import errors
 from rlfleet.data import videos
 from rlfleet.wire.clients import WireStats, make_policy_client
-from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, row_keys
+from rlfleet.wire.codec import FI, OBS, EpisodeStat, Rollout, add_policy_buffers, empty_buffers, make_tail, row_keys
 from rlfleet.wire.spaces import TensorSpace
 from services.env.policy_spaces import PolicySpaceEnv
 from services.env.remote import MAX_SIMULATOR_FAULTS, EnvConnectionLost
@@ -82,7 +82,6 @@ class RolloutWorker:
         num_stages: int,
         *,
         auto_reset: bool = True,
-        bootstrap_truncated: bool = True,
         eval_env_factory=None,
         group_size: int = 1,
         use_fixed_reset_state_ids: bool = False,
@@ -97,7 +96,6 @@ class RolloutWorker:
         self.num_stages = num_stages
         self.stages = np.array_split(np.arange(env.num_envs), num_stages)
         self.auto_reset = auto_reset
-        self.bootstrap_truncated = bootstrap_truncated and auto_reset
         self.eval_env_factory = eval_env_factory
         self.eval_env = None
         self.observation_space = env.observation_space
@@ -174,8 +172,11 @@ class RolloutWorker:
     def collect(
         self, epoch: int, num_steps: int, policy, min_weights_version: int = -1, should_stop=_never, buffers=None
     ) -> tuple[Rollout, CollectSummary]:
-        """One rollout epoch of ``num_steps`` steps per env. ``should_stop()`` is polled between steps; when it
-        says so the collection ends with ``Cancelled`` (the caller went away, or its deadline passed).
+        """One rollout epoch of ``num_steps`` steps per env: every env's observations, the policy's answers, rewards,
+        terminations and truncations, and its tail: the observations after the last step and the final observation
+        of each episode that ended (the learner bootstraps from them; nothing here asks for a value).
+        ``should_stop()`` is polled between steps; when it says so the collection ends with ``Cancelled`` (the
+        caller went away, or its deadline passed).
         ``buffers``: where the observation buffers live ({name: (shape, dtype)} -> arrays; a shared-memory arena's
         ``buffers``, so that the push hands them over without a copy), None: ordinary memory."""
         t_start = time.perf_counter()
@@ -186,11 +187,10 @@ class RolloutWorker:
         buf = empty_buffers(
             T, n, self.observation_space, buffers
         )  # the rollout schema's fields (rlfleet/wire/codec.py)
-        last_values = np.zeros(n, np.float32)
         alive = np.ones(n, bool)
         episodes: list[EpisodeStat] = []
+        finals: dict[int, dict[str, np.ndarray]] = {}  # row t * n + env -> the final observation of its episode
         t = [0] * self.num_stages
-        extra: list[np.ndarray | None] = [None] * self.num_stages
         env_time = wait_time = 0.0
         version = None
         for s, ids in enumerate(self.stages):
@@ -215,14 +215,6 @@ class RolloutWorker:
                         f"{min_weights_version}"
                     )
                 version = res.weights_version if version is None else min(version, res.weights_version)
-                if extra[s] is not None:
-                    buf["bootstrap_values"][t[s] - 1, ids[extra[s]]] = res.values[m:]
-                    extra[s] = None
-                if t[s] == T:
-                    if res.values is not None:
-                        last_values[ids] = res.values[:m]
-                    active.remove(s)
-                    continue
                 if "log_probs" not in buf:  # shapes come from the policy (chunk, log-prob width, forward inputs)
                     add_policy_buffers(buf, T, n, res.actions, res.log_probs, res.forward_inputs)
                 step = t[s]
@@ -249,27 +241,17 @@ class RolloutWorker:
                 if not self.auto_reset:
                     alive[ids] &= ~(out.terminated | out.truncated)
                 episodes.extend(out.episodes)
+                for j, row in enumerate(out.final_rows):
+                    finals[step * n + int(ids[row])] = {k: v[j] for k, v in out.final_obs.items()}
                 for k, v in out.obs.items():
                     self.obs[k][ids] = v
                 self.instructions[ids] = out.instructions or self.instructions[ids]
                 t[s] += 1
-                request = {k: v[ids] for k, v in self.obs.items()}
-                if self.bootstrap_truncated and res.values is not None:
-                    need = np.flatnonzero(out.truncated & ~out.terminated)
-                    if need.size:  # ask for V(final_obs) in the same request
-                        pos = {int(r): j for j, r in enumerate(out.final_rows)}
-                        final = [pos[int(r)] for r in need]
-                        request = {k: np.concatenate([request[k], out.final_obs[k][final]]) for k in request}
-                        extra[s] = need
-                self._submit(
-                    policy,
-                    s,
-                    np.concatenate([ids, ids[extra[s]]]) if extra[s] is not None else ids,
-                    request,
-                    epoch,
-                    t[s],
-                )
-        rollout = Rollout(buf, {"last_values": last_values}, episodes)
+                if t[s] == T:
+                    active.remove(s)
+                    continue
+                self._submit(policy, s, ids, {k: v[ids] for k, v in self.obs.items()}, epoch, t[s])
+        rollout = Rollout(buf, self._tail(finals), episodes)
         chunk = buf["actions"].shape[2] if "actions" in buf else 1
         summary = CollectSummary(
             epoch,
@@ -282,6 +264,13 @@ class RolloutWorker:
             _wire_stats(policy) - wire0,
         )
         return rollout, summary
+
+    def _tail(self, finals: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The rollout's tail (rlfleet.wire.codec): the observations now (after the last step) and the final
+        observations of the episodes that ended, by row."""
+        rows = sorted(finals)
+        final = {k: np.stack([finals[r][k] for r in rows]) for k in self.obs} if rows else None
+        return make_tail({k: v.copy() for k, v in self.obs.items()}, rows, final)
 
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(

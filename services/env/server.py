@@ -412,7 +412,6 @@ def build_worker(
         env,
         view.pipeline_stage_num,
         auto_reset=view.auto_reset,
-        bootstrap_truncated=view.bootstrap_truncated,
         eval_env_factory=eval_factory,
         group_size=view.group_size,
         use_fixed_reset_state_ids=train.use_fixed_reset_state_ids,

@@ -108,12 +108,10 @@ def build_engine(view: InferenceView, device: str = "cpu", on_fatal=None) -> Inf
 def batch_invariant_rows(view: InferenceView) -> int:
     """rollout.batch_invariant_rows, with null resolved by the policy family's entry: 32 for the MLP policy
     (padding is nearly free there), 0 for image and VLA policies (padding costs real compute)."""
-    view = as_view(InferenceView, view)
-    if view.batch_invariant_rows is None:
-        from rlfleet.policies.families import get_family
+    from rlfleet.policies.families import batch_invariant_rows as resolve
 
-        return get_family(view.model.model_type).batch_invariant_rows
-    return view.batch_invariant_rows
+    view = as_view(InferenceView, view)
+    return resolve(view.batch_invariant_rows, view.model.model_type)
 
 
 def _exit_for_restart(why: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from rlfleet.errors import FailedPrecondition
 from rlfleet.policies.models.actor_critic import RunningMeanStd
-from rlfleet.wire.codec import FI, OBS
+from rlfleet.wire.codec import FI, FINAL_INDEX, FINAL_OBS, NEXT_OBS, OBS
 from services.learner import grpo, ppo
 
 
@@ -84,8 +84,46 @@ class Batch:
         return not bool(self.rows["mask"].all())
 
 
-def build_batch(parts: list[dict], workers: list[int], alg, scaler: RewardScaler) -> Batch:
-    """The rollouts of ``workers`` (in order) -> advantages, returns and flat rows (rank 0, once per epoch)."""
+def bootstrap_rows(parts: list[dict], truncated_too: bool) -> tuple[dict[str, torch.Tensor], np.ndarray, list[int]]:
+    """The rows whose value the advantages need beyond the rollout's own: each env's observation after the last
+    step, and (``truncated_too``) the final observation of each episode cut by its time limit, each with the
+    forward inputs of the row it follows (a VLA's prompt, instruction included) -> (rows, the truncated rows' flat
+    index in the whole batch, each part's count of truncated rows)."""
+    N_all = sum(p["time"]["rewards"].shape[1] for p in parts)
+    obs_keys = [k[len(OBS) :] for k in parts[0]["time"] if k.startswith(OBS)]
+    fi_keys = [k for k in parts[0]["time"] if k.startswith(FI)]
+    rows: dict[str, list[np.ndarray]] = {f"{OBS}{k}": [] for k in obs_keys} | {k: [] for k in fi_keys}
+    where, counts, offset = [], [], 0
+    for p in parts:
+        tm, tail = p["time"], p["tail"]
+        T, N = tm["rewards"].shape
+        index = tail[FINAL_INDEX]
+        cut = (tm["truncated"] & ~tm["terminated"]).reshape(-1)[index] if truncated_too else np.zeros(len(index), bool)
+        picked = index[cut]
+        counts.append(len(picked))
+        t, n = picked // N, picked % N
+        where.append(t * N_all + offset + n)
+        for k in obs_keys:
+            rows[f"{OBS}{k}"].append(tail[f"{FINAL_OBS}{k}"][cut])
+        for k in fi_keys:
+            rows[k].append(tm[k][t, n])
+        offset += N
+    for p in parts:  # then every env's next observation, with the forward inputs of its last row
+        tm, tail = p["time"], p["tail"]
+        for k in obs_keys:
+            rows[f"{OBS}{k}"].append(tail[f"{NEXT_OBS}{k}"])
+        for k in fi_keys:
+            rows[k].append(tm[k][-1])
+    return {k: torch.as_tensor(np.concatenate(v)) for k, v in rows.items()}, np.concatenate(where), counts
+
+
+def build_batch(
+    parts: list[dict], workers: list[int], alg, scaler: RewardScaler, critic=None, auto_reset=True
+) -> Batch:
+    """The rollouts of ``workers`` (in order) -> advantages, returns and flat rows (rank 0, once per epoch).
+    ``critic(rows) -> [R]``: the learner's critic on rows of observations and forward inputs (the policy being
+    trained, before its update: the one that acted, in a synchronous run); it bootstraps the advantages from the
+    rollouts' next and final observations (None: no critic, zeros)."""
     episodes = [e for p in parts for e in p["episodes"]]
 
     def cat(key):
@@ -115,9 +153,13 @@ def build_batch(parts: list[dict], workers: list[int], alg, scaler: RewardScaler
             if alg.normalize_rewards
             else raw_rewards
         )
-        if alg.bootstrap_truncated:
-            rewards = rewards + alg.gamma * cat("bootstrap_values")
-        last_values = tt(np.concatenate([p["env"]["last_values"] for p in parts]))
+        extra, where, _ = bootstrap_rows(parts, alg.bootstrap_truncated and auto_reset)
+        v = critic(extra) if critic is not None else torch.zeros(len(next(iter(extra.values()))))
+        v = v.detach().to("cpu", torch.float32).numpy()
+        if len(where):  # gamma * V(final obs) added to the reward of each truncated episode's last step
+            rewards = np.array(rewards, np.float32)
+            rewards.reshape(-1)[where] += alg.gamma * v[: len(where)]
+        last_values = tt(v[len(where) :])
         advantages, returns = ppo.compute_gae(
             tt(rewards), values, tt(dones.astype(np.float32)), last_values, alg.gamma, alg.gae_lambda
         )

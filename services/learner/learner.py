@@ -26,7 +26,7 @@ from rlfleet.data.checkpoint_files import specs_to_json as _specs_to_json
 from rlfleet.data.loggers import LoggerOptions
 from rlfleet.data.metrics import MetricsLogger
 from rlfleet.errors import FailedPrecondition, InvalidRequest
-from rlfleet.policies import build_policy, footprint
+from rlfleet.policies import build_policy, families, footprint
 from rlfleet.untrusted import BadFile
 from rlfleet.wire.spaces import TensorSpace
 from services.learner import checkpoint, ppo
@@ -253,7 +253,14 @@ class Learner:
         self.rollouts.set_workers(workers)  # the run's current scale (coordinatorctl scale env N)
         parts = self.rollouts.take(epoch, workers)
         t0 = time.perf_counter()
-        batch = build_batch(parts, sorted(workers), self.alg, self.scaler)
+        batch = build_batch(
+            parts,
+            sorted(workers),
+            self.alg,
+            self.scaler,
+            self.values if self.model.has_critic else None,
+            self.view.auto_reset,
+        )
         shards = split_rows(batch, self.group.world, self.alg.group_size if self.alg.adv_type == "grpo" else 1)
         self._batch = batch
         meta = {
@@ -307,6 +314,31 @@ class Learner:
         self.logger.log(epoch + 1, metrics)
         self._batch = None
         return metrics
+
+    def values(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The critic's values of ``rows`` (obs.* and fi.*, flat) with the current weights (every rank runs the
+        forward passes: a sharded policy's are collectives) -> [R] on rank 0."""
+        return self._run("values", {}, [rows] * self.group.world)["values"]
+
+    @torch.no_grad()
+    def _on_values(self, _meta: dict, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = {k: v.to(self.device) for k, v in rows.items()}
+        R = len(next(iter(rows.values())))
+        # padded to the blocks the inference server acts in: a row's value is the number it would have served
+        block = families.batch_invariant_rows(self.view.batch_invariant_rows, self.view.model.model_type)
+        size = self.view.micro_batch_size
+        if block > 0:
+            size = max(block, size // block * block)
+        out = []
+        for i in range(0, R, size):
+            idx = torch.arange(i, min(R, i + size), device=self.device)
+            if block > 0 and len(idx) % block:
+                idx = torch.cat([idx, idx[:1].expand(block - len(idx) % block)])
+            with self.model.precision():
+                v = self.model.evaluate(*Trainer._inputs(rows, idx)).values
+            v = torch.zeros(len(idx), device=self.device) if v is None else v  # a policy without a critic
+            out.append(v[: min(R, i + size) - i].float())
+        return {"values": torch.cat(out).cpu() if out else torch.zeros(0)}
 
     def _on_train(self, meta: dict, rows: dict[str, torch.Tensor]) -> dict[str, float]:
         threads = torch.get_num_threads()

@@ -122,7 +122,7 @@ class RolloutStore:
             )
 
     def receive(
-        self, epoch: int, worker: int, time_major: dict[str, np.ndarray], per_env: dict[str, np.ndarray], episodes: list
+        self, epoch: int, worker: int, time_major: dict[str, np.ndarray], tail: dict[str, np.ndarray], episodes: list
     ) -> tuple[int, int]:
         """Validate and store one worker's complete rollout for ``epoch`` (replaces an earlier one)."""
         if self.obs_specs is None:
@@ -132,7 +132,7 @@ class RolloutStore:
         try:
             T, N = codec.check_rollout(
                 time_major,
-                per_env,
+                tail,
                 obs_specs=self.obs_specs,
                 chunk=self.chunk,
                 action_dim=self.action_dim,
@@ -143,7 +143,7 @@ class RolloutStore:
         except codec.SchemaError as exc:
             raise InvalidRequest(str(exc)) from None
         with self.lock:
-            self.pending[(epoch, worker)] = {"time": time_major, "env": per_env, "episodes": episodes}
+            self.pending[(epoch, worker)] = {"time": time_major, "tail": tail, "episodes": episodes}
         return T, N
 
     def take(self, epoch: int, workers: list[int]) -> list[dict]:

@@ -61,7 +61,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     def _push(self, request_iterator, context, reader):
         time_major: dict[str, list[np.ndarray]] = {}
         decode_s = 0.0
-        per_env: dict[str, np.ndarray] = {}
+        tail: dict[str, np.ndarray] = {}
         episodes = []
         head = None
         expect_t = 0
@@ -85,10 +85,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             for k, v in data.items():
                 if v.ndim == 0:
                     raise InvalidRequest(
-                        f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] (last_values: [N])"
+                        f"rollout['{k}']: a 0-d tensor; rollout tensors are [T, N, ...] (its tail: [N, ...] or [M, ...])"
                     )
-                if chunk.last and k in codec.PER_ENV:
-                    per_env[k] = v
+                if chunk.last and codec.is_tail(k):
+                    tail[k] = v
                     continue
                 time_major.setdefault(k, []).append(v)
                 steps = v.shape[0] if steps is None else steps
@@ -106,7 +106,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             k: v[0] if len(v) == 1 and v[0].flags.writeable else np.concatenate(v) for k, v in time_major.items()
         }
         decode_s += time.perf_counter() - t0
-        T, N = self.learner.rollouts.receive(head[0], head[1], rollout, per_env, episodes)
+        T, N = self.learner.rollouts.receive(head[0], head[1], rollout, tail, episodes)
         with self.decode_lock:
             self.decode_s[head[0]] = self.decode_s.get(head[0], 0.0) + decode_s
             while len(self.decode_s) > WIRE_EPOCHS:

@@ -124,10 +124,9 @@ def rollout(T=4, N=3):
         "rewards": np.ones((T, N), np.float32),
         "terminated": np.zeros((T, N), bool),
         "truncated": np.zeros((T, N), bool),
-        "bootstrap_values": np.zeros((T, N), np.float32),
         "loss_mask": np.ones((T, N), bool),
     }
-    return tm, {"last_values": np.zeros(N, np.float32)}
+    return tm, codec.make_tail({"state": np.zeros((N, 3), np.float32)})
 
 
 def check(tm, pe, fi_specs=FI):
@@ -135,7 +134,7 @@ def check(tm, pe, fi_specs=FI):
 
 
 def test_every_bounded_field_is_documented_and_a_good_rollout_passes():
-    for name, f in {**codec.TIME_MAJOR, **codec.PER_ENV}.items():
+    for name, f in codec.TIME_MAJOR.items():
         assert f.doc, name
         if f.dtype == np.float32:
             assert f.bound is not None and 1e3 <= f.bound <= 1e9, name  # every float field is bounded
@@ -143,12 +142,12 @@ def test_every_bounded_field_is_documented_and_a_good_rollout_passes():
 
 
 @pytest.mark.parametrize(
-    "field", ["values", "actions", "rewards", "bootstrap_values", "log_probs", "fi.actions", "obs.state", "last_values"]
+    "field", ["values", "actions", "rewards", "log_probs", "fi.actions", "obs.state", "next_obs.state"]
 )
 @pytest.mark.parametrize("value", [3e38, -3e38])
 def test_finite_but_huge_values_are_refused_naming_the_field(field, value):
     tm, pe = rollout()
-    target = pe if field == "last_values" else tm
+    target = pe if codec.is_tail(field) else tm
     target[field] = target[field].copy()
     target[field].reshape(-1)[-1] = value
     with pytest.raises(
@@ -173,7 +172,7 @@ def test_non_finite_values_name_the_place():
         check(tm, pe)
 
 
-@pytest.mark.parametrize("field", ["values", "terminated", "bootstrap_values", "loss_mask", "rewards"])
+@pytest.mark.parametrize("field", ["values", "terminated", "truncated", "loss_mask", "rewards"])
 def test_an_extra_trailing_dimension_is_refused(field):
     tm, pe = rollout()
     tm[field] = tm[field][..., None]
@@ -183,6 +182,38 @@ def test_an_extra_trailing_dimension_is_refused(field):
         rf"expected",
     ):
         check(tm, pe)
+
+
+def test_the_tail_carries_next_and_final_observations():
+    """Each env's observation after the last step, and a final observation at every row whose episode was
+    truncated (the learner bootstraps from it); rows increase and name rows whose episode ended."""
+    tm, pe = rollout()
+    tm["truncated"][1, 2] = True
+    with pytest.raises(SchemaError, match=r"truncated at row 5 \(t=1, env 2\) has no final observation"):
+        check(tm, pe)
+    ok = codec.make_tail({"state": np.zeros((3, 3), np.float32)}, [5], {"state": np.ones((1, 3), np.float32)})
+    assert check(tm, ok) == (4, 3)
+    tm["terminated"][2, 0] = True  # a final observation at a terminated row is allowed too
+    both = codec.make_tail({"state": np.zeros((3, 3), np.float32)}, [5, 6], {"state": np.ones((2, 3), np.float32)})
+    assert check(tm, both) == (4, 3)
+    bad = dict(both, final_index=np.array([6, 5]))
+    with pytest.raises(SchemaError, match=r"rollout\['final_index'\]: rows must increase within 0\.\.11"):
+        check(tm, bad)
+    bad = dict(both, final_index=np.array([5, 7]))
+    with pytest.raises(SchemaError, match=r"row 7 \(t=2, env 1\) has a final observation but its episode did not"):
+        check(tm, bad)
+    bad = dict(both, **{"final_obs.state": np.ones((3, 3), np.float32)})
+    with pytest.raises(
+        SchemaError, match=r"rollout\['final_obs.state'\]: float32 \[3, 3\] where float32 \[2, \*\[3\]\]"
+    ):
+        check(tm, bad)
+    bad = dict(both, **{"next_obs.state": np.zeros((2, 3), np.float32)})
+    with pytest.raises(SchemaError, match=r"rollout\['next_obs.state'\]: float32 \[2, 3\] where float32 \[3,"):
+        check(tm, bad)
+    with pytest.raises(SchemaError, match=r"missing tensors \['next_obs.state'\]"):
+        check(tm, {k: v for k, v in both.items() if k != "next_obs.state"})
+    with pytest.raises(SchemaError, match=r"unknown tensors \['final_obs.image'\]"):
+        check(tm, dict(both, **{"final_obs.image": np.zeros((2, 3), np.float32)}))
 
 
 def test_forward_inputs_must_be_the_policys():

@@ -282,10 +282,10 @@ ISSUE_25 = [  # (what, call, status, text the answer must hold); run in this ord
         "rollout['terminated']: shape [8, 8, 3]",
     ),
     (
-        "PushRollout: bootstrap_values [T, N, 3]",
-        lambda f: _push(f, _rollout("bootstrap_values", shape=(8, 8, 3))),
+        "PushRollout: truncated [T, N, 3]",
+        lambda f: _push(f, _rollout("truncated", shape=(8, 8, 3))),
         I,
-        "rollout['bootstrap_values']: shape [8, 8, 3]",
+        "rollout['truncated']: shape [8, 8, 3]",
     ),
     (
         "PushRollout: fi.actions of width 7",

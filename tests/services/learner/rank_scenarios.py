@@ -32,6 +32,7 @@ torch.set_num_threads(1)
 from rlfleet.config import load_config  # noqa: E402
 from rlfleet.config.views import learner_view  # noqa: E402
 from rlfleet.policies import build_policy  # noqa: E402
+from rlfleet.wire import codec  # noqa: E402
 from rlfleet.wire.codec import EpisodeStat  # noqa: E402
 from rlfleet.wire.spaces import TensorSpace  # noqa: E402
 from services.learner import learner as learner_module  # noqa: E402
@@ -148,13 +149,15 @@ def rollout(cfg, specs: dict, action_dim: int, T: int, N: int, seed: int, device
             "rewards": rng.random((T, N)).astype(np.float32),
             "terminated": np.zeros((T, N), bool),
             "truncated": np.zeros((T, N), bool),
-            "bootstrap_values": np.zeros((T, N), np.float32),
             "loss_mask": np.ones((T, N), bool),
         }
     )
     tm["truncated"][T // 2] = True
     tm["loss_mask"][T - 1, 0] = False  # one sample that does not train
-    return tm, {"last_values": np.zeros(N, np.float32)}, [EpisodeStat(0, 3.0, 8, True, True)]
+    # the next and final observations: each env's first observation again (any valid observation will do)
+    first = {k[4:]: v[0] for k, v in tm.items() if k.startswith("obs.")}
+    tail = codec.make_tail(first, np.arange(N) + (T // 2) * N, first)
+    return tm, tail, [EpisodeStat(0, 3.0, 8, True, True)]
 
 
 def main(argv: list[str]) -> int:

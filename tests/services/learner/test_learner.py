@@ -12,6 +12,7 @@ import torch
 from rlfleet.config.views import learner_view
 from rlfleet.data.metrics import read_metrics
 from rlfleet.errors import FailedPrecondition, InvalidRequest
+from rlfleet.wire import codec
 from rlfleet.wire.codec import EpisodeStat
 from rlfleet.wire.spaces import TensorSpace
 from services.learner.learner import Learner, latest_checkpoint, update_threads
@@ -31,12 +32,14 @@ def fake_rollout(T=16, N=8, seed=0):
         "rewards": rng.random((T, N)).astype(np.float32),
         "terminated": np.zeros((T, N), bool),
         "truncated": np.zeros((T, N), bool),
-        "bootstrap_values": np.zeros((T, N), np.float32),
         "loss_mask": np.ones((T, N), bool),
     }
     if T:
         tm["truncated"][T // 2] = True
-    return tm, {"last_values": np.zeros(N, np.float32)}, [EpisodeStat(0, 3.0, 8, True, True)]
+    final = {"state": rng.normal(size=(N if T else 0, 13)).astype(np.float32)}
+    index = np.arange(N) + (T // 2) * N if T else []
+    tail = codec.make_tail({"state": rng.normal(size=(N, 13)).astype(np.float32)}, index, final)
+    return tm, tail, [EpisodeStat(0, 3.0, 8, True, True)]
 
 
 @pytest.fixture
@@ -353,7 +356,7 @@ def test_forward_input_specs_leave_the_random_stream_alone(learner):
     assert torch.equal(torch.rand(3), expected)
 
 
-@pytest.mark.parametrize("field", ["values", "actions", "fi.actions", "rewards", "bootstrap_values", "log_probs"])
+@pytest.mark.parametrize("field", ["values", "actions", "fi.actions", "rewards", "log_probs"])
 def test_huge_finite_values_are_refused_and_training_goes_on(learner, field):
     """3e38 in values/actions used to make every later Train fail (INTERNAL) and SaveCheckpoint refuse."""
     tm, pe, eps = fake_rollout()
@@ -362,8 +365,8 @@ def test_huge_finite_values_are_refused_and_training_goes_on(learner, field):
     bad[field].reshape(-1)[5] = 3e38
     with pytest.raises(InvalidRequest, match=rf"rollout\['{field}'\]: value 3e\+38 .* beyond the schema's bound"):
         learner.rollouts.receive(0, 0, bad, pe, eps)
-    with pytest.raises(InvalidRequest, match=r"rollout\['last_values'\]: value 3e\+38"):
-        learner.rollouts.receive(0, 0, tm, {"last_values": np.full(8, 3e38, np.float32)}, eps)
+    with pytest.raises(InvalidRequest, match=r"rollout\['next_obs.state'\]: value 3e\+38"):
+        learner.rollouts.receive(0, 0, tm, dict(pe, **{"next_obs.state": np.full((8, 13), 3e38, np.float32)}), eps)
     assert not learner.rollouts.pending
     learner.rollouts.receive(0, 0, tm, pe, eps)
     m = learner.train(0, [0])
@@ -392,7 +395,7 @@ def test_a_batch_with_nothing_to_train_leaves_the_observation_normaliser_finite(
     normaliser's statistics of no rows would be NaN for every later act."""
     tm, pe, eps = fake_rollout()
     tm["loss_mask"] = np.zeros((16, 8), bool)
-    learner.rollouts.pending[(0, 0)] = {"time": tm, "env": pe, "episodes": eps}  # past the intake's check
+    learner.rollouts.pending[(0, 0)] = {"time": tm, "tail": pe, "episodes": eps}  # past the intake's check
     learner.train(0, [0])
     assert all(torch.isfinite(b).all() for b in learner.model.buffers())
 
@@ -482,3 +485,50 @@ def test_only_eval_learner_loads_weights_without_optimizer_state(cfg, tmp_path):
             ev.save_checkpoint()
     finally:
         ev.close()
+
+
+# --- bootstrapping in the learner (issue 36: the rollout carries next and final observations, not values) ---------
+def test_the_learners_values_are_the_numbers_the_inference_server_serves(learner):
+    """V(obs) from the learner (padded to the family's blocks, as the inference server acts) equals, bit for bit,
+    the value the served policy answers for the same row in an Act of any size."""
+    from rlfleet.policies.local import forward
+
+    rng = np.random.default_rng(3)
+    obs = rng.normal(size=(37, 13)).astype(np.float32)
+    fi = {"fi.actions": torch.zeros(37, 4)}
+    ours = learner.values({"obs.state": torch.from_numpy(obs), **fi})
+    served = copy.deepcopy(learner.model).eval()
+    for rows in (slice(0, 37), slice(5, 6), slice(3, 30)):
+        out = forward(served, {"state": obs[rows]}, False, None, None, "cpu", 32, 0)
+        assert torch.equal(torch.as_tensor(out.values), ours[rows]), rows
+
+
+def test_truncated_episodes_bootstrap_from_their_final_observation_in_the_learner(learner):
+    """gamma * V(final obs) is added to the reward of exactly the rows whose episode was truncated (not those that
+    terminated), and V(next obs) closes the GAE: checked against compute_gae on values computed here."""
+    from services.learner import ppo
+    from services.learner.batch import RewardScaler, build_batch
+
+    tm, tail, eps = fake_rollout(T=6, N=4)
+    tm["truncated"][:] = False
+    tm["truncated"][2, 1] = True
+    tm["terminated"][4, 3] = True
+    final = np.random.default_rng(1).normal(size=(2, 13)).astype(np.float32)
+    tail = codec.make_tail({"state": tail["next_obs.state"][:4]}, [2 * 4 + 1, 4 * 4 + 3], {"state": final})
+    learner.rollouts.receive(0, 0, tm, tail, eps)
+    part = learner.rollouts.take(0, [0])
+    alg = dataclasses.replace(learner.alg, normalize_rewards=False)
+    batch = build_batch(part, [0], alg, RewardScaler(alg.gamma), learner.values, True)
+
+    def v(obs):
+        return learner.values({"obs.state": torch.as_tensor(obs), "fi.actions": torch.zeros(len(obs), 4)})
+
+    rewards = torch.as_tensor(tm["rewards"]).clone()
+    rewards[2, 1] += alg.gamma * v(final[:1])[0]  # the truncated row only: row (4, 3) terminated
+    dones = torch.as_tensor(tm["terminated"] | tm["truncated"]).float()
+    adv, ret = ppo.compute_gae(
+        rewards, torch.as_tensor(tm["values"]), dones, v(tail["next_obs.state"]), alg.gamma, alg.gae_lambda
+    )
+    assert torch.allclose(batch.advantages, adv, atol=1e-6) and torch.allclose(batch.returns, ret, atol=1e-6)
+    off = build_batch(part, [0], dataclasses.replace(alg, bootstrap_truncated=False), RewardScaler(0.9), learner.values)
+    assert not torch.allclose(off.advantages, batch.advantages)  # the bootstrap is really in there

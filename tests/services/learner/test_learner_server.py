@@ -271,10 +271,14 @@ BAD_ROLLOUTS = [  # (what, rollout, the field the refusal names)
     ("actions 3e38", _bad("actions", 3e38), "rollout['actions']: value 3e+38"),
     ("fi.actions -3e38", _bad("fi.actions", -3e38), "rollout['fi.actions']: value -3e+38"),
     ("rewards 3e38", _bad("rewards", 3e38), "rollout['rewards']: value 3e+38"),
-    ("last_values 3e38", _bad("last_values", 3e38, pe=True), "rollout['last_values']: value 3e+38"),
+    ("next_obs 3e38", _bad("next_obs.state", 3e38, pe=True), "rollout['next_obs.state']: value 3e+38"),
     ("values [T, N, 2]", _bad("values", shape=(8, 8, 2)), "rollout['values']: shape [8, 8, 2] where [8, 8]"),
     ("terminated [T, N, 2]", _bad("terminated", shape=(8, 8, 2)), "rollout['terminated']: shape [8, 8, 2]"),
-    ("bootstrap_values [T, N, 2]", _bad("bootstrap_values", shape=(8, 8, 2)), "rollout['bootstrap_values']: shape"),
+    (
+        "final_obs [M + 1]",
+        _bad("final_obs.state", shape=(9, 13), pe=True),
+        "rollout['final_obs.state']: float32 [9, 13]",
+    ),
     ("fi.actions width 7", _bad("fi.actions", shape=(8, 8, 7)), "rollout['fi.actions']: float32 [8, 8, 7] where"),
     ("all-false loss_mask", _bad("loss_mask", shape=(8, 8)), "rollout['loss_mask']: all 64 samples are masked out"),
 ]
