@@ -21,6 +21,7 @@ LAYERS = {
     "data": 2,
     "simulators": 3,
     "policies": 4,
+    "algorithms": 4,
     "config": 5,
     "configs": 5,
 }

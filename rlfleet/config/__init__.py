@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlfleet.algorithms import ALGORITHMS
 from rlfleet.data.loggers import LOGGER_MODES, logger_backend
 from rlfleet.registry import UnknownName, closest, did_you_mean, unknown_message
 from rlfleet.untrusted import BadFile, parse_yaml, read_yaml
@@ -512,6 +513,12 @@ def _check_algorithm(cfg: DictConfig) -> None:
     """The algorithm group."""
     per_server = cfg.env.train.total_num_envs // cfg.cluster.num_env_servers
     alg = cfg.algorithm
+    _require(alg.name in ALGORITHMS, "algorithm.name", unknown_message("algorithm", alg.name, ALGORITHMS))
+    _require(
+        alg.name != "grpo" or alg.adv_type == "grpo",
+        "algorithm.adv_type",
+        f"'{alg.adv_type}' with algorithm.name grpo: grpo scores with group-relative advantages (adv_type: grpo)",
+    )
     _require(alg.adv_type in ("gae", "grpo"), "algorithm.adv_type", f"'{alg.adv_type}' is not one of gae, grpo")
     _require(
         alg.loss_type in ("actor_critic", "actor"),

@@ -60,6 +60,8 @@ _MODEL_DOC = "the policy family's own config (actor.model: model_type and that f
 class LearnerAlgorithm:
     """The ``algorithm.*`` keys the learner trains with (advantages, losses, staleness corrections)."""
 
+    name: str = _key("algorithm.name")
+
     adv_type: str = _key("algorithm.adv_type")
     loss_type: str = _key("algorithm.loss_type")
     group_size: int = _key("algorithm.group_size")

@@ -1,9 +1,10 @@
 """Learner: the learner service's core (no gRPC), on every rank of the learner's group.
 
-Rank 0 is the face: it takes rollouts (``RolloutStore``), builds the epoch's batch once (advantages over the whole
-batch, ``batch.py``), gives each rank its rows, and tells the other ranks what to do; they run :meth:`follow`. Every
-step that touches the (sharded) policy runs as a command on every rank in the same order: set-up, an update
-(``Trainer``), a gather of the weights for the inference servers (``WeightPublisher``), a checkpoint
+Rank 0 is the face: it takes rollouts (``RolloutStore``), has the algorithm (``algorithm.name``: the seam in
+``algorithms/``) turn an epoch's rollouts into its work (PPO: one batch with advantages), gives each rank its rows,
+and tells the other ranks what to do; they run :meth:`follow`. Every step that touches the (sharded) policy runs as
+a command on every rank in the same order: set-up, the critic's values of rows the algorithm asks for, an update
+(the algorithm's), a gather of the weights for the inference servers (``WeightPublisher``), a checkpoint
 (``checkpoint.py``), an export. In a group of one (the default) the commands are plain calls.
 """
 
@@ -29,18 +30,18 @@ from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.policies import build_policy, families, footprint
 from rlfleet.untrusted import BadFile
 from rlfleet.wire.spaces import TensorSpace
-from services.learner import checkpoint, ppo
-from services.learner.batch import Batch, RewardScaler, build_batch, split_rows
+from services.learner import checkpoint
+from services.learner.algorithms.base import Prepared
+from services.learner.algorithms.factory import make_algorithm
 from services.learner.checkpoint import latest_checkpoint
 from services.learner.group import RankGroup
 from services.learner.publisher import WeightPublisher
-from services.learner.rollouts import RolloutStore, forward_input_specs
+from services.learner.rollouts import RolloutStore, forward_input_specs, policy_inputs
 from services.learner.sharding import full_state_dict, gather_buckets, local_bytes, shard_policy
-from services.learner.trainer import Trainer
 
 log = logging.getLogger("rlfleet.learner")
 _tracer = trace.get_tracer("rlfleet")
-_TRAIN_TIME = metrics.get_meter("rlfleet").create_histogram("rlfleet.learner.train_time", "s", "one PPO/GRPO update")
+_TRAIN_TIME = metrics.get_meter("rlfleet").create_histogram("rlfleet.learner.train_time", "s", "one epoch's update")
 
 __all__ = ["Learner", "latest_checkpoint", "update_threads"]
 
@@ -81,8 +82,7 @@ class Learner:
         self.last_checkpoint = ""
         self.publish_error = ""
         self.rollouts = RolloutStore(view.algorithm, view.num_env_servers)
-        self.scaler = RewardScaler(view.algorithm.gamma)
-        self.trainer = Trainer(view, self.group)
+        self.algorithm = make_algorithm(view, self.group)  # algorithm.name: its data store, batches and update
         # each weights stream has the deadline of the coordinator's PublishWeights (a real-size first set takes
         # minutes: building the served copies, tens of GB of fp32 weights)
         self.publisher = WeightPublisher(
@@ -97,7 +97,7 @@ class Learner:
         self.logger = MetricsLogger(self.run_dir, view.logger_backends, options) if self.group.is_leader else None
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.group.distributed else 1
         self.update_threads = update_threads(view, local_ranks)
-        self._batch: Batch | None = None
+        self._prepared: Prepared | None = None  # the epoch being trained (rank 0)
 
     @property
     def epoch(self) -> int:
@@ -193,9 +193,7 @@ class Learner:
             self.ref_model = shard_policy(ref, self.group)
         self.model = shard_policy(model, self.group)
         if not only_eval:
-            self.optimizer = torch.optim.Adam(
-                [p for p in self.model.parameters() if p.requires_grad], lr=self.view.lr, eps=self.view.adam_eps
-            )
+            self.optimizer = self.algorithm.optimizer(self.model)
         self.obs_specs, self.action_dim = obs_specs, action_dim
         r = self.rollouts
         r.obs_specs, r.action_dim = obs_specs, action_dim
@@ -226,14 +224,7 @@ class Learner:
         every = self.group.all_reduce(mine).tolist()
         return [{"parameters": a, "optimizer": b} for a, b in every]
 
-    # --- rollouts (rank 0) ------------------------------------------------------------------------------------
     # --- training -------------------------------------------------------------------------------------------
-    def _lr(self) -> float:
-        lr = self.view.lr
-        if self.view.lr_schedule == "linear":
-            lr *= max(0.0, 1.0 - (self.epoch + 1) / self.view.max_epochs)
-        return lr
-
     def train(
         self,
         epoch: int,
@@ -241,7 +232,7 @@ class Learner:
         extra_metrics: dict[str, float] | None = None,
         inference_addresses: list[str] | None = None,
     ) -> dict[str, float]:
-        """One PPO/GRPO update on the rollouts of ``epoch`` from ``workers``; then publish, checkpoint, log."""
+        """The algorithm's update on the rollouts of ``epoch`` from ``workers``; then publish, checkpoint, log."""
         if self.model is None:
             raise FailedPrecondition("the learner has no policy yet")
         if self.optimizer is None:
@@ -253,30 +244,14 @@ class Learner:
         self.rollouts.set_workers(workers)  # the run's current scale (coordinatorctl scale env N)
         parts = self.rollouts.take(epoch, workers)
         t0 = time.perf_counter()
-        batch = build_batch(
-            parts,
-            sorted(workers),
-            self.alg,
-            self.scaler,
-            self.values if self.model.has_critic else None,
-            self.view.auto_reset,
-        )
-        shards = split_rows(batch, self.group.world, self.alg.group_size if self.alg.adv_type == "grpo" else 1)
-        self._batch = batch
-        meta = {
-            "epoch": epoch,
-            "total": batch.T * batch.N,
-            "use_mask": batch.use_mask,
-            "lr": self._lr(),
-            "critic_only": epoch < self.alg.critic_warmup_epochs,
-            "trains": bool((batch.rows["mask"] > 0).any()),
-        }  # no sample trains (all masked): no step
+        critic = self.values if self.model.has_critic else None
+        self._prepared = prepared = self.algorithm.prepare(parts, sorted(workers), epoch, critic)
         with _tracer.start_as_current_span(
-            "ppo_update", attributes={"rlfleet.epoch": epoch, "rlfleet.samples": int(batch.T * batch.N)}
+            f"{self.algorithm.name}_update",
+            attributes={"rlfleet.epoch": epoch, "rlfleet.samples": int(prepared.meta.get("total", 0))},
         ):
-            stats = self._run("train", meta, shards)
-        stats.update(batch.stats)
-        self.env_steps += batch.T * batch.N * self.model.num_action_chunks  # a sample is one action chunk
+            stats = self._run("train", prepared.meta, prepared.shards)
+        self.env_steps += prepared.env_steps
         train_time = time.perf_counter() - t0
         _TRAIN_TIME.record(train_time)
         t1 = time.perf_counter()
@@ -290,7 +265,8 @@ class Learner:
             except Exception as exc:  # noqa: BLE001 - the update stands; the coordinator republishes
                 self.publish_error = str(exc)
                 log.warning("publishing weights version %d failed: %s", self.version, exc)
-        metrics = self._metrics(batch, stats)
+        metrics = self._env_metrics(parts)
+        metrics.update(self.algorithm.metrics(prepared, stats))
         wire = self.publisher.last_wire if inference_addresses else None
         metrics.update(
             {
@@ -312,7 +288,7 @@ class Learner:
         if (epoch + 1) % self.view.save_interval == 0:
             self.save_checkpoint()
         self.logger.log(epoch + 1, metrics)
-        self._batch = None
+        self._prepared = None
         return metrics
 
     def values(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -335,7 +311,7 @@ class Learner:
             if block > 0 and len(idx) % block:
                 idx = torch.cat([idx, idx[:1].expand(block - len(idx) % block)])
             with self.model.precision():
-                v = self.model.evaluate(*Trainer._inputs(rows, idx)).values
+                v = self.model.evaluate(*policy_inputs(rows, idx)).values
             v = torch.zeros(len(idx), device=self.device) if v is None else v  # a policy without a critic
             out.append(v[: min(R, i + size) - i].float())
         return {"values": torch.cat(out).cpu() if out else torch.zeros(0)}
@@ -344,53 +320,28 @@ class Learner:
         threads = torch.get_num_threads()
         torch.set_num_threads(self.update_threads)
         try:
-            self.trainer.version = self.version
-            stats = {}
-            if meta["trains"]:
-                stats = self.trainer.update(
-                    self.model,
-                    self.optimizer,
-                    rows,
-                    total=meta["total"],
-                    epoch=meta["epoch"],
-                    lr=meta["lr"],
-                    use_mask=meta["use_mask"],
-                    critic_only=meta["critic_only"],
-                    ref_model=self.ref_model,
-                )
+            stats = self.algorithm.update(
+                self.model, self.optimizer, meta, rows, version=self.version, ref_model=self.ref_model
+            )
         finally:
             torch.set_num_threads(threads)
-        # the observation normaliser moves only after the update, so old log-probs stay consistent within it:
-        # rank 0 moves it over the whole batch, every rank takes its buffers
         if self.group.is_leader:
-            batch = self._batch
-            obs = {k[4:]: v.to(self.device) for k, v in batch.rows.items() if k.startswith("obs.")}
-            keep = (batch.rows["mask"] > 0).to(self.device)
-            if bool(keep.any()):  # no sample trains (all masked): statistics of no rows would be NaN
-                self.model.update_obs_normalizer({k: v[keep] for k, v in obs.items()} if batch.use_mask else obs)
-        self.group.broadcast_([b for b in self.model.buffers() if b.numel()])
+            self.algorithm.after_update(self.model, self._prepared)
+        self.group.broadcast_([b for b in self.model.buffers() if b.numel()])  # rank 0's buffers on every rank
         self.epoch, self.version = meta["epoch"], self.version + 1
         return stats
 
-    def _metrics(self, batch: Batch, stats) -> dict[str, float]:
-        m: dict[str, float] = dict(stats)
-        episodes, raw_rewards = batch.episodes, batch.raw_rewards
-        m["env/reward"] = float(raw_rewards.mean())
-        m["env/num_episodes"] = float(len(episodes))
+    @staticmethod
+    def _env_metrics(parts: list[dict]) -> dict[str, float]:
+        """What the envs saw in the epoch's rollouts (any algorithm)."""
+        raw_rewards = np.concatenate([p["time"]["rewards"] for p in parts], axis=1)
+        episodes = [e for p in parts for e in p["episodes"]]
+        m = {"env/reward": float(raw_rewards.mean()), "env/num_episodes": float(len(episodes))}
         if episodes:
             m["env/success_once"] = float(np.mean([e.success_once for e in episodes]))
             m["env/success_at_end"] = float(np.mean([e.success_at_end for e in episodes]))
             m["env/return"] = float(np.mean([e.episode_return for e in episodes]))
             m["env/episode_len"] = float(np.mean([e.length for e in episodes]))
-        m["rollout/rewards"] = float(raw_rewards.mean())
-        for name, x in (("advantages", batch.advantages), ("returns", batch.returns)):
-            m[f"rollout/{name}_mean"] = float(x.mean())
-            m[f"rollout/{name}_max"] = float(x.max())
-            m[f"rollout/{name}_min"] = float(x.min())
-        if self.alg.loss_type == "actor_critic":
-            m["train/critic/explained_variance"] = ppo.explained_variance(
-                batch.values.flatten(), batch.returns.flatten()
-            )
         return m
 
     def elapsed(self) -> float:
@@ -435,7 +386,7 @@ class Learner:
                 "optimizer state to checkpoint"
             )
         if self.group.is_leader:
-            for k, v in self.scaler.state_dict().items():
+            for k, v in self.algorithm.leader_state().items():
                 if v.is_floating_point() and not torch.isfinite(v).all():
                     raise FailedPrecondition(
                         f"not saving a checkpoint: 'reward_rms.{k}' holds non-finite values "
@@ -464,7 +415,7 @@ class Learner:
         if self.group.is_leader:
             checkpoint.write_leader_files(
                 path,
-                self.scaler.state_dict(),
+                self.algorithm.leader_state(),
                 {
                     "epoch": self.epoch,
                     "weights_version": self.version,
@@ -493,7 +444,7 @@ class Learner:
             log.error("rank %d: cannot resume from %s: %s", self.group.rank, path, exc)
             raise FailedPrecondition(f"runner.resume_dir: {exc}") from None
         if self.group.is_leader:
-            self.scaler.load_state_dict(reward_state)
+            self.algorithm.load_leader_state(reward_state)
             # the killed run may have logged epochs after this checkpoint: they are trained (and logged) again
             self.logger.resume_at(state["epoch"] + 1)
         self.epoch, self.version = state["epoch"], state["weights_version"]

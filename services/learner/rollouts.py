@@ -51,6 +51,13 @@ def forward_input_specs(model, obs_specs, device="cpu") -> dict[str, codec.Input
     return specs
 
 
+def policy_inputs(rows: dict, idx) -> tuple[dict, dict]:
+    """The policy's inputs of rows ``idx`` of flat rollout rows: (observations, forward inputs), prefixes removed."""
+    obs = {k[len(codec.OBS) :]: v[idx] for k, v in rows.items() if k.startswith(codec.OBS)}
+    fi = {k[len(codec.FI) :]: v[idx] for k, v in rows.items() if k.startswith(codec.FI)}
+    return obs, fi
+
+
 class RolloutStore:
     """Committed rollouts per (epoch, worker), checked against the policy's spaces before they are kept."""
 

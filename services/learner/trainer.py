@@ -19,6 +19,7 @@ from rlfleet.config.views import LearnerView
 from rlfleet.errors import FailedPrecondition
 from services.learner import ppo
 from services.learner.group import RankGroup
+from services.learner.rollouts import policy_inputs
 from services.learner.sharding import full_tensor
 
 # the step statistics summed over micro batches and ranks (each already divided by its normaliser)
@@ -77,11 +78,7 @@ class Trainer:
         with model.adapters_disabled():
             return self.log_probs(model, rows, ids)
 
-    @staticmethod
-    def _inputs(rows: dict[str, torch.Tensor], idx: torch.Tensor):
-        obs = {k[4:]: v[idx] for k, v in rows.items() if k.startswith("obs.")}
-        fi = {k[3:]: v[idx] for k, v in rows.items() if k.startswith("fi.")}
-        return obs, fi
+    _inputs = staticmethod(policy_inputs)
 
     def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
         t = torch.stack([torch.as_tensor(v).detach().to(self.device, torch.float64) for v in values])

@@ -165,8 +165,8 @@ def test_update_threads_follow_the_mode(cfg, monkeypatch):
 def test_update_runs_on_its_threads_and_gives_them_back(learner):
     before = torch.get_num_threads()
     learner.update_threads = before + 1
-    seen, update = [], learner.trainer.update
-    learner.trainer.update = lambda *a, **kw: (seen.append(torch.get_num_threads()), update(*a, **kw))[1]
+    seen, update = [], learner.algorithm.trainer.update
+    learner.algorithm.trainer.update = lambda *a, **kw: (seen.append(torch.get_num_threads()), update(*a, **kw))[1]
     tm, pe, eps = fake_rollout()
     learner.rollouts.receive(0, 0, tm, pe, eps)
     learner.train(0, [0])
@@ -174,15 +174,18 @@ def test_update_runs_on_its_threads_and_gives_them_back(learner):
 
 
 def test_samples_more_than_one_version_old_get_truncated_importance_weights(learner):
-    learner.trainer.alg = dataclasses.replace(learner.alg, importance_weight_cap=1.5)
+    learner.algorithm.trainer.alg = dataclasses.replace(learner.alg, importance_weight_cap=1.5)
     tm, pe, eps = fake_rollout()
     tm["weights_version"] = np.zeros((16, 8), np.int64)
     tm["weights_version"][:, :4] = 2  # envs 0-3 acted with the current weights, envs 4-7 two versions before
     learner.version = 2
     learner.rollouts.receive(0, 0, tm, pe, eps)
     seen = {}
-    step = learner.trainer._step
-    learner.trainer._step = lambda model, opt, rows, *rest: (seen.update(rows), step(model, opt, rows, *rest))[1]
+    step = learner.algorithm.trainer._step
+    learner.algorithm.trainer._step = lambda model, opt, rows, *rest: (
+        seen.update(rows),
+        step(model, opt, rows, *rest),
+    )[1]
     m = learner.train(0, [0])
     assert m["rollout/stale_fraction"] == 0.5
     stale = torch.tensor(([False] * 4 + [True] * 4) * 16)
@@ -203,7 +206,7 @@ def test_fresh_samples_train_as_plain_ppo(learner):
 
 
 def test_decoupled_staleness_1_corrects_every_stale_sample(learner):
-    learner.trainer.alg = dataclasses.replace(learner.alg, decoupled_staleness=1)
+    learner.algorithm.trainer.alg = dataclasses.replace(learner.alg, decoupled_staleness=1)
     tm, pe, eps = fake_rollout()
     tm["weights_version"] = np.zeros((16, 8), np.int64)
     learner.version = 1
@@ -317,8 +320,8 @@ def test_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tmp_path):
                     p.add_(torch.randn_like(p) * 0.3)
         rows = {**{f"obs.{k}": v for k, v in obs.items()}, **{f"fi.{k}": v for k, v in start.forward_inputs.items()}}
         every = torch.arange(6)
-        moved = le.trainer.log_probs(le.model, rows, every)
-        ref = le.trainer.reference_log_probs(le.model, le.ref_model, rows, every)
+        moved = le.algorithm.trainer.log_probs(le.model, rows, every)
+        ref = le.algorithm.trainer.reference_log_probs(le.model, le.ref_model, rows, every)
         assert torch.allclose(ref, start.log_probs, atol=1e-5)
         assert not torch.allclose(moved, start.log_probs, atol=1e-3)
     finally:
