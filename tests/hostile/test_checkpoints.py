@@ -244,10 +244,13 @@ LIES = {
 @pytest.mark.parametrize("lie", list(LIES))
 def test_resume_names_a_lying_checkpoint_before_anything_starts(run, tmp_path, lie):
     """`coordinatorctl start --resume` names the file in seconds (a truncated shard took 126 s and ended in
-    DEADLINE_EXCEEDED with nothing in the learner's log before) and starts no service."""
+    DEADLINE_EXCEEDED with nothing in the learner's log before) and starts no service. The whole command's wall
+    time is printed (alone on this machine: 3.0-3.5 s, Python and torch's start included); the bound leaves room for
+    the suite's other worker on the same two cores, and still fails a command that waits on a deadline."""
     expect = LIES[lie](run, tmp_path)
     took = _refused("resume", run, tmp_path, expect)
-    assert took < 10, f"{lie}: named after {took:.1f}s"
+    print(f"--resume with a checkpoint whose {lie}: named after {took:.1f}s")
+    assert took < 30, f"{lie}: named after {took:.1f}s"
 
 
 @pytest.mark.parametrize("which", ["eval", "export"])

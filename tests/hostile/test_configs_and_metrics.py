@@ -78,7 +78,8 @@ def test_resume_names_a_bad_config_yaml_and_runs_nothing(tmp_path, run_folder, c
     }[case]
     assert expected in err[-1] and "config.yaml" in err[-1], err
     assert not marker.exists()
-    assert took < 10, took
+    print(f"--resume, config.yaml with {case}: named after {took:.1f}s")
+    assert took < 30, took  # alone on this machine 0.4-0.5 s; room for the suite's other worker on the same cores
     assert not (run_folder / "checkpoints").exists() and not (run_folder / "logs").exists()
 
 
