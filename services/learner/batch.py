@@ -84,23 +84,22 @@ class Batch:
         return not bool(self.rows["mask"].all())
 
 
-def bootstrap_rows(parts: list[dict], truncated_too: bool) -> tuple[dict[str, torch.Tensor], np.ndarray, list[int]]:
+def bootstrap_rows(parts: list[dict], truncated_too: bool) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """The rows whose value the advantages need beyond the rollout's own: each env's observation after the last
     step, and (``truncated_too``) the final observation of each episode cut by its time limit, each with the
     forward inputs of the row it follows (a VLA's prompt, instruction included) -> (rows, the truncated rows' flat
-    index in the whole batch, each part's count of truncated rows)."""
+    index in the whole batch)."""
     N_all = sum(p["time"]["rewards"].shape[1] for p in parts)
     obs_keys = [k[len(OBS) :] for k in parts[0]["time"] if k.startswith(OBS)]
     fi_keys = [k for k in parts[0]["time"] if k.startswith(FI)]
     rows: dict[str, list[np.ndarray]] = {f"{OBS}{k}": [] for k in obs_keys} | {k: [] for k in fi_keys}
-    where, counts, offset = [], [], 0
+    where, offset = [], 0
     for p in parts:
         tm, tail = p["time"], p["tail"]
         T, N = tm["rewards"].shape
         index = tail[FINAL_INDEX]
         cut = (tm["truncated"] & ~tm["terminated"]).reshape(-1)[index] if truncated_too else np.zeros(len(index), bool)
         picked = index[cut]
-        counts.append(len(picked))
         t, n = picked // N, picked % N
         where.append(t * N_all + offset + n)
         for k in obs_keys:
@@ -114,7 +113,7 @@ def bootstrap_rows(parts: list[dict], truncated_too: bool) -> tuple[dict[str, to
             rows[f"{OBS}{k}"].append(tail[f"{NEXT_OBS}{k}"])
         for k in fi_keys:
             rows[k].append(tm[k][-1])
-    return {k: torch.as_tensor(np.concatenate(v)) for k, v in rows.items()}, np.concatenate(where), counts
+    return {k: torch.as_tensor(np.concatenate(v)) for k, v in rows.items()}, np.concatenate(where)
 
 
 def build_batch(
@@ -153,7 +152,7 @@ def build_batch(
             if alg.normalize_rewards
             else raw_rewards
         )
-        extra, where, _ = bootstrap_rows(parts, alg.bootstrap_truncated and auto_reset)
+        extra, where = bootstrap_rows(parts, alg.bootstrap_truncated and auto_reset)
         v = critic(extra) if critic is not None else torch.zeros(len(next(iter(extra.values()))))
         v = v.detach().to("cpu", torch.float32).numpy()
         if len(where):  # gamma * V(final obs) added to the reward of each truncated episode's last step
