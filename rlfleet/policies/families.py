@@ -115,6 +115,14 @@ FAMILIES: dict[str, Family] = {
             collocated=True,
         ),
         Family(
+            "sac",
+            "rlfleet.policies.models.sac:SacAgent",
+            "SAC: squashed-Gaussian actor, twin Q critics and targets, learned temperature (state and cameras)",
+            why_not={"vllm": _WHY_NOT_VLLM_GAUSSIAN.format("SAC actor")},
+            batch_invariant_rows=32,
+            collocated=True,
+        ),
+        Family(
             "openvla",
             "rlfleet.policies.models.openvla:OpenVLAPolicy",
             "OpenVLA: SigLIP (+ DINOv2) -> projector -> Llama, one token per action dimension",

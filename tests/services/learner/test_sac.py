@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -125,3 +126,24 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path):
     ).double()
     moved = max(float((fresh.state_dict()[k] - a[k]).abs().max()) for k in a)
     assert moved > 5e-4, moved  # three Adam steps of 3e-4
+
+
+def test_the_sac_policy_acts_by_row_noise_and_scores_its_own_actions():
+    """The SAC family acts like any policy: actions in [-1, 1] from each row's noise key (the same row, the same
+    action in any batch, up to the last bits the inference server's padding removes), and ``evaluate`` gives back the log-prob ``act`` reported."""
+    from rlfleet.config import load_config
+    from rlfleet.policies import build_policy
+    from rlfleet.wire.codec import RowNoise, row_keys
+
+    cfg = load_config(None, ["actor.model.model_type=sac"])
+    specs = {"state": TensorSpace((6,), "float32")}
+    policy = build_policy(cfg.actor.model, specs, 3, False, "chunk_level")
+    obs = {"state": torch.randn(5, 6)}
+    keys = row_keys(np.arange(5), 0, 0)
+    out = policy.act(obs, False, None, RowNoise(keys))
+    assert out.actions.shape == (5, 1, 3) and out.actions.abs().max() <= 1 and out.values is None
+    one = policy.act({"state": obs["state"][2:3]}, False, None, RowNoise(keys[2:3]))
+    assert torch.allclose(one.actions[0], out.actions[2], atol=1e-6)  # bit for bit once padded to 32-row blocks
+    ev = policy.evaluate(obs, out.forward_inputs)
+    assert torch.allclose(ev.log_probs, out.log_probs, atol=1e-4)
+    assert torch.equal(policy.act(obs, True).actions, policy.act(obs, True).actions)

@@ -1,0 +1,204 @@
+"""The SAC policy family (``actor.model.model_type: sac``): a squashed-Gaussian actor, twin Q critics with their
+Polyak targets, and the learned temperature, in one module, so the learner checkpoints and publishes it like any
+policy and the inference server (or a collocated env server) acts with it.
+
+- The actor: a = tanh(u), u ~ N(mu(s), sigma(s)); its log-prob carries tanh's change of variables,
+  log pi(a|s) = log N(u) - sum log(1 - tanh(u)^2). Actions live in [-1, 1] (the env contract's range for
+  continuous control). Acting draws u's noise from each row's key (rlfleet.wire.codec.RowNoise), so a row's action
+  does not depend on its batch; deterministic acting takes tanh(mu).
+- ``num_critics`` Q networks (two: clipped double-Q) and their target copies; ``layer_norm`` puts LayerNorm after
+  each hidden layer of the critics (RLPD). The temperature is ``exp(log_alpha)``.
+- Observations: the flattened float entries, and a small conv net per camera (uint8 HxWx3), each network its own.
+
+The update (losses, optimizer steps, Polyak averaging) is the learner's: services/learner/sac.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlfleet.policies.base import PolicyEval, PolicyMixin
+from rlfleet.wire.codec import PolicyOutput
+from rlfleet.wire.spaces import TensorSpace
+
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+
+
+@dataclass
+class SacConfig:
+    """The update's settings (the algorithm.* keys of an off-policy run)."""
+
+    gamma: float = 0.99  # discount
+    tau: float = 0.005  # Polyak step of the target critics
+    actor_lr: float = 3e-4  # Adam learning rate of the actor
+    critic_lr: float = 3e-4  # Adam learning rate of the critics
+    alpha_lr: float = 3e-4  # Adam learning rate of log(alpha)
+    init_alpha: float = 1.0  # the temperature at the start
+    target_entropy: float | None = None  # null: -action_dim
+    num_critics: int = 2  # Q networks; the target takes the minimum over them
+    layer_norm: bool = False  # LayerNorm in the critics' hidden layers (RLPD)
+    hidden_dims: tuple[int, ...] = (256, 256)  # hidden layers of the actor and each critic
+
+
+class Encoder(nn.Module):
+    """Observations -> one feature vector: the flattened float observations, and a small conv net per camera
+    (uint8 HxWx3, scaled to [0, 1])."""
+
+    def __init__(self, obs_specs: Mapping[str, TensorSpace]):
+        super().__init__()
+        self.keys = sorted(obs_specs)
+        self.cams = nn.ModuleDict()
+        width = 0
+        for k in self.keys:
+            s = obs_specs[k]
+            if np.dtype(s.dtype) == np.uint8:
+                net = nn.Sequential(
+                    nn.Conv2d(3, 16, 5, stride=2, padding=2),
+                    nn.ReLU(),
+                    nn.Conv2d(16, 32, 3, stride=2, padding=1),
+                    nn.ReLU(),
+                    nn.Conv2d(32, 32, 3, stride=2, padding=1),
+                    nn.ReLU(),
+                    nn.AdaptiveAvgPool2d(2),
+                    nn.Flatten(),
+                )
+                self.cams[k] = net
+                width += 32 * 4
+            else:
+                width += int(math.prod(s.shape))
+        self.width = width
+
+    def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        parts = []
+        for k in self.keys:
+            x = obs[k]
+            if k in self.cams:
+                p = next(self.cams[k].parameters())
+                x = x.permute(0, 3, 1, 2).to(p.dtype) / 255.0
+                parts.append(self.cams[k](x))
+            else:
+                parts.append(x.reshape(len(x), -1))
+        dtype = next((p.dtype for p in self.parameters()), parts[0].dtype)
+        return torch.cat([p.to(dtype) for p in parts], dim=1)
+
+
+def _mlp(sizes: list[int], layer_norm: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            if layer_norm:
+                layers.append(nn.LayerNorm(sizes[i + 1]))
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class Actor(nn.Module):
+    def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, hidden: tuple[int, ...]):
+        super().__init__()
+        self.encoder = Encoder(obs_specs)
+        self.net = _mlp([self.encoder.width, *hidden, 2 * action_dim], False)
+
+    def forward(self, obs, noise: torch.Tensor | None = None):
+        """-> (action in [-1, 1], its log-prob, the mean action). ``noise`` None: the mean action (log-prob of it)."""
+        mu, log_std = self.net(self.encoder(obs)).chunk(2, dim=-1)
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
+        std = log_std.exp()
+        u = mu if noise is None else mu + std * noise.to(mu.dtype)
+        a = torch.tanh(u)
+        z = (u - mu) / std
+        logp = (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        logp = logp - (2 * (math.log(2) - u - nn.functional.softplus(-2 * u))).sum(-1)  # log(1 - tanh(u)^2), stably
+        return a, logp, torch.tanh(mu)
+
+    def log_prob(self, obs, action: torch.Tensor) -> torch.Tensor:
+        """log pi(action | obs) of actions in [-1, 1] (clamped inside, where atanh is finite)."""
+        mu, log_std = self.net(self.encoder(obs)).chunk(2, dim=-1)
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
+        a = action.to(mu.dtype).clamp(-1 + 1e-6, 1 - 1e-6)
+        u = torch.atanh(a)
+        z = (u - mu) / log_std.exp()
+        logp = (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        return logp - (2 * (math.log(2) - u - nn.functional.softplus(-2 * u))).sum(-1)
+
+
+class Critic(nn.Module):
+    def __init__(
+        self, obs_specs: Mapping[str, TensorSpace], action_dim: int, hidden: tuple[int, ...], layer_norm: bool
+    ):
+        super().__init__()
+        self.encoder = Encoder(obs_specs)
+        self.net = _mlp([self.encoder.width + action_dim, *hidden, 1], layer_norm)
+
+    def forward(self, obs, action: torch.Tensor) -> torch.Tensor:
+        f = self.encoder(obs)
+        return self.net(torch.cat([f, action.to(f.dtype)], dim=-1)).squeeze(-1)
+
+
+class SacAgent(PolicyMixin, nn.Module):
+    """The actor, the critics, their targets and log(alpha): everything a checkpoint of SAC holds (the optimizer is
+    the learner's), and the policy interface for acting (rlfleet.policies.base)."""
+
+    has_critic = False  # no state value V(s): the learner's PPO-style bootstrap does not apply
+    logprob_type = "chunk_level"  # one log-prob per row (one action per call)
+
+    def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, cfg: SacConfig):
+        super().__init__()
+        self.cfg, self.action_dim = cfg, int(action_dim)
+        self.actor = Actor(obs_specs, action_dim, tuple(cfg.hidden_dims))
+        self.critics = nn.ModuleList(
+            Critic(obs_specs, action_dim, tuple(cfg.hidden_dims), cfg.layer_norm) for _ in range(cfg.num_critics)
+        )
+        self.targets = copy.deepcopy(self.critics)
+        for p in self.targets.parameters():
+            p.requires_grad_(False)
+        self.log_alpha = nn.Parameter(torch.tensor(math.log(cfg.init_alpha)))
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.log_alpha.exp()
+
+    @property
+    def target_entropy(self) -> float:
+        return -float(self.action_dim) if self.cfg.target_entropy is None else float(self.cfg.target_entropy)
+
+    def min_q(self, critics: nn.ModuleList, obs, action) -> torch.Tensor:
+        return torch.stack([c(obs, action) for c in critics]).min(0).values
+
+    # --- the policy interface -------------------------------------------------------------------------------------
+    def act(self, obs, deterministic: bool = False, instructions=None, noise=None) -> PolicyOutput:
+        """Actions in [-1, 1] ``[n, 1, action_dim]`` and their log-probs ``[n, 1]``; no values."""
+        mu = next(iter(obs.values()))
+        n = len(mu)
+        if deterministic:
+            z = None
+        elif noise is not None:
+            z = noise.torch_normal((self.action_dim,), mu.float())
+        else:
+            z = torch.randn(n, self.action_dim)
+        a, logp, mean = self.actor(obs, z)
+        if deterministic:
+            a = mean
+        return PolicyOutput(a[:, None, :], logp[:, None], None, {"actions": a})
+
+    def evaluate(self, obs, forward_inputs, instructions=None) -> PolicyEval:
+        """The actor's log-prob of the acted actions (``fi.actions``, in [-1, 1]); the entropy as -log-prob."""
+        logp = self.actor.log_prob(obs, forward_inputs["actions"])
+        return PolicyEval(logp[:, None], -logp, None)
+
+    @classmethod
+    def from_config(cls, model_cfg, obs_specs, action_dim: int, normalize_obs: bool, logprob_type: str = "chunk_level"):
+        """The ``actor.model`` group -> the SAC policy (rlfleet.policies.build_policy): ``hidden_dims`` for the actor
+        and each critic; ``critic_layer_norm`` (RLPD) when the group has it."""
+        cfg = SacConfig(
+            hidden_dims=tuple(model_cfg.hidden_dims),
+            layer_norm=bool(model_cfg.get("critic_layer_norm", False)),
+        )
+        return cls(obs_specs, action_dim, cfg)
