@@ -34,6 +34,12 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "services.learner.algorithms.ppo:PpoAlgorithm",
             "PPO's update on group-relative advantages of whole episodes, no critic (algorithm.adv_type: grpo)",
         ),
+        AlgorithmEntry(
+            "sac",
+            "services.learner.algorithms.sac:SacAlgorithm",
+            "Soft Actor-Critic from a replay buffer of every rollout's transitions (actor.model.model_type: sac)",
+            on_policy=False,
+        ),
     )
 }
 

@@ -90,6 +90,12 @@ class LearnerAlgorithm:
     normalize_obs: bool = _key("algorithm.normalize_obs")
     normalize_rewards: bool = _key("algorithm.normalize_rewards")
     bootstrap_truncated: bool = _key("algorithm.bootstrap_truncated")
+    replay_capacity: int = _key("algorithm.replay_capacity")
+    utd_ratio: float = _key("algorithm.utd_ratio")
+    learning_starts: int = _key("algorithm.learning_starts")
+    tau: float = _key("algorithm.tau")
+    init_alpha: float = _key("algorithm.init_alpha")
+    actor_update_interval: int = _key("algorithm.actor_update_interval")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,19 +26,35 @@ import torch
 
 from rlfleet.policies.models.sac import Actor, Critic, Encoder, SacAgent, SacConfig
 
-__all__ = ["Actor", "Critic", "Encoder", "SacAgent", "SacConfig", "SacUpdate"]
+__all__ = ["Actor", "Critic", "Encoder", "SacAgent", "SacConfig", "SacUpdate", "make_optimizer"]
+
+
+def make_optimizer(agent: SacAgent, lr: float | None = None) -> torch.optim.Optimizer:
+    """One Adam over the actor, the critics and log(alpha), a parameter group each (their learning rates: the
+    agent's config, or ``lr`` for all). Each SAC step clears every gradient and steps only what has one, so one
+    optimizer (one state to checkpoint) serves the three losses."""
+    cfg = agent.cfg
+    return torch.optim.Adam(
+        [
+            {"params": list(agent.actor.parameters()), "lr": lr or cfg.actor_lr},
+            {"params": list(agent.critics.parameters()), "lr": lr or cfg.critic_lr},
+            {"params": [agent.log_alpha], "lr": lr or cfg.alpha_lr},
+        ]
+    )
 
 
 class SacUpdate:
     """One SAC step at a time on a batch of this rank's rows; ``all_reduce`` sums a tensor over the learner's ranks
-    (in place; the identity in a group of one)."""
+    (in place; the identity in a group of one). ``optimizer``: :func:`make_optimizer`'s (made here when None);
+    ``gamma``, ``tau``: the run's (else the agent's config)."""
 
-    def __init__(self, agent: SacAgent, all_reduce=lambda t: t):
+    def __init__(self, agent: SacAgent, all_reduce=lambda t: t, optimizer=None, gamma=None, tau=None):
         cfg = agent.cfg
-        self.agent, self.cfg, self.all_reduce = agent, cfg, all_reduce
-        self.actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=cfg.actor_lr)
-        self.critic_opt = torch.optim.Adam(agent.critics.parameters(), lr=cfg.critic_lr)
-        self.alpha_opt = torch.optim.Adam([agent.log_alpha], lr=cfg.alpha_lr)
+        self.agent, self.all_reduce = agent, all_reduce
+        self.gamma = cfg.gamma if gamma is None else float(gamma)
+        self.tau = cfg.tau if tau is None else float(tau)
+        self.cfg = cfg
+        self.optimizer = optimizer if optimizer is not None else make_optimizer(agent)
 
     def _sync(self, params) -> None:
         """Sum the gradients of ``params`` over the ranks (one flat all-reduce)."""
@@ -61,7 +77,7 @@ class SacUpdate:
         """One critic step, then (``update_actor``) one actor and one temperature step, then the targets' Polyak
         step. ``batch``: obs.*, next_obs.*, action, reward, terminated, noise, next_noise (this rank's rows);
         ``total_rows``: the batch's rows over every rank (the losses' normaliser)."""
-        agent, cfg = self.agent, self.cfg
+        agent = self.agent
         obs = {k[4:]: v for k, v in batch.items() if k.startswith("obs.")}
         next_obs = {k[9:]: v for k, v in batch.items() if k.startswith("next_obs.")}
         n = float(total_rows)
@@ -72,13 +88,13 @@ class SacUpdate:
             next_a, next_logp, _ = agent.actor(next_obs, batch["next_noise"])
             q_next = agent.min_q(agent.targets, next_obs, next_a) - alpha * next_logp
             not_done = 1.0 - batch["terminated"].to(q_next.dtype)
-            target = batch["reward"].to(q_next.dtype) + cfg.gamma * not_done * q_next
+            target = batch["reward"].to(q_next.dtype) + self.gamma * not_done * q_next
         qs = [c(obs, batch["action"]) for c in agent.critics]
         critic_loss = sum(((q - target) ** 2).sum() for q in qs) * (0.5 / n)
-        self.critic_opt.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         critic_loss.backward()
         self._sync(agent.critics.parameters())
-        self.critic_opt.step()
+        self.optimizer.step()
         q_sum, td_abs = self._sum(qs[0].sum(), (qs[0] - target).abs().sum())
         (loss_c,) = self._sum(critic_loss)
         out = {
@@ -91,24 +107,24 @@ class SacUpdate:
             a, logp, _ = agent.actor(obs, batch["noise"])
             q = agent.min_q(agent.critics, obs, a)
             actor_loss = (alpha * logp - q).sum() / n
-            self.actor_opt.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             actor_loss.backward()
-            self._sync(agent.actor.parameters())
-            self.actor_opt.step()
             for (
                 p
             ) in agent.critics.parameters():  # the actor's loss reached the critics too: that gradient is not theirs
                 p.grad = None
+            self._sync(agent.actor.parameters())
+            self.optimizer.step()
             alpha_loss = -(agent.log_alpha * (logp.detach() + agent.target_entropy)).sum() / n
-            self.alpha_opt.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             alpha_loss.backward()
             self._sync([agent.log_alpha])
-            self.alpha_opt.step()
+            self.optimizer.step()
             loss_a, loss_t, ent = self._sum(actor_loss, alpha_loss, -logp.detach().sum())
             out.update({"train/actor/loss": loss_a, "train/actor/entropy": ent / n, "train/alpha_loss": loss_t})
 
         with torch.no_grad():  # the targets follow the critics
             for t, s in zip(agent.targets.parameters(), agent.critics.parameters()):
-                t.lerp_(s, cfg.tau)
+                t.lerp_(s, self.tau)
         out["train/alpha"] = float(agent.alpha.detach())
         return out
