@@ -40,6 +40,12 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "Soft Actor-Critic from a replay buffer of every rollout's transitions (actor.model.model_type: sac)",
             on_policy=False,
         ),
+        AlgorithmEntry(
+            "rlpd",
+            "services.learner.algorithms.rlpd:RlpdAlgorithm",
+            "SAC with every batch half from demonstrations (sft.dataset_path), LayerNorm critics, a high UTD ratio",
+            on_policy=False,
+        ),
     )
 }
 

@@ -500,8 +500,9 @@ def _check_batches(cfg: DictConfig) -> None:
         "actor.global_batch_size",
         f"{cfg.actor.global_batch_size} must be a multiple of actor.micro_batch_size ({cfg.actor.micro_batch_size})",
     )
+    on_policy = cfg.algorithm.name not in ALGORITHMS or ALGORITHMS[cfg.algorithm.name].on_policy
     _require(
-        batch % cfg.actor.global_batch_size == 0,
+        not on_policy or batch % cfg.actor.global_batch_size == 0,  # off-policy: a batch is drawn from the buffer
         "actor.global_batch_size",
         f"the rollout batch (env.train.total_num_envs x max_steps_per_rollout_epoch / num_action_chunks = "
         f"{batch} samples) must be a "
@@ -519,6 +520,26 @@ def _check_algorithm(cfg: DictConfig) -> None:
         "algorithm.adv_type",
         f"'{alg.adv_type}' with algorithm.name grpo: grpo scores with group-relative advantages (adv_type: grpo)",
     )
+    if alg.name in ("sac", "rlpd"):
+        _require(
+            cfg.actor.model.model_type == "sac",
+            "actor.model.model_type",
+            f"'{cfg.actor.model.model_type}' with algorithm.name {alg.name}: {alg.name} trains the sac policy family "
+            f"(a squashed-Gaussian actor, twin critics, a temperature; actor.model.model_type: sac)",
+        )
+        _require(alg.replay_capacity >= 1, "algorithm.replay_capacity", f"must be >= 1, got {alg.replay_capacity}")
+        _require(alg.utd_ratio > 0, "algorithm.utd_ratio", f"must be > 0, got {alg.utd_ratio}")
+        _require(alg.learning_starts >= 0, "algorithm.learning_starts", f"must be >= 0, got {alg.learning_starts}")
+        _require(0 < alg.tau <= 1, "algorithm.tau", f"must be in (0, 1], got {alg.tau}")
+        _require(alg.actor_update_interval >= 1, "algorithm.actor_update_interval", "must be >= 1")
+        _require(0 < alg.demo_ratio < 1, "algorithm.demo_ratio", f"must be in (0, 1), got {alg.demo_ratio}")
+        _require(cfg.actor.model.init_alpha > 0, "actor.model.init_alpha", "must be > 0")
+    elif cfg.actor.model.model_type == "sac":
+        _require(
+            False,
+            "algorithm.name",
+            f"'{alg.name}' with actor.model.model_type sac: the sac family trains with algorithm.name sac or rlpd",
+        )
     _require(alg.adv_type in ("gae", "grpo"), "algorithm.adv_type", f"'{alg.adv_type}' is not one of gae, grpo")
     _require(
         alg.loss_type in ("actor_critic", "actor"),

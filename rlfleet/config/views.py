@@ -94,8 +94,8 @@ class LearnerAlgorithm:
     utd_ratio: float = _key("algorithm.utd_ratio")
     learning_starts: int = _key("algorithm.learning_starts")
     tau: float = _key("algorithm.tau")
-    init_alpha: float = _key("algorithm.init_alpha")
     actor_update_interval: int = _key("algorithm.actor_update_interval")
+    demo_ratio: float = _key("algorithm.demo_ratio")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +117,9 @@ class LearnerView:
     resume_dir: str | None = _key("runner.resume_dir")
     only_eval: bool = _key("runner.only_eval")
     experiment_name: str = _key("runner.experiment_name")
+    log_path: str = _key("runner.logger.log_path")
+    dataset_path: str | None = _key("sft.dataset_path")
+    dataset_keys: Mapping[str, Any] = _key("sft.dataset_keys")
     logger_backends: tuple[str, ...] = _key("runner.logger.logger_backends")
     project_name: str = _key("runner.logger.project_name")
     wandb_mode: str | None = _key("runner.logger.wandb_mode")

@@ -234,9 +234,12 @@ def read_learner_state(ckpt: str | os.PathLike, *, root: str | os.PathLike | Non
 
 def check_reward_rms(ckpt: str | os.PathLike, *, root: str | os.PathLike | None = None) -> dict[str, dict]:
     """``reward_rms.safetensors``'s header (bounded, inside ``root``): the reward normaliser's ``mean``, ``var``
-    and ``count`` (scalars) and ``returns.W`` per worker W (one running return per env); -> its entries."""
+    and ``count`` (scalars) and ``returns.W`` per worker W (one running return per env), or no tensor at all (an
+    algorithm without one); -> its entries."""
     src = pathlib.Path(ckpt) / REWARD_RMS
     tensors = safetensors_header(src, root=root if root is not None else run_folder_of(ckpt))
+    if not tensors:  # an algorithm without a reward normaliser (SAC) writes the file empty
+        return tensors
     for name in ("mean", "var", "count"):
         if name not in tensors:
             raise BadFile(src, f"tensor '{name}'", "the reward normaliser's mean, var and count", "missing")

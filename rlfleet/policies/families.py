@@ -33,6 +33,7 @@ OPTION_KEYS = {
     "use_proprio": (False, "a proprio projector"),
     "extra_image_keys": ([], "more than one camera"),
     "is_lora": (False, "training LoRA adapters"),
+    "critic_layer_norm": (False, "LayerNorm in twin Q critics"),
 }
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent  # rlfleet/: where relative ``sizes_file`` paths start
 
@@ -121,6 +122,7 @@ FAMILIES: dict[str, Family] = {
             why_not={"vllm": _WHY_NOT_VLLM_GAUSSIAN.format("SAC actor")},
             batch_invariant_rows=32,
             collocated=True,
+            options=("critic_layer_norm",),
         ),
         Family(
             "openvla",

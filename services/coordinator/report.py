@@ -69,6 +69,10 @@ class RunReport:
         if not self.quiet and not (verbose and os.environ.get("RLFLEET_VERBOSE", "0") == "0"):
             print(text, flush=True)
 
+    def say_summary(self, text: str) -> None:
+        """The run's summary: printed under --quiet too (it is what --quiet keeps)."""
+        print(text, flush=True)
+
     # --- counts that survive --resume ------------------------------------------------------------------------
     def save_state(self, lost_episodes: int, restarts: dict[str, int]) -> None:
         state = {"lost_episodes": lost_episodes, "restarts": restarts, "eval_history": self.eval_history}
@@ -186,28 +190,28 @@ class RunReport:
             "bottleneck_detail": self.bottleneck.diagnosis.as_dict() if self.bottleneck_line else None,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.say("")
-        self.say("=" * 72)
+        self.say_summary("")
+        self.say_summary("=" * 72)
         if final:
             n = int(final["eval/num_episodes"])
-            self.say(
+            self.say_summary(
                 f"final evaluation: success_once {rate_of(final['eval/success_once'], n)} "
                 f"({n} seeded episodes, 95% interval), return {final['eval/return']:.2f}" + per_simulator(final)
             )
         else:
-            self.say("no final evaluation (run stopped early)")
-        self.say(f"{epochs} epochs, {env_steps} env steps, {train_time:.0f}s of training")
+            self.say_summary("no final evaluation (run stopped early)")
+        self.say_summary(f"{epochs} epochs, {env_steps} env steps, {train_time:.0f}s of training")
         if self.bottleneck_line:
             d = self.bottleneck.diagnosis
-            self.say(f"bottleneck (last {d.epochs} epoch{'s' if d.epochs != 1 else ''}): {d.line}")
+            self.say_summary(f"bottleneck (last {d.epochs} epoch{'s' if d.epochs != 1 else ''}): {d.line}")
         from rlfleet.data.loggers import logger_backend
 
         folders = "".join(f"{logger_backend(name).folder}/, " for name in dict.fromkeys(self.view.logger_backends))
-        self.say(
+        self.say_summary(
             f"run files: {self.run_dir}  (summary.json, metrics.jsonl, {folders}checkpoints/, "
             f"learning_curve.png, config.yaml, logs/)"
         )
         if ckpt:
-            self.say(f"last checkpoint: {ckpt}")
-        self.say("=" * 72)
+            self.say_summary(f"last checkpoint: {ckpt}")
+        self.say_summary("=" * 72)
         return summary

@@ -159,6 +159,9 @@ class Learner:
                 f"{self.view.model.model_type} policy for spaces {spaces} (action "
                 f"{action_dim}-D)",
             )
+        extra, key = self.algorithm.planned_bytes(obs_specs, action_dim)
+        if extra:  # the algorithm's own data (a replay buffer's share) lives in this host's memory
+            footprint.check_fits(extra, f"{key}: {self.algorithm.name}'s data on each learner rank", "cpu")
         meta = {"obs_specs": _specs_to_json(obs_specs), "action_dim": int(action_dim)}
         if self.view.resume_dir:
             ckpt = latest_checkpoint(self.view.resume_dir)
@@ -201,6 +204,8 @@ class Learner:
         r.fi_specs = fi_specs
         if only_eval:
             r.refusal = "runner.only_eval: this learner serves weights for an evaluation and takes no rollouts"
+        if not only_eval:
+            self.algorithm.setup(obs_specs, action_dim)
         if "resume" in meta:
             self._load_checkpoint(pathlib.Path(meta["resume"]))
 
@@ -412,6 +417,8 @@ class Learner:
             )
         path.mkdir(parents=True, exist_ok=True)
         checkpoint.save_sharded(path, self.model, self.optimizer)
+        self.algorithm.save_rank_files(path)
+        self.group.all_reduce(torch.zeros(1, device=self.device))  # every rank's files written before the marker
         if self.group.is_leader:
             checkpoint.write_leader_files(
                 path,
@@ -440,6 +447,8 @@ class Learner:
             else:
                 checkpoint.load_sharded(path, self.model, self.optimizer)
             reward_state, state = checkpoint.read_leader_files(path)
+            if self.optimizer is not None:
+                self.algorithm.load_rank_files(path)
         except (BadFile, OSError) as exc:
             log.error("rank %d: cannot resume from %s: %s", self.group.rank, path, exc)
             raise FailedPrecondition(f"runner.resume_dir: {exc}") from None

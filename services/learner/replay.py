@@ -149,8 +149,9 @@ class ReplayBuffer:
     def file_name(self) -> str:
         return f"replay_rank{self.rank:03d}_of_{self.world_size:03d}.safetensors"
 
-    def save(self, folder: str | pathlib.Path) -> pathlib.Path:
-        """This rank's share to ``folder`` (safetensors: the filled rows and the counters in its header)."""
+    def save(self, folder: str | pathlib.Path, extra: Mapping[str, int] | None = None) -> pathlib.Path:
+        """This rank's share to ``folder`` (safetensors: the filled rows; the counters, the sampler's state and the
+        caller's ``extra`` integers in its header)."""
         from safetensors.numpy import save_file
 
         path = pathlib.Path(folder) / self.file_name()
@@ -162,6 +163,7 @@ class ReplayBuffer:
             "capacity": self.capacity,
             "world_size": self.world_size,
             "rng": self._rng.bit_generator.state,
+            "extra": {k: int(v) for k, v in (extra or {}).items()},
         }
         tensors = {k: np.ascontiguousarray(a[: self.size]) for k, a in self.data.items()}
         tmp = path.with_suffix(".tmp")
@@ -169,37 +171,55 @@ class ReplayBuffer:
         tmp.replace(path)
         return path
 
-    def load(self, folder: str | pathlib.Path) -> None:
-        """This rank's share back from ``folder`` (what :meth:`save` wrote at the same world size); a file that does
-        not match this buffer is refused by name."""
+    def load(self, folder: str | pathlib.Path, root: str | pathlib.Path | None = None) -> dict[str, int]:
+        """This rank's share back from ``folder`` (what :meth:`save` wrote at the same world size) -> the ``extra``
+        integers saved with it. The file is hostile until checked: its header is read bounded and checked
+        (rlfleet.untrusted.safetensors_header: nothing outside ``root``, default ``folder``), then every field's
+        dtype and shape against this buffer's, the counters against its share; any mismatch is a BadFile naming the
+        file and the field, before a row is copied."""
         from safetensors import safe_open
 
+        from rlfleet.untrusted import BadFile, safetensors_header
+
         path = pathlib.Path(folder) / self.file_name()
-        if not path.is_file() or path.is_symlink():
-            raise InvalidRequest(f"replay: {path} is missing (saved at another world size?)")
+        if not path.exists():
+            raise BadFile(
+                path, "file", f"this rank's share of the replay buffer (saved by {self.world_size} ranks)", "missing"
+            )
+        header = safetensors_header(path, root=root if root is not None else folder)
         with safe_open(str(path), framework="numpy") as f:
             try:
                 meta = json.loads((f.metadata() or {})["rlfleet_replay"])
                 size, next_row, seen = int(meta["size"]), int(meta["next_row"]), int(meta["seen"])
-            except (KeyError, ValueError, TypeError) as exc:
-                raise InvalidRequest(f"replay: {path}: no valid rlfleet_replay header ({exc})") from None
+                extra = {str(k): int(v) for k, v in dict(meta.get("extra") or {}).items()}
+            except (KeyError, ValueError, TypeError, AttributeError) as exc:
+                raise BadFile(path, "header rlfleet_replay", "the replay buffer's counters", repr(exc)[:80]) from None
             if int(meta.get("capacity", -1)) != self.capacity or not 0 <= size <= self.capacity:
-                raise InvalidRequest(
-                    f"replay: {path} holds a share of {meta.get('capacity')} rows, this buffer's share is "
-                    f"{self.capacity} (algorithm.replay_capacity changed?)"
+                raise BadFile(
+                    path,
+                    "capacity",
+                    f"a share of {self.capacity} rows (algorithm.replay_capacity / learner ranks)",
+                    f"{meta.get('capacity')} rows holding {size}",
                 )
-            if not 0 <= next_row < max(1, self.capacity):
-                raise InvalidRequest(f"replay: {path}: next row {next_row} outside the buffer")
-            if sorted(f.keys()) != sorted(self.data):
-                raise InvalidRequest(f"replay: {path} has fields {sorted(f.keys())}, expected {sorted(self.data)}")
+            if not 0 <= next_row < max(1, self.capacity) or seen < size:
+                raise BadFile(
+                    path, "counters", f"next row in [0, {self.capacity}), seen >= size", f"{next_row}, {seen}"
+                )
+            if sorted(header) != sorted(self.data):
+                raise BadFile(path, "fields", str(sorted(self.data)), str(sorted(header))[:200])
             for k, a in self.data.items():
+                want = [size, *a.shape[1:]]
+                if header[k]["shape"] != want:
+                    raise BadFile(path, f"field '{k}' shape", str(want), str(header[k]["shape"]))
                 t = f.get_tensor(k)
-                if t.shape != (size, *a.shape[1:]) or t.dtype != a.dtype:
-                    raise InvalidRequest(
-                        f"replay: {path}: field '{k}' is {t.dtype}{list(t.shape)}, expected {a.dtype}{[size, *a.shape[1:]]}"
-                    )
+                if t.dtype != a.dtype:
+                    raise BadFile(path, f"field '{k}' dtype", str(a.dtype), str(t.dtype))
                 a[:size] = t
         self.size, self.next_row, self.seen = size, next_row, seen
         rng = meta.get("rng")
         if isinstance(rng, dict):
-            self._rng.bit_generator.state = rng
+            try:
+                self._rng.bit_generator.state = rng
+            except (KeyError, ValueError, TypeError) as exc:
+                raise BadFile(path, "header rng", "the sampler's state", repr(exc)[:80]) from None
+        return extra

@@ -46,10 +46,16 @@ def open_dataset(view: SftView) -> Dataset:
     as hostile until checked (``rlfleet.data.datasets.Dataset``): paths inside the dataset, footers and shapes
     checked before anything is allocated, a bad file one line naming it, the field and what was expected."""
     view = as_view(SftView, view)
-    path = str(default_paths(view)[0]) if not view.dataset_path else view.dataset_path
+    return open_demonstrations(view.dataset_path, view.dataset_keys, view.log_path, view.experiment_name)
+
+
+def open_demonstrations(dataset_path: str | None, dataset_keys, log_path: str, experiment_name: str) -> Dataset:
+    """:func:`open_dataset` from the keys themselves (``sft.dataset_path``, ``sft.dataset_keys``; a null path is
+    ``<log_path>/<experiment_name>/demos``), for the learner's algorithms that read demonstrations (RLPD)."""
+    path = dataset_path or str(pathlib.Path(log_path) / experiment_name / "demos")
     hub = None if pathlib.Path(path).expanduser().is_dir() else parse_hub_id(path, key="sft.dataset_path")
     root = resolve_model_path(path, key="sft.dataset_path", repo_type="dataset") if hub else path
-    return Dataset(root, keys=dict(view.dataset_keys), name=hub[0] if hub else None)
+    return Dataset(root, keys=dict(dataset_keys), name=hub[0] if hub else None)
 
 
 def chunk_samples(dataset: Dataset, chunk: int) -> tuple[dict[str, np.ndarray], np.ndarray, list[str]]:

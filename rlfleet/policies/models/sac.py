@@ -105,6 +105,11 @@ class Actor(nn.Module):
         super().__init__()
         self.encoder = Encoder(obs_specs)
         self.net = _mlp([self.encoder.width, *hidden, 2 * action_dim], False)
+        with torch.no_grad():  # start near tanh(N(0, 1)): the mean small, the std 1, so the first rollouts explore
+            last = self.net[-1]
+            last.weight.mul_(0.01)
+            last.bias.zero_()
+            last.bias[action_dim:] = math.atanh(2 * (0.0 - LOG_STD_MIN) / (LOG_STD_MAX - LOG_STD_MIN) - 1)
 
     def forward(self, obs, noise: torch.Tensor | None = None):
         """-> (action in [-1, 1], its log-prob, the mean action). ``noise`` None: the mean action (log-prob of it)."""
@@ -196,9 +201,10 @@ class SacAgent(PolicyMixin, nn.Module):
     @classmethod
     def from_config(cls, model_cfg, obs_specs, action_dim: int, normalize_obs: bool, logprob_type: str = "chunk_level"):
         """The ``actor.model`` group -> the SAC policy (rlfleet.policies.build_policy): ``hidden_dims`` for the actor
-        and each critic; ``critic_layer_norm`` (RLPD) when the group has it."""
+        and each critic; ``critic_layer_norm`` (RLPD) and ``init_alpha`` when the group has them."""
         cfg = SacConfig(
             hidden_dims=tuple(model_cfg.hidden_dims),
             layer_norm=bool(model_cfg.get("critic_layer_norm", False)),
+            init_alpha=float(model_cfg.get("init_alpha", 1.0)),
         )
         return cls(obs_specs, action_dim, cfg)

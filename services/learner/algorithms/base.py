@@ -11,7 +11,9 @@ rollout intake and checks, weights publishing, checkpoints, logging, the rank gr
 2. every rank, :meth:`Algorithm.update`: the update on its tensors (collectives keep the ranks in step);
 3. rank 0, :meth:`Algorithm.after_update` and :meth:`Algorithm.metrics`.
 
-What an algorithm must save to resume exactly (PPO: the reward normaliser) is :meth:`leader_state` on rank 0.
+What an algorithm must save to resume exactly is :meth:`leader_state` on rank 0 (PPO: the reward normaliser) and
+:meth:`save_rank_files` on every rank (SAC: each rank's share of the replay buffer). Host memory it allocates beside
+the policy (a replay buffer) is :meth:`planned_bytes`, counted by the learner's start-up memory check.
 docs/adding-an-algorithm.md walks through adding one.
 """
 
@@ -60,6 +62,20 @@ class Algorithm(ABC):
     @abstractmethod
     def update(self, model, optimizer, meta: dict, rows: dict[str, torch.Tensor], *, version: int, ref_model=None):
         """Every rank: the update on this rank's ``rows`` -> statistics (the same on every rank)."""
+
+    def planned_bytes(self, obs_specs: dict, action_dim: int) -> tuple[int, str]:
+        """Host bytes this rank will allocate for the algorithm's own data (beside the policy and the optimizer) and
+        the config key that sizes them: the learner's start-up memory check adds them. Default: none."""
+        return 0, ""
+
+    def setup(self, obs_specs: dict, action_dim: int) -> None:
+        """Every rank, once the policy is built (before a checkpoint is loaded): allocate the algorithm's data."""
+
+    def save_rank_files(self, folder) -> None:
+        """Every rank, inside a checkpoint: this rank's own files in ``folder`` (the checkpoint's folder)."""
+
+    def load_rank_files(self, folder) -> None:
+        """Every rank, on resume: read back what :meth:`save_rank_files` wrote (checked: a bad file is named)."""
 
     def after_update(self, model, prepared: Prepared) -> None:
         """Rank 0, after every rank updated (before buffers are broadcast): e.g. move the observation normaliser."""

@@ -10,15 +10,19 @@ targets, the actor and the temperature every ``algorithm.actor_update_interval``
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from rlfleet.errors import FailedPrecondition
 from rlfleet.wire.spaces import TensorSpace
 from services.learner.algorithms.base import Algorithm, Critic, Prepared
-from services.learner.replay import ReplayBuffer
+from services.learner.replay import ReplayBuffer, buffer_bytes
 from services.learner.sac import SacUpdate, make_optimizer
 from services.learner.transitions import transitions
+
+log = logging.getLogger(__name__)
 
 
 class SacAlgorithm(Algorithm):
@@ -30,7 +34,7 @@ class SacAlgorithm(Algorithm):
             raise FailedPrecondition(
                 f"algorithm.name: sac trains the sac policy family; actor.model.model_type is '{view.model.model_type}'"
             )
-        self.buffer: ReplayBuffer | None = None  # made with the first transitions (their spaces)
+        self.buffer: ReplayBuffer | None = None  # allocated by setup (the env's spaces), every rank its share
         self.updater: SacUpdate | None = None
         self.steps = 0  # gradient steps taken (every rank alike)
 
@@ -45,25 +49,51 @@ class SacAlgorithm(Algorithm):
         env_steps = sum(p["time"]["rewards"].size * p["time"]["actions"].shape[2] for p in parts)
         return Prepared(meta, [joined] * self.group.world, env_steps)
 
-    def _buffer(self, rows: dict[str, torch.Tensor]) -> ReplayBuffer:
-        if self.buffer is None:
-            specs = {
-                k[4:]: TensorSpace(tuple(v.shape[1:]), str(v.numpy().dtype))
-                for k, v in rows.items()
-                if k.startswith("obs.")
-            }
-            self.buffer = ReplayBuffer(
-                self.alg.replay_capacity,
-                specs,
-                rows["action"].shape[1],
-                seed=self.view.seed,
-                rank=self.group.rank,
-                world_size=self.group.world,
-            )
-        return self.buffer
+    def _specs(self, obs_specs: dict) -> dict[str, TensorSpace]:
+        return {k: TensorSpace(tuple(s.shape), str(np.dtype(s.dtype))) for k, s in obs_specs.items()}
+
+    def planned_bytes(self, obs_specs: dict, action_dim: int) -> tuple[int, str]:
+        cap = self.alg.replay_capacity
+        need = buffer_bytes(cap, self._specs(obs_specs), action_dim, self.group.world)
+        return need, f"algorithm.replay_capacity={cap:,} (the replay buffer)"
+
+    def setup(self, obs_specs: dict, action_dim: int) -> None:
+        self.buffer = ReplayBuffer(
+            self.alg.replay_capacity,
+            self._specs(obs_specs),
+            action_dim,
+            seed=self.view.seed,
+            rank=self.group.rank,
+            world_size=self.group.world,
+        )
+
+    def save_rank_files(self, folder) -> None:
+        path = self.buffer.save(folder, extra={"gradient_steps": self.steps})
+        log.info(
+            "replay share saved to %s: %d transitions seen, %d kept, digest %s",
+            path,
+            self.buffer.seen,
+            len(self.buffer),
+            self.buffer.digest()[:16],
+        )
+
+    def load_rank_files(self, folder) -> None:
+        from rlfleet.data.checkpoint_files import run_folder_of
+
+        extra = self.buffer.load(folder, root=run_folder_of(folder))
+        self.steps = int(extra.get("gradient_steps", 0))
+        print(
+            f"learner: rank {self.group.rank}'s replay share restored: {self.buffer.seen:,} transitions seen, "
+            f"{len(self.buffer):,} kept, digest {self.buffer.digest()[:16]}, {self.steps:,} gradient steps taken",
+            flush=True,
+        )
+
+    def sample(self, n: int) -> dict[str, np.ndarray]:
+        """``n`` rows of this rank's part of a batch (SAC: all from its share of the replay buffer)."""
+        return self.buffer.sample(n)
 
     def update(self, model, optimizer, meta: dict, rows, *, version: int, ref_model=None) -> dict[str, float]:
-        buffer = self._buffer(rows)
+        buffer = self.buffer
         buffer.add({k: v.numpy() for k, v in rows.items()})
         if self.updater is None:
             self.updater = SacUpdate(
@@ -78,7 +108,7 @@ class SacAlgorithm(Algorithm):
         sums: dict[str, float] = {}
         for _ in range(n_steps):
             mine = batch // world + (1 if self.group.rank < batch % world else 0)
-            sample = {k: torch.from_numpy(v) for k, v in buffer.sample(mine).items()}
+            sample = {k: torch.from_numpy(v) for k, v in self.sample(mine).items()}
             gen = torch.Generator().manual_seed(self.view.seed * 1_000_003 + self.steps * 1009 + self.group.rank)
             sample["noise"] = torch.randn(mine, buffer.action_dim, generator=gen)
             sample["next_noise"] = torch.randn(mine, buffer.action_dim, generator=gen)

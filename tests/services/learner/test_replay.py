@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from rlfleet.errors import InvalidRequest
+from rlfleet.untrusted import BadFile
 from rlfleet.wire.spaces import TensorSpace
 from services.learner.replay import ReplayBuffer, buffer_bytes
 
@@ -78,13 +79,33 @@ def test_save_and_load_give_back_the_same_rows_and_the_same_next_samples(tmp_pat
 def test_a_file_of_another_buffer_is_refused_by_name(tmp_path):
     a = ReplayBuffer(12, SPECS, 2)
     a.add(transitions(4))
-    a.save(tmp_path)
-    with pytest.raises(InvalidRequest, match="share of 12 rows, this buffer's share is 20"):
+    a.save(tmp_path, extra={"steps": 7})
+    assert ReplayBuffer(12, SPECS, 2).load(tmp_path) == {"steps": 7}
+    with pytest.raises(BadFile, match="capacity: expected a share of 20 rows .* found 12 rows holding 4"):
         ReplayBuffer(20, SPECS, 2).load(tmp_path)
-    with pytest.raises(InvalidRequest, match="replay_rank000_of_002.safetensors is missing"):
+    with pytest.raises(BadFile, match="replay_rank000_of_002.safetensors: file: .*saved by 2 ranks.*missing"):
         ReplayBuffer(24, SPECS, 2, world_size=2).load(tmp_path)
-    with pytest.raises(InvalidRequest, match="has fields"):
+    with pytest.raises(BadFile, match="fields"):
         ReplayBuffer(12, {"state": TensorSpace((5,), "float32")}, 2).load(tmp_path)
+    with pytest.raises(BadFile, match="field 'obs.state' shape: expected \\[4, 4\\]"):
+        ReplayBuffer(12, {**SPECS, "state": TensorSpace((4,), "float32")}, 2).load(tmp_path)
+
+
+def test_a_lying_replay_file_is_refused_before_a_row_is_copied(tmp_path):
+    a = ReplayBuffer(12, SPECS, 2)
+    a.add(transitions(4))
+    path = a.save(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[:8] = (2**40).to_bytes(8, "little")  # a header claiming a terabyte
+    path.write_bytes(bytes(raw))
+    b = ReplayBuffer(12, SPECS, 2)
+    with pytest.raises(BadFile, match="header length"):
+        b.load(tmp_path)
+    assert len(b) == 0 and b.seen == 0
+    path.unlink()
+    path.symlink_to("/etc/hostname")  # a link out of the checkpoint
+    with pytest.raises(BadFile):
+        b.load(tmp_path)
 
 
 def test_bad_transitions_are_named_and_nothing_is_stored():

@@ -1,0 +1,89 @@
+"""SAC through the whole fleet (``coordinatorctl start pandapickcube_sac``): real env servers, inference server and
+learner; the replay buffer rides in the checkpoint. kill -9 of the learner, then --resume: the buffer comes back with
+the same number of transitions and the same contents (its digest), the gradient-step count with it, and the run goes
+on training from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from rlfleet.data.metrics import read_metrics
+from rlfleet.v1 import coordinator_pb2
+from tests.services.coordinator.test_end_to_end import assert_no_orphans, finish, wait_epoch
+from tests.services.coordinator.tiny_run import CTL
+
+pytestmark = pytest.mark.slow
+
+SAC_TINY = [
+    "env.train.total_num_envs=8",
+    "env.train.max_steps_per_rollout_epoch=25",
+    "env.eval.total_num_envs=4",
+    "env.eval.num_episodes=4",
+    "actor.model.hidden_dims=[32,32]",
+    "actor.micro_batch_size=64",
+    "actor.global_batch_size=64",
+    "algorithm.learning_starts=100",
+    "algorithm.utd_ratio=0.25",
+    "runner.max_env_steps=null",
+    "runner.max_wall_time_s=null",
+    "cluster.heartbeat_timeout_s=8",
+]
+
+
+def test_sac_learner_killed_then_resume_restores_the_replay_buffer(tmp_path):
+    from rlfleet.data.checkpoint_files import specs_from_json
+    from services.learner.learner import latest_checkpoint
+    from services.learner.replay import ReplayBuffer
+
+    run = tmp_path / "sackill"
+    cmd = [
+        *CTL,
+        "start",
+        "pandapickcube_sac",
+        *SAC_TINY,
+        f"runner.logger.log_path={tmp_path}",
+        "runner.experiment_name=sackill",
+        "runner.max_epochs=1000",
+        "runner.save_interval=1",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    st = wait_epoch(run, 4, proc)
+    pids = {s.role: s.pid for s in st.services}
+    os.kill(pids[coordinator_pb2.LEARNER], signal.SIGKILL)
+    code, out = finish(proc)
+    assert code == 1 and "learner[0] died" in out, out
+    assert_no_orphans(list(pids.values()))
+
+    ckpt = latest_checkpoint(run)  # the kill may have hit a checkpoint being written: that one is skipped
+    last = json.loads((ckpt / "learner_state.json").read_text())
+    specs = specs_from_json(last["obs_specs"])
+    saved = ReplayBuffer(1_000_000, specs, last["action_dim"])
+    saved.load(ckpt)
+    # every env step of the checkpoint's epochs is one transition in the buffer (8 envs x 25 steps an epoch)
+    assert saved.seen == len(saved) == last["env_steps"] == 200 * (last["epoch"] + 1)
+
+    proc = subprocess.Popen(
+        [*CTL, "start", "--resume", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    st = wait_epoch(run, last["epoch"] + 3, proc)
+    pids2 = [s.pid for s in st.services]
+    stop = subprocess.run([*CTL, "stop", str(run)], capture_output=True, text=True, timeout=30)
+    assert stop.returncode == 0, stop.stderr
+    code, out = finish(proc)
+    assert code == 0, out
+    assert_no_orphans(pids2)
+    learner_log = (run / "logs" / "learner_0.log").read_text()
+    assert (
+        f"rank 0's replay share restored: {saved.seen:,} transitions seen, {len(saved):,} kept, "
+        f"digest {saved.digest()[:16]}" in learner_log
+    ), learner_log[-3000:]
+    # the run goes on from the restored buffer: the first epoch after the checkpoint adds its 200 transitions to it
+    sizes = {r["step"]: r["replay/size"] for r in read_metrics(run) if "replay/size" in r}
+    assert sizes[last["epoch"] + 2] == saved.seen + 200, sizes
+    trained = [r["step"] for r in read_metrics(run) if "train/critic/loss" in r]
+    assert trained == sorted(set(trained)) and trained[-1] >= last["epoch"] + 2
