@@ -1,11 +1,14 @@
-"""Soft Actor-Critic, top to bottom: the networks and one update on a batch of transitions (Haarnoja et al. 2018,
-with the tuned temperature of the second paper), as every learner rank runs it on its part of the batch.
+"""Soft Actor-Critic, top to bottom: one update on a batch of transitions (Haarnoja et al. 2018, with the tuned
+temperature of the second paper), as every learner rank runs it on its part of the batch. The networks are the sac
+policy family's (rlfleet/policies/models/sac.py).
 
 - The actor is a squashed Gaussian: a = tanh(u), u ~ N(mu(s), sigma(s)); its log-prob carries tanh's change of
   variables, log pi(a|s) = log N(u) - sum log(1 - tanh(u)^2). Actions live in [-1, 1] (the env contract's action
   range for continuous control).
 - ``num_critics`` Q networks (two: the clipped double-Q of TD3/SAC) and their target copies, Polyak-averaged with
   ``tau`` after each critic step. ``layer_norm`` puts LayerNorm after each hidden layer of the critics (RLPD).
+- One encoder (a conv net per camera) feeds the actor and the critics; the critics' loss trains it, the actor's sees
+  its features detached; the targets read a Polyak copy of it.
 - The temperature alpha is learned towards a target entropy of -action_dim (``target_entropy``: null) or a given
   value; ``init_alpha`` starts it.
 
@@ -30,14 +33,14 @@ __all__ = ["Actor", "Critic", "Encoder", "SacAgent", "SacConfig", "SacUpdate", "
 
 
 def make_optimizer(agent: SacAgent, lr: float | None = None) -> torch.optim.Optimizer:
-    """One Adam over the actor, the critics and log(alpha), a parameter group each (their learning rates: the
+    """One Adam over the actor, the critics with the shared encoder, and log(alpha), a parameter group each (their learning rates: the
     agent's config, or ``lr`` for all). Each SAC step clears every gradient and steps only what has one, so one
     optimizer (one state to checkpoint) serves the three losses."""
     cfg = agent.cfg
     return torch.optim.Adam(
         [
             {"params": list(agent.actor.parameters()), "lr": lr or cfg.actor_lr},
-            {"params": list(agent.critics.parameters()), "lr": lr or cfg.critic_lr},
+            {"params": [*agent.critics.parameters(), *agent.encoder.parameters()], "lr": lr or cfg.critic_lr},
             {"params": [agent.log_alpha], "lr": lr or cfg.alpha_lr},
         ]
     )
@@ -83,17 +86,19 @@ class SacUpdate:
         n = float(total_rows)
         alpha = agent.alpha.detach()
 
-        # critics: soft TD targets from the target critics, the minimum over them
+        # critics: soft TD targets from the target encoder and critics, the minimum over them
         with torch.no_grad():
-            next_a, next_logp, _ = agent.actor(next_obs, batch["next_noise"])
-            q_next = agent.min_q(agent.targets, next_obs, next_a) - alpha * next_logp
+            nf = agent.target_encoder(next_obs)
+            next_a, next_logp, _ = agent.actor(nf, batch["next_noise"])
+            q_next = agent.min_q(agent.targets, nf, next_a) - alpha * next_logp
             not_done = 1.0 - batch["terminated"].to(q_next.dtype)
             target = batch["reward"].to(q_next.dtype) + self.gamma * not_done * q_next
-        qs = [c(obs, batch["action"]) for c in agent.critics]
+        f = agent.encoder(obs)  # the critics' loss trains the shared encoder
+        qs = [c(f, batch["action"]) for c in agent.critics]
         critic_loss = sum(((q - target) ** 2).sum() for q in qs) * (0.5 / n)
         self.optimizer.zero_grad(set_to_none=True)
         critic_loss.backward()
-        self._sync(agent.critics.parameters())
+        self._sync([*agent.critics.parameters(), *agent.encoder.parameters()])
         self.optimizer.step()
         q_sum, td_abs = self._sum(qs[0].sum(), (qs[0] - target).abs().sum())
         (loss_c,) = self._sum(critic_loss)
@@ -104,14 +109,13 @@ class SacUpdate:
         }
 
         if update_actor:
-            a, logp, _ = agent.actor(obs, batch["noise"])
-            q = agent.min_q(agent.critics, obs, a)
+            fd = f.detach()  # the actor's loss does not move the encoder
+            a, logp, _ = agent.actor(fd, batch["noise"])
+            q = agent.min_q(agent.critics, fd, a)
             actor_loss = (alpha * logp - q).sum() / n
             self.optimizer.zero_grad(set_to_none=True)
             actor_loss.backward()
-            for (
-                p
-            ) in agent.critics.parameters():  # the actor's loss reached the critics too: that gradient is not theirs
+            for p in agent.critics.parameters():  # the actor's loss reached the critics too: not their gradient
                 p.grad = None
             self._sync(agent.actor.parameters())
             self.optimizer.step()
@@ -123,8 +127,9 @@ class SacUpdate:
             loss_a, loss_t, ent = self._sum(actor_loss, alpha_loss, -logp.detach().sum())
             out.update({"train/actor/loss": loss_a, "train/actor/entropy": ent / n, "train/alpha_loss": loss_t})
 
-        with torch.no_grad():  # the targets follow the critics
-            for t, s in zip(agent.targets.parameters(), agent.critics.parameters()):
-                t.lerp_(s, self.tau)
+        with torch.no_grad():  # the targets follow the critics and the encoder
+            for target_module, source in agent.target_modules():
+                for t, s in zip(target_module.parameters(), source.parameters()):
+                    t.lerp_(s, self.tau)
         out["train/alpha"] = float(agent.alpha.detach())
         return out

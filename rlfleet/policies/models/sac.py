@@ -8,7 +8,8 @@ policy and the inference server (or a collocated env server) acts with it.
   does not depend on its batch; deterministic acting takes tanh(mu).
 - ``num_critics`` Q networks (two: clipped double-Q) and their target copies; ``layer_norm`` puts LayerNorm after
   each hidden layer of the critics (RLPD). The temperature is ``exp(log_alpha)``.
-- Observations: the flattened float entries, and a small conv net per camera (uint8 HxWx3), each network its own.
+- Observations: the flattened float entries, and a small conv net per camera (uint8 HxWx3), in one encoder the
+  actor and the critics share (the critics' loss trains it), with a target copy for the targets.
 
 The update (losses, optimizer steps, Polyak averaging) is the learner's: services/learner/sac.py.
 """
@@ -101,20 +102,24 @@ def _mlp(sizes: list[int], layer_norm: bool) -> nn.Sequential:
 
 
 class Actor(nn.Module):
-    def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, hidden: tuple[int, ...]):
+    """The squashed-Gaussian policy head on the encoder's features."""
+
+    def __init__(self, width: int, action_dim: int, hidden: tuple[int, ...]):
         super().__init__()
-        self.encoder = Encoder(obs_specs)
-        self.net = _mlp([self.encoder.width, *hidden, 2 * action_dim], False)
+        self.net = _mlp([width, *hidden, 2 * action_dim], False)
         with torch.no_grad():  # start near tanh(N(0, 1)): the mean small, the std 1, so the first rollouts explore
             last = self.net[-1]
             last.weight.mul_(0.01)
             last.bias.zero_()
             last.bias[action_dim:] = math.atanh(2 * (0.0 - LOG_STD_MIN) / (LOG_STD_MAX - LOG_STD_MIN) - 1)
 
-    def forward(self, obs, noise: torch.Tensor | None = None):
-        """-> (action in [-1, 1], its log-prob, the mean action). ``noise`` None: the mean action (log-prob of it)."""
-        mu, log_std = self.net(self.encoder(obs)).chunk(2, dim=-1)
-        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
+    def _dist(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, log_std = self.net(f).chunk(2, dim=-1)
+        return mu, LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
+
+    def forward(self, f: torch.Tensor, noise: torch.Tensor | None = None):
+        """Features -> (action in [-1, 1], its log-prob, the mean action). ``noise`` None: the mean action."""
+        mu, log_std = self._dist(f)
         std = log_std.exp()
         u = mu if noise is None else mu + std * noise.to(mu.dtype)
         a = torch.tanh(u)
@@ -123,10 +128,9 @@ class Actor(nn.Module):
         logp = logp - (2 * (math.log(2) - u - nn.functional.softplus(-2 * u))).sum(-1)  # log(1 - tanh(u)^2), stably
         return a, logp, torch.tanh(mu)
 
-    def log_prob(self, obs, action: torch.Tensor) -> torch.Tensor:
-        """log pi(action | obs) of actions in [-1, 1] (clamped inside, where atanh is finite)."""
-        mu, log_std = self.net(self.encoder(obs)).chunk(2, dim=-1)
-        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
+    def log_prob(self, f: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """log pi(action | features) of actions in [-1, 1] (clamped inside, where atanh is finite)."""
+        mu, log_std = self._dist(f)
         a = action.to(mu.dtype).clamp(-1 + 1e-6, 1 - 1e-6)
         u = torch.atanh(a)
         z = (u - mu) / log_std.exp()
@@ -135,21 +139,23 @@ class Actor(nn.Module):
 
 
 class Critic(nn.Module):
-    def __init__(
-        self, obs_specs: Mapping[str, TensorSpace], action_dim: int, hidden: tuple[int, ...], layer_norm: bool
-    ):
-        super().__init__()
-        self.encoder = Encoder(obs_specs)
-        self.net = _mlp([self.encoder.width + action_dim, *hidden, 1], layer_norm)
+    """One Q head on the encoder's features and the action."""
 
-    def forward(self, obs, action: torch.Tensor) -> torch.Tensor:
-        f = self.encoder(obs)
+    def __init__(self, width: int, action_dim: int, hidden: tuple[int, ...], layer_norm: bool):
+        super().__init__()
+        self.net = _mlp([width + action_dim, *hidden, 1], layer_norm)
+
+    def forward(self, f: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat([f, action.to(f.dtype)], dim=-1)).squeeze(-1)
 
 
 class SacAgent(PolicyMixin, nn.Module):
-    """The actor, the critics, their targets and log(alpha): everything a checkpoint of SAC holds (the optimizer is
-    the learner's), and the policy interface for acting (rlfleet.policies.base)."""
+    """The encoder, the actor, the critics, their targets and log(alpha): everything a checkpoint of SAC holds (the
+    optimizer is the learner's), and the policy interface for acting (rlfleet.policies.base).
+
+    One encoder, trained by the critics' loss, feeds the actor (its features detached in the actor's loss) and the
+    critics; the targets have their own Polyak-averaged copy (as DrQ and RLPD share a camera encoder): a batch's
+    images go through a conv net twice per step, not once per network."""
 
     has_critic = False  # no state value V(s): the learner's PPO-style bootstrap does not apply
     logprob_type = "chunk_level"  # one log-prob per row (one action per call)
@@ -157,12 +163,14 @@ class SacAgent(PolicyMixin, nn.Module):
     def __init__(self, obs_specs: Mapping[str, TensorSpace], action_dim: int, cfg: SacConfig):
         super().__init__()
         self.cfg, self.action_dim = cfg, int(action_dim)
-        self.actor = Actor(obs_specs, action_dim, tuple(cfg.hidden_dims))
-        self.critics = nn.ModuleList(
-            Critic(obs_specs, action_dim, tuple(cfg.hidden_dims), cfg.layer_norm) for _ in range(cfg.num_critics)
-        )
+        hidden = tuple(cfg.hidden_dims)
+        self.encoder = Encoder(obs_specs)
+        width = self.encoder.width
+        self.actor = Actor(width, action_dim, hidden)
+        self.critics = nn.ModuleList(Critic(width, action_dim, hidden, cfg.layer_norm) for _ in range(cfg.num_critics))
+        self.target_encoder = copy.deepcopy(self.encoder)
         self.targets = copy.deepcopy(self.critics)
-        for p in self.targets.parameters():
+        for p in [*self.targets.parameters(), *self.target_encoder.parameters()]:
             p.requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(math.log(cfg.init_alpha)))
 
@@ -174,8 +182,12 @@ class SacAgent(PolicyMixin, nn.Module):
     def target_entropy(self) -> float:
         return -float(self.action_dim) if self.cfg.target_entropy is None else float(self.cfg.target_entropy)
 
-    def min_q(self, critics: nn.ModuleList, obs, action) -> torch.Tensor:
-        return torch.stack([c(obs, action) for c in critics]).min(0).values
+    def min_q(self, critics: nn.ModuleList, f: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        return torch.stack([c(f, action) for c in critics]).min(0).values
+
+    def target_modules(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(target, source) pairs the Polyak step moves."""
+        return [(self.targets, self.critics), (self.target_encoder, self.encoder)]
 
     # --- the policy interface -------------------------------------------------------------------------------------
     def act(self, obs, deterministic: bool = False, instructions=None, noise=None) -> PolicyOutput:
@@ -188,14 +200,14 @@ class SacAgent(PolicyMixin, nn.Module):
             z = noise.torch_normal((self.action_dim,), mu.float())
         else:
             z = torch.randn(n, self.action_dim)
-        a, logp, mean = self.actor(obs, z)
+        a, logp, mean = self.actor(self.encoder(obs), z)
         if deterministic:
             a = mean
         return PolicyOutput(a[:, None, :], logp[:, None], None, {"actions": a})
 
     def evaluate(self, obs, forward_inputs, instructions=None) -> PolicyEval:
         """The actor's log-prob of the acted actions (``fi.actions``, in [-1, 1]); the entropy as -log-prob."""
-        logp = self.actor.log_prob(obs, forward_inputs["actions"])
+        logp = self.actor.log_prob(self.encoder(obs), forward_inputs["actions"])
         return PolicyEval(logp[:, None], -logp, None)
 
     @classmethod

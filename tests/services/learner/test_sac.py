@@ -25,11 +25,14 @@ def test_the_squashed_log_prob_is_the_density_of_the_action():
     """log pi(a|s) of the tanh-squashed Gaussian against the density torch's own distributions give for the same
     change of variables."""
     torch.manual_seed(0)
-    actor = Actor({"s": TensorSpace((4,), "float32")}, 3, (16,)).double()
-    obs = {"s": torch.randn(64, 4, dtype=torch.float64)}
+    actor = Actor(4, 3, (16,)).double()
+    torch.nn.init.normal_(actor.net[-1].weight, std=0.3)  # a spread of means and stds, not the near-uniform start
+    f = torch.randn(64, 4, dtype=torch.float64)
     noise = torch.randn(64, 3, dtype=torch.float64)
-    a, logp, mean = actor(obs, noise)
-    mu, log_std = actor.net(actor.encoder(obs)).chunk(2, dim=-1)
+    a, logp, mean = actor(f, noise)
+    inside = a.abs().amax(-1) < 0.999  # (where atanh of a float is exact enough)
+    assert inside.sum() > 32 and torch.allclose(actor.log_prob(f, a)[inside], logp[inside], atol=1e-5)
+    mu, log_std = actor.net(f).chunk(2, dim=-1)
     log_std = -5.0 + 3.5 * (torch.tanh(log_std) + 1)
     base = torch.distributions.Normal(mu, log_std.exp())
     squashed = torch.distributions.TransformedDistribution(base, [torch.distributions.TanhTransform()])
@@ -64,7 +67,7 @@ def test_sac_learns_the_best_action_of_a_one_step_task():
         m = update.step(batch, 128)
         first = first or m
     with torch.no_grad():
-        _, _, mean = agent.actor({"s": torch.randn(256, 2, generator=g)})
+        _, _, mean = agent.actor(agent.encoder({"s": torch.randn(256, 2, generator=g)}))
     assert (mean.mean(0) - target).abs().max() < 0.1, mean.mean(0)
     assert m["train/critic/loss"] < 0.2 * first["train/critic/loss"], (first, m)
     assert m["train/alpha"] < 0.5 * first["train/alpha"], (first, m)
@@ -73,11 +76,18 @@ def test_sac_learns_the_best_action_of_a_one_step_task():
 
 def test_the_targets_follow_the_critics_by_polyak_steps():
     torch.manual_seed(0)
-    agent = SacAgent({"s": TensorSpace((2,), "float32")}, 1, SacConfig(hidden_dims=(8,), tau=0.25))
-    before = [t.detach().clone() for t in agent.targets.parameters()]
+    specs = {"s": TensorSpace((2,), "float32"), "cam": TensorSpace((8, 8, 3), "uint8")}
+    agent = SacAgent(specs, 1, SacConfig(hidden_dims=(8,), tau=0.25))
+    targets = [*agent.targets.parameters(), *agent.target_encoder.parameters()]
+    sources = [*agent.critics.parameters(), *agent.encoder.parameters()]
+    assert len(targets) == len(sources) > 6  # the critics' layers and the camera's conv net
+    before = [t.detach().clone() for t in targets]
     update = SacUpdate(agent)
+    cams = torch.randint(0, 256, (16, 8, 8, 3), dtype=torch.uint8)
     batch = {
         "obs.s": torch.randn(8, 2),
+        "obs.cam": cams[:8],
+        "next_obs.cam": cams[8:],
         "next_obs.s": torch.randn(8, 2),
         "action": torch.rand(8, 1),
         "reward": torch.ones(8),
@@ -86,9 +96,10 @@ def test_the_targets_follow_the_critics_by_polyak_steps():
         "next_noise": torch.randn(8, 1),
     }
     update.step(batch, 8, update_actor=False)
-    for t0, t, c in zip(before, agent.targets.parameters(), agent.critics.parameters()):
+    for t0, t, c in zip(before, targets, sources):
         assert torch.allclose(t, 0.75 * t0 + 0.25 * c.detach())
-    assert not any(p.requires_grad for p in agent.targets.parameters())
+    assert not any(p.requires_grad for p in targets)
+    assert any(not torch.equal(t0, t) for t0, t in zip(before, agent.target_encoder.parameters()))
 
 
 def _ranks(n: int, out: Path) -> dict:
@@ -130,12 +141,13 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path):
 
 def test_the_sac_policy_acts_by_row_noise_and_scores_its_own_actions():
     """The SAC family acts like any policy: actions in [-1, 1] from each row's noise key (the same row, the same
-    action in any batch, up to the last bits the inference server's padding removes), and ``evaluate`` gives back the log-prob ``act`` reported."""
+    action in any batch, up to the last bits the inference server's padding removes), and ``evaluate`` gives back
+    the log-prob ``act`` reported."""
     from rlfleet.config import load_config
     from rlfleet.policies import build_policy
     from rlfleet.wire.codec import RowNoise, row_keys
 
-    cfg = load_config(None, ["actor.model.model_type=sac"])
+    cfg = load_config("pandapickcube_sac", [])
     specs = {"state": TensorSpace((6,), "float32")}
     policy = build_policy(cfg.actor.model, specs, 3, False, "chunk_level")
     obs = {"state": torch.randn(5, 6)}
