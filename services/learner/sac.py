@@ -81,8 +81,8 @@ class SacUpdate:
         step. ``batch``: obs.*, next_obs.*, action, reward, terminated, noise, next_noise (this rank's rows);
         ``total_rows``: the batch's rows over every rank (the losses' normaliser)."""
         agent = self.agent
-        obs = {k[4:]: v for k, v in batch.items() if k.startswith("obs.")}
-        next_obs = {k[9:]: v for k, v in batch.items() if k.startswith("next_obs.")}
+        obs = agent.normalize({k[4:]: v for k, v in batch.items() if k.startswith("obs.")})
+        next_obs = agent.normalize({k[9:]: v for k, v in batch.items() if k.startswith("next_obs.")})
         n = float(total_rows)
         alpha = agent.alpha.detach()
 

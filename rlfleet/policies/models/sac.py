@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from rlfleet.policies.base import PolicyEval, PolicyMixin
+from rlfleet.policies.models.actor_critic import RunningMeanStd
 from rlfleet.wire.codec import PolicyOutput
 from rlfleet.wire.spaces import TensorSpace
 
@@ -46,6 +47,7 @@ class SacConfig:
     num_critics: int = 2  # Q networks; the target takes the minimum over them
     layer_norm: bool = False  # LayerNorm in the critics' hidden layers (RLPD)
     hidden_dims: tuple[int, ...] = (256, 256)  # hidden layers of the actor and each critic
+    normalize_obs: bool = False  # running mean/std normalisation of the float observations (algorithm.normalize_obs)
 
 
 class Encoder(nn.Module):
@@ -173,6 +175,24 @@ class SacAgent(PolicyMixin, nn.Module):
         for p in [*self.targets.parameters(), *self.target_encoder.parameters()]:
             p.requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(math.log(cfg.init_alpha)))
+        # running mean/std of each float observation (algorithm.normalize_obs), before both encoders; buffers, so
+        # they ship with the weights; the learner moves them after each update from the epoch's new transitions
+        self.obs_rms = nn.ModuleDict(
+            {
+                k: RunningMeanStd(tuple(s.shape))
+                for k, s in obs_specs.items()
+                if cfg.normalize_obs and np.dtype(s.dtype) != np.uint8
+            }
+        )
+
+    def normalize(self, obs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The observations as the encoders see them (float entries normalised when algorithm.normalize_obs)."""
+        return {k: self.obs_rms[k](v) if k in self.obs_rms else v for k, v in obs.items()}
+
+    @torch.no_grad()
+    def update_obs_normalizer(self, obs: Mapping[str, torch.Tensor]) -> None:
+        for k, rms in self.obs_rms.items():
+            rms.update(obs[k])
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -200,14 +220,14 @@ class SacAgent(PolicyMixin, nn.Module):
             z = noise.torch_normal((self.action_dim,), mu.float())
         else:
             z = torch.randn(n, self.action_dim)
-        a, logp, mean = self.actor(self.encoder(obs), z)
+        a, logp, mean = self.actor(self.encoder(self.normalize(obs)), z)
         if deterministic:
             a = mean
         return PolicyOutput(a[:, None, :], logp[:, None], None, {"actions": a})
 
     def evaluate(self, obs, forward_inputs, instructions=None) -> PolicyEval:
         """The actor's log-prob of the acted actions (``fi.actions``, in [-1, 1]); the entropy as -log-prob."""
-        logp = self.actor.log_prob(self.encoder(obs), forward_inputs["actions"])
+        logp = self.actor.log_prob(self.encoder(self.normalize(obs)), forward_inputs["actions"])
         return PolicyEval(logp[:, None], -logp, None)
 
     @classmethod
@@ -218,5 +238,6 @@ class SacAgent(PolicyMixin, nn.Module):
             hidden_dims=tuple(model_cfg.hidden_dims),
             layer_norm=bool(model_cfg.get("critic_layer_norm", False)),
             init_alpha=float(model_cfg.get("init_alpha", 1.0)),
+            normalize_obs=bool(normalize_obs),
         )
         return cls(obs_specs, action_dim, cfg)

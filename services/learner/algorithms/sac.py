@@ -47,7 +47,15 @@ class SacAlgorithm(Algorithm):
         new = len(joined["reward"])
         meta = {"epoch": epoch, "new": new}
         env_steps = sum(p["time"]["rewards"].size * p["time"]["actions"].shape[2] for p in parts)
-        return Prepared(meta, [joined] * self.group.world, env_steps)
+        return Prepared(meta, [joined] * self.group.world, env_steps, data=joined)
+
+    def after_update(self, model, prepared: Prepared) -> None:
+        """The observation normaliser (algorithm.normalize_obs) moves over the epoch's new transitions after the
+        update (rank 0; the learner then broadcasts the buffers), so the stored raw observations are normalised
+        with the newest statistics when they are sampled."""
+        obs = {k[4:]: v for k, v in prepared.data.items() if k.startswith("obs.")}
+        if len(prepared.data["reward"]):
+            model.update_obs_normalizer(obs)
 
     def _specs(self, obs_specs: dict) -> dict[str, TensorSpace]:
         return {k: TensorSpace(tuple(s.shape), str(np.dtype(s.dtype))) for k, s in obs_specs.items()}
