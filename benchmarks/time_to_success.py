@@ -1,9 +1,10 @@
 """Time to 50/90/95% evaluation success_once over seeds, synchronous vs asynchronous training.
 
-    python benchmarks/time_to_success.py [--seeds 1,2,3] [--modes sync,async] [key=value ...]
+    python benchmarks/time_to_success.py [--config NAME] [--seeds 1,2,3] [--modes sync,async] [key=value ...]
     python benchmarks/time_to_success.py --run-dir runs/X        # only analyse an existing run
 
-Each (mode, seed) is one `coordinatorctl start` of the default run (plus the overrides) with an evaluation of
+Each (mode, seed) is one `coordinatorctl start` of the default run or ``--config`` (e.g. pandapickcube_sac; plus the
+overrides) with an evaluation of
 100 seeded episodes every 5 epochs, stopped at the first evaluation at 95% (runner.early_stop_success_rate,
 runner.early_stop_evals=1). Times are training wall time from the first rollout, evaluations excluded (their time is subtracted); env steps are training env steps. The
 whole-loop rate is training env steps / training wall time (evaluations excluded), next to the raw simulator's
@@ -73,12 +74,12 @@ def analyse(run_dir: pathlib.Path) -> None:
         print(f"whole loop: {h['rate']:,.0f} env steps/s (evaluations excluded)")
 
 
-def raw_all_cores(cores: int, overrides=(), actions: str = "random") -> float | None:
+def raw_all_cores(cores: int, overrides=(), actions: str = "random", config: str | None = None) -> float | None:
     """The raw simulator's env steps/s with one stepping process per core (benchmarks/throughput.py --raw), for the
     run's config; ``actions`` "random" or "expert" (None when the task has no scripted expert)."""
     from rlfleet.config import load_config, to_yaml
 
-    cfg = load_config(None, list(overrides))
+    cfg = load_config(config, list(overrides))
     here = pathlib.Path(__file__).with_name("throughput.py")
     procs = [
         subprocess.Popen(
@@ -101,6 +102,7 @@ def raw_all_cores(cores: int, overrides=(), actions: str = "random") -> float | 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default=None, help="analyse this run instead of starting any")
+    ap.add_argument("--config", default=None, help="a built-in config or YAML (default: the default run)")
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated run seeds")
     ap.add_argument("--modes", default="sync,async", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for coordinatorctl start")
@@ -124,6 +126,7 @@ def main() -> None:
                 "services.coordinator.cli",
                 "start",
                 "--quiet",
+                *([args.config] if args.config else []),
                 "runner.val_check_interval=5",
                 "runner.early_stop_success_rate=0.95",
                 "runner.early_stop_evals=1",  # the time to the first evaluation at 95%
@@ -140,8 +143,8 @@ def main() -> None:
             rows[(mode, seed)] = hits(run)
             analyse(run)
     cores = os.cpu_count() or 1
-    raw = raw_all_cores(cores, args.overrides)
-    expert = raw_all_cores(cores, args.overrides, "expert")
+    raw = raw_all_cores(cores, args.overrides, config=args.config)
+    expert = raw_all_cores(cores, args.overrides, "expert", config=args.config)
     print(
         f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s with random actions, "
         + (f"{expert:,.0f} with the scripted expert's" if expert else "no scripted expert")
