@@ -129,7 +129,7 @@ def read_leader_files(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict
     for k, v in reward.items():
         if not torch.isfinite(v).all():
             raise BadFile(src, f"tensor '{k}'", "finite values (the learner never saves others)", "NaN or infinity")
-    if reward and float(reward["var"]) < 0 or float(reward["count"]) < 0:
+    if reward and (float(reward["var"]) < 0 or float(reward["count"]) < 0):
         raise BadFile(
             src, "var, count", "non-negative values", f"var {float(reward['var'])}, count {float(reward['count'])}"
         )

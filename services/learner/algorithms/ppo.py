@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from rlfleet.errors import FailedPrecondition
+
 from services.learner import ppo as losses
 from services.learner.algorithms.base import Algorithm, Critic, Prepared
 from services.learner.batch import RewardScaler, build_batch, split_rows
@@ -95,4 +97,9 @@ class PpoAlgorithm(Algorithm):
         return self.scaler.state_dict()
 
     def load_leader_state(self, state: dict[str, torch.Tensor]) -> None:
+        if not {"mean", "var", "count"} <= set(state):
+            raise FailedPrecondition(
+                "runner.resume_dir: the checkpoint's reward_rms.safetensors holds no reward normaliser (saved by an "
+                f"algorithm without one, not {self.alg.name}?)"
+            )
         self.scaler.load_state_dict(state)
