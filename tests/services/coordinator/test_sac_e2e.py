@@ -87,3 +87,58 @@ def test_sac_learner_killed_then_resume_restores_the_replay_buffer(tmp_path):
     assert sizes[last["epoch"] + 2] == saved.seen + 200, sizes
     trained = [r["step"] for r in read_metrics(run) if "train/critic/loss" in r]
     assert trained == sorted(set(trained)) and trained[-1] >= last["epoch"] + 2
+
+
+def test_rlpd_trains_from_collected_demonstrations_through_the_fleet(tmp_path):
+    """`collect-demos` then `start` of the two-camera RLPD config, shortened: the learner reads the LeRobot dataset
+    the first command wrote (video-decoded images, the next frames as next observations) and mixes it into every
+    batch of the run's own transitions."""
+    config = "pandapickcube_vision_rlpd_cnn"
+    common = [
+        f"runner.logger.log_path={tmp_path}",
+        "env.train.max_episode_steps=16",
+        "env.eval.max_episode_steps=16",
+        "env.train.total_num_envs=4",
+        "env.train.max_steps_per_rollout_epoch=16",
+        "env.eval.total_num_envs=4",
+        "env.eval.num_episodes=4",
+        "env.train.init_params.image_size=32",
+        "env.eval.init_params.image_size=32",
+    ]
+    demos = subprocess.run(
+        [*CTL, "collect-demos", config, *common, "sft.num_demos=2", "sft.only_successful=false"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert demos.returncode == 0, demos.stdout[-2000:] + demos.stderr[-2000:]
+    assert "wrote 2 episodes" in demos.stdout
+    rl = subprocess.run(
+        [
+            *CTL,
+            "start",
+            config,
+            *common,
+            "runner.max_epochs=3",
+            "runner.val_check_interval=3",
+            "actor.model.hidden_dims=[32,32]",
+            "actor.global_batch_size=16",
+            "actor.micro_batch_size=16",
+            "algorithm.learning_starts=32",
+            "algorithm.utd_ratio=0.125",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert rl.returncode == 0, rl.stdout[-3000:] + rl.stderr[-3000:]
+    run = tmp_path / f"{config}-2"  # (tmp_path / config holds the demonstrations it read)
+    learner_log = (run / "logs" / "learner_0.log").read_text()
+    from rlfleet.data.datasets import Dataset
+
+    ds = Dataset(tmp_path / config / "demos")
+    frames = sum(int(e["length"]) - 1 for e in ds.episodes_meta)  # an episode's last frame has no next one
+    assert f"learner: rlpd: {frames:,} demonstration transitions from 2 episodes" in learner_log, learner_log[-2000:]
+    trained = [r for r in read_metrics(run) if "train/critic/loss" in r]
+    assert len(trained) == 2 and all(r["train/optimizer_steps"] == 8 for r in trained)  # 0.125 x 64 new
+    assert "final evaluation: success_once" in rl.stdout
