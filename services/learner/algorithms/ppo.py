@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from rlfleet.errors import FailedPrecondition
-
 from services.learner import ppo as losses
 from services.learner.algorithms.base import Algorithm, Critic, Prepared
 from services.learner.batch import RewardScaler, build_batch, split_rows

@@ -62,7 +62,10 @@ def test_sac_learner_killed_then_resume_restores_the_replay_buffer(tmp_path):
     ckpt = latest_checkpoint(run)  # the kill may have hit a checkpoint being written: that one is skipped
     last = json.loads((ckpt / "learner_state.json").read_text())
     specs = specs_from_json(last["obs_specs"])
-    saved = ReplayBuffer(1_000_000, specs, last["action_dim"])
+    from rlfleet.config import load_config
+
+    capacity = load_config("pandapickcube_sac", []).algorithm.replay_capacity
+    saved = ReplayBuffer(capacity, specs, last["action_dim"])
     saved.load(ckpt)
     # every env step of the checkpoint's epochs is one transition in the buffer (8 envs x 25 steps an epoch)
     assert saved.seen == len(saved) == last["env_steps"] == 200 * (last["epoch"] + 1)
@@ -140,5 +143,5 @@ def test_rlpd_trains_from_collected_demonstrations_through_the_fleet(tmp_path):
     frames = sum(int(e["length"]) - 1 for e in ds.episodes_meta)  # an episode's last frame has no next one
     assert f"learner: rlpd: {frames:,} demonstration transitions from 2 episodes" in learner_log, learner_log[-2000:]
     trained = [r for r in read_metrics(run) if "train/critic/loss" in r]
-    assert len(trained) == 2 and all(r["train/optimizer_steps"] == 8 for r in trained)  # 0.125 x 64 new
+    assert len(trained) == 3 and all(r["train/optimizer_steps"] == 8 for r in trained)  # 0.125 x 64 new, from epoch 1
     assert "final evaluation: success_once" in rl.stdout
