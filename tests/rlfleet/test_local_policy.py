@@ -87,7 +87,7 @@ def test_collocated_placement_and_what_it_refuses():
     assert [p.role for p in process_plan(load_config(None, []))] == ["learner", "inference", "env"]
     with pytest.raises(ConfigError, match="rollout.pipeline_stage_num=1"):
         load_config(None, ["cluster.component_placement.rollout=env"])
-    with pytest.raises(ConfigError, match="for small policies \\(mlp, cnn\\); a policy of model_type openvla"):
+    with pytest.raises(ConfigError, match="for small policies \\(mlp, cnn, sac\\); a policy of model_type openvla"):
         load_config(None, [*ON, "actor.model.model_type=openvla"])
     with pytest.raises(ConfigError, match="metaworld env servers run in their simulator's own Python environment"):
         load_config(
