@@ -76,14 +76,14 @@ def test_sac_learns_the_best_action_of_a_one_step_task():
 
 def test_the_targets_follow_the_critics_by_polyak_steps():
     torch.manual_seed(0)
-    specs = {"s": TensorSpace((2,), "float32"), "cam": TensorSpace((8, 8, 3), "uint8")}
+    specs = {"s": TensorSpace((2,), "float32"), "cam": TensorSpace((16, 16, 3), "uint8")}
     agent = SacAgent(specs, 1, SacConfig(hidden_dims=(8,), tau=0.25))
     targets = [*agent.targets.parameters(), *agent.target_encoder.parameters()]
     sources = [*agent.critics.parameters(), *agent.encoder.parameters()]
     assert len(targets) == len(sources) > 6  # the critics' layers and the camera's conv net
     before = [t.detach().clone() for t in targets]
     update = SacUpdate(agent)
-    cams = torch.randint(0, 256, (16, 8, 8, 3), dtype=torch.uint8)
+    cams = torch.randint(0, 256, (16, 16, 16, 3), dtype=torch.uint8)
     batch = {
         "obs.s": torch.randn(8, 2),
         "obs.cam": cams[:8],
