@@ -19,6 +19,20 @@ class AlgorithmEntry:
     module: str  # "package.module:Class" implementing services.learner.algorithms.base.Algorithm
     description: str  # one line: what it trains and on what data
     on_policy: bool = True  # trains on each epoch's rollouts once (else from a replay buffer)
+    # the update's metrics on the console's progress line and in `coordinatorctl status`: (label, metric, format)
+    progress: tuple[tuple[str, str, str], ...] = (
+        ("policy_loss", "train/actor/policy_loss", "+.3f"),
+        ("value_loss", "train/critic/value_loss", ".3f"),
+        ("kl", "train/actor/approx_kl", ".4f"),
+    )
+
+
+OFF_POLICY_PROGRESS = (
+    ("critic_loss", "train/critic/loss", ".3f"),
+    ("q", "train/critic/q_mean", "+.2f"),
+    ("alpha", "train/alpha", ".3f"),
+    ("replay", "replay/size", ".0f"),
+)
 
 
 ALGORITHMS: dict[str, AlgorithmEntry] = {
@@ -39,12 +53,14 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "services.learner.algorithms.sac:SacAlgorithm",
             "Soft Actor-Critic from a replay buffer of every rollout's transitions (actor.model.model_type: sac)",
             on_policy=False,
+            progress=OFF_POLICY_PROGRESS,
         ),
         AlgorithmEntry(
             "rlpd",
             "services.learner.algorithms.rlpd:RlpdAlgorithm",
             "SAC with every batch half from demonstrations (sft.dataset_path), LayerNorm critics, a high UTD ratio",
             on_policy=False,
+            progress=OFF_POLICY_PROGRESS,
         ),
     )
 }

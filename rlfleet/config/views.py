@@ -261,6 +261,7 @@ class CoordinatorView:
     max_steps_per_rollout_epoch: int = _key("env.train.max_steps_per_rollout_epoch")
     num_action_chunks: int = _key("actor.model.num_action_chunks")
     pipeline_stage_num: int = _key("rollout.pipeline_stage_num")
+    algorithm_name: str = _key("algorithm.name")
     max_staleness: int = _key("algorithm.max_staleness")
     launcher: str = _key("cluster.launcher")
     num_env_servers: int = _key("cluster.num_env_servers")

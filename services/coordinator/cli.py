@@ -28,6 +28,7 @@ import sys
 import grpc
 
 import rlfleet  # noqa: F401  (sets gRPC's log verbosity before grpc is imported)
+from rlfleet.algorithms import ALGORITHMS
 from rlfleet.config import ConfigError, load_config
 from rlfleet.untrusted import BadFile
 from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -331,7 +332,8 @@ def _status(args) -> int:
         f"{st.experiment_name}: {st.phase}, epoch {st.epoch + 1}/{st.max_epochs}, {st.env_steps} env steps, "
         f"{st.elapsed_s:.0f}s  ({st.run_dir})"
     )
-    for key in ("env/success_once", "env/return", "train/actor/policy_loss", "train/critic/value_loss"):
+    update_keys = [key for entry in ALGORITHMS.values() for _, key, _ in entry.progress]  # whichever the run has
+    for key in dict.fromkeys(("env/success_once", "env/return", *update_keys)):
         if key in st.last_metrics:
             print(f"  {key} = {st.last_metrics[key]:.4f}")
     if st.bottleneck:  # empty before the first epoch and from a coordinator older than the field

@@ -8,6 +8,7 @@ import math
 import os
 import pathlib
 
+from rlfleet.algorithms import get_algorithm
 from rlfleet.config.views import CoordinatorView
 from rlfleet.data.intervals import rate_of
 from rlfleet.untrusted import BadFile, check_count, read_json
@@ -125,8 +126,10 @@ class RunReport:
             + (f"/{budget / 1000:.0f}k" if budget else "")
             + f" | {f('rollout/env_steps_per_s', '5.0f')} env steps/s | {elapsed:5.0f}s"
             f" | success_once {f('env/success_once', '.2f')} | return {f('env/return', '6.2f')}"
-            f" | policy_loss {f('train/actor/policy_loss', '+.3f')} | value_loss {f('train/critic/value_loss', '.3f')}"
-            f" | kl {f('train/actor/approx_kl', '.4f')}" + (f" | lost {lost}" if lost else "")
+            + "".join(
+                f" | {label} {f(key, fmt)}" for label, key, fmt in get_algorithm(self.view.algorithm_name).progress
+            )
+            + (f" | lost {lost}" if lost else "")
         )
 
     # --- the bottleneck (services/coordinator/bottleneck.py) ---------------------------------------------------
