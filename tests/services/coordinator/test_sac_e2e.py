@@ -14,7 +14,7 @@ import pytest
 
 from rlfleet.data.metrics import read_metrics
 from rlfleet.v1 import coordinator_pb2
-from tests.services.coordinator.test_end_to_end import assert_no_orphans, finish, wait_epoch
+from tests.services.coordinator.test_end_to_end import assert_no_orphans, finish, kill_and_wait_restart, wait_epoch
 from tests.services.coordinator.tiny_run import CTL
 
 pytestmark = pytest.mark.slow
@@ -90,6 +90,42 @@ def test_sac_learner_killed_then_resume_restores_the_replay_buffer(tmp_path):
     assert sizes[last["epoch"] + 2] == saved.seen + 200, sizes
     trained = [r["step"] for r in read_metrics(run) if "train/critic/loss" in r]
     assert trained == sorted(set(trained)) and trained[-1] >= last["epoch"] + 2
+
+
+def test_sac_collects_ahead_of_the_update_and_survives_an_env_server_kill(tmp_path):
+    """Continuous collection (``algorithm.max_staleness: 2``): the env servers collect up to two epochs ahead with
+    the newest published weights while the learner updates; every transition keeps the weights version that acted,
+    so the buffer's staleness shows it; a kill -9 of the env server mid-rollout is restarted, its partial rollout
+    dropped, and the run goes on adding transitions."""
+    run = tmp_path / "sacahead"
+    proc = subprocess.Popen(
+        [
+            *CTL,
+            "start",
+            "pandapickcube_sac",
+            *SAC_TINY,
+            f"runner.logger.log_path={tmp_path}",
+            "runner.experiment_name=sacahead",
+            "runner.max_epochs=10",
+            "algorithm.max_staleness=2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids = kill_and_wait_restart(run, proc, coordinator_pb2.ENV, min_epoch=4)
+    code, out = finish(proc)
+    assert code == 0, out
+    assert_no_orphans(pids)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["restarts"] == {"env[0]": 1} and summary["epochs"] == 10
+    records = read_metrics(run)
+    stale = [r["rollout/staleness"] for r in records if "rollout/staleness" in r]
+    # epochs trained from collections started ahead carry samples acted by older weights, never more than 2 behind
+    assert max(stale) >= 1 and max(stale) <= 2, stale
+    sizes = [r["replay/size"] for r in records if "replay/size" in r]
+    assert sizes == sorted(sizes) and sizes[-1] >= 200 * 8, sizes  # every kept epoch added its transitions
+    assert [r["step"] for r in records if "train/critic/loss" in r][-1] == 10
 
 
 def test_rlpd_trains_from_collected_demonstrations_through_the_fleet(tmp_path):
