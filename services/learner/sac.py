@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from rlfleet.policies.models.sac import Actor, Critic, Encoder, SacAgent, SacConfig
+from services.learner.optim import adam
 
 __all__ = ["Actor", "Critic", "Encoder", "SacAgent", "SacConfig", "SacUpdate", "make_optimizer"]
 
@@ -37,7 +38,7 @@ def make_optimizer(agent: SacAgent, lr: float | None = None) -> torch.optim.Opti
     agent's config, or ``lr`` for all). Each SAC step clears every gradient and steps only what has one, so one
     optimizer (one state to checkpoint) serves the three losses."""
     cfg = agent.cfg
-    return torch.optim.Adam(
+    return adam(
         [
             {"params": list(agent.actor.parameters()), "lr": lr or cfg.actor_lr},
             {"params": [*agent.critics.parameters(), *agent.encoder.parameters()], "lr": lr or cfg.critic_lr},
