@@ -28,7 +28,6 @@ from collections.abc import Mapping
 import torch
 
 from rlfleet.policies.models.sac import Actor, Critic, Encoder, SacAgent, SacConfig
-from services.learner.optim import adam
 
 __all__ = ["Actor", "Critic", "Encoder", "SacAgent", "SacConfig", "SacUpdate", "make_optimizer"]
 
@@ -38,7 +37,7 @@ def make_optimizer(agent: SacAgent, lr: float | None = None) -> torch.optim.Opti
     agent's config, or ``lr`` for all). Each SAC step clears every gradient and steps only what has one, so one
     optimizer (one state to checkpoint) serves the three losses."""
     cfg = agent.cfg
-    return adam(
+    return torch.optim.Adam(
         [
             {"params": list(agent.actor.parameters()), "lr": lr or cfg.actor_lr},
             {"params": [*agent.critics.parameters(), *agent.encoder.parameters()], "lr": lr or cfg.critic_lr},
