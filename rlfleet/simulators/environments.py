@@ -108,6 +108,12 @@ def _pip_sources() -> list[str]:
     return args
 
 
+def uv_sources() -> list[str]:
+    """The package sources for ``uv pip install`` (pip's configured ones, every index trusted alike as pip does):
+    used by scripts/install.sh (``python -m rlfleet.simulators.environments uv-sources``) and by the builds here."""
+    return ["--index-strategy", "unsafe-best-match", *_pip_sources()]
+
+
 def _uv() -> str | None:
     found = shutil.which("uv", path=str(pathlib.Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     if found:
@@ -262,9 +268,7 @@ def _build(env: Environment, path: pathlib.Path, log, steps: tuple[str, ...] = (
                 "install",
                 "--python",
                 str(python_of(path)),
-                "--index-strategy",
-                "unsafe-best-match",
-                *_pip_sources(),
+                *uv_sources(),
                 *requirements(env),
             ],
             log,
@@ -399,13 +403,18 @@ def prune_vllm_environment() -> None:
 def main(argv=None) -> int:
     """``python -m rlfleet.simulators.environments system-packages all|SIMULATOR``: only the Debian packages (as root;
     the test command runs this before any test loads a simulator). Building and running in a simulator's
-    environment is the env side's command (it adds the simulator's finishing steps)."""
+    environment is the env side's command (it adds the simulator's finishing steps).
+    ``python -m rlfleet.simulators.environments uv-sources``: :func:`uv_sources`, one argument per line
+    (scripts/install.sh; it imports nothing but the standard library, before anything is installed)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m rlfleet.simulators.environments")
-    p.add_argument("action", choices=("system-packages",))
-    p.add_argument("simulator")
+    p.add_argument("action", choices=("system-packages", "uv-sources"))
+    p.add_argument("simulator", nargs="?", default="all")
     args = p.parse_args(argv)
+    if args.action == "uv-sources":
+        print("\n".join(uv_sources()))
+        return 0
     err = lambda *a, **k: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     if args.simulator != "all" and args.simulator not in SIMULATORS:
         err(f"unknown simulator '{args.simulator}'; known: {', '.join(sorted(SIMULATORS))}")
