@@ -13,6 +13,10 @@ from rlfleet.config import load_config
 
 torch.set_num_threads(1)
 
+# the inference-server placement (the default's rollout: auto acts in the env servers on a machine without GPUs):
+# the tests of the inference server's path pin it; the collocated cases override it (rollout=env)
+INFERENCE_SERVER = "cluster.component_placement={'env,rollout,actor': all}"
+
 SMALL = [
     "env.train.total_num_envs=8",
     "env.train.max_steps_per_rollout_epoch=16",
@@ -22,6 +26,7 @@ SMALL = [
     "actor.global_batch_size=128",
     "algorithm.update_epoch=2",
     "actor.model.hidden_dims=[64,64]",
+    INFERENCE_SERVER,
 ]
 
 

@@ -303,6 +303,7 @@ def load_config(
         raise ConfigError(
             f"{path or 'config'}: an interpolation does not resolve: {str(exc).splitlines()[0][:200]}"
         ) from None
+    resolve_auto_rollout(cfg)
     validate(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg
@@ -749,59 +750,120 @@ def _check_runtime(cfg: DictConfig) -> None:
 
 
 ROLLOUT_IN_ENV = "env"  # cluster.component_placement.rollout: env -> the policy acts in each env server's process
+ROLLOUT_AUTO = "auto"  # cluster.component_placement.rollout: auto -> env where the policy may act there, else GPUs
+
+
+def _rollout_spec(placement) -> str | None:
+    """The placement's value for the rollout component (None: not placed)."""
+    items = placement.items() if hasattr(placement, "items") else []
+    for names, spec in items:
+        if "rollout" in [n.strip() for n in str(names).split(",")]:
+            return str(spec).strip()
+    return None
 
 
 def rollout_in_env(cfg) -> bool:
     """Collocated acting (issue 37): ``cluster.component_placement`` places the rollout component in the env
     servers (``rollout: env``): each env server acts with the policy in its own process, the learner publishes
     the weights to the env servers, and no inference server runs."""
-    placement = cfg.cluster.component_placement
-    items = placement.items() if hasattr(placement, "items") else []
-    return any(
-        str(spec).strip() == ROLLOUT_IN_ENV and "rollout" in [n.strip() for n in str(names).split(",")]
-        for names, spec in items
+    return _rollout_spec(cfg.cluster.component_placement) == ROLLOUT_IN_ENV
+
+
+def collocation_refusal(cfg) -> tuple[str, str] | None:
+    """Why this run's policy cannot act in its env servers' processes -> (the key, the reason), or None when it
+    can: a policy whose family does not act collocated (a VLA: one copy per env server, no batching across
+    them), another inference backend than the policy's own ``act`` (hf), a simulator that runs in its own Python
+    environment (no policy code there). Pipeline stages are the caller's concern (``rollout: env`` refuses them,
+    ``rollout: auto`` turns them into env servers)."""
+    from rlfleet.policies.families import FAMILIES
+
+    family = FAMILIES.get(cfg.actor.model.model_type)
+    if family is None or not family.collocated:
+        ok = [name for name, f in FAMILIES.items() if f.collocated]
+        return (
+            "actor.model.model_type",
+            f"it is for small policies ({', '.join(ok)}); a policy of model_type {cfg.actor.model.model_type} "
+            f"acts on inference servers",
+        )
+    if cfg.rollout.backend != "hf":
+        return (
+            "rollout.backend",
+            f"it acts with the policy's own act (rollout.backend: hf), not '{cfg.rollout.backend}'",
+        )
+    if not cfg.cluster.external_env_addresses:  # a bridge to an external simulator runs in the main environment
+        from rlfleet.simulators import get_simulator
+
+        try:
+            sims = {env_server_config(cfg, i).env.train.simulator_type for i in range(cfg.cluster.num_env_servers)}
+            own = sorted(s for s in sims if get_simulator(s).environment is not None)
+        except Exception:  # noqa: BLE001 - an unknown simulator or a bad per_server entry: validate() names it
+            return "env.train.simulator_type", "the run's simulators are not all known"
+        if own:
+            return (
+                "env.train.simulator_type",
+                f"the {', '.join(own)} env servers run in their simulator's own Python environment, which carries "
+                f"no policy code (torch)",
+            )
+    return None
+
+
+def resolve_auto_rollout(cfg) -> None:
+    """``cluster.component_placement.rollout: auto`` (the default) -> ``env`` (collocated acting) for a run
+    without GPUs whose policy may act in its env servers (:func:`collocation_refusal`) and that places its env
+    servers itself (no external simulators, no per-server simulators): there the pipeline's
+    ``rollout.pipeline_stage_num`` env groups become env servers of their own (``cluster.num_env_servers`` at
+    least the stage count, one stage each), so the groups step in parallel processes instead of overlapping
+    with an inference server. Otherwise -> ``all`` (inference servers on every GPU, as ``env,rollout,actor: all``).
+    The run's ``config.yaml`` holds the result."""
+    cl = cfg.cluster
+    placement = cl.component_placement
+    if _rollout_spec(placement) != ROLLOUT_AUTO:
+        return
+    collocate = (
+        cl.num_gpus_per_node == 0
+        and not cl.external_env_addresses
+        and not cfg.env.per_server
+        and collocation_refusal(cfg) is None
     )
+    resolved = {}
+    for names, spec in placement.items():
+        parts = [n.strip() for n in str(names).split(",")]
+        if "rollout" in parts and str(spec).strip() == ROLLOUT_AUTO:
+            rest = [n for n in parts if n != "rollout"]
+            if rest:
+                resolved[",".join(rest)] = "all" if collocate else spec
+            resolved["rollout"] = ROLLOUT_IN_ENV if collocate else "all"
+        else:
+            resolved[names] = spec
+    if not collocate:
+        resolved = {k: ("all" if str(v).strip() == ROLLOUT_AUTO else v) for k, v in resolved.items()}
+    cl.component_placement = resolved
+    if collocate:
+        cl.num_env_servers = max(int(cl.num_env_servers), int(cfg.rollout.pipeline_stage_num))
+        cfg.rollout.pipeline_stage_num = 1
 
 
 def _check_collocated(cfg) -> None:
-    """What collocated acting cannot do: a policy whose family does not act collocated (a VLA: one copy per env
-    server, no batching across them), another inference backend than the policy's own ``act`` (hf), pipeline
-    stages (in one process the env waits for the policy either way: there is nothing to overlap)."""
+    """What collocated acting (``rollout: env``) cannot do: :func:`collocation_refusal`, and pipeline stages (in
+    one process the env waits for the policy either way: there is nothing to overlap)."""
     if not rollout_in_env(cfg):
         return
-    from rlfleet.policies.families import FAMILIES
-
     key = "cluster.component_placement.rollout"
-    family = FAMILIES.get(cfg.actor.model.model_type)
-    ok = [name for name, f in FAMILIES.items() if f.collocated]
-    _require(
-        family is not None and family.collocated,
-        key,
-        f"'{ROLLOUT_IN_ENV}' (acting in each env server's process) is for small policies ({', '.join(ok)}); "
-        f"a policy of model_type {cfg.actor.model.model_type} acts on inference servers: drop rollout: {ROLLOUT_IN_ENV} "
-        f"(e.g. cluster.component_placement={{env,rollout,actor: all}})",
-    )
-    _require(
-        cfg.rollout.backend == "hf",
-        key,
-        f"'{ROLLOUT_IN_ENV}' acts with the policy's own act (rollout.backend: hf), not '{cfg.rollout.backend}'",
-    )
-    from rlfleet.simulators import get_simulator
-
-    if not cfg.cluster.external_env_addresses:  # a bridge to an external simulator runs in the main environment
-        sims = {env_server_config(cfg, i).env.train.simulator_type for i in range(cfg.cluster.num_env_servers)}
-        own = sorted(s for s in sims if get_simulator(s).environment is not None)
+    refusal = collocation_refusal(cfg)
+    if refusal is not None:
         _require(
-            not own,
+            False,
             key,
-            f"'{ROLLOUT_IN_ENV}': the {', '.join(own)} env servers run in their simulator's own Python environment, "
-            f"which carries no policy code (torch); act on inference servers (drop rollout: {ROLLOUT_IN_ENV})",
+            f"'{ROLLOUT_IN_ENV}' (acting in each env server's process): {refusal[1]} ({refusal[0]}); drop rollout: "
+            f"{ROLLOUT_IN_ENV} (e.g. cluster.component_placement={{env,rollout,actor: all}}, or rollout: "
+            f"{ROLLOUT_AUTO}, which picks it where it can)",
         )
     _require(
         cfg.rollout.pipeline_stage_num == 1,
         key,
         f"'{ROLLOUT_IN_ENV}' with rollout.pipeline_stage_num={cfg.rollout.pipeline_stage_num}: in one process the "
-        f"envs wait for the policy either way, so pipeline stages overlap nothing; set rollout.pipeline_stage_num=1",
+        f"envs wait for the policy either way, so pipeline stages overlap nothing; set rollout.pipeline_stage_num=1 "
+        f"(rollout: {ROLLOUT_AUTO} turns the stages into env servers)",
     )
 
 
@@ -920,6 +982,8 @@ def parse_placement(
     items = placement.items() if hasattr(placement, "items") else []
     in_env = False
     for names, spec in items:
+        if str(spec).strip() == ROLLOUT_AUTO and unit == "GPU":  # unresolved (resolve_auto_rollout): the GPU answer
+            spec = "all"
         if str(spec).strip() == ROLLOUT_IN_ENV and unit == "GPU":  # rollout: env (collocated acting)
             if [n.strip() for n in str(names).split(",")] != ["rollout"]:
                 raise ConfigError(

@@ -1,6 +1,7 @@
 import pytest
 
 from rlfleet.config import ConfigError, load_config, parse_placement, parse_ranks
+from tests.conftest import INFERENCE_SERVER
 
 
 def test_default_loads():
@@ -35,7 +36,7 @@ def test_wrong_type_and_cross_checks():
     with pytest.raises(ConfigError, match="'algorithm.gamma' = 'high' has the wrong type"):
         load_config(None, ["algorithm.gamma=high"])
     with pytest.raises(ConfigError, match="rollout.pipeline_stage_num"):
-        load_config(None, ["env.train.total_num_envs=10", "rollout.pipeline_stage_num=4"])
+        load_config(None, ["env.train.total_num_envs=10", "rollout.pipeline_stage_num=4", INFERENCE_SERVER])
     with pytest.raises(ConfigError, match="actor.global_batch_size"):
         load_config(None, ["actor.global_batch_size=300"])
     with pytest.raises(

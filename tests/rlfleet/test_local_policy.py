@@ -16,7 +16,7 @@ from rlfleet.policies.local import LocalPolicy
 from rlfleet.wire.codec import row_keys
 from rlfleet.wire.spaces import TensorSpace
 from services.inference.engine import InferenceEngine
-from tests.conftest import small_config
+from tests.conftest import INFERENCE_SERVER, small_config
 
 torch.set_num_threads(1)
 
@@ -72,8 +72,42 @@ def test_local_policy_checks_weights_and_observations():
         local.act_now({"state": np.zeros((2, 13), np.float32)}, False, None, [1])
 
 
+def test_the_default_acts_in_the_env_servers_where_it_can():
+    """rollout: auto (the default): collocated acting for a small policy on a machine without GPUs, each pipeline
+    stage an env server of its own; the inference server wherever the policy cannot act in the env servers."""
+    from services.coordinator.plan import process_plan
+
+    cfg = load_config(None, [])
+    assert dict(cfg.cluster.component_placement) == {"env,actor": "all", "rollout": "env"}
+    assert (cfg.cluster.num_env_servers, cfg.rollout.pipeline_stage_num) == (2, 1)
+    assert [p.role for p in process_plan(cfg)] == ["learner", "env", "env"]
+    assert load_config(None, ["cluster.num_env_servers=4", "env.eval.total_num_envs=40"]).cluster.num_env_servers == 4
+    assert load_config(None, ["rollout.pipeline_stage_num=1"]).cluster.num_env_servers == 1
+    assert rollout_in_env(load_config(None, ["cluster.component_placement={'env,rollout': auto, actor: all}"]))
+    metaworld = [
+        *(f"env.{s}.simulator_type=metaworld" for s in ("train", "eval")),
+        "env.train.env_id=reach-v3",
+        "env.eval.env_id=reach-v3",
+    ]
+    for why, overrides in {
+        "GPUs": ["cluster.num_gpus_per_node=2"],
+        "a VLA": ["actor.model.model_type=openvla"],
+        "another backend": ["rollout.backend=vllm"],
+        "a simulator in its own environment": metaworld,
+        "external simulators": ["cluster.external_env_addresses=[127.0.0.1:1]"],
+    }.items():
+        try:
+            other = load_config(None, overrides)
+        except ConfigError:  # the combination is refused for its own reason; what auto chose was not that
+            other = None
+        if other is not None:
+            assert not rollout_in_env(other), why
+            assert dict(other.cluster.component_placement) == {"env,actor": "all", "rollout": "all"}, why
+            assert (other.cluster.num_env_servers, other.rollout.pipeline_stage_num) == (1, 2), why
+
+
 def test_collocated_placement_and_what_it_refuses():
-    assert not rollout_in_env(load_config(None, []))
+    assert not rollout_in_env(load_config(None, [INFERENCE_SERVER]))
     cfg = load_config(None, ON)
     assert rollout_in_env(cfg)
     assert parse_placement({"env": "0-1", "actor": "2", "rollout": "env"}, 4) == {
@@ -84,7 +118,7 @@ def test_collocated_placement_and_what_it_refuses():
     from services.coordinator.plan import process_plan
 
     assert [p.role for p in process_plan(cfg)] == ["learner", "env"]  # no inference server
-    assert [p.role for p in process_plan(load_config(None, []))] == ["learner", "inference", "env"]
+    assert [p.role for p in process_plan(load_config(None, [INFERENCE_SERVER]))] == ["learner", "inference", "env"]
     with pytest.raises(ConfigError, match="rollout.pipeline_stage_num=1"):
         load_config(None, ["cluster.component_placement.rollout=env"])
     with pytest.raises(ConfigError, match="for small policies \\(mlp, cnn, sac\\); a policy of model_type openvla"):

@@ -3,6 +3,7 @@
 from rlfleet.config import load_config, to_yaml
 from services.coordinator.launcher import LocalLauncher
 from services.coordinator.service_registry import config_difference
+from tests.conftest import INFERENCE_SERVER
 
 
 def test_devices_follow_component_placement(tmp_path):
@@ -62,7 +63,10 @@ def test_no_process_is_pinned_unless_the_config_says():
 
 
 def test_cpu_placement_override_splits_a_range_over_servers():
-    cfg = load_config(None, ["cluster.num_env_servers=2", "cluster.cpu_placement={env: 0-3, actor: 4, rollout: all}"])
+    cfg = load_config(
+        None,
+        ["cluster.num_env_servers=2", "cluster.cpu_placement={env: 0-3, actor: 4, rollout: all}", INFERENCE_SERVER],
+    )
     got = _cpus(cfg, list(range(6)))
     assert got == {"learner-0": (4,), "inference-0": tuple(range(6)), "env-0": (0, 1), "env-1": (2, 3)}
     assert _cpus(load_config(None, ["cluster.cpu_placement={env: 0}"]), [0, 1])["learner-0"] == (0, 1)  # unplaced
@@ -98,7 +102,7 @@ def test_launcher_hands_each_process_its_cores(tmp_path, monkeypatch):
             seen[cmd[2]] = env.get(CPU_CORES_ENV)
 
     monkeypatch.setattr(subprocess, "Popen", FakePopen)
-    cfg = load_config(None, ["cluster.cpu_placement={'env,rollout': 0, actor: 1}"])
+    cfg = load_config(None, ["cluster.cpu_placement={'env,rollout': 0, actor: 1}", INFERENCE_SERVER])
     LocalLauncher(cfg, tmp_path, tmp_path / "c.yaml", "127.0.0.1:1").start_all()
     assert seen == {"services.learner.server": "1", "services.inference.server": "0", "services.env.server": "0"}
     seen.clear()

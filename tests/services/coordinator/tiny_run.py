@@ -1,7 +1,10 @@
 """The tiny default run the coordinator's end-to-end tests start through ``coordinatorctl`` (8 envs, 25 steps per
-epoch, a 32x32 MLP, no env-step or wall-time budget): each test file adds the keys its case needs."""
+epoch, a 32x32 MLP, no env-step or wall-time budget) with an inference server (the default's ``rollout: auto``
+would act in the env servers: the collocated cases add ``COLLOCATED``): each test file adds the keys its case needs."""
 
 import sys
+
+from tests.conftest import INFERENCE_SERVER
 
 CTL = [sys.executable, "-m", "services.coordinator.cli"]
 TINY = [
@@ -15,4 +18,5 @@ TINY = [
     "actor.model.hidden_dims=[32,32]",
     "runner.max_env_steps=null",
     "runner.max_wall_time_s=null",
+    INFERENCE_SERVER,
 ]
