@@ -99,6 +99,23 @@ class FleetShape:
     rows_in_flight: int | None = None  # every train env of every env server (env.train.total_num_envs)
     act_rounds: int | None = None  # Act requests per stage per epoch (max_steps_per_rollout_epoch / action chunk)
     collocated: bool = False  # cluster.component_placement.rollout: env (the env servers act; no inference server)
+    train_envs: int | None = None  # env.train.total_num_envs (a count of env servers must divide it)
+    eval_envs: int | None = None  # env.eval.total_num_envs (likewise)
+
+    def more_env_servers(self) -> str:
+        """The override that adds env servers: the next count that splits the train envs evenly, with an eval env
+        count it splits too where the configured one does not (64 train and 50 eval envs on 2 servers: 4, with
+        env.eval.total_num_envs=52)."""
+        n = self.env_servers + 1
+        if self.train_envs:
+            while n < self.train_envs and self.train_envs % n:
+                n += 1
+            if self.train_envs % n:
+                return f"cluster.num_env_servers={self.env_servers + 1} with more train envs (env.train.total_num_envs)"
+        advice = f"cluster.num_env_servers={n}"
+        if self.eval_envs and self.eval_envs % n:
+            advice += f" env.eval.total_num_envs={-(-self.eval_envs // n) * n}"
+        return advice
 
     @classmethod
     def from_config(cls, cfg, env_servers: int | None = None, inference_servers: int | None = None) -> FleetShape:
@@ -131,6 +148,8 @@ class FleetShape:
             rows_in_flight=per_server * envs or None,
             act_rounds=steps or None,
             collocated=collocated,
+            train_envs=int(get("env.train.total_num_envs", 0)) or None,
+            eval_envs=int(get("env.eval.total_num_envs", 0)) or None,
         )
 
 
@@ -272,7 +291,7 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
             f"servers idle: with algorithm.max_staleness=1 collection overlaps it" + then,
         )
     if part == "env" and shape.collocated:  # no inference server, no stages: only more env servers help
-        advice = f"add env servers (cluster.num_env_servers={shape.env_servers + 1})"
+        advice = f"add env servers ({shape.more_env_servers()})"
         return done("env", f"env stepping takes {of_rollout('env')}{wait_note}: {advice}" + then)
     if part == "inference" and shape.collocated:
         return done(
@@ -282,7 +301,7 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
             f"cluster.component_placement.rollout: env)" + then,
         )
     if part == "env":
-        advice = f"add env servers (cluster.num_env_servers={shape.env_servers + 1})"
+        advice = f"add env servers ({shape.more_env_servers()})"
         if shape.stages == 1 and shares["rollout_inference_wait"] >= STAGE_WAIT:
             advice += (
                 f" or a stage (rollout.pipeline_stage_num=2: their "

@@ -361,8 +361,10 @@ class Learner:
         inference server's restart); -> bytes per server."""
         if full:
             self.publisher.synced.difference_update(addresses)
-        full_names = list(self.model.state_dict())
+        state = self.model.state_dict()
+        full_names = list(state)
         partial_names = list(self.model.sync_state_dict())
+        sizes = {n: t.numel() * t.element_size() for n, t in state.items()}  # metadata only (sharded: global sizes)
 
         bucket = int(self.view.weights_bucket_mb * 2**20)
 
@@ -370,9 +372,12 @@ class Learner:
             self.group.command("gather", {"names": names, "bucket": bucket})
             return self._gather(names, bucket)
 
+        def set_bytes(names: list[str]) -> int:
+            return sum(sizes.get(n, 0) for n in names)
+
         with self.group.lock:
             return self.publisher.publish(
-                addresses, self.version, gather, full_names, partial_names, self.obs_specs, self.action_dim
+                addresses, self.version, gather, full_names, partial_names, self.obs_specs, self.action_dim, set_bytes
             )
 
     def _gather(self, names: list[str], bucket: int):
@@ -502,4 +507,5 @@ class Learner:
                 with self.group.lock:
                     self.group.command("stop")
             self.logger.close()
+            self.publisher.close()
         self.group.close()

@@ -9,7 +9,10 @@ that a server refuses (it restarted) is sent again in full, in a second pass.
 
 A server on this host that accepts shared memory (its ``SharedMemory`` handshake, asked at each publish) gets each
 bucket as handles into a ring of two segments of this process (``rlfleet.wire.shm``): a segment is rewritten only
-once the server has copied the bucket before last, so rank 0 still holds about two buckets, never the set.
+once the server has copied the bucket before last, so rank 0 still holds about two buckets, never the set. A set
+smaller than ``SET_SHM_MIN_BYTES`` (a small policy's, e.g. the default MLP's 0.2 MB) goes inline without the
+handshake: the handshake and a fresh segment cost more than copying it. Each server's channel stays open from one
+publish to the next (a failed call closes it; the next publish dials again).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rlfleet.wire.clients import WireStats, offer_shared_memory, timed_messages
 
 Gather = Callable[[list[str]], Iterator[dict[str, torch.Tensor]]]  # names -> whole tensors, a bucket at a time
 _DONE = object()
+SET_SHM_MIN_BYTES = 16 * shm.MIN_BYTES  # a weights set below this goes inline (1 MiB; 0 with RLFLEET_SHM_MIN_BYTES=0)
 
 
 class WeightPublisher:
@@ -39,6 +43,26 @@ class WeightPublisher:
         self.synced: set[str] = set()  # inference servers holding a full weights set from this learner
         self.last_bytes = 0  # bytes of the last publish per server (the largest)
         self.last_wire = WireStats()  # the last publish's serialisation, over every server
+        self._channels: dict[str, grpc.Channel] = {}  # server -> its open channel (kept between publishes)
+        self._lock = threading.Lock()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = channels.channel(address)
+            return ch
+
+    def _drop(self, address: str) -> None:
+        with self._lock:
+            ch = self._channels.pop(address, None)
+        if ch is not None:
+            ch.close()
+
+    def close(self) -> None:
+        """Close the servers' channels."""
+        for address in list(self._channels):
+            self._drop(address)
 
     def publish(
         self,
@@ -49,14 +73,16 @@ class WeightPublisher:
         partial_names: list[str],
         obs_specs,
         action_dim: int,
+        set_bytes: Callable[[list[str]], int] | None = None,
     ) -> int:
         """Send weights ``version`` to every server in ``addresses``; -> bytes sent per server (the largest).
+        ``set_bytes``: the bytes of a set of names (None: unknown, shared memory offered whatever the size).
         Raises FailedPrecondition naming the first server that failed (the update itself stands)."""
         if not addresses:
             raise InvalidRequest("inference_addresses: empty")
         targets = {a: a in self.synced for a in addresses}  # address -> partial?
         self.last_wire = WireStats()
-        sent, errors = self._pass(targets, version, gather, full_names, partial_names, obs_specs, action_dim)
+        sent, errors = self._pass(targets, version, gather, full_names, partial_names, obs_specs, action_dim, set_bytes)
         refused = [
             a
             for a, exc in errors.items()
@@ -68,7 +94,14 @@ class WeightPublisher:
             for a in refused:
                 errors.pop(a)
             more, again = self._pass(
-                {a: False for a in refused}, version, gather, full_names, partial_names, obs_specs, action_dim
+                {a: False for a in refused},
+                version,
+                gather,
+                full_names,
+                partial_names,
+                obs_specs,
+                action_dim,
+                set_bytes,
             )
             sent.update(more)
             errors.update(again)
@@ -92,10 +125,12 @@ class WeightPublisher:
         partial_names: list[str],
         obs_specs,
         action_dim: int,
+        set_bytes: Callable[[list[str]], int] | None = None,
     ):
         """One gather over the ranks, fanned out to ``targets`` -> ({address: bytes}, {address: error})."""
         partial_set = set(partial_names)
         names = partial_names if all(targets.values()) else full_names
+        offer = self.shared_memory and (set_bytes is None or set_bytes(names) >= SET_SHM_MIN_BYTES)
         queues = {a: queue.Queue(maxsize=1) for a in targets}
         sizes = dict.fromkeys(targets, 0)
 
@@ -124,18 +159,21 @@ class WeightPublisher:
         def call(address: str) -> None:
             arena = None
             try:
-                with channels.channel(address) as ch:
-                    stub = inference_pb2_grpc.InferenceServiceStub(ch)
-                    if self.shared_memory and offer_shared_memory(stub.SharedMemory, min(self.timeout, 10.0))[0]:
-                        arena = shm.Arena("weights", slots=2)
-                    update = ch.stream_unary(
-                        "/rlfleet.v1.InferenceService/UpdateWeights",
-                        request_serializer=None,
-                        response_deserializer=inference_pb2.UpdateWeightsResponse.FromString,
-                    )
-                    # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until it has
-                    # registered, and has the weights republished; waiting here would hold up Train
-                    update(requests(address, arena), timeout=self.timeout)
+                ch = self._channel(address)
+                stub = inference_pb2_grpc.InferenceServiceStub(ch)
+                if offer and offer_shared_memory(stub.SharedMemory, min(self.timeout, 10.0))[0]:
+                    arena = shm.Arena("weights", slots=2)
+                update = ch.stream_unary(
+                    "/rlfleet.v1.InferenceService/UpdateWeights",
+                    request_serializer=None,
+                    response_deserializer=inference_pb2.UpdateWeightsResponse.FromString,
+                )
+                # fail fast on a dead server (no wait_for_ready): the coordinator restarts it, waits until it has
+                # registered, and has the weights republished; waiting here would hold up Train
+                update(requests(address, arena), timeout=self.timeout)
+            except BaseException:
+                self._drop(address)  # a restarted server (or another one at its address) gets a fresh channel
+                raise
             finally:
                 ended[address].set()
                 if arena is not None:

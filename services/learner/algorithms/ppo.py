@@ -16,6 +16,7 @@ from rlfleet.errors import FailedPrecondition
 from services.learner import ppo as losses
 from services.learner.algorithms.base import Algorithm, Critic, Prepared
 from services.learner.batch import RewardScaler, build_batch, split_rows
+from services.learner.optim import adam
 from services.learner.trainer import Trainer
 
 
@@ -28,9 +29,7 @@ class PpoAlgorithm(Algorithm):
         self.trainer = Trainer(view, group)
 
     def optimizer(self, model) -> torch.optim.Optimizer:
-        return torch.optim.Adam(
-            [p for p in model.parameters() if p.requires_grad], lr=self.view.lr, eps=self.view.adam_eps
-        )
+        return adam([p for p in model.parameters() if p.requires_grad], lr=self.view.lr, eps=self.view.adam_eps)
 
     def _lr(self, epoch: int) -> float:
         lr = self.view.lr

@@ -319,3 +319,15 @@ def test_collocated_acting_never_asks_for_stages_or_inference_servers():
     assert "pipeline_stage_num" not in d.line and "num_inference_servers" not in d.line
     d = diagnose([epoch(env=0.3, wait=0.25, train=0.2)], shape)
     assert d.part == "balanced" and "acting in the env servers" in d.line and "inference" not in d.line
+
+
+def test_the_advice_to_add_env_servers_names_a_count_the_config_accepts():
+    """A count that does not split the envs evenly is refused at start: the advice names one that does."""
+    from rlfleet.config import load_config
+
+    shape = FleetShape.from_config(load_config(None, []))  # 64 train, 50 eval envs on 2 collocated env servers
+    assert shape.more_env_servers() == "cluster.num_env_servers=4 env.eval.total_num_envs=52"
+    advice = shape.more_env_servers().split()
+    assert load_config(None, advice).cluster.num_env_servers == 4
+    assert FleetShape(env_servers=1, train_envs=8, eval_envs=4).more_env_servers() == "cluster.num_env_servers=2"
+    assert "more train envs" in FleetShape(env_servers=3, train_envs=3).more_env_servers()
