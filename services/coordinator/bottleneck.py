@@ -101,6 +101,17 @@ class FleetShape:
     collocated: bool = False  # cluster.component_placement.rollout: env (the env servers act; no inference server)
     train_envs: int | None = None  # env.train.total_num_envs (a count of env servers must divide it)
     eval_envs: int | None = None  # env.eval.total_num_envs (likewise)
+    host_cores: int | None = None  # cores of the one host every service runs on (local launcher); None: unknown
+
+    def env_server_advice(self) -> str:
+        """What to do when env stepping limits: more env servers, unless they already fill the host's cores."""
+        more = self.more_env_servers()
+        if self.host_cores and self.env_servers >= self.host_cores:
+            return (
+                f"the {self.env_servers} env servers already fill this host's {self.host_cores} cores: more cores "
+                f"or hosts would take more ({more})"
+            )
+        return f"add env servers ({more})"
 
     def more_env_servers(self) -> str:
         """The override that adds env servers: the next count that splits the train envs evenly, with an eval env
@@ -118,8 +129,15 @@ class FleetShape:
         return advice
 
     @classmethod
-    def from_config(cls, cfg, env_servers: int | None = None, inference_servers: int | None = None) -> FleetShape:
-        """From a run config; ``env_servers``/``inference_servers``: the counts now (after `coordinatorctl scale`)."""
+    def from_config(
+        cls,
+        cfg,
+        env_servers: int | None = None,
+        inference_servers: int | None = None,
+        host_cores: int | None = None,
+    ) -> FleetShape:
+        """From a run config; ``env_servers``/``inference_servers``: the counts now (after `coordinatorctl scale`);
+        ``host_cores``: the cores of the host all services share (the local launcher's), None when unknown."""
 
         def get(path: str, default):
             node = cfg
@@ -150,6 +168,7 @@ class FleetShape:
             collocated=collocated,
             train_envs=int(get("env.train.total_num_envs", 0)) or None,
             eval_envs=int(get("env.eval.total_num_envs", 0)) or None,
+            host_cores=host_cores,
         )
 
 
@@ -291,7 +310,7 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
             f"servers idle: with algorithm.max_staleness=1 collection overlaps it" + then,
         )
     if part == "env" and shape.collocated:  # no inference server, no stages: only more env servers help
-        advice = f"add env servers ({shape.more_env_servers()})"
+        advice = shape.env_server_advice()
         return done("env", f"env stepping takes {of_rollout('env')}{wait_note}: {advice}" + then)
     if part == "inference" and shape.collocated:
         return done(
@@ -301,7 +320,7 @@ def diagnose(window: Sequence[Mapping[str, float]], shape: FleetShape) -> Diagno
             f"cluster.component_placement.rollout: env)" + then,
         )
     if part == "env":
-        advice = f"add env servers ({shape.more_env_servers()})"
+        advice = shape.env_server_advice()
         if shape.stages == 1 and shares["rollout_inference_wait"] >= STAGE_WAIT:
             advice += (
                 f" or a stage (rollout.pipeline_stage_num=2: their "

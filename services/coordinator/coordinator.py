@@ -191,7 +191,13 @@ class Coordinator:
 
     def fleet_shape(self) -> FleetShape:
         """The run's shape as the bottleneck's advice needs it, with the server counts of now (`scale env N`)."""
-        return FleetShape.from_config(self.cfg, self.registry.counts["env"], self.registry.counts["inference"])
+        local = self.view.launcher == "local"
+        return FleetShape.from_config(
+            self.cfg,
+            self.registry.counts["env"],
+            self.registry.counts["inference"],
+            host_cores=len(os.sched_getaffinity(0)) if local else None,
+        )
 
     def request_scale(self, role: int, count: int) -> tuple[int, str]:
         """`coordinatorctl scale env N`: takes effect at the next epoch boundary. -> (current count, message)."""

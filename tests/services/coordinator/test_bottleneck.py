@@ -331,3 +331,9 @@ def test_the_advice_to_add_env_servers_names_a_count_the_config_accepts():
     assert load_config(None, advice).cluster.num_env_servers == 4
     assert FleetShape(env_servers=1, train_envs=8, eval_envs=4).more_env_servers() == "cluster.num_env_servers=2"
     assert "more train envs" in FleetShape(env_servers=3, train_envs=3).more_env_servers()
+    full = FleetShape.from_config(load_config(None, []), host_cores=2)  # the default run on this 2-core machine
+    d = diagnose([epoch(env=0.5, wait=0.05)], full)
+    assert d.part == "env" and "the 2 env servers already fill this host's 2 cores" in d.line, d.line
+    assert "cluster.num_env_servers=4" in d.line  # where more cores are
+    d = diagnose([epoch(env=0.5, wait=0.05)], FleetShape.from_config(load_config(None, []), host_cores=16))
+    assert "add env servers (cluster.num_env_servers=4 env.eval.total_num_envs=52)" in d.line, d.line
