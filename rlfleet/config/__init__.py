@@ -812,17 +812,21 @@ def resolve_auto_rollout(cfg) -> None:
     without GPUs whose policy may act in its env servers (:func:`collocation_refusal`) and that places its env
     servers itself (no external simulators, no per-server simulators): there the pipeline's
     ``rollout.pipeline_stage_num`` env groups become env servers of their own (``cluster.num_env_servers`` at
-    least the stage count, one stage each), so the groups step in parallel processes instead of overlapping
-    with an inference server. Otherwise -> ``all`` (inference servers on every GPU, as ``env,rollout,actor: all``).
+    least the stage count, one stage each, where that count splits the train and eval envs evenly), so the groups
+    step in parallel processes instead of overlapping with an inference server. Otherwise -> ``all`` (inference servers on every GPU, as ``env,rollout,actor: all``).
     The run's ``config.yaml`` holds the result."""
     cl = cfg.cluster
     placement = cl.component_placement
     if _rollout_spec(placement) != ROLLOUT_AUTO:
         return
+    servers = max(int(cl.num_env_servers), int(cfg.rollout.pipeline_stage_num))
     collocate = (
         cl.num_gpus_per_node == 0
         and not cl.external_env_addresses
         and not cfg.env.per_server
+        and all(
+            int(n) > 0 and int(n) % servers == 0 for n in (cfg.env.train.total_num_envs, cfg.env.eval.total_num_envs)
+        )
         and collocation_refusal(cfg) is None
     )
     resolved = {}
@@ -839,7 +843,7 @@ def resolve_auto_rollout(cfg) -> None:
         resolved = {k: ("all" if str(v).strip() == ROLLOUT_AUTO else v) for k, v in resolved.items()}
     cl.component_placement = resolved
     if collocate:
-        cl.num_env_servers = max(int(cl.num_env_servers), int(cfg.rollout.pipeline_stage_num))
+        cl.num_env_servers = servers
         cfg.rollout.pipeline_stage_num = 1
 
 
