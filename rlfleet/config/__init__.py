@@ -859,7 +859,7 @@ def _check_collocated(cfg) -> None:
             False,
             key,
             f"'{ROLLOUT_IN_ENV}' (acting in each env server's process): {refusal[1]} ({refusal[0]}); drop rollout: "
-            f"{ROLLOUT_IN_ENV} (e.g. cluster.component_placement={{env,rollout,actor: all}}, or rollout: "
+            f"{ROLLOUT_IN_ENV} (e.g. \"cluster.component_placement={{'env,rollout,actor': all}}\", or rollout: "
             f"{ROLLOUT_AUTO}, which picks it where it can)",
         )
     _require(
@@ -963,7 +963,12 @@ def parse_ranks(spec, world: int, key: str = "cluster.component_placement", unit
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not m:
-            raise ConfigError(f"'{key}': '{spec}' is not a {unit} range like '0-3', '0,2-3' or 'all'")
+            also = (
+                f" (or, for the rollout alone, '{ROLLOUT_IN_ENV}' or '{ROLLOUT_AUTO}')"
+                if unit == "GPU" and key.rsplit(".", 1)[-1] == "rollout"
+                else ""
+            )
+            raise ConfigError(f"'{key}': '{spec}' is not a {unit} range like '0-3', '0,2-3' or 'all'{also}")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ConfigError(f"'{key}': range '{part}' ends before it starts")
