@@ -38,6 +38,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -61,6 +62,7 @@ CAPS = {
 }
 MINIMUM = {"preflight": 20, "oft-fleet": 150, "oft-inproc": 40, "mlp": 40, "pi0-fleet": 150}
 ENV_SERVERS = (8, 2)  # GPU / --cpu
+MLP_EVAL_ENVS = 50  # the default run's env.eval.total_num_envs
 EPOCHS = (4, 2)  # VLA fleet epochs (GPU / --cpu): the first carries the warm-up, the others are measured
 # the 2-core CPU machine's figures of the default run (README.md, docs/benchmarks.md: seeds 1-12, sync)
 TWO_CORES = {
@@ -220,8 +222,10 @@ def mlp_overrides(cpu: bool, log_path: pathlib.Path, budget_s: float) -> list[st
             "env.eval.num_episodes=8",
             "env.eval.total_num_envs=8",
         ]
-    else:  # as benchmarks/time_to_success.py runs it: 100 seeded episodes every 5 epochs
-        out += ["runner.val_check_interval=5"]
+    else:  # as benchmarks/time_to_success.py runs it: 100 seeded episodes every 5 epochs, on eval envs that the
+        # env servers split evenly (the default's 50 over 8 servers would be refused: 56)
+        servers = ENV_SERVERS[cpu]
+        out += ["runner.val_check_interval=5", f"env.eval.total_num_envs={-(-MLP_EVAL_ENVS // servers) * servers}"]
     return out
 
 
@@ -513,13 +517,12 @@ def run_fleet(
     t_end = time.time()
     log(f"{name}: {how}; {t_end - t_start:.0f}s in all")
     text = _tail(out_path, 200_000)
-    services_up = None
+    services_up = first_set = None
     for line in text.splitlines():
-        if "services up in" in line:
-            try:
-                services_up = float(line.split("services up in", 1)[1].split("s", 1)[0])
-            except ValueError:
-                pass
+        up = re.search(r"services up in ([\d.]+)s(?: \(.*first weights set ([\d.]+)s\))?", line)
+        if up:
+            services_up = float(up.group(1))
+            first_set = float(up.group(2)) if up.group(2) else None
     records = [r for r in _metrics(run_dir) if "time/rollout" in r]
     said = [
         line.split("bottleneck", 1)[1].lstrip(" :")
@@ -534,6 +537,7 @@ def run_fleet(
         "status": status,
         "wall_s": round(t_end - t_start, 1),
         "services_up_s": services_up,
+        "first_weights_set_s": first_set,  # of services_up_s: the learner's first PublishWeights
         "first_epoch_logged_s": round(arrivals[min(arrivals)] - t_start, 1) if arrivals else None,
         "returncode": proc.returncode,
         "epochs": records,
@@ -1009,7 +1013,7 @@ def table(report: dict) -> str:
             f"| {name} | {r.get('model', '')} | {placement} | {shape} | "
             f"{(f'{epochs[0]}-{epochs[-1]}' if len(epochs) > 1 else (str(epochs[0]) if epochs else 'none'))} | "
             f"{_f(r.get('rollout_env_steps_per_s'), '{:,.1f}')} | {_f(r.get('epoch_env_steps_per_s'), '{:,.1f}')} | "
-            f"{_f(r.get('services_up_s'), '{:.0f}')} | {_f(r.get('first_epoch_logged_s'), '{:.0f}')} | "
+            f"{_f(r.get('services_up_s'), '{:.0f}')}{_f(r.get('first_weights_set_s'), ' (first weights set {:.0f})', '')} | {_f(r.get('first_epoch_logged_s'), '{:.0f}')} | "
             f"{_f(g.get('gpu_busy'), '{:.0%}')} | {_gib(gm.get('learner', {}).get('max_mib'))} / "
             f"{_gib(gm.get('inference', {}).get('max_mib'))} / {_gib(gm.get('env', {}).get('sum_mib'))} / "
             f"{_gib((r.get('gpu_whole_part') or {}).get('gpu_memory_peak_mib'))} | "

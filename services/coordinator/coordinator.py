@@ -419,6 +419,7 @@ class Coordinator:
                 "cluster.external_eval_env_addresses): env.eval's env_id, init_params and total_num_envs do not "
                 "apply, and training episodes restart after each evaluation"
             )
+        t_started = time.monotonic()
         learner = calls.learner()
         pub = learner.PublishWeights(
             learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=reg.policy_addresses()),
@@ -433,7 +434,8 @@ class Coordinator:
         chunk = view.num_action_chunks
         batch = view.total_num_envs * view.max_steps_per_rollout_epoch // chunk
         self.say(
-            f"  services up in {time.monotonic() - t_setup:.1f}s; env {spec.env_id}: "
+            f"  services up in {time.monotonic() - t_setup:.1f}s (started and registered {t_started - t_setup:.1f}s, "
+            f"first weights set {time.monotonic() - t_started:.1f}s); env {spec.env_id}: "
             f"{view.total_num_envs} envs x {view.max_steps_per_rollout_epoch} steps"
             + (f" in chunks of {chunk}" if chunk > 1 else "")
             + f" = {batch} samples/epoch, "

@@ -95,6 +95,9 @@ def test_the_gpu_configs_are_valid_and_their_memory_fits_one_gpu(monkeypatch, tm
             assert est["collocated_gb"] <= usable * 2**30 / 1e9 - 4, (gpu_gib, family, est)  # contexts, EGL
             if family == "pi0":
                 assert cfg.actor.model.openpi.train_expert_only == (gpu_gib < gpu_fleet.PI0_FULL_GIB)
+    mlp = load_config(None, gpu_fleet.mlp_overrides(False, tmp_path, 300))  # 8 env servers: eval envs split evenly
+    assert mlp.cluster.num_env_servers == 8 and mlp.env.eval.total_num_envs == 56
+    assert gpu_fleet.MLP_EVAL_ENVS == load_config(None, []).env.eval.total_num_envs
     oft = load_config(None, gpu_fleet.vla_overrides("oft", False, fleet=True))
     assert (oft.actor.model.is_lora, oft.actor.model.lora_rank, list(oft.actor.model.extra_image_keys)) == (
         True,
