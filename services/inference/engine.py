@@ -116,8 +116,8 @@ class InferenceEngine:
             planned = self._plan(obs_specs, action_dim)
             if planned is not None:
                 self._check_state(state, {n: shape for n, (shape, _, _) in planned.items()}, partial=False)
-            target = build_policy(self.model_cfg, obs_specs, action_dim, self.normalize_obs, self.logprob_type).to(
-                self.device
+            target = build_policy(
+                self.model_cfg, obs_specs, action_dim, self.normalize_obs, self.logprob_type, device=self.device
             )
             if self.weights_dtype is not None:  # rollout.weights_precision: bf16: nothing trains here, so the
                 for param in target.parameters():  # served copies may hold their parameters in bf16 (half the

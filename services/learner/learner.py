@@ -178,8 +178,8 @@ class Learner:
     def _on_setup(self, meta: dict, _tensors) -> None:
         torch.manual_seed(self.view.seed)  # the same initial weights on every rank
         obs_specs, action_dim = _specs_from_json(meta["obs_specs"]), int(meta["action_dim"])
-        model = build_policy(self.view.model, obs_specs, action_dim, self.alg.normalize_obs, self.alg.logprob_type).to(
-            self.device
+        model = build_policy(
+            self.view.model, obs_specs, action_dim, self.alg.normalize_obs, self.alg.logprob_type, device=self.device
         )
         only_eval = self.view.only_eval  # serving weights for an evaluation: no rollouts, reference, optimizer
         # the forward inputs a rollout must carry (names, per-row shapes): asked of the whole policy, before sharding

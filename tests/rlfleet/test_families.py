@@ -81,6 +81,36 @@ def test_a_new_family_is_one_entry(toy, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        (None, []),
+        ("pandapickcube_vision_ppo", []),
+        ("pandapickcube_vision_ppo_openvla_tiny", []),
+        ("metaworld_mt10_ppo_pi05_tiny", []),
+        ("libero_spatial_grpo_openvla_oft", ["actor.model.image_key=third_person"]),  # the real size: 7.61B
+        ("metaworld_mt50_ppo_pi0", []),  # the real size: 3.52B
+    ],
+)
+def test_a_policy_is_made_on_the_device_it_is_built_for(config, overrides):
+    """build_policy(device=...) makes and initialises every tensor there (the learner and the inference server pass
+    their GPU): the real-size OpenVLA-OFT is never a 30 GB fp32 copy in the host's memory first. The meta device
+    stands in for a GPU here: nothing is allocated, and a tensor made on the host would show up as one."""
+    import resource
+
+    cfg = load_config(config, overrides)
+    vector = {"state": TensorSpace((8,), "float32")}
+    images = {k: TensorSpace((224, 224, 3), "uint8") for k in ("third_person", "wrist")}
+    specs = vector if cfg.actor.model.model_type == "mlp" else {**vector, **images}
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    policy = build_policy(cfg.actor.model, specs, 7, True, device="meta")
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    on = {t.device.type for t in [*policy.parameters(), *policy.buffers()]}
+    assert on == {"meta"}, on
+    params = sum(t.numel() for t in policy.parameters())
+    assert grown_mib < 1024 + params * 4 / 2**20 / 20, (config, params, grown_mib)  # far below one fp32 copy
+
+
 def test_unregistered_family_is_unknown():
     with pytest.raises(ConfigError, match="unknown model_type 'toy'"):
         load_config(None, ["actor.model.model_type=toy"])
