@@ -56,7 +56,7 @@ def test_cpu_mode_runs_every_part_and_writes_the_tables(tmp_path):
             "env": 2,
         }
         assert r["services_up_s"] > 0 and r["first_epoch_logged_s"] >= r["services_up_s"]
-        assert 0 < r["first_weights_set_s"] < r["services_up_s"]  # the coordinator's split of the start-up
+        assert 0 <= r["first_weights_set_s"] < r["services_up_s"]  # the coordinator's split of the start-up
         assert f"| {name} | {r['model']} | CPU | 2 x 4 | 2 | " in table
     inproc = parts["oft-inproc"]
     assert inproc["env_steps_per_s"] > 0 and inproc["env_steps_per_epoch"] == 128  # 8 envs x 16 steps
