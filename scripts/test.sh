@@ -8,6 +8,6 @@ export MUJOCO_GL=${MUJOCO_GL:-egl}
 # The simulators' Debian packages (Mesa EGL/Vulkan) go in before any test loads a GL library: upgrading them under a
 # running test process breaks its next MuJoCo context (EGL_BAD_MATCH). Not fatal here: the tests name what is missing.
 .venv/bin/python -m rlfleet.simulators.environments system-packages all || echo "[test] some simulator system packages are missing (see above)"
-# two workers: the fleet tests one at a time on one, the rest beside them on the other (tests/conftest.py); -n 0 (or
+# two workers: each runs one of two groups of fleet tests one at a time, the rest around them (tests/conftest.py); -n 0 (or
 # -p no:xdist) runs everything in this process, one test at a time
 exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"

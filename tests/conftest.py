@@ -87,8 +87,10 @@ def fleet(cfg, tmp_path):
 
 # scripts/test.sh runs the suite on two pytest-xdist workers (-n 2 --dist loadgroup). The tests that start fleets of
 # processes (the coordinator's end-to-end runs, learner rank groups, the benchmarks' runs) or count what the whole
-# host holds (/dev/shm, /proc) go to one worker, one at a time, as in a serial run; everything else (one process, or
-# servers in this process) runs on the other worker beside them. Without xdist the mark does nothing.
+# host holds (/dev/shm, /proc) run one at a time within one of two groups of about equal length (CI's durations,
+# 2026-11-27: ~25 minutes each); loadgroup orders the work by size, so the two groups start first, one on each worker,
+# and the tests of one process (or of servers in this process) fill in around them. One group used to hold them all:
+# its worker ran for 50 minutes while the other sat idle after 17. Without xdist the marks do nothing.
 ONE_AT_A_TIME = (
     "tests/services/coordinator/",
     "tests/benchmarks/",
@@ -96,10 +98,25 @@ ONE_AT_A_TIME = (
     "tests/rlfleet/test_shm.py",
     "tests/gpu/",
 )
+# of those, the group "fleet-a" (the rest: "fleet-b"); the host-counting tests (shared memory) are together in it
+FLEET_A = tuple(
+    f"tests/services/coordinator/{name}.py"
+    for name in (
+        "test_end_to_end",
+        "test_shared_memory_e2e",
+        "test_security",
+        "test_early_stop",
+        "test_collocated_e2e",
+        "test_learner_group_e2e",
+        "test_loggers_e2e",
+        "test_tls",
+        "test_telemetry",
+    )
+) + ("tests/rlfleet/test_shm.py",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into each test's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(ONE_AT_A_TIME):
-            item.add_marker(pytest.mark.xdist_group("fleet"))
+            item.add_marker(pytest.mark.xdist_group("fleet-a" if item.nodeid.startswith(FLEET_A) else "fleet-b"))
