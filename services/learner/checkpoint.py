@@ -33,7 +33,6 @@ from rlfleet.data.checkpoint_files import (
     read_learner_state,
     run_folder_of,
 )
-from rlfleet.data.dcp_files import load_state
 from rlfleet.untrusted import BadFile
 
 __all__ = [
@@ -79,6 +78,8 @@ def load_sharded(path: pathlib.Path, model, optimizer) -> None:
     (rlfleet.data.checkpoint_files); a bad file is a BadFile on every rank."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from rlfleet.data.dcp_files import load_state  # torch.distributed.checkpoint: ~0.6 s of every start otherwise
+
     path = pathlib.Path(path)
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(
@@ -98,6 +99,8 @@ def load_sharded(path: pathlib.Path, model, optimizer) -> None:
 def load_policy_state(path: str | pathlib.Path, model) -> None:
     """A single process (evaluation, export): the policy's weights from a checkpoint, without its optimizer."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from rlfleet.data.dcp_files import load_state
 
     path = pathlib.Path(path)
     if not (path / STATE_DIR).is_dir():
