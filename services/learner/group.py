@@ -88,6 +88,7 @@ class RankGroup:
         self._cmd_store = store.clone() if store is not None else None
         self._seq = 0
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []  # the heartbeat and the watchdog (_start_heartbeats)
         self.lock = threading.RLock()  # leader: one command (and its collectives) at a time
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter value, when it last changed)
 
@@ -142,6 +143,11 @@ class RankGroup:
 
     def close(self) -> None:
         self._stop.set()
+        # the heartbeat threads out of their store calls first: a daemon thread still inside a store call when the
+        # interpreter ends takes the process down with std::terminate (SIGABRT), seen under load in CI
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10.0)
         if self.distributed and dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -169,8 +175,12 @@ class RankGroup:
                     r, age = silent[0]
                     self.fail(f"learner rank {r} sent no heartbeat for {age:.0f}s")
 
-        threading.Thread(target=beat, name="rank-heartbeat", daemon=True).start()
-        threading.Thread(target=watch, name="rank-watchdog", daemon=True).start()
+        self._threads = [
+            threading.Thread(target=beat, name="rank-heartbeat", daemon=True),
+            threading.Thread(target=watch, name="rank-watchdog", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
     def silent_ranks(self, store=None) -> list[tuple[int, float]]:
         """Watched ranks whose heartbeat counter has not moved for heartbeat_timeout_s: [(rank, seconds)]."""

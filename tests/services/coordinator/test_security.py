@@ -10,6 +10,7 @@ reflection streams against every server leave the run, its calls and its heartbe
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -71,7 +72,7 @@ SECRET = "the-run-secret-of-the-security-tests"
 
 def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, monkeypatch):
     monkeypatch.setenv(auth.TOKEN_ENV, SECRET)  # the run's secret, known here (the run folder holds the operator's)
-    proc = start(tmp_path, "runner.max_epochs=12", "runner.val_check_interval=0", name="sec")
+    proc = start(tmp_path, "runner.max_epochs=40", "runner.val_check_interval=0", name="sec")  # still going at status
     monkeypatch.delenv(auth.TOKEN_ENV)
     run = tmp_path / "sec"
     try:
@@ -201,16 +202,17 @@ def test_without_the_token_every_rpc_is_refused_and_the_attacks_fail(tmp_path, m
 
         # coordinatorctl status uses the run folder's token
         out = subprocess.run([*CTL, "status", str(run)], capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0 and "sec: training" in out.stdout, out.stdout + out.stderr
+        # (training, or its final evaluation where the attacks above outlasted the epochs on a loaded host)
+        assert out.returncode == 0 and re.search(r"sec: (training|evaluating)", out.stdout), out.stdout + out.stderr
         code, out = finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert code == 0, out
-    assert "runner.max_epochs=12 reached" in out
+    assert "runner.max_epochs=40 reached" in out
     assert not any("eval/forged" in r for r in read_metrics(run))
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["epochs"] == 12 and not summary["restarts"]
+    assert summary["epochs"] == 40 and not summary["restarts"]
     weights = [r["train/weights_version"] for r in read_metrics(run) if "train/weights_version" in r]
     assert max(weights) < 100  # no 2**62 version got in
 
