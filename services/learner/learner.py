@@ -45,14 +45,18 @@ _TRAIN_TIME = metrics.get_meter("rlfleet").create_histogram("rlfleet.learner.tra
 
 __all__ = ["Learner", "latest_checkpoint", "update_threads"]
 
+# policies whose update runs on cluster.torch_num_threads even in sync mode (cluster.learner_num_threads: null)
+SMALL_UPDATE_MODELS = frozenset({"mlp"})
+
 
 def update_threads(view: LearnerView, local_ranks: int = 1) -> int:
     """Torch threads of the update (cluster.learner_num_threads; null: in sync mode nothing else runs while the
     learner trains, so its ranks share every core this process may use; in async mode the envs are collecting
-    beside it)."""
+    beside it; an MLP's update is too small to split: one thread, whose update and epoch are faster,
+    docs/benchmarks.md#the-learners-threads)."""
     if view.learner_num_threads is not None:
         return view.learner_num_threads
-    if view.algorithm.max_staleness > 0:
+    if view.algorithm.max_staleness > 0 or view.model.model_type in SMALL_UPDATE_MODELS:
         return max(1, view.torch_num_threads)
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
 

@@ -153,13 +153,20 @@ def test_resume_restores_weights_optimizer_and_counters(cfg, learner, tmp_path):
     other.close()
 
 
-def test_update_threads_follow_the_mode(cfg, monkeypatch):
+def test_update_threads_follow_the_mode_and_the_policy(cfg, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    cfg.cluster.torch_num_threads = 1
+    assert cfg.actor.model.model_type == "mlp"
+    assert update_threads(learner_view(cfg)) == 1  # an MLP's update is too small to split over cores
+    cfg.actor.model.model_type = "cnn"
     assert update_threads(learner_view(cfg)) == 3  # sync: nothing else runs during the update
+    assert update_threads(learner_view(cfg), local_ranks=2) == 1  # two ranks share the cores
     cfg.algorithm.max_staleness = 1
-    assert update_threads(learner_view(cfg)) == cfg.cluster.torch_num_threads  # async: the envs collect beside it
+    assert update_threads(learner_view(cfg)) == 1  # async: the envs collect beside it
     cfg.cluster.learner_num_threads = 2
     assert update_threads(learner_view(cfg)) == 2
+    cfg.actor.model.model_type = "mlp"
+    assert update_threads(learner_view(cfg)) == 2  # the key, when set, decides
 
 
 def test_update_runs_on_its_threads_and_gives_them_back(learner):
