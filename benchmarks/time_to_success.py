@@ -44,15 +44,16 @@ def hits(run_dir: pathlib.Path) -> dict:
     ]
     out, eval_time = {}, 0.0
     for r in evals:
+        eval_time += r.get("time/eval", 0.0)  # eval/wall_time_s is stamped after this evaluation: its time too
         for th in THRESHOLDS:
             if th not in out and r["eval/success_once"] >= th:
                 out[th] = (r["step"], r["eval/env_steps"], r["eval/wall_time_s"], r["eval/wall_time_s"] - eval_time)
-        eval_time += r.get("time/eval", 0.0)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     train = [r for r in records if isinstance(r.get("time/elapsed"), (int, float))]
     if train:
+        # the evaluations before the last epoch's record (an evaluation at step s follows epoch s's record)
         wall = train[-1]["time/elapsed"] - sum(
-            r.get("time/eval", 0.0) for r in evals if r["step"] > 0 and r["step"] <= train[-1]["step"]
+            r.get("time/eval", 0.0) for r in evals if 0 < r["step"] < train[-1]["step"]
         )
         out["rate"] = train[-1].get("env/env_steps", 0) / max(wall, 1e-9)
     out["final"] = summary.get("final_eval", {}).get("eval/success_once")

@@ -1,0 +1,29 @@
+"""benchmarks/time_to_success.py's reading of a run: the time to a threshold leaves out every evaluation up to and
+including the one that reached it (eval/wall_time_s is stamped after that evaluation)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import time_to_success  # noqa: E402
+
+
+def test_times_leave_out_every_evaluation_up_to_the_one_that_reached_the_threshold(tmp_path):
+    records = [
+        {"step": 4, "time/elapsed": 2.0, "env/env_steps": 4096.0},
+        {"step": 5, "time/elapsed": 2.5, "env/env_steps": 5120.0},
+        {"step": 5, "eval/success_once": 0.6, "eval/env_steps": 5120.0, "eval/wall_time_s": 3.5, "time/eval": 1.0},
+        {"step": 10, "time/elapsed": 6.0, "env/env_steps": 10240.0},
+        {"step": 10, "eval/success_once": 0.96, "eval/env_steps": 10240.0, "eval/wall_time_s": 7.5, "time/eval": 1.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    h = time_to_success.hits(tmp_path)
+    assert h[0.5] == (5, 5120.0, 3.5, 2.5)  # 3.5 s at the end of the first evaluation, 1.0 s of it evaluating
+    assert h[0.9] == h[0.95] == (10, 10240.0, 7.5, 5.0)  # both evaluations' 2.5 s left out
+    assert h[0.95][3] == records[3]["time/elapsed"] - 1.0  # the training clock at that epoch, less the first evaluation
+    assert h["rate"] == 10240.0 / 5.0
