@@ -30,7 +30,7 @@ from rlfleet.errors import FailedPrecondition, InvalidRequest
 from rlfleet.policies import build_policy, families, footprint
 from rlfleet.untrusted import BadFile
 from rlfleet.wire.spaces import TensorSpace
-from services.learner import checkpoint
+from services.learner import checkpoint, warmup
 from services.learner.algorithms.base import Prepared
 from services.learner.algorithms.factory import make_algorithm
 from services.learner.checkpoint import latest_checkpoint
@@ -137,6 +137,7 @@ class Learner:
     # --- model ----------------------------------------------------------------------------------------------
     def setup(self, obs_specs: dict[str, TensorSpace], action_dim: int) -> None:
         """Build the policy for the env's spaces (once); restore the last checkpoint when resuming."""
+        warmup.wait()  # the optimizer's import, done ahead (warmup.py): never two imports at once
         if self.model is not None:
             if obs_specs != self.obs_specs or action_dim != self.action_dim:
                 raise InvalidRequest(
@@ -180,6 +181,7 @@ class Learner:
         self._run("setup", meta)
 
     def _on_setup(self, meta: dict, _tensors) -> None:
+        warmup.wait()
         torch.manual_seed(self.view.seed)  # the same initial weights on every rank
         obs_specs, action_dim = _specs_from_json(meta["obs_specs"]), int(meta["action_dim"])
         model = build_policy(

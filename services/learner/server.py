@@ -21,6 +21,7 @@ from rlfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learn
 from rlfleet.wire import callers, channels, codec, servers, shm, status
 from rlfleet.wire.service import ServiceRuntime, common_args, exit_after, pick_device, setup_process
 from rlfleet.wire.spaces import spaces_from_proto
+from services.learner import warmup
 from services.learner.group import RankGroup
 from services.learner.learner import Learner
 
@@ -218,12 +219,14 @@ def main(argv=None) -> int:
     group = RankGroup.from_environ(view.learner_collective_timeout_s, view.heartbeat_timeout_s)
     if not group.is_leader:  # a follower: no gRPC, rank 0's commands until it says stop
         learner = Learner(view, args.run_dir, group=group)
+        warmup.start()
         learner.follow()
         learner.close()
         return 0
     server, bound, learner, runtime = serve(
         view, args.address, args.run_dir, args.index, args.coordinator, pick_device(), group
     )
+    warmup.start()  # while the other services start: the first setup's imports (warmup.py)
     code = runtime.serve_until_stopped(cfg, args)
     learner.close()
     return code
