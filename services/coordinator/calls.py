@@ -137,8 +137,11 @@ class FleetCalls:
         self.ensure_inference_weights()
 
     def why_failed(self, exc: CallFailed, what: str) -> str:
-        """A failed call's explanation: a service death noticed by the monitor says more than the RPC error."""
-        deadline = time.monotonic() + min(self.patience, self.view.heartbeat_timeout_s)
+        """A failed call's explanation: a service death noticed by the monitor says more than the RPC error. A
+        service whose server cancelled the call is going away, and under load its exit (a learner's ranks torn down
+        by torchrun's agent) can take longer than the local patience: the monitor is given up to the heartbeat
+        timeout, the longest a death can go unnoticed."""
+        deadline = time.monotonic() + self.view.heartbeat_timeout_s
         while not self.fate.fatal and time.monotonic() < deadline and retryable(exc):
             time.sleep(0.1)
         return self.fate.fatal or f"{what} failed: {channels.describe_error(exc)}"
