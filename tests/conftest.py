@@ -115,8 +115,18 @@ FLEET_A = tuple(
 ) + ("tests/rlfleet/test_shm.py",)
 
 
+def _uses_a_module_fixture(item) -> bool:
+    """Whether the test takes a module-scoped fixture (e.g. test_vllm_backend's one run of every check in the vLLM
+    environment, ~50 s): its module's tests then run on one worker, so the fixture runs once, not once per worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope == "module" for group in defs for d in group)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into each test's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(ONE_AT_A_TIME):
             item.add_marker(pytest.mark.xdist_group("fleet-a" if item.nodeid.startswith(FLEET_A) else "fleet-b"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
