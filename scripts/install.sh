@@ -47,6 +47,9 @@ if [ ! -f "$stamp" ]; then
     echo "[install] failed; full log: $log" >&2
     exit 1
   fi
+  # bytecode for what the services import: with PYTHONDONTWRITEBYTECODE set (as on this project's machines) nothing
+  # else writes it, and every process would compile torch from source (~2.5 s more per service start; scripts/bytecode.py)
+  .venv/bin/python scripts/bytecode.py >>"$log" 2>&1 || echo "[install] warning: no bytecode compiled ahead (see $log)" >&2
   rm -f .venv/.rlfleet-installed-*
   touch "$stamp"
   echo "[install] done in $((SECONDS - t0)) s (log: $log)"
