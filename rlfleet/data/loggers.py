@@ -19,6 +19,7 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -104,11 +105,21 @@ class TensorBoardBackend(LoggerBackend):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(self.run_dir / self.folder))
+        self._flushed = 0.0  # time.monotonic() of the last flush
+
+    FLUSH_INTERVAL_S = 1.0  # what TensorBoard shows of a live run is at most this old
 
     def log(self, step, scalars):
-        for k, v in scalars.items():
-            self.writer.add_scalar(k, v, step)
-        self.writer.flush()
+        """One event of every scalar (``add_scalar`` per key made an event each: 49 keys took 3-5 ms of each
+        epoch's Train call, one event 0.5 ms), flushed at most once a second."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+        self.writer._get_file_writer().add_summary(Summary(value=values), step)
+        now = time.monotonic()
+        if now - self._flushed >= self.FLUSH_INTERVAL_S:
+            self.writer.flush()
+            self._flushed = now
 
     def resume_at(self, step):
         from torch.utils.tensorboard import SummaryWriter

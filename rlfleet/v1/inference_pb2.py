@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/inference.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"\x84\x02\n\nActRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x0cobservations\x18\x02 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12\x15\n\rdeterministic\x18\x03 \x01(\x08\x12\x14\n\x0cinstructions\x18\x04 \x03(\t\x12?\n\rtrace_context\x18\x05 \x03(\x0b\x32(.rlfleet.v1.ActRequest.TraceContextEntry\x12\x12\n\nnoise_keys\x18\x06 \x03(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x01\n\x0b\x41\x63tResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12#\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12%\n\tlog_probs\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06values\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x17\n\x0fweights_version\x18\x05 \x01(\x03\x12-\n\x0e\x66orward_inputs\x18\x06 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\"\xba\x02\n\x0cWeightsChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12 \n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12I\n\x11observation_space\x18\x06 \x03(\x0b\x32..rlfleet.v1.WeightsChunk.ObservationSpaceEntry\x12,\n\x0c\x61\x63tion_space\x18\x07 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec\x1aO\n\x15ObservationSpaceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec:\x02\x38\x01\"=\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\"\x1a\n\x18\x44\x65scribeInferenceRequest\"\x9b\x01\n\rInferenceInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x03\x12\x17\n\x0frequests_served\x18\x04 \x01(\x03\x12\x13\n\x0b\x62\x61tches_run\x18\x05 \x01(\x03\x12\x17\n\x0fmean_batch_rows\x18\x06 \x01(\x01\x32\xba\x02\n\x10InferenceService\x12:\n\x03\x41\x63t\x12\x16.rlfleet.v1.ActRequest\x1a\x17.rlfleet.v1.ActResponse(\x01\x30\x01\x12N\n\rUpdateWeights\x12\x18.rlfleet.v1.WeightsChunk\x1a!.rlfleet.v1.UpdateWeightsResponse(\x01\x12K\n\x08\x44\x65scribe\x12$.rlfleet.v1.DescribeInferenceRequest\x1a\x19.rlfleet.v1.InferenceInfo\x12M\n\x0cSharedMemory\x12\x1d.rlfleet.v1.SharedMemoryOffer\x1a\x1e.rlfleet.v1.SharedMemoryAnswerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/inference.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/tensor.proto\"\x84\x02\n\nActRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x0cobservations\x18\x02 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\x12\x15\n\rdeterministic\x18\x03 \x01(\x08\x12\x14\n\x0cinstructions\x18\x04 \x03(\t\x12?\n\rtrace_context\x18\x05 \x03(\x0b\x32(.rlfleet.v1.ActRequest.TraceContextEntry\x12\x12\n\nnoise_keys\x18\x06 \x03(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x01\n\x0b\x41\x63tResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12#\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12%\n\tlog_probs\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06values\x18\x04 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x17\n\x0fweights_version\x18\x05 \x01(\x03\x12-\n\x0e\x66orward_inputs\x18\x06 \x01(\x0b\x32\x15.rlfleet.v1.TensorMap\"\xb6\x03\n\x0cWeightsChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12 \n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12I\n\x11observation_space\x18\x06 \x03(\x0b\x32..rlfleet.v1.WeightsChunk.ObservationSpaceEntry\x12,\n\x0c\x61\x63tion_space\x18\x07 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec\x12\x36\n\x07tensors\x18\x08 \x03(\x0b\x32%.rlfleet.v1.WeightsChunk.TensorsEntry\x1aO\n\x15ObservationSpaceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.rlfleet.v1.TensorSpec:\x02\x38\x01\x1a\x42\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor:\x02\x38\x01\"=\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\"\x1a\n\x18\x44\x65scribeInferenceRequest\"\xb9\x01\n\rInferenceInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x03\x12\x17\n\x0frequests_served\x18\x04 \x01(\x03\x12\x13\n\x0b\x62\x61tches_run\x18\x05 \x01(\x03\x12\x17\n\x0fmean_batch_rows\x18\x06 \x01(\x01\x12\x1c\n\x14reads_packed_weights\x18\x07 \x01(\x08\x32\xba\x02\n\x10InferenceService\x12:\n\x03\x41\x63t\x12\x16.rlfleet.v1.ActRequest\x1a\x17.rlfleet.v1.ActResponse(\x01\x30\x01\x12N\n\rUpdateWeights\x12\x18.rlfleet.v1.WeightsChunk\x1a!.rlfleet.v1.UpdateWeightsResponse(\x01\x12K\n\x08\x44\x65scribe\x12$.rlfleet.v1.DescribeInferenceRequest\x1a\x19.rlfleet.v1.InferenceInfo\x12M\n\x0cSharedMemory\x12\x1d.rlfleet.v1.SharedMemoryOffer\x1a\x1e.rlfleet.v1.SharedMemoryAnswerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACTREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_WEIGHTSCHUNK_OBSERVATIONSPACEENTRY']._loaded_options = None
   _globals['_WEIGHTSCHUNK_OBSERVATIONSPACEENTRY']._serialized_options = b'8\001'
+  _globals['_WEIGHTSCHUNK_TENSORSENTRY']._loaded_options = None
+  _globals['_WEIGHTSCHUNK_TENSORSENTRY']._serialized_options = b'8\001'
   _globals['_ACTREQUEST']._serialized_start=68
   _globals['_ACTREQUEST']._serialized_end=328
   _globals['_ACTREQUEST_TRACECONTEXTENTRY']._serialized_start=277
@@ -43,15 +45,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACTRESPONSE']._serialized_start=331
   _globals['_ACTRESPONSE']._serialized_end=548
   _globals['_WEIGHTSCHUNK']._serialized_start=551
-  _globals['_WEIGHTSCHUNK']._serialized_end=865
-  _globals['_WEIGHTSCHUNK_OBSERVATIONSPACEENTRY']._serialized_start=786
-  _globals['_WEIGHTSCHUNK_OBSERVATIONSPACEENTRY']._serialized_end=865
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=867
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=928
-  _globals['_DESCRIBEINFERENCEREQUEST']._serialized_start=930
-  _globals['_DESCRIBEINFERENCEREQUEST']._serialized_end=956
-  _globals['_INFERENCEINFO']._serialized_start=959
-  _globals['_INFERENCEINFO']._serialized_end=1114
-  _globals['_INFERENCESERVICE']._serialized_start=1117
-  _globals['_INFERENCESERVICE']._serialized_end=1431
+  _globals['_WEIGHTSCHUNK']._serialized_end=989
+  _globals['_WEIGHTSCHUNK_OBSERVATIONSPACEENTRY']._serialized_start=842
+  _globals['_WEIGHTSCHUNK_OBSERVATIONSPACEENTRY']._serialized_end=921
+  _globals['_WEIGHTSCHUNK_TENSORSENTRY']._serialized_start=923
+  _globals['_WEIGHTSCHUNK_TENSORSENTRY']._serialized_end=989
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=991
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1052
+  _globals['_DESCRIBEINFERENCEREQUEST']._serialized_start=1054
+  _globals['_DESCRIBEINFERENCEREQUEST']._serialized_end=1080
+  _globals['_INFERENCEINFO']._serialized_start=1083
+  _globals['_INFERENCEINFO']._serialized_end=1268
+  _globals['_INFERENCESERVICE']._serialized_start=1271
+  _globals['_INFERENCESERVICE']._serialized_end=1585
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class ActResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., actions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., log_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ..., forward_inputs: _Optional[_Union[_tensor_pb2.TensorMap, _Mapping]] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
-    __slots__ = ("version", "name", "data", "offset", "partial", "observation_space", "action_space")
+    __slots__ = ("version", "name", "data", "offset", "partial", "observation_space", "action_space", "tensors")
     class ObservationSpaceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,13 @@ class WeightsChunk(_message.Message):
         key: str
         value: _tensor_pb2.TensorSpec
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ...) -> None: ...
+    class TensorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +69,7 @@ class WeightsChunk(_message.Message):
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_SPACE_FIELD_NUMBER: _ClassVar[int]
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     version: int
     name: str
     data: _tensor_pb2.Tensor
@@ -69,7 +77,8 @@ class WeightsChunk(_message.Message):
     partial: bool
     observation_space: _containers.MessageMap[str, _tensor_pb2.TensorSpec]
     action_space: _tensor_pb2.TensorSpec
-    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., data: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., offset: _Optional[int] = ..., partial: _Optional[bool] = ..., observation_space: _Optional[_Mapping[str, _tensor_pb2.TensorSpec]] = ..., action_space: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ...) -> None: ...
+    tensors: _containers.MessageMap[str, _tensor_pb2.Tensor]
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., data: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., offset: _Optional[int] = ..., partial: _Optional[bool] = ..., observation_space: _Optional[_Mapping[str, _tensor_pb2.TensorSpec]] = ..., action_space: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., tensors: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "num_tensors")
@@ -84,17 +93,19 @@ class DescribeInferenceRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InferenceInfo(_message.Message):
-    __slots__ = ("model_type", "weights_version", "num_parameters", "requests_served", "batches_run", "mean_batch_rows")
+    __slots__ = ("model_type", "weights_version", "num_parameters", "requests_served", "batches_run", "mean_batch_rows", "reads_packed_weights")
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     BATCHES_RUN_FIELD_NUMBER: _ClassVar[int]
     MEAN_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    READS_PACKED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     weights_version: int
     num_parameters: int
     requests_served: int
     batches_run: int
     mean_batch_rows: float
-    def __init__(self, model_type: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_parameters: _Optional[int] = ..., requests_served: _Optional[int] = ..., batches_run: _Optional[int] = ..., mean_batch_rows: _Optional[float] = ...) -> None: ...
+    reads_packed_weights: bool
+    def __init__(self, model_type: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_parameters: _Optional[int] = ..., requests_served: _Optional[int] = ..., batches_run: _Optional[int] = ..., mean_batch_rows: _Optional[float] = ..., reads_packed_weights: _Optional[bool] = ...) -> None: ...

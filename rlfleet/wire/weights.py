@@ -42,10 +42,15 @@ def iter_chunks(
     chunk_bytes: int = CHUNK_BYTES,
     arena=None,
     abandon=None,
+    packed: bool = False,
 ) -> Iterator[inference_pb2.WeightsChunk]:
     """The chunks of weights set ``state``. ``arena`` (an ``rlfleet.wire.shm.Arena``, toward a server that accepted
     shared memory): the tensors of at least ``arena.min_bytes`` go into one shared-memory segment together, one
-    chunk of a handle each (``abandon()`` true: stop waiting for the segment's previous bucket to be taken)."""
+    chunk of a handle each (``abandon()`` true: stop waiting for the segment's previous bucket to be taken).
+    ``packed`` (toward a server that reads ``WeightsChunk.tensors``): the inline tensors of at most ``chunk_bytes``
+    travel several to a message, up to ``chunk_bytes`` of them per message; larger ones are cut as without it.
+    A small policy's whole set is then one message instead of one per tensor (a stream's message costs the
+    receiver about as much as 100 KB of bytes: docs/benchmarks.md)."""
     arrays = {name: _tensor_array(tensor) for name, tensor in state.items()}
     refs = {}
     if arena is not None:
@@ -53,24 +58,40 @@ def iter_chunks(
         if big:
             refs = dict(zip(big, arena.pack([arrays[n][1] for n in big], abandon=abandon)[1]))
     first = True
+
+    def message(**fields) -> inference_pb2.WeightsChunk:
+        nonlocal first
+        msg = inference_pb2.WeightsChunk(version=version, partial=partial, **fields)
+        if first and obs_specs is not None:
+            for k, spec in obs_specs_to_proto(obs_specs).items():
+                msg.observation_space[k].CopyFrom(spec)
+            msg.action_space.dtype = DType.FLOAT32
+            msg.action_space.shape[:] = [int(action_dim)]
+        first = False
+        return msg
+
+    pack, pack_bytes = {}, 0  # whole small tensors waiting for their message (packed)
     for name, tensor in state.items():
         dtype, arr = arrays[name]
+        if packed and name not in refs and arr.nbytes <= chunk_bytes:
+            if pack and pack_bytes + arr.nbytes > chunk_bytes:
+                yield message(tensors=pack)
+                pack, pack_bytes = {}, 0
+            pack[name] = tensor_pb2.Tensor(dtype=dtype, shape=list(tensor.shape), data=arr.tobytes())
+            pack_bytes += arr.nbytes
+            continue
         data = b"" if name in refs else arr.tobytes()
         for offset in range(0, max(len(data), 1), chunk_bytes):
-            msg = inference_pb2.WeightsChunk(version=version, name=name, offset=offset, partial=partial)
+            msg = message(name=name, offset=offset)
             msg.data.dtype = dtype
             msg.data.shape[:] = list(tensor.shape)
             if name in refs:
                 msg.data.shared.CopyFrom(refs[name])
             else:
                 msg.data.data = data[offset : offset + chunk_bytes]
-            if first and obs_specs is not None:
-                for k, spec in obs_specs_to_proto(obs_specs).items():
-                    msg.observation_space[k].CopyFrom(spec)
-                msg.action_space.dtype = DType.FLOAT32
-                msg.action_space.shape[:] = [int(action_dim)]
-            first = False
             yield msg
+    if pack:
+        yield message(tensors=pack)
 
 
 def _check_coverage(name: str, spans: list[tuple[int, int]], nbytes: int) -> None:
@@ -107,11 +128,55 @@ def receive(
     return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
 
 
+_DTYPES = (
+    DType.FLOAT32,
+    DType.FLOAT64,
+    DType.FLOAT16,
+    DType.BFLOAT16,
+    DType.INT64,
+    DType.INT32,
+    DType.UINT8,
+    DType.BOOL,
+    DType.INT8,
+)
+
+
 def assemble(chunks: Iterable[inference_pb2.WeightsChunk], shm=None):
     """-> (version, state_dict, obs_specs | None, action_dim | None, partial). Validates every chunk. ``shm``: an
-    ``rlfleet.wire.shm.Reader`` where the set may come by shared-memory handle (a whole tensor per chunk)."""
+    ``rlfleet.wire.shm.Reader`` where the set may come by shared-memory handle (a whole tensor per chunk). A chunk
+    carries a slice of one tensor (``name``, ``data``, ``offset``) and/or whole tensors (``tensors``, packed)."""
     buffers: dict[str, tuple[int, list[int], bytearray]] = {}
     spans: dict[str, list[tuple[int, int]]] = {}  # byte ranges received per tensor: coverage, not a byte count
+
+    def add(name: str, tensor, offset: int) -> None:
+        """Bytes [offset, ...) of tensor ``name`` (described by ``tensor``'s dtype and shape)."""
+        dtype = tensor.dtype
+        if dtype not in _DTYPES:
+            raise CodecError(f"weights['{name}']: unknown dtype {dtype}")
+        shape = list(tensor.shape)
+        nbytes = codec.check_shape(shape, f"weights['{name}']") * codec.numpy_dtype(dtype).itemsize
+        if name not in buffers:
+            # the bytes are kept as received and joined only once they cover the tensor: a 4-byte chunk that
+            # declares a huge shape costs 4 bytes, not the declared size
+            buffers[name] = (dtype, shape, nbytes, [])
+            spans[name] = []
+        bdtype, bshape, _, pieces = buffers[name]
+        if (bdtype, bshape) != (dtype, shape):
+            raise CodecError(f"weights['{name}']: chunks disagree on dtype/shape")
+        if tensor.HasField("shared"):  # the whole tensor, copied out of the sender's segment
+            if offset != 0:
+                raise CodecError(
+                    f"weights['{name}']: a shared-memory chunk at offset {offset}; it holds the whole tensor (offset 0)"
+                )
+            data = codec.decode(tensor, f"weights['{name}']", shm=shm).reshape(-1).view(np.uint8)
+        else:
+            data = tensor.data
+        end = offset + len(data)
+        if offset < 0 or end > nbytes:
+            raise CodecError(f"weights['{name}']: bytes [{offset}, {end}) outside the tensor's {nbytes}")
+        pieces.append((offset, data))
+        spans[name].append((offset, end))
+
     version = None
     partial = False
     obs_specs = action_dim = None
@@ -125,45 +190,16 @@ def assemble(chunks: Iterable[inference_pb2.WeightsChunk], shm=None):
                 action_dim = int(chunk.action_space.shape[0])
         elif chunk.version != version:
             raise CodecError(f"chunk {i}: version {chunk.version} differs from the set's version {version}")
-        if not chunk.name:
+        if chunk.name:
+            add(chunk.name, chunk.data, chunk.offset)
+        elif not chunk.tensors:
             raise CodecError(f"chunk {i}: empty tensor name")
-        dtype = chunk.data.dtype
-        if dtype not in (
-            DType.FLOAT32,
-            DType.FLOAT64,
-            DType.FLOAT16,
-            DType.BFLOAT16,
-            DType.INT64,
-            DType.INT32,
-            DType.UINT8,
-            DType.BOOL,
-            DType.INT8,
-        ):
-            raise CodecError(f"weights['{chunk.name}']: unknown dtype {dtype}")
-        shape = list(chunk.data.shape)
-        nbytes = codec.check_shape(shape, f"weights['{chunk.name}']") * codec.numpy_dtype(dtype).itemsize
-        if chunk.name not in buffers:
-            # the bytes are kept as received and joined only once they cover the tensor: a 4-byte chunk that
-            # declares a huge shape costs 4 bytes, not the declared size
-            buffers[chunk.name] = (dtype, shape, nbytes, [])
-            spans[chunk.name] = []
-        bdtype, bshape, _, pieces = buffers[chunk.name]
-        if (bdtype, bshape) != (dtype, shape):
-            raise CodecError(f"weights['{chunk.name}']: chunks disagree on dtype/shape")
-        if chunk.data.HasField("shared"):  # the whole tensor, copied out of the sender's segment
-            if chunk.offset != 0:
-                raise CodecError(
-                    f"weights['{chunk.name}']: a shared-memory chunk at offset {chunk.offset}; it holds "
-                    f"the whole tensor (offset 0)"
-                )
-            data = codec.decode(chunk.data, f"weights['{chunk.name}']", shm=shm).reshape(-1).view(np.uint8)
-        else:
-            data = chunk.data.data
-        end = chunk.offset + len(data)
-        if chunk.offset < 0 or end > nbytes:
-            raise CodecError(f"weights['{chunk.name}']: bytes [{chunk.offset}, {end}) outside the tensor's {nbytes}")
-        pieces.append((chunk.offset, data))
-        spans[chunk.name].append((chunk.offset, end))
+        elif chunk.HasField("data") or chunk.offset:
+            raise CodecError(f"chunk {i}: data or offset {chunk.offset} without a tensor name")
+        for name, tensor in chunk.tensors.items():
+            if not name:
+                raise CodecError(f"chunk {i}: a packed tensor with an empty name")
+            add(name, tensor, 0)
     if version is None:
         raise CodecError("weights: empty stream")
     state = {}

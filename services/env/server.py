@@ -173,6 +173,7 @@ class CollocatedPolicyServicer(inference_pb2_grpc.InferenceServiceServicer):
             requests_served=policy.requests_served,
             batches_run=policy.requests_served,
             mean_batch_rows=0.0,
+            reads_packed_weights=True,  # UpdateWeights: rlfleet.wire.weights.assemble reads WeightsChunk.tensors
         )
 
 

@@ -82,6 +82,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             requests_served=info.requests_served,
             batches_run=info.batches_run,
             mean_batch_rows=info.mean_batch_rows,
+            reads_packed_weights=True,  # UpdateWeights: rlfleet.wire.weights.assemble reads WeightsChunk.tensors
         )
 
 

@@ -93,6 +93,27 @@ def _settled(read, timeout_s: float = 20.0):
     return value
 
 
+def test_tensorboard_events_hold_every_scalar_of_every_step_and_a_resume_purges_the_later_ones(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(tmp_path, ("tensorboard",))
+    _log_steps(log)
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["train/loss", "train/success"]  # non-finite values stay out
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("train/loss")] == [(1, 0.5), (2, 0.4), (3, 0.3)]
+    assert [e.step for e in events.Scalars("train/success")] == [1, 2, 3]
+
+    resumed = MetricsLogger(tmp_path, ("tensorboard",))
+    resumed.resume_at(1)
+    resumed.log(2, {"train/loss": 4.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("train/loss")] == [(1, 0.5), (2, 4.0)]
+
+
 def test_wandb_offline_run_holds_the_logged_values_and_a_restart_continues_its_id(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")  # runner.logger.wandb_mode null: W&B's own setting decides
