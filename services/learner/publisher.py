@@ -57,12 +57,18 @@ class WeightPublisher:
             return ch
 
     def _reads_packed(self, address: str, stub) -> bool:
-        """Whether the server at ``address`` reads ``WeightsChunk.tensors`` (servers before it say nothing: no)."""
+        """Whether the server at ``address`` reads ``WeightsChunk.tensors`` (servers before it say nothing, and a
+        receiver that serves only UpdateWeights answers UNIMPLEMENTED: no)."""
         with self._lock:
             known = self._packed.get(address)
         if known is None:
-            info = stub.Describe(inference_pb2.DescribeInferenceRequest(), timeout=min(self.timeout, 10.0))
-            known = bool(info.reads_packed_weights)
+            try:
+                info = stub.Describe(inference_pb2.DescribeInferenceRequest(), timeout=min(self.timeout, 10.0))
+                known = bool(info.reads_packed_weights)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                known = False
             with self._lock:
                 self._packed[address] = known
         return known

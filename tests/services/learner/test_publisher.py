@@ -118,3 +118,42 @@ def test_a_dead_server_is_named_and_the_others_still_get_the_set(fleet):
     obs = np.zeros((2, 18), np.float32)
     assert new.policy.act_now({"state": obs}, True).actions.shape == (2, 1, 4)
     publisher.close()
+
+
+def test_a_receiver_that_serves_only_update_weights_gets_one_tensor_a_message():
+    """A minimal receiver (no Describe: UNIMPLEMENTED, as the wire benchmark's) is taken for an older server."""
+    import grpc
+
+    from rlfleet.wire import weights
+
+    received: list[list[inference_pb2.WeightsChunk]] = []
+
+    def update(request_iterator, context):
+        chunks = list(request_iterator)
+        received.append(chunks)
+        version, state, *_ = weights.assemble(iter(chunks))
+        return inference_pb2.UpdateWeightsResponse(version=version, num_tensors=len(state))
+
+    handler = grpc.method_handlers_generic_handler(
+        "rlfleet.v1.InferenceService",
+        {
+            "UpdateWeights": grpc.stream_unary_rpc_method_handler(
+                update,
+                request_deserializer=inference_pb2.WeightsChunk.FromString,
+                response_serializer=inference_pb2.UpdateWeightsResponse.SerializeToString,
+            )
+        },
+    )
+    server = servers.make_server(max_workers=2)
+    server.add_generic_rpc_handlers((handler,))
+    address = servers.bind(server, "127.0.0.1:0")
+    server.start()
+    try:
+        publisher = WeightPublisher(timeout=30, shared_memory=False)
+        model = ActorCritic(SPECS, 4, hidden_dims=(128, 128))
+        _publish(publisher, [address], model, 1)
+        assert len(received) == 1 and len(received[0]) == len(model.state_dict())
+        assert not any(c.tensors for c in received[0])
+        publisher.close()
+    finally:
+        server.stop(0)
