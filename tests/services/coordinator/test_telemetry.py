@@ -22,6 +22,7 @@ def test_one_epoch_is_one_trace_across_coordinator_env_inference_and_learner(tmp
             "runner.max_epochs=3",
             "runner.val_check_interval=0",
             "telemetry.metrics_interval_s=0.5",
+            "telemetry.step_spans=true",  # off by default (docs/benchmarks.md: ~6% of the default run's epoch)
         ],
         capture_output=True,
         text=True,
