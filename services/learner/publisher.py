@@ -151,8 +151,9 @@ class WeightPublisher:
         """One gather over the ranks, fanned out to ``targets`` -> ({address: bytes}, {address: error})."""
         partial_set = set(partial_names)
         names = partial_names if all(targets.values()) else full_names
-        offer = self.shared_memory and (set_bytes is None or set_bytes(names) >= SET_SHM_MIN_BYTES)
-        if set_bytes is not None and set_bytes(names) < SET_SHM_MIN_BYTES:
+        small = set_bytes is not None and set_bytes(names) < SET_SHM_MIN_BYTES  # None: unknown, taken for large
+        offer = self.shared_memory and not small
+        if small:
             return self._pass_small(targets, version, gather(names), partial_set, obs_specs, action_dim)
         queues = {a: queue.Queue(maxsize=1) for a in targets}
         sizes = dict.fromkeys(targets, 0)
