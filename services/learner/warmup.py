@@ -3,9 +3,11 @@
 The learner builds its policy and optimizer inside the coordinator's first ``PublishWeights``, while every other
 service waits for the weights (the coordinator's start-up line: "first weights set"). torch.optim's first
 optimizer imports ``torch._dynamo`` (``Optimizer.__init__`` is wrapped in ``torch._disable_dynamo``): about a second
-of this machine's CPU, most of the default run's first weights set. ``start()`` runs that import on a thread once
-the learner serves (the env servers are then still building their simulators); ``wait()``, first thing in the
-learner's setup, joins it, so the thread never imports beside another import of this process's setup.
+of this machine's CPU, most of the default run's first weights set. The first checkpoint (epoch
+``runner.save_interval``) imports ``torch.distributed.checkpoint``: 0.2-0.4 s in the middle of training, every run.
+``start()`` runs these imports on a thread once the learner serves (the env servers are then still building their
+simulators); ``wait()``, first thing in the learner's setup, joins it, so the thread never imports beside another
+import of this process's setup.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ import time
 
 log = logging.getLogger("rlfleet.learner.warmup")
 
-# modules the first setup imports that the learner's start does not: torch.optim's first optimizer's import
-MODULES = ("torch._dynamo",)
+# modules the first setup and the first checkpoint import that the learner's start does not: torch.optim's first
+# optimizer's import, then the distributed checkpoint's (services/learner/checkpoint.py)
+MODULES = (
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.checkpoint._fsspec_filesystem",  # what dcp.save imports for a path given as a string
+    "torch.utils.serialization",
+)
 
 _thread: threading.Thread | None = None
 
@@ -29,8 +38,7 @@ def _import_all() -> None:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - the setup imports it again and reports what fails there
-            log.warning("warm-up: importing %s failed (%s); the first setup imports it", name, exc)
-            return
+            log.warning("warm-up: importing %s failed (%s); the setup or the first checkpoint imports it", name, exc)
     log.debug("warm-up: %s imported in %.2f s", ", ".join(MODULES), time.perf_counter() - t0)
 
 
