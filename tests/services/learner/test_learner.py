@@ -189,9 +189,9 @@ def test_samples_more_than_one_version_old_get_truncated_importance_weights(lear
     learner.rollouts.receive(0, 0, tm, pe, eps)
     seen = {}
     step = learner.algorithm.trainer._step
-    learner.algorithm.trainer._step = lambda model, opt, rows, *rest: (
+    learner.algorithm.trainer._step = lambda model, opt, rows, *rest, **kw: (
         seen.update(rows),
-        step(model, opt, rows, *rest),
+        step(model, opt, rows, *rest, **kw),
     )[1]
     m = learner.train(0, [0])
     assert m["rollout/stale_fraction"] == 0.5
