@@ -10,7 +10,9 @@ runner.early_stop_evals=1). Times are training wall time from the first rollout,
 whole-loop rate is training env steps / training wall time (evaluations excluded), next to the raw simulator's
 steps/s on all cores (the physical limit: benchmarks/throughput.py's raw stepping, one process per core), with
 random actions and, where the task has a scripted expert, with the expert's actions (the grasp-and-lift steps of a
-solved task, which cost the physics engine more than random actions do).
+solved task, which cost the physics engine more than random actions do). The random-action rate is measured before
+and after the runs (this host's speed drifts over minutes): the ratio is read against their mean, with its reading
+against each end in parentheses.
 Runs go to runner.logger.log_path when given, else a temporary folder.
 """
 
@@ -100,6 +102,21 @@ def raw_all_cores(cores: int, overrides=(), actions: str = "random", config: str
     return sum(json.loads(out.strip().splitlines()[-1])["rate"] for out, _ in outs)
 
 
+def raw_interval(before: float, after: float) -> tuple[float, str]:
+    """The raw rate measured before and after the runs -> (their mean, the ratio's reading against each): the host's
+    speed can drift while the runs take minutes; the mean is the ratio's denominator, the two ends its interval."""
+    if before <= 0 or after <= 0:
+        raise ValueError(f"raw simulator rates must be positive, got {before} before and {after} after the runs")
+    return (before + after) / 2, f"{min(before, after):,.0f}-{max(before, after):,.0f}"
+
+
+def ratio_cell(rate: float, before: float, after: float) -> str:
+    """The whole loop against the raw rate: at the mean of the two measurements, and at each end."""
+    mean, _ = raw_interval(before, after)
+    lo, hi = sorted((rate / before, rate / after))
+    return f"{rate / mean:.0%} ({lo:.0%}-{hi:.0%})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default=None, help="analyse this run instead of starting any")
@@ -117,6 +134,9 @@ def main() -> None:
         ap.error(f"--modes: {sorted(set(args.modes) - set(MODES))} not in {list(MODES)}")
     given = [o for o in args.overrides if o.startswith("runner.logger.log_path=")]
     log_path = given[-1].split("=", 1)[1] if given else tempfile.mkdtemp(prefix="rlfleet-tts-")
+    cores = os.cpu_count() or 1
+    raw_before = raw_all_cores(cores, args.overrides, config=args.config)
+    print(f"raw simulator before the runs, {cores} processes (one per core): {raw_before:,.0f} env steps/s", flush=True)
     rows = {}
     for mode in args.modes:
         for seed in args.seeds:
@@ -143,16 +163,20 @@ def main() -> None:
             run = sorted(pathlib.Path(log_path).glob(f"{name}*"), key=lambda p: p.stat().st_mtime)[-1]
             rows[(mode, seed)] = hits(run)
             analyse(run)
-    cores = os.cpu_count() or 1
-    raw = raw_all_cores(cores, args.overrides, config=args.config)
+    raw_after = raw_all_cores(cores, args.overrides, config=args.config)
+    raw, spread = raw_interval(raw_before, raw_after)
     expert = raw_all_cores(cores, args.overrides, "expert", config=args.config)
     print(
-        f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s with random actions, "
-        + (f"{expert:,.0f} with the scripted expert's" if expert else "no scripted expert")
+        f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s with random actions (mean of "
+        f"{raw_before:,.0f} before the runs and {raw_after:,.0f} after them), "
+        + (f"{expert:,.0f} with the scripted expert's (after)" if expert else "no scripted expert")
     )
+    if abs(raw_before - raw_after) > 0.1 * raw:
+        print(f"note: the raw rate moved {abs(raw_before - raw_after) / raw:.0%} during the runs (the host's speed)")
     print(
         f"\n| mode | seeds | to 50% (s / k steps) | to 90% (s / k steps) | to 95% median (s) | to 95% worst (s) | "
-        f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores (random, expert) |"
+        f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores: random "
+        f"(at {spread} before/after), expert |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
@@ -177,7 +201,8 @@ def main() -> None:
         rate = statistics.median(r.get("rate", 0.0) for r in runs)
         print(
             f"| {mode} | {', '.join(map(str, args.seeds))} | {cell(0.5)} | {cell(0.9)} | {med95} | {worst95} | "
-            f"{steps95} | {rate:,.0f} | {rate / raw:.0%}, {f'{rate / expert:.0%}' if expert else '-'} |"
+            f"{steps95} | {rate:,.0f} | {ratio_cell(rate, raw_before, raw_after)}, "
+            f"{f'{rate / expert:.0%}' if expert else '-'} |"
         )
 
 

@@ -7,6 +7,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -27,3 +29,13 @@ def test_times_leave_out_every_evaluation_up_to_the_one_that_reached_the_thresho
     assert h[0.9] == h[0.95] == (10, 10240.0, 7.5, 5.0)  # both evaluations' 2.5 s left out
     assert h[0.95][3] == records[3]["time/elapsed"] - 1.0  # the training clock at that epoch, less the first evaluation
     assert h["rate"] == 10240.0 / 5.0
+
+
+def test_the_ratio_to_the_raw_rate_uses_both_measurements_and_shows_their_interval():
+    """The raw simulator is measured before and after the runs: the host's speed drifts over minutes here."""
+    mean, spread = time_to_success.raw_interval(8000.0, 10000.0)
+    assert mean == 9000.0 and spread == "8,000-10,000"
+    assert time_to_success.ratio_cell(3600.0, 8000.0, 10000.0) == "40% (36%-45%)"
+    assert time_to_success.ratio_cell(3600.0, 9000.0, 9000.0) == "40% (40%-40%)"
+    with pytest.raises(ValueError, match="0.0 before"):
+        time_to_success.raw_interval(0.0, 9000.0)
