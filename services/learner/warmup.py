@@ -4,7 +4,7 @@ The learner builds its policy and optimizer inside the coordinator's first ``Pub
 service waits for the weights (the coordinator's start-up line: "first weights set"). torch.optim's first
 optimizer imports ``torch._dynamo`` (``Optimizer.__init__`` is wrapped in ``torch._disable_dynamo``): about a second
 of this machine's CPU, most of the default run's first weights set. The first checkpoint (epoch
-``runner.save_interval``) imports ``torch.distributed.checkpoint``: 0.2-0.4 s in the middle of training, every run.
+``runner.save_interval``) imports ``torch.distributed.checkpoint``: ~0.2 s in the middle of training, every run.
 ``start()`` runs these imports on a thread once the learner serves (the env servers are then still building their
 simulators); ``wait()``, first thing in the learner's setup, joins it, so the thread never imports beside another
 import of this process's setup.
