@@ -105,6 +105,9 @@ def test_tensorboard_events_hold_every_scalar_of_every_step_and_a_resume_purges_
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("train/loss")] == [(1, 0.5), (2, 0.4), (3, 0.3)]
     assert [e.step for e in events.Scalars("train/success")] == [1, 2, 3]
 
+    # a resumed run is a later process: its events file is named after a later second. In one second of one process
+    # the files sort by a counter (as text: "10" before "9"), which put the resumed file first in a full suite
+    time.sleep(1.1)
     resumed = MetricsLogger(tmp_path, ("tensorboard",))
     resumed.resume_at(1)
     resumed.log(2, {"train/loss": 4.0})
