@@ -13,6 +13,8 @@ MLP ones, load in well under a millisecond).
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -140,6 +142,7 @@ class LocalPolicy:
         self.version = -1
         self.requests_served = 0
         self._lock = threading.Lock()  # an update waits for the batch in progress, and a batch for an update
+        self._changed = threading.Condition(self._lock)  # notified when a weights set lands (wait_for_version)
 
     def check_version(self, version: int) -> None:
         check_version(version, self.version)
@@ -176,7 +179,20 @@ class LocalPolicy:
             self.model, self.version = model, version
             if rebuild:
                 self.obs_specs, self.action_dim = dict(obs_specs), action_dim
+            self._changed.notify_all()
         return version
+
+    def wait_for_version(self, version: int, timeout: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Block until weights of at least ``version`` are set (-> True), or ``timeout`` seconds pass or
+        ``should_stop()`` says so (-> False; it is asked about every 50 ms)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self.version < version:
+                left = deadline - time.monotonic()
+                if left <= 0 or should_stop():
+                    return False
+                self._changed.wait(min(left, 0.05))
+        return True
 
     def act_now(
         self, obs: dict[str, np.ndarray], deterministic: bool, instructions=None, noise_keys=None

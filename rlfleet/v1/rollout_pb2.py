@@ -26,7 +26,7 @@ from rlfleet.v1 import env_pb2 as rlfleet_dot_v1_dot_env__pb2
 from rlfleet.v1 import tensor_pb2 as rlfleet_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/rollout.proto\x12\nrlfleet.v1\x1a\x14rlfleet/v1/env.proto\x1a\x17rlfleet/v1/tensor.proto\"\xaf\x01\n\x0e\x43ollectRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x11\n\tnum_steps\x18\x02 \x01(\x05\x12\x1b\n\x13inference_addresses\x18\x03 \x03(\t\x12\x17\n\x0flearner_address\x18\x04 \x01(\t\x12\x1b\n\x13min_weights_version\x18\x05 \x01(\x03\x12(\n\x0bpolicy_spec\x18\x06 \x01(\x0b\x32\x13.rlfleet.v1.EnvSpec\"\xdd\x02\n\x0f\x43ollectResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x11\n\tenv_steps\x18\x02 \x01(\x03\x12*\n\x08\x65pisodes\x18\x03 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\x12\x16\n\x0erollout_time_s\x18\x04 \x01(\x01\x12\x12\n\nenv_time_s\x18\x05 \x01(\x01\x12\x18\n\x10inference_wait_s\x18\x06 \x01(\x01\x12\x17\n\x0fweights_version\x18\x07 \x01(\x03\x12\x15\n\rlost_episodes\x18\x08 \x01(\x05\x12\x12\n\nwire_act_s\x18\t \x01(\x01\x12\x11\n\tact_bytes\x18\n \x01(\x03\x12\x15\n\ract_shm_bytes\x18\x0b \x01(\x03\x12\x16\n\x0ewire_rollout_s\x18\x0c \x01(\x01\x12\x15\n\rrollout_bytes\x18\r \x01(\x03\x12\x19\n\x11rollout_shm_bytes\x18\x0e \x01(\x03\"\xf2\x01\n\x0f\x45valuateRequest\x12\x14\n\x0cnum_episodes\x18\x01 \x01(\x05\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x15\n\rfirst_episode\x18\x05 \x01(\x05\x12\x15\n\rdeterministic\x18\x03 \x01(\x08\x12\x1b\n\x13inference_addresses\x18\x04 \x03(\t\x12\x1b\n\x13use_reset_state_ids\x18\x06 \x01(\x08\x12\x16\n\x0evideo_episodes\x18\x07 \x01(\x05\x12\x11\n\tvideo_dir\x18\x08 \x01(\t\x12(\n\x0bpolicy_spec\x18\t \x01(\x0b\x32\x13.rlfleet.v1.EnvSpec\"j\n\x10\x45valuateResponse\x12*\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\x12\x13\n\x0b\x65val_time_s\x18\x02 \x01(\x01\x12\x15\n\rlost_episodes\x18\x03 \x01(\x05\x32\xdc\x01\n\x0eRolloutService\x12\x42\n\x07\x43ollect\x12\x1a.rlfleet.v1.CollectRequest\x1a\x1b.rlfleet.v1.CollectResponse\x12\x45\n\x08\x45valuate\x12\x1b.rlfleet.v1.EvaluateRequest\x1a\x1c.rlfleet.v1.EvaluateResponse\x12?\n\x08\x44\x65scribe\x12\x1e.rlfleet.v1.DescribeEnvRequest\x1a\x13.rlfleet.v1.EnvSpecb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/rollout.proto\x12\nrlfleet.v1\x1a\x14rlfleet/v1/env.proto\x1a\x17rlfleet/v1/tensor.proto\"\xc7\x01\n\x0e\x43ollectRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x11\n\tnum_steps\x18\x02 \x01(\x05\x12\x1b\n\x13inference_addresses\x18\x03 \x03(\t\x12\x17\n\x0flearner_address\x18\x04 \x01(\t\x12\x1b\n\x13min_weights_version\x18\x05 \x01(\x03\x12(\n\x0bpolicy_spec\x18\x06 \x01(\x0b\x32\x13.rlfleet.v1.EnvSpec\x12\x16\n\x0eweights_wait_s\x18\x07 \x01(\x01\"\xdd\x02\n\x0f\x43ollectResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x11\n\tenv_steps\x18\x02 \x01(\x03\x12*\n\x08\x65pisodes\x18\x03 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\x12\x16\n\x0erollout_time_s\x18\x04 \x01(\x01\x12\x12\n\nenv_time_s\x18\x05 \x01(\x01\x12\x18\n\x10inference_wait_s\x18\x06 \x01(\x01\x12\x17\n\x0fweights_version\x18\x07 \x01(\x03\x12\x15\n\rlost_episodes\x18\x08 \x01(\x05\x12\x12\n\nwire_act_s\x18\t \x01(\x01\x12\x11\n\tact_bytes\x18\n \x01(\x03\x12\x15\n\ract_shm_bytes\x18\x0b \x01(\x03\x12\x16\n\x0ewire_rollout_s\x18\x0c \x01(\x01\x12\x15\n\rrollout_bytes\x18\r \x01(\x03\x12\x19\n\x11rollout_shm_bytes\x18\x0e \x01(\x03\"\xf2\x01\n\x0f\x45valuateRequest\x12\x14\n\x0cnum_episodes\x18\x01 \x01(\x05\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x15\n\rfirst_episode\x18\x05 \x01(\x05\x12\x15\n\rdeterministic\x18\x03 \x01(\x08\x12\x1b\n\x13inference_addresses\x18\x04 \x03(\t\x12\x1b\n\x13use_reset_state_ids\x18\x06 \x01(\x08\x12\x16\n\x0evideo_episodes\x18\x07 \x01(\x05\x12\x11\n\tvideo_dir\x18\x08 \x01(\t\x12(\n\x0bpolicy_spec\x18\t \x01(\x0b\x32\x13.rlfleet.v1.EnvSpec\"j\n\x10\x45valuateResponse\x12*\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x18.rlfleet.v1.EpisodeStats\x12\x13\n\x0b\x65val_time_s\x18\x02 \x01(\x01\x12\x15\n\rlost_episodes\x18\x03 \x01(\x05\x32\xdc\x01\n\x0eRolloutService\x12\x42\n\x07\x43ollect\x12\x1a.rlfleet.v1.CollectRequest\x1a\x1b.rlfleet.v1.CollectResponse\x12\x45\n\x08\x45valuate\x12\x1b.rlfleet.v1.EvaluateRequest\x1a\x1c.rlfleet.v1.EvaluateResponse\x12?\n\x08\x44\x65scribe\x12\x1e.rlfleet.v1.DescribeEnvRequest\x1a\x13.rlfleet.v1.EnvSpecb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.rollout_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COLLECTREQUEST']._serialized_start=88
-  _globals['_COLLECTREQUEST']._serialized_end=263
-  _globals['_COLLECTRESPONSE']._serialized_start=266
-  _globals['_COLLECTRESPONSE']._serialized_end=615
-  _globals['_EVALUATEREQUEST']._serialized_start=618
-  _globals['_EVALUATEREQUEST']._serialized_end=860
-  _globals['_EVALUATERESPONSE']._serialized_start=862
-  _globals['_EVALUATERESPONSE']._serialized_end=968
-  _globals['_ROLLOUTSERVICE']._serialized_start=971
-  _globals['_ROLLOUTSERVICE']._serialized_end=1191
+  _globals['_COLLECTREQUEST']._serialized_end=287
+  _globals['_COLLECTRESPONSE']._serialized_start=290
+  _globals['_COLLECTRESPONSE']._serialized_end=639
+  _globals['_EVALUATEREQUEST']._serialized_start=642
+  _globals['_EVALUATEREQUEST']._serialized_end=884
+  _globals['_EVALUATERESPONSE']._serialized_start=886
+  _globals['_EVALUATERESPONSE']._serialized_end=992
+  _globals['_ROLLOUTSERVICE']._serialized_start=995
+  _globals['_ROLLOUTSERVICE']._serialized_end=1215
 # @@protoc_insertion_point(module_scope)

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CollectRequest(_message.Message):
-    __slots__ = ("epoch", "num_steps", "inference_addresses", "learner_address", "min_weights_version", "policy_spec")
+    __slots__ = ("epoch", "num_steps", "inference_addresses", "learner_address", "min_weights_version", "policy_spec", "weights_wait_s")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_SPEC_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_steps: int
     inference_addresses: _containers.RepeatedScalarFieldContainer[str]
     learner_address: str
     min_weights_version: int
     policy_spec: _env_pb2.EnvSpec
-    def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., learner_address: _Optional[str] = ..., min_weights_version: _Optional[int] = ..., policy_spec: _Optional[_Union[_env_pb2.EnvSpec, _Mapping]] = ...) -> None: ...
+    weights_wait_s: float
+    def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., inference_addresses: _Optional[_Iterable[str]] = ..., learner_address: _Optional[str] = ..., min_weights_version: _Optional[int] = ..., policy_spec: _Optional[_Union[_env_pb2.EnvSpec, _Mapping]] = ..., weights_wait_s: _Optional[float] = ...) -> None: ...
 
 class CollectResponse(_message.Message):
     __slots__ = ("epoch", "env_steps", "episodes", "rollout_time_s", "env_time_s", "inference_wait_s", "weights_version", "lost_episodes", "wire_act_s", "act_bytes", "act_shm_bytes", "wire_rollout_s", "rollout_bytes", "rollout_shm_bytes")

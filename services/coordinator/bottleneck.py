@@ -38,7 +38,10 @@ servers ``time/env`` and ``time/inference_wait`` may come from different servers
 
 **Synchronous** (``algorithm.max_staleness=0``): collection and training take turns, nothing overlaps:
 ``time/step = time/rollout + time/train_rpc``, and every part below is a share of the epoch that would be saved
-if it went to zero. The env servers idle during ``time/train_rpc``, the learner during ``time/rollout``.
+if it went to zero. The env servers idle during ``time/train_rpc``, the learner during ``time/rollout``. With
+collocated acting the next epoch's Collect is sent before the learner trains, and each env server starts stepping
+as soon as the new weights land (it waits for them): that epoch's ``time/rollout`` counts from the Train reply, so
+the coordinator's own bookkeeping between epochs falls inside it, overlapped by the stepping.
 
 **Asynchronous** (``algorithm.max_staleness=N >= 1``): collection of epoch k+1 starts as soon as epoch k's rollouts
 are in (before k trains), and up to N collections queue on each env server, so collection overlaps training.

@@ -19,7 +19,9 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from rlfleet.config import env_server_config, learner_layout, to_yaml
 from rlfleet.config.views import CoordinatorView, build_view
@@ -45,6 +47,10 @@ from services.coordinator.service_registry import (
 __all__ = ["Coordinator", "RunFailed", "choose_run_dir", "install_signal_handlers"]
 
 _tracer = trace.get_tracer("rlfleet")  # the epoch's trace: epoch > collect (per env server), train
+
+
+class CollectDropped(Exception):
+    """A collection sent ahead of its epoch that the run, having ended, will not ask for again."""
 
 
 def joint_env_spec(specs: list) -> tuple[env_pb2.EnvSpec, str | None]:
@@ -136,6 +142,11 @@ class Coordinator:
         self.envs_per_server = view.total_num_envs // view.num_env_servers
         self.pending_scale: int | None = None
         self.lost_by_epoch: dict[int, int] = {}  # episodes lost while collecting each epoch
+        # Collect calls in flight, by (epoch, env server), and the epochs whose collection was dropped (a
+        # synchronous epoch's Collect sent before the run ended: cancelled, never tried again)
+        self._collect_calls: dict[tuple[int, int], grpc.Future] = {}
+        self._dropped_epochs: set[int] = set()
+        self._collect_lock = threading.Lock()
 
     # --- called by the gRPC servicer ---------------------------------------------------------------------------
     def register(self, role, index, address, pid, incarnation, config_yaml="", caller=None) -> bool:
@@ -272,7 +283,9 @@ class Coordinator:
             self.registry.wait(role, index, self.view.startup_timeout_s, stoppable=True)
 
     # --- one epoch's parts ------------------------------------------------------------------------------------
-    def _collect(self, index: int, epoch: int, min_version: int) -> rollout_pb2.CollectResponse:
+    def _collect(self, index: int, epoch: int, min_version: int, wait_s: float = 0.0) -> rollout_pb2.CollectResponse:
+        """Env server ``index`` collects epoch ``epoch`` with weights >= ``min_version``, which it may wait
+        ``wait_s`` seconds for (collocated acting); a server that dies under it is waited for and asked again."""
         calls, reg = self.calls, self.registry
         while True:
             if reg.collocated:  # an env server that (re)started holds no policy yet: the learner publishes first
@@ -283,17 +296,26 @@ class Coordinator:
                 with _tracer.start_as_current_span(
                     "collect", attributes={"rlfleet.epoch": epoch, "rlfleet.env_server": index}
                 ):
-                    resp = stub.Collect(
-                        rollout_pb2.CollectRequest(
-                            epoch=epoch,
-                            num_steps=self.view.max_steps_per_rollout_epoch // self.view.num_action_chunks,
-                            inference_addresses=reg.act_addresses(),
-                            learner_address=reg.addresses("learner")[0],
-                            min_weights_version=min_version,
-                            policy_spec=self.calls.policy_spec,
-                        ),
-                        timeout=self.view.collect_timeout_s,
+                    request = rollout_pb2.CollectRequest(
+                        epoch=epoch,
+                        num_steps=self.view.max_steps_per_rollout_epoch // self.view.num_action_chunks,
+                        inference_addresses=reg.act_addresses(),
+                        learner_address=reg.addresses("learner")[0],
+                        min_weights_version=min_version,
+                        policy_spec=self.calls.policy_spec,
+                        weights_wait_s=wait_s,
                     )
+                    with self._collect_lock:
+                        if epoch in self._dropped_epochs:
+                            raise CollectDropped(f"epoch {epoch}'s collection was dropped: the run ended before it")
+                        call = self._collect_calls[(epoch, index)] = stub.Collect.future(
+                            request, timeout=self.view.collect_timeout_s
+                        )
+                    try:
+                        resp = call.result()
+                    finally:
+                        with self._collect_lock:
+                            self._collect_calls.pop((epoch, index), None)
                 if resp.lost_episodes:
                     self._lost(epoch, resp.lost_episodes)
                     self.say(f"  ! env[{index}]: its external simulator restarted; {resp.lost_episodes} episodes lost")
@@ -468,6 +490,8 @@ class Coordinator:
         pool = ThreadPoolExecutor(self.MAX_ENV_SERVERS)  # threads start as needed: room for `scale env N`
         depth = view.max_staleness  # async: collections started ahead of the epoch being trained
         ahead: deque = deque()  # (epoch, futures), oldest first
+        t_sent_ahead = None  # when the synchronous epoch sent ahead (_prefetch_next) could start stepping
+        next_span = None  # that epoch's span, opened when its collection went out
         target, in_a_row = view.early_stop_success_rate, view.early_stop_evals
         # resumed, and the policy resumed from was evaluated (now, or before the run stopped): the evaluations in a
         # row (the eval history survives --resume) may already be enough
@@ -492,8 +516,14 @@ class Coordinator:
                     break
                 if not ahead:
                     self._apply_scale()
-                with _tracer.start_as_current_span("epoch", attributes={"rlfleet.epoch": epoch}):
-                    t0 = time.perf_counter()
+                # one trace per epoch; a synchronous epoch sent ahead opened its span when its collection went out
+                span = next_span or _tracer.start_span("epoch", context=Context(), attributes={"rlfleet.epoch": epoch})
+                next_span = None
+                with trace.use_span(span, end_on_exit=True):
+                    # a synchronous epoch sent ahead started when the learner's last reply came (its weights had
+                    # landed); any other now
+                    t0 = t_sent_ahead if t_sent_ahead is not None else time.perf_counter()
+                    t_sent_ahead = None
                     rollout = ahead.popleft()[1] if ahead else self._start_collect(pool, epoch, version)
                     results = [calls.await_(f) for f in rollout]
                     t_rollout = time.perf_counter() - t0
@@ -505,7 +535,19 @@ class Coordinator:
                             break
                         after = ahead[-1][1] if ahead else None
                         ahead.append((nxt, self._start_collect(pool, nxt, max(version, nxt - depth), after)))
+                    sent_ahead = not depth and self._prefetch_next(epoch, sum(r.env_steps for r in results))
+                    if sent_ahead:
+                        # synchronous, collocated: epoch k+1 is collected with the weights epoch k's update makes
+                        # (version + 1), which each env server waits for (up to the Collect's own deadline)
+                        next_span = _tracer.start_span(
+                            "epoch", context=Context(), attributes={"rlfleet.epoch": epoch + 1}
+                        )
+                        with trace.use_span(next_span):  # its collection belongs to its own epoch's trace
+                            nxt = self._start_collect(pool, epoch + 1, version + 1, wait_s=view.collect_timeout_s)
+                        ahead.append((epoch + 1, nxt))
                     metrics = self._train(learner, epoch, version, results, t0, t_rollout)
+                    if sent_ahead:
+                        t_sent_ahead = time.perf_counter()
                 version = int(metrics["train/weights_version"])
                 bottleneck = self.report.note_epoch(epoch, metrics, self.fleet_shape())
                 if epoch % view.progress_interval == 0:
@@ -525,9 +567,14 @@ class Coordinator:
         except CallFailed as exc:
             raise RunFailed(calls.why_failed(exc, "a service call")) from exc
         finally:
-            for _, futures in ahead:  # a collection started ahead is not trained on: let it end, do not wait
+            for e, futures in ahead:  # a collection started ahead is not trained on: let it end, do not wait
                 for f in futures:
                     f.cancel()
+                if not depth:  # synchronous: it may be waiting for weights that will not come
+                    self._drop_collection(e)
+            if next_span is not None:  # the epoch sent ahead never trained
+                next_span.set_attribute("rlfleet.dropped", True)
+                next_span.end()
             pool.shutdown(wait=False, cancel_futures=True)
         train_time = self.elapsed()
         self.phase = "evaluating"
@@ -559,17 +606,44 @@ class Coordinator:
             last_metrics=self.last_metrics,
         )
 
-    def _start_collect(self, pool, epoch: int, version: int, after: list | None = None) -> list:
-        """Collect epoch ``epoch`` on every env server (futures); samples need weights version >= ``version``.
-        ``after``: each server's collection of the previous epoch, which must end first (one epoch at a time)."""
+    def _start_collect(self, pool, epoch: int, version: int, after: list | None = None, wait_s: float = 0.0) -> list:
+        """Collect epoch ``epoch`` on every env server (futures); samples need weights version >= ``version``
+        (which a collocated env server may wait ``wait_s`` seconds for). ``after``: each server's collection of
+        the previous epoch, which must end first (one epoch at a time)."""
 
         def collect(i: int):
             if after is not None and i < len(after):
                 after[i].result()
-            return self._collect(i, epoch, version)
+            return self._collect(i, epoch, version, wait_s)
 
         # each collection runs in the caller's context: its span is a child of the epoch's
         return [pool.submit(contextvars.copy_context().run, collect, i) for i in range(self.registry.counts["env"])]
+
+    def _prefetch_next(self, epoch: int, steps: int) -> bool:
+        """Whether the next synchronous epoch's Collect goes out before epoch ``epoch`` (``steps`` env steps)
+        trains: the env servers act themselves (collocated) and wait for the new weights, so they step as soon as
+        the learner publishes them, not after its reply, this loop's bookkeeping and a new call. Only when nothing
+        else comes between the two epochs: no evaluation, scaling, stop or end of the budget."""
+        v, nxt = self.view, epoch + 1
+        return (
+            self.registry.collocated
+            and v.max_staleness == 0
+            and self.pending_scale is None
+            and not self.fate.stop_event.is_set()
+            and nxt < v.max_epochs
+            and not (v.val_check_interval and nxt % v.val_check_interval == 0)
+            and (v.max_env_steps is None or self.env_steps + steps < v.max_env_steps)
+            and (v.max_wall_time_s is None or self.elapsed() < v.max_wall_time_s)
+        )
+
+    def _drop_collection(self, epoch: int) -> None:
+        """Cancel epoch ``epoch``'s Collect calls (a synchronous epoch sent ahead when the run ended: its env
+        servers may be waiting for weights that will not come) and keep it from being asked again."""
+        with self._collect_lock:
+            self._dropped_epochs.add(epoch)
+            live = [c for (e, _), c in self._collect_calls.items() if e == epoch]
+        for call in live:
+            call.cancel()
 
     def _train(self, learner, epoch: int, version: int, results, t0: float, t_rollout: float) -> dict[str, float]:
         """Train on epoch ``epoch`` (collected as ``results``); -> the epoch's metrics."""

@@ -451,6 +451,21 @@ class PolicyRunner:
             self._policy_key = key
         return self._policy
 
+    def await_weights(self, version: int, timeout: float, should_stop: Callable[[], bool] = _never) -> None:
+        """Collocated acting: wait up to ``timeout`` s for the policy held here to reach weights ``version`` (a
+        synchronous epoch's Collect arrives while the learner still trains on the one before). Acting through
+        inference servers there is nothing to wait for here: each answer's version is checked as it comes."""
+        held = self.local_policy
+        if held is None or timeout <= 0 or held.version >= version:
+            return
+        if not held.wait_for_version(version, timeout, should_stop):
+            if should_stop():
+                raise Cancelled(f"cancelled while waiting for weights version {version} (holding {held.version})")
+            raise StaleWeightsError(
+                f"min_weights_version: weights version {version} did not arrive within {timeout:g} s "
+                f"(weights_wait_s); this env server's policy holds version {held.version}"
+            )
+
     def drop_policy(self) -> None:
         if self._policy is not None:
             self._policy.close()

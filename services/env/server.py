@@ -11,6 +11,7 @@ Python environment (rlfleet.simulators.environments), so it imports nothing but 
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -268,11 +269,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         for i, address in enumerate(request.inference_addresses):
             check_address(address, f"inference_addresses[{i}]")
         check_address(request.learner_address, "learner_address")
+        if not (math.isfinite(request.weights_wait_s) and request.weights_wait_s >= 0):
+            raise InvalidRequest(f"weights_wait_s: {request.weights_wait_s} is not a number of seconds >= 0")
         self._acquire(context)
         try:
             self._use_policy_spec(request)
             # an unreachable learner fails the call now, not after a whole rollout and the push's wait
             learner_reachable(request.learner_address, min(LEARNER_CONNECT_TIMEOUT_S, _time_left(context)))
+            self.runner.await_weights(
+                request.min_weights_version,
+                _time_left(context, margin=2.0, default=request.weights_wait_s),
+                _should_stop(context),
+            )
             arena = self.rollout_arena
             (rollout, summary), lost = self.runner.run(
                 request.inference_addresses,

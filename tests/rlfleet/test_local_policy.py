@@ -135,3 +135,30 @@ def test_collocated_placement_and_what_it_refuses():
         )
     with pytest.raises(ConfigError, match="'env' places only the rollout component"):
         load_config(None, ["cluster.component_placement={'env,rollout': env}", "rollout.pipeline_stage_num=1"])
+
+
+def test_waiting_for_a_weights_version():
+    """A synchronous epoch's Collect arrives before the learner has published its weights: the holder waits for
+    the version (woken by the weights set itself), and gives up at its timeout or when told to stop."""
+    import threading
+    import time
+
+    cfg = small_config()
+    state = _weights(cfg)
+    local = LocalPolicy(cfg.actor.model)
+    local.set_weights(1, state, obs_specs=SPECS, action_dim=4)
+    assert local.wait_for_version(1, timeout=0.0)  # already there
+    t0 = time.monotonic()
+    assert not local.wait_for_version(2, timeout=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert not local.wait_for_version(2, timeout=60, should_stop=lambda: True)
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(local.wait_for_version(3, timeout=60)))
+    waiter.start()
+    local.set_weights(2, state)  # not yet the version it waits for
+    time.sleep(0.2)
+    assert waiter.is_alive()
+    t0 = time.monotonic()
+    local.set_weights(3, state)
+    waiter.join(10)
+    assert woke == [True] and time.monotonic() - t0 < 1

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from rlfleet.v1 import coordinator_pb2, inference_pb2, inference_pb2_grpc
-from rlfleet.wire import channels
+from rlfleet.wire import channels, tracing
 from tests.services.coordinator.test_end_to_end import (
     COLLOCATED,
     CTL,
@@ -38,6 +38,17 @@ def test_collocated_run_learns_what_the_inference_server_run_learns(tmp_path):
     assert not [n for n in logs if n.startswith("inference")], logs
     col = read_metrics(tmp_path / "col")
     assert [r["train/weights_version"] for r in col if "train/weights_version" in r] == [1, 2, 3]
+    # epochs 1 and 2 went out before the update before them (the env servers waited for its weights), each still in
+    # a trace of its own
+    spans = tracing.load_spans(tmp_path / "col")
+
+    def when(name, epoch, end):
+        return [s["end_time" if end else "start_time"] for s in spans if s["name"] == name and epoch_of(s) == epoch]
+
+    for e in (1, 2):
+        assert max(when("collect", e, end=False)) < min(when("train", e - 1, end=True))
+        collects = [s for s in tracing.epoch_trace(spans, e) if s["name"] == "collect"]
+        assert len(collects) == 1 and epoch_of(collects[0]) == e
     code, out = finish(start(tmp_path, *args, "rollout.pipeline_stage_num=1", name="inf"))
     assert code == 0, out
     # the same numbers, all but the Act wire's bytes (there is no Act wire)
@@ -48,7 +59,11 @@ def test_collocated_run_learns_what_the_inference_server_run_learns(tmp_path):
     def record(records):
         return [{k: v for k, v in r.items() if k != "wire/act_bytes"} for r in _learning_record(records)]
 
-    assert record(col) == record(inf)
+    assert record(col) == record(inf)  # the same bits, sent ahead or not
+
+
+def epoch_of(span) -> int | None:
+    return span["attributes"].get("rlfleet.epoch")
 
 
 def test_collocated_status_and_who_may_update_weights(tmp_path):

@@ -399,3 +399,59 @@ def test_a_learner_that_never_answers_costs_the_caller_its_deadline_not_the_work
     finally:
         release.set()
         stuck.stop(0)
+
+
+def test_a_collocated_collect_waits_for_the_weights_it_needs(tmp_path):
+    """The coordinator sends a synchronous epoch's Collect to a collocated env server while the learner still
+    trains on the epoch before (weights_wait_s): the server steps once the learner's update publishes the version
+    the Collect needs. Without the field an older policy still fails the call at once; a wait that runs out, or a
+    bad wait, is named."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlfleet.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+    from tests.conftest import Fleet, small_config
+
+    cfg = small_config("cluster.component_placement.rollout=env", "rollout.pipeline_stage_num=1")
+    fleet = Fleet(cfg, tmp_path / "run")
+    try:
+        rstub = rollout_pb2_grpc.RolloutServiceStub(channels.channel(fleet.env_addr))
+        lstub = learner_pb2_grpc.LearnerServiceStub(channels.channel(fleet.learner_addr))
+        spec = rstub.Describe(env_pb2.DescribeEnvRequest())
+        v0 = lstub.PublishWeights(
+            learner_pb2.PublishWeightsRequest(env_spec=spec, inference_addresses=[fleet.env_addr])
+        ).weights_version
+
+        def collect(epoch, **fields):
+            request = rollout_pb2.CollectRequest(
+                epoch=epoch, num_steps=16, learner_address=fleet.learner_addr, **fields
+            )
+            return rstub.Collect(request, timeout=90)
+
+        assert collect(0, min_weights_version=v0).weights_version == v0
+        with pytest.raises(grpc.RpcError) as err:  # no wait asked for: as before
+            collect(1, min_weights_version=v0 + 1)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"needs version >= {v0 + 1}" in err.value.details()
+        with ThreadPoolExecutor(1) as pool:
+            ahead = pool.submit(collect, 1, min_weights_version=v0 + 1, weights_wait_s=60)
+            time.sleep(1.0)
+            assert not ahead.done()  # waiting for the weights, not stepping older ones
+            trained = lstub.Train(
+                learner_pb2.TrainRequest(epoch=0, worker_indices=[0], inference_addresses=[fleet.env_addr])
+            )
+            got = ahead.result(timeout=60)
+        assert trained.weights_version == got.weights_version == v0 + 1
+        assert got.env_steps == cfg.env.train.total_num_envs * 16
+        assert (1, 0) in fleet.learner.rollouts.pending  # pushed to the learner as any epoch
+        with pytest.raises(grpc.RpcError) as err:
+            collect(2, min_weights_version=v0 + 5, weights_wait_s=0.3)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"weights version {v0 + 5} did not arrive within 0.3 s" in err.value.details()
+        assert f"holds version {v0 + 1}" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            collect(2, min_weights_version=v0 + 1, weights_wait_s=-1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "weights_wait_s: -1" in err.value.details()
+        assert collect(2, min_weights_version=v0 + 1, weights_wait_s=60).weights_version == v0 + 1  # still free
+    finally:
+        fleet.close()
