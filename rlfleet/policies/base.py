@@ -78,6 +78,9 @@ class PolicyMixin:
     """Defaults shared by policies (they are torch modules that also define act/evaluate)."""
 
     has_critic: bool = True
+    # the value estimate shares no trainable parameter with the action distribution, and ``evaluate_actor`` and
+    # ``value`` compute its two halves: the learner may run them on two threads (services/learner/trainer.py)
+    critic_apart: bool = False
     num_action_chunks: int = 1
     logprob_type: str = "action_level"
     autocast_dtype: torch.dtype | None = None  # actor.model.precision: bf16 -> torch.bfloat16
@@ -141,6 +144,19 @@ class PolicyMixin:
         instructions: Sequence[str] | None = None,
     ) -> PolicyEval:
         raise NotImplementedError
+
+    def evaluate_actor(
+        self,
+        obs: Mapping[str, torch.Tensor],
+        forward_inputs: Mapping[str, torch.Tensor],
+        instructions: Sequence[str] | None = None,
+    ) -> PolicyEval:
+        """``evaluate`` without the value (``values`` None): policies with ``critic_apart``."""
+        raise NotImplementedError(f"{type(self).__name__}: its critic is not apart from its actor")
+
+    def value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The value estimate alone [n] (policies with ``critic_apart``: the same numbers ``evaluate`` gives)."""
+        raise NotImplementedError(f"{type(self).__name__}: its critic is not apart from its actor")
 
     def expert_forward_inputs(
         self, obs: Mapping[str, torch.Tensor], actions: torch.Tensor, instructions: Sequence[str] | None = None

@@ -52,8 +52,9 @@ SMALL_UPDATE_MODELS = frozenset({"mlp"})
 def update_threads(view: LearnerView, local_ranks: int = 1) -> int:
     """Torch threads of the update (cluster.learner_num_threads; null: in sync mode nothing else runs while the
     learner trains, so its ranks share every core this process may use; in async mode the envs are collecting
-    beside it; an MLP's update is too small to split: one thread, whose update and epoch are faster,
-    docs/benchmarks.md#the-learners-threads-2026-11-27-later)."""
+    beside it; an MLP's update is too small to split over intra-op threads: one thread, whose update and epoch are
+    faster, docs/benchmarks.md#the-learners-threads-2026-11-27-later; in sync mode its critic's half of each step
+    may still run on a second thread: Trainer.critic_apart)."""
     if view.learner_num_threads is not None:
         return view.learner_num_threads
     if view.algorithm.max_staleness > 0 or view.model.model_type in SMALL_UPDATE_MODELS:

@@ -12,6 +12,8 @@ batches of weight zero: every rank runs the same number of passes. In a group of
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -48,6 +50,42 @@ class Trainer:
     def __init__(self, view: LearnerView, group: RankGroup):
         self.view, self.alg, self.group = view, view.algorithm, group
         self.device = group.device
+        # the critic's half of each step on a thread of its own (see critic_apart); created on first use
+        self._critic_thread: ThreadPoolExecutor | None = None
+        self.cores = len(os.sched_getaffinity(0))
+
+    def critic_apart(self, model, critic_only: bool = False) -> bool:
+        """Whether each step runs the critic's forward and backward on a second thread beside the actor's: a
+        policy whose critic shares no parameter with its actor (``critic_apart``: the MLP), one rank (no
+        collectives to order), a synchronous run (the envs wait for this update: their cores are free) on 2+
+        cores, cluster.learner_num_threads left null, and both halves of the loss in the step. The gradients,
+        losses and statistics are the same bits as on one thread (the two halves meet only in the sum)."""
+        return (
+            getattr(model, "critic_apart", False)
+            and not critic_only
+            and self.alg.loss_type == "actor_critic"
+            and self.group.world == 1
+            and self.alg.max_staleness == 0
+            and self.view.learner_num_threads is None
+            and self.cores >= 2
+        )
+
+    def _critic_half(self, model, obs, rows, idx, wr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic's half of a step (on the critic thread): its values, the clipped value loss and its backward
+        -> (value loss, clipped share), each already weighted by ``wr``."""
+        alg = self.alg
+        with model.precision():  # autocast is per thread
+            values = model.value(obs)
+        v, v_clipped = ppo.value_loss_terms(
+            _at_least_fp32(values),
+            rows["old_values"][idx],
+            rows["returns"][idx],
+            value_clip=alg.value_clip,
+            huber_delta=alg.huber_delta,
+        )
+        v_loss, v_clip = (v * wr).sum(), (v_clipped * wr).sum()
+        (alg.value_loss_coef * v_loss).backward()
+        return v_loss.detach(), v_clip
 
     # --- micro batches in lockstep ----------------------------------------------------------------------------
     def lockstep(self, rows: torch.Tensor, size: int):
@@ -167,6 +205,9 @@ class Trainer:
         sd = math.sqrt(self._sum([((adv_all - mu) ** 2 * w_all).sum()]).item() / max(count, 1e-12))
         count = max(count, 1.0)
         optimizer.zero_grad(set_to_none=True)
+        apart = self.critic_apart(model, critic_only)
+        if apart and self._critic_thread is None:
+            self._critic_thread = ThreadPoolExecutor(1, thread_name_prefix="critic")
         acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)  # STAT_KEYS' sums
         diff = torch.zeros((), dtype=torch.float64, device=self.device)
         for idx, real in self.lockstep(ids, self.view.micro_batch_size):
@@ -174,8 +215,9 @@ class Trainer:
             adv = rows["advantages"][idx]
             if alg.normalize_advantages:
                 adv = (adv - mu) / (sd + 1e-8)
+            inputs = self._inputs(rows, idx)
             with model.precision():
-                ev = model.evaluate(*self._inputs(rows, idx))
+                ev = model.evaluate_actor(*inputs) if apart else model.evaluate(*inputs)
             log_probs, entropy = _at_least_fp32(ev.log_probs), _at_least_fp32(ev.entropy)
             if real and first:
                 diff = torch.maximum(
@@ -184,6 +226,10 @@ class Trainer:
             width = log_probs.shape[1]
             w = w.to(log_probs.dtype)
             we = w[:, None].expand(-1, width) / (count * width)  # per-element weight of the policy terms
+            wr = w / count  # per-row weight of the value and entropy terms
+            critic_job = (
+                self._critic_thread.submit(self._critic_half, model, inputs[0], rows, idx, wr) if apart else None
+            )
             pg, pg_stats = ppo.policy_loss_terms(
                 log_probs,
                 rows["old_log_probs"][idx],
@@ -194,8 +240,9 @@ class Trainer:
                 weights=rows["is_weights"][idx] if "is_weights" in rows else None,
             )
             pg_loss = (pg * we).sum()
-            wr = w / count  # per-row weight of the value and entropy terms
-            if ev.values is not None and alg.loss_type == "actor_critic":
+            if apart:
+                v_loss = v_clip = None  # the critic thread's
+            elif ev.values is not None and alg.loss_type == "actor_critic":
                 v, v_clipped = ppo.value_loss_terms(
                     _at_least_fp32(ev.values),
                     rows["old_values"][idx],
@@ -207,12 +254,24 @@ class Trainer:
             else:  # no critic (GRPO)
                 v_loss = v_clip = torch.zeros((), device=log_probs.device)
             ent = (entropy * wr).sum()
-            loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
-            kl = torch.zeros((), device=log_probs.device)
-            if "ref_log_probs" in rows:  # KL penalty to the reference policy (algorithm.kl_beta)
-                kl = (ppo.kl_penalty(log_probs, rows["ref_log_probs"][idx], alg.kl_penalty) * we).sum()
-                loss = loss + alg.kl_beta * kl
-            (alg.value_loss_coef * v_loss if critic_only else loss).backward()
+            if apart:  # the actor's half of the loss here, the critic's on its thread: the whole loss's gradients
+                try:
+                    kl, actor_loss = self._kl(log_probs, rows, idx, we), pg_loss - alg.entropy_bonus * ent
+                    if "ref_log_probs" in rows:
+                        actor_loss = actor_loss + alg.kl_beta * kl
+                    actor_loss.backward()
+                finally:
+                    v_loss, v_clip = critic_job.result()
+                with torch.no_grad():  # the loss as one thread sums it
+                    loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
+                    if "ref_log_probs" in rows:
+                        loss = loss + alg.kl_beta * kl
+            else:
+                loss = pg_loss + alg.value_loss_coef * v_loss - alg.entropy_bonus * ent
+                kl = self._kl(log_probs, rows, idx, we)
+                if "ref_log_probs" in rows:
+                    loss = loss + alg.kl_beta * kl
+                (alg.value_loss_coef * v_loss if critic_only else loss).backward()
             parts = {
                 "train/actor/policy_loss": pg_loss,
                 "train/critic/value_loss": v_loss,
@@ -238,6 +297,12 @@ class Trainer:
         if first:
             out["first_diff"] = float(self.group.all_reduce(diff, "max"))
         return out
+
+    def _kl(self, log_probs: torch.Tensor, rows, idx, we: torch.Tensor) -> torch.Tensor:
+        """The KL penalty to the reference policy (algorithm.kl_beta), weighted; 0 without a reference."""
+        if "ref_log_probs" not in rows:
+            return torch.zeros((), device=log_probs.device)
+        return (ppo.kl_penalty(log_probs, rows["ref_log_probs"][idx], self.alg.kl_penalty) * we).sum()
 
     @torch.no_grad()
     def _decouple_stale(self, model, rows: dict[str, torch.Tensor], versions: torch.Tensor) -> dict[str, float]:

@@ -157,9 +157,18 @@ class ActorCritic(PolicyMixin, nn.Module):
     def heads(self, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> the Gaussian's mean and standard deviation [n, action_dim], and the values [n]."""
         feats = self.features(obs)
-        mean = self.actor_mean(feats)
-        std = self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
+        mean, std = self._gaussian(feats)
         return mean, std, self.critic(feats).squeeze(-1)
+
+    def _gaussian(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = self.actor_mean(feats)
+        return mean, self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
+
+    @property
+    def critic_apart(self) -> bool:
+        """State observations only: the actor and the critic share no trainable parameter (the image encoders
+        of model_type cnn feed both)."""
+        return not self.image_keys
 
     def distribution(self, obs: Mapping[str, torch.Tensor]) -> tuple[torch.distributions.Normal, torch.Tensor]:
         mean, std, values = self.heads(obs)
@@ -188,6 +197,12 @@ class ActorCritic(PolicyMixin, nn.Module):
     ) -> PolicyEval:
         mean, std, values = self.heads(obs)
         return PolicyEval(self._log_probs(mean, std, forward_inputs["actions"]), gaussian_entropy(std).sum(-1), values)
+
+    def evaluate_actor(
+        self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor], instructions=None
+    ) -> PolicyEval:
+        mean, std = self._gaussian(self.features(obs))
+        return PolicyEval(self._log_probs(mean, std, forward_inputs["actions"]), gaussian_entropy(std).sum(-1), None)
 
     def value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.critic(self.features(obs)).squeeze(-1)

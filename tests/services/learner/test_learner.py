@@ -542,3 +542,33 @@ def test_truncated_episodes_bootstrap_from_their_final_observation_in_the_learne
     assert torch.allclose(batch.advantages, adv, atol=1e-6) and torch.allclose(batch.returns, ret, atol=1e-6)
     off = build_batch(part, [0], dataclasses.replace(alg, bootstrap_truncated=False), RewardScaler(0.9), learner.values)
     assert not torch.allclose(off.advantages, batch.advantages)  # the bootstrap is really in there
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_the_critic_on_a_thread_of_its_own_takes_the_same_steps(cfg, tmp_path, kl_beta):
+    """A synchronous MLP update on 2+ cores runs the critic's forward and backward on a second thread beside the
+    actor's (Trainer.critic_apart): every statistic and every weight is the same bit for bit as on one thread
+    (cluster.learner_num_threads=1), with and without a KL penalty to the reference policy."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the critic stays on the update's thread")
+    cfg.algorithm.kl_beta = kl_beta
+    runs = []
+    for threads in (None, 1):
+        cfg.cluster.learner_num_threads = threads
+        le = Learner(learner_view(cfg), tmp_path / f"run{threads}")
+        le.setup(SPECS, 4)
+        trainer = le.algorithm.trainer
+        assert trainer.critic_apart(le.model) == (threads is None)
+        assert not trainer.critic_apart(le.model, critic_only=True)  # a critic warm-up has no actor half
+        stats = []
+        for epoch in range(3):
+            tm, pe, eps = fake_rollout(seed=epoch)
+            le.rollouts.receive(epoch, 0, tm, pe, eps)
+            m = le.train(epoch, [0])
+            stats.append({k: v for k, v in m.items() if k.startswith("train/")})
+        assert (trainer._critic_thread is not None) == (threads is None)
+        runs.append((stats, {k: v.clone() for k, v in le.model.state_dict().items()}))
+        le.close()
+    (apart, w_apart), (one, w_one) = runs
+    assert apart == one
+    assert w_apart.keys() == w_one.keys() and all(torch.equal(w_apart[k], w_one[k]) for k in w_one)
