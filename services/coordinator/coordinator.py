@@ -19,7 +19,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
@@ -144,7 +143,7 @@ class Coordinator:
         self.lost_by_epoch: dict[int, int] = {}  # episodes lost while collecting each epoch
         # Collect calls in flight, by (epoch, env server), and the epochs whose collection was dropped (a
         # synchronous epoch's Collect sent before the run ended: cancelled, never tried again)
-        self._collect_calls: dict[tuple[int, int], grpc.Future] = {}
+        self._collect_calls: dict[tuple[int, int], object] = {}  # their call futures (cancel())
         self._dropped_epochs: set[int] = set()
         self._collect_lock = threading.Lock()
 
