@@ -243,33 +243,40 @@ class WeightPublisher:
     def _pass_small(self, targets: dict[str, bool], version: int, buckets, partial_set: set, obs_specs, action_dim):
         """A set under SET_SHM_MIN_BYTES (inline, held whole without harm): gathered at once, each server's
         messages built and serialised here, and every server's stream sent at once by gRPC, without the bucket
-        hand-over's threads and queues (which cost a small policy's publish more than its bytes) ->
+        hand-over's threads and queues (which cost a small policy's publish more than its bytes); servers that read
+        the same kind of set (full or partial, packed or not) get the same messages, serialised once ->
         ({address: bytes}, {address: error})."""
         bucket: dict[str, torch.Tensor] = {}
         for part in buckets:  # every rank takes part in every gather
             bucket.update(part)
         calls, errors = {}, {}
+        built: dict[tuple[bool, bool], tuple[list, WireStats, int]] = {}  # one serialisation per kind of server
         for address, partial in targets.items():
             try:
                 ch = self._channel(address)
                 packed = self._reads_packed(address, inference_pb2_grpc.InferenceServiceStub(ch))
-                part = {k: v for k, v in bucket.items() if k in partial_set} if partial else bucket
-                kw = {"partial": True} if partial else {"obs_specs": obs_specs, "action_dim": action_dim}
-                wire = WireStats()
-                messages = list(timed_messages(wire, weights.iter_chunks(part, version, packed=packed, **kw)))
-                size = sum(t.numel() * t.element_size() for t in part.values())
+                if (partial, packed) not in built:
+                    part = {k: v for k, v in bucket.items() if k in partial_set} if partial else bucket
+                    kw = {"partial": True} if partial else {"obs_specs": obs_specs, "action_dim": action_dim}
+                    wire = WireStats()
+                    messages = list(timed_messages(wire, weights.iter_chunks(part, version, packed=packed, **kw)))
+                    size = sum(t.numel() * t.element_size() for t in part.values())
+                    built[(partial, packed)] = messages, wire, size
+                    self.last_wire += wire
+                else:  # the same messages again: their bytes go to this server too, built once
+                    self.last_wire += WireStats(0.0, built[(partial, packed)][1].bytes, 0)
+                messages, _, size = built[(partial, packed)]
                 # fail fast on a dead server (no wait_for_ready), as in _pass
-                calls[address] = (self._update_call(ch).future(iter(messages), timeout=self.timeout), wire, size)
+                calls[address] = (self._update_call(ch).future(iter(messages), timeout=self.timeout), size)
             except Exception as exc:  # noqa: BLE001 - reported per server
                 self._drop(address)
                 errors[address] = exc
         sent = {}
-        for address, (future, wire, size) in calls.items():
+        for address, (future, size) in calls.items():
             try:
                 future.result()
                 sent[address] = size
             except Exception as exc:  # noqa: BLE001 - reported per server
                 self._drop(address)
                 errors[address] = exc
-            self.last_wire += wire
         return sent, errors
