@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from rlfleet.policies.base import PolicyEval, PolicyMixin, PolicyOutput, reduce_log_probs
+from rlfleet.policies.models.activations import ACTIVATIONS
 from rlfleet.wire.spaces import TensorSpace
 
-_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 
@@ -64,7 +64,7 @@ def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:
         nn.init.zeros_(linear.bias)
         layers.append(linear)
         if not last:
-            layers.append(_ACTIVATIONS[activation]())
+            layers.append(ACTIVATIONS[activation]())
     return nn.Sequential(*layers)
 
 
@@ -183,13 +183,16 @@ class ActorCritic(PolicyMixin, nn.Module):
         self, obs: Mapping[str, torch.Tensor], deterministic: bool = False, instructions=None, noise=None
     ) -> PolicyOutput:
         """Raw (unclipped) Gaussian samples, or the means; the env clips to its bounds."""
-        mean, std, values = self.heads(obs)
+        feats = self.features(obs)
+        mean, values = self.actor_mean(feats), self.critic(feats).squeeze(-1)
+        # std as one [action_dim] row, broadcast: each element the same number as the [n, action_dim] expansion's
+        std = self.log_std.clamp(-5.0, 2.0).exp()
         if deterministic:
             actions = mean
         elif noise is not None:
             actions = mean + std * noise.torch_normal(mean.shape[1:], mean)
         else:
-            actions = torch.normal(mean, std)  # what Normal(mean, std).sample() draws
+            actions = torch.normal(mean, std.expand_as(mean))  # what Normal(mean, std).sample() draws
         return PolicyOutput(actions[:, None, :], self._log_probs(mean, std, actions), values, {"actions": actions})
 
     def evaluate(
