@@ -26,10 +26,14 @@ def _numpy_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES
 
 
+def _numpy_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.tanh(x.detach().contiguous().numpy()))
+
+
 class _NumpyTanh(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        y = torch.from_numpy(np.tanh(x.detach().contiguous().numpy()))
+        y = _numpy_tanh(x)
         ctx.save_for_backward(y)
         return y
 
@@ -46,7 +50,7 @@ def tanh(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x)
     if x.requires_grad and torch.is_grad_enabled():
         return _NumpyTanh.apply(x)
-    return torch.from_numpy(np.tanh(x.detach().contiguous().numpy()))  # no graph to record (acting, no_grad)
+    return _numpy_tanh(x)  # no graph to record (acting, no_grad)
 
 
 class Tanh(nn.Module):

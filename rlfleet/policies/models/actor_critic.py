@@ -162,7 +162,11 @@ class ActorCritic(PolicyMixin, nn.Module):
 
     def _gaussian(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = self.actor_mean(feats)
-        return mean, self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
+        return mean, self._std().expand_as(mean)
+
+    def _std(self) -> torch.Tensor:
+        """The Gaussian's standard deviation, one [action_dim] row (state-independent)."""
+        return self.log_std.clamp(-5.0, 2.0).exp()
 
     @property
     def critic_apart(self) -> bool:
@@ -185,8 +189,7 @@ class ActorCritic(PolicyMixin, nn.Module):
         """Raw (unclipped) Gaussian samples, or the means; the env clips to its bounds."""
         feats = self.features(obs)
         mean, values = self.actor_mean(feats), self.critic(feats).squeeze(-1)
-        # std as one [action_dim] row, broadcast: each element the same number as the [n, action_dim] expansion's
-        std = self.log_std.clamp(-5.0, 2.0).exp()
+        std = self._std()  # one row, broadcast: each element the same number as heads()' [n, action_dim] expansion
         if deterministic:
             actions = mean
         elif noise is not None:
