@@ -458,7 +458,8 @@ class StepCall:
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._rows: list[int] = []  # the rows of each request sent and not yet answered, in order
-        threading.Thread(target=self._read, name="step-answers", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="step-answers", daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         import grpc
@@ -507,9 +508,13 @@ class StepCall:
     def cancel(self) -> None:
         self.call.cancel()
 
-    def close(self) -> None:
+    def close(self, wait: float = 5.0) -> None:
+        """End the stream and wait (up to ``wait`` seconds) for its reader thread to see the end: a reader still
+        inside gRPC when the interpreter exits can leave the process hanging in its finalisation."""
         self._requests.put(self._END)
         self.call.cancel()
+        if self._reader is not threading.current_thread():
+            self._reader.join(wait)
 
 
 class _Refused:
