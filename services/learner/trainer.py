@@ -208,6 +208,8 @@ class Trainer:
         apart = self.critic_apart(model, critic_only)
         if apart and self._critic_thread is None:
             self._critic_thread = ThreadPoolExecutor(1, thread_name_prefix="critic")
+        # the row weights' dtype: the log-probs' (the parameters': fp32, fp64 in the exactness tests)
+        row_dtype = _at_least_fp32(next(iter(model.critic_parameters()))).dtype if apart else None
         acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)  # STAT_KEYS' sums
         diff = torch.zeros((), dtype=torch.float64, device=self.device)
         for idx, real in self.lockstep(ids, self.view.micro_batch_size):
@@ -217,19 +219,10 @@ class Trainer:
                 adv = (adv - mu) / (sd + 1e-8)
             inputs = self._inputs(rows, idx)
             # the critic's half starts first: its forward, loss and backward take as long as the actor's, which
-            # run here meanwhile (started after the actor's forward, it ended ~0.6 ms after the actor's backward).
-            # Its row weights in the log-probs' dtype (the parameters': fp32, fp64 in the exactness tests)
+            # run here meanwhile (started after the actor's forward, it ended ~0.6 ms after the actor's backward)
+            wr = w.to(row_dtype) / count if apart else None  # per-row weight of the value and entropy terms
             critic_job = (
-                self._critic_thread.submit(
-                    self._critic_half,
-                    model,
-                    inputs[0],
-                    rows,
-                    idx,
-                    w.to(_at_least_fp32(next(iter(model.critic_parameters()))).dtype) / count,
-                )
-                if apart
-                else None
+                self._critic_thread.submit(self._critic_half, model, inputs[0], rows, idx, wr) if apart else None
             )
             with model.precision():
                 ev = model.evaluate_actor(*inputs) if apart else model.evaluate(*inputs)
@@ -241,7 +234,8 @@ class Trainer:
             width = log_probs.shape[1]
             w = w.to(log_probs.dtype)
             we = w[:, None].expand(-1, width) / (count * width)  # per-element weight of the policy terms
-            wr = w / count  # per-row weight of the value and entropy terms
+            if wr is None or wr.dtype != w.dtype:
+                wr = w / count
             pg, pg_stats = ppo.policy_loss_terms(
                 log_probs,
                 rows["old_log_probs"][idx],
