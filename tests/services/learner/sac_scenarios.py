@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 torch.set_num_threads(1)
 
+from rlfleet.wire.service import exit_after  # noqa: E402
 from rlfleet.wire.spaces import TensorSpace  # noqa: E402
 from services.learner.group import RankGroup  # noqa: E402
 from services.learner.sac import SacAgent, SacConfig, SacUpdate  # noqa: E402
@@ -62,4 +63,4 @@ def main(out: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    exit_after(lambda: main(pathlib.Path(sys.argv[1])) or 0)  # as the learner's ranks end (rank_scenarios.py: why)

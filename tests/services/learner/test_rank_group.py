@@ -41,7 +41,8 @@ def run_ranks(n: int, out: Path, scenario: str = "update", **opts) -> dict:
         str(out),
         *[f"{k}={v}" for k, v in opts.items()],
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a rank that aborts prints where each of its threads was
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "result.json").read_text())
 
