@@ -9,7 +9,9 @@ sampled actions and their log-probs and values from the policy itself, random ad
 this machine has two cores or more (services/learner/trainer.py, ``critic_apart``). Then the pieces of one optimizer
 step on a minibatch, each alone on one thread: one hidden layer's matrix product, the actor's and the critic's forward
 and backward, clipping and Adam. The last lines put the update next to the floor its matrix products set at the rate
-measured here: the rest is elementwise work, autograd and Python.
+measured here: the rest is elementwise work, autograd and Python. With the critic on a second thread, one more row:
+the update with the critic's half skipped (its losses zero, its parameters no gradient): the most that moving the
+critic's half out of the learner's process (away from the actor's thread and its GIL) could take off.
 
 Medians (and minima) over the timed calls, wall time. The update runs alone here, with warm caches: in a run it
 follows a rollout, whose simulator evicts the caches (docs/benchmarks.md puts the two side by side).
@@ -121,6 +123,15 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     print(f"| whole update | {med * 1e3:.2f} ms | {low * 1e3:.2f} ms |")
     print(f"| per optimizer step | {med / steps * 1e3:.2f} ms | {low / steps * 1e3:.2f} ms |")
+    if apart:  # what the critic's half costs the update on its thread (the GIL): the update without it
+        none = torch.zeros(())
+        trainer._critic_half = lambda *_: (none, none)
+        bound = _timed(update, args.updates)
+        del trainer._critic_half
+        print(
+            f"| whole update, the critic's half skipped (what the critic would leave if it ran outside this "
+            f"process) | {bound[0] * 1e3:.2f} ms | {bound[1] * 1e3:.2f} ms |"
+        )
 
     # the pieces of one step on a minibatch, each alone on this thread
     from services.learner.rollouts import policy_inputs

@@ -36,6 +36,8 @@ def test_the_table_times_the_default_update_and_its_pieces(capsys):
         assert row, out
         assert all(float(x) > 0 for x in re.findall(r"([\d.]+) (?:ms|us)", row[0])), row
     assert re.search(r"matrix products: \d+ GFLOP/s on one core", out), out
+    skipped = [line for line in out.splitlines() if line.startswith("| whole update, the critic's half skipped")]
+    assert len(skipped) == (1 if "critic on a second thread: yes" in out else 0), out
 
 
 def test_overrides_reach_the_update(capsys):
