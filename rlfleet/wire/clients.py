@@ -106,6 +106,8 @@ CONNECT_TIMEOUT_S = 10.0  # a learner that accepts no connection within this lon
 MAX_CHANNELS = 4  # learner channels kept open across epochs (one per address; the least recently used closes)
 _channels: OrderedDict = OrderedDict()
 _channels_lock = threading.Lock()
+# learner addresses that accepted this process's shared memory (learner_takes_shared_memory)
+_takes_shm: set[str] = set()
 
 
 def _channel(address: str):
@@ -121,6 +123,7 @@ def _channel(address: str):
 def _drop_channel(address: str) -> None:
     with _channels_lock:
         ch = _channels.pop(address, None)
+        _takes_shm.discard(address)
     if ch is not None:
         ch.close()
 
@@ -139,6 +142,22 @@ def learner_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         ) from None
 
 
+def learner_takes_shared_memory(address: str, timeout: float = CONNECT_TIMEOUT_S) -> bool:
+    """Whether the learner at ``address`` reads this process's shared memory (``offer_shared_memory``). A yes is
+    kept for the next pushes (a learner on this host, in this pid namespace, as this uid, stays one) until a push to
+    that address fails or its channel is dropped; a no is asked again each time. Asked at every push, the offer's
+    round trip and probe segment took ~2.7 ms of each push, after the rollout: on the epoch's critical path."""
+    with _channels_lock:
+        if address in _takes_shm:
+            return True
+    stub = learner_pb2_grpc.LearnerServiceStub(_channel(address))
+    ok = offer_shared_memory(stub.SharedMemory, min(timeout, CONNECT_TIMEOUT_S))[0]
+    if ok:
+        with _channels_lock:
+            _takes_shm.add(address)
+    return ok
+
+
 def push_rollout(
     address: str,
     rollout,
@@ -155,39 +174,47 @@ def push_rollout(
     FAILED_PRECONDITION and RESOURCE_EXHAUSTED as the learner said them, a deadline as Cancelled, anything
     else (unreachable, a learner failure) as Unavailable.
 
-    ``arena`` (an ``rlfleet.wire.shm.Arena`` of this process): offered to the learner first; when it accepts, the
-    rollout's tensors go by shared-memory handle (those in the arena's buffers without a copy) and the arena is
-    released when the call ends. ``stats`` (a WireStats) gets the push's serialisation time and bytes."""
+    ``arena`` (an ``rlfleet.wire.shm.Arena`` of this process): offered to the learner first
+    (``learner_takes_shared_memory``); when it accepts, the rollout's tensors go by shared-memory handle (those in
+    the arena's buffers without a copy) and the arena is released when the call ends. A push refused as invalid
+    (INVALID_ARGUMENT) after a yes kept from an earlier push is offered again and sent once more: another learner
+    may answer at that address now (one without shared memory: the rollout goes inline). ``stats`` (a WireStats)
+    gets the push's serialisation time and bytes."""
     ch = _channel(address)
-    stub = learner_pb2_grpc.LearnerServiceStub(ch)
     stats = stats if stats is not None else WireStats()
-    use = None
-    if arena is not None:
-        ok, _ = offer_shared_memory(stub.SharedMemory, min(timeout, CONNECT_TIMEOUT_S))
-        use = arena if ok else None
     push = ch.stream_unary(
         "/rlfleet.v1.LearnerService/PushRollout",
         request_serializer=None,
         response_deserializer=learner_pb2.PushRolloutResponse.FromString,
     )
-    chunks = rollout_chunks(rollout, epoch, worker_index, incarnation, arena=use)
-    try:
-        return push(
-            timed_messages(stats, chunks, lambda c: codec.shared_bytes(c.data)),
-            timeout=max(timeout, 0.001),
-            wait_for_ready=True,
-        )
-    except grpc.RpcError as exc:
-        kind = status.error_type(exc.code() if hasattr(exc, "code") else None)
-        why = f"the learner at {address} did not take the rollout of epoch {epoch}: {channels.describe_error(exc)}"
-        if kind is Cancelled:
-            why += f" (the caller's deadline, or {timeout:.0f}s, passed)"
-        elif kind not in (InvalidRequest, FailedPrecondition, ResourceExhausted):
-            kind = Unavailable  # unreachable, a learner failure
-        raise kind(why) from None
-    finally:
-        if arena is not None:
-            arena.release()  # the learner has copied what it keeps, or the call is over
+    deadline = time.monotonic() + timeout
+    for attempt in range(2):
+        with _channels_lock:
+            kept = address in _takes_shm  # a yes an earlier push got, not asked now
+        use = arena if arena is not None and learner_takes_shared_memory(address, timeout) else None
+        chunks = rollout_chunks(rollout, epoch, worker_index, incarnation, arena=use)
+        try:
+            return push(
+                timed_messages(stats, chunks, lambda c: codec.shared_bytes(c.data)),
+                timeout=max(deadline - time.monotonic(), 0.001),
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            with _channels_lock:
+                _takes_shm.discard(address)  # the next push asks again
+            kind = status.error_type(exc.code() if hasattr(exc, "code") else None)
+            if attempt == 0 and kept and use is not None and kind is InvalidRequest:
+                continue  # the kept yes no longer holds (another learner at this address): asked again, pushed again
+            why = f"the learner at {address} did not take the rollout of epoch {epoch}: {channels.describe_error(exc)}"
+            if kind is Cancelled:
+                why += f" (the caller's deadline, or {timeout:.0f}s, passed)"
+            elif kind not in (InvalidRequest, FailedPrecondition, ResourceExhausted):
+                kind = Unavailable  # unreachable, a learner failure
+            raise kind(why) from None
+        finally:
+            if arena is not None:
+                arena.release()  # the learner has copied what it keeps, or the call is over
+    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 # --- Policy clients used by the rollout worker: the same interface over gRPC or in-process (was clients/policy.py)

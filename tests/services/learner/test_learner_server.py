@@ -412,3 +412,55 @@ def test_forged_rollout_handles_are_invalid_argument_naming_the_field(fleet, lea
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "rollout['obs.state'].shared.key: does not match the key of segment" in err.value.details()
     assert not learner.rollouts.pending
+
+
+def test_a_learners_yes_to_shared_memory_is_asked_once_and_asked_again_when_it_no_longer_holds(
+    fleet, learner_stub, tmp_path, monkeypatch
+):
+    """push_rollout offers shared memory once per learner, not once per push (the offer's round trip came after
+    every rollout); a push that fails asks again; and a kept yes that a learner at that address no longer honours
+    (here: one started with cluster.shared_memory inline) costs one refused attempt, then the same rollout inline:
+    nothing lost."""
+    from rlfleet.errors import InvalidRequest
+    from rlfleet.wire import clients, shm
+    from services.learner import server as learner_server
+    from tests.conftest import small_config
+
+    _, learner = learner_stub
+    offers = []
+    real_offer = clients.offer_shared_memory
+    monkeypatch.setattr(clients, "offer_shared_memory", lambda *a, **kw: offers.append(1) or real_offer(*a, **kw))
+    arena = shm.Arena("rollout", slots=1, min_bytes=0)
+    tm, pe, eps = fake_rollout(T=8)
+    for epoch in (0, 1):
+        stats = clients.WireStats()
+        push_rollout(fleet.learner_addr, Rollout(tm, pe, eps), epoch, 0, "inc", arena=arena, stats=stats)
+        assert stats.shm_bytes > 0  # by handle, both times
+    assert len(offers) == 1
+    assert np.array_equal(learner.rollouts.pending[(1, 0)]["time"]["obs.state"], tm["obs.state"])
+    with pytest.raises(InvalidRequest, match="worker_index: 99 is not one of this run's env servers"):
+        push_rollout(fleet.learner_addr, Rollout(tm, pe, eps), 1, 99, "inc", arena=arena)
+    # refused for the kept yes, so offered again and sent once more (refused again: it is the push that is wrong)
+    assert len(offers) == 2
+    push_rollout(fleet.learner_addr, Rollout(tm, pe, eps), 1, 0, "inc", arena=arena)
+    assert len(offers) == 3  # after a failed push the next one asks again
+
+    srv, addr, inline, _ = learner_server.serve(
+        small_config("cluster.shared_memory=inline"), "127.0.0.1:0", str(tmp_path / "inline")
+    )
+    try:
+        inline.setup(SPECS, 4)
+        with clients._channels_lock:
+            clients._takes_shm.add(addr)  # as if an earlier learner at this address had said yes
+        offers.clear()
+        stats = clients.WireStats()
+        push_rollout(addr, Rollout(tm, pe, eps), 0, 0, "inc", arena=arena, stats=stats)
+        assert len(offers) == 1 and addr not in clients._takes_shm  # asked again: this learner says no
+        got = inline.rollouts.pending[(0, 0)]
+        for k in tm:
+            assert got["time"][k].tobytes() == tm[k].tobytes(), k
+        assert got["episodes"] == eps
+    finally:
+        srv.stop(0)
+        inline.close()
+        arena.close()
