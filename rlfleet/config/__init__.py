@@ -744,7 +744,7 @@ def _check_runtime(cfg: DictConfig) -> None:
             f"'{lg[key]}' is not one of {', '.join(modes)} (or null)",
         )
     parse_placement(cfg.cluster.component_placement, cfg.cluster.num_nodes * cfg.cluster.num_gpus_per_node)
-    parse_placement(cfg.cluster.cpu_placement, 1 << 16, "cluster.cpu_placement", "CPU core")  # syntax; cores at launch
+    parse_placement(resolve_cpu_placement(cfg), 1 << 16, "cluster.cpu_placement", "CPU core")  # syntax; cores at launch
     _check_collocated(cfg)
     _check_learner_ranks(cfg)
 
@@ -805,6 +805,31 @@ def collocation_refusal(cfg) -> tuple[str, str] | None:
                 f"no policy code (torch)",
             )
     return None
+
+
+CPU_AUTO = "auto"  # cluster.cpu_placement.env: auto -> every core split over the env servers where that measured faster
+
+
+def resolve_cpu_placement(cfg) -> dict[str, str]:
+    """``cluster.cpu_placement`` with ``env: auto`` (the default) resolved: ``all`` (each env server pinned to its
+    slice of the cores the run may use: one core each for two env servers on two cores) for a synchronous run
+    whose env servers act with the policy themselves (``rollout: env``); not placed (any core) otherwise. Measured
+    on 2 cores (docs/benchmarks.md, CPU placement): pinned, a synchronous collocated run's env servers keep their
+    caches between acting and stepping (10% more env steps/s over six paired runs); an asynchronous run lost 4%
+    (its learner then shares one env server's core instead of moving between them)."""
+    out: dict[str, str] = {}
+    for names, spec in cfg.cluster.cpu_placement.items():
+        if str(spec).strip() != CPU_AUTO:
+            out[str(names)] = spec
+            continue
+        if [n.strip() for n in str(names).split(",")] != ["env"]:
+            raise ConfigError(
+                f"'cluster.cpu_placement.{names}': '{CPU_AUTO}' places only the env component (env: auto: each env "
+                f"server on its slice of the cores in a synchronous run with collocated acting, else any core)"
+            )
+        if int(cfg.algorithm.max_staleness) == 0 and rollout_in_env(cfg):
+            out[str(names)] = "all"
+    return out
 
 
 def resolve_auto_rollout(cfg) -> None:

@@ -23,6 +23,7 @@ from rlfleet.config import (
     env_server_config,
     learner_layout,
     parse_placement,
+    resolve_cpu_placement,
     rollout_in_env,
 )
 
@@ -112,10 +113,12 @@ class ProcessSpec:
 
 def cpu_placement(cfg, cores: list[int]) -> dict[str, list[int]] | None:
     """CPU cores per component (env, rollout, actor) of a run on this machine, whose usable cores are ``cores``:
-    ``cluster.cpu_placement`` (core ids as the OS numbers them), or None (no pinning) when it is empty. Measured on
-    2 cores (docs/benchmarks.md, CPU placement), the OS scheduler beats every fixed layout tried: a core of its own for the
-    asynchronous learner left it idle most of the time and cost 18% of the loop's env steps/s."""
-    given = cfg.cluster.cpu_placement
+    ``cluster.cpu_placement`` (core ids as the OS numbers them; ``env: auto`` resolved by
+    rlfleet.config.resolve_cpu_placement), or None (no pinning) when nothing is placed. Measured on 2 cores
+    (docs/benchmarks.md, CPU placement): env servers one core each made a synchronous collocated run faster; in
+    every other layout tried the OS scheduler did better (a core of its own for the asynchronous learner left it
+    idle most of the time and cost 18% of the loop's env steps/s)."""
+    given = resolve_cpu_placement(cfg)
     if not given:
         return None
     placed = parse_placement(given, max(cores) + 1, "cluster.cpu_placement", "CPU core")
