@@ -991,6 +991,8 @@ def parse_ranks(spec, world: int, key: str = "cluster.component_placement", unit
             also = (
                 f" (or, for the rollout alone, '{ROLLOUT_IN_ENV}' or '{ROLLOUT_AUTO}')"
                 if unit == "GPU" and key.rsplit(".", 1)[-1] == "rollout"
+                else f" (or, for env alone, '{CPU_AUTO}')"
+                if unit == "CPU core" and key.rsplit(".", 1)[-1] == "env"
                 else ""
             )
             raise ConfigError(f"'{key}': '{spec}' is not a {unit} range like '0-3', '0,2-3' or 'all'{also}")

@@ -36,13 +36,15 @@ from rlfleet.simulators import environments
 from rlfleet.simulators.environments import child_environ
 from rlfleet.wire import auth, tracing
 from rlfleet.wire.service import CPU_CORES_ENV, PARENT_PID_ENV
-from services.coordinator.plan import ProcessSpec, process_plan
+from services.coordinator.plan import ProcessSpec, cpu_placement, process_plan
 
 AGENT = "rlfleet.wire.torchrun"  # torchrun's agent, bound to the coordinator's life (a learner of several ranks)
 
 
 def check_local(cfg) -> None:
-    """Raise ConfigError when the local launcher cannot start this run: a learner whose ranks span nodes."""
+    """Raise ConfigError when the local launcher cannot start this run: a learner whose ranks span nodes, or a CPU
+    placement (cluster.cpu_placement) naming cores this process may not use (before any service starts)."""
+    cpu_placement(cfg, sorted(os.sched_getaffinity(0)))
     nnodes, per_node = learner_layout(cfg)
     if nnodes > 1:
         raise ConfigError(

@@ -93,9 +93,24 @@ def test_cpu_placement_errors_name_the_key():
         ("{env: x}", [0, 1], "'cluster.cpu_placement.env': 'x' is not a CPU core range"),
         ("{env,rollout: 0}", [0, 1], "'cluster.cpu_placement.env': no CPU core range given .* quote a key"),
         ("{actor: auto}", [0, 1], "'cluster.cpu_placement.actor': 'auto' places only the env component"),
+        ("{env: autoo}", [0, 1], "'cluster.cpu_placement.env': 'autoo' is not a CPU core range .* env alone, 'auto'"),
     ):
         with pytest.raises(ConfigError, match=why):
             _cpus(load_config(None, [f"cluster.cpu_placement={override}"]), cores)
+
+
+def test_a_placement_outside_this_machine_is_refused_before_any_service_starts(monkeypatch):
+    import os
+
+    import pytest
+
+    from rlfleet.config import ConfigError
+    from services.coordinator.launcher import check_local
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    check_local(load_config())
+    with pytest.raises(ConfigError, match="'cluster.cpu_placement.env': CPU core 5 in '5' is outside"):
+        check_local(load_config(None, ["cluster.cpu_placement={env: 5}"]))
 
 
 def test_launcher_hands_each_process_its_cores(tmp_path, monkeypatch):
