@@ -37,7 +37,7 @@ from services.learner.checkpoint import latest_checkpoint
 from services.learner.group import RankGroup
 from services.learner.publisher import WeightPublisher
 from services.learner.rollouts import RolloutStore, forward_input_specs, policy_inputs
-from services.learner.sharding import full_state_dict, gather_buckets, local_bytes, shard_policy
+from services.learner.sharding import full_state_dict, gather_buckets, is_sharded, local_bytes, shard_policy
 
 log = logging.getLogger("rlfleet.learner")
 _tracer = trace.get_tracer("rlfleet")
@@ -317,13 +317,19 @@ class Learner:
         size = self.view.micro_batch_size
         if block > 0:
             size = max(block, size // block * block)
+        # the critic alone where it is apart from the actor (the same numbers, without the actor's forward); a
+        # sharded policy gathers its parameters only in the methods registered with FSDP (evaluate)
+        critic_only = getattr(self.model, "critic_apart", False) and not is_sharded(self.model)
         out = []
         for i in range(0, R, size):
             idx = torch.arange(i, min(R, i + size), device=self.device)
             if block > 0 and len(idx) % block:
                 idx = torch.cat([idx, idx[:1].expand(block - len(idx) % block)])
             with self.model.precision():
-                v = self.model.evaluate(*policy_inputs(rows, idx)).values
+                if critic_only:
+                    v = self.model.value(policy_inputs(rows, idx)[0])
+                else:
+                    v = self.model.evaluate(*policy_inputs(rows, idx)).values
             v = torch.zeros(len(idx), device=self.device) if v is None else v  # a policy without a critic
             out.append(v[: min(R, i + size) - i].float())
         return {"values": torch.cat(out).cpu() if out else torch.zeros(0)}

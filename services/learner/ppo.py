@@ -28,11 +28,15 @@ def compute_gae(
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(last_values)
+    if T == 0:
+        return advantages, advantages + values
+    # every step's TD error and decay at once (elementwise: the same numbers as step by step), then the recursion
+    not_done = 1.0 - dones
+    next_values = torch.cat([values[1:], last_values[None]])
+    delta = rewards + gamma * next_values * not_done - values
+    decay = gamma * gae_lambda * not_done
     for t in reversed(range(T)):
-        next_values = last_values if t == T - 1 else values[t + 1]
-        not_done = 1.0 - dones[t]
-        delta = rewards[t] + gamma * next_values * not_done - values[t]
-        last_gae = delta + gamma * gae_lambda * not_done * last_gae
+        last_gae = delta[t] + decay[t] * last_gae
         advantages[t] = last_gae
     return advantages, advantages + values
 

@@ -19,6 +19,27 @@ def test_gae_matches_hand_computation():
     assert torch.allclose(ret, adv + v)
 
 
+def test_gae_is_the_step_by_step_recursion_bit_for_bit():
+    """The TD errors and decays are computed for all steps at once, then the recursion runs: the same float32
+    numbers as computing each step's TD error inside the loop (the form runs before it were trained with), and no
+    steps gives no advantages."""
+    g = torch.Generator().manual_seed(0)
+    T, N, gamma, lam = 16, 64, 0.95, 0.95
+    r, v = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
+    d = (torch.rand(T, N, generator=g) < 0.1).float()
+    last = torch.randn(N, generator=g)
+    expected, gae = torch.zeros_like(r), torch.zeros_like(last)
+    for t in reversed(range(T)):
+        nxt = last if t == T - 1 else v[t + 1]
+        delta = r[t] + gamma * nxt * (1.0 - d[t]) - v[t]
+        gae = delta + gamma * lam * (1.0 - d[t]) * gae
+        expected[t] = gae
+    adv, ret = ppo.compute_gae(r, v, d, last, gamma, lam)
+    assert torch.equal(adv, expected) and torch.equal(ret, expected + v)
+    empty, _ = ppo.compute_gae(r[:0], v[:0], d[:0], last, gamma, lam)
+    assert empty.shape == (0, N)
+
+
 def test_policy_loss_clipping_and_dual_clip():
     old = torch.zeros(4)
     new = torch.log(torch.tensor([1.5, 0.5, 1.5, 3.0]))
