@@ -630,21 +630,40 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_U64 = (1 << 64) - 1
+_GOLDEN_INT = int(_GOLDEN)
+
+
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, elementwise on a uint64 array (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+    """The splitmix64 finaliser, elementwise on a uint64 array (wrapping arithmetic: numpy's integer arrays wrap
+    without a warning; a scalar or 0-d input goes through the warning-free path of a 1-element array). In place on
+    one new array: a noise draw of an act runs this twice, and its temporaries and error-state switches were
+    most of the draw's cost."""
+    x = np.asarray(x, dtype=np.uint64)
+    if x.ndim == 0:
+        return _splitmix64(x.reshape(1))[0]
+    z = x + _GOLDEN
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 def _mix(key: np.ndarray, value) -> np.ndarray:
     """Chain a value into a pseudorandom key. ``key + value`` (not a symmetric combination of two hashes, which
     would make (seed a, epoch b) collide with (seed b, epoch a)); splitmix64 is a bijection, so keys that differ
-    before the finaliser differ after it."""
-    with np.errstate(over="ignore"):  # counters step by the golden gamma, as in SplitMix64 itself
-        return _splitmix64(key + np.asarray(value, dtype=np.uint64) * _GOLDEN)
+    before the finaliser differ after it. Counters step by the golden gamma, as in SplitMix64 itself."""
+    if np.ndim(value) == 0:  # a scalar's step in Python's integers, modulo 2**64
+        step = np.uint64((int(value) * _GOLDEN_INT) & _U64)
+    else:
+        step = np.asarray(value, dtype=np.uint64) * _GOLDEN
+    key = np.asarray(key, dtype=np.uint64)
+    if key.ndim == 0 and np.ndim(step) == 0:  # as a 1-element array: array arithmetic wraps without a warning
+        return _splitmix64(key.reshape(1) + step)[0]
+    return _splitmix64(key + step)
 
 
 def row_keys(env_seeds: np.ndarray | Sequence[int], epoch: int, step: int) -> np.ndarray:

@@ -1,5 +1,7 @@
 """rlfleet.wire.codec: per-row, counter-based sampling noise, and the inference engine's batch invariance built on it."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,40 @@ from tests.conftest import small_config
 def test_keys_are_distinct_across_envs_epochs_and_steps():
     keys = np.concatenate([row_keys(np.arange(256), epoch, step) for epoch in range(5) for step in range(100)])
     assert keys.dtype == np.uint64 and len(np.unique(keys)) == len(keys)
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser in Python's integers (the reference the numpy version must equal)."""
+    m = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def _mix(key: int, value: int) -> int:
+    return _splitmix64((key + value * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
+
+
+def test_keys_and_draws_are_splitmix64_chains_bit_for_bit():
+    """The keys and the uniform draws, recomputed from their definition in Python's integers (and the normal
+    draws from those words): the vectorised arithmetic (in place, without numpy's error-state switches) is the same
+    stream, warning-free, for arrays and scalars."""
+    seeds, epoch, step = [0, 1, 7, 2**62 + 3], 2**40 + 5, 123
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning from the wrapping arithmetic
+        keys = row_keys(np.array(seeds), epoch, step)
+        one = row_keys(seeds[2], epoch, step)
+        noise = RowNoise(keys)
+        u, z = noise.uniform((3,)), noise.normal((2,))
+    expected = [_mix(_mix(_splitmix64(s), epoch), step) for s in seeds]
+    assert keys.tolist() == expected and int(one) == expected[2]
+    for i, key in enumerate(expected):
+        words = [_mix(_mix(key, 1), j) for j in range(3)]  # the first call's block of the row's stream
+        assert u[i].tolist() == [((w >> 11) + 0.5) / float(1 << 53) for w in words]
+        w = [((x >> 11) + 0.5) / float(1 << 53) for x in (_mix(_mix(key, 2), j) for j in range(4))]
+        want = [np.sqrt(-2.0 * np.log(w[j])) * np.cos(2.0 * np.pi * w[2 + j]) for j in range(2)]
+        assert np.allclose(z[i], want, rtol=1e-6, atol=1e-7)  # Box-Muller on those words (libm's last bit aside)
 
 
 def test_a_rows_draws_depend_on_its_key_only():
