@@ -12,7 +12,9 @@ steps/s on all cores (the physical limit: benchmarks/throughput.py's raw steppin
 random actions and, where the task has a scripted expert, with the expert's actions (the grasp-and-lift steps of a
 solved task, which cost the physics engine more than random actions do). The random-action rate is measured before
 and after the runs (this host's speed drifts over minutes): the ratio is read against their mean, with its reading
-against each end in parentheses.
+against each end in parentheses. The last column is the synchronous loop's floor: the same env steps over only the
+slower env server's stepping and acting plus the learner's update, epoch by epoch (every call, push, publish and
+wait between them taken as free): what the loop could reach without a faster simulator, policy or update.
 Runs go to runner.logger.log_path when given, else a temporary folder.
 """
 
@@ -58,8 +60,27 @@ def hits(run_dir: pathlib.Path) -> dict:
             r.get("time/eval", 0.0) for r in evals if 0 < r["step"] < train[-1]["step"]
         )
         out["rate"] = train[-1].get("env/env_steps", 0) / max(wall, 1e-9)
+        floor = floor_seconds(train)
+        if floor:
+            out["floor"] = train[-1].get("env/env_steps", 0) / floor
     out["final"] = summary.get("final_eval", {}).get("eval/success_once")
     return out
+
+
+FLOOR_KEYS = ("time/env", "time/inference_wait", "time/train")
+
+
+def floor_seconds(train: list[dict]) -> float | None:
+    """The part of the training epochs' wall time that only a faster simulator, policy or update can take off: per
+    epoch, the slower env server's stepping (``time/env``) and acting (``time/inference_wait``, collocated: the
+    policy's forward in the env server) plus the learner's batch and update (``time/train``). Summed over the
+    epochs, it is the synchronous loop with every call, push, publish and wait between them free. The two maxima
+    may come from different env servers, so it can be a few ms per epoch high (the loop rate it gives a little
+    low). Synchronous runs only (in an asynchronous one the update overlaps the rollouts). None where a run lacks
+    these keys."""
+    if not train or any(k not in r for r in train for k in FLOOR_KEYS):
+        return None
+    return sum(r[k] for r in train for k in FLOOR_KEYS)
 
 
 def analyse(run_dir: pathlib.Path) -> None:
@@ -75,6 +96,8 @@ def analyse(run_dir: pathlib.Path) -> None:
             print(f"| {th:.0%} | not reached | | | |")
     if "rate" in h:
         print(f"whole loop: {h['rate']:,.0f} env steps/s (evaluations excluded)")
+    if "floor" in h:
+        print(f"stepping + acting + update alone: {h['floor']:,.0f} env steps/s (every other cost taken as free)")
 
 
 def raw_all_cores(cores: int, overrides=(), actions: str = "random", config: str | None = None) -> float | None:
@@ -176,9 +199,9 @@ def main() -> None:
     print(
         f"\n| mode | seeds | to 50% (s / k steps) | to 90% (s / k steps) | to 95% median (s) | to 95% worst (s) | "
         f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores: random "
-        f"(at {spread} before/after), expert |"
+        f"(at {spread} before/after), expert | stepping + acting + update alone: env steps/s, / random raw |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         runs = [rows[(mode, s)] for s in args.seeds]
 
@@ -202,8 +225,17 @@ def main() -> None:
         print(
             f"| {mode} | {', '.join(map(str, args.seeds))} | {cell(0.5)} | {cell(0.9)} | {med95} | {worst95} | "
             f"{steps95} | {rate:,.0f} | {ratio_cell(rate, raw_before, raw_after)}, "
-            f"{f'{rate / expert:.0%}' if expert else '-'} |"
+            f"{f'{rate / expert:.0%}' if expert else '-'} | {floor_cell(runs, raw_before, raw_after) if mode == 'sync' else '- (the update overlaps the rollouts)'} |"
         )
+
+
+def floor_cell(runs: list[dict], before: float, after: float) -> str:
+    """The median run's loop with only its stepping, acting and update (floor_seconds), against the raw rate."""
+    floors = [r["floor"] for r in runs if "floor" in r]
+    if len(floors) < len(runs):
+        return "-"
+    floor = statistics.median(floors)
+    return f"{floor:,.0f}, {ratio_cell(floor, before, after)}"
 
 
 if __name__ == "__main__":

@@ -39,3 +39,22 @@ def test_the_ratio_to_the_raw_rate_uses_both_measurements_and_shows_their_interv
     assert time_to_success.ratio_cell(3600.0, 9000.0, 9000.0) == "40% (40%-40%)"
     with pytest.raises(ValueError, match="0.0 before"):
         time_to_success.raw_interval(0.0, 9000.0)
+
+
+def test_the_floor_is_the_stepping_acting_and_update_of_every_training_epoch(tmp_path):
+    """The synchronous loop with every call between its parts free: the slower server's stepping and acting plus the
+    learner's update, summed over the epochs; no floor from a run that lacks one of them."""
+    parts = {"time/env": 0.10, "time/inference_wait": 0.015, "time/train": 0.045}
+    records = [
+        {"step": 1, "time/elapsed": 0.2, "env/env_steps": 1024.0, **parts},
+        {"step": 2, "time/elapsed": 0.4, "env/env_steps": 2048.0, **parts, "time/env": 0.12},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    h = time_to_success.hits(tmp_path)
+    assert h["floor"] == pytest.approx(2048.0 / (0.16 + 0.18))
+    assert h["rate"] == pytest.approx(2048.0 / 0.4) and h["floor"] > h["rate"]
+    assert time_to_success.floor_cell([h, h], 10000.0, 10000.0) == f"{h['floor']:,.0f}, 60% (60%-60%)"
+    records[1].pop("time/inference_wait")  # e.g. a run from before the key: no floor rather than a wrong one
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "floor" not in time_to_success.hits(tmp_path)
+    assert time_to_success.floor_cell([h, {}], 10000.0, 10000.0) == "-"
