@@ -11,8 +11,9 @@ whole-loop rate is training env steps / training wall time (evaluations excluded
 steps/s on all cores (the physical limit: benchmarks/throughput.py's raw stepping, one process per core), with
 random actions and, where the task has a scripted expert, with the expert's actions (the grasp-and-lift steps of a
 solved task, which cost the physics engine more than random actions do). The random-action rate is measured before
-and after the runs (this host's speed drifts over minutes): the ratio is read against their mean, with its reading
-against each end in parentheses. The last column is the synchronous loop's floor: the same env steps over only the
+the first run and after each run (this host's speed drifts over minutes, and a run's stepping with it): each run's
+ratio is read against the mean of the raw rates just before and just after it; the table gives the median run's,
+with the runs' range in parentheses. The last column is the synchronous loop's floor: the same env steps over only the
 slower env server's stepping and acting plus the learner's update, epoch by epoch (every call, push, publish and
 wait between them taken as free): what the loop could reach without a faster simulator, policy or update.
 Runs go to runner.logger.log_path when given, else a temporary folder.
@@ -126,18 +127,11 @@ def raw_all_cores(cores: int, overrides=(), actions: str = "random", config: str
 
 
 def raw_interval(before: float, after: float) -> tuple[float, str]:
-    """The raw rate measured before and after the runs -> (their mean, the ratio's reading against each): the host's
-    speed can drift while the runs take minutes; the mean is the ratio's denominator, the two ends its interval."""
+    """Two raw rates (just before and just after a run; or the lowest and highest of a reading) -> (their mean,
+    "before-after" as text)."""
     if before <= 0 or after <= 0:
         raise ValueError(f"raw simulator rates must be positive, got {before} before and {after} after the runs")
     return (before + after) / 2, f"{min(before, after):,.0f}-{max(before, after):,.0f}"
-
-
-def ratio_cell(rate: float, before: float, after: float) -> str:
-    """The whole loop against the raw rate: at the mean of the two measurements, and at each end."""
-    mean, _ = raw_interval(before, after)
-    lo, hi = sorted((rate / before, rate / after))
-    return f"{rate / mean:.0%} ({lo:.0%}-{hi:.0%})"
 
 
 def main() -> None:
@@ -158,8 +152,8 @@ def main() -> None:
     given = [o for o in args.overrides if o.startswith("runner.logger.log_path=")]
     log_path = given[-1].split("=", 1)[1] if given else tempfile.mkdtemp(prefix="rlfleet-tts-")
     cores = os.cpu_count() or 1
-    raw_before = raw_all_cores(cores, args.overrides, config=args.config)
-    print(f"raw simulator before the runs, {cores} processes (one per core): {raw_before:,.0f} env steps/s", flush=True)
+    raws = [raw_all_cores(cores, args.overrides, config=args.config)]  # before the first run, then after each
+    print(f"raw simulator before the runs, {cores} processes (one per core): {raws[0]:,.0f} env steps/s", flush=True)
     rows = {}
     for mode in args.modes:
         for seed in args.seeds:
@@ -184,22 +178,24 @@ def main() -> None:
             print("$ coordinatorctl start " + " ".join(cmd[5:]), flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             run = sorted(pathlib.Path(log_path).glob(f"{name}*"), key=lambda p: p.stat().st_mtime)[-1]
-            rows[(mode, seed)] = hits(run)
+            rows[(mode, seed)] = h = hits(run)
+            raws.append(raw_all_cores(cores, args.overrides, config=args.config))
+            h["raw"] = (raws[-2], raws[-1])  # the raw rate just before and just after this run
             analyse(run)
-    raw_after = raw_all_cores(cores, args.overrides, config=args.config)
-    raw, spread = raw_interval(raw_before, raw_after)
+            print(f"raw simulator after this run: {raws[-1]:,.0f} env steps/s", flush=True)
+    _, spread = raw_interval(min(raws), max(raws))
     expert = raw_all_cores(cores, args.overrides, "expert", config=args.config)
     print(
-        f"\nraw simulator, {cores} processes (one per core): {raw:,.0f} env steps/s with random actions (mean of "
-        f"{raw_before:,.0f} before the runs and {raw_after:,.0f} after them), "
+        f"\nraw simulator, {cores} processes (one per core): {statistics.mean(raws):,.0f} env steps/s with random "
+        f"actions (mean of {len(raws)} measurements, before, between and after the runs: {spread}), "
         + (f"{expert:,.0f} with the scripted expert's (after)" if expert else "no scripted expert")
     )
-    if abs(raw_before - raw_after) > 0.1 * raw:
-        print(f"note: the raw rate moved {abs(raw_before - raw_after) / raw:.0%} during the runs (the host's speed)")
+    if max(raws) - min(raws) > 0.1 * statistics.mean(raws):
+        print(f"note: the raw rate moved {(max(raws) - min(raws)) / statistics.mean(raws):.0%} during the runs")
     print(
         f"\n| mode | seeds | to 50% (s / k steps) | to 90% (s / k steps) | to 95% median (s) | to 95% worst (s) | "
-        f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores: random "
-        f"(at {spread} before/after), expert | stepping + acting + update alone: env steps/s, / random raw |"
+        f"to 95% env steps (median, worst) | whole loop env steps/s | / raw on {cores} cores, random: median run "
+        f"(runs' range), expert | stepping + acting + update alone: env steps/s, / random raw |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
@@ -222,20 +218,37 @@ def main() -> None:
             else "-"
         )
         rate = statistics.median(r.get("rate", 0.0) for r in runs)
+        floor = floor_cell(runs) if mode == "sync" else "- (the update overlaps the rollouts)"
         print(
             f"| {mode} | {', '.join(map(str, args.seeds))} | {cell(0.5)} | {cell(0.9)} | {med95} | {worst95} | "
-            f"{steps95} | {rate:,.0f} | {ratio_cell(rate, raw_before, raw_after)}, "
-            f"{f'{rate / expert:.0%}' if expert else '-'} | {floor_cell(runs, raw_before, raw_after) if mode == 'sync' else '- (the update overlaps the rollouts)'} |"
+            f"{steps95} | {rate:,.0f} | {runs_ratio_cell(runs, 'rate')}, "
+            f"{f'{rate / expert:.0%}' if expert else '-'} | {floor} |"
         )
 
 
-def floor_cell(runs: list[dict], before: float, after: float) -> str:
-    """The median run's loop with only its stepping, acting and update (floor_seconds), against the raw rate."""
+def run_ratio(run: dict, key: str) -> float | None:
+    """A run's ``key`` rate ("rate": the whole loop, "floor") against the mean of the raw rates measured just
+    before and just after it (the host's speed drifts over minutes here: a run is compared with its own minutes)."""
+    if key not in run or "raw" not in run:
+        return None
+    mean, _ = raw_interval(*run["raw"])
+    return run[key] / mean
+
+
+def runs_ratio_cell(runs: list[dict], key: str) -> str:
+    """The median run's ratio to its raw rate, with the runs' range: "40% (38%-42%)"; "-" if any run lacks it."""
+    ratios = [run_ratio(r, key) for r in runs]
+    if not ratios or any(x is None for x in ratios):
+        return "-"
+    return f"{statistics.median(ratios):.0%} ({min(ratios):.0%}-{max(ratios):.0%})"
+
+
+def floor_cell(runs: list[dict]) -> str:
+    """The median run's floor (floor_seconds: its stepping, acting and update alone) and its ratio to the raw rate."""
     floors = [r["floor"] for r in runs if "floor" in r]
     if len(floors) < len(runs):
         return "-"
-    floor = statistics.median(floors)
-    return f"{floor:,.0f}, {ratio_cell(floor, before, after)}"
+    return f"{statistics.median(floors):,.0f}, {runs_ratio_cell(runs, 'floor')}"
 
 
 if __name__ == "__main__":

@@ -31,14 +31,22 @@ def test_times_leave_out_every_evaluation_up_to_the_one_that_reached_the_thresho
     assert h["rate"] == 10240.0 / 5.0
 
 
-def test_the_ratio_to_the_raw_rate_uses_both_measurements_and_shows_their_interval():
-    """The raw simulator is measured before and after the runs: the host's speed drifts over minutes here."""
+def test_each_run_is_read_against_the_raw_rate_just_before_and_after_it():
+    """The raw simulator is measured before the first run and after each run (the host's speed drifts over minutes
+    here): a run's ratio uses its own two; the table gives the median run's with the runs' range."""
     mean, spread = time_to_success.raw_interval(8000.0, 10000.0)
     assert mean == 9000.0 and spread == "8,000-10,000"
-    assert time_to_success.ratio_cell(3600.0, 8000.0, 10000.0) == "40% (36%-45%)"
-    assert time_to_success.ratio_cell(3600.0, 9000.0, 9000.0) == "40% (40%-40%)"
     with pytest.raises(ValueError, match="0.0 before"):
         time_to_success.raw_interval(0.0, 9000.0)
+    runs = [
+        {"rate": 3600.0, "raw": (8000.0, 10000.0)},  # 40%
+        {"rate": 3000.0, "raw": (10000.0, 10000.0)},  # 30%
+        {"rate": 4500.0, "raw": (10000.0, 8000.0)},  # 50%
+    ]
+    assert time_to_success.run_ratio(runs[0], "rate") == pytest.approx(0.4)
+    assert time_to_success.runs_ratio_cell(runs, "rate") == "40% (30%-50%)"
+    assert time_to_success.runs_ratio_cell(runs, "floor") == "-"  # no floor in these runs
+    assert time_to_success.runs_ratio_cell([*runs, {"rate": 1.0}], "rate") == "-"  # a run without its raw rates
 
 
 def test_the_floor_is_the_stepping_acting_and_update_of_every_training_epoch(tmp_path):
@@ -53,8 +61,9 @@ def test_the_floor_is_the_stepping_acting_and_update_of_every_training_epoch(tmp
     h = time_to_success.hits(tmp_path)
     assert h["floor"] == pytest.approx(2048.0 / (0.16 + 0.18))
     assert h["rate"] == pytest.approx(2048.0 / 0.4) and h["floor"] > h["rate"]
-    assert time_to_success.floor_cell([h, h], 10000.0, 10000.0) == f"{h['floor']:,.0f}, 60% (60%-60%)"
+    h["raw"] = (10000.0, 10000.0)
+    assert time_to_success.floor_cell([h, h]) == f"{h['floor']:,.0f}, 60% (60%-60%)"
     records[1].pop("time/inference_wait")  # e.g. a run from before the key: no floor rather than a wrong one
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert "floor" not in time_to_success.hits(tmp_path)
-    assert time_to_success.floor_cell([h, {}], 10000.0, 10000.0) == "-"
+    assert time_to_success.floor_cell([h, {}]) == "-"
