@@ -27,7 +27,10 @@ class VecEnv:
     """``num_envs`` slots of one backend, stepped in this process.
 
     Every call into the simulator runs on one dedicated thread: renderers (EGL/OpenGL contexts) and many
-    simulators are bound to the thread that created them, while gRPC serves each call on a pool thread.
+    simulators are bound to the thread that created them, while gRPC serves each call on a pool thread. A backend
+    that is bound to no thread (``any_thread``: e.g. PandaPickCube-v0's state env) has its resets, steps and
+    expert actions run on the caller's thread instead, one at a time under this vec env's lock: a hand-off to
+    the simulator's thread and back cost ~0.2 ms per step call (docs/benchmarks.md).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class VecEnv:
         self.simulator = simulator
         self._sim_thread = ThreadPoolExecutor(1, thread_name_prefix="sim")
         self.backend = self._on_sim_thread(make_sim_backend, simulator, env_id, num_envs, init_params)
+        self.any_thread = bool(getattr(self.backend, "any_thread", False))  # step on the caller's thread
         self.observation_space = dict(self.backend.observation_space)
         self.action_space = self.backend.action_space
         self.num_reset_states = int(self.backend.num_reset_states)
@@ -119,6 +123,11 @@ class VecEnv:
     def _on_sim_thread(self, fn, *args):
         return self._sim_thread.submit(fn, *args).result()
 
+    def _on_stepping_thread(self, fn, *args):
+        """A reset, step or expert-action call: on the caller's thread where the backend allows it, else on the
+        simulator's (the caller holds ``_lock``: one call at a time either way)."""
+        return fn(*args) if self.any_thread else self._sim_thread.submit(fn, *args).result()
+
     # --- API --------------------------------------------------------------------------------------------------
     def reset(
         self,
@@ -128,19 +137,19 @@ class VecEnv:
     ) -> dict[str, np.ndarray]:
         with self._lock:
             self._check_open()
-            return self._on_sim_thread(self._reset, env_ids, seeds, reset_state_ids)
+            return self._on_stepping_thread(self._reset, env_ids, seeds, reset_state_ids)
 
     def step(self, env_ids: Sequence[int] | None, actions: np.ndarray) -> StepResult:
         with self._lock:
             self._check_open()
-            return self._on_sim_thread(self._step, env_ids, actions)
+            return self._on_stepping_thread(self._step, env_ids, actions)
 
     def expert_actions(self, env_ids: Sequence[int] | None = None) -> np.ndarray:
         """The backend's scripted expert actions for the current states of ``env_ids`` (demonstrations)."""
         with self._lock:
             self._check_open()
             ids = self._ids(env_ids)
-            return self._on_sim_thread(self.backend.expert_actions, ids)
+            return self._on_stepping_thread(self.backend.expert_actions, ids)
 
     def close(self) -> None:
         with self._lock:

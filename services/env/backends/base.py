@@ -135,7 +135,8 @@ class BackendUnavailable(RuntimeError):
 
 
 class SimBackend(abc.ABC):
-    """``num_envs`` simulator slots. All calls come from one thread (VecEnv's sim thread).
+    """``num_envs`` simulator slots. Calls come one at a time, from one thread (VecEnv's sim thread), or, for a
+    backend whose ``any_thread`` is true, its resets, steps and expert actions from whichever thread calls VecEnv.
 
     The constructor sets ``observation_space`` (per-env entries, no batch dimension), ``action_space`` (per env, no
     batch or chunk dimension), ``max_episode_steps`` (the simulator's or benchmark's episode limit) and
@@ -147,6 +148,10 @@ class SimBackend(abc.ABC):
     action_space: TensorSpace
     max_episode_steps: int
     num_reset_states: int = 0
+    #: resets, steps and expert actions may run on any thread, one call at a time: the slots hold no renderer,
+    #: GL/Vulkan context or simulator state bound to the thread that made them (VecEnv then runs those calls on
+    #: its caller's thread, without handing each one to its simulator thread and waiting; default: bound)
+    any_thread: bool = False
 
     def __init__(self, env_id: str, num_envs: int, **params):
         self.env_id = env_id

@@ -36,6 +36,8 @@ class GymBackend(SimBackend):
         self.observation_space = spaces_from_gym(env0.observation_space)
         self.action_space = TensorSpace.from_gym(env0.action_space)
         self.max_episode_steps = int(spec.max_episode_steps or 1000)
+        # only envs that say so (rlfleet's state-only MuJoCo envs): any other gymnasium env may hold a renderer
+        self.any_thread = all(getattr(env.unwrapped, "steps_on_any_thread", False) for env in self.envs)
 
     def _instruction(self, i: int) -> str:
         return str(getattr(self.envs[i], "task_description", "") or "")

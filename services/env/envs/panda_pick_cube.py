@@ -332,6 +332,10 @@ class PandaPickCubeEnv(gym.Env):
         **model_kwargs: physics knobs forwarded to :func:`build_model` (finger_kp, finger_damping, ...).
     """
 
+    #: reset and step touch only MjData and numpy (no renderer: ``render()`` makes one, and VecEnv never calls
+    #: it): the env server may step it from any thread, one call at a time (services.env.backends.base)
+    steps_on_any_thread = True
+
     metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
 
     def __init__(
@@ -578,6 +582,8 @@ class PandaPickCubeVisionEnv(PandaPickCubeEnv):
     the light (200-300 triangle) collision meshes for the arm (``fine_meshes=True`` for the original
     visual meshes, ~30x slower on software GL) and no shadows.
     """
+
+    steps_on_any_thread = False  # its observations are rendered (a GL context bound to the thread that made it)
 
     def __init__(self, image_size: int = 64, render_mode: str | None = None, **kwargs):
         self.image_size = int(image_size)

@@ -142,3 +142,50 @@ def test_one_vec_env_interface():
     out = step_chunk(wrapped, [0, 1], np.zeros((2, 1, 6), np.float32))
     assert out.rewards.shape == (2,)
     assert [e.length for e in step_chunk(env, [0, 1], np.zeros((2, 4, 4), np.float32)).episodes] == [5, 5]
+
+
+def _record_threads(env: VecEnv) -> list[str]:
+    """Wrap the backend's step to record the name of each thread it runs on."""
+    import threading
+
+    names, step = [], env.backend.step
+
+    def recorded(ids, actions):
+        names.append(threading.current_thread().name)
+        return step(ids, actions)
+
+    env.backend.step = recorded
+    return names
+
+
+def test_a_backend_bound_to_no_thread_steps_on_the_callers_thread_with_the_same_results():
+    """PandaPickCube-v0's state env holds no renderer: its steps skip the hand-off to the simulator's thread (and
+    give what they gave there); an env the backend knows nothing about stays on the simulator's thread."""
+    import threading
+
+    inline, handed = make(2), make(2)
+    assert inline.any_thread and inline.backend.any_thread
+    handed.any_thread = False  # as a thread-bound backend would run
+    names = {id(e): _record_threads(e) for e in (inline, handed)}
+    rng = np.random.default_rng(0)
+    a, b = inline.reset(seeds=[3, 4]), handed.reset(seeds=[3, 4])
+    np.testing.assert_array_equal(a["state"], b["state"])
+    for _ in range(7):  # past an auto-reset (max_episode_steps 5)
+        act = rng.uniform(-1, 1, (2, 4)).astype(np.float32)
+        x, y = inline.step(None, act), handed.step(None, act)
+        np.testing.assert_array_equal(x.obs["state"], y.obs["state"])
+        np.testing.assert_array_equal(x.rewards, y.rewards)
+    assert set(names[id(inline)]) == {threading.current_thread().name}
+    assert all(n.startswith("sim") for n in names[id(handed)])
+    inline.close(), handed.close()
+
+    from services.env.envs.panda_pick_cube import PandaPickCubeVisionEnv
+
+    assert not PandaPickCubeVisionEnv.steps_on_any_thread  # renders its observations: bound to its GL context
+    other = VecEnv("Pendulum-v1", 1, max_episode_steps=5)  # any other gymnasium env may be bound to its thread
+    assert not other.any_thread
+    seen = _record_threads(other)
+    other.reset()
+    other.step(None, np.zeros((1, 1), np.float32))
+    assert seen and all(n.startswith("sim") for n in seen)
+    other.close()
