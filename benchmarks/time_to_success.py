@@ -61,7 +61,8 @@ def hits(run_dir: pathlib.Path) -> dict:
             r.get("time/eval", 0.0) for r in evals if 0 < r["step"] < train[-1]["step"]
         )
         out["rate"] = train[-1].get("env/env_steps", 0) / max(wall, 1e-9)
-        floor = floor_seconds(train)
+        # the floor of a synchronous run only: in an asynchronous one the update overlaps the rollouts
+        floor = floor_seconds(train) if all(r.get("rollout/staleness", 0) == 0 for r in train) else None
         if floor:
             out["floor"] = train[-1].get("env/env_steps", 0) / floor
     out["final"] = summary.get("final_eval", {}).get("eval/success_once")

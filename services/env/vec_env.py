@@ -126,7 +126,7 @@ class VecEnv:
     def _on_stepping_thread(self, fn, *args):
         """A reset, step or expert-action call: on the caller's thread where the backend allows it, else on the
         simulator's (the caller holds ``_lock``: one call at a time either way)."""
-        return fn(*args) if self.any_thread else self._sim_thread.submit(fn, *args).result()
+        return fn(*args) if self.any_thread else self._on_sim_thread(fn, *args)
 
     # --- API --------------------------------------------------------------------------------------------------
     def reset(

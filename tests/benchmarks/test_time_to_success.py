@@ -67,3 +67,15 @@ def test_the_floor_is_the_stepping_acting_and_update_of_every_training_epoch(tmp
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert "floor" not in time_to_success.hits(tmp_path)
     assert time_to_success.floor_cell([h, {}]) == "-"
+
+
+def test_an_asynchronous_run_has_no_floor(tmp_path):
+    """Its update overlaps the rollouts: the sum of the parts is no floor of its epochs."""
+    parts = {"time/env": 0.10, "time/inference_wait": 0.015, "time/train": 0.045}
+    records = [
+        {"step": 1, "time/elapsed": 0.2, "env/env_steps": 1024.0, "rollout/staleness": 0.0, **parts},
+        {"step": 2, "time/elapsed": 0.3, "env/env_steps": 2048.0, "rollout/staleness": 1.0, **parts},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    h = time_to_success.hits(tmp_path)
+    assert "rate" in h and "floor" not in h
