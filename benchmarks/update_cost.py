@@ -1,6 +1,6 @@
 """The learner's PPO update in one process, without the fleet: the whole update of one epoch, then its pieces.
 
-    python benchmarks/update_cost.py [--updates 200] [--repeat 1000] [key=value ...]
+    python benchmarks/update_cost.py [--updates 200] [--repeat 1000] [--idle-ms 120] [key=value ...]
 
 Builds the default run's policy (or the overrides': ``actor.model.hidden_dims=[64,64]``, ``algorithm.update_epoch=4``,
 ``actor.global_batch_size=1024`` ...) for PandaPickCube-v0's spaces and one synthetic epoch of rows (observations,
@@ -11,7 +11,9 @@ step on a minibatch, each alone on one thread: one hidden layer's matrix product
 and backward, clipping and Adam. The last lines put the update next to the floor its matrix products set at the rate
 measured here: the rest is elementwise work, autograd and Python. With the critic on a second thread, one more row:
 the update with the critic's half skipped (its losses zero, its parameters no gradient): the most that moving the
-critic's half out of the learner's process (away from the actor's thread and its GIL) could take off.
+critic's half out of the learner's process (away from the actor's thread and its GIL) could take off; and the update
+after ``--idle-ms`` of idle time, as a run's learner meets it after each rollout, with its two threads held on two
+cores (as the trainer does) and left to the scheduler.
 
 Medians (and minima) over the timed calls, wall time. The update runs alone here, with warm caches: in a run it
 follows a rollout, whose simulator evicts the caches (docs/benchmarks.md puts the two side by side).
@@ -20,6 +22,7 @@ follows a rollout, whose simulator evicts the caches (docs/benchmarks.md puts th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -32,11 +35,14 @@ import torch  # noqa: E402
 ENV_ID = "rlfleet/PandaPickCube-v0"
 
 
-def _timed(fn, n: int) -> tuple[float, float]:
-    """-> (median, min) wall seconds of ``n`` calls of ``fn`` after two untimed ones."""
+def _timed(fn, n: int, before=None) -> tuple[float, float]:
+    """-> (median, min) wall seconds of ``n`` calls of ``fn`` after two untimed ones (``before()``, untimed, ahead
+    of each)."""
     fn(), fn()
     out = []
     for _ in range(n):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
@@ -100,6 +106,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--updates", type=int, default=200, help="whole updates timed (default 200)")
     ap.add_argument("--repeat", type=int, default=1000, help="calls of each piece timed (default 1000)")
+    ap.add_argument(
+        "--idle-ms", type=float, default=120.0, help="idle time before each update of the after-idle rows (default 120)"
+    )
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the default run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -131,6 +140,21 @@ def main(argv=None) -> int:
         print(
             f"| whole update, the critic's half skipped (what the critic would leave if it ran outside this "
             f"process) | {bound[0] * 1e3:.2f} ms | {bound[1] * 1e3:.2f} ms |"
+        )
+
+        def idle():
+            time.sleep(args.idle_ms / 1e3)
+
+        after = _timed(update, args.updates, idle)
+        trainer._cores_apart = lambda apart: contextlib.nullcontext()  # the threads left to the scheduler
+        unpinned = _timed(update, args.updates, idle)
+        del trainer._cores_apart
+        print(
+            f"| whole update after {args.idle_ms:.0f} ms idle (a rollout's wait), its two threads on two cores | "
+            f"{after[0] * 1e3:.2f} ms | {after[1] * 1e3:.2f} ms |"
+        )
+        print(
+            f"| the same, its threads left to the scheduler | {unpinned[0] * 1e3:.2f} ms | {unpinned[1] * 1e3:.2f} ms |"
         )
 
     # the pieces of one step on a minibatch, each alone on this thread

@@ -11,6 +11,7 @@ batches of weight zero: every rank runs the same number of passes. In a group of
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -156,9 +157,26 @@ class Trainer:
             g["lr"] = lr
         weight = rows["mask"] if use_mask else torch.ones_like(rows["mask"])
         gen = torch.Generator().manual_seed(self.view.seed * 1_000_003 + epoch)
+        with self._cores_apart(self.critic_apart(model, critic_only)):
+            steps, first_diff, sums = self._passes(model, optimizer, rows, total, weight, critic, critic_only, gen)
+        out = {k: v / max(steps, 1) for k, v in sums.items()}
+        if alg.kl_beta <= 0:
+            out.pop("train/actor/kl_loss", None)
+        out.update(stats)
+        out["train/actor/first_logprob_abs_diff"] = first_diff
+        out["train/actor/lr"] = lr
+        out["train/optimizer_steps"] = float(steps)
+        out["train/critic_warmup"] = float(critic_only)
+        if hasattr(model, "log_std"):
+            out["train/actor/log_std"] = float(full_tensor(model.log_std.detach()).mean())
+        return out
+
+    def _passes(self, model, optimizer, rows, total, weight, critic, critic_only, gen):
+        """``algorithm.update_epoch`` passes over the batch, a step per minibatch (fewer when ``target_kl`` stops
+        them) -> (steps, the first step's log-prob gap, the steps' summed statistics)."""
+        alg, gbs = self.alg, self.view.global_batch_size
         sums: dict[str, float] = {}
         steps, first_diff, stop = 0, float("nan"), False
-        gbs = self.view.global_batch_size
         for _ in range(alg.update_epoch):
             perm = torch.randperm(total, generator=gen)
             pos = torch.empty(total, dtype=torch.int64)
@@ -180,17 +198,29 @@ class Trainer:
                     break
             if stop:
                 break
-        out = {k: v / max(steps, 1) for k, v in sums.items()}
-        if alg.kl_beta <= 0:
-            out.pop("train/actor/kl_loss", None)
-        out.update(stats)
-        out["train/actor/first_logprob_abs_diff"] = first_diff
-        out["train/actor/lr"] = lr
-        out["train/optimizer_steps"] = float(steps)
-        out["train/critic_warmup"] = float(critic_only)
-        if hasattr(model, "log_std"):
-            out["train/actor/log_std"] = float(full_tensor(model.log_std.detach()).mean())
-        return out
+        return steps, first_diff, sums
+
+    @contextlib.contextmanager
+    def _cores_apart(self, apart: bool):
+        """With the critic on its own thread: this thread on the first of this process's cores and the critic's on
+        the last one for the update (then this thread's cores as before). Left to itself, the scheduler wakes the
+        critic's thread on the core of the thread that hands it each step's work, and the halves that should run
+        side by side take turns: after the ~120 ms a rollout leaves the learner idle, the default epoch's update
+        took 37-39 ms on two threads, against 30 on two pinned ones and 36-39 on one (benchmarks/update_cost.py
+        --after-idle)."""
+        cores = sorted(os.sched_getaffinity(0)) if apart and hasattr(os, "sched_setaffinity") else []
+        if len(cores) < 2:
+            yield
+            return
+        if self._critic_thread is None:
+            self._critic_thread = ThreadPoolExecutor(
+                1, thread_name_prefix="critic", initializer=os.sched_setaffinity, initargs=(0, {cores[-1]})
+            )
+        os.sched_setaffinity(0, {cores[0]})  # pid 0: this thread only
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, cores)
 
     def _step(self, model, optimizer, rows, ids, weight, critic, critic_only, first: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's rows ``ids`` of a minibatch (every rank calls it together). ``first``:

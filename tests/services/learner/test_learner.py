@@ -572,3 +572,37 @@ def test_the_critic_on_a_thread_of_its_own_takes_the_same_steps(cfg, tmp_path, k
     (apart, w_apart), (one, w_one) = runs
     assert apart == one
     assert w_apart.keys() == w_one.keys() and all(torch.equal(w_apart[k], w_one[k]) for k in w_one)
+
+
+def test_the_update_holds_its_two_threads_on_two_cores(cfg, tmp_path):
+    """With the critic on its own thread, the update runs the actor's half on the first of the learner's cores and
+    the critic's on the last one (the scheduler would otherwise wake the critic's thread on the actor's core after a
+    rollout's idle time, and the two halves take turns); after the update the learner's thread may run on every
+    core it had again. A learner on one thread pins nothing."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: the critic stays on the update's thread")
+    for threads in (None, 1):
+        cfg.cluster.learner_num_threads = threads
+        le = Learner(learner_view(cfg), tmp_path / f"run{threads}")
+        le.setup(SPECS, 4)
+        trainer = le.algorithm.trainer
+        seen = []
+        step = trainer._step
+
+        def watched(*args, _step=step, _trainer=trainer, **kw):
+            critic = _trainer._critic_thread
+            on = critic.submit(os.sched_getaffinity, 0).result() if critic is not None else None
+            seen.append((os.sched_getaffinity(0), on))
+            return _step(*args, **kw)
+
+        trainer._step = watched
+        tm, pe, eps = fake_rollout(seed=0)
+        le.rollouts.receive(0, 0, tm, pe, eps)
+        le.train(0, [0])
+        assert seen and os.sched_getaffinity(0) == set(cores)  # the learner's thread: every core again
+        if threads is None:
+            assert all(mine == {cores[0]} and critic == {cores[-1]} for mine, critic in seen)
+        else:
+            assert all(mine == set(cores) and critic is None for mine, critic in seen)
+        le.close()
