@@ -12,6 +12,7 @@ batches of weight zero: every rank runs the same number of passes. In a group of
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,8 @@ from services.learner import ppo
 from services.learner.group import RankGroup
 from services.learner.rollouts import policy_inputs
 from services.learner.sharding import full_tensor
+
+log = logging.getLogger(__name__)
 
 # the step statistics summed over micro batches and ranks (each already divided by its normaliser)
 STAT_KEYS = (
@@ -38,6 +41,16 @@ STAT_KEYS = (
     "train/actor/ratio",
     "train/actor/kl_loss",
 )
+
+
+def _pin_thread(cores: set[int]) -> bool:
+    """The calling thread on ``cores`` (-> True), or as it was where the system refuses (-> False)."""
+    try:
+        os.sched_setaffinity(0, cores)  # pid 0: this thread only
+        return True
+    except OSError as exc:
+        log.debug("the update's thread stays unpinned: sched_setaffinity(%s) failed: %s", sorted(cores), exc)
+        return False
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -207,20 +220,22 @@ class Trainer:
         critic's thread on the core of the thread that hands it each step's work, and the halves that should run
         side by side take turns: after the ~120 ms a rollout leaves the learner idle, the default epoch's update
         took 37-39 ms on two threads, against 30 on two pinned ones and 36-39 on one (benchmarks/update_cost.py
-        --after-idle)."""
+        --idle-ms). Where the cores cannot be set (no affinity on this platform, a refusal), the update runs
+        unpinned as before."""
         cores = sorted(os.sched_getaffinity(0)) if apart and hasattr(os, "sched_setaffinity") else []
         if len(cores) < 2:
             yield
             return
         if self._critic_thread is None:
             self._critic_thread = ThreadPoolExecutor(
-                1, thread_name_prefix="critic", initializer=os.sched_setaffinity, initargs=(0, {cores[-1]})
+                1, thread_name_prefix="critic", initializer=_pin_thread, initargs=({cores[-1]},)
             )
-        os.sched_setaffinity(0, {cores[0]})  # pid 0: this thread only
+        pinned = _pin_thread({cores[0]})
         try:
             yield
         finally:
-            os.sched_setaffinity(0, cores)
+            if pinned:
+                _pin_thread(set(cores))
 
     def _step(self, model, optimizer, rows, ids, weight, critic, critic_only, first: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's rows ``ids`` of a minibatch (every rank calls it together). ``first``:

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -606,3 +607,25 @@ def test_the_update_holds_its_two_threads_on_two_cores(cfg, tmp_path):
         else:
             assert all(mine == set(cores) and critic is None for mine, critic in seen)
         le.close()
+
+
+def test_an_update_whose_cores_cannot_be_set_runs_unpinned(cfg, tmp_path, monkeypatch):
+    """Where the system refuses to move a thread (a cpuset that forbids it), the update with the critic on its own
+    thread runs as it would unpinned: it trains, nothing breaks the critic's thread."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the critic stays on the update's thread")
+
+    def refuse(pid, cores):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    le = Learner(learner_view(cfg), tmp_path / "run")
+    le.setup(SPECS, 4)
+    assert le.algorithm.trainer.critic_apart(le.model)
+    for epoch in range(2):
+        tm, pe, eps = fake_rollout(seed=epoch)
+        le.rollouts.receive(epoch, 0, tm, pe, eps)
+        m = le.train(epoch, [0])
+        assert m["train/optimizer_steps"] > 0 and math.isfinite(m["train/loss"])
+    assert le.algorithm.trainer._critic_thread is not None
+    le.close()
