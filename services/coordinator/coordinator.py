@@ -592,7 +592,7 @@ class Coordinator:
             else ""
         )
         self._save_state()
-        return self.report.write_summary(
+        summary = self.report.write_summary(
             env_id=self.env_id,
             epochs=epoch,
             env_steps=self.env_steps,
@@ -604,6 +604,11 @@ class Coordinator:
             restarts=self.registry.restart_counts(self.report.prior_restarts),
             last_metrics=self.last_metrics,
         )
+        if self.fate.fatal is None:
+            # the run has ended, its checkpoint and summary written: a service that exits from here on (a kill -9
+            # of the learner while the run shuts down) is part of its shutdown, not a failure to resume from
+            self.registry.shutting_down = True
+        return summary
 
     def _start_collect(self, pool, epoch: int, version: int, after: list | None = None, wait_s: float = 0.0) -> list:
         """Collect epoch ``epoch`` on every env server (futures); samples need weights version >= ``version``

@@ -1,7 +1,8 @@
 """`coordinatorctl start` end to end: real processes, real gRPC on loopback, real MuJoCo, real PPO.
 
 Covers the run folder, --resume, kill -9 of an env server mid-run (restart, lost episodes counted), kill -9 of
-the learner (run fails with a resume hint; --resume continues with the same step count and optimizer state),
+the learner (run fails with a resume hint; --resume continues with the same step count and optimizer state; after
+the run's summary it fails nothing),
 `coordinatorctl stop` and Ctrl-C with no orphan processes, and config errors.
 """
 
@@ -283,6 +284,40 @@ def test_learner_killed_then_resume_and_stop(tmp_path, staleness, placement):
     assert_no_orphans(pids2)
     steps = [r["step"] for r in read_metrics(run) if "train/actor/policy_loss" in r]
     assert steps == sorted(set(steps))  # each epoch once: the records after the checkpoint were dropped on resume
+
+
+# `coordinatorctl start` whose learner is killed (-9) the moment the run has written its summary, before the
+# coordinator shuts the services down; the monitor is given time to notice the exit
+KILL_AFTER_SUMMARY = """
+import os, signal, sys, time
+from services.coordinator import cli
+from services.coordinator.coordinator import Coordinator
+
+run = Coordinator.run
+
+def run_then_kill_the_learner(self):
+    summary = run(self)
+    os.kill(self.registry.services[("learner", 0)].pid, signal.SIGKILL)
+    time.sleep(2.0)
+    return summary
+
+Coordinator.run = run_then_kill_the_learner
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_learner_killed_after_the_summary_fails_nothing(tmp_path):
+    """A run that has ended (final evaluation, checkpoint, summary written) stays a finished run when its learner
+    dies while the services shut down: exit code 0, no "run failed", no resume hint."""
+    name = "endkill"
+    cmd = [sys.executable, "-c", KILL_AFTER_SUMMARY, "start", *TINY, "runner.max_epochs=2"]
+    cmd += [f"runner.logger.log_path={tmp_path}", f"runner.experiment_name={name}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "run failed" not in out and "--resume" not in out, out
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["stop_reason"] == "runner.max_epochs=2 reached"
 
 
 @pytest.mark.parametrize(
