@@ -226,16 +226,20 @@ class Trainer:
         if len(cores) < 2:
             yield
             return
-        if self._critic_thread is None:
-            self._critic_thread = ThreadPoolExecutor(
-                1, thread_name_prefix="critic", initializer=_pin_thread, initargs=({cores[-1]},)
-            )
+        self._critic_pool(cores[-1])
         pinned = _pin_thread({cores[0]})
         try:
             yield
         finally:
             if pinned:
                 _pin_thread(set(cores))
+
+    def _critic_pool(self, core: int | None = None) -> ThreadPoolExecutor:
+        """The critic's thread (created on first use; on ``core`` when given)."""
+        if self._critic_thread is None:
+            pin = {"initializer": _pin_thread, "initargs": ({core},)} if core is not None else {}
+            self._critic_thread = ThreadPoolExecutor(1, thread_name_prefix="critic", **pin)
+        return self._critic_thread
 
     def _step(self, model, optimizer, rows, ids, weight, critic, critic_only, first: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's rows ``ids`` of a minibatch (every rank calls it together). ``first``:
@@ -251,8 +255,8 @@ class Trainer:
         count = max(count, 1.0)
         optimizer.zero_grad(set_to_none=True)
         apart = self.critic_apart(model, critic_only)
-        if apart and self._critic_thread is None:
-            self._critic_thread = ThreadPoolExecutor(1, thread_name_prefix="critic")
+        if apart:
+            self._critic_pool()
         # the row weights' dtype: the log-probs' (the parameters': fp32, fp64 in the exactness tests)
         row_dtype = _at_least_fp32(next(iter(model.critic_parameters()))).dtype if apart else None
         acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)  # STAT_KEYS' sums
