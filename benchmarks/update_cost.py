@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
 import sys
 import time
@@ -121,7 +122,9 @@ def main(argv=None) -> int:
         epoch[0] += 1
         trainer.update(model, optimizer, dict(rows), total=total, epoch=epoch[0], lr=view.lr, use_mask=False)
 
+    switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
     med, low = _timed(update, args.updates)
+    switches = (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switches) / args.updates
     apart = trainer.critic_apart(model)
     print(
         f"one epoch's update: {total:,} rows, {view.algorithm.update_epoch} passes of {-(-total // mb)} minibatches of "
@@ -132,6 +135,7 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     print(f"| whole update | {med * 1e3:.2f} ms | {low * 1e3:.2f} ms |")
     print(f"| per optimizer step | {med / steps * 1e3:.2f} ms | {low / steps * 1e3:.2f} ms |")
+    print(f"| voluntary context switches per update (threads waiting: for the GIL, for the critic) | {switches:.0f} | |")
     if apart:  # what the critic's half costs the update on its thread (the GIL): the update without it
         none = torch.zeros(())
         trainer._critic_half = lambda *_: (none, none)
@@ -159,6 +163,7 @@ def main(argv=None) -> int:
 
     # the pieces of one step on a minibatch, each alone on this thread
     from services.learner.rollouts import policy_inputs
+    from services.learner.trainer import _clip_grad_norm
 
     idx = torch.arange(min(mb, total))
     obs, fi = policy_inputs(rows, idx)
@@ -180,8 +185,8 @@ def main(argv=None) -> int:
         "the critic's forward and backward": _timed(critic, args.repeat // 4),
     }
     params = [p for p in model.parameters() if p.grad is not None]
-    pieces["clip_grad_norm_"] = _timed(
-        lambda: torch.nn.utils.clip_grad_norm_(params, view.algorithm.max_grad_norm), args.repeat
+    pieces["gradient clipping (the trainer's)"] = _timed(
+        lambda: _clip_grad_norm(params, view.algorithm.max_grad_norm), args.repeat
     )
     pieces["Adam step"] = _timed(optimizer.step, args.repeat)
     for name, (m, lo) in pieces.items():

@@ -292,4 +292,6 @@ class RankGroup:
             raise self.broken(exc) from exc
 
     def max_int(self, n: int) -> int:
+        if not self.distributed:
+            return n
         return int(self.all_reduce(torch.tensor([n], dtype=torch.int64, device=self.device), "max").item())

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,14 @@ STAT_KEYS = (
 )
 
 
+class _StepPlan(NamedTuple):
+    """What every step of one update needs and the update works out once."""
+
+    apart: bool  # the critic's half on its own thread (Trainer.critic_apart)
+    row_dtype: torch.dtype | None  # with ``apart``: the dtype of the critic's row weights (its parameters')
+    params: list  # the optimizer's parameters (their gradients are cleared before each step)
+
+
 def _pin_thread(cores: set[int]) -> bool:
     """The calling thread on ``cores`` (-> True), or as it was where the system refuses (-> False)."""
     try:
@@ -51,6 +60,19 @@ def _pin_thread(cores: set[int]) -> bool:
     except OSError as exc:
         log.debug("the update's thread stays unpinned: sched_setaffinity(%s) failed: %s", sorted(cores), exc)
         return False
+
+
+def _clip_grad_norm(params: list, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)``: for plain gradients of one device and dtype (an MLP on
+    one rank) its own operations in its order (the same bits) without its grouping and checks, which took half of
+    its time in the default update; anything else (sharded gradients, mixed dtypes) through torch's."""
+    grads = [p.grad for p in params]
+    if not grads or any(type(g) is not torch.Tensor for g in grads) or len({(g.device, g.dtype) for g in grads}) > 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    with torch.no_grad():
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -170,8 +192,15 @@ class Trainer:
             g["lr"] = lr
         weight = rows["mask"] if use_mask else torch.ones_like(rows["mask"])
         gen = torch.Generator().manual_seed(self.view.seed * 1_000_003 + epoch)
-        with self._cores_apart(self.critic_apart(model, critic_only)):
-            steps, first_diff, sums = self._passes(model, optimizer, rows, total, weight, critic, critic_only, gen)
+        apart = self.critic_apart(model, critic_only)
+        plan = _StepPlan(
+            apart=apart,
+            # the row weights' dtype: the log-probs' (the parameters': fp32, fp64 in the exactness tests)
+            row_dtype=_at_least_fp32(next(iter(model.critic_parameters()))).dtype if apart else None,
+            params=[p for g in optimizer.param_groups for p in g["params"]],
+        )
+        with self._cores_apart(apart):
+            steps, first_diff, sums = self._passes(model, optimizer, rows, total, weight, critic, critic_only, gen, plan)
         out = {k: v / max(steps, 1) for k, v in sums.items()}
         if alg.kl_beta <= 0:
             out.pop("train/actor/kl_loss", None)
@@ -184,7 +213,7 @@ class Trainer:
             out["train/actor/log_std"] = float(full_tensor(model.log_std.detach()).mean())
         return out
 
-    def _passes(self, model, optimizer, rows, total, weight, critic, critic_only, gen):
+    def _passes(self, model, optimizer, rows, total, weight, critic, critic_only, gen, plan: _StepPlan):
         """``algorithm.update_epoch`` passes over the batch, a step per minibatch (fewer when ``target_kl`` stops
         them) -> (steps, the first step's log-prob gap, the steps' summed statistics)."""
         alg, gbs = self.alg, self.view.global_batch_size
@@ -200,7 +229,7 @@ class Trainer:
             order = order.to(self.device)
             for j in range(math.ceil(total / gbs)):
                 ids = order[minibatch == j]
-                step = self._step(model, optimizer, rows, ids, weight, critic, critic_only, first=steps == 0)
+                step = self._step(model, optimizer, rows, ids, weight, critic, critic_only, plan, first=steps == 0)
                 if steps == 0:
                     first_diff = step.pop("first_diff")
                 for k, v in step.items():
@@ -241,7 +270,9 @@ class Trainer:
             self._critic_thread = ThreadPoolExecutor(1, thread_name_prefix="critic", **pin)
         return self._critic_thread
 
-    def _step(self, model, optimizer, rows, ids, weight, critic, critic_only, first: bool = False) -> dict[str, float]:
+    def _step(
+        self, model, optimizer, rows, ids, weight, critic, critic_only, plan: _StepPlan, first: bool = False
+    ) -> dict[str, float]:
         """One optimizer step on this rank's rows ``ids`` of a minibatch (every rank calls it together). ``first``:
         the update's first step, which also measures how far the policy's log-probs are from the rollout's
         (``first_diff``: 0 when the learner recomputes exactly what the actor sampled with)."""
@@ -253,12 +284,11 @@ class Trainer:
         mu = adv_sum / max(count, 1e-12)
         sd = math.sqrt(self._sum([((adv_all - mu) ** 2 * w_all).sum()]).item() / max(count, 1e-12))
         count = max(count, 1.0)
-        optimizer.zero_grad(set_to_none=True)
-        apart = self.critic_apart(model, critic_only)
+        for p in plan.params:  # optimizer.zero_grad(set_to_none=True), without its wrappers
+            p.grad = None
+        apart, row_dtype = plan.apart, plan.row_dtype
         if apart:
             self._critic_pool()
-        # the row weights' dtype: the log-probs' (the parameters': fp32, fp64 in the exactness tests)
-        row_dtype = _at_least_fp32(next(iter(model.critic_parameters()))).dtype if apart else None
         acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)  # STAT_KEYS' sums
         diff = torch.zeros((), dtype=torch.float64, device=self.device)
         for idx, real in self.lockstep(ids, self.view.micro_batch_size):
@@ -343,9 +373,7 @@ class Trainer:
             for p in model.parameters():
                 if id(p) not in critic:
                     p.grad = None
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.grad is not None], alg.max_grad_norm
-        )
+        grad_norm = _clip_grad_norm([p for p in model.parameters() if p.grad is not None], alg.max_grad_norm)
         optimizer.step()
         out = dict(zip(STAT_KEYS, self.group.all_reduce(acc).tolist()))
         out["train/actor/grad_norm"] = float(full_tensor(grad_norm)) if torch.is_tensor(grad_norm) else float(grad_norm)

@@ -629,3 +629,35 @@ def test_an_update_whose_cores_cannot_be_set_runs_unpinned(cfg, tmp_path, monkey
         assert m["train/optimizer_steps"] > 0 and math.isfinite(m["train/loss"])
     assert le.algorithm.trainer._critic_thread is not None
     le.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_the_updates_gradient_clipping_is_torchs_bit_for_bit(dtype, max_norm):
+    """The trainer clips an MLP's gradients with torch's own operations, without its grouping: the same norm and
+    the same clipped gradients, bit for bit, clipping (a small max norm) or not; mixed dtypes go through torch's."""
+    from services.learner.trainer import _clip_grad_norm
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(128, 13), (128,), (128, 128), (128,), (4, 128), (4,), (4,)]
+
+    def params(dtypes):
+        out = []
+        for shape, dt in zip(shapes, dtypes):
+            p = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64).to(dt))
+            p.grad = torch.randn(shape, generator=gen, dtype=torch.float64).to(dt) * 0.3
+            out.append(p)
+        return out
+
+    for dtypes in ([dtype] * len(shapes), [torch.float32, torch.float64] * 4):
+        ours = params(dtypes)
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        for p, q in zip(ours, theirs):
+            q.grad = p.grad.clone()
+        before = [p.grad.clone() for p in ours]
+        norm = _clip_grad_norm(ours, max_norm)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        assert torch.equal(norm, expected)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours, theirs))
+        clipped = not all(torch.equal(p.grad, b) for p, b in zip(ours, before))
+        assert clipped == (max_norm < 1)  # the small max norm clips, the large one leaves the gradients alone
