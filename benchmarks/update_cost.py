@@ -135,7 +135,9 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     print(f"| whole update | {med * 1e3:.2f} ms | {low * 1e3:.2f} ms |")
     print(f"| per optimizer step | {med / steps * 1e3:.2f} ms | {low / steps * 1e3:.2f} ms |")
-    print(f"| voluntary context switches per update (threads waiting: for the GIL, for the critic) | {switches:.0f} | |")
+    print(
+        f"| voluntary context switches per update (threads waiting: for the GIL, for the critic) | {switches:.0f} | |"
+    )
     if apart:  # what the critic's half costs the update on its thread (the GIL): the update without it
         none = torch.zeros(())
         trainer._critic_half = lambda *_: (none, none)

@@ -200,7 +200,9 @@ class Trainer:
             params=[p for g in optimizer.param_groups for p in g["params"]],
         )
         with self._cores_apart(apart):
-            steps, first_diff, sums = self._passes(model, optimizer, rows, total, weight, critic, critic_only, gen, plan)
+            steps, first_diff, sums = self._passes(
+                model, optimizer, rows, total, weight, critic, critic_only, gen, plan
+            )
         out = {k: v / max(steps, 1) for k, v in sums.items()}
         if alg.kl_beta <= 0:
             out.pop("train/actor/kl_loss", None)
