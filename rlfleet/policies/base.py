@@ -79,7 +79,8 @@ class PolicyMixin:
 
     has_critic: bool = True
     # the value estimate shares no trainable parameter with the action distribution, and ``evaluate_actor`` and
-    # ``value`` compute its two halves: the learner may run them on two threads (services/learner/trainer.py)
+    # ``value`` compute its two halves (from ``features``, which both take): the learner may run them on two
+    # threads and compute the features once per update (services/learner/trainer.py)
     critic_apart: bool = False
     num_action_chunks: int = 1
     logprob_type: str = "action_level"
@@ -150,12 +151,20 @@ class PolicyMixin:
         obs: Mapping[str, torch.Tensor],
         forward_inputs: Mapping[str, torch.Tensor],
         instructions: Sequence[str] | None = None,
+        features: torch.Tensor | None = None,
     ) -> PolicyEval:
-        """``evaluate`` without the value (``values`` None): policies with ``critic_apart``."""
+        """``evaluate`` without the value (``values`` None): policies with ``critic_apart``. ``features``: the
+        observations' ``features`` computed already (then ``obs`` is not read)."""
         raise NotImplementedError(f"{type(self).__name__}: its critic is not apart from its actor")
 
-    def value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The value estimate alone [n] (policies with ``critic_apart``: the same numbers ``evaluate`` gives)."""
+    def value(self, obs: Mapping[str, torch.Tensor], features: torch.Tensor | None = None) -> torch.Tensor:
+        """The value estimate alone [n] (policies with ``critic_apart``: the same numbers ``evaluate`` gives);
+        ``features`` as in ``evaluate_actor``."""
+        raise NotImplementedError(f"{type(self).__name__}: its critic is not apart from its actor")
+
+    def features(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """What both halves of a policy with ``critic_apart`` compute first from the observations, by no trainable
+        parameter (row by row: the rows of a batch's features are those of its rows alone)."""
         raise NotImplementedError(f"{type(self).__name__}: its critic is not apart from its actor")
 
     def expert_forward_inputs(

@@ -205,13 +205,17 @@ class ActorCritic(PolicyMixin, nn.Module):
         return PolicyEval(self._log_probs(mean, std, forward_inputs["actions"]), gaussian_entropy(std).sum(-1), values)
 
     def evaluate_actor(
-        self, obs: Mapping[str, torch.Tensor], forward_inputs: Mapping[str, torch.Tensor], instructions=None
+        self,
+        obs: Mapping[str, torch.Tensor],
+        forward_inputs: Mapping[str, torch.Tensor],
+        instructions=None,
+        features: torch.Tensor | None = None,
     ) -> PolicyEval:
-        mean, std = self._gaussian(self.features(obs))
+        mean, std = self._gaussian(self.features(obs) if features is None else features)
         return PolicyEval(self._log_probs(mean, std, forward_inputs["actions"]), gaussian_entropy(std).sum(-1), None)
 
-    def value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self.critic(self.features(obs)).squeeze(-1)
+    def value(self, obs: Mapping[str, torch.Tensor], features: torch.Tensor | None = None) -> torch.Tensor:
+        return self.critic(self.features(obs) if features is None else features).squeeze(-1)
 
     @classmethod
     def from_config(

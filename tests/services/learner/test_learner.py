@@ -548,8 +548,9 @@ def test_truncated_episodes_bootstrap_from_their_final_observation_in_the_learne
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
 def test_the_critic_on_a_thread_of_its_own_takes_the_same_steps(cfg, tmp_path, kl_beta):
     """A synchronous MLP update on 2+ cores runs the critic's forward and backward on a second thread beside the
-    actor's (Trainer.critic_apart): every statistic and every weight is the same bit for bit as on one thread
-    (cluster.learner_num_threads=1), with and without a KL penalty to the reference policy."""
+    actor's (Trainer.critic_apart), both from features computed once per update: every statistic and every weight
+    is the same bit for bit as on one thread (cluster.learner_num_threads=1, the features per step), with and
+    without a KL penalty to the reference policy."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: the critic stays on the update's thread")
     cfg.algorithm.kl_beta = kl_beta
@@ -561,12 +562,17 @@ def test_the_critic_on_a_thread_of_its_own_takes_the_same_steps(cfg, tmp_path, k
         trainer = le.algorithm.trainer
         assert trainer.critic_apart(le.model) == (threads is None)
         assert not trainer.critic_apart(le.model, critic_only=True)  # a critic warm-up has no actor half
+        features, calls = le.model.features, []
+        le.model.features = lambda obs, _f=features: (calls.append(len(next(iter(obs.values())))), _f(obs))[1]
         stats = []
         for epoch in range(3):
             tm, pe, eps = fake_rollout(seed=epoch)
             le.rollouts.receive(epoch, 0, tm, pe, eps)
+            calls.clear()
             m = le.train(epoch, [0])
             stats.append({k: v for k, v in m.items() if k.startswith("train/")})
+            if threads is None:  # the update's features: once, for every row (before it: the bootstrap values')
+                assert m["train/optimizer_steps"] > 1 and len(calls) == 2 and calls[-1] == 128, calls
         assert (trainer._critic_thread is not None) == (threads is None)
         runs.append((stats, {k: v.clone() for k, v in le.model.state_dict().items()}))
         le.close()
