@@ -5,15 +5,17 @@
 Builds the default run's policy (or the overrides': ``actor.model.hidden_dims=[64,64]``, ``algorithm.update_epoch=4``,
 ``actor.global_batch_size=1024`` ...) for PandaPickCube-v0's spaces and one synthetic epoch of rows (observations,
 sampled actions and their log-probs and values from the policy itself, random advantages and returns), and times
-``Trainer.update`` as a synchronous run's learner calls it: the critic's forward and backward on a second thread when
-this machine has two cores or more (services/learner/trainer.py, ``critic_apart``). Then the pieces of one optimizer
-step on a minibatch, each alone on one thread: one hidden layer's matrix product, the actor's and the critic's forward
-and backward, clipping and Adam. The last lines put the update next to the floor its matrix products set at the rate
-measured here: the rest is elementwise work, autograd and Python. With the critic on a second thread, one more row:
-the update with the critic's half skipped (its losses zero, its parameters no gradient): the most that moving the
-critic's half out of the learner's process (away from the actor's thread and its GIL) could take off; and the update
-after ``--idle-ms`` of idle time, as a run's learner meets it after each rollout, with its two threads held on two
-cores (as the trainer does) and left to the scheduler.
+``Trainer.update`` as a synchronous run's learner calls it: the critic's forward and backward apart from the actor's
+when this machine has two cores or more (services/learner/trainer.py, ``critic_apart``), in the critic's helper process
+(``cluster.learner_critic_process``, services/learner/critic_process.py; started and waited for first) or on a second
+thread. Then the pieces of one optimizer step on a minibatch, each alone on one thread: one hidden layer's matrix
+product, the actor's and the critic's forward and backward, clipping and Adam. The last lines put the update next to
+the floor its matrix products set at the rate measured here: the rest is elementwise work, autograd and Python. With
+the critic apart, more rows: the update with the critic's half on a second thread instead of the helper process; the
+update with the critic's half skipped (its losses zero, its parameters no gradient): the most that running the
+critic's half outside the learner's process could take off; and the update after ``--idle-ms`` of idle time, as a
+run's learner meets it after each rollout, with its two halves held on two cores (as the trainer does) and left to
+the scheduler.
 
 Medians (and minima) over the timed calls, wall time. The update runs alone here, with warm caches: in a run it
 follows a rollout, whose simulator evicts the caches (docs/benchmarks.md puts the two side by side).
@@ -114,6 +116,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     view, model, optimizer, trainer, rows = setup(args.overrides)
+    trainer.start(model)  # the critic's helper process, where the run would use one (cluster.learner_critic_process)
+    helper = trainer.critic_process
+    if helper is not None and not helper.wait_ready(60.0):
+        print(f"the critic's helper process did not start ({helper.failed}); the critic runs on a thread")
     total, mb = len(rows["index"]), view.global_batch_size
     steps = view.algorithm.update_epoch * -(-total // mb)
     epoch = [0]
@@ -126,10 +132,14 @@ def main(argv=None) -> int:
     med, low = _timed(update, args.updates)
     switches = (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switches) / args.updates
     apart = trainer.critic_apart(model)
+    where = "no (one thread)"
+    if apart:
+        where = (
+            "yes, in a helper process" if helper is not None and helper.failed is None else "yes, on a second thread"
+        )
     print(
         f"one epoch's update: {total:,} rows, {view.algorithm.update_epoch} passes of {-(-total // mb)} minibatches of "
-        f"{mb} = {steps} optimizer steps; critic on a second thread: {'yes' if apart else 'no'} "
-        f"({trainer.cores} cores)\n"
+        f"{mb} = {steps} optimizer steps; critic apart from the actor: {where} ({trainer.cores} cores)\n"
     )
     print("| part | median | min |")
     print("|---|---|---|")
@@ -138,11 +148,21 @@ def main(argv=None) -> int:
     print(
         f"| voluntary context switches per update (threads waiting: for the GIL, for the critic) | {switches:.0f} | |"
     )
+    if apart and helper is not None:  # the same update with the critic's half on a thread of the learner
+        trainer.critic_process = None
+        on_thread = _timed(update, args.updates)
+        trainer.critic_process = helper
+        print(
+            f"| whole update, the critic's half on a second thread instead (cluster.learner_critic_process=false) | "
+            f"{on_thread[0] * 1e3:.2f} ms | {on_thread[1] * 1e3:.2f} ms |"
+        )
     if apart:  # what the critic's half costs the update on its thread (the GIL): the update without it
+        trainer.critic_process = None
         none = torch.zeros(())
         trainer._critic_half = lambda *_: (none, none)
         bound = _timed(update, args.updates)
         del trainer._critic_half
+        trainer.critic_process = helper
         print(
             f"| whole update, the critic's half skipped (what the critic would leave if it ran outside this "
             f"process) | {bound[0] * 1e3:.2f} ms | {bound[1] * 1e3:.2f} ms |"
@@ -200,6 +220,7 @@ def main(argv=None) -> int:
         f"core-ms at that rate, {floor / max(1, min(2, trainer.cores)) * 1e3:.1f} ms on "
         f"{max(1, min(2, trainer.cores))} cores; the update's median is {med / floor:.1f}x the one-core figure"
     )
+    trainer.close()
     return 0
 
 

@@ -129,6 +129,7 @@ class LearnerView:
     shared_memory: str = _key("cluster.shared_memory")
     torch_num_threads: int = _key("cluster.torch_num_threads")
     learner_num_threads: int | None = _key("cluster.learner_num_threads")
+    learner_critic_process: bool = _key("cluster.learner_critic_process")
     auto_reset: bool = _key("env.train.auto_reset")
     batch_invariant_rows: int | None = _key("rollout.batch_invariant_rows")
     learner_collective_timeout_s: float = _key("cluster.learner_collective_timeout_s")

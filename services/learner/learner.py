@@ -215,6 +215,8 @@ class Learner:
             self.algorithm.setup(obs_specs, action_dim)
         if "resume" in meta:
             self._load_checkpoint(pathlib.Path(meta["resume"]))
+        if not only_eval:
+            self.algorithm.start(self.model)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole policy state on the CPU (rank 0), gathered from every rank's shards."""
@@ -515,6 +517,7 @@ class Learner:
         )
 
     def close(self) -> None:
+        self.algorithm.close()
         if self.group.is_leader:
             if self.group.distributed:
                 with self.group.lock:

@@ -148,6 +148,26 @@ def value_loss_terms(
     return loss, clipped
 
 
+def value_half(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    row_weights: torch.Tensor,
+    *,
+    value_clip: float | None,
+    huber_delta: float | None,
+    value_loss_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's half of a PPO step on its rows, apart from the actor's (services/learner/trainer.py): the value
+    loss (clipped as in :func:`value_loss_terms`) and its clipped share, each summed with the per-row weights
+    ``row_weights``, and the backward of ``value_loss_coef`` x that loss -> (value loss, clipped share). The one
+    implementation the learner's critic thread and its helper process (critic_process.py) both run."""
+    v, v_clipped = value_loss_terms(values, old_values, returns, value_clip=value_clip, huber_delta=huber_delta)
+    v_loss, v_clip = (v * row_weights).sum(), (v_clipped * row_weights).sum()
+    (value_loss_coef * v_loss).backward()
+    return v_loss.detach(), v_clip
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

@@ -23,6 +23,7 @@ import torch
 from rlfleet.config.views import LearnerView
 from rlfleet.errors import FailedPrecondition
 from services.learner import ppo
+from services.learner.critic_process import CriticProcess, unsupported
 from services.learner.group import RankGroup
 from services.learner.rollouts import policy_inputs
 from services.learner.sharding import full_tensor
@@ -51,6 +52,7 @@ class _StepPlan(NamedTuple):
     row_dtype: torch.dtype | None  # with ``apart``: the dtype of the critic's row weights (its parameters')
     params: list  # the optimizer's parameters (their gradients are cleared before each step)
     features: torch.Tensor | None  # with ``apart``: every row's features (the policy's ``features``), computed once
+    helper: CriticProcess | None  # with ``apart``: the critic's helper process, when this update uses it
 
 
 def _pin_thread(cores: set[int]) -> bool:
@@ -81,6 +83,17 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+class _HelperJob:
+    """A micro batch's critic half in the helper process; where the helper fails, ``redo`` on this thread."""
+
+    def __init__(self, helper: CriticProcess, redo):
+        self.helper, self.redo = helper, redo
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.helper.result()
+        return out if out is not None else self.redo()
+
+
 class Trainer:
     """Runs the update on this rank's rows; the model (sharded or not) and its optimizer are the learner's."""
 
@@ -89,7 +102,37 @@ class Trainer:
         self.device = group.device
         # the critic's half of each step on a thread of its own (see critic_apart); created on first use
         self._critic_thread: ThreadPoolExecutor | None = None
+        # ... or in a helper process (cluster.learner_critic_process; started by start())
+        self.critic_process: CriticProcess | None = None
         self.cores = len(os.sched_getaffinity(0))
+
+    def start(self, model) -> None:
+        """Once the policy is built (before any update): where the critic's half of each step will run apart from
+        the actor's and cluster.learner_critic_process asks for it, start its helper process now (it imports torch
+        for ~1.6 s of CPU: before training, not during it) and share the critic with it. Its first update may still
+        run on the thread while the helper starts."""
+        if not (self.view.learner_critic_process and self.critic_apart(model)) or self.critic_process is not None:
+            return
+        why = unsupported(model)
+        if why is not None:
+            log.info("the critic's half of each step runs on a thread (no helper process: %s)", why)
+            return
+        cores = sorted(os.sched_getaffinity(0))
+        proc = CriticProcess(cores[-1])
+        alg = self.alg
+        proc.attach(
+            model.critic,
+            self.view.micro_batch_size,
+            value_clip=alg.value_clip,
+            huber_delta=alg.huber_delta,
+            value_loss_coef=alg.value_loss_coef,
+        )
+        self.critic_process = proc
+
+    def close(self) -> None:
+        """Stop the critic's helper process, if any."""
+        if self.critic_process is not None:
+            self.critic_process.close()
 
     def critic_apart(self, model, critic_only: bool = False) -> bool:
         """Whether each step runs the critic's forward and backward on a second thread beside the actor's: a
@@ -113,16 +156,15 @@ class Trainer:
         alg = self.alg
         with model.precision():  # autocast is per thread
             values = model.value(None, features=features)
-        v, v_clipped = ppo.value_loss_terms(
+        return ppo.value_half(
             _at_least_fp32(values),
             rows["old_values"][idx],
             rows["returns"][idx],
+            wr,
             value_clip=alg.value_clip,
             huber_delta=alg.huber_delta,
+            value_loss_coef=alg.value_loss_coef,
         )
-        v_loss, v_clip = (v * wr).sum(), (v_clipped * wr).sum()
-        (alg.value_loss_coef * v_loss).backward()
-        return v_loss.detach(), v_clip
 
     # --- micro batches in lockstep ----------------------------------------------------------------------------
     def lockstep(self, rows: torch.Tensor, size: int):
@@ -194,17 +236,24 @@ class Trainer:
         weight = rows["mask"] if use_mask else torch.ones_like(rows["mask"])
         gen = torch.Generator().manual_seed(self.view.seed * 1_000_003 + epoch)
         apart = self.critic_apart(model, critic_only)
+        proc = self.critic_process
+        helper = proc if apart and proc is not None and proc.usable(model.critic) and proc.begin() else None
         plan = _StepPlan(
             apart=apart,
             # the row weights' dtype: the log-probs' (the parameters': fp32, fp64 in the exactness tests)
             row_dtype=_at_least_fp32(next(iter(model.critic_parameters()))).dtype if apart else None,
             params=[p for g in optimizer.param_groups for p in g["params"]],
             features=self._features(model, rows) if apart else None,
+            helper=helper,
         )
-        with self._cores_apart(apart):
-            steps, first_diff, sums = self._passes(
-                model, optimizer, rows, total, weight, critic, critic_only, gen, plan
-            )
+        try:
+            with self._cores_apart(apart):
+                steps, first_diff, sums = self._passes(
+                    model, optimizer, rows, total, weight, critic, critic_only, gen, plan
+                )
+        finally:
+            if helper is not None:
+                helper.end()
         out = {k: v / max(steps, 1) for k, v in sums.items()}
         if alg.kl_beta <= 0:
             out.pop("train/actor/kl_loss", None)
@@ -276,6 +325,30 @@ class Trainer:
         with model.precision():
             return model.features(self._inputs(rows, slice(None))[0])
 
+    def _critic_job(self, model, features, rows, idx, wr, helper: CriticProcess | None, halves: list):
+        """Start a micro batch's critic half: in the helper process when this update uses it (and it takes the
+        batch), else on the critic's thread -> something whose ``result()`` is (value loss, clipped share)."""
+        args = (model, features, rows, idx, wr)
+        before = list(halves)  # once the helper fails it is never used again: these all went to it
+        halves.append(args)
+        if helper is not None and helper.failed is None:
+            old, ret = rows["old_values"][idx], rows["returns"][idx]
+            if helper.accepts(features, old, ret, wr):
+                helper.submit(features, old, ret, wr, first=not before)
+                return _HelperJob(helper, lambda: self._redo_critic(model, before, args))
+            helper.fail(f"a micro batch of {len(idx)} rows that its shared memory was not laid out for")
+            self._redo_critic(model, before)
+        return self._critic_thread.submit(self._critic_half, *args)
+
+    def _redo_critic(self, model, before: list[tuple], args: tuple | None = None):
+        """The helper failed in a step: the step's critic gradients again from zero on this thread, the micro
+        batches it had done, then ``args``' -> that one's (value loss, clipped share)."""
+        for p in model.critic_parameters():
+            p.grad = None
+        for done in before:
+            self._critic_half(*done)
+        return self._critic_half(*args) if args is not None else None
+
     def _critic_pool(self, core: int | None = None) -> ThreadPoolExecutor:
         """The critic's thread (created on first use; on ``core`` when given)."""
         if self._critic_thread is None:
@@ -304,6 +377,7 @@ class Trainer:
             self._critic_pool()
         acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)  # STAT_KEYS' sums
         diff = torch.zeros((), dtype=torch.float64, device=self.device)
+        halves: list[tuple] = []  # the critic halves of this step's micro batches so far (the helper's fallback)
         for idx, real in self.lockstep(ids, self.view.micro_batch_size):
             w = weight[idx] * (1.0 if real else 0.0)
             adv = rows["advantages"][idx]
@@ -314,9 +388,7 @@ class Trainer:
             # run here meanwhile (started after the actor's forward, it ended ~0.6 ms after the actor's backward)
             wr = w.to(row_dtype) / count if apart else None  # per-row weight of the value and entropy terms
             features = plan.features[idx] if apart else None
-            critic_job = (
-                self._critic_thread.submit(self._critic_half, model, features, rows, idx, wr) if apart else None
-            )
+            critic_job = self._critic_job(model, features, rows, idx, wr, plan.helper, halves) if apart else None
             with model.precision():
                 ev = model.evaluate_actor(*inputs, features=features) if apart else model.evaluate(*inputs)
             log_probs, entropy = _at_least_fp32(ev.log_probs), _at_least_fp32(ev.entropy)

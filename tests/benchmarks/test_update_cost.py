@@ -37,7 +37,9 @@ def test_the_table_times_the_default_update_and_its_pieces(capsys):
         assert all(float(x) > 0 for x in re.findall(r"([\d.]+) (?:ms|us)", row[0])), row
     assert re.search(r"matrix products: \d+ GFLOP/s on one core", out), out
     skipped = [line for line in out.splitlines() if line.startswith("| whole update, the critic's half skipped")]
-    assert len(skipped) == (1 if "critic on a second thread: yes" in out else 0), out
+    assert len(skipped) == (1 if "critic apart from the actor: yes" in out else 0), out
+    helper_rows = [line for line in out.splitlines() if "critic's half on a second thread instead" in line]
+    assert len(helper_rows) == (1 if "yes, in a helper process" in out else 0), out
 
 
 def test_overrides_reach_the_update(capsys):

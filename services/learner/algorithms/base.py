@@ -71,6 +71,13 @@ class Algorithm(ABC):
     def setup(self, obs_specs: dict, action_dim: int) -> None:
         """Every rank, once the policy is built (before a checkpoint is loaded): allocate the algorithm's data."""
 
+    def start(self, model) -> None:
+        """Every rank, once the policy is built and restored: start what the update runs beside the learner (PPO:
+        the critic's helper process). Default: nothing."""
+
+    def close(self) -> None:
+        """The learner is closing: stop what :meth:`start` started."""
+
     def save_rank_files(self, folder) -> None:
         """Every rank, inside a checkpoint: this rank's own files in ``folder`` (the checkpoint's folder)."""
 

@@ -31,6 +31,12 @@ class PpoAlgorithm(Algorithm):
     def optimizer(self, model) -> torch.optim.Optimizer:
         return adam([p for p in model.parameters() if p.requires_grad], lr=self.view.lr, eps=self.view.adam_eps)
 
+    def start(self, model) -> None:
+        self.trainer.start(model)
+
+    def close(self) -> None:
+        self.trainer.close()
+
     def _lr(self, epoch: int) -> float:
         lr = self.view.lr
         if self.view.lr_schedule == "linear":
