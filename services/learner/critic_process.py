@@ -58,13 +58,21 @@ _DTYPES = (torch.float32, torch.float64)  # codes 0 and 1
 _SPINS_PER_CHECK = 1 << 14  # spins between two looks at the other side (a few ms)
 
 
-def unsupported(model) -> str | None:
-    """Why ``model``'s critic cannot run in a helper process (None: it can): the platform, or a critic that is not
-    a plain stack of ``nn.Linear`` layers and this project's activations in float32/float64 on the CPU."""
+def unsupported_here() -> str | None:
+    """Why this platform runs no helper process (None: it can)."""
     if sys.platform != "linux" or not hasattr(os, "memfd_create"):
         return "no memfd_create (not Linux)"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"a {platform.machine()} CPU (the shared control words assume x86's store order)"
+    return None
+
+
+def unsupported(model) -> str | None:
+    """Why ``model``'s critic cannot run in a helper process (None: it can): the platform, or a critic that is not
+    a plain stack of ``nn.Linear`` layers and this project's activations in float32/float64 on the CPU."""
+    why = unsupported_here()
+    if why is not None:
+        return why
     if getattr(model, "autocast_dtype", None) is not None:
         return "autocast"
     try:
@@ -158,7 +166,7 @@ class CriticProcess:
     """The learner's side: spawns the helper, shares the critic with it, hands it each micro batch (a job whose
     :meth:`result` is the critic's half), and notices when it is gone."""
 
-    def __init__(self, core: int | None, timeout_s: float = 30.0):
+    def __init__(self, timeout_s: float = 30.0):
         self.timeout_s = timeout_s
         self.failed: str | None = None  # why the helper is no longer used
         self._views: _Views | None = None
@@ -170,18 +178,20 @@ class CriticProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         args = [sys.executable, "-m", "services.learner.critic_process", str(read), str(self._memfd)]
         try:
-            self._proc = subprocess.Popen(
-                [*args, "" if core is None else str(core)], pass_fds=(read, self._memfd), env=env
-            )
+            self._proc = subprocess.Popen(args, pass_fds=(read, self._memfd), env=env)
         finally:
             os.close(read)
         self._map: mmap.mmap | None = None
+        self._started, self._ready_at = time.monotonic(), None
         self._finalizer = weakref.finalize(self, _shut, self._proc, self._pipe, self._memfd)
 
     # --- set-up -----------------------------------------------------------------------------------------------
-    def attach(self, critic: nn.Sequential, rows: int, *, value_clip, huber_delta, value_loss_coef) -> None:
+    def attach(
+        self, critic: nn.Sequential, rows: int, *, value_clip, huber_delta, value_loss_coef, core: int | None = None
+    ) -> None:
         """Share ``critic``'s parameters (they become views of the shared block, values kept) for micro batches of
-        up to ``rows`` rows, and send the helper what it needs to build its copy."""
+        up to ``rows`` rows, and send the helper what it needs to build its copy (and the ``core`` it then runs
+        on)."""
         layers = _layers(critic)
         params = list(critic.parameters())
         dtype = params[0].dtype
@@ -202,9 +212,15 @@ class CriticProcess:
             "value_clip": value_clip,
             "huber_delta": huber_delta,
             "value_loss_coef": value_loss_coef,
+            "core": core,
         }
         data = json.dumps(setup).encode()
         self._write(struct.pack("<q", len(data)) + data)
+
+    @property
+    def attached(self) -> bool:
+        """Whether :meth:`attach` has shared a critic with the helper."""
+        return self._views is not None
 
     def own(self) -> None:
         """The critic's parameters as views of the block (again, where something replaced their data)."""
@@ -225,6 +241,11 @@ class CriticProcess:
         return True
 
     @property
+    def ready_after_s(self) -> float:
+        """Seconds from the helper's start to the first update that found it ready (an upper bound)."""
+        return (self._ready_at or time.monotonic()) - self._started
+
+    @property
     def steps(self) -> int:
         """Micro batches handed to the helper so far."""
         return self._seq
@@ -234,6 +255,8 @@ class CriticProcess:
         the module it shares (the same parameter objects)."""
         if self.failed is not None or self._views is None or not self._views.ctl[READY]:
             return False
+        if self._ready_at is None:
+            self._ready_at = time.monotonic()
         params = list(critic.parameters())
         if len(params) != len(self._params) or any(a is not b for a, b in zip(params, self._params)):
             return False
@@ -362,7 +385,7 @@ def _read(fd: int, n: int) -> bytes | None:
 
 
 def _serve(pipe: int, memfd: int) -> None:
-    from services.learner import ppo
+    from services.learner import ppo  # imported now, while the learner starts: the first update finds it ready
 
     torch.set_num_threads(1)
     parent = os.getppid()
@@ -370,6 +393,11 @@ def _serve(pipe: int, memfd: int) -> None:
     if head is None:
         return
     setup = json.loads(_read(pipe, struct.unpack("<q", head)[0]))
+    if setup["core"] is not None:
+        try:
+            os.sched_setaffinity(0, {int(setup["core"])})
+        except OSError:
+            pass
     dtype = getattr(torch, setup["dtype"])
     shapes, rows, block = setup["shapes"], setup["rows"], setup["block"]
     buf = mmap.mmap(memfd, block["size"])
@@ -424,13 +452,7 @@ def _serve(pipe: int, memfd: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    pipe, memfd = int(argv[0]), int(argv[1])
-    if len(argv) > 2 and argv[2]:
-        try:
-            os.sched_setaffinity(0, {int(argv[2])})
-        except OSError:
-            pass
-    _serve(pipe, memfd)
+    _serve(int(argv[0]), int(argv[1]))
     return 0
 
 

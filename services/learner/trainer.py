@@ -23,7 +23,7 @@ import torch
 from rlfleet.config.views import LearnerView
 from rlfleet.errors import FailedPrecondition
 from services.learner import ppo
-from services.learner.critic_process import CriticProcess, unsupported
+from services.learner.critic_process import CriticProcess, unsupported, unsupported_here
 from services.learner.group import RankGroup
 from services.learner.rollouts import policy_inputs
 from services.learner.sharding import full_tensor
@@ -102,23 +102,30 @@ class Trainer:
         self.device = group.device
         # the critic's half of each step on a thread of its own (see critic_apart); created on first use
         self._critic_thread: ThreadPoolExecutor | None = None
-        # ... or in a helper process (cluster.learner_critic_process; started by start())
-        self.critic_process: CriticProcess | None = None
         self.cores = len(os.sched_getaffinity(0))
+        # ... or in a helper process (cluster.learner_critic_process), started with the learner: it imports torch
+        # (~1.6 s of CPU) while the services start, not while the first epochs train; start() gives it the critic
+        self.critic_process: CriticProcess | None = None
+        if (
+            view.learner_critic_process
+            and view.model.model_type == "mlp"  # the policies whose critic is apart (see critic_apart)
+            and self._apart_by_config()
+            and unsupported_here() is None
+        ):
+            self.critic_process = CriticProcess()
 
     def start(self, model) -> None:
-        """Once the policy is built (before any update): where the critic's half of each step will run apart from
-        the actor's and cluster.learner_critic_process asks for it, start its helper process now (it imports torch
-        for ~1.6 s of CPU: before training, not during it) and share the critic with it. Its first update may still
-        run on the thread while the helper starts."""
-        if not (self.view.learner_critic_process and self.critic_apart(model)) or self.critic_process is not None:
+        """Once the policy is built (before any update): share its critic with the helper process where the
+        critic's half of each step runs apart from the actor's; else stop the helper."""
+        proc = self.critic_process
+        if proc is None or proc.attached:
             return
-        why = unsupported(model)
+        why = unsupported(model) if self.critic_apart(model) else "the critic is not apart from the actor"
         if why is not None:
             log.info("the critic's half of each step runs on a thread (no helper process: %s)", why)
+            proc.close()
+            self.critic_process = None
             return
-        cores = sorted(os.sched_getaffinity(0))
-        proc = CriticProcess(cores[-1])
         alg = self.alg
         proc.attach(
             model.critic,
@@ -126,8 +133,8 @@ class Trainer:
             value_clip=alg.value_clip,
             huber_delta=alg.huber_delta,
             value_loss_coef=alg.value_loss_coef,
+            core=sorted(os.sched_getaffinity(0))[-1],
         )
-        self.critic_process = proc
 
     def close(self) -> None:
         """Stop the critic's helper process, if any."""
@@ -140,10 +147,12 @@ class Trainer:
         collectives to order), a synchronous run (the envs wait for this update: their cores are free) on 2+
         cores, cluster.learner_num_threads left null, and both halves of the loss in the step. The gradients,
         losses and statistics are the same bits as on one thread (the two halves meet only in the sum)."""
+        return getattr(model, "critic_apart", False) and not critic_only and self._apart_by_config()
+
+    def _apart_by_config(self) -> bool:
+        """critic_apart's conditions that the config and this host decide."""
         return (
-            getattr(model, "critic_apart", False)
-            and not critic_only
-            and self.alg.loss_type == "actor_critic"
+            self.alg.loss_type == "actor_critic"
             and self.group.world == 1
             and self.alg.max_staleness == 0
             and self.view.learner_num_threads is None
@@ -238,6 +247,14 @@ class Trainer:
         apart = self.critic_apart(model, critic_only)
         proc = self.critic_process
         helper = proc if apart and proc is not None and proc.usable(model.critic) and proc.begin() else None
+        if helper is not None and not helper.steps:
+            log.info(
+                "the critic's helper process (pid %d) takes the critic's half of each step from epoch %d on (ready "
+                "%.1f s after it started)",
+                helper.pid,
+                epoch,
+                helper.ready_after_s,
+            )
         plan = _StepPlan(
             apart=apart,
             # the row weights' dtype: the log-probs' (the parameters': fp32, fp64 in the exactness tests)

@@ -144,7 +144,7 @@ _ORPHAN = textwrap.dedent(
     from torch import nn
     from rlfleet.policies.models.activations import Tanh
     from services.learner.critic_process import CriticProcess
-    helper = CriticProcess(None)
+    helper = CriticProcess()
     helper.attach(nn.Sequential(nn.Linear(3, 4), Tanh(), nn.Linear(4, 1)), 8, value_clip=None,
                   huber_delta=None, value_loss_coef=0.5)
     assert helper.wait_ready(60.0), helper.failed
