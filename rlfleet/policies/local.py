@@ -63,6 +63,14 @@ def check_finite(state: dict[str, torch.Tensor]) -> None:
             raise InvalidRequest(f"weights['{name}']: non-finite values")
 
 
+def for_acting(model) -> None:
+    """``model`` only acts from now on (an env server's or an inference server's copy): its modules that can keep
+    numbers from call to call while their buffers stay as they are do (``RunningMeanStd.keep_for_acting``)."""
+    for m in model.modules():
+        if hasattr(m, "keep_for_acting"):
+            m.keep_for_acting = True
+
+
 def validate_obs(obs: dict[str, np.ndarray], specs: dict[str, TensorSpace] | None) -> int:
     """An observation batch against the served policy's spaces -> its rows."""
     if specs is None:
@@ -176,6 +184,7 @@ class LocalPolicy:
             check_state(state, shapes, partial and not rebuild, self.model_cfg.model_type)
             model.load_state_dict(state, strict=False)
             model.eval()
+            for_acting(model)
             self.model, self.version = model, version
             if rebuild:
                 self.obs_specs, self.action_dim = dict(obs_specs), action_dim

@@ -133,6 +133,7 @@ class InferenceEngine:
         with policy_lock(target):  # a batch still running on this copy finishes first
             target.load_state_dict(state, strict=False)
             target.eval()
+            local.for_acting(target)
         self.backend.set_weights(target, version)  # work in flight finishes on the copy it started on
         spare = target
         if rebuild:  # the second buffer: one copy when the policy is (re)built, none per update

@@ -52,6 +52,41 @@ def test_local_policy_acts_as_the_inference_engine():
     np.testing.assert_array_equal(one.actions[0], local.act_now(obs, False, None, keys).actions[2])
 
 
+def test_acting_copies_keep_the_normalisers_numbers_until_new_weights():
+    """The env server's and the inference server's copies keep the observation normaliser's mean and standard
+    deviation between acts (RunningMeanStd.keep_for_acting: the same bits as computing them each time), and a new
+    weights set, full or partial, moves them: an act after it is the act of a fresh copy with those weights."""
+    cfg = small_config()
+    state = _weights(cfg)
+    obs = {"state": np.random.default_rng(1).normal(size=(6, 13)).astype(np.float32)}
+
+    def fresh(st):  # a copy that has never acted: nothing kept
+        p = LocalPolicy(cfg.actor.model)
+        p.set_weights(1, st, obs_specs=SPECS, action_dim=4)
+        return p.act_now(obs, True).actions
+
+    engine = InferenceEngine(cfg.actor.model)
+    local = LocalPolicy(cfg.actor.model)
+    for holder in (engine, local):
+        holder.set_weights(1, state, obs_specs=SPECS, action_dim=4)
+        assert holder.model.obs_rms.keep_for_acting
+        first = holder.act_now(obs, True).actions
+        np.testing.assert_array_equal(first, holder.act_now(obs, True).actions)  # from the kept numbers
+        holder.model.obs_rms.keep_for_acting = False
+        np.testing.assert_array_equal(first, holder.act_now(obs, True).actions)  # computed afresh: the same bits
+        holder.model.obs_rms.keep_for_acting = True
+        moved = dict(state, **{"obs_rms.mean": state["obs_rms.mean"] + 0.5, "obs_rms.var": state["obs_rms.var"] * 4})
+        holder.set_weights(2, moved)
+        after = holder.act_now(obs, True).actions
+        assert not np.array_equal(after, first)
+        np.testing.assert_array_equal(after, fresh(moved))
+        # a partial set carries what changes in training (the engine's idle copy has the set before last)
+        part = {k: v for k, v in moved.items() if k.startswith("obs_rms.")}
+        part["obs_rms.mean"] = state["obs_rms.mean"] - 1.0
+        holder.set_weights(3, part, partial=True)
+        np.testing.assert_array_equal(holder.act_now(obs, True).actions, fresh(dict(moved, **part)))
+
+
 def test_local_policy_checks_weights_and_observations():
     cfg = small_config()
     state = _weights(cfg)

@@ -32,7 +32,12 @@ def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:
 
 
 class RunningMeanStd(nn.Module):
-    """Running mean/variance (parallel Welford) kept as buffers, so it ships with the policy weights."""
+    """Running mean/variance (parallel Welford) kept as buffers, so it ships with the policy weights.
+
+    ``keep_for_acting`` (set where a policy only acts: rlfleet.policies.local.for_acting): the mean and standard
+    deviation in the observations' dtype are kept from call to call, the same numbers, until the buffers change
+    (their version counters or storage: a new weights set). An act then runs 3 of the normalisation's 7 operations
+    (they took 136-200 us of a collocated env server's ~500 us act, with the simulator's steps between acts)."""
 
     def __init__(self, shape: tuple[int, ...], clip: float = 10.0, eps: float = 1e-8):
         super().__init__()
@@ -40,6 +45,8 @@ class RunningMeanStd(nn.Module):
         self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
         self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
         self.clip, self.eps = clip, eps
+        self.keep_for_acting = False
+        self._kept: tuple | None = None  # (key, mean, std) in one dtype, while keep_for_acting
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
@@ -51,6 +58,13 @@ class RunningMeanStd(nn.Module):
         self.count.copy_(total)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.keep_for_acting:
+            mean, var = self.mean, self.var
+            key = (x.dtype, mean._version, var._version, mean.data_ptr(), var.data_ptr())
+            kept = self._kept
+            if kept is None or kept[0] != key:
+                kept = self._kept = (key, mean.to(x.dtype), torch.sqrt(var + self.eps).to(x.dtype))
+            return torch.clamp((x - kept[1]) / kept[2], -self.clip, self.clip)
         std = torch.sqrt(self.var + self.eps).to(x.dtype)
         return torch.clamp((x - self.mean.to(x.dtype)) / std, -self.clip, self.clip)
 
