@@ -109,6 +109,7 @@ class Trainer:
         if (
             view.learner_critic_process
             and view.model.model_type == "mlp"  # the policies whose critic is apart (see critic_apart)
+            and torch.device(self.device).type == "cpu"
             and self._apart_by_config()
             and unsupported_here() is None
         ):
