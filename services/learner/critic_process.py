@@ -392,7 +392,10 @@ def _serve(pipe: int, memfd: int) -> None:
     head = _read(pipe, 8)
     if head is None:
         return
-    setup = json.loads(_read(pipe, struct.unpack("<q", head)[0]))
+    body = _read(pipe, struct.unpack("<q", head)[0])
+    if body is None:  # the learner went before it had sent the critic
+        return
+    setup = json.loads(body)
     if setup["core"] is not None:
         try:
             os.sched_setaffinity(0, {int(setup["core"])})
