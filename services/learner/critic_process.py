@@ -201,7 +201,7 @@ class CriticProcess:
         os.ftruncate(self._memfd, block.size)
         self._map = mmap.mmap(self._memfd, block.size)
         self._views = _Views(self._map, block.as_dict(), shapes, dtype, rows, features)
-        self.rows, self._params, self._shapes = rows, params, shapes
+        self.rows, self._params = rows, params
         self.own()
         setup = {
             "layers": layers,

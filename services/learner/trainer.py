@@ -143,10 +143,11 @@ class Trainer:
             self.critic_process.close()
 
     def critic_apart(self, model, critic_only: bool = False) -> bool:
-        """Whether each step runs the critic's forward and backward on a second thread beside the actor's: a
-        policy whose critic shares no parameter with its actor (``critic_apart``: the MLP), one rank (no
-        collectives to order), a synchronous run (the envs wait for this update: their cores are free) on 2+
-        cores, cluster.learner_num_threads left null, and both halves of the loss in the step. The gradients,
+        """Whether each step runs the critic's forward and backward beside the actor's (in the helper process where
+        there is one, else on a second thread): a policy whose critic shares no parameter with its actor
+        (``critic_apart``: the MLP), one rank (no collectives to order), a synchronous run (the envs wait for this
+        update: their cores are free) on 2+ cores, cluster.learner_num_threads left null, and both halves of the
+        loss in the step. The gradients,
         losses and statistics are the same bits as on one thread (the two halves meet only in the sum)."""
         return getattr(model, "critic_apart", False) and not critic_only and self._apart_by_config()
 
